@@ -1,0 +1,86 @@
+// The MoE layer: forward and backward over caller memory. Torch-free.
+//
+// Row orders (SPEC §1): "pair order" indexes routed (token, expert) pairs (p = t*K + k for top-K routing, the
+// caller's triple order for caller-supplied routing, (token, expert)-sorted for token rounding); "grouped order"
+// sorts pairs by expert, ascending pair order within an expert.
+//
+// Every function validates all of its arguments before touching any output, and throws sonicmoe::Error.
+#pragma once
+
+#include <cstddef>
+
+#include "sonicmoe/memory.hpp"
+#include "sonicmoe/problem.hpp"
+#include "sonicmoe/tensor.hpp"
+
+namespace sonicmoe {
+
+/// Parameters, all of the layer's data dtype. W1 is (E, w1_rows, d) and W2 is (E, d, n): nn.Linear (out, in)
+/// per expert. Biases are empty views unless problem.has_b1 / has_b2.
+struct LayerWeights {
+  TensorView router_weight;  // (E, d); unused (may be empty) for caller-supplied routing
+  TensorView w1;             // (E, 2n, d) for GLU activations, (E, n, d) otherwise
+  TensorView b1;             // (E, 2n) / (E, n) or empty
+  TensorView w2;             // (E, d, n)
+  TensorView b2;             // (E, d) or empty
+};
+
+/// Gradients, same shapes and dtype as LayerWeights; every present weight needs its gradient.
+struct LayerWeightGrads {
+  TensorView router_weight, w1, b1, w2, b2;
+};
+
+/// Caller-supplied routing: num_pairs triples, token indices ascending (pairs of one token are contiguous),
+/// token in [0, T), expert in [0, E). Indices int32 or int64; scores of the score dtype (memory.hpp).
+struct RoutingTriples {
+  TensorView token_index;   // (P)
+  TensorView expert_index;  // (P)
+  TensorView score;         // (P)
+};
+
+struct ForwardOutputs {
+  TensorView out;            // (T, d), data dtype
+  TensorView router_logits;  // (T, E), data dtype; empty for caller-supplied routing
+  TensorView expert_counts;  // (E), int32: pairs routed to each expert (after token rounding)
+};
+
+/// Caller memory for the forward. `saved` must hold saved_layout(...).total_bytes and stays untouched by the
+/// caller until backward() returns; `workspace` must hold forward_workspace_bytes(...).
+struct ForwardBuffers {
+  void* saved = nullptr;
+  std::size_t saved_bytes = 0;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+};
+
+struct BackwardBuffers {
+  const void* saved = nullptr;  // filled by forward() for the same problem and inputs
+  std::size_t saved_bytes = 0;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+};
+
+struct BackwardInputs {
+  TensorView grad_out;            // (T, d): dL/d out
+  TensorView grad_router_logits;  // (T, E) or empty: dL/d router_logits from losses on the logits (aux, z-loss)
+};
+
+struct BackwardOutputs {
+  TensorView grad_x;        // (T, d)
+  LayerWeightGrads grad_weights;
+  TensorView grad_scores;   // (P), caller-supplied routing only: dL/d score in the caller's pair order
+};
+
+/// Runs the forward. `routing` is read only for RoutingMode::kCallerSupplied (pass nullptr otherwise).
+/// `stream` is a cudaStream_t for CUDA tensors (nullptr: the default stream) and must be nullptr for CPU.
+/// CPU tensors of fp32/fp64 run the CPU reference.
+void forward(const MoEProblem& problem, const TensorView& x, const LayerWeights& weights,
+             const RoutingTriples* routing, const ForwardOutputs& outputs, const ForwardBuffers& buffers,
+             void* stream = nullptr);
+
+/// Runs the backward of the forward whose `saved` buffer is passed. x, weights and routing are the forward's.
+void backward(const MoEProblem& problem, const TensorView& x, const LayerWeights& weights,
+              const RoutingTriples* routing, const BackwardInputs& inputs, const BackwardOutputs& outputs,
+              const BackwardBuffers& buffers, void* stream = nullptr);
+
+}  // namespace sonicmoe

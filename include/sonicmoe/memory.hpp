@@ -1,0 +1,86 @@
+// Memory accounting: the bytes the forward keeps for the backward, and the workspace forward and backward need.
+// These are layouts, not estimates: the forward writes exactly these regions of the caller's `saved` buffer and
+// the backward reads nothing else, so the accounting cannot drift from what is really kept.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "sonicmoe/problem.hpp"
+#include "sonicmoe/tensor.hpp"
+
+namespace sonicmoe {
+
+/// Regions start at multiples of this many bytes (TMA and 16-byte vector loads want aligned bases).
+inline constexpr std::size_t kRegionAlignment = 256;
+
+struct BufferRegion {
+  std::size_t offset = 0;  // from the buffer's base
+  std::size_t bytes = 0;   // 0: region absent in this configuration
+  bool present() const { return bytes != 0; }
+};
+
+/// Dtype of router scores and their gradients: fp32, or fp64 when the layer's data are fp64.
+DType score_dtype(DType data_dtype);
+
+/// Layout of the buffer the forward fills for the backward ("saved"). Pair count P = problem.max_pairs().
+///   h              P x w1_rows   data dtype   pre-activation H, grouped order (kPreActivation only)
+///   router_logits  T x E         data dtype   only when problem.keeps_router_logits()
+///   scores         P             score dtype  pair order
+///   scatter        P             int32        grouped row -> pair (sigma)
+///   inverse        P             int32        pair -> grouped row (sigma^-1)
+///   gather         P             int32        grouped row -> token (gamma)
+///   expert_offsets E + 1         int32        expert_offsets[E] is the routed pair count
+///   token_offsets  T + 1         int32        only for variable-K routing (token rounding, caller-supplied)
+/// The expert of a pair is not stored: it is the segment of expert_offsets that holds inverse[p].
+struct SavedLayout {
+  BufferRegion h, router_logits, scores, scatter, inverse, gather, expert_offsets, token_offsets;
+  std::size_t total_bytes = 0;
+};
+SavedLayout saved_layout(const MoEProblem& problem, DType data_dtype);
+
+/// Activation memory as TARGETS.md defines it: what the forward keeps alive for the backward, the layer input
+/// X counted once (the caller keeps it; the backward takes it again), parameters and the output excluded.
+/// In bf16 with top-K routing this is 2Td + 4TKn + 16TK + 4(E+1) (+ alignment) in kPreActivation mode and
+/// 2Td + 16TK + 4(E+1) in kInputOnly mode (SPEC §4.4, TARGETS.md T6/T7).
+struct ActivationMemory {
+  std::size_t x_bytes = 0;         // T*d*sizeof(data)
+  std::size_t h_bytes = 0;         // saved.h
+  std::size_t logits_bytes = 0;    // saved.router_logits
+  std::size_t metadata_bytes = 0;  // scores and routing metadata, with region alignment
+  std::size_t saved_bytes = 0;     // the `saved` buffer: everything but X
+  std::size_t total_bytes() const { return x_bytes + saved_bytes; }
+};
+ActivationMemory activation_memory(const MoEProblem& problem, DType data_dtype);
+
+/// Transient memory of the GPU forward, one caller-provided workspace:
+///   a          P x n                   data dtype  post-activation A (input of the down-projection)
+///   y          P x d                   data dtype  down-projection output Y, grouped order
+///   tile_hist  E x ceil(P / 1024)      int32       per-tile expert histograms of the metadata build
+///   topk       T x K x (4 + 4)         int32+fp32  token rounding only: the token-choice selection
+struct ForwardWorkspaceLayout {
+  BufferRegion a, y, tile_hist, topk;
+  std::size_t total_bytes = 0;
+};
+ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& problem, DType data_dtype);
+
+/// Transient memory of the GPU backward:
+///   h_recompute  P x w1_rows        data dtype   kInputOnly only
+///   dh           P x w1_rows        data dtype
+///   a_prime      P x n              data dtype   A' = s * A, left operand of dW2
+///   dx_expanded  P x d              data dtype   per-pair input gradient, grouped order
+///   ds_partial   P x ceil(n / 64)   fp32         per-N-tile partial sums of <dA', A>
+///   ds           P                  score dtype  router-score gradient, pair order
+///   dlogits      T x E              fp32         not for caller-supplied routing
+struct BackwardWorkspaceLayout {
+  BufferRegion h_recompute, dh, a_prime, dx_expanded, ds_partial, ds, dlogits;
+  std::size_t total_bytes = 0;
+};
+BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& problem, DType data_dtype);
+
+/// Workspace bytes that forward()/backward() need on `device`. The CPU reference allocates its own host scratch
+/// (it is a reference, not a production path), so it needs none: 0 for Device::cpu().
+std::size_t forward_workspace_bytes(const MoEProblem& problem, DType data_dtype, Device device);
+std::size_t backward_workspace_bytes(const MoEProblem& problem, DType data_dtype, Device device);
+
+}  // namespace sonicmoe

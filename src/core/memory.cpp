@@ -1,0 +1,89 @@
+#include "sonicmoe/memory.hpp"
+
+namespace sonicmoe {
+
+namespace {
+/// Appends regions at kRegionAlignment boundaries.
+class LayoutBuilder {
+ public:
+  BufferRegion add(std::size_t bytes) {
+    if (bytes == 0) return {};
+    BufferRegion r{end_, bytes};
+    end_ += (bytes + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
+    return r;
+  }
+  std::size_t total() const { return end_; }
+
+ private:
+  std::size_t end_ = 0;
+};
+
+std::size_t u(std::int64_t v) { return static_cast<std::size_t>(v); }
+std::size_t aligned(std::size_t b) { return (b + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment; }
+}  // namespace
+
+DType score_dtype(DType data_dtype) { return data_dtype == DType::kFP64 ? DType::kFP64 : DType::kFP32; }
+
+SavedLayout saved_layout(const MoEProblem& p, DType data_dtype) {
+  const std::size_t elem = dtype_size(data_dtype), P = u(p.max_pairs()), i32 = 4;
+  LayoutBuilder b;
+  SavedLayout l;
+  if (p.cache == CacheMode::kPreActivation) l.h = b.add(P * u(p.w1_rows()) * elem);
+  if (p.keeps_router_logits()) l.router_logits = b.add(u(p.T) * u(p.E) * elem);
+  l.scores = b.add(P * dtype_size(score_dtype(data_dtype)));
+  l.scatter = b.add(P * i32);
+  l.inverse = b.add(P * i32);
+  l.gather = b.add(P * i32);
+  l.expert_offsets = b.add(u(p.E + 1) * i32);
+  if (p.variable_k()) l.token_offsets = b.add(u(p.T + 1) * i32);
+  l.total_bytes = b.total();
+  return l;
+}
+
+ActivationMemory activation_memory(const MoEProblem& p, DType data_dtype) {
+  const SavedLayout l = saved_layout(p, data_dtype);
+  ActivationMemory m;
+  m.x_bytes = u(p.T) * u(p.d) * dtype_size(data_dtype);
+  m.h_bytes = aligned(l.h.bytes);
+  m.logits_bytes = aligned(l.router_logits.bytes);
+  m.saved_bytes = l.total_bytes;
+  m.metadata_bytes = m.saved_bytes - m.h_bytes - m.logits_bytes;
+  return m;
+}
+
+ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_dtype) {
+  const std::size_t elem = dtype_size(data_dtype), P = u(p.max_pairs());
+  LayoutBuilder b;
+  ForwardWorkspaceLayout l;
+  l.a = b.add(P * u(p.n) * elem);
+  l.y = b.add(P * u(p.d) * elem);
+  l.tile_hist = b.add(u(p.E) * ((P + 1023) / 1024) * 4);
+  if (p.routing == RoutingMode::kTokenRounding) l.topk = b.add(u(p.T) * u(p.K) * 8);
+  l.total_bytes = b.total();
+  return l;
+}
+
+BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType data_dtype) {
+  const std::size_t elem = dtype_size(data_dtype), P = u(p.max_pairs());
+  LayoutBuilder b;
+  BackwardWorkspaceLayout l;
+  if (p.cache == CacheMode::kInputOnly) l.h_recompute = b.add(P * u(p.w1_rows()) * elem);
+  l.dh = b.add(P * u(p.w1_rows()) * elem);
+  l.a_prime = b.add(P * u(p.n) * elem);
+  l.dx_expanded = b.add(P * u(p.d) * elem);
+  l.ds_partial = b.add(P * ((u(p.n) + 63) / 64) * 4);
+  l.ds = b.add(P * dtype_size(score_dtype(data_dtype)));
+  if (p.routing != RoutingMode::kCallerSupplied) l.dlogits = b.add(u(p.T) * u(p.E) * 4);
+  l.total_bytes = b.total();
+  return l;
+}
+
+std::size_t forward_workspace_bytes(const MoEProblem& p, DType data_dtype, Device device) {
+  return device.type == DeviceType::kCPU ? 0 : forward_workspace_layout(p, data_dtype).total_bytes;
+}
+
+std::size_t backward_workspace_bytes(const MoEProblem& p, DType data_dtype, Device device) {
+  return device.type == DeviceType::kCPU ? 0 : backward_workspace_layout(p, data_dtype).total_bytes;
+}
+
+}  // namespace sonicmoe

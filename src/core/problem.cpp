@@ -1,0 +1,148 @@
+#include "sonicmoe/problem.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "sonicmoe/error.hpp"
+
+namespace sonicmoe {
+
+bool is_glu(Activation act) {
+  return act == Activation::kSwiGLU || act == Activation::kGeGLU || act == Activation::kReGLU;
+}
+
+std::int64_t MoEProblem::w1_rows() const { return is_glu(activation) ? 2 * n : n; }
+
+bool MoEProblem::keeps_router_logits() const {
+  return routing == RoutingMode::kTokenRounding ||
+         (routing == RoutingMode::kTopK && score == ScoreVariant::kTopKOfSoftmax);
+}
+
+bool MoEProblem::variable_k() const { return routing != RoutingMode::kTopK; }
+
+std::int64_t MoEProblem::max_pairs() const {
+  switch (routing) {
+    case RoutingMode::kTopK: return T * K;
+    case RoutingMode::kCallerSupplied: return num_pairs;
+    case RoutingMode::kTokenRounding: {
+      // Rounding up adds fewer than tile_m pairs to each expert that has a partial tile; at most min(E, T*K)
+      // experts do. No expert can take more than T tokens.
+      const std::int64_t partial = std::min(E, T * K);
+      return std::min(T * K + partial * (tile_m - 1), T * E);
+    }
+  }
+  return 0;
+}
+
+// ---- names ---------------------------------------------------------------------------------------------------
+
+namespace {
+template <class Enum, std::size_t N>
+struct NameTable {
+  Enum value[N];
+  const char* name[N];
+};
+
+const NameTable<Activation, 7> kActivations{
+    {Activation::kSwiGLU, Activation::kGeGLU, Activation::kReGLU, Activation::kReLUSquared, Activation::kReLU,
+     Activation::kGELU, Activation::kSiLU},
+    {"swiglu", "geglu", "reglu", "relu_squared", "relu", "gelu", "silu"}};
+const NameTable<WeightLayout, 2> kLayouts{{WeightLayout::kInterleaved, WeightLayout::kConcatenated},
+                                          {"interleaved", "concatenated"}};
+const NameTable<ScoreVariant, 3> kScores{
+    {ScoreVariant::kSoftmaxOverTopK, ScoreVariant::kTopKOfSoftmax, ScoreVariant::kTopKOfSoftmaxRenorm},
+    {"softmax_topk", "topk_softmax", "topk_softmax_renorm"}};
+const NameTable<RoutingMode, 3> kRoutings{
+    {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied},
+    {"topk", "token_rounding", "caller"}};
+const NameTable<RoundingRule, 3> kRoundings{{RoundingRule::kNearest, RoundingRule::kUp, RoundingRule::kDown},
+                                            {"nearest", "up", "down"}};
+const NameTable<CacheMode, 2> kCaches{{CacheMode::kPreActivation, CacheMode::kInputOnly},
+                                      {"preact", "input_only"}};
+
+template <class Enum, std::size_t N>
+const char* name_of(const NameTable<Enum, N>& table, Enum v) {
+  for (std::size_t i = 0; i < N; ++i)
+    if (table.value[i] == v) return table.name[i];
+  return "unknown";
+}
+
+template <class Enum, std::size_t N>
+Enum parse(const NameTable<Enum, N>& table, const std::string& s, const char* what) {
+  std::string accepted;
+  for (std::size_t i = 0; i < N; ++i) {
+    if (s == table.name[i]) return table.value[i];
+    accepted += (i ? ", " : "") + std::string(table.name[i]);
+  }
+  throw_argument_error("parse", what, "one of {" + accepted + "}", "'" + s + "'");
+}
+}  // namespace
+
+const char* activation_name(Activation v) { return name_of(kActivations, v); }
+const char* weight_layout_name(WeightLayout v) { return name_of(kLayouts, v); }
+const char* score_variant_name(ScoreVariant v) { return name_of(kScores, v); }
+const char* routing_mode_name(RoutingMode v) { return name_of(kRoutings, v); }
+const char* rounding_rule_name(RoundingRule v) { return name_of(kRoundings, v); }
+const char* cache_mode_name(CacheMode v) { return name_of(kCaches, v); }
+Activation parse_activation(const std::string& s) { return parse(kActivations, s, "activation"); }
+WeightLayout parse_weight_layout(const std::string& s) { return parse(kLayouts, s, "weight_layout"); }
+ScoreVariant parse_score_variant(const std::string& s) { return parse(kScores, s, "score"); }
+RoutingMode parse_routing_mode(const std::string& s) { return parse(kRoutings, s, "routing"); }
+RoundingRule parse_rounding_rule(const std::string& s) { return parse(kRoundings, s, "rounding"); }
+CacheMode parse_cache_mode(const std::string& s) { return parse(kCaches, s, "cache"); }
+
+std::string MoEProblem::to_string() const {
+  std::ostringstream os;
+  os << "T=" << T << " d=" << d << " n=" << n << " E=" << E << " K=" << K << " activation=" << activation_name(activation)
+     << " bias=" << (has_b1 ? "b1" : "") << (has_b1 && has_b2 ? "+" : "") << (has_b2 ? "b2" : "")
+     << (!has_b1 && !has_b2 ? "none" : "") << " layout=" << weight_layout_name(weight_layout)
+     << " score=" << score_variant_name(score) << " routing=" << routing_mode_name(routing);
+  if (routing == RoutingMode::kTokenRounding) os << " rounding=" << rounding_rule_name(rounding) << " tile_m=" << tile_m;
+  if (routing == RoutingMode::kCallerSupplied) os << " pairs=" << num_pairs;
+  os << " cache=" << cache_mode_name(cache);
+  return os.str();
+}
+
+// ---- validation ----------------------------------------------------------------------------------------------
+
+static void check_range(const char* where, const char* field, std::int64_t v, std::int64_t lo, std::int64_t hi,
+                        const std::string& why = "") {
+  if (v < lo || v > hi)
+    throw_argument_error(where, field,
+                         "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]" + why,
+                         std::to_string(v));
+}
+
+void validate_problem(const MoEProblem& p, const char* where) {
+  check_range(where, "problem.T", p.T, 1, Limits::kMaxTokens);
+  check_range(where, "problem.d", p.d, 1, Limits::kMaxDim);
+  check_range(where, "problem.n", p.n, 1, Limits::kMaxDim);
+  check_range(where, "problem.E", p.E, 1, Limits::kMaxExperts, " (expert ids are 16-bit in the metadata build)");
+  check_range(where, "problem.K", p.K, 1, p.E, " (1 <= K <= E)");
+  if (!is_glu(p.activation) && p.weight_layout != WeightLayout::kInterleaved)
+    throw_argument_error(where, "problem.weight_layout",
+                         "'interleaved' for the non-GLU activation '" + std::string(activation_name(p.activation)) +
+                             "' (a gate/up layout applies only to swiglu, geglu, reglu)",
+                         "'" + std::string(weight_layout_name(p.weight_layout)) + "'");
+  if (p.routing == RoutingMode::kTokenRounding) {
+    if (p.tile_m < 8 || p.tile_m > Limits::kMaxTileM || p.tile_m % 8 != 0)
+      throw_argument_error(where, "problem.tile_m",
+                           "a positive multiple of 8 up to " + std::to_string(Limits::kMaxTileM),
+                           std::to_string(p.tile_m));
+  }
+  if (p.routing == RoutingMode::kCallerSupplied) {
+    check_range(where, "problem.num_pairs", p.num_pairs, 0, std::min<std::int64_t>(Limits::kMaxPairs, p.T * p.K),
+                " (at most K pairs per token, fewer than 2^31 in all)");
+  } else if (p.num_pairs != 0) {
+    throw_argument_error(where, "problem.num_pairs", "0 unless routing is 'caller' (the router decides the pairs)",
+                         std::to_string(p.num_pairs));
+  }
+  // T*K and the padded token-rounding count index int32 metadata on the device.
+  if (p.T > Limits::kMaxPairs / p.K || p.max_pairs() > Limits::kMaxPairs)
+    throw_argument_error(where, "problem.T*K",
+                         "at most " + std::to_string(Limits::kMaxPairs) + " routed pairs (int32 routing metadata)",
+                         std::to_string(p.T) + "*" + std::to_string(p.K) + " (max pairs " +
+                             std::to_string(p.max_pairs()) + ")");
+}
+
+}  // namespace sonicmoe

@@ -1,0 +1,97 @@
+#include "sonicmoe/tensor.hpp"
+
+#include "sonicmoe/error.hpp"
+
+namespace sonicmoe {
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+    case DType::kFP16: return 2;
+    case DType::kFP32:
+    case DType::kInt32: return 4;
+    case DType::kFP64:
+    case DType::kInt64: return 8;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16: return "bf16";
+    case DType::kFP16: return "fp16";
+    case DType::kFP32: return "fp32";
+    case DType::kFP64: return "fp64";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+  }
+  return "unknown";
+}
+
+bool is_floating(DType dtype) { return dtype != DType::kInt32 && dtype != DType::kInt64; }
+
+std::string device_name(const Device& device) {
+  return device.type == DeviceType::kCPU ? std::string("cpu") : "cuda:" + std::to_string(device.index);
+}
+
+static TensorView make_view(void* data, DType dtype, std::initializer_list<std::int64_t> shape, Device device) {
+  if (shape.size() > static_cast<std::size_t>(kMaxRank))
+    throw_argument_error("TensorView", "shape", "rank <= " + std::to_string(kMaxRank),
+                         "rank " + std::to_string(shape.size()));
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.device = device;
+  v.rank = static_cast<int>(shape.size());
+  int i = 0;
+  for (std::int64_t s : shape) v.shape[i++] = s;
+  return v;
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
+                                  Device device) {
+  TensorView v = make_view(data, dtype, shape, device);
+  std::int64_t s = 1;
+  for (int i = v.rank - 1; i >= 0; --i) {
+    v.stride[i] = s;
+    s *= v.shape[i];
+  }
+  return v;
+}
+
+TensorView TensorView::strided(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
+                               std::initializer_list<std::int64_t> stride, Device device) {
+  TensorView v = make_view(data, dtype, shape, device);
+  if (stride.size() != shape.size())
+    throw_argument_error("TensorView::strided", "stride", std::to_string(shape.size()) + " strides",
+                         std::to_string(stride.size()));
+  int i = 0;
+  for (std::int64_t s : stride) v.stride[i++] = s;
+  return v;
+}
+
+std::int64_t TensorView::numel() const {
+  std::int64_t n = 1;
+  for (int i = 0; i < rank; ++i) n *= shape[i];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  std::int64_t s = 1;
+  for (int i = rank - 1; i >= 0; --i) {
+    if (shape[i] != 1 && stride[i] != s) return false;
+    s *= shape[i];
+  }
+  return true;
+}
+
+static std::string join(const std::int64_t* v, int n) {
+  std::string s = "(";
+  for (int i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + (n == 1 ? ",)" : ")");
+}
+
+std::string TensorView::shape_string() const { return join(shape, rank); }
+std::string TensorView::stride_string() const { return join(stride, rank); }
+
+}  // namespace sonicmoe

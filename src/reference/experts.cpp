@@ -1,0 +1,167 @@
+#include "reference/experts.hpp"
+
+#include "reference/activation.hpp"
+
+namespace sonicmoe::ref {
+
+std::int64_t w1_row_of_column(const ExpertShape& shape, std::int64_t c) {
+  if (!is_glu(shape.activation) || shape.layout == WeightLayout::kInterleaved) return c;
+  return (c % 2) * shape.n + c / 2;  // concatenated: gate_j at row j, up_j at row n + j
+}
+
+template <class R>
+std::vector<R> up_projection(const ExpertShape& shape, const R* x, const ExpertParams<R>& params,
+                             const RoutingMetadata& meta) {
+  const std::int64_t d = shape.d, rows = shape.w1_rows(), P = meta.num_pairs();
+  std::vector<R> h(static_cast<std::size_t>(P * rows));
+  for (std::int64_t g = 0; g < P; ++g) {
+    const std::int64_t e = meta.expert_of_row(g);
+    const R* xt = x + meta.gather[g] * d;
+    for (std::int64_t c = 0; c < rows; ++c) {
+      const std::int64_t r = w1_row_of_column(shape, c);
+      const R* w = params.w1 + (e * rows + r) * d;
+      R acc = 0;
+      for (std::int64_t k = 0; k < d; ++k) acc += xt[k] * w[k];
+      if (params.b1) acc += params.b1[e * rows + r];
+      h[g * rows + c] = acc;
+    }
+  }
+  return h;
+}
+
+template <class R>
+std::vector<R> activation_forward(const ExpertShape& shape, const R* h, std::int64_t num_rows) {
+  const std::int64_t n = shape.n, rows = shape.w1_rows();
+  const bool glu = is_glu(shape.activation);
+  std::vector<R> a(static_cast<std::size_t>(num_rows * n));
+  for (std::int64_t g = 0; g < num_rows; ++g)
+    for (std::int64_t j = 0; j < n; ++j)
+      a[g * n + j] = glu ? act_scalar(shape.activation, h[g * rows + 2 * j]).value * h[g * rows + 2 * j + 1]
+                         : act_scalar(shape.activation, h[g * rows + j]).value;
+  return a;
+}
+
+template <class R>
+std::vector<R> down_projection(const ExpertShape& shape, const R* a, const ExpertParams<R>& params,
+                               const RoutingMetadata& meta) {
+  const std::int64_t d = shape.d, n = shape.n, P = meta.num_pairs();
+  std::vector<R> y(static_cast<std::size_t>(P * d));
+  for (std::int64_t g = 0; g < P; ++g) {
+    const std::int64_t e = meta.expert_of_row(g);
+    for (std::int64_t k = 0; k < d; ++k) {
+      const R* w = params.w2 + (e * d + k) * n;
+      R acc = 0;
+      for (std::int64_t j = 0; j < n; ++j) acc += a[g * n + j] * w[j];
+      if (params.b2) acc += params.b2[e * d + k];
+      y[g * d + k] = acc;
+    }
+  }
+  return y;
+}
+
+template <class R>
+std::vector<R> gather_sum(const R* rows, std::int64_t width, const R* weight, const RoutingMetadata& meta) {
+  std::vector<R> out(static_cast<std::size_t>(meta.T * width), R(0));
+  for (std::int64_t t = 0; t < meta.T; ++t) {
+    R* o = out.data() + t * width;
+    for (std::int64_t p = meta.token_offsets[t]; p < meta.token_offsets[t + 1]; ++p) {
+      const R w = weight ? weight[p] : R(1);
+      const R* src = rows + meta.inverse[p] * width;
+      for (std::int64_t k = 0; k < width; ++k) o[k] += w * src[k];
+    }
+  }
+  return out;
+}
+
+template <class R>
+ExpertGrads<R> experts_backward(const ExpertShape& shape, std::int64_t E, const R* x, const ExpertParams<R>& params,
+                                const RoutingMetadata& meta, const R* scores, const R* h, const R* grad_out) {
+  const std::int64_t d = shape.d, n = shape.n, rows = shape.w1_rows(), P = meta.num_pairs();
+  const bool glu = is_glu(shape.activation);
+  ExpertGrads<R> gr;
+  gr.dw1.assign(static_cast<std::size_t>(E * rows * d), R(0));
+  gr.dw2.assign(static_cast<std::size_t>(E * d * n), R(0));
+  if (params.b1) gr.db1.assign(static_cast<std::size_t>(E * rows), R(0));
+  if (params.b2) gr.db2.assign(static_cast<std::size_t>(E * d), R(0));
+  gr.ds.assign(static_cast<std::size_t>(P), R(0));
+  gr.da_prime.assign(static_cast<std::size_t>(P * n), R(0));
+  gr.dh.assign(static_cast<std::size_t>(P * rows), R(0));
+  gr.a_prime.assign(static_cast<std::size_t>(P * n), R(0));
+  gr.dx_expanded.assign(static_cast<std::size_t>(P * d), R(0));
+
+  std::vector<R> a(static_cast<std::size_t>(n));
+  for (std::int64_t g = 0; g < P; ++g) {
+    const std::int64_t e = meta.expert_of_row(g), t = meta.gather[g], p = meta.scatter[g];
+    const R s = scores[p];
+    const R* dout = grad_out + t * d;
+    const R* hg = h + g * rows;
+    R* da_prime = gr.da_prime.data() + g * n;
+    R* dh = gr.dh.data() + g * rows;
+    R* a_prime = gr.a_prime.data() + g * n;
+
+    // dA' = dO_t W2_e (the dH kernel's mainloop).
+    for (std::int64_t j = 0; j < n; ++j) {
+      R acc = 0;
+      for (std::int64_t k = 0; k < d; ++k) acc += dout[k] * params.w2[(e * d + k) * n + j];
+      da_prime[j] = acc;
+    }
+    // Epilogue: recompute A from H, dS = <dA', A> (+ <dO_t, b2_e>), A' = s A, dH = act'(H) (s dA').
+    R ds = 0;
+    for (std::int64_t j = 0; j < n; ++j) {
+      const R da = s * da_prime[j];
+      if (glu) {
+        const R gate = hg[2 * j], up = hg[2 * j + 1];
+        const ScalarAct<R> f = act_scalar(shape.activation, gate);
+        a[j] = f.value * up;
+        dh[2 * j] = da * up * f.derivative;
+        dh[2 * j + 1] = da * f.value;
+      } else {
+        const ScalarAct<R> f = act_scalar(shape.activation, hg[j]);
+        a[j] = f.value;
+        dh[j] = da * f.derivative;
+      }
+      ds += da_prime[j] * a[j];
+      a_prime[j] = s * a[j];
+    }
+    if (params.b2) {
+      R bias_term = 0;
+      for (std::int64_t k = 0; k < d; ++k) bias_term += dout[k] * params.b2[e * d + k];
+      ds += bias_term;
+      for (std::int64_t k = 0; k < d; ++k) gr.db2[e * d + k] += s * dout[k];
+    }
+    gr.ds[p] = ds;
+    // dW2_e += dO_t^T A'_g.
+    for (std::int64_t k = 0; k < d; ++k)
+      for (std::int64_t j = 0; j < n; ++j) gr.dw2[(e * d + k) * n + j] += dout[k] * a_prime[j];
+    // dX~_g = dH_g W1_e; dW1_e += dH_g^T X_t; db1_e += dH_g.
+    const R* xt = x + t * d;
+    R* dxe = gr.dx_expanded.data() + g * d;
+    for (std::int64_t c = 0; c < rows; ++c) {
+      const std::int64_t r = w1_row_of_column(shape, c);
+      const R* w = params.w1 + (e * rows + r) * d;
+      R* dw = gr.dw1.data() + (e * rows + r) * d;
+      for (std::int64_t k = 0; k < d; ++k) {
+        dxe[k] += dh[c] * w[k];
+        dw[k] += dh[c] * xt[k];
+      }
+      if (params.b1) gr.db1[e * rows + r] += dh[c];
+    }
+  }
+  gr.dx = gather_sum<R>(gr.dx_expanded.data(), d, nullptr, meta);
+  return gr;
+}
+
+#define SONICMOE_INSTANTIATE(R)                                                                                   \
+  template std::vector<R> up_projection<R>(const ExpertShape&, const R*, const ExpertParams<R>&,                  \
+                                           const RoutingMetadata&);                                               \
+  template std::vector<R> activation_forward<R>(const ExpertShape&, const R*, std::int64_t);                      \
+  template std::vector<R> down_projection<R>(const ExpertShape&, const R*, const ExpertParams<R>&,                \
+                                             const RoutingMetadata&);                                             \
+  template std::vector<R> gather_sum<R>(const R*, std::int64_t, const R*, const RoutingMetadata&);                \
+  template ExpertGrads<R> experts_backward<R>(const ExpertShape&, std::int64_t, const R*, const ExpertParams<R>&, \
+                                              const RoutingMetadata&, const R*, const R*, const R*);
+SONICMOE_INSTANTIATE(float)
+SONICMOE_INSTANTIATE(double)
+#undef SONICMOE_INSTANTIATE
+
+}  // namespace sonicmoe::ref

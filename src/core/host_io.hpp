@@ -1,0 +1,57 @@
+// Copies between (possibly row-padded) host tensor views and contiguous std::vectors, for the CPU backend.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "sonicmoe/tensor.hpp"
+
+namespace sonicmoe::detail {
+
+/// Calls f(element_offset, linear_index) for every element of a row-major view of rank <= 4.
+template <class F>
+void for_each_element(const TensorView& t, F&& f) {
+  std::int64_t shape[kMaxRank] = {1, 1, 1, 1}, stride[kMaxRank] = {0, 0, 0, 0};
+  const int pad = kMaxRank - t.rank;
+  for (int i = 0; i < t.rank; ++i) {
+    shape[pad + i] = t.shape[i];
+    stride[pad + i] = t.stride[i];
+  }
+  std::int64_t linear = 0;
+  for (std::int64_t a = 0; a < shape[0]; ++a)
+    for (std::int64_t b = 0; b < shape[1]; ++b)
+      for (std::int64_t c = 0; c < shape[2]; ++c)
+        for (std::int64_t d = 0; d < shape[3]; ++d)
+          f(a * stride[0] + b * stride[1] + c * stride[2] + d * stride[3], linear++);
+}
+
+template <class R>
+std::vector<R> read_real(const TensorView& t) {
+  std::vector<R> out(static_cast<std::size_t>(t.numel()));
+  const R* src = static_cast<const R*>(t.data);
+  for_each_element(t, [&](std::int64_t off, std::int64_t i) { out[i] = src[off]; });
+  return out;
+}
+
+template <class R>
+void write_real(const TensorView& t, const R* values) {
+  R* dst = static_cast<R*>(t.data);
+  for_each_element(t, [&](std::int64_t off, std::int64_t i) { dst[off] = values[i]; });
+}
+
+inline std::vector<std::int64_t> read_index(const TensorView& t) {
+  std::vector<std::int64_t> out(static_cast<std::size_t>(t.numel()));
+  for_each_element(t, [&](std::int64_t off, std::int64_t i) {
+    out[i] = t.dtype == DType::kInt32 ? static_cast<const std::int32_t*>(t.data)[off]
+                                      : static_cast<const std::int64_t*>(t.data)[off];
+  });
+  return out;
+}
+
+inline void write_int32(const TensorView& t, const std::int64_t* values) {
+  std::int32_t* dst = static_cast<std::int32_t*>(t.data);
+  for_each_element(t, [&](std::int64_t off, std::int64_t i) { dst[off] = static_cast<std::int32_t>(values[i]); });
+}
+
+}  // namespace sonicmoe::detail

@@ -1,0 +1,275 @@
+// Public forward/backward: validation of every argument, then dispatch to a backend. Today the backend is the
+// CPU reference (fp32/fp64 host tensors); the CUDA runtime plugs in here.
+#include "sonicmoe/layer.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "core/checks.hpp"
+#include "core/host_io.hpp"
+#include "reference/layer.hpp"
+#include "sonicmoe/error.hpp"
+
+namespace sonicmoe {
+
+namespace {
+
+using detail::ArgChecker;
+
+std::string bytes_str(std::size_t b) { return std::to_string(b) + " bytes"; }
+
+/// Checks shared by forward and backward; returns the layer's data dtype.
+DType validate_inputs(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const LayerWeights& w,
+                      const RoutingTriples* routing, void* stream) {
+  validate_problem(p, c.where().c_str());
+  if (x.empty()) c.fail("x", "a tensor of shape " + detail::shape_string({p.T, p.d}), "an empty view");
+  const DType dt = x.dtype;
+  const Device dev = x.device;
+  if (!is_floating(dt)) c.fail("x", "a floating dtype (bf16, fp16, fp32, fp64)", dtype_name(dt));
+  c.tensor(x, "x", {p.T, p.d}, dt, dev);
+  if (p.routing == RoutingMode::kCallerSupplied) {
+    if (!w.router_weight.empty()) c.tensor(w.router_weight, "weights.router_weight", {p.E, p.d}, dt, dev);
+  } else {
+    c.tensor(w.router_weight, "weights.router_weight", {p.E, p.d}, dt, dev);
+  }
+  c.tensor(w.w1, "weights.w1", {p.E, p.w1_rows(), p.d}, dt, dev);
+  c.tensor(w.w2, "weights.w2", {p.E, p.d, p.n}, dt, dev);
+  if (p.has_b1) c.tensor(w.b1, "weights.b1", {p.E, p.w1_rows()}, dt, dev);
+  else c.absent(w.b1, "weights.b1", "problem.has_b1 is false");
+  if (p.has_b2) c.tensor(w.b2, "weights.b2", {p.E, p.d}, dt, dev);
+  else c.absent(w.b2, "weights.b2", "problem.has_b2 is false");
+
+  if (p.routing == RoutingMode::kCallerSupplied) {
+    if (routing == nullptr) c.fail("routing", "(token, expert, score) triples for routing 'caller'", "nullptr");
+    c.index_tensor(routing->token_index, "routing.token_index", {p.num_pairs}, dev);
+    c.index_tensor(routing->expert_index, "routing.expert_index", {p.num_pairs}, dev);
+    c.tensor(routing->score, "routing.score", {p.num_pairs}, score_dtype(dt), dev);
+  } else if (routing != nullptr) {
+    c.fail("routing", std::string("nullptr (routing '") + routing_mode_name(p.routing) + "' routes by itself)",
+           "a RoutingTriples pointer");
+  }
+
+  if (dev.type == DeviceType::kCUDA)
+    c.fail("x", "tensors on cpu (this build's CUDA backend does not run the layer yet)", device_name(dev));
+  if (dt != DType::kFP32 && dt != DType::kFP64)
+    c.fail("x", "dtype fp32 or fp64 on cpu (the CPU reference; bf16/fp16 run on the GPU)", dtype_name(dt));
+  if (stream != nullptr) c.fail("stream", "nullptr for cpu tensors", "a non-null stream");
+  return dt;
+}
+
+/// Value checks of caller-supplied routing (host data): ranges, token order, at most K pairs per token.
+void validate_routing_values(const ArgChecker& c, const MoEProblem& p, const RoutingTriples& r) {
+  const std::vector<std::int64_t> tok = detail::read_index(r.token_index);
+  const std::vector<std::int64_t> exp = detail::read_index(r.expert_index);
+  std::int64_t run = 0;
+  for (std::int64_t i = 0; i < p.num_pairs; ++i) {
+    const std::string at = "[" + std::to_string(i) + "]";
+    if (tok[i] < 0 || tok[i] >= p.T)
+      c.fail("routing.token_index" + at, "a token in [0, " + std::to_string(p.T) + ")", std::to_string(tok[i]));
+    if (exp[i] < 0 || exp[i] >= p.E)
+      c.fail("routing.expert_index" + at, "an expert in [0, " + std::to_string(p.E) + ")", std::to_string(exp[i]));
+    if (i > 0 && tok[i] < tok[i - 1])
+      c.fail("routing.token_index" + at,
+             "token indices in ascending order (the pairs of a token contiguous), so >= " + std::to_string(tok[i - 1]),
+             std::to_string(tok[i]));
+    run = (i > 0 && tok[i] == tok[i - 1]) ? run + 1 : 1;
+    if (run > p.K)
+      c.fail("routing.token_index" + at, "at most K = " + std::to_string(p.K) + " pairs per token",
+             std::to_string(run) + " pairs for token " + std::to_string(tok[i]));
+  }
+}
+
+template <class R>
+ref::LayerInputs<R> read_inputs(const MoEProblem& p, const TensorView& x, const LayerWeights& w,
+                                const RoutingTriples* routing, std::vector<std::vector<R>>& store,
+                                std::vector<std::vector<std::int64_t>>& index_store) {
+  auto keep = [&](const TensorView& t) -> const R* {
+    if (t.empty()) return nullptr;
+    store.push_back(detail::read_real<R>(t));
+    return store.back().data();
+  };
+  store.reserve(8);
+  index_store.reserve(2);
+  ref::LayerInputs<R> in;
+  in.x = keep(x);
+  in.router_weight = keep(w.router_weight);
+  in.experts.w1 = keep(w.w1);
+  in.experts.b1 = keep(w.b1);
+  in.experts.w2 = keep(w.w2);
+  in.experts.b2 = keep(w.b2);
+  if (p.routing == RoutingMode::kCallerSupplied) {
+    index_store.push_back(detail::read_index(routing->token_index));
+    index_store.push_back(detail::read_index(routing->expert_index));
+    in.pair_token = index_store[0].data();
+    in.pair_expert = index_store[1].data();
+    in.pair_score = keep(routing->score);
+  }
+  return in;
+}
+
+template <class T>
+void put(void* base, const BufferRegion& r, const T* src, std::size_t count) {
+  std::memcpy(static_cast<char*>(base) + r.offset, src, count * sizeof(T));
+}
+
+void put_int32(void* base, const BufferRegion& r, const std::vector<std::int64_t>& v) {
+  std::int32_t* dst = reinterpret_cast<std::int32_t*>(static_cast<char*>(base) + r.offset);
+  for (std::size_t i = 0; i < v.size(); ++i) dst[i] = static_cast<std::int32_t>(v[i]);
+}
+
+std::vector<std::int64_t> get_int32(const void* base, const BufferRegion& r, std::size_t count) {
+  const std::int32_t* src = reinterpret_cast<const std::int32_t*>(static_cast<const char*>(base) + r.offset);
+  return std::vector<std::int64_t>(src, src + count);
+}
+
+template <class R>
+std::vector<R> get_real(const void* base, const BufferRegion& r, std::size_t count) {
+  const R* src = reinterpret_cast<const R*>(static_cast<const char*>(base) + r.offset);
+  return std::vector<R>(src, src + count);
+}
+
+template <class R>
+void store_saved(const MoEProblem& p, const SavedLayout& l, void* base, const ref::ForwardSaved<R>& s) {
+  if (l.h.present()) put(base, l.h, s.h.data(), s.h.size());
+  if (l.router_logits.present()) put(base, l.router_logits, s.router_logits.data(), s.router_logits.size());
+  put(base, l.scores, s.scores.data(), s.scores.size());
+  put_int32(base, l.scatter, s.meta.scatter);
+  put_int32(base, l.inverse, s.meta.inverse);
+  put_int32(base, l.gather, s.meta.gather);
+  put_int32(base, l.expert_offsets, s.meta.expert_offsets);
+  if (l.token_offsets.present()) put_int32(base, l.token_offsets, s.meta.token_offsets);
+  (void)p;
+}
+
+template <class R>
+ref::ForwardSaved<R> load_saved(const ArgChecker& c, const MoEProblem& p, const SavedLayout& l, const void* base) {
+  std::vector<std::int64_t> off = get_int32(base, l.expert_offsets, static_cast<std::size_t>(p.E + 1));
+  bool ok = off[0] == 0;
+  for (std::int64_t e = 0; e < p.E && ok; ++e) ok = off[e + 1] >= off[e];
+  const std::int64_t P = off[p.E];
+  ok = ok && P <= p.max_pairs() && (p.routing == RoutingMode::kTokenRounding || P == p.max_pairs());
+  if (!ok)
+    c.fail("buffers.saved", "the buffer forward() filled for this problem (consistent expert offsets)",
+           "offsets that end at " + std::to_string(P) + " pairs (expected " +
+               (p.routing == RoutingMode::kTokenRounding ? "at most " : "") + std::to_string(p.max_pairs()) + ")");
+  const std::size_t np = static_cast<std::size_t>(P);
+  ref::ForwardSaved<R> s;
+  s.meta = ref::metadata_from_grouped(p.T, p.E, get_int32(base, l.scatter, np), get_int32(base, l.inverse, np),
+                                      get_int32(base, l.gather, np), std::move(off));
+  s.scores = get_real<R>(base, l.scores, np);
+  if (l.h.present()) s.h = get_real<R>(base, l.h, np * static_cast<std::size_t>(p.w1_rows()));
+  if (l.router_logits.present())
+    s.router_logits = get_real<R>(base, l.router_logits, static_cast<std::size_t>(p.T * p.E));
+  return s;
+}
+
+template <class R>
+void forward_cpu(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
+                 const ForwardOutputs& out, const ForwardBuffers& buffers) {
+  std::vector<std::vector<R>> store;
+  std::vector<std::vector<std::int64_t>> index_store;
+  const ref::LayerInputs<R> in = read_inputs<R>(p, x, w, routing, store, index_store);
+  const ref::ForwardResult<R> res = ref::layer_forward(p, in);
+  detail::write_real(out.out, res.out.data());
+  if (!out.router_logits.empty()) detail::write_real(out.router_logits, res.router_logits.data());
+  detail::write_int32(out.expert_counts, res.expert_counts.data());
+  store_saved(p, saved_layout(p, x.dtype), buffers.saved, res.saved);
+}
+
+template <class R>
+void backward_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const LayerWeights& w,
+                  const RoutingTriples* routing, const BackwardInputs& bin, const BackwardOutputs& out,
+                  const BackwardBuffers& buffers) {
+  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), buffers.saved);
+  std::vector<std::vector<R>> store;
+  std::vector<std::vector<std::int64_t>> index_store;
+  const ref::LayerInputs<R> in = read_inputs<R>(p, x, w, routing, store, index_store);
+  const std::vector<R> grad_out = detail::read_real<R>(bin.grad_out);
+  std::vector<R> grad_logits;
+  if (!bin.grad_router_logits.empty()) grad_logits = detail::read_real<R>(bin.grad_router_logits);
+  const ref::BackwardResult<R> g =
+      ref::layer_backward(p, in, saved, grad_out.data(), grad_logits.empty() ? nullptr : grad_logits.data());
+  detail::write_real(out.grad_x, g.dx.data());
+  detail::write_real(out.grad_weights.w1, g.dw1.data());
+  detail::write_real(out.grad_weights.w2, g.dw2.data());
+  if (p.has_b1) detail::write_real(out.grad_weights.b1, g.db1.data());
+  if (p.has_b2) detail::write_real(out.grad_weights.b2, g.db2.data());
+  if (p.routing == RoutingMode::kCallerSupplied) {
+    detail::write_real(out.grad_scores, g.dscores.data());
+    if (!out.grad_weights.router_weight.empty()) {  // no router in the layer: its gradient is zero
+      const std::vector<R> zeros(static_cast<std::size_t>(p.E * p.d), R(0));
+      detail::write_real(out.grad_weights.router_weight, zeros.data());
+    }
+  } else {
+    detail::write_real(out.grad_weights.router_weight, g.drouter_weight.data());
+  }
+}
+
+}  // namespace
+
+void forward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
+             const ForwardOutputs& out, const ForwardBuffers& buffers, void* stream) {
+  const ArgChecker c("forward");
+  const DType dt = validate_inputs(c, p, x, w, routing, stream);
+  c.tensor(out.out, "outputs.out", {p.T, p.d}, dt, x.device);
+  if (p.routing == RoutingMode::kCallerSupplied)
+    c.absent(out.router_logits, "outputs.router_logits", "routing 'caller' has no router");
+  else
+    c.tensor(out.router_logits, "outputs.router_logits", {p.T, p.E}, dt, x.device);
+  c.tensor(out.expert_counts, "outputs.expert_counts", {p.E}, DType::kInt32, x.device);
+  const std::size_t saved_need = saved_layout(p, dt).total_bytes;
+  if (buffers.saved_bytes < saved_need)
+    c.fail("buffers.saved_bytes", "at least saved_layout(problem, dtype).total_bytes = " + bytes_str(saved_need),
+           bytes_str(buffers.saved_bytes));
+  if (buffers.saved == nullptr && saved_need > 0) c.fail("buffers.saved", "a non-null pointer", "nullptr");
+  const std::size_t ws_need = forward_workspace_bytes(p, dt, x.device);
+  if (buffers.workspace_bytes < ws_need)
+    c.fail("buffers.workspace_bytes", "at least forward_workspace_bytes(...) = " + bytes_str(ws_need),
+           bytes_str(buffers.workspace_bytes));
+  if (p.routing == RoutingMode::kCallerSupplied) validate_routing_values(c, p, *routing);
+
+  if (dt == DType::kFP64) forward_cpu<double>(p, x, w, routing, out, buffers);
+  else forward_cpu<float>(p, x, w, routing, out, buffers);
+}
+
+void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
+              const BackwardInputs& bin, const BackwardOutputs& out, const BackwardBuffers& buffers, void* stream) {
+  const ArgChecker c("backward");
+  const DType dt = validate_inputs(c, p, x, w, routing, stream);
+  const Device dev = x.device;
+  c.tensor(bin.grad_out, "inputs.grad_out", {p.T, p.d}, dt, dev);
+  if (p.routing == RoutingMode::kCallerSupplied)
+    c.absent(bin.grad_router_logits, "inputs.grad_router_logits", "routing 'caller' has no router logits");
+  else if (!bin.grad_router_logits.empty())
+    c.tensor(bin.grad_router_logits, "inputs.grad_router_logits", {p.T, p.E}, dt, dev);
+  c.tensor(out.grad_x, "outputs.grad_x", {p.T, p.d}, dt, dev);
+  const LayerWeightGrads& gw = out.grad_weights;
+  if (p.routing != RoutingMode::kCallerSupplied || !gw.router_weight.empty())
+    c.tensor(gw.router_weight, "outputs.grad_weights.router_weight", {p.E, p.d}, dt, dev);
+  c.tensor(gw.w1, "outputs.grad_weights.w1", {p.E, p.w1_rows(), p.d}, dt, dev);
+  c.tensor(gw.w2, "outputs.grad_weights.w2", {p.E, p.d, p.n}, dt, dev);
+  if (p.has_b1) c.tensor(gw.b1, "outputs.grad_weights.b1", {p.E, p.w1_rows()}, dt, dev);
+  else c.absent(gw.b1, "outputs.grad_weights.b1", "problem.has_b1 is false");
+  if (p.has_b2) c.tensor(gw.b2, "outputs.grad_weights.b2", {p.E, p.d}, dt, dev);
+  else c.absent(gw.b2, "outputs.grad_weights.b2", "problem.has_b2 is false");
+  if (p.routing == RoutingMode::kCallerSupplied)
+    c.tensor(out.grad_scores, "outputs.grad_scores", {p.num_pairs}, score_dtype(dt), dev);
+  else
+    c.absent(out.grad_scores, "outputs.grad_scores", "only routing 'caller' has caller-supplied scores");
+  const std::size_t saved_need = saved_layout(p, dt).total_bytes;
+  if (buffers.saved_bytes < saved_need)
+    c.fail("buffers.saved_bytes", "at least saved_layout(problem, dtype).total_bytes = " + bytes_str(saved_need),
+           bytes_str(buffers.saved_bytes));
+  if (buffers.saved == nullptr) c.fail("buffers.saved", "the buffer forward() filled", "nullptr");
+  const std::size_t ws_need = backward_workspace_bytes(p, dt, dev);
+  if (buffers.workspace_bytes < ws_need)
+    c.fail("buffers.workspace_bytes", "at least backward_workspace_bytes(...) = " + bytes_str(ws_need),
+           bytes_str(buffers.workspace_bytes));
+  if (p.routing == RoutingMode::kCallerSupplied) validate_routing_values(c, p, *routing);
+
+  if (dt == DType::kFP64) backward_cpu<double>(c, p, x, w, routing, bin, out, buffers);
+  else backward_cpu<float>(c, p, x, w, routing, bin, out, buffers);
+}
+
+}  // namespace sonicmoe

@@ -1,0 +1,257 @@
+// Layer-level properties of the reference and of the public C++ API on the CPU backend.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "sonicmoe/sonicmoe.hpp"
+#include "test_support.hpp"
+
+namespace sonicmoe::test {
+namespace {
+
+MoEProblem small_problem(Activation act = Activation::kSwiGLU, RoutingMode routing = RoutingMode::kTopK) {
+  MoEProblem p;
+  p.T = 24, p.d = 10, p.n = 6, p.E = 5, p.K = 2;
+  p.activation = act;
+  p.routing = routing;
+  p.tile_m = 8;
+  return p;
+}
+
+// dS = <dA', A> (+ <dO_t, b2_e>) equals the naive <dO_t, Y_g> that would need a cached Y.
+TEST(LayerReference, ScoreGradientIdentityMatchesNaiveFormula) {
+  for (bool bias : {false, true})
+    for (Activation act : {Activation::kSwiGLU, Activation::kReLUSquared}) {
+      MoEProblem p = small_problem(act);
+      p.has_b1 = p.has_b2 = bias;
+      LayerCase<double> c(p, 42);
+      const ref::ForwardResult<double> f = ref::layer_forward(p, c.inputs());
+      const ref::BackwardResult<double> g =
+          ref::layer_backward(p, c.inputs(), f.saved, c.grad_out.data(), nullptr);
+      const ref::RoutingMetadata& m = f.saved.meta;
+      std::vector<double> naive(m.num_pairs());
+      for (std::int64_t gr = 0; gr < m.num_pairs(); ++gr) {
+        double s = 0;
+        for (std::int64_t k = 0; k < p.d; ++k) s += c.grad_out[m.gather[gr] * p.d + k] * f.y[gr * p.d + k];
+        naive[m.scatter[gr]] = s;
+      }
+      EXPECT_LT(rel_error(g.ds, naive), 1e-13) << "bias=" << bias << " " << activation_name(act);
+    }
+}
+
+std::vector<double> to_concatenated(const std::vector<double>& interleaved, std::int64_t E, std::int64_t n,
+                                    std::int64_t row_len) {
+  std::vector<double> out(interleaved.size());
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t c = 0; c < 2 * n; ++c) {
+      const std::int64_t row = (c % 2) * n + c / 2;
+      std::memcpy(&out[(e * 2 * n + row) * row_len], &interleaved[(e * 2 * n + c) * row_len],
+                  sizeof(double) * row_len);
+    }
+  return out;
+}
+
+TEST(LayerReference, BothWeightLayoutsAreBitwiseIdentical) {
+  for (Activation act : {Activation::kSwiGLU, Activation::kGeGLU, Activation::kReGLU}) {
+    MoEProblem p = small_problem(act);
+    p.has_b1 = p.has_b2 = true;
+    LayerCase<double> ci(p, 9);
+    LayerCase<double> cc = ci;
+    cc.problem.weight_layout = WeightLayout::kConcatenated;
+    cc.w1 = to_concatenated(ci.w1, p.E, p.n, p.d);
+    cc.b1 = to_concatenated(ci.b1, p.E, p.n, 1);
+    const ref::ForwardResult<double> fi = ref::layer_forward(ci.problem, ci.inputs());
+    const ref::ForwardResult<double> fc = ref::layer_forward(cc.problem, cc.inputs());
+    EXPECT_EQ(fi.out, fc.out);
+    EXPECT_EQ(fi.saved.h, fc.saved.h) << "H is interleaved in both layouts";
+    const ref::BackwardResult<double> gi =
+        ref::layer_backward(ci.problem, ci.inputs(), fi.saved, ci.grad_out.data(), ci.grad_logits.data());
+    const ref::BackwardResult<double> gc =
+        ref::layer_backward(cc.problem, cc.inputs(), fc.saved, cc.grad_out.data(), cc.grad_logits.data());
+    EXPECT_EQ(gi.dx, gc.dx);
+    EXPECT_EQ(to_concatenated(gi.dw1, p.E, p.n, p.d), gc.dw1);
+    EXPECT_EQ(to_concatenated(gi.db1, p.E, p.n, 1), gc.db1);
+    EXPECT_EQ(gi.dw2, gc.dw2);
+    EXPECT_EQ(gi.drouter_weight, gc.drouter_weight);
+  }
+}
+
+TEST(LayerReference, ExpertsWithNoTokensGetZeroGradients) {
+  MoEProblem p = small_problem();
+  p.T = 3, p.E = 8, p.K = 1;
+  p.has_b1 = p.has_b2 = true;
+  LayerCase<double> c(p, 5);
+  const ref::ForwardResult<double> f = ref::layer_forward(p, c.inputs());
+  const ref::BackwardResult<double> g = ref::layer_backward(p, c.inputs(), f.saved, c.grad_out.data(), nullptr);
+  int empty = 0;
+  for (std::int64_t e = 0; e < p.E; ++e) {
+    if (f.expert_counts[e] != 0) continue;
+    ++empty;
+    for (std::int64_t i = 0; i < p.w1_rows() * p.d; ++i) { EXPECT_EQ(g.dw1[e * p.w1_rows() * p.d + i], 0.0); }
+    for (std::int64_t i = 0; i < p.d * p.n; ++i) { EXPECT_EQ(g.dw2[e * p.d * p.n + i], 0.0); }
+    for (std::int64_t i = 0; i < p.d; ++i) { EXPECT_EQ(g.db2[e * p.d + i], 0.0); }
+  }
+  EXPECT_GE(empty, 5);
+}
+
+TEST(LayerReference, TokensWithNoExpertsGiveZeroOutput) {
+  MoEProblem p = small_problem(Activation::kSwiGLU, RoutingMode::kTokenRounding);
+  p.rounding = RoundingRule::kDown;
+  p.tile_m = 64;  // more than any expert's count: rounding down drops every pair
+  LayerCase<double> c(p, 3);
+  const ref::ForwardResult<double> f = ref::layer_forward(p, c.inputs());
+  EXPECT_EQ(f.saved.meta.num_pairs(), 0);
+  for (double v : f.out) { EXPECT_EQ(v, 0.0); }
+  const ref::BackwardResult<double> g = ref::layer_backward(p, c.inputs(), f.saved, c.grad_out.data(), nullptr);
+  for (double v : g.dx) { EXPECT_EQ(v, 0.0); }
+}
+
+// ---- public API ------------------------------------------------------------------------------------------------
+
+/// Runs forward + backward through the public API for real type R on a case built in double.
+template <class R>
+struct ApiRun {
+  std::vector<R> out, logits, dx, dwr, dw1, db1, dw2, db2, dscores;
+  std::vector<std::int32_t> counts;
+  std::size_t saved_bytes = 0;
+
+  ApiRun(const LayerCase<double>& c, std::int64_t row_pad = 0) {
+    const MoEProblem& p = c.problem;
+    const DType dt = std::is_same<R, double>::value ? DType::kFP64 : DType::kFP32;
+    auto cast = [](const std::vector<double>& v) { return std::vector<R>(v.begin(), v.end()); };
+    // x with padded rows (stride d + row_pad) to exercise strided views.
+    std::vector<R> x(static_cast<std::size_t>(p.T * (p.d + row_pad)), R(-777));
+    for (std::int64_t t = 0; t < p.T; ++t)
+      for (std::int64_t k = 0; k < p.d; ++k) x[t * (p.d + row_pad) + k] = static_cast<R>(c.x[t * p.d + k]);
+    std::vector<R> wr = cast(c.router_weight), w1 = cast(c.w1), b1 = cast(c.b1), w2 = cast(c.w2), b2 = cast(c.b2),
+                   gout = cast(c.grad_out), glog = cast(c.grad_logits), score = cast(c.pair_score);
+    std::vector<std::int64_t> tok = c.pair_token, exp = c.pair_expert;
+    LayerWeights w;
+    if (p.routing != RoutingMode::kCallerSupplied) w.router_weight = TensorView::contiguous(wr.data(), dt, {p.E, p.d});
+    w.w1 = TensorView::contiguous(w1.data(), dt, {p.E, p.w1_rows(), p.d});
+    w.w2 = TensorView::contiguous(w2.data(), dt, {p.E, p.d, p.n});
+    if (p.has_b1) w.b1 = TensorView::contiguous(b1.data(), dt, {p.E, p.w1_rows()});
+    if (p.has_b2) w.b2 = TensorView::contiguous(b2.data(), dt, {p.E, p.d});
+    RoutingTriples triples;
+    const RoutingTriples* rt = nullptr;
+    if (p.routing == RoutingMode::kCallerSupplied) {
+      triples.token_index = TensorView::contiguous(tok.data(), DType::kInt64, {p.num_pairs});
+      triples.expert_index = TensorView::contiguous(exp.data(), DType::kInt64, {p.num_pairs});
+      triples.score = TensorView::contiguous(score.data(), dt, {p.num_pairs});
+      rt = &triples;
+    }
+    const TensorView xv = TensorView::strided(x.data(), dt, {p.T, p.d}, {p.d + row_pad, 1});
+    out.assign(p.T * p.d, R(0));
+    counts.assign(p.E, -1);
+    ForwardOutputs fo;
+    fo.out = TensorView::contiguous(out.data(), dt, {p.T, p.d});
+    if (p.routing != RoutingMode::kCallerSupplied) {
+      logits.assign(p.T * p.E, R(0));
+      fo.router_logits = TensorView::contiguous(logits.data(), dt, {p.T, p.E});
+    }
+    fo.expert_counts = TensorView::contiguous(counts.data(), DType::kInt32, {p.E});
+    saved_bytes = saved_layout(p, dt).total_bytes;
+    std::vector<unsigned char> saved(saved_bytes, 0xAB);
+    forward(p, xv, w, rt, fo, ForwardBuffers{saved.data(), saved.size(), nullptr, 0});
+
+    dx.assign(p.T * p.d, R(0));
+    dwr.assign(wr.size(), R(0)), dw1.assign(w1.size(), R(0)), dw2.assign(w2.size(), R(0));
+    db1.assign(b1.size(), R(0)), db2.assign(b2.size(), R(0));
+    BackwardInputs bi;
+    bi.grad_out = TensorView::contiguous(gout.data(), dt, {p.T, p.d});
+    if (p.routing != RoutingMode::kCallerSupplied) bi.grad_router_logits = TensorView::contiguous(glog.data(), dt, {p.T, p.E});
+    BackwardOutputs bo;
+    bo.grad_x = TensorView::contiguous(dx.data(), dt, {p.T, p.d});
+    if (p.routing != RoutingMode::kCallerSupplied)
+      bo.grad_weights.router_weight = TensorView::contiguous(dwr.data(), dt, {p.E, p.d});
+    bo.grad_weights.w1 = TensorView::contiguous(dw1.data(), dt, {p.E, p.w1_rows(), p.d});
+    bo.grad_weights.w2 = TensorView::contiguous(dw2.data(), dt, {p.E, p.d, p.n});
+    if (p.has_b1) bo.grad_weights.b1 = TensorView::contiguous(db1.data(), dt, {p.E, p.w1_rows()});
+    if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.data(), dt, {p.E, p.d});
+    if (p.routing == RoutingMode::kCallerSupplied) {
+      dscores.assign(p.num_pairs, R(0));
+      bo.grad_scores = TensorView::contiguous(dscores.data(), dt, {p.num_pairs});
+    }
+    backward(p, xv, w, rt, bi, bo, BackwardBuffers{saved.data(), saved.size(), nullptr, 0});
+  }
+};
+
+std::vector<double> up(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+class PublicApi : public testing::TestWithParam<std::tuple<RoutingMode, CacheMode>> {};
+
+TEST_P(PublicApi, Fp64MatchesReferenceBitwiseAndFp32IsClose) {
+  MoEProblem p = small_problem(Activation::kSwiGLU, std::get<0>(GetParam()));
+  p.cache = std::get<1>(GetParam());
+  p.has_b1 = p.has_b2 = true;
+  p.score = ScoreVariant::kTopKOfSoftmax;
+  LayerCase<double> c(p, 77);
+  const MoEProblem& pc = c.problem;
+  const ref::ForwardResult<double> f = ref::layer_forward(pc, c.inputs());
+  const ref::BackwardResult<double> g = ref::layer_backward(
+      pc, c.inputs(), f.saved, c.grad_out.data(), c.grad_logits.empty() ? nullptr : c.grad_logits.data());
+
+  const ApiRun<double> a(c, /*row_pad=*/3);
+  EXPECT_EQ(a.out, f.out);
+  EXPECT_EQ(a.dx, g.dx);
+  EXPECT_EQ(a.dw1, g.dw1);
+  EXPECT_EQ(a.dw2, g.dw2);
+  EXPECT_EQ(a.db1, g.db1);
+  EXPECT_EQ(a.db2, g.db2);
+  if (pc.routing == RoutingMode::kCallerSupplied) { EXPECT_EQ(a.dscores, g.dscores); }
+  else { EXPECT_EQ(a.dwr, g.drouter_weight); }
+  for (std::int64_t e = 0; e < pc.E; ++e) { EXPECT_EQ(a.counts[e], f.expert_counts[e]); }
+
+  // fp32 through the same API: relative Frobenius error at float rounding level.
+  const ApiRun<float> s(c);
+  EXPECT_LT(rel_error(up(s.out), f.out), 1e-5);
+  EXPECT_LT(rel_error(up(s.dx), g.dx), 1e-5);
+  EXPECT_LT(rel_error(up(s.dw1), g.dw1), 1e-5);
+  EXPECT_LT(rel_error(up(s.dw2), g.dw2), 1e-5);
+  if (pc.routing != RoutingMode::kCallerSupplied) { EXPECT_LT(rel_error(up(s.dwr), g.drouter_weight), 1e-5); }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RoutingAndCache, PublicApi,
+    testing::Combine(testing::Values(RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied),
+                     testing::Values(CacheMode::kPreActivation, CacheMode::kInputOnly)),
+    [](const testing::TestParamInfo<std::tuple<RoutingMode, CacheMode>>& i) {
+      return std::string(routing_mode_name(std::get<0>(i.param))) + "_" + cache_mode_name(std::get<1>(i.param));
+    });
+
+TEST(PublicApi, InputOnlyModeKeepsLessAndGivesIdenticalResults) {
+  MoEProblem p = small_problem();
+  LayerCase<double> c(p, 8);
+  const ApiRun<double> pre(c);
+  c.problem.cache = CacheMode::kInputOnly;
+  const ApiRun<double> inp(c);
+  EXPECT_LT(inp.saved_bytes, pre.saved_bytes);
+  EXPECT_EQ(inp.out, pre.out);
+  EXPECT_EQ(inp.dx, pre.dx);
+  EXPECT_EQ(inp.dw1, pre.dw1);
+  EXPECT_EQ(inp.dwr, pre.dwr);
+}
+
+TEST(PublicApi, TwoRunsAreBitwiseIdentical) {
+  MoEProblem p = small_problem(Activation::kGeGLU, RoutingMode::kTokenRounding);
+  LayerCase<double> c(p, 12);
+  const ApiRun<float> a(c), b(c);
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.dx, b.dx);
+  EXPECT_EQ(a.dw1, b.dw1);
+  EXPECT_EQ(a.dwr, b.dwr);
+}
+
+TEST(PublicApi, NaNInputsPropagateAndAreNotErrors) {
+  MoEProblem p = small_problem(Activation::kSwiGLU, RoutingMode::kCallerSupplied);
+  LayerCase<double> c(p, 4);
+  c.x[0] = std::nan("");  // token 0 always has K pairs in LayerCase
+  const ApiRun<double> a(c);
+  bool nan_out = false;
+  for (std::int64_t k = 0; k < p.d; ++k) nan_out = nan_out || std::isnan(a.out[k]);
+  EXPECT_TRUE(nan_out);
+}
+
+}  // namespace
+}  // namespace sonicmoe::test

@@ -1,0 +1,140 @@
+// Memory accounting: closed forms of SPEC §4.4 / TARGETS.md T6-T7, layout sanity, 64-bit sizes, and agreement
+// with what the reference really keeps.
+#include <gtest/gtest.h>
+
+#include "sonicmoe/memory.hpp"
+#include "test_support.hpp"
+
+namespace sonicmoe::test {
+namespace {
+
+MoEProblem config(std::int64_t T, std::int64_t d, std::int64_t n, std::int64_t E, std::int64_t K) {
+  MoEProblem p;
+  p.T = T, p.d = d, p.n = n, p.E = E, p.K = K;
+  return p;
+}
+
+std::size_t up256(std::size_t b) { return (b + 255) / 256 * 256; }
+
+TEST(MemoryAccounting, PreActivationModeIs2Td_Plus_4TKn_PlusMetadata) {
+  const MoEProblem p = config(24576, 1536, 256, 128, 8);  // 7B
+  const std::size_t T = 24576, d = 1536, n = 256, E = 128, TK = 24576 * 8;
+  const ActivationMemory m = activation_memory(p, DType::kBF16);
+  EXPECT_EQ(m.x_bytes, 2 * T * d);
+  EXPECT_EQ(m.h_bytes, 4 * TK * n);
+  EXPECT_EQ(m.logits_bytes, 0u);
+  // scores fp32 + scatter + inverse + gather int32, expert offsets int32, each region 256-byte aligned.
+  EXPECT_EQ(m.metadata_bytes, 4 * up256(4 * TK) + up256(4 * (E + 1)));
+  EXPECT_LE(m.metadata_bytes, 24 * TK) << "TARGETS.md T6: metadata <= 24 bytes per routed pair";
+  EXPECT_EQ(m.total_bytes(), 2 * T * d + 4 * TK * n + m.metadata_bytes);
+  // SPEC §4.4's 7B example: 72 MiB of X + 192 MiB of H.
+  EXPECT_EQ(m.x_bytes, 72u << 20);
+  EXPECT_EQ(m.h_bytes, 192u << 20);
+}
+
+TEST(MemoryAccounting, InputOnlyModeIs2Td_PlusMetadata) {
+  MoEProblem p = config(24576, 1536, 256, 128, 8);
+  p.cache = CacheMode::kInputOnly;
+  const ActivationMemory m = activation_memory(p, DType::kBF16);
+  EXPECT_EQ(m.h_bytes, 0u);
+  EXPECT_EQ(m.total_bytes(), 2u * 24576 * 1536 + m.metadata_bytes);
+  EXPECT_LE(m.metadata_bytes, 24u * 24576 * 8) << "TARGETS.md T7";
+}
+
+TEST(MemoryAccounting, FlatInGranularityAtFixedActivatedParameters) {
+  // 7B family: n*K constant, so 4TKn (and the total, up to metadata) does not grow with granularity.
+  const ActivationMemory a = activation_memory(config(24576, 1536, 256, 128, 8), DType::kBF16);
+  const ActivationMemory b = activation_memory(config(24576, 1536, 512, 64, 4), DType::kBF16);
+  const ActivationMemory c = activation_memory(config(24576, 1536, 1024, 32, 2), DType::kBF16);
+  EXPECT_EQ(a.h_bytes, b.h_bytes);
+  EXPECT_EQ(b.h_bytes, c.h_bytes);
+  EXPECT_GT(a.metadata_bytes, c.metadata_bytes);  // only the per-pair metadata grows with K
+}
+
+TEST(MemoryAccounting, KeptLogitsAndVariableKRegions) {
+  MoEProblem p = config(1000, 64, 32, 16, 2);
+  p.score = ScoreVariant::kTopKOfSoftmax;
+  EXPECT_EQ(saved_layout(p, DType::kBF16).router_logits.bytes, 2u * 1000 * 16);
+  EXPECT_FALSE(saved_layout(p, DType::kBF16).token_offsets.present());
+  p.score = ScoreVariant::kTopKOfSoftmaxRenorm;
+  EXPECT_FALSE(saved_layout(p, DType::kBF16).router_logits.present()) << "renorm backward needs only the scores";
+  p.routing = RoutingMode::kTokenRounding;
+  const SavedLayout l = saved_layout(p, DType::kBF16);
+  EXPECT_TRUE(l.router_logits.present());
+  EXPECT_EQ(l.token_offsets.bytes, 4u * 1001);
+  EXPECT_EQ(l.scores.bytes, 4u * static_cast<std::size_t>(p.max_pairs()));
+}
+
+TEST(MemoryAccounting, RegionsAreAlignedDisjointAndInsideTheTotal) {
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding}) {
+    MoEProblem p = config(777, 96, 40, 12, 3);
+    p.routing = r;
+    p.score = ScoreVariant::kTopKOfSoftmax;
+    const SavedLayout l = saved_layout(p, DType::kBF16);
+    const BufferRegion regions[] = {l.h, l.router_logits, l.scores, l.scatter, l.inverse,
+                                    l.gather, l.expert_offsets, l.token_offsets};
+    std::size_t end = 0;
+    for (const BufferRegion& reg : regions) {
+      if (!reg.present()) continue;
+      EXPECT_EQ(reg.offset % kRegionAlignment, 0u);
+      EXPECT_GE(reg.offset, end);
+      end = reg.offset + reg.bytes;
+    }
+    EXPECT_LE(end, l.total_bytes);
+  }
+}
+
+TEST(MemoryAccounting, SizesPast2To31UseSixtyFourBitArithmetic) {
+  const MoEProblem p = config(1 << 20, 8192, 2048, 64, 8);  // T*d = 2^33, TK*w1_rows = 2^35
+  const ActivationMemory m = activation_memory(p, DType::kBF16);
+  EXPECT_EQ(m.x_bytes, std::size_t{2} << 33);
+  EXPECT_EQ(m.h_bytes, std::size_t{2} * (std::size_t{1} << 23) * 4096);
+  const ForwardWorkspaceLayout fw = forward_workspace_layout(p, DType::kBF16);
+  EXPECT_EQ(fw.y.bytes, std::size_t{2} * (std::size_t{1} << 23) * 8192);
+}
+
+TEST(MemoryAccounting, WorkspaceFormulas) {
+  MoEProblem p = config(4096, 1024, 512, 64, 4);
+  const std::size_t P = 4096 * 4;
+  const ForwardWorkspaceLayout f = forward_workspace_layout(p, DType::kBF16);
+  EXPECT_EQ(f.a.bytes, 2 * P * 512);
+  EXPECT_EQ(f.y.bytes, 2 * P * 1024);
+  EXPECT_EQ(f.tile_hist.bytes, 4u * 64 * (P / 1024));
+  EXPECT_FALSE(f.topk.present());
+  const BackwardWorkspaceLayout b = backward_workspace_layout(p, DType::kBF16);
+  EXPECT_FALSE(b.h_recompute.present());
+  EXPECT_EQ(b.dh.bytes, 2 * P * 1024);
+  EXPECT_EQ(b.a_prime.bytes, 2 * P * 512);
+  EXPECT_EQ(b.dx_expanded.bytes, 2 * P * 1024);
+  EXPECT_EQ(b.ds_partial.bytes, 4 * P * 8);
+  EXPECT_EQ(b.dlogits.bytes, 4u * 4096 * 64);
+  p.cache = CacheMode::kInputOnly;
+  EXPECT_EQ(backward_workspace_layout(p, DType::kBF16).h_recompute.bytes, 2 * P * 1024);
+  EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cpu()), 0u) << "the CPU reference needs no workspace";
+  EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cuda(0)), forward_workspace_layout(p, DType::kBF16).total_bytes);
+}
+
+// What the reference keeps for its backward is exactly what the layout accounts for, element by element.
+TEST(MemoryAccounting, MatchesWhatTheReferenceKeeps) {
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied})
+    for (CacheMode cm : {CacheMode::kPreActivation, CacheMode::kInputOnly})
+      for (ScoreVariant sv : {ScoreVariant::kSoftmaxOverTopK, ScoreVariant::kTopKOfSoftmax}) {
+        MoEProblem p = config(40, 8, 6, 5, 2);
+        p.routing = r, p.cache = cm, p.score = sv, p.tile_m = 8;
+        LayerCase<double> c(p, 1);
+        p = c.problem;
+        const ref::ForwardResult<double> f = ref::layer_forward(p, c.inputs());
+        const SavedLayout l = saved_layout(p, DType::kFP64);
+        const std::size_t P = static_cast<std::size_t>(f.saved.meta.num_pairs());
+        EXPECT_LE(P, static_cast<std::size_t>(p.max_pairs()));
+        const std::size_t cap = static_cast<std::size_t>(p.max_pairs());
+        EXPECT_EQ(l.h.bytes, f.saved.h.empty() ? 0 : cap * 12 * 8);
+        EXPECT_EQ(f.saved.h.size(), cm == CacheMode::kPreActivation ? P * 12 : 0u);
+        EXPECT_EQ(l.router_logits.bytes / 8, f.saved.router_logits.size());
+        EXPECT_EQ(f.saved.scores.size(), P);
+        EXPECT_EQ(l.scores.bytes, cap * 8);
+      }
+}
+
+}  // namespace
+}  // namespace sonicmoe::test

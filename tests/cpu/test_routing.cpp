@@ -1,0 +1,160 @@
+// Routing metadata and token rounding invariants.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+
+#include "reference/routing_metadata.hpp"
+#include "reference/token_rounding.hpp"
+#include "test_support.hpp"
+
+namespace sonicmoe::test {
+namespace {
+
+void expect_metadata_invariants(const ref::RoutingMetadata& m) {
+  const std::int64_t P = m.num_pairs();
+  ASSERT_EQ(static_cast<std::int64_t>(m.scatter.size()), P);
+  ASSERT_EQ(m.expert_offsets.front(), 0);
+  ASSERT_EQ(m.expert_offsets.back(), P);
+  for (std::int64_t e = 0; e < m.E; ++e) {
+    EXPECT_EQ(m.expert_offsets[e + 1] - m.expert_offsets[e], m.expert_counts[e]);
+    for (std::int64_t g = m.expert_offsets[e]; g < m.expert_offsets[e + 1]; ++g) {
+      EXPECT_EQ(m.pair_expert[m.scatter[g]], e) << "row " << g << " is in expert " << e << "'s segment";
+      EXPECT_EQ(m.expert_of_row(g), e);
+      if (g > m.expert_offsets[e]) { EXPECT_LT(m.scatter[g - 1], m.scatter[g]) << "ascending pair order in a segment"; }
+    }
+  }
+  std::vector<std::int64_t> sorted = m.scatter;
+  std::sort(sorted.begin(), sorted.end());
+  for (std::int64_t i = 0; i < P; ++i) { EXPECT_EQ(sorted[i], i) << "scatter is a permutation"; }
+  for (std::int64_t p = 0; p < P; ++p) { EXPECT_EQ(m.scatter[m.inverse[p]], p) << "inverse"; }
+  for (std::int64_t g = 0; g < P; ++g) { EXPECT_EQ(m.gather[g], m.pair_token[m.scatter[g]]) << "gather"; }
+  ASSERT_EQ(static_cast<std::int64_t>(m.token_offsets.size()), m.T + 1);
+  EXPECT_EQ(m.token_offsets.back(), P);
+  for (std::int64_t t = 0; t < m.T; ++t)
+    for (std::int64_t p = m.token_offsets[t]; p < m.token_offsets[t + 1]; ++p) { EXPECT_EQ(m.pair_token[p], t); }
+}
+
+TEST(RoutingMetadata, TopKInvariants) {
+  const std::int64_t T = 37, E = 9, K = 3;
+  std::mt19937_64 rng(1);
+  const std::vector<double> z = normal<double>(rng, T * E, 1.0);
+  const std::vector<std::int64_t> topk = ref::topk_experts(z.data(), T, E, K);
+  const ref::RoutingMetadata m = ref::topk_routing_metadata(topk.data(), T, E, K);
+  expect_metadata_invariants(m);
+  for (std::int64_t p = 0; p < T * K; ++p) { EXPECT_EQ(m.pair_token[p], p / K); }
+}
+
+TEST(RoutingMetadata, VariableKWithEmptyTokensAndExperts) {
+  // Token 1 and 4 route nowhere; experts 0 and 5 get nothing.
+  const ref::RoutingMetadata m =
+      ref::build_routing_metadata(6, 6, {0, 0, 2, 3, 3, 3, 5}, {3, 1, 1, 4, 2, 3, 1});
+  expect_metadata_invariants(m);
+  EXPECT_EQ(m.expert_counts, (std::vector<std::int64_t>{0, 3, 1, 2, 1, 0}));
+  EXPECT_EQ(m.token_offsets, (std::vector<std::int64_t>{0, 2, 2, 3, 6, 6, 7}));
+  EXPECT_EQ(m.scatter, (std::vector<std::int64_t>{1, 2, 6, 4, 0, 5, 3}));
+}
+
+TEST(RoutingMetadata, RebuiltFromWhatTheForwardKeeps) {
+  const ref::RoutingMetadata m =
+      ref::build_routing_metadata(6, 6, {0, 0, 2, 3, 3, 3, 5}, {3, 1, 1, 4, 2, 3, 1});
+  const ref::RoutingMetadata r = ref::metadata_from_grouped(6, 6, m.scatter, m.inverse, m.gather, m.expert_offsets);
+  EXPECT_EQ(r.pair_token, m.pair_token);
+  EXPECT_EQ(r.pair_expert, m.pair_expert);
+  EXPECT_EQ(r.token_offsets, m.token_offsets);
+  EXPECT_EQ(r.expert_counts, m.expert_counts);
+}
+
+TEST(TokenRounding, RoundedCountRules) {
+  using ref::rounded_expert_count;
+  // f=10, M=8: down 8, up 16; 10 is closer to 8.
+  EXPECT_EQ(rounded_expert_count(10, 100, 8, RoundingRule::kDown), 8);
+  EXPECT_EQ(rounded_expert_count(10, 100, 8, RoundingRule::kUp), 16);
+  EXPECT_EQ(rounded_expert_count(10, 100, 8, RoundingRule::kNearest), 8);
+  EXPECT_EQ(rounded_expert_count(13, 100, 8, RoundingRule::kNearest), 16);
+  EXPECT_EQ(rounded_expert_count(12, 100, 8, RoundingRule::kNearest), 8) << "ties round down (paper's strict <)";
+  EXPECT_EQ(rounded_expert_count(16, 100, 8, RoundingRule::kUp), 16);
+  EXPECT_EQ(rounded_expert_count(16, 100, 8, RoundingRule::kDown), 16);
+  EXPECT_EQ(rounded_expert_count(0, 100, 8, RoundingRule::kUp), 0);
+  EXPECT_EQ(rounded_expert_count(18, 20, 16, RoundingRule::kUp), 20) << "cannot exceed the token count";
+  EXPECT_EQ(rounded_expert_count(3, 5, 8, RoundingRule::kNearest), 5) << "up to all 5 tokens is nearer than 0";
+}
+
+struct TrCase {
+  RoundingRule rule;
+  ScoreVariant score;
+  std::int64_t T, E, K, M;
+};
+
+class TokenRoundingInvariants : public testing::TestWithParam<TrCase> {};
+
+TEST_P(TokenRoundingInvariants, Hold) {
+  const TrCase c = GetParam();
+  std::mt19937_64 rng(static_cast<std::uint64_t>(c.T * 31 + c.E));
+  const std::vector<double> z = normal<double>(rng, c.T * c.E, 1.0);
+  const ref::TokenRoundingResult<double> tr = ref::token_rounding(c.score, c.rule, c.M, z.data(), c.T, c.E, c.K);
+  const std::vector<std::int64_t> topk = ref::topk_experts(z.data(), c.T, c.E, c.K);
+  const std::vector<double> tc_score = ref::topk_scores(c.score, z.data(), topk.data(), c.T, c.E, c.K);
+  const std::vector<double> p = ref::softmax_rows(z.data(), c.T, c.E);
+
+  std::vector<std::int64_t> f(c.E, 0), r(c.E, 0);
+  std::set<std::pair<std::int64_t, std::int64_t>> tc, kept;
+  for (std::int64_t i = 0; i < c.T * c.K; ++i) {
+    ++f[topk[i]];
+    tc.insert({i / c.K, topk[i]});
+  }
+  const std::size_t P = tr.token.size();
+  for (std::size_t i = 0; i < P; ++i) {
+    ++r[tr.expert[i]];
+    kept.insert({tr.token[i], tr.expert[i]});
+    if (i > 0) {
+      EXPECT_TRUE(tr.token[i - 1] < tr.token[i] || (tr.token[i - 1] == tr.token[i] && tr.expert[i - 1] < tr.expert[i]))
+          << "triples sorted by (token, expert), no duplicates";
+    }
+    const bool is_tc = tc.count({tr.token[i], tr.expert[i]}) > 0;
+    EXPECT_EQ(tr.chosen[i] != 0, is_tc);
+    if (is_tc) {
+      for (std::int64_t k = 0; k < c.K; ++k)
+        if (topk[tr.token[i] * c.K + k] == tr.expert[i]) { EXPECT_EQ(tr.score[i], tc_score[tr.token[i] * c.K + k]); }
+    } else {
+      EXPECT_EQ(tr.score[i], p[tr.token[i] * c.E + tr.expert[i]]) << "padded pairs carry their softmax probability";
+    }
+  }
+  for (std::int64_t e = 0; e < c.E; ++e) {
+    EXPECT_EQ(r[e], ref::rounded_expert_count(f[e], c.T, c.M, c.rule));
+    EXPECT_TRUE(r[e] % c.M == 0 || r[e] == c.T) << "expert " << e << " count " << r[e] << " is a tile multiple";
+    EXPECT_LT(std::abs(r[e] - f[e]), c.M) << "at most one tile differs from top-K";
+    // Within an expert: every kept token scores at least as high (by S') as every dropped one.
+    double worst_kept = 2, best_dropped = -2;
+    for (std::int64_t t = 0; t < c.T; ++t) {
+      double s = p[t * c.E + e] - 1;
+      for (std::int64_t k = 0; k < c.K; ++k)
+        if (topk[t * c.K + k] == e) s = tc_score[t * c.K + k];
+      if (kept.count({t, e})) worst_kept = std::min(worst_kept, s);
+      else best_dropped = std::max(best_dropped, s);
+    }
+    EXPECT_GE(worst_kept, best_dropped);
+  }
+  if (c.rule == RoundingRule::kDown)
+    for (const auto& pr : kept) { EXPECT_TRUE(tc.count(pr)) << "rounding down never adds a pair"; }
+  if (c.rule == RoundingRule::kUp)
+    for (const auto& pr : tc) { EXPECT_TRUE(kept.count(pr)) << "rounding up never drops a chosen pair"; }
+  // The buffer bound holds.
+  MoEProblem pb;
+  pb.T = c.T, pb.E = c.E, pb.K = c.K, pb.d = 1, pb.n = 1, pb.tile_m = c.M, pb.routing = RoutingMode::kTokenRounding;
+  EXPECT_LE(static_cast<std::int64_t>(P), pb.max_pairs());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Rules, TokenRoundingInvariants,
+    testing::Values(TrCase{RoundingRule::kNearest, ScoreVariant::kSoftmaxOverTopK, 256, 8, 2, 16},
+                    TrCase{RoundingRule::kUp, ScoreVariant::kSoftmaxOverTopK, 256, 8, 2, 16},
+                    TrCase{RoundingRule::kDown, ScoreVariant::kSoftmaxOverTopK, 256, 8, 2, 16},
+                    TrCase{RoundingRule::kNearest, ScoreVariant::kTopKOfSoftmax, 200, 16, 4, 8},
+                    TrCase{RoundingRule::kUp, ScoreVariant::kTopKOfSoftmaxRenorm, 200, 16, 4, 8},
+                    TrCase{RoundingRule::kDown, ScoreVariant::kTopKOfSoftmax, 200, 16, 4, 8},
+                    TrCase{RoundingRule::kUp, ScoreVariant::kSoftmaxOverTopK, 30, 4, 2, 16},     // up capped at T
+                    TrCase{RoundingRule::kNearest, ScoreVariant::kSoftmaxOverTopK, 128, 4, 4, 32}));  // K = E
+
+}  // namespace
+}  // namespace sonicmoe::test

@@ -1,0 +1,333 @@
+// Every validation error of the public API: the message names the argument, what was expected and what was
+// given; no output is written when a call is rejected.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+
+#include "sonicmoe/sonicmoe.hpp"
+
+namespace sonicmoe {
+namespace {
+
+/// A valid fp64 call (T=6, d=8, n=3 so w1 is (E, 6, 8), E=4, K=2) that each test breaks in one place.
+struct Call {
+  MoEProblem p;
+  std::vector<double> x, wr, w1, w2, b1, b2, out, logits, gout, dx, dwr, dw1, dw2, db1, db2, scores, dscores;
+  std::vector<std::int32_t> counts;
+  std::vector<std::int64_t> tok, exp;
+  std::vector<unsigned char> saved;
+  LayerWeights w;
+  TensorView xv;
+  ForwardOutputs fo;
+  ForwardBuffers fb;
+  RoutingTriples rt;
+  BackwardInputs bi;
+  BackwardOutputs bo;
+  BackwardBuffers bb;
+
+  explicit Call(RoutingMode routing = RoutingMode::kTopK) {
+    p.T = 6, p.d = 8, p.n = 3, p.E = 4, p.K = 2, p.routing = routing;
+    p.has_b1 = true;
+    if (routing == RoutingMode::kCallerSupplied) {
+      tok = {0, 0, 1, 3, 3, 5};
+      exp = {1, 2, 0, 3, 1, 2};
+      scores = {0.5, 0.5, 1.0, 0.3, 0.7, 1.0};
+      p.num_pairs = 6;
+    }
+    const DType dt = DType::kFP64;
+    auto fill = [](std::vector<double>& v, std::size_t n, double base) {
+      v.resize(n);
+      for (std::size_t i = 0; i < n; ++i) v[i] = base + 0.01 * double(i % 17) - 0.05;
+    };
+    fill(x, 48, 0.3), fill(wr, 32, 0.1), fill(w1, 4 * 6 * 8, -0.1), fill(w2, 4 * 8 * 3, 0.2), fill(b1, 24, 0.0);
+    fill(gout, 48, 1.0);
+    out.assign(48, 0), logits.assign(24, 0), counts.assign(4, 0), dx.assign(48, 0), dwr.assign(32, 0);
+    dw1.assign(w1.size(), 0), dw2.assign(w2.size(), 0), db1.assign(24, 0), dscores.assign(6, 0);
+    xv = TensorView::contiguous(x.data(), dt, {6, 8});
+    if (routing != RoutingMode::kCallerSupplied) w.router_weight = TensorView::contiguous(wr.data(), dt, {4, 8});
+    w.w1 = TensorView::contiguous(w1.data(), dt, {4, 6, 8});
+    w.w2 = TensorView::contiguous(w2.data(), dt, {4, 8, 3});
+    w.b1 = TensorView::contiguous(b1.data(), dt, {4, 6});
+    fo.out = TensorView::contiguous(out.data(), dt, {6, 8});
+    if (routing != RoutingMode::kCallerSupplied) fo.router_logits = TensorView::contiguous(logits.data(), dt, {6, 4});
+    fo.expert_counts = TensorView::contiguous(counts.data(), DType::kInt32, {4});
+    saved.assign(saved_layout(p, dt).total_bytes, 0);
+    fb = {saved.data(), saved.size(), nullptr, 0};
+    bb = {saved.data(), saved.size(), nullptr, 0};
+    if (routing == RoutingMode::kCallerSupplied) {
+      rt.token_index = TensorView::contiguous(tok.data(), DType::kInt64, {6});
+      rt.expert_index = TensorView::contiguous(exp.data(), DType::kInt64, {6});
+      rt.score = TensorView::contiguous(scores.data(), dt, {6});
+      bo.grad_scores = TensorView::contiguous(dscores.data(), dt, {6});
+    }
+    bi.grad_out = TensorView::contiguous(gout.data(), dt, {6, 8});
+    bo.grad_x = TensorView::contiguous(dx.data(), dt, {6, 8});
+    if (routing != RoutingMode::kCallerSupplied)
+      bo.grad_weights.router_weight = TensorView::contiguous(dwr.data(), dt, {4, 8});
+    bo.grad_weights.w1 = TensorView::contiguous(dw1.data(), dt, {4, 6, 8});
+    bo.grad_weights.w2 = TensorView::contiguous(dw2.data(), dt, {4, 8, 3});
+    bo.grad_weights.b1 = TensorView::contiguous(db1.data(), dt, {4, 6});
+  }
+  const RoutingTriples* routing() const { return p.routing == RoutingMode::kCallerSupplied ? &rt : nullptr; }
+  void forward_call() { forward(p, xv, w, routing(), fo, fb); }
+  void backward_call() { backward(p, xv, w, routing(), bi, bo, bb); }
+};
+
+/// Expects sonicmoe::Error whose message contains every fragment.
+void expect_error(const std::function<void()>& f, std::initializer_list<const char*> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "no error thrown; expected one mentioning '" << *fragments.begin() << "'";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const char* frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "message: " << msg;
+  }
+}
+
+TEST(Validation, ValidCallsPass) {
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied}) {
+    Call c(r);
+    EXPECT_NO_THROW(c.forward_call());
+    EXPECT_NO_THROW(c.backward_call());
+  }
+}
+
+TEST(Validation, ProblemFields) {
+  auto with = [](const std::function<void(MoEProblem&)>& f) {
+    return [f] {
+      Call c;
+      f(c.p);
+      c.forward_call();
+    };
+  };
+  expect_error(with([](MoEProblem& p) { p.T = 0; }), {"'problem.T'", "[1, ", "got 0"});
+  expect_error(with([](MoEProblem& p) { p.K = 0; }), {"'problem.K'", "1 <= K <= E", "got 0"});
+  expect_error(with([](MoEProblem& p) { p.K = 5; }), {"'problem.K'", "[1, 4]", "got 5"});
+  expect_error(with([](MoEProblem& p) { p.E = 70000; }), {"'problem.E'", "65536", "got 70000"});
+  expect_error(with([](MoEProblem& p) { p.d = -3; }), {"'problem.d'", "got -3"});
+  expect_error(with([](MoEProblem& p) { p.routing = RoutingMode::kTokenRounding, p.tile_m = 12; }),
+               {"'problem.tile_m'", "multiple of 8", "got 12"});
+  expect_error(with([](MoEProblem& p) { p.routing = RoutingMode::kTokenRounding, p.tile_m = 0; }),
+               {"'problem.tile_m'", "got 0"});
+  expect_error(with([](MoEProblem& p) { p.num_pairs = 3; }), {"'problem.num_pairs'", "0 unless routing is 'caller'"});
+  expect_error(with([](MoEProblem& p) { p.activation = Activation::kReLU, p.weight_layout = WeightLayout::kConcatenated; }),
+               {"'problem.weight_layout'", "'interleaved'", "'concatenated'"});
+  expect_error(with([](MoEProblem& p) { p.T = 1 << 30, p.K = 4; }), {"'problem.T*K'", "int32"});
+}
+
+TEST(Validation, TensorShapesDtypesStridesPointersDevices) {
+  {
+    Call c;  // W1 given transposed: (E, d, 2n) instead of (E, 2n, d)
+    c.w.w1 = TensorView::contiguous(c.w1.data(), DType::kFP64, {4, 8, 6});
+    expect_error([&] { c.forward_call(); }, {"'weights.w1'", "shape (4, 6, 8)", "got (4, 8, 6)"});
+  }
+  {
+    Call c;
+    c.w.w2.dtype = DType::kFP32;
+    expect_error([&] { c.forward_call(); }, {"'weights.w2'", "dtype fp64", "got fp32"});
+  }
+  {
+    Call c;  // inner stride 2
+    c.xv = TensorView::strided(c.x.data(), DType::kFP64, {6, 4}, {8, 2});
+    c.p.d = 4;
+    c.w.w1 = TensorView::contiguous(c.w1.data(), DType::kFP64, {4, 6, 4});
+    expect_error([&] { c.forward_call(); }, {"'x.stride'", "unit inner stride", "got (8, 2)"});
+  }
+  {
+    Call c;  // overlapping rows
+    c.xv = TensorView::strided(c.x.data(), DType::kFP64, {6, 8}, {4, 1});
+    expect_error([&] { c.forward_call(); }, {"'x.stride'", ">= 8", "got (4, 1)"});
+  }
+  {
+    Call c;
+    c.w.w1.data = nullptr;
+    expect_error([&] { c.forward_call(); }, {"'weights.w1'", "non-null", "nullptr"});
+  }
+  {
+    Call c;
+    c.w.w2.device = Device::cuda(0);
+    expect_error([&] { c.forward_call(); }, {"'weights.w2'", "on cpu", "cuda:0"});
+  }
+  {
+    Call c;
+    c.xv.dtype = DType::kInt32;
+    expect_error([&] { c.forward_call(); }, {"'x'", "floating dtype", "int32"});
+  }
+  {
+    Call c;  // bf16 on the CPU has no backend
+    c.xv.dtype = c.w.router_weight.dtype = c.w.w1.dtype = c.w.w2.dtype = c.w.b1.dtype = DType::kBF16;
+    c.fo.out.dtype = c.fo.router_logits.dtype = DType::kBF16;
+    expect_error([&] { c.forward_call(); }, {"'x'", "fp32 or fp64 on cpu", "bf16"});
+  }
+  {
+    Call c;
+    c.xv.device = c.w.router_weight.device = c.w.w1.device = c.w.w2.device = c.w.b1.device = Device::cuda(0);
+    expect_error([&] { c.forward_call(); }, {"'x'", "tensors on cpu", "cuda:0"});
+  }
+  {
+    Call c;
+    c.fo.expert_counts.dtype = DType::kInt64;
+    expect_error([&] { c.forward_call(); }, {"'outputs.expert_counts'", "int32", "int64"});
+  }
+  {
+    Call c;
+    c.fo.out = TensorView::contiguous(c.out.data(), DType::kFP64, {8, 6});
+    expect_error([&] { c.forward_call(); }, {"'outputs.out'", "shape (6, 8)", "got (8, 6)"});
+  }
+}
+
+TEST(Validation, BiasesMustMatchTheProblem) {
+  {
+    Call c;
+    c.w.b1 = TensorView();
+    expect_error([&] { c.forward_call(); }, {"'weights.b1'", "(4, 6)", "empty view"});
+  }
+  {
+    Call c;
+    c.b2.assign(32, 0.0);
+    c.w.b2 = TensorView::contiguous(c.b2.data(), DType::kFP64, {4, 8});
+    expect_error([&] { c.forward_call(); }, {"'weights.b2'", "problem.has_b2 is false", "(4, 8)"});
+  }
+}
+
+TEST(Validation, CallerSuppliedRouting) {
+  {
+    Call c(RoutingMode::kCallerSupplied);
+    c.exp[3] = 4;
+    expect_error([&] { c.forward_call(); }, {"'routing.expert_index[3]'", "[0, 4)", "got 4"});
+  }
+  {
+    Call c(RoutingMode::kCallerSupplied);
+    c.exp[0] = -1;
+    expect_error([&] { c.forward_call(); }, {"'routing.expert_index[0]'", "got -1"});
+  }
+  {
+    Call c(RoutingMode::kCallerSupplied);
+    c.tok[5] = 6;
+    expect_error([&] { c.forward_call(); }, {"'routing.token_index[5]'", "[0, 6)", "got 6"});
+  }
+  {
+    Call c(RoutingMode::kCallerSupplied);
+    c.tok = {0, 0, 3, 1, 3, 5};
+    expect_error([&] { c.forward_call(); }, {"'routing.token_index[3]'", "ascending order", "got 1"});
+  }
+  {
+    Call c(RoutingMode::kCallerSupplied);
+    c.tok = {0, 0, 0, 3, 3, 5};
+    expect_error([&] { c.forward_call(); }, {"'routing.token_index[2]'", "at most K = 2", "3 pairs for token 0"});
+  }
+  {
+    Call c(RoutingMode::kCallerSupplied);
+    expect_error([&] { forward(c.p, c.xv, c.w, nullptr, c.fo, c.fb); }, {"'routing'", "triples", "nullptr"});
+  }
+  {
+    Call c;
+    RoutingTriples r;
+    expect_error([&] { forward(c.p, c.xv, c.w, &r, c.fo, c.fb); }, {"'routing'", "nullptr (routing 'topk'"});
+  }
+  {
+    Call c(RoutingMode::kCallerSupplied);
+    c.rt.score.dtype = DType::kFP32;
+    expect_error([&] { c.forward_call(); }, {"'routing.score'", "dtype fp64", "fp32"});
+  }
+  {
+    Call c(RoutingMode::kCallerSupplied);
+    c.rt.token_index.dtype = DType::kFP64;
+    expect_error([&] { c.forward_call(); }, {"'routing.token_index'", "int32 or int64", "fp64"});
+  }
+}
+
+TEST(Validation, BuffersAndStream) {
+  {
+    Call c;
+    c.fb.saved_bytes -= 1;
+    expect_error([&] { c.forward_call(); }, {"'buffers.saved_bytes'", "at least", std::to_string(c.saved.size()).c_str()});
+  }
+  {
+    Call c;
+    c.fb.saved = nullptr;
+    expect_error([&] { c.forward_call(); }, {"'buffers.saved'", "non-null"});
+  }
+  {
+    Call c;
+    int fake_stream = 0;
+    expect_error([&] { forward(c.p, c.xv, c.w, nullptr, c.fo, c.fb, &fake_stream); }, {"'stream'", "nullptr for cpu"});
+  }
+  {
+    Call c;  // a saved buffer forward() never filled
+    std::memset(c.saved.data(), 0xFF, c.saved.size());
+    expect_error([&] { c.backward_call(); }, {"'buffers.saved'", "forward() filled"});
+  }
+}
+
+TEST(Validation, BackwardArguments) {
+  {
+    Call c;
+    c.forward_call();
+    c.bo.grad_weights.b1 = TensorView();
+    expect_error([&] { c.backward_call(); }, {"'outputs.grad_weights.b1'", "(4, 6)"});
+  }
+  {
+    Call c;
+    c.forward_call();
+    c.bi.grad_out = TensorView::contiguous(c.gout.data(), DType::kFP64, {8, 6});
+    expect_error([&] { c.backward_call(); }, {"'inputs.grad_out'", "(6, 8)"});
+  }
+  {
+    Call c(RoutingMode::kCallerSupplied);
+    c.forward_call();
+    c.bo.grad_scores = TensorView();
+    expect_error([&] { c.backward_call(); }, {"'outputs.grad_scores'", "(6,)"});
+  }
+  {
+    Call c;
+    c.forward_call();
+    c.bo.grad_scores = TensorView::contiguous(c.dscores.data(), DType::kFP64, {6});
+    expect_error([&] { c.backward_call(); }, {"'outputs.grad_scores'", "only routing 'caller'"});
+  }
+}
+
+TEST(Validation, RejectedCallsWriteNothing) {
+  Call c(RoutingMode::kCallerSupplied);
+  for (double& v : c.out) v = 123.0;
+  c.exp[5] = 99;  // detected only after every tensor checked out
+  EXPECT_THROW(c.forward_call(), Error);
+  for (double v : c.out) EXPECT_EQ(v, 123.0);
+  for (std::int32_t v : c.counts) EXPECT_EQ(v, 0);
+}
+
+TEST(Validation, NameParsersListTheAcceptedNames) {
+  expect_error([] { parse_activation("swish"); }, {"'activation'", "swiglu", "'swish'"});
+  expect_error([] { parse_score_variant("softmax"); }, {"'score'", "topk_softmax_renorm"});
+  expect_error([] { parse_rounding_rule("half"); }, {"'rounding'", "nearest"});
+  EXPECT_EQ(parse_weight_layout("concatenated"), WeightLayout::kConcatenated);
+  EXPECT_EQ(parse_cache_mode("input_only"), CacheMode::kInputOnly);
+  EXPECT_EQ(parse_routing_mode("token_rounding"), RoutingMode::kTokenRounding);
+}
+
+TEST(Validation, Losses) {
+  std::vector<double> z(12, 0.0), g(12, 0.0), loss(1);
+  std::vector<std::int32_t> counts = {1, 2, -1, 0};
+  const TensorView zv = TensorView::contiguous(z.data(), DType::kFP64, {3, 4});
+  const TensorView lv = TensorView::contiguous(loss.data(), DType::kFP64, {1});
+  const TensorView gv = TensorView::contiguous(g.data(), DType::kFP64, {3, 4});
+  expect_error([&] { load_balancing_loss(zv, TensorView::contiguous(counts.data(), DType::kInt32, {4}), lv, gv); },
+               {"'expert_counts[2]'", ">= 0", "-1"});
+  expect_error([&] { load_balancing_loss(zv, TensorView::contiguous(counts.data(), DType::kInt32, {3}), lv, gv); },
+               {"'expert_counts'", "(4,)", "(3,)"});
+  expect_error([&] { router_z_loss(zv, TensorView::contiguous(loss.data(), DType::kFP32, {1}), gv); },
+               {"'loss'", "fp64"});
+  counts[2] = 3;
+  load_balancing_loss(zv, TensorView::contiguous(counts.data(), DType::kInt32, {4}), lv, gv);
+  EXPECT_NEAR(loss[0], 1.0, 1e-15);
+  router_z_loss(zv, lv, gv, 0.5, /*accumulate=*/true);
+  EXPECT_NEAR(loss[0], std::log(4.0) * std::log(4.0), 1e-14);
+  // Uniform probabilities, counts {1, 2, 3, 0}: the aux gradient at [0][0] is p (dP_0 - sum p dP) = 0.25 * (-1/9);
+  // the z-loss gradient 2 lse p / T, scaled by 0.5, is added onto it.
+  EXPECT_NEAR(g[0], -1.0 / 36 + 0.5 * 2 * std::log(4.0) * 0.25 / 3, 1e-15);
+}
+
+}  // namespace
+}  // namespace sonicmoe

@@ -35,8 +35,8 @@ else
   echo "setup: installing CUTLASS $cutlass_version headers (PyPI nvidia-cutlass) into third_party/cutlass"
   rm -rf "$cutlass_dir"
   python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-compile \
-    --target "$cutlass_dir" "nvidia-cutlass==$cutlass_version"
+    --root-user-action=ignore --target "$cutlass_dir" "nvidia-cutlass==$cutlass_version"
   echo "$cutlass_version" > "$cutlass_dir/.version"
 fi
 echo "setup: ok (cmake $(cmake --version | head -n1 | awk '{print $3}'), CUTLASS $cutlass_version," \
-     "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo 'not found: CPU-only build')"
+     "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo "not found: CPU-only build"))"

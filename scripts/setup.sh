@@ -12,26 +12,31 @@ cutlass_dir="$root/third_party/cutlass"
 
 sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
+# Ask Debian only for what is really missing, judged by the tools themselves (on the GPU machine, which has no
+# network, cmake and GoogleTest come from its image rather than from Debian packages).
+version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
 missing=()
-for pkg in cmake ninja-build g++ libgtest-dev libgmock-dev python3 python3-pip; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
-done
-# python3/pip may come from elsewhere (pyenv): only ask Debian for them when there is no working one.
-if command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1; then
-  missing=("${missing[@]/python3-pip/}")
-  missing=("${missing[@]/python3/}")
+if ! command -v cmake >/dev/null 2>&1 || ! version_ge "$(cmake --version | head -n1 | awk '{print $3}')" 3.25; then
+  missing+=(cmake)
 fi
-missing=(${missing[@]+"${missing[@]}"})
+command -v ninja >/dev/null 2>&1 || missing+=(ninja-build)
+command -v g++ >/dev/null 2>&1 || missing+=(g++)
+have_gtest=no
+for f in /usr/lib/*/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/GTest/GTestConfig.cmake \
+         /usr/local/lib/cmake/GTest/GTestConfig.cmake; do [ -f "$f" ] && have_gtest=yes; done
+[ "$have_gtest" = yes ] || missing+=(libgtest-dev libgmock-dev)
+have_cutlass() {
+  [ -f "$cutlass_dir/.version" ] && [ "$(cat "$cutlass_dir/.version")" = "$cutlass_version" ] &&
+    [ -f "$cutlass_dir/cutlass_library/source/include/cute/tensor.hpp" ]
+}
+if ! have_cutlass && ! python3 -m pip --version >/dev/null 2>&1; then missing+=(python3 python3-pip); fi
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${missing[*]}"
   sudo_if_needed apt-get update -qq
   DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-if [ -f "$cutlass_dir/.version" ] && [ "$(cat "$cutlass_dir/.version")" = "$cutlass_version" ] &&
-   [ -f "$cutlass_dir/cutlass_library/source/include/cute/tensor.hpp" ]; then
-  :
-else
+if ! have_cutlass; then
   echo "setup: installing CUTLASS $cutlass_version headers (PyPI nvidia-cutlass) into third_party/cutlass"
   rm -rf "$cutlass_dir"
   python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-compile \

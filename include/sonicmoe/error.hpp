@@ -14,6 +14,12 @@ class Error : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+/// Thrown when the CUDA runtime or cuBLAS reports a failure (an invalid launch, a sticky device error, ...).
+class RuntimeError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 /// Builds the standard message "sonicmoe::<where>: argument '<arg>': expected <expected>, got <got>".
 [[noreturn]] void throw_argument_error(const std::string& where, const std::string& arg,
                                        const std::string& expected, const std::string& got);

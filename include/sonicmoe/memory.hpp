@@ -53,13 +53,20 @@ struct ActivationMemory {
 };
 ActivationMemory activation_memory(const MoEProblem& problem, DType data_dtype);
 
+/// Workspace handed to cuBLAS for the router GEMMs (so it allocates nothing itself).
+inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
+
 /// Transient memory of the GPU forward, one caller-provided workspace:
-///   a          P x n                   data dtype  post-activation A (input of the down-projection)
-///   y          P x d                   data dtype  down-projection output Y, grouped order
-///   tile_hist  E x ceil(P / 1024)      int32       per-tile expert histograms of the metadata build
-///   topk       T x K x (4 + 4)         int32+fp32  token rounding only: the token-choice selection
+///   a             P x n                 data dtype  post-activation A (input of the down-projection)
+///   y             P x d                 data dtype  down-projection output Y, grouped order
+///   pair_expert   P                     int32       expert of each pair, pair order
+///   pair_token    P                     int32       token of each pair (variable-K routing only)
+///   tile_hist     E x ceil(P / 1024)    int32       per-tile expert histograms of the metadata build
+///   expert_tiles  E + 1                 int32       GEMM M-tiles per expert, scanned
+///   topk          T x K x (4 + 4)       int32+fp32  token rounding only: the token-choice selection
+///   cublas        kCublasWorkspaceBytes             cuBLAS workspace of the router GEMM
 struct ForwardWorkspaceLayout {
-  BufferRegion a, y, tile_hist, topk;
+  BufferRegion a, y, pair_expert, pair_token, tile_hist, expert_tiles, topk, cublas;
   std::size_t total_bytes = 0;
 };
 ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& problem, DType data_dtype);
@@ -71,9 +78,11 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& problem, DType
 ///   dx_expanded  P x d              data dtype   per-pair input gradient, grouped order
 ///   ds_partial   P x ceil(n / 64)   fp32         per-N-tile partial sums of <dA', A>
 ///   ds           P                  score dtype  router-score gradient, pair order
-///   dlogits      T x E              fp32         not for caller-supplied routing
+///   dlogits      T x E              data dtype   gradient of the router logits (not for caller-supplied routing)
+///   expert_tiles E + 1              int32        GEMM M-tiles per expert, scanned
+///   cublas       kCublasWorkspaceBytes           cuBLAS workspace of the router GEMMs (not for caller-supplied)
 struct BackwardWorkspaceLayout {
-  BufferRegion h_recompute, dh, a_prime, dx_expanded, ds_partial, ds, dlogits;
+  BufferRegion h_recompute, dh, a_prime, dx_expanded, ds_partial, ds, dlogits, expert_tiles, cublas;
   std::size_t total_bytes = 0;
 };
 BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& problem, DType data_dtype);

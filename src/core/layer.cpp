@@ -11,6 +11,10 @@
 #include "reference/layer.hpp"
 #include "sonicmoe/error.hpp"
 
+#ifdef SONICMOE_WITH_CUDA
+#include "gpu/layer_cuda.hpp"
+#endif
+
 namespace sonicmoe {
 
 namespace {
@@ -50,11 +54,18 @@ DType validate_inputs(const ArgChecker& c, const MoEProblem& p, const TensorView
            "a RoutingTriples pointer");
   }
 
-  if (dev.type == DeviceType::kCUDA)
-    c.fail("x", "tensors on cpu (this build's CUDA backend does not run the layer yet)", device_name(dev));
-  if (dt != DType::kFP32 && dt != DType::kFP64)
-    c.fail("x", "dtype fp32 or fp64 on cpu (the CPU reference; bf16/fp16 run on the GPU)", dtype_name(dt));
-  if (stream != nullptr) c.fail("stream", "nullptr for cpu tensors", "a non-null stream");
+  if (dev.type == DeviceType::kCUDA) {
+#ifndef SONICMOE_WITH_CUDA
+    c.fail("x", "tensors on cpu (this build has no CUDA support: nvcc was not found at configure time)",
+           device_name(dev));
+#endif
+    if (dt == DType::kFP64)
+      c.fail("x", "dtype bf16, fp16 or fp32 on cuda (fp64 runs on the CPU reference)", dtype_name(dt));
+  } else {
+    if (dt != DType::kFP32 && dt != DType::kFP64)
+      c.fail("x", "dtype fp32 or fp64 on cpu (the CPU reference; bf16/fp16 run on the GPU)", dtype_name(dt));
+    if (stream != nullptr) c.fail("stream", "nullptr for cpu tensors", "a non-null stream");
+  }
   return dt;
 }
 
@@ -227,6 +238,14 @@ void forward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, co
   if (buffers.workspace_bytes < ws_need)
     c.fail("buffers.workspace_bytes", "at least forward_workspace_bytes(...) = " + bytes_str(ws_need),
            bytes_str(buffers.workspace_bytes));
+  if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
+#ifdef SONICMOE_WITH_CUDA
+  if (x.device.type == DeviceType::kCUDA) {
+    // Index values stay on the device (checking them here would synchronise); out-of-range pairs are skipped.
+    gpu::forward_cuda(p, x, w, routing, out, buffers, stream);
+    return;
+  }
+#endif
   if (p.routing == RoutingMode::kCallerSupplied) validate_routing_values(c, p, *routing);
 
   if (dt == DType::kFP64) forward_cpu<double>(p, x, w, routing, out, buffers);
@@ -266,6 +285,13 @@ void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, c
   if (buffers.workspace_bytes < ws_need)
     c.fail("buffers.workspace_bytes", "at least backward_workspace_bytes(...) = " + bytes_str(ws_need),
            bytes_str(buffers.workspace_bytes));
+  if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
+#ifdef SONICMOE_WITH_CUDA
+  if (dev.type == DeviceType::kCUDA) {
+    gpu::backward_cuda(p, x, w, routing, bin, out, buffers, stream);
+    return;
+  }
+#endif
   if (p.routing == RoutingMode::kCallerSupplied) validate_routing_values(c, p, *routing);
 
   if (dt == DType::kFP64) backward_cpu<double>(c, p, x, w, routing, bin, out, buffers);

@@ -57,8 +57,12 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
   ForwardWorkspaceLayout l;
   l.a = b.add(P * u(p.n) * elem);
   l.y = b.add(P * u(p.d) * elem);
+  l.pair_expert = b.add(P * 4);
+  if (p.variable_k()) l.pair_token = b.add(P * 4);
   l.tile_hist = b.add(u(p.E) * ((P + 1023) / 1024) * 4);
+  l.expert_tiles = b.add(u(p.E + 1) * 4);
   if (p.routing == RoutingMode::kTokenRounding) l.topk = b.add(u(p.T) * u(p.K) * 8);
+  if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
   l.total_bytes = b.total();
   return l;
 }
@@ -73,7 +77,9 @@ BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType dat
   l.dx_expanded = b.add(P * u(p.d) * elem);
   l.ds_partial = b.add(P * ((u(p.n) + 63) / 64) * 4);
   l.ds = b.add(P * dtype_size(score_dtype(data_dtype)));
-  if (p.routing != RoutingMode::kCallerSupplied) l.dlogits = b.add(u(p.T) * u(p.E) * 4);
+  if (p.routing != RoutingMode::kCallerSupplied) l.dlogits = b.add(u(p.T) * u(p.E) * elem);
+  l.expert_tiles = b.add(u(p.E + 1) * 4);
+  if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
   l.total_bytes = b.total();
   return l;
 }

@@ -1,0 +1,155 @@
+// Aggregation and reduction kernels: per-token gather-sum (no atomics, no scatter), the dS reduction with the
+// b2 term, and per-expert column sums (db1, db2). fp32 accumulation in a fixed order everywhere.
+#include <cstdint>
+
+#include "gpu/cuda_check.hpp"
+#include "gpu/device_math.cuh"
+#include "gpu/kernels.hpp"
+
+namespace sonicmoe::gpu {
+namespace {
+
+/// One block per token; each thread owns VEC consecutive columns per chunk (16-byte loads when VEC > 1).
+template <class T, int VEC>
+__global__ void gather_sum_kernel(const T* __restrict__ rows, std::int64_t width, const float* __restrict__ weights,
+                                  const std::int32_t* __restrict__ inverse,
+                                  const std::int32_t* __restrict__ token_offsets, std::int64_t K,
+                                  T* __restrict__ out, std::int64_t ld_out) {
+  const std::int64_t t = blockIdx.x;
+  const std::int64_t p_begin = token_offsets ? token_offsets[t] : t * K;
+  const std::int64_t p_end = token_offsets ? token_offsets[t + 1] : (t + 1) * K;
+  for (std::int64_t c0 = static_cast<std::int64_t>(threadIdx.x) * VEC; c0 < width;
+       c0 += static_cast<std::int64_t>(blockDim.x) * VEC) {
+    float acc[VEC];
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
+    for (std::int64_t p = p_begin; p < p_end; ++p) {
+      const std::int32_t g = inverse[p];
+      if (g < 0) continue;
+      const float w = weights ? weights[p] : 1.0f;
+      const T* src = rows + static_cast<std::int64_t>(g) * width + c0;
+      if constexpr (VEC > 1) {
+        alignas(16) T vals[VEC];
+        *reinterpret_cast<uint4*>(vals) = *reinterpret_cast<const uint4*>(src);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[v] += w * to_float(vals[v]);
+      } else {
+        acc[0] += w * to_float(src[0]);
+      }
+    }
+    T* dst = out + t * ld_out + c0;
+    if constexpr (VEC > 1) {
+      alignas(16) T vals[VEC];
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) vals[v] = from_float<T>(acc[v]);
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(vals);
+    } else {
+      dst[0] = from_float<T>(acc[0]);
+    }
+  }
+}
+
+/// One warp per pair.
+template <class T>
+__global__ void ds_reduce_kernel(const float* __restrict__ partial, std::int64_t n_tiles,
+                                 const std::int32_t* __restrict__ inverse, const std::int32_t* __restrict__ gather,
+                                 const std::int32_t* __restrict__ offsets, int E, std::int64_t P,
+                                 const T* __restrict__ grad_out, std::int64_t ld_go, const T* __restrict__ b2,
+                                 std::int64_t ld_b2, std::int64_t d, float* __restrict__ ds) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (p >= P) return;
+  const std::int32_t g = inverse[p];
+  if (g < 0) {
+    if (lane == 0) ds[p] = 0.0f;
+    return;
+  }
+  float s = 0.0f;
+  for (std::int64_t i = lane; i < n_tiles; i += 32) s += partial[static_cast<std::int64_t>(p) * n_tiles + i];
+  if (b2) {
+    const int e = expert_of_row(offsets, E, g);
+    const T* go = grad_out + static_cast<std::int64_t>(gather[g]) * ld_go;
+    const T* b = b2 + static_cast<std::int64_t>(e) * ld_b2;
+    float dot = 0.0f;
+    for (std::int64_t k = lane; k < d; k += 32) dot += to_float(go[k]) * to_float(b[k]);
+    s += dot;  // per-lane partials of both terms, then one fixed butterfly
+  }
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (lane == 0) ds[p] = s;
+}
+
+template <class T>
+__global__ void segment_column_sum_kernel(const T* __restrict__ m, std::int64_t ld_m,
+                                          const std::int32_t* __restrict__ gather, const float* __restrict__ scores,
+                                          const std::int32_t* __restrict__ scatter,
+                                          const std::int32_t* __restrict__ offsets, std::int64_t cols,
+                                          std::int64_t glu_n, T* __restrict__ out, std::int64_t ld_out_expert,
+                                          unsigned col_blocks) {
+  const int e = static_cast<int>(blockIdx.x / col_blocks);
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x % col_blocks) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float acc = 0.0f;
+  for (std::int64_t g = offsets[e]; g < offsets[e + 1]; ++g) {
+    const std::int64_t row = gather ? gather[g] : g;
+    const float w = scores ? scores[scatter[g]] : 1.0f;
+    acc += w * to_float(m[row * ld_m + c]);
+  }
+  const std::int64_t oc = glu_n > 0 ? glu_concat_row(c, glu_n) : c;
+  out[static_cast<std::int64_t>(e) * ld_out_expert + oc] = from_float<T>(acc);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+void launch_gather_sum(DType dt, const void* rows, std::int64_t width, const float* weights,
+                       const std::int32_t* inverse, const std::int32_t* token_offsets, std::int64_t K,
+                       std::int64_t T, void* out, std::int64_t ld_out, cudaStream_t stream) {
+  if (T == 0 || width == 0) return;
+  dispatch_data_type(dt, [&](auto tag) {
+    using Tp = decltype(tag);
+    constexpr int kVec = 16 / sizeof(Tp);
+    const bool vec = width % kVec == 0 && ld_out % kVec == 0 && aligned16(rows) && aligned16(out);
+    const std::int64_t lanes = vec ? width / kVec : width;
+    const int threads = static_cast<int>(std::min<std::int64_t>(256, (lanes + 31) / 32 * 32));
+    const auto grid = static_cast<unsigned>(T);
+    if (vec)
+      gather_sum_kernel<Tp, kVec><<<grid, threads, 0, stream>>>(static_cast<const Tp*>(rows), width, weights, inverse,
+                                                                token_offsets, K, static_cast<Tp*>(out), ld_out);
+    else
+      gather_sum_kernel<Tp, 1><<<grid, threads, 0, stream>>>(static_cast<const Tp*>(rows), width, weights, inverse,
+                                                             token_offsets, K, static_cast<Tp*>(out), ld_out);
+  });
+  SONICMOE_CUDA_CHECK_LAUNCH("gather_sum");
+}
+
+void launch_ds_reduce(DType dt, const float* partial, std::int64_t n_tiles, const std::int32_t* inverse,
+                      const std::int32_t* gather, const std::int32_t* offsets, std::int64_t E, std::int64_t P,
+                      const void* grad_out, std::int64_t ld_go, const void* b2, std::int64_t ld_b2, std::int64_t d,
+                      float* ds, cudaStream_t stream) {
+  if (P == 0) return;
+  dispatch_data_type(dt, [&](auto tag) {
+    using Tp = decltype(tag);
+    ds_reduce_kernel<Tp><<<ceil_div(P, 8), 256, 0, stream>>>(partial, n_tiles, inverse, gather, offsets,
+                                                              static_cast<int>(E), P, static_cast<const Tp*>(grad_out),
+                                                              ld_go, static_cast<const Tp*>(b2), ld_b2, d, ds);
+  });
+  SONICMOE_CUDA_CHECK_LAUNCH("ds_reduce");
+}
+
+void launch_segment_column_sum(DType dt, const void* m, std::int64_t ld_m, const std::int32_t* gather,
+                               const float* scores, const std::int32_t* scatter, const std::int32_t* offsets,
+                               std::int64_t E, std::int64_t cols, std::int64_t glu_n, void* out,
+                               std::int64_t ld_out_expert, cudaStream_t stream) {
+  if (E == 0 || cols == 0) return;
+  const unsigned col_blocks = ceil_div(cols, 256);
+  dispatch_data_type(dt, [&](auto tag) {
+    using Tp = decltype(tag);
+    segment_column_sum_kernel<Tp><<<col_blocks * static_cast<unsigned>(E), 256, 0, stream>>>(
+        static_cast<const Tp*>(m), ld_m, gather, scores, scatter, offsets, cols, glu_n, static_cast<Tp*>(out),
+        ld_out_expert, col_blocks);
+  });
+  SONICMOE_CUDA_CHECK_LAUNCH("segment_column_sum");
+}
+
+}  // namespace sonicmoe::gpu

@@ -1,0 +1,159 @@
+// Host-side launchers of the GPU runtime's kernels. Plain C++ (no device code), so the orchestration in
+// layer_cuda.cpp compiles with the host compiler. Every launcher enqueues work on `stream` and never
+// synchronises. Data pointers are of the layer's data dtype (bf16, fp16 or fp32); indices are int32; scores fp32.
+//
+// Row orders as in include/sonicmoe/layer.hpp: pair order p, grouped order g.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "sonicmoe/problem.hpp"
+#include "sonicmoe/tensor.hpp"
+
+namespace sonicmoe::gpu {
+
+/// Rows of one M-tile of the reference grouped GEMM; expert_tiles counts M-tiles per expert in these units.
+inline constexpr int kGemmTileM = 64;
+/// Columns of one N-tile of the dH kernel: one dS partial per (pair, N-tile) (memory.hpp: ceil(n / 64)).
+inline constexpr int kDsTileN = 64;
+/// Pairs per tile of the metadata build.
+inline constexpr int kMetadataTile = 1024;
+
+// ---- router ----------------------------------------------------------------------------------------------------
+
+/// Per token: the top-K experts by logit (ties to the lower index, NaN last), in descending order, and their
+/// scores for `variant`. scores/experts are (T, K) in pair order.
+void launch_topk_scores(DType dt, const void* logits, std::int64_t ld_logits, std::int64_t T, std::int64_t E,
+                        std::int64_t K, ScoreVariant variant, float* scores, std::int32_t* experts,
+                        cudaStream_t stream);
+
+/// dlogits (T, E, data dtype, contiguous) = d scores / d logits applied to ds (pair order), plus the upstream
+/// grad_logits (T, E, ld_grad; may be null). Top-K routing only. logits (kept) are read for kTopKOfSoftmax.
+void launch_router_backward(DType dt, ScoreVariant variant, const float* scores, const float* ds,
+                            const std::int32_t* inverse, const std::int32_t* expert_offsets, const void* logits,
+                            std::int64_t T, std::int64_t E, std::int64_t K, const void* grad_logits,
+                            std::int64_t ld_grad, void* dlogits, cudaStream_t stream);
+
+// ---- routing metadata ------------------------------------------------------------------------------------------
+
+struct MetadataArgs {
+  std::int64_t T = 0, E = 0, P = 0;        // P: pairs in pair order
+  const std::int32_t* pair_expert = nullptr;  // (P); values outside [0, E) are skipped (sentinels)
+  const std::int32_t* pair_token = nullptr;   // (P) or null for top-K (token = p / K)
+  std::int64_t K = 1;
+  std::int32_t* tile_hist = nullptr;       // (E, ceil(P / 1024)) scratch
+  std::int32_t* expert_counts = nullptr;   // (E) output, may be null
+  std::int32_t* expert_offsets = nullptr;  // (E + 1)
+  std::int32_t* expert_tiles = nullptr;    // (E + 1): exclusive scan of ceil(count / kGemmTileM)
+  std::int32_t* scatter = nullptr;         // (P)
+  std::int32_t* inverse = nullptr;         // (P); -1 for skipped pairs
+  std::int32_t* gather = nullptr;          // (P)
+  std::int32_t* token_offsets = nullptr;   // (T + 1) or null
+};
+/// Deterministic metadata without a global sort: per-tile histograms, per-expert scans, in-tile stable ranks.
+void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream);
+/// expert_tiles from expert_offsets (the backward rebuilds it from what the forward kept).
+void launch_expert_tiles(const std::int32_t* expert_offsets, std::int64_t E, std::int32_t* expert_tiles,
+                         cudaStream_t stream);
+
+// ---- aggregation and reductions --------------------------------------------------------------------------------
+
+/// out[t, :] = sum over the pairs p of token t (pair order) of w_p * rows[inverse[p], :], fp32 accumulation,
+/// no atomics. weights == null: unweighted. token_offsets == null: pairs of t are t*K .. t*K+K-1.
+void launch_gather_sum(DType dt, const void* rows, std::int64_t width, const float* weights,
+                       const std::int32_t* inverse, const std::int32_t* token_offsets, std::int64_t K,
+                       std::int64_t T, void* out, std::int64_t ld_out, cudaStream_t stream);
+
+/// ds[p] = sum_tiles ds_partial[p, tile] (fixed order) + (b2 ? <grad_out[t], b2[e]> : 0); 0 for skipped pairs.
+void launch_ds_reduce(DType dt, const float* ds_partial, std::int64_t n_tiles, const std::int32_t* inverse,
+                      const std::int32_t* gather, const std::int32_t* expert_offsets, std::int64_t E,
+                      std::int64_t P, const void* grad_out, std::int64_t ld_grad_out, const void* b2,
+                      std::int64_t ld_b2, std::int64_t d, float* ds, cudaStream_t stream);
+
+/// out[e, col_map(c)] = sum over grouped rows g of expert e of w_g * M[row(g), c], fp32, sequential in g.
+/// row(g) = gather ? gather[g] : g; w_g = scores ? scores[scatter[g]] : 1; col_map = concatenated-GLU map when
+/// glu_concat_n > 0 (c -> (c % 2) * n + c / 2), identity otherwise.
+void launch_segment_column_sum(DType dt, const void* m, std::int64_t ld_m, const std::int32_t* gather,
+                               const float* scores, const std::int32_t* scatter,
+                               const std::int32_t* expert_offsets, std::int64_t E, std::int64_t cols,
+                               std::int64_t glu_concat_n, void* out, std::int64_t ld_out_expert,
+                               cudaStream_t stream);
+
+// ---- reference grouped GEMMs -----------------------------------------------------------------------------------
+
+/// Per-expert B operand: element (col, k) at ptr + e * expert_stride + map(col) * stride_col + map(k) * stride_k,
+/// where map is the concatenated-GLU row map on the index named by permute (0: none, 1: col, 2: k).
+struct ExpertOperand {
+  const void* ptr = nullptr;
+  std::int64_t expert_stride = 0, stride_col = 0, stride_k = 0;
+  int permute = 0;
+  std::int64_t glu_n = 0;
+};
+
+enum class Epilogue : int {
+  kStore,         // out[g, c] = acc (+ bias[e, c])
+  kUpActivation,  // acc + b1 -> H (optional store), act -> A
+  kActivationGrad,  // dH kernel: acc = dA'; reads H, scores; writes dH, A', dS partials
+};
+
+struct VarlenMArgs {
+  DType dt = DType::kBF16;
+  std::int64_t E = 0, N = 0, K = 0, P_max = 0;
+  const std::int32_t* expert_offsets = nullptr;
+  const std::int32_t* expert_tiles = nullptr;
+  // A: rows g (gathered through a_gather when non-null), element (row, k) at a + row * lda + k.
+  const void* a = nullptr;
+  std::int64_t lda = 0;
+  const std::int32_t* a_gather = nullptr;
+  ExpertOperand b;
+  Epilogue epilogue = Epilogue::kStore;
+  // kStore: out (P, N) ld_out; bias (E, N) optional (column index through b.permute == 1 map).
+  void* out = nullptr;
+  std::int64_t ld_out = 0;
+  const void* bias = nullptr;
+  std::int64_t ld_bias = 0;
+  // kUpActivation: H -> out (may be null: not stored), A -> act_out (may be null).
+  Activation activation = Activation::kSwiGLU;
+  void* act_out = nullptr;
+  std::int64_t ld_act = 0;
+  // kActivationGrad: h_in (P, w1_rows), scores (pair order) via scatter; dH -> out, A' -> act_out.
+  const void* h_in = nullptr;
+  std::int64_t ld_h = 0;
+  const float* scores = nullptr;
+  const std::int32_t* scatter = nullptr;
+  float* ds_partial = nullptr;  // (P, ceil(N / kDsTileN))
+};
+/// C[g, col] = sum_k A[g, k] * B_e[col, k] for the grouped rows g of every expert e, then the epilogue.
+void launch_varlen_m_gemm(const VarlenMArgs& a, cudaStream_t stream);
+
+struct VarlenKArgs {
+  DType dt = DType::kBF16;
+  std::int64_t E = 0, M = 0, N = 0;
+  const std::int32_t* expert_offsets = nullptr;
+  // C_e[m, n] = sum over rows g of expert e of A[rowA(g), m] * B[rowB(g), n].
+  const void* a = nullptr;
+  std::int64_t lda = 0;
+  const std::int32_t* a_gather = nullptr;
+  const void* b = nullptr;
+  std::int64_t ldb = 0;
+  const std::int32_t* b_gather = nullptr;
+  // out[e * out_expert_stride + map(m) * ld_out + n]; map = concatenated-GLU row map when glu_concat_n > 0.
+  void* out = nullptr;
+  std::int64_t out_expert_stride = 0, ld_out = 0, glu_concat_n = 0;
+};
+/// Weight-gradient GEMM, reduction over each expert's rows; experts with no rows get zeros.
+void launch_varlen_k_gemm(const VarlenKArgs& a, cudaStream_t stream);
+
+}  // namespace sonicmoe::gpu
+
+namespace sonicmoe::gpu {
+
+/// Caller-supplied triples -> int32 pair arrays. Pairs whose expert is outside [0, E) or whose token is outside
+/// [0, T) get expert -1 and are skipped by every kernel (no host round trip to raise an error on the GPU).
+void launch_convert_pairs(const void* token, DType token_dt, const void* expert, DType expert_dt, std::int64_t P,
+                          std::int64_t T, std::int64_t E, std::int32_t* pair_token, std::int32_t* pair_expert,
+                          cudaStream_t stream);
+
+}  // namespace sonicmoe::gpu

@@ -1,0 +1,282 @@
+#include "gpu/layer_cuda.hpp"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <map>
+
+#include "gpu/cuda_check.hpp"
+#include "gpu/kernels.hpp"
+#include "sonicmoe/memory.hpp"
+
+namespace sonicmoe::gpu {
+namespace {
+
+/// Makes `ordinal` current for the scope of a call and restores the caller's device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int ordinal) {
+    SONICMOE_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != ordinal) SONICMOE_CUDA_CHECK(cudaSetDevice(ordinal));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+/// One cuBLAS handle per (thread, device), created on first use and kept for the thread's life.
+cublasHandle_t cublas_handle(int ordinal) {
+  thread_local std::map<int, cublasHandle_t> handles;
+  auto it = handles.find(ordinal);
+  if (it != handles.end()) return it->second;
+  cublasHandle_t h = nullptr;
+  SONICMOE_CUBLAS_CHECK(cublasCreate(&h));
+  handles.emplace(ordinal, h);
+  return h;
+}
+
+cudaDataType_t cuda_type(DType dt) {
+  switch (dt) {
+    case DType::kBF16: return CUDA_R_16BF;
+    case DType::kFP16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+/// Column-major C (m x n) = alpha op(A) op(B) + beta C in the data dtype, fp32 accumulation. Row-major callers
+/// pass their transposed problem.
+void gemm(cublasHandle_t h, DType dt, cublasOperation_t opa, cublasOperation_t opb, std::int64_t m, std::int64_t n,
+          std::int64_t k, const void* A, std::int64_t lda, const void* B, std::int64_t ldb, float beta, void* C,
+          std::int64_t ldc) {
+  const float alpha = 1.0f;
+  const cudaDataType_t t = cuda_type(dt);
+  SONICMOE_CUBLAS_CHECK(cublasGemmEx(h, opa, opb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                                     &alpha, A, t, static_cast<int>(lda), B, t, static_cast<int>(ldb), &beta, C, t,
+                                     static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+cublasHandle_t prepared_cublas(int ordinal, cudaStream_t stream, void* workspace) {
+  cublasHandle_t h = cublas_handle(ordinal);
+  SONICMOE_CUBLAS_CHECK(cublasSetStream(h, stream));
+  SONICMOE_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, kCublasWorkspaceBytes));
+  return h;
+}
+
+template <class Tp = void>
+Tp* at(const void* base, const BufferRegion& r) {
+  return r.present() ? reinterpret_cast<Tp*>(static_cast<char*>(const_cast<void*>(base)) + r.offset) : nullptr;
+}
+
+/// The up-projection: H = gather(X) W1^T + b1 (stored when h_out), A = act(H) (stored when a_out).
+VarlenMArgs up_projection_args(const MoEProblem& p, DType dt, const TensorView& x, const LayerWeights& w,
+                               const std::int32_t* offsets, const std::int32_t* tiles, const std::int32_t* gather,
+                               void* h_out, void* a_out) {
+  VarlenMArgs a;
+  a.dt = dt;
+  a.E = p.E, a.N = p.w1_rows(), a.K = p.d, a.P_max = p.max_pairs();
+  a.expert_offsets = offsets, a.expert_tiles = tiles;
+  a.a = x.data, a.lda = x.stride[0], a.a_gather = gather;
+  a.b.ptr = w.w1.data, a.b.expert_stride = w.w1.stride[0], a.b.stride_col = w.w1.stride[1], a.b.stride_k = 1;
+  a.b.permute = p.weight_layout == WeightLayout::kConcatenated ? 1 : 0;
+  a.b.glu_n = p.n;
+  a.epilogue = Epilogue::kUpActivation;
+  a.out = h_out, a.ld_out = p.w1_rows();
+  if (p.has_b1) a.bias = w.b1.data, a.ld_bias = w.b1.stride[0];
+  a.activation = p.activation;
+  a.act_out = a_out, a.ld_act = p.n;
+  return a;
+}
+
+}  // namespace
+
+void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
+                  const ForwardOutputs& out, const ForwardBuffers& buf, void* stream_ptr) {
+  if (p.routing == RoutingMode::kTokenRounding)
+    throw Error("sonicmoe::forward: argument 'problem.routing': expected 'topk' or 'caller' on the GPU (token "
+                "rounding runs on the CPU reference until its GPU kernels land), got 'token_rounding'");
+  const DeviceGuard guard(x.device.index);
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const DType dt = x.dtype;
+  const std::int64_t P = p.max_pairs();
+  const SavedLayout sl = saved_layout(p, dt);
+  const ForwardWorkspaceLayout wl = forward_workspace_layout(p, dt);
+  float* scores = at<float>(buf.saved, sl.scores);
+  std::int32_t* pair_expert = at<std::int32_t>(buf.workspace, wl.pair_expert);
+  std::int32_t* pair_token = at<std::int32_t>(buf.workspace, wl.pair_token);
+
+  // Router and routing.
+  if (p.routing == RoutingMode::kTopK) {
+    // logits (T x E, row-major) = x W_r^T: column-major E x T = W_r (op T of d x E) * x^T (d x T).
+    cublasHandle_t h = prepared_cublas(x.device.index, stream, at(buf.workspace, wl.cublas));
+    gemm(h, dt, CUBLAS_OP_T, CUBLAS_OP_N, p.E, p.T, p.d, w.router_weight.data, w.router_weight.stride[0], x.data,
+         x.stride[0], 0.0f, out.router_logits.data, out.router_logits.stride[0]);
+    launch_topk_scores(dt, out.router_logits.data, out.router_logits.stride[0], p.T, p.E, p.K, p.score, scores,
+                       pair_expert, stream);
+  } else {
+    launch_convert_pairs(routing->token_index.data, routing->token_index.dtype, routing->expert_index.data,
+                         routing->expert_index.dtype, P, p.T, p.E, pair_token, pair_expert, stream);
+    if (P > 0)
+      SONICMOE_CUDA_CHECK(cudaMemcpyAsync(scores, routing->score.data, sizeof(float) * P, cudaMemcpyDeviceToDevice,
+                                          stream));
+  }
+  MetadataArgs m;
+  m.T = p.T, m.E = p.E, m.P = P, m.K = p.K;
+  m.pair_expert = pair_expert, m.pair_token = pair_token;
+  m.tile_hist = at<std::int32_t>(buf.workspace, wl.tile_hist);
+  m.expert_counts = static_cast<std::int32_t*>(out.expert_counts.data);
+  m.expert_offsets = at<std::int32_t>(buf.saved, sl.expert_offsets);
+  m.expert_tiles = at<std::int32_t>(buf.workspace, wl.expert_tiles);
+  m.scatter = at<std::int32_t>(buf.saved, sl.scatter);
+  m.inverse = at<std::int32_t>(buf.saved, sl.inverse);
+  m.gather = at<std::int32_t>(buf.saved, sl.gather);
+  m.token_offsets = at<std::int32_t>(buf.saved, sl.token_offsets);
+  launch_routing_metadata(m, stream);
+  if (sl.router_logits.present()) {
+    const std::size_t row = dtype_size(dt) * static_cast<std::size_t>(p.E);
+    SONICMOE_CUDA_CHECK(cudaMemcpy2DAsync(at(buf.saved, sl.router_logits), row, out.router_logits.data,
+                                          dtype_size(dt) * out.router_logits.stride[0], row, p.T,
+                                          cudaMemcpyDeviceToDevice, stream));
+  }
+
+  // Experts: up-projection with the activation epilogue, down-projection, weighted gather-sum.
+  void* a_buf = at(buf.workspace, wl.a);
+  void* y_buf = at(buf.workspace, wl.y);
+  launch_varlen_m_gemm(up_projection_args(p, dt, x, w, m.expert_offsets, m.expert_tiles, m.gather,
+                                          at(buf.saved, sl.h), a_buf),
+                       stream);
+  VarlenMArgs down;
+  down.dt = dt;
+  down.E = p.E, down.N = p.d, down.K = p.n, down.P_max = P;
+  down.expert_offsets = m.expert_offsets, down.expert_tiles = m.expert_tiles;
+  down.a = a_buf, down.lda = p.n;
+  down.b.ptr = w.w2.data, down.b.expert_stride = w.w2.stride[0], down.b.stride_col = w.w2.stride[1];
+  down.b.stride_k = 1;
+  down.epilogue = Epilogue::kStore;
+  down.out = y_buf, down.ld_out = p.d;
+  if (p.has_b2) down.bias = w.b2.data, down.ld_bias = w.b2.stride[0];
+  launch_varlen_m_gemm(down, stream);
+  launch_gather_sum(dt, y_buf, p.d, scores, m.inverse, m.token_offsets, p.K, p.T, out.out.data, out.out.stride[0],
+                    stream);
+}
+
+void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
+                   const BackwardInputs& in, const BackwardOutputs& out, const BackwardBuffers& buf,
+                   void* stream_ptr) {
+  (void)routing;
+  if (p.routing == RoutingMode::kTokenRounding)
+    throw Error("sonicmoe::backward: argument 'problem.routing': expected 'topk' or 'caller' on the GPU, got "
+                "'token_rounding'");
+  const DeviceGuard guard(x.device.index);
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const DType dt = x.dtype;
+  const std::int64_t P = p.max_pairs(), rows = p.w1_rows();
+  const SavedLayout sl = saved_layout(p, dt);
+  const BackwardWorkspaceLayout wl = backward_workspace_layout(p, dt);
+  const float* scores = at<float>(buf.saved, sl.scores);
+  const std::int32_t* offsets = at<std::int32_t>(buf.saved, sl.expert_offsets);
+  const std::int32_t* scatter = at<std::int32_t>(buf.saved, sl.scatter);
+  const std::int32_t* inverse = at<std::int32_t>(buf.saved, sl.inverse);
+  const std::int32_t* gather = at<std::int32_t>(buf.saved, sl.gather);
+  const std::int32_t* token_offsets = at<std::int32_t>(buf.saved, sl.token_offsets);
+  std::int32_t* tiles = at<std::int32_t>(buf.workspace, wl.expert_tiles);
+  launch_expert_tiles(offsets, p.E, tiles, stream);
+
+  // H: kept by the forward, or recomputed (input-only mode) with the forward's arithmetic.
+  const void* h = at(buf.saved, sl.h);
+  if (p.cache == CacheMode::kInputOnly) {
+    void* hr = at(buf.workspace, wl.h_recompute);
+    launch_varlen_m_gemm(up_projection_args(p, dt, x, w, offsets, tiles, gather, hr, nullptr), stream);
+    h = hr;
+  }
+
+  // dH kernel: dA' = gather(dO) W2_e, epilogue -> dH, A' = s A, dS partials.
+  void* dh = at(buf.workspace, wl.dh);
+  void* a_prime = at(buf.workspace, wl.a_prime);
+  float* ds_partial = at<float>(buf.workspace, wl.ds_partial);
+  VarlenMArgs dha;
+  dha.dt = dt;
+  dha.E = p.E, dha.N = p.n, dha.K = p.d, dha.P_max = P;
+  dha.expert_offsets = offsets, dha.expert_tiles = tiles;
+  dha.a = in.grad_out.data, dha.lda = in.grad_out.stride[0], dha.a_gather = gather;
+  dha.b.ptr = w.w2.data, dha.b.expert_stride = w.w2.stride[0], dha.b.stride_col = 1;
+  dha.b.stride_k = w.w2.stride[1];
+  dha.epilogue = Epilogue::kActivationGrad;
+  dha.activation = p.activation;
+  dha.out = dh, dha.ld_out = rows;
+  dha.act_out = a_prime, dha.ld_act = p.n;
+  dha.h_in = h, dha.ld_h = rows;
+  dha.scores = scores, dha.scatter = scatter, dha.ds_partial = ds_partial;
+  launch_varlen_m_gemm(dha, stream);
+
+  // dS (pair order), with the b2 term; db2; dW2.
+  const bool caller = p.routing == RoutingMode::kCallerSupplied;
+  float* ds = caller ? static_cast<float*>(out.grad_scores.data) : at<float>(buf.workspace, wl.ds);
+  launch_ds_reduce(dt, ds_partial, (p.n + kDsTileN - 1) / kDsTileN, inverse, gather, offsets, p.E, P,
+                   in.grad_out.data, in.grad_out.stride[0], p.has_b2 ? w.b2.data : nullptr,
+                   p.has_b2 ? w.b2.stride[0] : 0, p.d, ds, stream);
+  if (p.has_b2)
+    launch_segment_column_sum(dt, in.grad_out.data, in.grad_out.stride[0], gather, scores, scatter, offsets, p.E,
+                              p.d, 0, out.grad_weights.b2.data, out.grad_weights.b2.stride[0], stream);
+  VarlenKArgs dw2;
+  dw2.dt = dt;
+  dw2.E = p.E, dw2.M = p.d, dw2.N = p.n;
+  dw2.expert_offsets = offsets;
+  dw2.a = in.grad_out.data, dw2.lda = in.grad_out.stride[0], dw2.a_gather = gather;
+  dw2.b = a_prime, dw2.ldb = p.n;
+  dw2.out = out.grad_weights.w2.data, dw2.out_expert_stride = out.grad_weights.w2.stride[0];
+  dw2.ld_out = out.grad_weights.w2.stride[1];
+  launch_varlen_k_gemm(dw2, stream);
+
+  // dX~ = dH W1_e (grouped), dW1, db1, then dX = gather-sum of dX~.
+  void* dxe = at(buf.workspace, wl.dx_expanded);
+  const bool concat = p.weight_layout == WeightLayout::kConcatenated;
+  VarlenMArgs dxa;
+  dxa.dt = dt;
+  dxa.E = p.E, dxa.N = p.d, dxa.K = rows, dxa.P_max = P;
+  dxa.expert_offsets = offsets, dxa.expert_tiles = tiles;
+  dxa.a = dh, dxa.lda = rows;
+  dxa.b.ptr = w.w1.data, dxa.b.expert_stride = w.w1.stride[0], dxa.b.stride_col = 1;
+  dxa.b.stride_k = w.w1.stride[1], dxa.b.permute = concat ? 2 : 0, dxa.b.glu_n = p.n;
+  dxa.epilogue = Epilogue::kStore;
+  dxa.out = dxe, dxa.ld_out = p.d;
+  launch_varlen_m_gemm(dxa, stream);
+  VarlenKArgs dw1;
+  dw1.dt = dt;
+  dw1.E = p.E, dw1.M = rows, dw1.N = p.d;
+  dw1.expert_offsets = offsets;
+  dw1.a = dh, dw1.lda = rows;
+  dw1.b = x.data, dw1.ldb = x.stride[0], dw1.b_gather = gather;
+  dw1.out = out.grad_weights.w1.data, dw1.out_expert_stride = out.grad_weights.w1.stride[0];
+  dw1.ld_out = out.grad_weights.w1.stride[1], dw1.glu_concat_n = concat ? p.n : 0;
+  launch_varlen_k_gemm(dw1, stream);
+  if (p.has_b1)
+    launch_segment_column_sum(dt, dh, rows, nullptr, nullptr, nullptr, offsets, p.E, rows, concat ? p.n : 0,
+                              out.grad_weights.b1.data, out.grad_weights.b1.stride[0], stream);
+  launch_gather_sum(dt, dxe, p.d, nullptr, inverse, token_offsets, p.K, p.T, out.grad_x.data, out.grad_x.stride[0],
+                    stream);
+
+  // Router: dlogits from dS (+ the caller's gradient of the logits), then dx += dlogits W_r, dW_r = dlogits^T x.
+  if (caller) {
+    const TensorView& gr = out.grad_weights.router_weight;
+    if (!gr.empty())
+      SONICMOE_CUDA_CHECK(cudaMemset2DAsync(gr.data, dtype_size(dt) * gr.stride[0], 0, dtype_size(dt) * p.d, p.E,
+                                            stream));
+    return;
+  }
+  void* dlogits = at(buf.workspace, wl.dlogits);
+  launch_router_backward(dt, p.score, scores, ds, inverse, offsets, at(buf.saved, sl.router_logits), p.T, p.E, p.K,
+                         in.grad_router_logits.empty() ? nullptr : in.grad_router_logits.data,
+                         in.grad_router_logits.empty() ? 0 : in.grad_router_logits.stride[0], dlogits, stream);
+  cublasHandle_t hd = prepared_cublas(x.device.index, stream, at(buf.workspace, wl.cublas));
+  // dx (T x d row-major = col-major d x T) += W_r^T-view: col-major (d x E) * dlogits^T-view (E x T).
+  gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_N, p.d, p.T, p.E, w.router_weight.data, w.router_weight.stride[0], dlogits,
+       p.E, 1.0f, out.grad_x.data, out.grad_x.stride[0]);
+  // dW_r (E x d row-major = col-major d x E) = x^T-view (d x T) * dlogits (T x E).
+  gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_T, p.d, p.E, p.T, x.data, x.stride[0], dlogits, p.E, 0.0f,
+       out.grad_weights.router_weight.data, out.grad_weights.router_weight.stride[0]);
+}
+
+}  // namespace sonicmoe::gpu

@@ -1,0 +1,17 @@
+// The layer on a CUDA stream: forward and backward orchestration of the GPU runtime's kernels. Called by the
+// public API after it has validated every argument; allocates nothing and never synchronises with the host.
+#pragma once
+
+#include "sonicmoe/layer.hpp"
+
+namespace sonicmoe::gpu {
+
+void forward_cuda(const MoEProblem& problem, const TensorView& x, const LayerWeights& weights,
+                  const RoutingTriples* routing, const ForwardOutputs& outputs, const ForwardBuffers& buffers,
+                  void* stream);
+
+void backward_cuda(const MoEProblem& problem, const TensorView& x, const LayerWeights& weights,
+                   const RoutingTriples* routing, const BackwardInputs& inputs, const BackwardOutputs& outputs,
+                   const BackwardBuffers& buffers, void* stream);
+
+}  // namespace sonicmoe::gpu

@@ -1,0 +1,194 @@
+// Routing metadata without a global sort and without host synchronisation (SPEC §2.2):
+//   1. per-tile expert histograms (tiles of kMetadataTile pairs),
+//   2. per-expert exclusive scans over tiles, then an exclusive scan over experts -> offsets,
+//   3. per tile, each pair's stable rank among same-expert pairs before it in the tile.
+// Grouped row of pair p = offsets[e] + (pairs of e in earlier tiles) + rank: ascending pair order inside each
+// expert, the order of the CPU reference. Integer atomics only (exact, so the result is deterministic).
+#include <cub/block/block_scan.cuh>
+
+#include "gpu/cuda_check.hpp"
+#include "gpu/device_math.cuh"
+#include "gpu/kernels.hpp"
+
+namespace sonicmoe::gpu {
+namespace {
+
+constexpr int kScanThreads = 256;
+using BlockScan = cub::BlockScan<std::int32_t, kScanThreads>;
+
+__global__ void tile_histogram_kernel(const std::int32_t* __restrict__ pair_expert, std::int64_t P, int E,
+                                      std::int64_t n_tiles, std::int32_t* __restrict__ hist) {
+  const std::int64_t tile = blockIdx.x;
+  const std::int64_t end = min(P, (tile + 1) * kMetadataTile);
+  for (std::int64_t p = tile * kMetadataTile + threadIdx.x; p < end; p += blockDim.x) {
+    const std::int32_t e = pair_expert[p];
+    if (e >= 0 && e < E) atomicAdd(&hist[e * n_tiles + tile], 1);
+  }
+}
+
+/// Row e of hist: exclusive scan over tiles in place; the expert's total goes to offsets[e + 1].
+__global__ void scan_tiles_kernel(std::int32_t* __restrict__ hist, std::int64_t n_tiles,
+                                  std::int32_t* __restrict__ offsets) {
+  __shared__ typename BlockScan::TempStorage temp;
+  __shared__ std::int32_t carry;
+  std::int32_t* row = hist + static_cast<std::int64_t>(blockIdx.x) * n_tiles;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (std::int64_t base = 0; base < n_tiles; base += kScanThreads) {
+    const std::int64_t i = base + threadIdx.x;
+    const std::int32_t v = i < n_tiles ? row[i] : 0;
+    std::int32_t excl, total;
+    BlockScan(temp).ExclusiveSum(v, excl, total);
+    if (i < n_tiles) row[i] = carry + excl;
+    __syncthreads();
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) offsets[blockIdx.x + 1] = carry;
+}
+
+/// In one block: counts (held in offsets[1..E]) -> exclusive offsets; also expert_counts and expert_tiles.
+__global__ void expert_offsets_kernel(std::int32_t* __restrict__ offsets, int E, std::int32_t* __restrict__ counts,
+                                      std::int32_t* __restrict__ tiles, bool counts_in_offsets) {
+  __shared__ typename BlockScan::TempStorage temp;
+  __shared__ std::int32_t carry_rows, carry_tiles;
+  if (threadIdx.x == 0) carry_rows = carry_tiles = 0;
+  __syncthreads();
+  for (int base = 0; base < E; base += kScanThreads) {
+    const int e = base + threadIdx.x;
+    std::int32_t c = 0;
+    if (e < E) c = counts_in_offsets ? offsets[e + 1] : offsets[e + 1] - offsets[e];
+    const std::int32_t t = (c + kGemmTileM - 1) / kGemmTileM;
+    std::int32_t c_incl, t_incl, c_total, t_total;
+    BlockScan(temp).InclusiveSum(c, c_incl, c_total);
+    __syncthreads();
+    BlockScan(temp).InclusiveSum(t, t_incl, t_total);
+    __syncthreads();  // every thread has read offsets[e + 1] of this chunk before any is overwritten
+    if (e < E) {
+      if (counts) counts[e] = c;
+      if (counts_in_offsets) offsets[e + 1] = carry_rows + c_incl;
+      if (tiles) tiles[e + 1] = carry_tiles + t_incl;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) carry_rows += c_total, carry_tiles += t_total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    if (counts_in_offsets) offsets[0] = 0;
+    if (tiles) tiles[0] = 0;
+  }
+}
+
+__global__ void place_kernel(const std::int32_t* __restrict__ pair_expert, const std::int32_t* __restrict__ pair_token,
+                             std::int64_t P, std::int64_t K, int E, std::int64_t n_tiles,
+                             const std::int32_t* __restrict__ hist, const std::int32_t* __restrict__ offsets,
+                             std::int32_t* __restrict__ scatter, std::int32_t* __restrict__ inverse,
+                             std::int32_t* __restrict__ gather) {
+  __shared__ std::int32_t tile_expert[kMetadataTile];
+  const std::int64_t tile = blockIdx.x, base = tile * kMetadataTile;
+  const int i = threadIdx.x;
+  const std::int64_t p = base + i;
+  const std::int32_t e = p < P ? pair_expert[p] : -1;
+  tile_expert[i] = e;
+  __syncthreads();
+  if (p >= P) return;
+  if (e < 0 || e >= E) {
+    inverse[p] = -1;
+    return;
+  }
+  std::int32_t rank = 0;
+  for (int j = 0; j < i; ++j) rank += tile_expert[j] == e;
+  const std::int32_t g = offsets[e] + hist[e * n_tiles + tile] + rank;
+  inverse[p] = g;
+  scatter[g] = static_cast<std::int32_t>(p);
+  gather[g] = pair_token ? pair_token[p] : static_cast<std::int32_t>(p / K);
+}
+
+/// token_offsets[t] = first pair whose token is >= t (pair tokens ascending).
+__global__ void token_offsets_kernel(const std::int32_t* __restrict__ pair_token, std::int64_t P, std::int64_t T,
+                                     std::int32_t* __restrict__ token_offsets) {
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t > T) return;
+  std::int64_t lo = 0, hi = P;
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi) >> 1;
+    if (pair_token[mid] < t) lo = mid + 1;
+    else hi = mid;
+  }
+  token_offsets[t] = static_cast<std::int32_t>(lo);
+}
+
+}  // namespace
+
+void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream) {
+  const std::int64_t n_tiles = (a.P + kMetadataTile - 1) / kMetadataTile;
+  const int E = static_cast<int>(a.E);
+  SONICMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_offsets, 0, sizeof(std::int32_t) * (a.E + 1), stream));
+  if (n_tiles > 0) {
+    SONICMOE_CUDA_CHECK(cudaMemsetAsync(a.tile_hist, 0, sizeof(std::int32_t) * a.E * n_tiles, stream));
+    tile_histogram_kernel<<<static_cast<unsigned>(n_tiles), 256, 0, stream>>>(a.pair_expert, a.P, E, n_tiles,
+                                                                             a.tile_hist);
+    SONICMOE_CUDA_CHECK_LAUNCH("tile_histogram");
+    scan_tiles_kernel<<<E, kScanThreads, 0, stream>>>(a.tile_hist, n_tiles, a.expert_offsets);
+    SONICMOE_CUDA_CHECK_LAUNCH("scan_tiles");
+  }
+  expert_offsets_kernel<<<1, kScanThreads, 0, stream>>>(a.expert_offsets, E, a.expert_counts, a.expert_tiles, true);
+  SONICMOE_CUDA_CHECK_LAUNCH("expert_offsets");
+  if (n_tiles > 0) {
+    place_kernel<<<static_cast<unsigned>(n_tiles), kMetadataTile, 0, stream>>>(
+        a.pair_expert, a.pair_token, a.P, a.K, E, n_tiles, a.tile_hist, a.expert_offsets, a.scatter, a.inverse,
+        a.gather);
+    SONICMOE_CUDA_CHECK_LAUNCH("place");
+  }
+  if (a.token_offsets) {
+    token_offsets_kernel<<<ceil_div(a.T + 1, 256), 256, 0, stream>>>(a.pair_token, a.P, a.T, a.token_offsets);
+    SONICMOE_CUDA_CHECK_LAUNCH("token_offsets");
+  }
+}
+
+void launch_expert_tiles(const std::int32_t* expert_offsets, std::int64_t E, std::int32_t* expert_tiles,
+                         cudaStream_t stream) {
+  expert_offsets_kernel<<<1, kScanThreads, 0, stream>>>(const_cast<std::int32_t*>(expert_offsets),
+                                                        static_cast<int>(E), nullptr, expert_tiles, false);
+  SONICMOE_CUDA_CHECK_LAUNCH("expert_tiles");
+}
+
+}  // namespace sonicmoe::gpu
+
+namespace sonicmoe::gpu {
+namespace {
+
+template <class I, class J>
+__global__ void convert_pairs_kernel(const I* __restrict__ token, const J* __restrict__ expert, std::int64_t P,
+                                     std::int64_t T, std::int64_t E, std::int32_t* __restrict__ pair_token,
+                                     std::int32_t* __restrict__ pair_expert) {
+  const std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p >= P) return;
+  const std::int64_t t = static_cast<std::int64_t>(token[p]), e = static_cast<std::int64_t>(expert[p]);
+  const bool ok = t >= 0 && t < T && e >= 0 && e < E;
+  pair_token[p] = static_cast<std::int32_t>(t >= 0 && t < T ? t : 0);
+  pair_expert[p] = ok ? static_cast<std::int32_t>(e) : -1;
+}
+
+}  // namespace
+
+void launch_convert_pairs(const void* token, DType token_dt, const void* expert, DType expert_dt, std::int64_t P,
+                          std::int64_t T, std::int64_t E, std::int32_t* pair_token, std::int32_t* pair_expert,
+                          cudaStream_t stream) {
+  if (P == 0) return;
+  const unsigned grid = ceil_div(P, 256);
+  auto run = [&](auto tok_tag, auto exp_tag) {
+    using I = decltype(tok_tag);
+    using J = decltype(exp_tag);
+    convert_pairs_kernel<I, J><<<grid, 256, 0, stream>>>(static_cast<const I*>(token), static_cast<const J*>(expert),
+                                                         P, T, E, pair_token, pair_expert);
+  };
+  const bool t64 = token_dt == DType::kInt64, e64 = expert_dt == DType::kInt64;
+  if (t64 && e64) run(std::int64_t{}, std::int64_t{});
+  else if (t64) run(std::int64_t{}, std::int32_t{});
+  else if (e64) run(std::int32_t{}, std::int64_t{});
+  else run(std::int32_t{}, std::int32_t{});
+  SONICMOE_CUDA_CHECK_LAUNCH("convert_pairs");
+}
+
+}  // namespace sonicmoe::gpu

@@ -1,0 +1,181 @@
+// Router kernels: fused top-K + scores (one warp per token) and the router backward. Deterministic: every
+// reduction is a fixed-order per-lane loop followed by a fixed butterfly.
+#include "gpu/cuda_check.hpp"
+#include "gpu/device_math.cuh"
+#include "gpu/kernels.hpp"
+
+namespace sonicmoe::gpu {
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+constexpr int kMaxK = 64;  // selections held in shared memory per warp; larger K loops in chunks (see below)
+
+/// Total order of (value, index) candidates: larger value first, NaN last, lower index first on ties.
+__device__ __forceinline__ bool ranks_before(float av, int ai, float bv, int bi) {
+  const bool an = isnan(av), bn = isnan(bv);
+  if (an != bn) return bn;
+  if (!an && av != bv) return av > bv;
+  return ai < bi;
+}
+
+template <class T>
+__device__ float warp_row_max(const T* z, int E, int lane) {
+  float m = -INFINITY;
+  for (int i = lane; i < E; i += 32) m = fmaxf(m, to_float(z[i]));
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+template <class T>
+__device__ float warp_row_sumexp(const T* z, int E, float m, int lane) {
+  float s = 0.0f;
+  for (int i = lane; i < E; i += 32) s += expf(to_float(z[i]) - m);
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
+}
+
+// Selection by repeated warp arg-max: round r picks the best candidate ranking after round r-1's pick, so no
+// marking is needed and any E, K works. Cost O(K * E / 32) per lane, read from L1/L2.
+template <class T>
+__global__ void topk_scores_kernel(const T* __restrict__ logits, std::int64_t ld, std::int64_t T_, int E, int K,
+                                   ScoreVariant variant, float* __restrict__ scores, std::int32_t* __restrict__ experts) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (t >= T_) return;
+  const T* z = logits + t * ld;
+  float prev_v = INFINITY;
+  int prev_i = -1;
+  for (int r = 0; r < K; ++r) {
+    float best_v = NAN;
+    int best_i = -1;
+    for (int i = lane; i < E; i += 32) {
+      const float v = to_float(z[i]);
+      const bool after_prev = prev_i < 0 || ranks_before(prev_v, prev_i, v, i);
+      if (after_prev && (best_i < 0 || ranks_before(v, i, best_v, best_i))) best_v = v, best_i = i;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, best_v, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+      if (oi >= 0 && (best_i < 0 || ranks_before(ov, oi, best_v, best_i))) best_v = ov, best_i = oi;
+    }
+    prev_v = best_v, prev_i = best_i;
+    if (lane == 0) {
+      experts[t * K + r] = best_i;
+      scores[t * K + r] = best_v;  // the raw logit for now; turned into a score below
+    }
+  }
+  __syncwarp();
+  if (variant == ScoreVariant::kSoftmaxOverTopK) {
+    if (lane == 0) {
+      float m = -INFINITY;
+      for (int r = 0; r < K; ++r) m = fmaxf(m, scores[t * K + r]);
+      float sum = 0.0f;
+      for (int r = 0; r < K; ++r) sum += (scores[t * K + r] = expf(scores[t * K + r] - m));
+      for (int r = 0; r < K; ++r) scores[t * K + r] /= sum;
+    }
+    return;
+  }
+  const float m = warp_row_max(z, E, lane);
+  const float total = warp_row_sumexp(z, E, m, lane);
+  if (lane == 0) {
+    float sel = 0.0f;
+    for (int r = 0; r < K; ++r) sel += (scores[t * K + r] = expf(scores[t * K + r] - m) / total);
+    if (variant == ScoreVariant::kTopKOfSoftmaxRenorm)
+      for (int r = 0; r < K; ++r) scores[t * K + r] /= sel;
+  }
+}
+
+// One warp per token. The K selected experts are recovered from the grouped row of each pair (no expert ids are
+// kept): e = segment of expert_offsets holding inverse[p].
+template <class T>
+__global__ void router_backward_kernel(ScoreVariant variant, const float* __restrict__ scores,
+                                       const float* __restrict__ ds, const std::int32_t* __restrict__ inverse,
+                                       const std::int32_t* __restrict__ offsets, const T* __restrict__ logits,
+                                       std::int64_t T_, int E, int K, const T* __restrict__ grad_logits,
+                                       std::int64_t ld_grad, T* __restrict__ dlogits) {
+  __shared__ int sel_e[kWarpsPerBlock][kMaxK];
+  __shared__ float sel_g[kWarpsPerBlock][kMaxK];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (t >= T_) return;
+  const float* s = scores + t * K;
+  const float* g = ds + t * K;
+  T* out = dlogits + t * E;
+  const T* up = grad_logits ? grad_logits + t * ld_grad : nullptr;
+
+  float gs = 0.0f;  // sum_k g_k s_k, or sum_k g_k p_k for kTopKOfSoftmax
+  float m = 0.0f, total = 1.0f;
+  const T* z = logits ? logits + t * E : nullptr;
+  if (variant == ScoreVariant::kTopKOfSoftmax) {
+    m = warp_row_max(z, E, lane);
+    total = warp_row_sumexp(z, E, m, lane);
+  }
+  // Chunks of kMaxK selections: each lane adds the contributions of the chunk's selections to its elements.
+  for (int k0 = 0; k0 < K; k0 += kMaxK) {
+    const int kn = min(kMaxK, K - k0);
+    if (k0 == 0 && lane == 0)
+      for (int k = 0; k < K; ++k) {
+        const std::int32_t row = inverse[t * K + k];
+        if (row < 0) continue;
+        const float pk = variant == ScoreVariant::kTopKOfSoftmax
+                             ? expf(to_float(z[expert_of_row(offsets, E, row)]) - m) / total
+                             : s[k];
+        gs += g[k] * pk;
+      }
+    if (lane == 0)
+      for (int k = 0; k < kn; ++k) {
+        const std::int32_t row = inverse[t * K + k0 + k];
+        sel_e[warp][k] = row < 0 ? -1 : expert_of_row(offsets, E, row);
+        sel_g[warp][k] = g[k0 + k];
+      }
+    gs = __shfl_sync(0xffffffffu, gs, 0);
+    __syncwarp();
+    for (int i = lane; i < E; i += 32) {
+      float acc = 0.0f;
+      if (variant == ScoreVariant::kTopKOfSoftmax) {
+        // dz_i = p_i (dp_i - sum_k g_k p_k), dp_i = g_k at the selections.
+        float dp = 0.0f;
+        for (int k = 0; k < kn; ++k) dp += sel_e[warp][k] == i ? sel_g[warp][k] : 0.0f;
+        const float p = expf(to_float(z[i]) - m) / total;
+        acc = k0 == 0 ? p * (dp - gs) : p * dp;
+      } else {
+        // dz_{i_k} = s_k (g_k - sum_j g_j s_j) at the selections; zero elsewhere.
+        for (int k = 0; k < kn; ++k)
+          if (sel_e[warp][k] == i) acc += s[k0 + k] * (sel_g[warp][k] - gs);
+      }
+      const float prior = k0 == 0 ? (up ? to_float(up[i]) : 0.0f) : to_float(out[i]);
+      out[i] = from_float<T>(prior + acc);
+    }
+    __syncwarp();
+  }
+}
+
+}  // namespace
+
+void launch_topk_scores(DType dt, const void* logits, std::int64_t ld, std::int64_t T, std::int64_t E,
+                        std::int64_t K, ScoreVariant variant, float* scores, std::int32_t* experts,
+                        cudaStream_t stream) {
+  if (T == 0) return;
+  dispatch_data_type(dt, [&](auto tag) {
+    using Tp = decltype(tag);
+    topk_scores_kernel<Tp><<<ceil_div(T, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
+        static_cast<const Tp*>(logits), ld, T, static_cast<int>(E), static_cast<int>(K), variant, scores, experts);
+  });
+  SONICMOE_CUDA_CHECK_LAUNCH("topk_scores");
+}
+
+void launch_router_backward(DType dt, ScoreVariant variant, const float* scores, const float* ds,
+                            const std::int32_t* inverse, const std::int32_t* offsets, const void* logits,
+                            std::int64_t T, std::int64_t E, std::int64_t K, const void* grad_logits,
+                            std::int64_t ld_grad, void* dlogits, cudaStream_t stream) {
+  if (T == 0) return;
+  dispatch_data_type(dt, [&](auto tag) {
+    using Tp = decltype(tag);
+    router_backward_kernel<Tp><<<ceil_div(T, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
+        variant, scores, ds, inverse, offsets, static_cast<const Tp*>(logits), T, static_cast<int>(E),
+        static_cast<int>(K), static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits));
+  });
+  SONICMOE_CUDA_CHECK_LAUNCH("router_backward");
+}
+
+}  // namespace sonicmoe::gpu

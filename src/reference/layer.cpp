@@ -23,16 +23,20 @@ ForwardResult<R> layer_forward(const MoEProblem& pb, const LayerInputs<R>& in) {
   ForwardSaved<R>& saved = res.saved;
 
   // Router and routing.
+  auto logits = [&] {
+    return in.router_logits ? std::vector<R>(in.router_logits, in.router_logits + T * E)
+                            : router_logits(in.x, in.router_weight, T, d, E);
+  };
   switch (pb.routing) {
     case RoutingMode::kTopK: {
-      res.router_logits = router_logits(in.x, in.router_weight, T, d, E);
+      res.router_logits = logits();
       const std::vector<std::int64_t> topk = topk_experts(res.router_logits.data(), T, E, K);
       saved.scores = topk_scores(pb.score, res.router_logits.data(), topk.data(), T, E, K);
       saved.meta = topk_routing_metadata(topk.data(), T, E, K);
       break;
     }
     case RoutingMode::kTokenRounding: {
-      res.router_logits = router_logits(in.x, in.router_weight, T, d, E);
+      res.router_logits = logits();
       TokenRoundingResult<R> tr =
           token_rounding(pb.score, pb.rounding, pb.tile_m, res.router_logits.data(), T, E, K);
       saved.scores = std::move(tr.score);

@@ -24,6 +24,10 @@ struct LayerInputs {
   const std::int64_t* pair_token = nullptr;
   const std::int64_t* pair_expert = nullptr;
   const R* pair_score = nullptr;
+  // When set, used as the router logits (T, E) instead of x W_r^T. Lets a test pin the routing decisions to the
+  // logits a lower-precision backend computed (near-ties may order differently after rounding); the router's
+  // backward still goes through x and W_r.
+  const R* router_logits = nullptr;
 };
 
 template <class R>

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On the GPU machine, in one go: build (all cores), the CPU and GPU test suites, compute-sanitizer (memcheck and
+# racecheck) on a representative subset, and the benchmark. Logs go to $OUT (the device tool's folder) or
+# build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|all] [extra gtest filter]
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+what="${1:-all}"
+filter="${2:-*}"
+logs="${OUT:-$root/build/gpu-logs}"
+mkdir -p "$logs"
+export PYTHONUNBUFFERED=1
+cd "$root"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
+bash scripts/setup.sh
+SONICMOE_JOBS="$(nproc)" bash scripts/build.sh 2>&1 | tail -n 3
+status=0
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  (cd build && ctest -L cpu --parallel "$(nproc)" 2>&1 | tail -n 3)
+  ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ "$what" = all ] || [ "$what" = sanitize ]; then
+  # Small shapes only (the sanitizers slow kernels down ~100x); every kernel is on these paths.
+  subset='GpuLayer.MatchesFloat64Reference/bf16_swiglu_concatenated_bias_topk_topk_softmax_preact:GpuLayer.MatchesFloat64Reference/bf16_gelu_interleaved_bias_caller_input_only:GpuEdgeShapes.*odd_dims*:GpuEdgeShapes.*empty_experts*:GpuLayerProperties.SavedMetadata*:GpuLayerProperties.OutOfRange*'
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 \
+      --gtest_filter="$subset" > "$logs/sanitize_$tool.log" 2>&1
+    rc=$?
+    echo "compute-sanitizer $tool: exit $rc; $(grep -E 'ERROR SUMMARY|tests? ran|PASSED|FAILED' "$logs/sanitize_$tool.log" | tr '\n' ' ')"
+    [ $rc -eq 0 ] || status=1
+  done
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  ./build/bin/sonicmoe-bench --all-configs --json "$logs/bench.json" 2>&1 | tee "$logs/bench.log" | tail -n 40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+exit $status

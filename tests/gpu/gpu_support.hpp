@@ -1,0 +1,254 @@
+// Helpers of the GPU tests: device buffers, host encoding of bf16/fp16/fp32, and one forward+backward through the
+// public API on device memory, with poisoned outputs and canaries around every caller buffer.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "sonicmoe/sonicmoe.hpp"
+#include "test_support.hpp"
+
+namespace sonicmoe::test {
+
+#define GPU_CHECK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+/// Fails (does not skip) when there is no GPU: a GPU test that passes without one would prove nothing.
+inline void require_gpu() {
+  ASSERT_GT(cuda_device_count(), 0) << "GPU test run on a machine without a usable CUDA device";
+}
+/// In a test body: stop the test when require_gpu() failed.
+#define REQUIRE_GPU() ASSERT_NO_FATAL_FAILURE(::sonicmoe::test::require_gpu())
+
+inline std::uint16_t to_bf16(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<std::uint16_t>(u >> 16);
+}
+inline float from_bf16(std::uint16_t h) {
+  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+/// Encodes doubles into `dt` bytes.
+inline std::vector<unsigned char> encode(const std::vector<double>& v, DType dt) {
+  std::vector<unsigned char> out(v.size() * dtype_size(dt));
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const float f = static_cast<float>(v[i]);
+    if (dt == DType::kBF16) {
+      const std::uint16_t h = to_bf16(f);
+      std::memcpy(&out[2 * i], &h, 2);
+    } else if (dt == DType::kFP16) {
+      const __half h = __float2half_rn(f);
+      std::memcpy(&out[2 * i], &h, 2);
+    } else {
+      std::memcpy(&out[4 * i], &f, 4);
+    }
+  }
+  return out;
+}
+
+inline std::vector<double> decode(const unsigned char* bytes, std::size_t count, DType dt) {
+  std::vector<double> out(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    if (dt == DType::kBF16) {
+      std::uint16_t h;
+      std::memcpy(&h, bytes + 2 * i, 2);
+      out[i] = from_bf16(h);
+    } else if (dt == DType::kFP16) {
+      __half h;
+      std::memcpy(&h, bytes + 2 * i, 2);
+      out[i] = __half2float(h);
+    } else {
+      float f;
+      std::memcpy(&f, bytes + 4 * i, 4);
+      out[i] = f;
+    }
+  }
+  return out;
+}
+
+/// Rounds values to `dt` and back, so the CPU reference sees exactly the GPU's inputs.
+inline std::vector<double> quantize(const std::vector<double>& v, DType dt) {
+  const std::vector<unsigned char> b = encode(v, dt);
+  return decode(b.data(), v.size(), dt);
+}
+
+/// Device allocation with a canary of kCanary bytes after the requested size.
+class DeviceBuffer {
+ public:
+  static constexpr std::size_t kCanary = 4096;
+  static constexpr unsigned char kCanaryByte = 0xA5;
+  explicit DeviceBuffer(std::size_t bytes, unsigned char fill = 0xFF) : bytes_(bytes) {
+    if (cudaMalloc(&ptr_, bytes + kCanary) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
+    cudaMemset(ptr_, fill, bytes);
+    cudaMemset(static_cast<char*>(ptr_) + bytes, kCanaryByte, kCanary);
+  }
+  DeviceBuffer(const std::vector<unsigned char>& host, unsigned char fill = 0xFF) : DeviceBuffer(host.size(), fill) {
+    cudaMemcpy(ptr_, host.data(), host.size(), cudaMemcpyHostToDevice);
+  }
+  ~DeviceBuffer() { cudaFree(ptr_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* get() const { return ptr_; }
+  std::size_t bytes() const { return bytes_; }
+  std::vector<unsigned char> download() const {
+    std::vector<unsigned char> h(bytes_);
+    cudaMemcpy(h.data(), ptr_, bytes_, cudaMemcpyDeviceToHost);
+    return h;
+  }
+  bool canary_intact() const {
+    std::vector<unsigned char> h(kCanary);
+    cudaMemcpy(h.data(), static_cast<char*>(ptr_) + bytes_, kCanary, cudaMemcpyDeviceToHost);
+    for (unsigned char c : h)
+      if (c != kCanaryByte) return false;
+    return true;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+/// Everything a forward + backward on the GPU produced, decoded to double.
+struct GpuRun {
+  std::vector<double> out, logits, dx, dwr, dw1, db1, dw2, db2, dscores;
+  std::vector<std::int32_t> counts;
+  std::vector<unsigned char> saved;   // the raw saved buffer after the forward
+  std::vector<unsigned char> raw_out, raw_dx, raw_dw1, raw_dw2;  // bitwise comparisons
+  bool canaries_intact = true;
+  MoEProblem problem;
+};
+
+/// Runs the case on the GPU in `dt`. row_pad > 0 gives x padded rows (ld = d + row_pad).
+inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_pad = 0) {
+  const MoEProblem& p = c.problem;
+  GpuRun r;
+  r.problem = p;
+  const Device dev = Device::cuda(0);
+  const std::size_t el = dtype_size(dt);
+  // x with padded rows.
+  std::vector<double> xpad(static_cast<std::size_t>(p.T * (p.d + row_pad)), 0.0);
+  for (std::int64_t t = 0; t < p.T; ++t)
+    for (std::int64_t k = 0; k < p.d; ++k) xpad[t * (p.d + row_pad) + k] = c.x[t * p.d + k];
+  DeviceBuffer x(encode(xpad, dt)), wr(encode(c.router_weight, dt)), w1(encode(c.w1, dt)), w2(encode(c.w2, dt));
+  DeviceBuffer b1(encode(c.b1, dt)), b2(encode(c.b2, dt)), gout(encode(c.grad_out, dt));
+  DeviceBuffer glog(encode(c.grad_logits, dt));
+  std::vector<float> scores_f(c.pair_score.begin(), c.pair_score.end());
+  std::vector<std::int64_t> tok(c.pair_token), exp(c.pair_expert);
+  auto bytes_of = [](const auto& v) {
+    std::vector<unsigned char> b(v.size() * sizeof(v[0]));
+    if (!v.empty()) std::memcpy(b.data(), v.data(), b.size());
+    return b;
+  };
+  DeviceBuffer dscore_in(bytes_of(scores_f)), dtok(bytes_of(tok)), dexp(bytes_of(exp));
+
+  const bool caller = p.routing == RoutingMode::kCallerSupplied;
+  LayerWeights w;
+  if (!caller) w.router_weight = TensorView::contiguous(wr.get(), dt, {p.E, p.d}, dev);
+  w.w1 = TensorView::contiguous(w1.get(), dt, {p.E, p.w1_rows(), p.d}, dev);
+  w.w2 = TensorView::contiguous(w2.get(), dt, {p.E, p.d, p.n}, dev);
+  if (p.has_b1) w.b1 = TensorView::contiguous(b1.get(), dt, {p.E, p.w1_rows()}, dev);
+  if (p.has_b2) w.b2 = TensorView::contiguous(b2.get(), dt, {p.E, p.d}, dev);
+  RoutingTriples rt;
+  if (caller) {
+    rt.token_index = TensorView::contiguous(dtok.get(), DType::kInt64, {p.num_pairs}, dev);
+    rt.expert_index = TensorView::contiguous(dexp.get(), DType::kInt64, {p.num_pairs}, dev);
+    rt.score = TensorView::contiguous(dscore_in.get(), DType::kFP32, {p.num_pairs}, dev);
+  }
+  const TensorView xv = TensorView::strided(x.get(), dt, {p.T, p.d}, {p.d + row_pad, 1}, dev);
+
+  DeviceBuffer out(p.T * p.d * el), logits(p.T * p.E * el), counts(p.E * 4);
+  DeviceBuffer saved(saved_layout(p, dt).total_bytes), fws(forward_workspace_bytes(p, dt, dev));
+  ForwardOutputs fo;
+  fo.out = TensorView::contiguous(out.get(), dt, {p.T, p.d}, dev);
+  if (!caller) fo.router_logits = TensorView::contiguous(logits.get(), dt, {p.T, p.E}, dev);
+  fo.expert_counts = TensorView::contiguous(counts.get(), DType::kInt32, {p.E}, dev);
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  forward(p, xv, w, caller ? &rt : nullptr, fo, {saved.get(), saved.bytes(), fws.get(), fws.bytes()}, stream);
+
+  DeviceBuffer dx(p.T * p.d * el), dwr(p.E * p.d * el), dw1(c.w1.size() * el), dw2(c.w2.size() * el);
+  DeviceBuffer db1(c.b1.size() * el), db2(c.b2.size() * el), dsc(std::max<std::int64_t>(p.num_pairs, 0) * 4);
+  DeviceBuffer bws(backward_workspace_bytes(p, dt, dev));
+  BackwardInputs bi;
+  bi.grad_out = TensorView::contiguous(gout.get(), dt, {p.T, p.d}, dev);
+  if (!caller) bi.grad_router_logits = TensorView::contiguous(glog.get(), dt, {p.T, p.E}, dev);
+  BackwardOutputs bo;
+  bo.grad_x = TensorView::contiguous(dx.get(), dt, {p.T, p.d}, dev);
+  if (!caller) bo.grad_weights.router_weight = TensorView::contiguous(dwr.get(), dt, {p.E, p.d}, dev);
+  bo.grad_weights.w1 = TensorView::contiguous(dw1.get(), dt, {p.E, p.w1_rows(), p.d}, dev);
+  bo.grad_weights.w2 = TensorView::contiguous(dw2.get(), dt, {p.E, p.d, p.n}, dev);
+  if (p.has_b1) bo.grad_weights.b1 = TensorView::contiguous(db1.get(), dt, {p.E, p.w1_rows()}, dev);
+  if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.get(), dt, {p.E, p.d}, dev);
+  if (caller) bo.grad_scores = TensorView::contiguous(dsc.get(), DType::kFP32, {p.num_pairs}, dev);
+  backward(p, xv, w, caller ? &rt : nullptr, bi, bo, {saved.get(), saved.bytes(), bws.get(), bws.bytes()}, stream);
+  if (cudaStreamSynchronize(stream) != cudaSuccess) throw std::runtime_error("stream failed");
+  cudaStreamDestroy(stream);
+  if (cudaGetLastError() != cudaSuccess) throw std::runtime_error("CUDA error after the layer");
+
+  auto dec = [&](const DeviceBuffer& b, std::size_t n) {
+    const std::vector<unsigned char> h = b.download();
+    return decode(h.data(), n, dt);
+  };
+  r.raw_out = out.download(), r.raw_dx = dx.download(), r.raw_dw1 = dw1.download(), r.raw_dw2 = dw2.download();
+  r.out = decode(r.raw_out.data(), p.T * p.d, dt);
+  if (!caller) r.logits = dec(logits, p.T * p.E), r.dwr = dec(dwr, p.E * p.d);
+  r.dx = decode(r.raw_dx.data(), p.T * p.d, dt);
+  r.dw1 = decode(r.raw_dw1.data(), c.w1.size(), dt);
+  r.dw2 = decode(r.raw_dw2.data(), c.w2.size(), dt);
+  if (p.has_b1) r.db1 = dec(db1, c.b1.size());
+  if (p.has_b2) r.db2 = dec(db2, c.b2.size());
+  if (caller) {
+    std::vector<unsigned char> h = dsc.download();
+    r.dscores.resize(p.num_pairs);
+    for (std::int64_t i = 0; i < p.num_pairs; ++i) {
+      float f;
+      std::memcpy(&f, &h[4 * i], 4);
+      r.dscores[i] = f;
+    }
+  }
+  std::vector<unsigned char> hc = counts.download();
+  r.counts.resize(p.E);
+  std::memcpy(r.counts.data(), hc.data(), 4 * p.E);
+  r.saved = saved.download();
+  for (const DeviceBuffer* b : {&x, &out, &logits, &counts, &saved, &fws, &dx, &dwr, &dw1, &dw2, &db1, &db2, &dsc, &bws})
+    r.canaries_intact = r.canaries_intact && b->canary_intact();
+  return r;
+}
+
+/// The CPU reference on the GPU's (rounded) inputs; top-K routing pinned to the GPU's logits.
+struct ReferenceRun {
+  ref::ForwardResult<double> f;
+  ref::BackwardResult<double> g;
+};
+
+inline LayerCase<double> quantized_case(const LayerCase<double>& c, DType dt) {
+  LayerCase<double> q = c;
+  q.x = quantize(c.x, dt), q.router_weight = quantize(c.router_weight, dt), q.w1 = quantize(c.w1, dt);
+  q.w2 = quantize(c.w2, dt), q.b1 = quantize(c.b1, dt), q.b2 = quantize(c.b2, dt);
+  q.grad_out = quantize(c.grad_out, dt), q.grad_logits = quantize(c.grad_logits, dt);
+  std::vector<float> s(c.pair_score.begin(), c.pair_score.end());  // scores travel as fp32
+  q.pair_score.assign(s.begin(), s.end());
+  return q;
+}
+
+inline ReferenceRun reference_for(const LayerCase<double>& q, const std::vector<double>& gpu_logits) {
+  ReferenceRun r;
+  ref::LayerInputs<double> in = q.inputs();
+  if (q.problem.routing != RoutingMode::kCallerSupplied) in.router_logits = gpu_logits.data();
+  r.f = ref::layer_forward(q.problem, in);
+  r.g = ref::layer_backward(q.problem, in, r.f.saved, q.grad_out.data(),
+                            q.grad_logits.empty() ? nullptr : q.grad_logits.data());
+  return r;
+}
+
+}  // namespace sonicmoe::test

@@ -1,0 +1,281 @@
+// The GPU runtime against the float64 CPU reference (TARGETS.md T10: relative Frobenius error <= 1e-2 in bf16 on
+// inputs ~N(0,1) and weights ~N(0, 1/sqrt(fan_in))), for every option, edge shapes, determinism, buffer bounds,
+// kernel-level exactness of routing and metadata, sentinel pairs, and a case whose offsets pass 2^31 elements.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "gpu_support.hpp"
+#include "reference/router.hpp"
+
+namespace sonicmoe::test {
+namespace {
+
+double tolerance(DType dt) { return dt == DType::kFP32 ? 2e-5 : 1e-2; }
+
+void expect_close(const char* what, const std::vector<double>& gpu, const std::vector<double>& ref, double tol) {
+  ASSERT_EQ(gpu.size(), ref.size()) << what;
+  for (double v : gpu) ASSERT_FALSE(std::isnan(v)) << what << " has NaN: an element was not written";
+  EXPECT_LT(rel_error(gpu, ref), tol) << what;
+}
+
+void compare_all(const GpuRun& g, const ReferenceRun& r, DType dt) {
+  const MoEProblem& p = g.problem;
+  const double tol = tolerance(dt);
+  EXPECT_TRUE(g.canaries_intact) << "a kernel wrote past the end of a caller buffer";
+  expect_close("out", g.out, r.f.out, tol);
+  for (std::int64_t e = 0; e < p.E; ++e) EXPECT_EQ(g.counts[e], r.f.expert_counts[e]) << "expert_counts[" << e << "]";
+  expect_close("dx", g.dx, r.g.dx, tol);
+  expect_close("dW1", g.dw1, r.g.dw1, tol);
+  expect_close("dW2", g.dw2, r.g.dw2, tol);
+  if (p.has_b1) expect_close("db1", g.db1, r.g.db1, tol);
+  if (p.has_b2) expect_close("db2", g.db2, r.g.db2, tol);
+  if (p.routing == RoutingMode::kCallerSupplied) {
+    expect_close("dscores", g.dscores, r.g.dscores, tol);
+  } else {
+    expect_close("dW_router", g.dwr, r.g.drouter_weight, tol);
+  }
+}
+
+struct GpuCase {
+  DType dt;
+  Activation activation;
+  WeightLayout layout;
+  bool bias;
+  RoutingMode routing;
+  ScoreVariant score;
+  CacheMode cache;
+};
+
+std::string gpu_case_name(const testing::TestParamInfo<GpuCase>& i) {
+  const GpuCase& c = i.param;
+  std::string s = std::string(dtype_name(c.dt)) + "_" + activation_name(c.activation) + "_" +
+                  weight_layout_name(c.layout) + (c.bias ? "_bias_" : "_nobias_") + routing_mode_name(c.routing);
+  if (c.routing == RoutingMode::kTopK) s += std::string("_") + score_variant_name(c.score);
+  return s + "_" + cache_mode_name(c.cache);
+}
+
+class GpuLayer : public testing::TestWithParam<GpuCase> {
+ protected:
+  void SetUp() override { REQUIRE_GPU(); }
+};
+
+TEST_P(GpuLayer, MatchesFloat64Reference) {
+  const GpuCase& gc = GetParam();
+  MoEProblem p;
+  // Not multiples of any tile: T=200 tokens, d=96, n=40, E=8 experts, K=2.
+  p.T = 200, p.d = 96, p.n = 40, p.E = 8, p.K = 2;
+  p.activation = gc.activation, p.weight_layout = gc.layout, p.has_b1 = p.has_b2 = gc.bias;
+  p.routing = gc.routing, p.score = gc.score, p.cache = gc.cache;
+  const LayerCase<double> c(p, 2024);
+  const GpuRun g = run_on_gpu(c, gc.dt);
+  const LayerCase<double> q = quantized_case(c, gc.dt);
+  if (p.routing == RoutingMode::kTopK) {
+    // The logits themselves, against x W_r^T in float64.
+    const std::vector<double> z = ref::router_logits(q.x.data(), q.router_weight.data(), p.T, p.d, p.E);
+    expect_close("router_logits", g.logits, z, tolerance(gc.dt));
+  }
+  compare_all(g, reference_for(q, g.logits), gc.dt);
+}
+
+std::vector<GpuCase> gpu_cases() {
+  std::vector<GpuCase> out;
+  const Activation acts[] = {Activation::kSwiGLU, Activation::kGeGLU, Activation::kReGLU, Activation::kReLUSquared,
+                             Activation::kReLU,   Activation::kGELU,  Activation::kSiLU};
+  for (DType dt : {DType::kBF16, DType::kFP32})
+    for (Activation a : acts)
+      for (WeightLayout l : {WeightLayout::kInterleaved, WeightLayout::kConcatenated}) {
+        if (!is_glu(a) && l == WeightLayout::kConcatenated) continue;
+        for (bool bias : {false, true})
+          for (CacheMode cm : {CacheMode::kPreActivation, CacheMode::kInputOnly}) {
+            for (ScoreVariant s : {ScoreVariant::kSoftmaxOverTopK, ScoreVariant::kTopKOfSoftmax,
+                                   ScoreVariant::kTopKOfSoftmaxRenorm})
+              out.push_back({dt, a, l, bias, RoutingMode::kTopK, s, cm});
+            out.push_back({dt, a, l, bias, RoutingMode::kCallerSupplied, ScoreVariant::kSoftmaxOverTopK, cm});
+          }
+      }
+  for (Activation a : {Activation::kSwiGLU, Activation::kGELU})
+    out.push_back({DType::kFP16, a, WeightLayout::kInterleaved, true, RoutingMode::kTopK,
+                   ScoreVariant::kSoftmaxOverTopK, CacheMode::kPreActivation});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllOptions, GpuLayer, testing::ValuesIn(gpu_cases()), gpu_case_name);
+
+// ---- edge shapes -----------------------------------------------------------------------------------------------
+
+struct EdgeShape {
+  std::int64_t T, d, n, E, K, row_pad;
+  const char* name;
+};
+
+class GpuEdgeShapes : public testing::TestWithParam<std::tuple<EdgeShape, RoutingMode>> {
+ protected:
+  void SetUp() override { REQUIRE_GPU(); }
+};
+
+TEST_P(GpuEdgeShapes, MatchFloat64Reference) {
+  const EdgeShape s = std::get<0>(GetParam());
+  MoEProblem p;
+  p.T = s.T, p.d = s.d, p.n = s.n, p.E = s.E, p.K = s.K;
+  p.has_b1 = p.has_b2 = true;
+  p.routing = std::get<1>(GetParam());
+  p.score = ScoreVariant::kTopKOfSoftmax;
+  const LayerCase<double> c(p, 77);
+  const GpuRun g = run_on_gpu(c, DType::kBF16, s.row_pad);
+  compare_all(g, reference_for(quantized_case(c, DType::kBF16), g.logits), DType::kBF16);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GpuEdgeShapes,
+    testing::Combine(testing::Values(EdgeShape{1, 64, 32, 4, 2, 0, "T1"}, EdgeShape{37, 64, 32, 6, 6, 0, "KeqE"},
+                                     EdgeShape{50, 64, 32, 1, 1, 0, "E1"},
+                                     EdgeShape{5, 64, 32, 16, 1, 0, "empty_experts"},
+                                     EdgeShape{131, 33, 17, 5, 3, 0, "odd_dims_scalar_path"},
+                                     EdgeShape{300, 128, 64, 7, 3, 24, "padded_rows"},
+                                     EdgeShape{70, 96, 48, 40, 1, 0, "K1_many_experts"}),
+                     testing::Values(RoutingMode::kTopK, RoutingMode::kCallerSupplied)),
+    [](const testing::TestParamInfo<std::tuple<EdgeShape, RoutingMode>>& i) {
+      return std::string(std::get<0>(i.param).name) + "_" + routing_mode_name(std::get<1>(i.param));
+    });
+
+// ---- determinism, buffer bounds ----------------------------------------------------------------------------------
+
+TEST(GpuLayerProperties, TwoRunsAreBitwiseIdentical) {
+  REQUIRE_GPU();
+  MoEProblem p;
+  p.T = 1000, p.d = 256, p.n = 128, p.E = 16, p.K = 4, p.has_b1 = p.has_b2 = true;
+  const LayerCase<double> c(p, 5);
+  const GpuRun a = run_on_gpu(c, DType::kBF16), b = run_on_gpu(c, DType::kBF16);
+  EXPECT_EQ(a.raw_out, b.raw_out);
+  EXPECT_EQ(a.raw_dx, b.raw_dx);
+  EXPECT_EQ(a.raw_dw1, b.raw_dw1);
+  EXPECT_EQ(a.raw_dw2, b.raw_dw2);
+  EXPECT_EQ(a.saved, b.saved);
+}
+
+TEST(GpuLayerProperties, BothWeightLayoutsGiveBitwiseIdenticalOutputs) {
+  REQUIRE_GPU();
+  MoEProblem p;
+  p.T = 300, p.d = 128, p.n = 64, p.E = 8, p.K = 2, p.has_b1 = true;
+  LayerCase<double> ci(p, 6);
+  LayerCase<double> cc = ci;
+  cc.problem.weight_layout = WeightLayout::kConcatenated;
+  for (std::int64_t e = 0; e < p.E; ++e)
+    for (std::int64_t c = 0; c < 2 * p.n; ++c) {
+      const std::int64_t row = (c % 2) * p.n + c / 2;
+      for (std::int64_t k = 0; k < p.d; ++k) cc.w1[(e * 2 * p.n + row) * p.d + k] = ci.w1[(e * 2 * p.n + c) * p.d + k];
+      cc.b1[e * 2 * p.n + row] = ci.b1[e * 2 * p.n + c];
+    }
+  const GpuRun a = run_on_gpu(ci, DType::kBF16), b = run_on_gpu(cc, DType::kBF16);
+  EXPECT_EQ(a.raw_out, b.raw_out);
+  EXPECT_EQ(a.raw_dx, b.raw_dx);
+  EXPECT_EQ(a.raw_dw2, b.raw_dw2);
+}
+
+TEST(GpuLayerProperties, SavedMetadataEqualsTheReferenceBuild) {
+  REQUIRE_GPU();
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kCallerSupplied}) {
+    MoEProblem p;
+    p.T = 3000, p.d = 64, p.n = 32, p.E = 24, p.K = 3, p.routing = r;  // 9000 pairs: several metadata tiles
+    const LayerCase<double> c(p, 8);
+    const GpuRun g = run_on_gpu(c, DType::kFP32);
+    const ReferenceRun ref = reference_for(quantized_case(c, DType::kFP32), g.logits);
+    const ref::RoutingMetadata& m = ref.f.saved.meta;
+    const SavedLayout l = saved_layout(c.problem, DType::kFP32);
+    auto ints = [&](const BufferRegion& reg, std::size_t n) {
+      std::vector<std::int64_t> v(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        std::int32_t x;
+        std::memcpy(&x, &g.saved[reg.offset + 4 * i], 4);
+        v[i] = x;
+      }
+      return v;
+    };
+    const std::size_t P = static_cast<std::size_t>(m.num_pairs());
+    EXPECT_EQ(ints(l.expert_offsets, c.problem.E + 1), m.expert_offsets);
+    EXPECT_EQ(ints(l.scatter, P), m.scatter);
+    EXPECT_EQ(ints(l.inverse, P), m.inverse);
+    EXPECT_EQ(ints(l.gather, P), m.gather);
+    if (l.token_offsets.present()) {
+      EXPECT_EQ(ints(l.token_offsets, c.problem.T + 1), m.token_offsets);
+    }
+  }
+}
+
+TEST(GpuLayerProperties, TopKOnTheGpuLogitsIsExactForLargeEAndK) {
+  REQUIRE_GPU();
+  for (auto [E, K] : {std::pair<std::int64_t, std::int64_t>{4096, 16}, {5000, 20}, {64, 64}}) {
+    MoEProblem p;
+    p.T = 64, p.d = 32, p.n = 8, p.E = E, p.K = K, p.score = ScoreVariant::kTopKOfSoftmax;
+    const LayerCase<double> c(p, 9);
+    const GpuRun g = run_on_gpu(c, DType::kBF16);
+    // Ties are common among bf16 logits: the order must still be exactly (value desc, index asc).
+    const ReferenceRun r = reference_for(quantized_case(c, DType::kBF16), g.logits);
+    for (std::int64_t e = 0; e < E; ++e) ASSERT_EQ(g.counts[e], r.f.expert_counts[e]) << "E=" << E << " K=" << K;
+    EXPECT_LT(rel_error(g.out, r.f.out), 1e-2);
+  }
+}
+
+TEST(GpuLayerProperties, OutOfRangeCallerPairsAreSkipped) {
+  REQUIRE_GPU();
+  MoEProblem p;
+  p.T = 40, p.d = 64, p.n = 32, p.E = 6, p.K = 2, p.routing = RoutingMode::kCallerSupplied;
+  LayerCase<double> c(p, 10);
+  LayerCase<double> kept = c;  // the same triples without the sentinels
+  kept.pair_token.clear(), kept.pair_expert.clear(), kept.pair_score.clear();
+  for (std::size_t i = 0; i < c.pair_token.size(); ++i) {
+    if (i % 5 == 2) {
+      c.pair_expert[i] = (i % 2) ? p.E + 3 : -1;  // expert-parallel style sentinels
+      continue;
+    }
+    kept.pair_token.push_back(c.pair_token[i]);
+    kept.pair_expert.push_back(c.pair_expert[i]);
+    kept.pair_score.push_back(c.pair_score[i]);
+  }
+  kept.problem.num_pairs = static_cast<std::int64_t>(kept.pair_token.size());
+  const GpuRun g = run_on_gpu(c, DType::kFP32);
+  const ReferenceRun r = reference_for(quantized_case(kept, DType::kFP32), {});
+  expect_close("out", g.out, r.f.out, 2e-5);
+  expect_close("dx", g.dx, r.g.dx, 2e-5);
+  for (std::size_t i = 0, j = 0; i < c.pair_token.size(); ++i) {
+    if (i % 5 == 2) {
+      EXPECT_EQ(g.dscores[i], 0.0) << "a skipped pair gets no score gradient";
+    } else {
+      EXPECT_NEAR(g.dscores[i], r.g.dscores[j++], 1e-4);
+    }
+  }
+}
+
+// ---- 64-bit offsets ----------------------------------------------------------------------------------------------
+
+// P * d = 524288 * 4160 > 2^31 elements in Y and dX~: row offsets must be 64-bit. Checked on sampled tokens,
+// including the last ones (the highest grouped rows), against the reference restricted to each token (a token's
+// output and input gradient depend only on its own row).
+TEST(GpuLayerLarge, OffsetsPast2To31Elements) {
+  REQUIRE_GPU();
+  MoEProblem p;
+  p.T = 65536, p.d = 4160, p.n = 64, p.E = 8, p.K = 8;  // K = E: every token in every expert
+  p.has_b1 = p.has_b2 = true;
+  const LayerCase<double> c(p, 11);
+  const GpuRun g = run_on_gpu(c, DType::kBF16);
+  const LayerCase<double> q = quantized_case(c, DType::kBF16);
+  for (std::int64_t t : {std::int64_t{0}, std::int64_t{1}, p.T / 2, p.T - 2, p.T - 1}) {
+    LayerCase<double> one = q;
+    one.problem.T = 1;
+    one.x.assign(q.x.begin() + t * p.d, q.x.begin() + (t + 1) * p.d);
+    one.grad_out.assign(q.grad_out.begin() + t * p.d, q.grad_out.begin() + (t + 1) * p.d);
+    one.grad_logits.assign(q.grad_logits.begin() + t * p.E, q.grad_logits.begin() + (t + 1) * p.E);
+    const std::vector<double> z(g.logits.begin() + t * p.E, g.logits.begin() + (t + 1) * p.E);
+    const ReferenceRun r = reference_for(one, z);
+    const std::vector<double> out_t(g.out.begin() + t * p.d, g.out.begin() + (t + 1) * p.d);
+    const std::vector<double> dx_t(g.dx.begin() + t * p.d, g.dx.begin() + (t + 1) * p.d);
+    EXPECT_LT(rel_error(out_t, r.f.out), 1e-2) << "token " << t;
+    EXPECT_LT(rel_error(dx_t, r.g.dx), 1e-2) << "token " << t;
+  }
+  EXPECT_TRUE(g.canaries_intact);
+}
+
+}  // namespace
+}  // namespace sonicmoe::test

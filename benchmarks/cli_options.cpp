@@ -77,9 +77,12 @@ std::string usage() {
       "  --tile M             token-rounding tile, a positive multiple of 8 (default 128)\n"
       "  --cache NAME         preact (default: keep X and H) or input_only (keep X, recompute H)\n"
       "Run:\n"
-      "  --dtype NAME         fp32 (default) or fp64 for the CPU reference\n"
-      "  --iters N            timed repetitions, median reported (default 3)\n"
-      "  --warmup N           untimed repetitions first (default 1)\n"
+      "  --backend NAME       auto (default: the GPU when one is present), gpu or cpu\n"
+      "  --dtype NAME         GPU: bf16 (default), fp16, fp32; CPU reference: fp32 (default), fp64\n"
+      "  --iters N            timed repetitions, median reported (default 10 on the GPU, 3 on the CPU)\n"
+      "  --warmup N           untimed repetitions first (default 3 on the GPU, 1 on the CPU)\n"
+      "  --all-configs        run the 12 main configurations (GPU) and print a summary table\n"
+      "  --json PATH          also write the results as a JSON array to PATH\n"
       "  --seed N             random seed of the inputs (default 0)\n"
       "  --help               this text\n";
   return s;
@@ -87,10 +90,17 @@ std::string usage() {
 
 Options parse_options(const std::vector<std::string>& args, bool have_gpu_backend) {
   Options o;
-  o.config_name = have_gpu_backend ? "7B-256" : "cpu-small";
-  std::string bias = "none";
-  bool sizes_overridden = false;
-  // First pass: the configuration, so size overrides apply on top of it whatever the order.
+  std::string bias = "none", dtype, backend = "auto";
+  bool sizes_overridden = false, iters_given = false, warmup_given = false;
+  // First pass: the backend and the configuration, so that defaults and size overrides apply whatever the order.
+  for (std::size_t i = 0; i + 1 < args.size(); ++i)
+    if (args[i] == "--backend") backend = args[i + 1];
+  if (backend != "auto" && backend != "gpu" && backend != "cpu") bad("--backend", "one of {auto, gpu, cpu}", "'" + backend + "'");
+  if (backend == "gpu" && !have_gpu_backend)
+    bad("--backend", "auto or cpu (no GPU backend here: a CUDA build and a CUDA device are needed)", "'gpu'");
+  o.backend = backend == "gpu" ? Backend::kGpu : backend == "cpu" ? Backend::kCpu : Backend::kAuto;
+  o.gpu = have_gpu_backend && backend != "cpu";
+  o.config_name = o.gpu ? "7B-256" : "cpu-small";
   for (std::size_t i = 0; i + 1 < args.size(); ++i)
     if (args[i] == "--config") o.config_name = args[i + 1];
   const NamedConfig* cfg = nullptr;
@@ -113,16 +123,20 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
       o.help = true;
       continue;
     }
+    if (a == "--all-configs") {
+      o.all_configs = true;
+      continue;
+    }
     if (a.rfind("--", 0) != 0) bad("command line", "options starting with '--' (see --help)", "'" + a + "'");
     static const char* known[] = {"--config", "--T", "--d", "--n", "--E", "--K", "--activation", "--bias",
                                   "--layout", "--score", "--routing", "--rounding", "--tile", "--cache",
-                                  "--dtype", "--iters", "--warmup", "--seed"};
+                                  "--dtype", "--iters", "--warmup", "--seed", "--backend", "--json"};
     bool is_known = false;
     for (const char* k : known) is_known = is_known || a == k;
     if (!is_known) bad("command line", "a known option (see --help)", "unknown option '" + a + "'");
     if (i + 1 >= args.size()) bad(a, "a value after " + a, "nothing");
     const std::string v = args[++i];
-    if (a == "--config") continue;
+    if (a == "--config" || a == "--backend") continue;
     if (a == "--T") p.T = parse_int(a, v, 1), sizes_overridden = true;
     else if (a == "--d") p.d = parse_int(a, v, 1), sizes_overridden = true;
     else if (a == "--n") p.n = parse_int(a, v, 1), sizes_overridden = true;
@@ -135,18 +149,35 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
     else if (a == "--rounding") p.rounding = parse_enum(a, v, parse_rounding_rule);
     else if (a == "--tile") p.tile_m = parse_int(a, v, 1);
     else if (a == "--cache") p.cache = parse_enum(a, v, parse_cache_mode);
-    else if (a == "--iters") o.iters = static_cast<int>(parse_int(a, v, 1));
-    else if (a == "--warmup") o.warmup = static_cast<int>(parse_int(a, v, 0));
+    else if (a == "--iters") o.iters = static_cast<int>(parse_int(a, v, 1)), iters_given = true;
+    else if (a == "--warmup") o.warmup = static_cast<int>(parse_int(a, v, 0)), warmup_given = true;
+    else if (a == "--json") o.json_path = v;
     else if (a == "--seed") o.seed = static_cast<std::uint64_t>(parse_int(a, v, 0));
     else if (a == "--bias") {
       if (v != "none" && v != "b1" && v != "b2" && v != "both") bad(a, "one of {none, b1, b2, both}", "'" + v + "'");
       bias = v;
     } else if (a == "--dtype") {
-      if (v == "fp32") o.dtype = DType::kFP32;
-      else if (v == "fp64") o.dtype = DType::kFP64;
-      else bad(a, "fp32 or fp64 (the CPU reference's dtypes)", "'" + v + "'");
+      dtype = v;
     }
   }
+  if (dtype.empty()) dtype = o.gpu ? "bf16" : "fp32";
+  if (o.gpu) {
+    if (dtype == "bf16") o.dtype = DType::kBF16;
+    else if (dtype == "fp16") o.dtype = DType::kFP16;
+    else if (dtype == "fp32") o.dtype = DType::kFP32;
+    else bad("--dtype", "bf16, fp16 or fp32 on the GPU", "'" + dtype + "'");
+  } else {
+    if (dtype == "fp32") o.dtype = DType::kFP32;
+    else if (dtype == "fp64") o.dtype = DType::kFP64;
+    else bad("--dtype", "fp32 or fp64 on the CPU reference", "'" + dtype + "'");
+  }
+  if (!iters_given) o.iters = o.gpu ? 10 : 3;
+  if (!warmup_given) o.warmup = o.gpu ? 3 : 1;
+  if (o.all_configs && !o.gpu)
+    bad("--all-configs", "a GPU backend (the CPU reference would take hours on the main configurations)", "the CPU");
+  if (o.gpu && p.routing == RoutingMode::kTokenRounding)
+    bad("--routing", "topk on the GPU for now (token rounding runs on the CPU reference: --backend cpu)",
+        "'token_rounding'");
   p.has_b1 = bias == "b1" || bias == "both";
   p.has_b2 = bias == "b2" || bias == "both";
   if (p.routing == RoutingMode::kCallerSupplied)
@@ -155,6 +186,22 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
   if (sizes_overridden) o.config_name += " (sizes overridden)";
   validate_problem(p, "sonicmoe-bench");
   return o;
+}
+
+}  // namespace sonicmoe::bench
+
+namespace sonicmoe::bench {
+
+std::vector<Options> main_config_runs(const Options& base) {
+  std::vector<Options> runs;
+  for (const NamedConfig& c : named_configs()) {
+    if (std::string(c.name) == "cpu-small") continue;
+    Options o = base;
+    o.config_name = c.name;
+    o.problem.T = c.T, o.problem.d = c.d, o.problem.n = c.n, o.problem.E = c.E, o.problem.K = c.K;
+    runs.push_back(o);
+  }
+  return runs;
 }
 
 }  // namespace sonicmoe::bench

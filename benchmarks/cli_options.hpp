@@ -20,18 +20,28 @@ struct NamedConfig {
 /// The 12 main configurations of TARGETS.md plus the reduced CPU default.
 const std::vector<NamedConfig>& named_configs();
 
+enum class Backend { kAuto, kCpu, kGpu };
+
 struct Options {
   MoEProblem problem;
-  std::string config_name;  // name of the configuration the sizes came from ("custom" if overridden)
-  DType dtype = DType::kFP32;
-  int iters = 3;
-  int warmup = 1;
+  std::string config_name;  // name of the configuration the sizes came from
+  Backend backend = Backend::kAuto;
+  bool gpu = false;          // resolved: the run uses the GPU backend
+  DType dtype = DType::kFP32;  // resolved: bf16 on the GPU, fp32 on the CPU unless --dtype says otherwise
+  int iters = 3;             // resolved: 10 on the GPU, 3 on the CPU unless --iters says otherwise
+  int warmup = 1;            // resolved: 3 on the GPU, 1 on the CPU
   std::uint64_t seed = 0;
+  bool all_configs = false;  // run the 12 main configurations
+  std::string json_path;     // write results as JSON here when set
   bool help = false;
 };
 
+/// The 12 main configurations with every other option of `base` (for --all-configs).
+std::vector<Options> main_config_runs(const Options& base);
+
 /// Parses argv. Throws sonicmoe::Error with a message naming the option on bad input.
-/// `have_gpu_backend` selects the default configuration (7B on a GPU backend, the reduced CPU size otherwise).
+/// `have_gpu_backend` (a CUDA build with a device) resolves --backend auto and the defaults that depend on it:
+/// the 7B configuration in bf16 on the GPU, the reduced size in fp32 on the CPU reference.
 Options parse_options(const std::vector<std::string>& args, bool have_gpu_backend);
 
 std::string usage();

@@ -7,5 +7,6 @@
 #include "sonicmoe/losses.hpp"
 #include "sonicmoe/memory.hpp"
 #include "sonicmoe/problem.hpp"
+#include "sonicmoe/profiling.hpp"
 #include "sonicmoe/tensor.hpp"
 #include "sonicmoe/version.hpp"

@@ -7,6 +7,7 @@
 
 #include "gpu/cuda_check.hpp"
 #include "gpu/kernels.hpp"
+#include "gpu/stage_timing.hpp"
 #include "sonicmoe/memory.hpp"
 
 namespace sonicmoe::gpu {
@@ -109,19 +110,23 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
 
   // Router and routing.
   if (p.routing == RoutingMode::kTopK) {
+    mark_stage("forward/router_gemm", stream);
     // logits (T x E, row-major) = x W_r^T: column-major E x T = W_r (op T of d x E) * x^T (d x T).
     cublasHandle_t h = prepared_cublas(x.device.index, stream, at(buf.workspace, wl.cublas));
     gemm(h, dt, CUBLAS_OP_T, CUBLAS_OP_N, p.E, p.T, p.d, w.router_weight.data, w.router_weight.stride[0], x.data,
          x.stride[0], 0.0f, out.router_logits.data, out.router_logits.stride[0]);
+    mark_stage("forward/topk_scores", stream);
     launch_topk_scores(dt, out.router_logits.data, out.router_logits.stride[0], p.T, p.E, p.K, p.score, scores,
                        pair_expert, stream);
   } else {
+    mark_stage("forward/caller_routing", stream);
     launch_convert_pairs(routing->token_index.data, routing->token_index.dtype, routing->expert_index.data,
                          routing->expert_index.dtype, P, p.T, p.E, pair_token, pair_expert, stream);
     if (P > 0)
       SONICMOE_CUDA_CHECK(cudaMemcpyAsync(scores, routing->score.data, sizeof(float) * P, cudaMemcpyDeviceToDevice,
                                           stream));
   }
+  mark_stage("forward/routing_metadata", stream);
   MetadataArgs m;
   m.T = p.T, m.E = p.E, m.P = P, m.K = p.K;
   m.pair_expert = pair_expert, m.pair_token = pair_token;
@@ -144,6 +149,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   // Experts: up-projection with the activation epilogue, down-projection, weighted gather-sum.
   void* a_buf = at(buf.workspace, wl.a);
   void* y_buf = at(buf.workspace, wl.y);
+  mark_stage("forward/up_projection", stream);
   launch_varlen_m_gemm(up_projection_args(p, dt, x, w, m.expert_offsets, m.expert_tiles, m.gather,
                                           at(buf.saved, sl.h), a_buf),
                        stream);
@@ -157,9 +163,12 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   down.epilogue = Epilogue::kStore;
   down.out = y_buf, down.ld_out = p.d;
   if (p.has_b2) down.bias = w.b2.data, down.ld_bias = w.b2.stride[0];
+  mark_stage("forward/down_projection", stream);
   launch_varlen_m_gemm(down, stream);
+  mark_stage("forward/aggregation", stream);
   launch_gather_sum(dt, y_buf, p.d, scores, m.inverse, m.token_offsets, p.K, p.T, out.out.data, out.out.stride[0],
                     stream);
+  mark_stage(nullptr, stream);
 }
 
 void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
@@ -182,11 +191,13 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   const std::int32_t* gather = at<std::int32_t>(buf.saved, sl.gather);
   const std::int32_t* token_offsets = at<std::int32_t>(buf.saved, sl.token_offsets);
   std::int32_t* tiles = at<std::int32_t>(buf.workspace, wl.expert_tiles);
+  mark_stage("backward/expert_tiles", stream);
   launch_expert_tiles(offsets, p.E, tiles, stream);
 
   // H: kept by the forward, or recomputed (input-only mode) with the forward's arithmetic.
   const void* h = at(buf.saved, sl.h);
   if (p.cache == CacheMode::kInputOnly) {
+    mark_stage("backward/h_recompute", stream);
     void* hr = at(buf.workspace, wl.h_recompute);
     launch_varlen_m_gemm(up_projection_args(p, dt, x, w, offsets, tiles, gather, hr, nullptr), stream);
     h = hr;
@@ -209,14 +220,17 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   dha.act_out = a_prime, dha.ld_act = p.n;
   dha.h_in = h, dha.ld_h = rows;
   dha.scores = scores, dha.scatter = scatter, dha.ds_partial = ds_partial;
+  mark_stage("backward/dh_kernel", stream);
   launch_varlen_m_gemm(dha, stream);
 
   // dS (pair order), with the b2 term; db2; dW2.
   const bool caller = p.routing == RoutingMode::kCallerSupplied;
   float* ds = caller ? static_cast<float*>(out.grad_scores.data) : at<float>(buf.workspace, wl.ds);
+  mark_stage("backward/ds_reduce", stream);
   launch_ds_reduce(dt, ds_partial, (p.n + kDsTileN - 1) / kDsTileN, inverse, gather, offsets, p.E, P,
                    in.grad_out.data, in.grad_out.stride[0], p.has_b2 ? w.b2.data : nullptr,
                    p.has_b2 ? w.b2.stride[0] : 0, p.d, ds, stream);
+  mark_stage("backward/db2", stream);
   if (p.has_b2)
     launch_segment_column_sum(dt, in.grad_out.data, in.grad_out.stride[0], gather, scores, scatter, offsets, p.E,
                               p.d, 0, out.grad_weights.b2.data, out.grad_weights.b2.stride[0], stream);
@@ -228,6 +242,7 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   dw2.b = a_prime, dw2.ldb = p.n;
   dw2.out = out.grad_weights.w2.data, dw2.out_expert_stride = out.grad_weights.w2.stride[0];
   dw2.ld_out = out.grad_weights.w2.stride[1];
+  mark_stage("backward/dw2", stream);
   launch_varlen_k_gemm(dw2, stream);
 
   // dX~ = dH W1_e (grouped), dW1, db1, then dX = gather-sum of dX~.
@@ -242,6 +257,7 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   dxa.b.stride_k = w.w1.stride[1], dxa.b.permute = concat ? 2 : 0, dxa.b.glu_n = p.n;
   dxa.epilogue = Epilogue::kStore;
   dxa.out = dxe, dxa.ld_out = p.d;
+  mark_stage("backward/dx_expanded", stream);
   launch_varlen_m_gemm(dxa, stream);
   VarlenKArgs dw1;
   dw1.dt = dt;
@@ -251,15 +267,19 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   dw1.b = x.data, dw1.ldb = x.stride[0], dw1.b_gather = gather;
   dw1.out = out.grad_weights.w1.data, dw1.out_expert_stride = out.grad_weights.w1.stride[0];
   dw1.ld_out = out.grad_weights.w1.stride[1], dw1.glu_concat_n = concat ? p.n : 0;
+  mark_stage("backward/dw1", stream);
   launch_varlen_k_gemm(dw1, stream);
+  mark_stage("backward/db1", stream);
   if (p.has_b1)
     launch_segment_column_sum(dt, dh, rows, nullptr, nullptr, nullptr, offsets, p.E, rows, concat ? p.n : 0,
                               out.grad_weights.b1.data, out.grad_weights.b1.stride[0], stream);
+  mark_stage("backward/dx_aggregation", stream);
   launch_gather_sum(dt, dxe, p.d, nullptr, inverse, token_offsets, p.K, p.T, out.grad_x.data, out.grad_x.stride[0],
                     stream);
 
   // Router: dlogits from dS (+ the caller's gradient of the logits), then dx += dlogits W_r, dW_r = dlogits^T x.
   if (caller) {
+    mark_stage(nullptr, stream);
     const TensorView& gr = out.grad_weights.router_weight;
     if (!gr.empty())
       SONICMOE_CUDA_CHECK(cudaMemset2DAsync(gr.data, dtype_size(dt) * gr.stride[0], 0, dtype_size(dt) * p.d, p.E,
@@ -267,9 +287,11 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
     return;
   }
   void* dlogits = at(buf.workspace, wl.dlogits);
+  mark_stage("backward/router_backward", stream);
   launch_router_backward(dt, p.score, scores, ds, inverse, offsets, at(buf.saved, sl.router_logits), p.T, p.E, p.K,
                          in.grad_router_logits.empty() ? nullptr : in.grad_router_logits.data,
                          in.grad_router_logits.empty() ? 0 : in.grad_router_logits.stride[0], dlogits, stream);
+  mark_stage("backward/router_gemms", stream);
   cublasHandle_t hd = prepared_cublas(x.device.index, stream, at(buf.workspace, wl.cublas));
   // dx (T x d row-major = col-major d x T) += W_r^T-view: col-major (d x E) * dlogits^T-view (E x T).
   gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_N, p.d, p.T, p.E, w.router_weight.data, w.router_weight.stride[0], dlogits,
@@ -277,6 +299,7 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   // dW_r (E x d row-major = col-major d x E) = x^T-view (d x T) * dlogits (T x E).
   gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_T, p.d, p.E, p.T, x.data, x.stride[0], dlogits, p.E, 0.0f,
        out.grad_weights.router_weight.data, out.grad_weights.router_weight.stride[0]);
+  mark_stage(nullptr, stream);
 }
 
 }  // namespace sonicmoe::gpu

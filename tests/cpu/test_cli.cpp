@@ -45,6 +45,28 @@ TEST(Cli, BadOptionsGiveClearErrors) {
   EXPECT_NE(error_of({"--K", "200"}).find("'problem.K'"), std::string::npos);
   EXPECT_NE(error_of({"--routing", "token_rounding", "--tile", "100"}).find("'problem.tile_m'"), std::string::npos);
   EXPECT_NE(error_of({"stray"}).find("'stray'"), std::string::npos);
+  EXPECT_NE(error_of({"--backend", "gpu"}).find("no GPU backend here"), std::string::npos);
+  EXPECT_NE(error_of({"--backend", "tpu"}).find("{auto, gpu, cpu}"), std::string::npos);
+  EXPECT_NE(error_of({"--all-configs"}).find("'--all-configs'"), std::string::npos);
+}
+
+TEST(Cli, GpuDefaultsAndDtypes) {
+  const Options g = parse_options({}, true);
+  EXPECT_TRUE(g.gpu);
+  EXPECT_EQ(g.dtype, DType::kBF16);
+  EXPECT_EQ(g.iters, 10);
+  const Options c = parse_options({"--backend", "cpu"}, true);
+  EXPECT_FALSE(c.gpu);
+  EXPECT_EQ(c.dtype, DType::kFP32);
+  EXPECT_EQ(c.config_name, "cpu-small");
+  EXPECT_EQ(parse_options({"--dtype", "fp16"}, true).dtype, DType::kFP16);
+  EXPECT_THROW(parse_options({"--dtype", "fp64"}, true), Error);
+  EXPECT_THROW(parse_options({"--dtype", "bf16"}, false), Error);
+  const Options all = parse_options({"--all-configs", "--activation", "geglu"}, true);
+  const std::vector<Options> runs = main_config_runs(all);
+  ASSERT_EQ(runs.size(), 12u);
+  EXPECT_EQ(runs[11].config_name, "120B-2048");
+  EXPECT_EQ(runs[11].problem.activation, Activation::kGeGLU);
 }
 
 }  // namespace

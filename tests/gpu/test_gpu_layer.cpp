@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <map>
 
 #include "gpu_support.hpp"
 #include "reference/router.hpp"
@@ -14,10 +16,30 @@ namespace {
 
 double tolerance(DType dt) { return dt == DType::kFP32 ? 2e-5 : 1e-2; }
 
+/// Worst relative error seen per (quantity, tolerance class), printed when the suite ends.
+std::map<std::string, double>& worst_errors() {
+  static std::map<std::string, double> m;
+  return m;
+}
+
+class ErrorReport : public testing::Environment {
+ public:
+  void TearDown() override {
+    std::printf("worst relative Frobenius errors against float64 (tolerance in brackets):\n");
+    for (const auto& [k, v] : worst_errors()) std::printf("  %-28s %.3e\n", k.c_str(), v);
+  }
+};
+const auto* const kErrorReport = testing::AddGlobalTestEnvironment(new ErrorReport);
+
 void expect_close(const char* what, const std::vector<double>& gpu, const std::vector<double>& ref, double tol) {
   ASSERT_EQ(gpu.size(), ref.size()) << what;
   for (double v : gpu) ASSERT_FALSE(std::isnan(v)) << what << " has NaN: an element was not written";
-  EXPECT_LT(rel_error(gpu, ref), tol) << what;
+  const double err = rel_error(gpu, ref);
+  EXPECT_LT(err, tol) << what;
+  char key[64];
+  std::snprintf(key, sizeof key, "%s [%.0e]", what, tol);
+  double& w = worst_errors()[key];
+  w = std::max(w, err);
 }
 
 void compare_all(const GpuRun& g, const ReferenceRun& r, DType dt) {

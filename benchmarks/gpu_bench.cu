@@ -1,0 +1,310 @@
+// sonicmoe-bench on the GPU: times the layer (CUDA events, median), its stages, the cuBLAS bound of TARGETS.md
+// measured in the same run, and activation/peak memory both as accounted and as measured by the driver.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gpu_bench.hpp"
+#include "sonicmoe/sonicmoe.hpp"
+
+namespace sonicmoe::bench {
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+void check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string(what) + ": " + cublasGetStatusString(s));
+}
+
+template <class T>
+__device__ T cast_from(float v);
+template <>
+__device__ __nv_bfloat16 cast_from<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __half cast_from<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ float cast_from<float>(float v) { return v; }
+
+/// N(0, stddev) from a counter-based hash (splitmix64) and Box-Muller: fresh, reproducible, never zeros.
+template <class T>
+__global__ void normal_init_kernel(T* p, std::size_t n, std::uint64_t seed, float stddev) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint64_t z = seed + 0x9E3779B97F4A7C15ull * (i + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u1 = (static_cast<float>(z >> 40) + 1.0f) / 16777217.0f;
+    const float u2 = static_cast<float>((z >> 16) & 0xFFFFFF) / 16777216.0f;
+    p[i] = cast_from<T>(stddev * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+  }
+}
+
+struct Dev {
+  void* p = nullptr;
+  std::size_t bytes = 0;
+  explicit Dev(std::size_t b) : bytes(b) { check(cudaMalloc(&p, std::max<std::size_t>(b, 1)), "cudaMalloc"); }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+};
+
+void fill_normal(DType dt, Dev& d, std::size_t n, std::uint64_t seed, float stddev, cudaStream_t s) {
+  const unsigned grid = 1024;
+  if (dt == DType::kBF16) normal_init_kernel<<<grid, 256, 0, s>>>(static_cast<__nv_bfloat16*>(d.p), n, seed, stddev);
+  else if (dt == DType::kFP16) normal_init_kernel<<<grid, 256, 0, s>>>(static_cast<__half*>(d.p), n, seed, stddev);
+  else normal_init_kernel<<<grid, 256, 0, s>>>(static_cast<float*>(d.p), n, seed, stddev);
+  check(cudaGetLastError(), "normal_init");
+}
+
+std::size_t used_bytes() {
+  std::size_t free_b = 0, total = 0;
+  check(cudaMemGetInfo(&free_b, &total), "cudaMemGetInfo");
+  return total - free_b;
+}
+
+double median_ms(int warmup, int iters, cudaStream_t s, const std::function<void()>& f) {
+  cudaEvent_t a, b;
+  check(cudaEventCreate(&a), "event"), check(cudaEventCreate(&b), "event");
+  for (int i = 0; i < warmup; ++i) f();
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    check(cudaEventRecord(a, s), "record");
+    f();
+    check(cudaEventRecord(b, s), "record");
+    check(cudaEventSynchronize(b), "sync");
+    float t = 0;
+    check(cudaEventElapsedTime(&t, a, b), "elapsed");
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a), cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+/// Device-to-device copy bandwidth, bytes read + written per second.
+double copy_bandwidth(cudaStream_t s) {
+  const std::size_t bytes = std::size_t{1} << 30;
+  Dev a(bytes), b(bytes);
+  check(cudaMemsetAsync(a.p, 1, bytes, s), "memset");
+  const double ms = median_ms(2, 10, s, [&] { check(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s), "copy"); });
+  return 2.0 * bytes / (ms * 1e-3);
+}
+
+/// Time of a strided-batched GEMM (batch E) of row-major (M x K) * (K x N), the data dtype, fp32 accumulation.
+double batched_gemm_ms(cublasHandle_t h, DType dt, std::int64_t E, std::int64_t M, std::int64_t N, std::int64_t K,
+                       cudaStream_t s) {
+  const std::size_t el = dtype_size(dt);
+  Dev A(el * E * M * K), B(el * E * K * N), C(el * E * M * N);
+  fill_normal(dt, A, E * M * K, 1, 1.0f, s), fill_normal(dt, B, E * K * N, 2, 1.0f, s);
+  const cudaDataType_t t = dt == DType::kBF16 ? CUDA_R_16BF : dt == DType::kFP16 ? CUDA_R_16F : CUDA_R_32F;
+  const float alpha = 1, beta = 0;
+  check(cublasSetStream(h, s), "cublasSetStream");
+  // Row-major C = A B is column-major C^T = B^T A^T: m = N, n = M, k = K.
+  return median_ms(2, 10, s, [&] {
+    check(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha, B.p, t, N, K * N, A.p, t, K, M * K,
+                                     &beta, C.p, t, N, M * N, E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "cublasGemmStridedBatchedEx");
+  });
+}
+
+struct Bound {
+  double fwd_ms, bwd_ms;
+};
+
+Bound cublas_bound(cublasHandle_t h, const MoEProblem& p, DType dt, double copy_bw, cudaStream_t s) {
+  const std::int64_t Te = std::max<std::int64_t>(1, p.T * p.K / p.E), r = p.w1_rows(), E = p.E;
+  const double agg_ms = (2.0 * p.T * p.K * p.d + 2.0 * p.T * p.d) / copy_bw * 1e3;
+  const double up = batched_gemm_ms(h, dt, E, Te, r, p.d, s);
+  const double down = batched_gemm_ms(h, dt, E, Te, p.d, p.n, s);
+  const double da = batched_gemm_ms(h, dt, E, Te, p.n, p.d, s);
+  const double dw2 = batched_gemm_ms(h, dt, E, p.d, p.n, Te, s);
+  const double dxe = batched_gemm_ms(h, dt, E, Te, p.d, r, s);
+  const double dw1 = batched_gemm_ms(h, dt, E, r, p.d, Te, s);
+  return {up + down + agg_ms, da + dw2 + dxe + dw1 + agg_ms};
+}
+
+double mib(double b) { return b / (1024.0 * 1024.0); }
+
+struct Result {
+  std::string config;
+  double fwd_ms = 0, bwd_ms = 0, fwd_tflops = 0, bwd_tflops = 0, bound_fwd = 0, bound_bwd = 0;
+  double act_accounted = 0, act_measured = 0, peak_total = 0, peak_transient = 0;
+  std::vector<StageTime> stages;
+};
+
+Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t s) {
+  const MoEProblem& p = o.problem;
+  const DType dt = o.dtype;
+  const Device dev = Device::cuda(0);
+  const std::size_t el = dtype_size(dt);
+  const auto n = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+  check(cudaDeviceSynchronize(), "sync");
+  const std::size_t used0 = used_bytes();
+
+  Dev x(el * n(p.T * p.d)), wr(el * n(p.E * p.d)), w1(el * n(p.E * p.w1_rows() * p.d)), w2(el * n(p.E * p.d * p.n));
+  Dev b1(el * n(p.has_b1 ? p.E * p.w1_rows() : 0)), b2(el * n(p.has_b2 ? p.E * p.d : 0)), gout(el * n(p.T * p.d));
+  Dev out(el * n(p.T * p.d)), logits(el * n(p.T * p.E)), counts(4 * n(p.E));
+  Dev dx(x.bytes), dwr(wr.bytes), dw1(w1.bytes), dw2(w2.bytes), db1(b1.bytes), db2(b2.bytes);
+  const std::uint64_t seed = o.seed * 1000003ull;
+  fill_normal(dt, x, n(p.T * p.d), seed + 1, 1.0f, s);
+  fill_normal(dt, wr, n(p.E * p.d), seed + 2, 1.0f / std::sqrt(float(p.d)), s);
+  fill_normal(dt, w1, n(p.E * p.w1_rows() * p.d), seed + 3, 1.0f / std::sqrt(float(p.d)), s);
+  fill_normal(dt, w2, n(p.E * p.d * p.n), seed + 4, 1.0f / std::sqrt(float(p.n)), s);
+  if (p.has_b1) fill_normal(dt, b1, n(p.E * p.w1_rows()), seed + 5, 0.1f, s);
+  if (p.has_b2) fill_normal(dt, b2, n(p.E * p.d), seed + 6, 0.1f, s);
+  fill_normal(dt, gout, n(p.T * p.d), seed + 7, 1.0f, s);
+
+  LayerWeights w;
+  w.router_weight = TensorView::contiguous(wr.p, dt, {p.E, p.d}, dev);
+  w.w1 = TensorView::contiguous(w1.p, dt, {p.E, p.w1_rows(), p.d}, dev);
+  w.w2 = TensorView::contiguous(w2.p, dt, {p.E, p.d, p.n}, dev);
+  if (p.has_b1) w.b1 = TensorView::contiguous(b1.p, dt, {p.E, p.w1_rows()}, dev);
+  if (p.has_b2) w.b2 = TensorView::contiguous(b2.p, dt, {p.E, p.d}, dev);
+  const TensorView xv = TensorView::contiguous(x.p, dt, {p.T, p.d}, dev);
+  ForwardOutputs fo;
+  fo.out = TensorView::contiguous(out.p, dt, {p.T, p.d}, dev);
+  fo.router_logits = TensorView::contiguous(logits.p, dt, {p.T, p.E}, dev);
+  fo.expert_counts = TensorView::contiguous(counts.p, DType::kInt32, {p.E}, dev);
+  BackwardInputs bi;
+  bi.grad_out = TensorView::contiguous(gout.p, dt, {p.T, p.d}, dev);
+  BackwardOutputs bo;
+  bo.grad_x = TensorView::contiguous(dx.p, dt, {p.T, p.d}, dev);
+  bo.grad_weights.router_weight = TensorView::contiguous(dwr.p, dt, {p.E, p.d}, dev);
+  bo.grad_weights.w1 = TensorView::contiguous(dw1.p, dt, {p.E, p.w1_rows(), p.d}, dev);
+  bo.grad_weights.w2 = TensorView::contiguous(dw2.p, dt, {p.E, p.d, p.n}, dev);
+  if (p.has_b1) bo.grad_weights.b1 = TensorView::contiguous(db1.p, dt, {p.E, p.w1_rows()}, dev);
+  if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.p, dt, {p.E, p.d}, dev);
+  check(cudaStreamSynchronize(s), "init");
+
+  Result r;
+  r.config = o.config_name;
+  // Memory, as a framework would hold it: the forward's workspace is released before the backward's is taken.
+  const std::size_t base = used_bytes();
+  std::size_t peak = base;
+  const SavedLayout sl = saved_layout(p, dt);
+  Dev saved(sl.total_bytes);
+  std::size_t after_fwd;
+  {
+    Dev fws(forward_workspace_bytes(p, dt, dev));
+    peak = std::max(peak, used_bytes());
+    forward(p, xv, w, nullptr, fo, {saved.p, saved.bytes, fws.p, fws.bytes}, s);
+    check(cudaStreamSynchronize(s), "forward");
+  }
+  after_fwd = used_bytes();
+  {
+    Dev bws(backward_workspace_bytes(p, dt, dev));
+    peak = std::max(peak, used_bytes());
+    backward(p, xv, w, nullptr, bi, bo, {saved.p, saved.bytes, bws.p, bws.bytes}, s);
+    check(cudaStreamSynchronize(s), "backward");
+  }
+  r.act_accounted = static_cast<double>(activation_memory(p, dt).total_bytes());
+  r.act_measured = static_cast<double>(after_fwd - base) + static_cast<double>(x.bytes);
+  r.peak_total = static_cast<double>(peak - used0);
+  r.peak_transient = static_cast<double>(peak - base);
+
+  // Timing: both workspaces held, forward and backward timed separately (backward reuses one forward's state).
+  Dev fws(forward_workspace_bytes(p, dt, dev)), bws(backward_workspace_bytes(p, dt, dev));
+  const ForwardBuffers fb{saved.p, saved.bytes, fws.p, fws.bytes};
+  const BackwardBuffers bb{saved.p, saved.bytes, bws.p, bws.bytes};
+  std::fprintf(stderr, "  [%s] timing forward (%d+%d)...\n", o.config_name.c_str(), o.warmup, o.iters);
+  r.fwd_ms = median_ms(o.warmup, o.iters, s, [&] { forward(p, xv, w, nullptr, fo, fb, s); });
+  std::fprintf(stderr, "  [%s] timing backward (%d+%d)...\n", o.config_name.c_str(), o.warmup, o.iters);
+  r.bwd_ms = median_ms(o.warmup, o.iters, s, [&] { backward(p, xv, w, nullptr, bi, bo, bb, s); });
+  enable_stage_timing(true);
+  forward(p, xv, w, nullptr, fo, fb, s);
+  backward(p, xv, w, nullptr, bi, bo, bb, s);
+  r.stages = collect_stage_timings();
+  enable_stage_timing(false);
+
+  std::vector<std::int32_t> hc(n(p.E));
+  check(cudaMemcpy(hc.data(), counts.p, 4 * n(p.E), cudaMemcpyDeviceToHost), "counts");
+  double pairs = 0;
+  for (std::int32_t c : hc) pairs += c;
+  const double unit = pairs * double(p.n) * double(p.d);
+  r.fwd_tflops = (is_glu(p.activation) ? 6.0 : 4.0) * unit / (r.fwd_ms * 1e9);
+  r.bwd_tflops = (is_glu(p.activation) ? 12.0 : 8.0) * unit / (r.bwd_ms * 1e9);
+  std::fprintf(stderr, "  [%s] cuBLAS bound...\n", o.config_name.c_str());
+  const Bound b = cublas_bound(h, p, dt, copy_bw, s);
+  r.bound_fwd = b.fwd_ms, r.bound_bwd = b.bwd_ms;
+  return r;
+}
+
+std::string json_of(const Result& r, const Options& o, const std::string& gpu, double copy_bw) {
+  std::ostringstream j;
+  const MoEProblem& p = o.problem;
+  j << "{\"config\":\"" << r.config << "\",\"gpu\":\"" << gpu << "\",\"dtype\":\"" << dtype_name(o.dtype)
+    << "\",\"T\":" << p.T << ",\"d\":" << p.d << ",\"n\":" << p.n << ",\"E\":" << p.E << ",\"K\":" << p.K
+    << ",\"activation\":\"" << activation_name(p.activation) << "\",\"cache\":\"" << cache_mode_name(p.cache)
+    << "\",\"copy_bandwidth_GBps\":" << copy_bw * 1e-9 << ",\"forward_ms\":" << r.fwd_ms
+    << ",\"backward_ms\":" << r.bwd_ms << ",\"forward_tflops\":" << r.fwd_tflops
+    << ",\"backward_tflops\":" << r.bwd_tflops << ",\"cublas_bound_forward_ms\":" << r.bound_fwd
+    << ",\"cublas_bound_backward_ms\":" << r.bound_bwd << ",\"efficiency_forward\":" << r.bound_fwd / r.fwd_ms
+    << ",\"efficiency_backward\":" << r.bound_bwd / r.bwd_ms
+    << ",\"activation_bytes_accounted\":" << r.act_accounted << ",\"activation_bytes_measured\":" << r.act_measured
+    << ",\"peak_bytes\":" << r.peak_total << ",\"stages_ms\":{";
+  for (std::size_t i = 0; i < r.stages.size(); ++i)
+    j << (i ? "," : "") << "\"" << r.stages[i].stage << "\":" << r.stages[i].ms;
+  j << "}}";
+  return j.str();
+}
+
+}  // namespace
+
+int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_objects) {
+  cudaStream_t s;
+  check(cudaSetDevice(0), "cudaSetDevice");
+  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  cublasHandle_t h;
+  check(cublasCreate(&h), "cublasCreate");
+  const std::string gpu = cuda_device_description(0);
+  std::printf("gpu:      %s\n", gpu.c_str());
+  std::fflush(stdout);
+  const double bw = copy_bandwidth(s);
+  std::printf("copy bandwidth (device-to-device, read+write): %.0f GB/s\n", bw * 1e-9);
+  std::vector<Result> results;
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    const Options& o = runs[i];
+    std::fprintf(stderr, "[%zu/%zu] %s: %s\n", i + 1, runs.size(), o.config_name.c_str(), o.problem.to_string().c_str());
+    results.push_back(run_one(o, h, bw, s));
+    const Result& r = results.back();
+    json_objects.push_back(json_of(r, o, gpu, bw));
+    std::printf("\nconfig %s (%s, %s)\n", o.config_name.c_str(), o.problem.to_string().c_str(), dtype_name(o.dtype));
+    std::printf("  %-10s %10s %10s %12s %10s\n", "pass", "ms", "TFLOP/s", "cuBLAS bound", "efficiency");
+    std::printf("  %-10s %10.3f %10.1f %12.3f %10.3f\n", "forward", r.fwd_ms, r.fwd_tflops, r.bound_fwd,
+                r.bound_fwd / r.fwd_ms);
+    std::printf("  %-10s %10.3f %10.1f %12.3f %10.3f\n", "backward", r.bwd_ms, r.bwd_tflops, r.bound_bwd,
+                r.bound_bwd / r.bwd_ms);
+    std::printf("  stages (one instrumented run):\n");
+    for (const StageTime& st : r.stages) std::printf("    %-32s %9.3f ms\n", st.stage.c_str(), st.ms);
+    std::printf("  activation memory: accounted %.1f MiB, measured %.1f MiB; peak %.1f MiB (%.1f MiB above "
+                "inputs, parameters, outputs and gradients)\n",
+                mib(r.act_accounted), mib(r.act_measured), mib(r.peak_total), mib(r.peak_transient));
+    std::fflush(stdout);
+  }
+  if (results.size() > 1) {
+    std::printf("\nsummary (%s, %s)\n", gpu.c_str(), dtype_name(runs[0].dtype));
+    std::printf("| config | fwd ms | fwd TFLOP/s | fwd eff | bwd ms | bwd TFLOP/s | bwd eff | act MiB (acct/meas) | peak MiB |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|\n");
+    for (const Result& r : results)
+      std::printf("| %s | %.3f | %.1f | %.3f | %.3f | %.1f | %.3f | %.1f / %.1f | %.1f |\n", r.config.c_str(), r.fwd_ms,
+                  r.fwd_tflops, r.bound_fwd / r.fwd_ms, r.bwd_ms, r.bwd_tflops, r.bound_bwd / r.bwd_ms,
+                  mib(r.act_accounted), mib(r.act_measured), mib(r.peak_total));
+  }
+  cublasDestroy(h);
+  cudaStreamDestroy(s);
+  return 0;
+}
+
+}  // namespace sonicmoe::bench

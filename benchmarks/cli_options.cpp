@@ -175,9 +175,7 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
   if (!warmup_given) o.warmup = o.gpu ? 3 : 1;
   if (o.all_configs && !o.gpu)
     bad("--all-configs", "a GPU backend (the CPU reference would take hours on the main configurations)", "the CPU");
-  if (o.gpu && p.routing == RoutingMode::kTokenRounding)
-    bad("--routing", "topk on the GPU for now (token rounding runs on the CPU reference: --backend cpu)",
-        "'token_rounding'");
+
   p.has_b1 = bias == "b1" || bias == "both";
   p.has_b2 = bias == "b2" || bias == "both";
   if (p.routing == RoutingMode::kCallerSupplied)

@@ -63,10 +63,16 @@ inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 ///   pair_token    P                     int32       token of each pair (variable-K routing only)
 ///   tile_hist     E x ceil(P / 1024)    int32       per-tile expert histograms of the metadata build
 ///   expert_tiles  E + 1                 int32       GEMM M-tiles per expert, scanned
-///   topk          T x K x (4 + 4)       int32+fp32  token rounding only: the token-choice selection
-///   cublas        kCublasWorkspaceBytes             cuBLAS workspace of the router GEMM
+///   cublas        kCublasWorkspaceBytes             cuBLAS workspace of the router GEMM (not for caller-supplied)
+/// Token rounding only:
+///   tr_choice     T x K x (4 + 4)       int32+fp32  the token-choice experts and their scores
+///   tr_token_stats T x 2                fp32        per-token softmax max and sum
+///   tr_expert_count E                   int32       token-choice count per expert
+///   tr_keep       T x E                 uint8       the selection mask
+///   tr_token_count T + 1                int32       kept pairs per token, scanned
 struct ForwardWorkspaceLayout {
-  BufferRegion a, y, pair_expert, pair_token, tile_hist, expert_tiles, topk, cublas;
+  BufferRegion a, y, pair_expert, pair_token, tile_hist, expert_tiles, cublas;
+  BufferRegion tr_choice, tr_token_stats, tr_expert_count, tr_keep, tr_token_count;
   std::size_t total_bytes = 0;
 };
 ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& problem, DType data_dtype);

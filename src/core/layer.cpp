@@ -61,6 +61,8 @@ DType validate_inputs(const ArgChecker& c, const MoEProblem& p, const TensorView
 #endif
     if (dt == DType::kFP64)
       c.fail("x", "dtype bf16, fp16 or fp32 on cuda (fp64 runs on the CPU reference)", dtype_name(dt));
+    if (p.routing == RoutingMode::kTokenRounding && p.K > 64)
+      c.fail("problem.K", "K <= 64 for token rounding on cuda", std::to_string(p.K));
   } else {
     if (dt != DType::kFP32 && dt != DType::kFP64)
       c.fail("x", "dtype fp32 or fp64 on cpu (the CPU reference; bf16/fp16 run on the GPU)", dtype_name(dt));

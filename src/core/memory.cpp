@@ -61,8 +61,14 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
   if (p.variable_k()) l.pair_token = b.add(P * 4);
   l.tile_hist = b.add(u(p.E) * ((P + 1023) / 1024) * 4);
   l.expert_tiles = b.add(u(p.E + 1) * 4);
-  if (p.routing == RoutingMode::kTokenRounding) l.topk = b.add(u(p.T) * u(p.K) * 8);
   if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
+  if (p.routing == RoutingMode::kTokenRounding) {
+    l.tr_choice = b.add(u(p.T) * u(p.K) * 8);
+    l.tr_token_stats = b.add(u(p.T) * 8);
+    l.tr_expert_count = b.add(u(p.E) * 4);
+    l.tr_keep = b.add(u(p.T) * u(p.E));
+    l.tr_token_count = b.add(u(p.T + 1) * 4);
+  }
   l.total_bytes = b.total();
   return l;
 }

@@ -63,6 +63,14 @@ __device__ __forceinline__ std::int64_t glu_concat_row(std::int64_t c, std::int6
   return (c & 1) * n + (c >> 1);
 }
 
+/// Total order of top-K candidates (value, index): larger value first, NaN last, lower index first on ties.
+__device__ __forceinline__ bool ranks_before(float av, int ai, float bv, int bi) {
+  const bool an = isnan(av), bn = isnan(bv);
+  if (an != bn) return bn;
+  if (!an && av != bv) return av > bv;
+  return ai < bi;
+}
+
 /// Expert owning grouped row g: the last e with offsets[e] <= g.
 __device__ __forceinline__ int expert_of_row(const std::int32_t* offsets, int E, std::int64_t g) {
   int lo = 0, hi = E;  // invariant: offsets[lo] <= g < offsets[hi]

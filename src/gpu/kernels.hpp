@@ -157,3 +157,41 @@ void launch_convert_pairs(const void* token, DType token_dt, const void* expert,
                           cudaStream_t stream);
 
 }  // namespace sonicmoe::gpu
+
+namespace sonicmoe::gpu {
+
+// ---- token rounding (SPEC §5) ------------------------------------------------------------------------------------
+
+/// Maximum K of token rounding on the GPU (the backward keeps a token's choices in shared memory).
+inline constexpr int kTokenRoundingMaxK = 64;
+
+struct TokenRoundingArgs {
+  DType dt = DType::kBF16;
+  std::int64_t T = 0, E = 0, K = 0, tile_m = 128, P_max = 0;
+  ScoreVariant variant = ScoreVariant::kSoftmaxOverTopK;
+  RoundingRule rule = RoundingRule::kNearest;
+  const void* logits = nullptr;  // (T, E), row stride ld_logits
+  std::int64_t ld_logits = 0;
+  // scratch
+  std::int32_t* tc_expert = nullptr;  // (T, K) token-choice experts
+  float* tc_score = nullptr;          // (T, K) their scores
+  float* token_stats = nullptr;       // (T, 2): row max and sum of exp
+  std::int32_t* expert_count = nullptr;  // (E): token-choice counts
+  std::uint8_t* keep = nullptr;       // (T, E) selection mask
+  std::int32_t* token_count = nullptr;  // (T + 1) scan of kept pairs per token
+  // outputs, pair order (P_max capacity; unused tail slots get expert -1 and token T)
+  std::int32_t* pair_token = nullptr;
+  std::int32_t* pair_expert = nullptr;
+  float* pair_score = nullptr;
+};
+void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream);
+
+/// dlogits (T, E) of token rounding: the token-choice scores' backward (recomputed from the kept logits) plus the
+/// full-softmax backward of padded pairs, plus the upstream grad_logits.
+void launch_token_rounding_backward(DType dt, ScoreVariant variant, const void* logits, std::int64_t T,
+                                    std::int64_t E, std::int64_t K, const float* ds, const std::int32_t* inverse,
+                                    const std::int32_t* expert_offsets, const std::int32_t* token_offsets,
+                                    const void* grad_logits, std::int64_t ld_grad, void* dlogits,
+                                    cudaStream_t stream);
+
+}  // namespace sonicmoe::gpu

@@ -95,9 +95,6 @@ VarlenMArgs up_projection_args(const MoEProblem& p, DType dt, const TensorView& 
 
 void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
                   const ForwardOutputs& out, const ForwardBuffers& buf, void* stream_ptr) {
-  if (p.routing == RoutingMode::kTokenRounding)
-    throw Error("sonicmoe::forward: argument 'problem.routing': expected 'topk' or 'caller' on the GPU (token "
-                "rounding runs on the CPU reference until its GPU kernels land), got 'token_rounding'");
   const DeviceGuard guard(x.device.index);
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DType dt = x.dtype;
@@ -109,15 +106,32 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   std::int32_t* pair_token = at<std::int32_t>(buf.workspace, wl.pair_token);
 
   // Router and routing.
-  if (p.routing == RoutingMode::kTopK) {
+  if (p.routing != RoutingMode::kCallerSupplied) {
     mark_stage("forward/router_gemm", stream);
     // logits (T x E, row-major) = x W_r^T: column-major E x T = W_r (op T of d x E) * x^T (d x T).
     cublasHandle_t h = prepared_cublas(x.device.index, stream, at(buf.workspace, wl.cublas));
     gemm(h, dt, CUBLAS_OP_T, CUBLAS_OP_N, p.E, p.T, p.d, w.router_weight.data, w.router_weight.stride[0], x.data,
          x.stride[0], 0.0f, out.router_logits.data, out.router_logits.stride[0]);
+  }
+  if (p.routing == RoutingMode::kTopK) {
     mark_stage("forward/topk_scores", stream);
     launch_topk_scores(dt, out.router_logits.data, out.router_logits.stride[0], p.T, p.E, p.K, p.score, scores,
                        pair_expert, stream);
+  } else if (p.routing == RoutingMode::kTokenRounding) {
+    mark_stage("forward/token_rounding", stream);
+    TokenRoundingArgs tr;
+    tr.dt = dt;
+    tr.T = p.T, tr.E = p.E, tr.K = p.K, tr.tile_m = p.tile_m, tr.P_max = P;
+    tr.variant = p.score, tr.rule = p.rounding;
+    tr.logits = out.router_logits.data, tr.ld_logits = out.router_logits.stride[0];
+    tr.tc_expert = at<std::int32_t>(buf.workspace, wl.tr_choice);
+    tr.tc_score = reinterpret_cast<float*>(tr.tc_expert + p.T * p.K);
+    tr.token_stats = at<float>(buf.workspace, wl.tr_token_stats);
+    tr.expert_count = at<std::int32_t>(buf.workspace, wl.tr_expert_count);
+    tr.keep = at<std::uint8_t>(buf.workspace, wl.tr_keep);
+    tr.token_count = at<std::int32_t>(buf.workspace, wl.tr_token_count);
+    tr.pair_token = pair_token, tr.pair_expert = pair_expert, tr.pair_score = scores;
+    launch_token_rounding(tr, stream);
   } else {
     mark_stage("forward/caller_routing", stream);
     launch_convert_pairs(routing->token_index.data, routing->token_index.dtype, routing->expert_index.data,
@@ -175,9 +189,6 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
                    const BackwardInputs& in, const BackwardOutputs& out, const BackwardBuffers& buf,
                    void* stream_ptr) {
   (void)routing;
-  if (p.routing == RoutingMode::kTokenRounding)
-    throw Error("sonicmoe::backward: argument 'problem.routing': expected 'topk' or 'caller' on the GPU, got "
-                "'token_rounding'");
   const DeviceGuard guard(x.device.index);
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DType dt = x.dtype;
@@ -288,9 +299,14 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   }
   void* dlogits = at(buf.workspace, wl.dlogits);
   mark_stage("backward/router_backward", stream);
-  launch_router_backward(dt, p.score, scores, ds, inverse, offsets, at(buf.saved, sl.router_logits), p.T, p.E, p.K,
-                         in.grad_router_logits.empty() ? nullptr : in.grad_router_logits.data,
-                         in.grad_router_logits.empty() ? 0 : in.grad_router_logits.stride[0], dlogits, stream);
+  const void* upstream = in.grad_router_logits.empty() ? nullptr : in.grad_router_logits.data;
+  const std::int64_t ld_up = in.grad_router_logits.empty() ? 0 : in.grad_router_logits.stride[0];
+  if (p.routing == RoutingMode::kTokenRounding)
+    launch_token_rounding_backward(dt, p.score, at(buf.saved, sl.router_logits), p.T, p.E, p.K, ds, inverse, offsets,
+                                   token_offsets, upstream, ld_up, dlogits, stream);
+  else
+    launch_router_backward(dt, p.score, scores, ds, inverse, offsets, at(buf.saved, sl.router_logits), p.T, p.E,
+                           p.K, upstream, ld_up, dlogits, stream);
   mark_stage("backward/router_gemms", stream);
   cublasHandle_t hd = prepared_cublas(x.device.index, stream, at(buf.workspace, wl.cublas));
   // dx (T x d row-major = col-major d x T) += W_r^T-view: col-major (d x E) * dlogits^T-view (E x T).

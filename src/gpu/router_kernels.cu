@@ -10,14 +10,6 @@ namespace {
 constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxK = 64;  // selections held in shared memory per warp; larger K loops in chunks (see below)
 
-/// Total order of (value, index) candidates: larger value first, NaN last, lower index first on ties.
-__device__ __forceinline__ bool ranks_before(float av, int ai, float bv, int bi) {
-  const bool an = isnan(av), bn = isnan(bv);
-  if (an != bn) return bn;
-  if (!an && av != bv) return av > bv;
-  return ai < bi;
-}
-
 template <class T>
 __device__ float warp_row_max(const T* z, int E, int lane) {
   float m = -INFINITY;

@@ -103,7 +103,8 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_FALSE(f.pair_token.present());
   EXPECT_EQ(f.tile_hist.bytes, 4u * 64 * (P / 1024));
   EXPECT_EQ(f.expert_tiles.bytes, 4u * 65);
-  EXPECT_FALSE(f.topk.present());
+  EXPECT_FALSE(f.tr_choice.present());
+  EXPECT_FALSE(f.tr_keep.present());
   EXPECT_EQ(f.cublas.bytes, kCublasWorkspaceBytes);
   const BackwardWorkspaceLayout b = backward_workspace_layout(p, DType::kBF16);
   EXPECT_FALSE(b.h_recompute.present());
@@ -115,6 +116,12 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_EQ(b.expert_tiles.bytes, 4u * 65);
   p.cache = CacheMode::kInputOnly;
   EXPECT_EQ(backward_workspace_layout(p, DType::kBF16).h_recompute.bytes, 2 * P * 1024);
+  p.routing = RoutingMode::kTokenRounding;
+  const ForwardWorkspaceLayout tr = forward_workspace_layout(p, DType::kBF16);
+  EXPECT_EQ(tr.tr_choice.bytes, 8u * 4096 * 4);
+  EXPECT_EQ(tr.tr_keep.bytes, 4096u * 64);
+  EXPECT_EQ(tr.tr_token_count.bytes, 4u * 4097);
+  EXPECT_EQ(tr.pair_token.bytes, 4 * static_cast<std::size_t>(p.max_pairs()));
   EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cpu()), 0u) << "the CPU reference needs no workspace";
   EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cuda(0)), forward_workspace_layout(p, DType::kBF16).total_bytes);
 }

@@ -68,13 +68,15 @@ struct GpuCase {
   RoutingMode routing;
   ScoreVariant score;
   CacheMode cache;
+  RoundingRule rounding = RoundingRule::kNearest;
 };
 
 std::string gpu_case_name(const testing::TestParamInfo<GpuCase>& i) {
   const GpuCase& c = i.param;
   std::string s = std::string(dtype_name(c.dt)) + "_" + activation_name(c.activation) + "_" +
                   weight_layout_name(c.layout) + (c.bias ? "_bias_" : "_nobias_") + routing_mode_name(c.routing);
-  if (c.routing == RoutingMode::kTopK) s += std::string("_") + score_variant_name(c.score);
+  if (c.routing != RoutingMode::kCallerSupplied) s += std::string("_") + score_variant_name(c.score);
+  if (c.routing == RoutingMode::kTokenRounding) s += std::string("_") + rounding_rule_name(c.rounding);
   return s + "_" + cache_mode_name(c.cache);
 }
 
@@ -90,10 +92,11 @@ TEST_P(GpuLayer, MatchesFloat64Reference) {
   p.T = 200, p.d = 96, p.n = 40, p.E = 8, p.K = 2;
   p.activation = gc.activation, p.weight_layout = gc.layout, p.has_b1 = p.has_b2 = gc.bias;
   p.routing = gc.routing, p.score = gc.score, p.cache = gc.cache;
+  p.rounding = gc.rounding, p.tile_m = 16;  // ~50 tokens per expert: rounding moves every count
   const LayerCase<double> c(p, 2024);
   const GpuRun g = run_on_gpu(c, gc.dt);
   const LayerCase<double> q = quantized_case(c, gc.dt);
-  if (p.routing == RoutingMode::kTopK) {
+  if (p.routing != RoutingMode::kCallerSupplied) {
     // The logits themselves, against x W_r^T in float64.
     const std::vector<double> z = ref::router_logits(q.x.data(), q.router_weight.data(), p.T, p.d, p.E);
     expect_close("router_logits", g.logits, z, tolerance(gc.dt));
@@ -120,6 +123,16 @@ std::vector<GpuCase> gpu_cases() {
   for (Activation a : {Activation::kSwiGLU, Activation::kGELU})
     out.push_back({DType::kFP16, a, WeightLayout::kInterleaved, true, RoutingMode::kTopK,
                    ScoreVariant::kSoftmaxOverTopK, CacheMode::kPreActivation});
+  // Token rounding: every rule and score variant, both cache modes.
+  for (DType dt : {DType::kBF16, DType::kFP32})
+    for (RoundingRule r : {RoundingRule::kNearest, RoundingRule::kUp, RoundingRule::kDown})
+      for (ScoreVariant s : {ScoreVariant::kSoftmaxOverTopK, ScoreVariant::kTopKOfSoftmax,
+                             ScoreVariant::kTopKOfSoftmaxRenorm}) {
+        out.push_back({dt, Activation::kSwiGLU, WeightLayout::kConcatenated, true, RoutingMode::kTokenRounding, s,
+                       CacheMode::kPreActivation, r});
+        out.push_back({dt, Activation::kReLU, WeightLayout::kInterleaved, false, RoutingMode::kTokenRounding, s,
+                       CacheMode::kInputOnly, r});
+      }
   return out;
 }
 
@@ -144,6 +157,7 @@ TEST_P(GpuEdgeShapes, MatchFloat64Reference) {
   p.has_b1 = p.has_b2 = true;
   p.routing = std::get<1>(GetParam());
   p.score = ScoreVariant::kTopKOfSoftmax;
+  p.tile_m = 8;
   const LayerCase<double> c(p, 77);
   const GpuRun g = run_on_gpu(c, DType::kBF16, s.row_pad);
   compare_all(g, reference_for(quantized_case(c, DType::kBF16), g.logits), DType::kBF16);
@@ -157,7 +171,7 @@ INSTANTIATE_TEST_SUITE_P(
                                      EdgeShape{131, 33, 17, 5, 3, 0, "odd_dims_scalar_path"},
                                      EdgeShape{300, 128, 64, 7, 3, 24, "padded_rows"},
                                      EdgeShape{70, 96, 48, 40, 1, 0, "K1_many_experts"}),
-                     testing::Values(RoutingMode::kTopK, RoutingMode::kCallerSupplied)),
+                     testing::Values(RoutingMode::kTopK, RoutingMode::kCallerSupplied, RoutingMode::kTokenRounding)),
     [](const testing::TestParamInfo<std::tuple<EdgeShape, RoutingMode>>& i) {
       return std::string(std::get<0>(i.param).name) + "_" + routing_mode_name(std::get<1>(i.param));
     });
@@ -198,9 +212,10 @@ TEST(GpuLayerProperties, BothWeightLayoutsGiveBitwiseIdenticalOutputs) {
 
 TEST(GpuLayerProperties, SavedMetadataEqualsTheReferenceBuild) {
   REQUIRE_GPU();
-  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kCallerSupplied}) {
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kCallerSupplied, RoutingMode::kTokenRounding}) {
     MoEProblem p;
     p.T = 3000, p.d = 64, p.n = 32, p.E = 24, p.K = 3, p.routing = r;  // 9000 pairs: several metadata tiles
+    p.tile_m = 64;
     const LayerCase<double> c(p, 8);
     const GpuRun g = run_on_gpu(c, DType::kFP32);
     const ReferenceRun ref = reference_for(quantized_case(c, DType::kFP32), g.logits);

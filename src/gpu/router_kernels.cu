@@ -57,7 +57,7 @@ __global__ void topk_scores_kernel(const T* __restrict__ logits, std::int64_t ld
     }
   }
   __syncwarp();
-  if (variant == ScoreVariant::kSoftmaxOverTopK) {
+  if (variant != ScoreVariant::kTopKOfSoftmax) {  // renormalised == softmax over the selection (router.cpp)
     if (lane == 0) {
       float m = -INFINITY;
       for (int r = 0; r < K; ++r) m = fmaxf(m, scores[t * K + r]);
@@ -69,12 +69,8 @@ __global__ void topk_scores_kernel(const T* __restrict__ logits, std::int64_t ld
   }
   const float m = warp_row_max(z, E, lane);
   const float total = warp_row_sumexp(z, E, m, lane);
-  if (lane == 0) {
-    float sel = 0.0f;
-    for (int r = 0; r < K; ++r) sel += (scores[t * K + r] = expf(scores[t * K + r] - m) / total);
-    if (variant == ScoreVariant::kTopKOfSoftmaxRenorm)
-      for (int r = 0; r < K; ++r) scores[t * K + r] /= sel;
-  }
+  if (lane == 0)
+    for (int r = 0; r < K; ++r) scores[t * K + r] = expf(scores[t * K + r] - m) / total;
 }
 
 // One warp per token. The K selected experts are recovered from the grouped row of each pair (no expert ids are

@@ -232,16 +232,13 @@ __global__ void tr_backward_kernel(ScoreVariant variant, const T* __restrict__ z
   }
   __syncwarp();
   if (lane == 0) {  // token-choice scores of the variant
-    if (variant == ScoreVariant::kSoftmaxOverTopK) {
+    if (variant != ScoreVariant::kTopKOfSoftmax) {  // renormalised == softmax over the selection
       float mk = -INFINITY, sk = 0.0f;
       for (int k = 0; k < K; ++k) mk = fmaxf(mk, tc_s[warp][k]);
       for (int k = 0; k < K; ++k) sk += (tc_s[warp][k] = expf(tc_s[warp][k] - mk));
       for (int k = 0; k < K; ++k) tc_s[warp][k] /= sk;
     } else {
-      float sel = 0.0f;
-      for (int k = 0; k < K; ++k) sel += (tc_s[warp][k] = expf(tc_s[warp][k] - m) / sum);
-      if (variant == ScoreVariant::kTopKOfSoftmaxRenorm)
-        for (int k = 0; k < K; ++k) tc_s[warp][k] /= sel;
+      for (int k = 0; k < K; ++k) tc_s[warp][k] = expf(tc_s[warp][k] - m) / sum;
     }
   }
   __syncwarp();

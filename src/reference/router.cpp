@@ -57,7 +57,11 @@ std::vector<R> topk_scores(ScoreVariant variant, const R* logits, const std::int
   for (std::int64_t t = 0; t < T; ++t) {
     const R* z = logits + t * E;
     const std::int64_t* sel = topk + t * K;
-    if (variant == ScoreVariant::kSoftmaxOverTopK) {
+    // The renormalised variant is the same function as the softmax over the selected logits (SPEC §2.1); it is
+    // computed that way because then it depends only on the selected logits: tokens whose selected logits are
+    // equal up to a shift get bitwise-equal scores, so token rounding breaks their ties by token index on every
+    // backend rather than by rounding noise of a full-row softmax.
+    if (variant != ScoreVariant::kTopKOfSoftmax) {
       R m = z[sel[0]];
       for (std::int64_t k = 1; k < K; ++k) m = std::max(m, z[sel[k]]);
       R sum = 0;
@@ -65,10 +69,7 @@ std::vector<R> topk_scores(ScoreVariant variant, const R* logits, const std::int
       for (std::int64_t k = 0; k < K; ++k) s[t * K + k] /= sum;
     } else {
       const std::vector<R> p = softmax_rows(z, 1, E);
-      R sel_sum = 0;
-      for (std::int64_t k = 0; k < K; ++k) sel_sum += p[sel[k]];
-      for (std::int64_t k = 0; k < K; ++k)
-        s[t * K + k] = variant == ScoreVariant::kTopKOfSoftmaxRenorm ? p[sel[k]] / sel_sum : p[sel[k]];
+      for (std::int64_t k = 0; k < K; ++k) s[t * K + k] = p[sel[k]];
     }
   }
   return s;

@@ -295,7 +295,16 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
     std::printf("  %-10s %10.3f %10.1f %12.3f %10.3f\n", "backward", r.bwd_ms, r.bwd_tflops, r.bound_bwd,
                 r.bound_bwd / r.bwd_ms);
     std::printf("  stages (one instrumented run):\n");
-    for (const StageTime& st : r.stages) std::printf("    %-32s %9.3f ms\n", st.stage.c_str(), st.ms);
+    // Bytes the gather-sum kernels must move: read P rows of d, write T rows of d (plus 8 bytes of index and
+    // score per pair), against the copy bandwidth measured above.
+    const MoEProblem& p = o.problem;
+    const double agg_bytes = (2.0 * p.T * p.K * p.d + 2.0 * p.T * p.d) * (dtype_size(o.dtype) / 2.0) + 8.0 * p.T * p.K;
+    for (const StageTime& st : r.stages) {
+      std::printf("    %-32s %9.3f ms", st.stage.c_str(), st.ms);
+      if (st.stage.find("aggregation") != std::string::npos && st.ms > 0)
+        std::printf("   %6.0f GB/s = %.2f of copy bandwidth", agg_bytes / (st.ms * 1e6), agg_bytes / (st.ms * 1e-3) / bw);
+      std::printf("\n");
+    }
     std::printf("  activation memory: accounted %.1f MiB, measured %.1f MiB; peak %.1f MiB (%.1f MiB above "
                 "inputs, parameters, outputs and gradients)\n",
                 mib(r.act_accounted), mib(r.act_measured), mib(r.peak_total), mib(r.peak_transient));

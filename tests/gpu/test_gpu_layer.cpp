@@ -191,6 +191,25 @@ TEST(GpuLayerProperties, TwoRunsAreBitwiseIdentical) {
   EXPECT_EQ(a.saved, b.saved);
 }
 
+// The layer allocates nothing behind the caller's back: after a warm-up call (which creates the thread's cuBLAS
+// handle, cuBLAS's own one-time allocation), forward and backward leave device memory use unchanged.
+TEST(GpuLayerProperties, NoDeviceAllocationInsideForwardOrBackward) {
+  REQUIRE_GPU();
+  MoEProblem p;
+  p.T = 4096, p.d = 256, p.n = 128, p.E = 16, p.K = 4;
+  const LayerCase<double> c(p, 12);
+  (void)run_on_gpu(c, DType::kBF16);  // warm-up
+  // run_on_gpu allocates its buffers before the layer runs and frees them after; compare use around a second run
+  // with every buffer of the first released.
+  std::size_t free0 = 0, free1 = 0, total = 0;
+  cudaDeviceSynchronize();
+  cudaMemGetInfo(&free0, &total);
+  (void)run_on_gpu(c, DType::kBF16);
+  cudaDeviceSynchronize();
+  cudaMemGetInfo(&free1, &total);
+  EXPECT_EQ(free0, free1) << "device memory in use changed across a forward+backward";
+}
+
 TEST(GpuLayerProperties, BothWeightLayoutsGiveBitwiseIdenticalOutputs) {
   REQUIRE_GPU();
   MoEProblem p;

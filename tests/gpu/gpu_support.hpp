@@ -128,8 +128,10 @@ struct GpuRun {
   MoEProblem problem;
 };
 
-/// Runs the case on the GPU in `dt`. row_pad > 0 gives x padded rows (ld = d + row_pad).
-inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_pad = 0) {
+/// Runs the case on the GPU in `dt`. row_pad > 0 gives x padded rows (ld = d + row_pad). With `graph`, forward and
+/// backward are captured into a CUDA graph in global capture mode (any allocation or host synchronisation inside
+/// them fails the capture) and the graph is replayed twice.
+inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_pad = 0, bool graph = false) {
   const MoEProblem& p = c.problem;
   GpuRun r;
   r.problem = p;
@@ -173,7 +175,10 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   if (!caller) fo.router_logits = TensorView::contiguous(logits.get(), dt, {p.T, p.E}, dev);
   fo.expert_counts = TensorView::contiguous(counts.get(), DType::kInt32, {p.E}, dev);
   cudaStream_t stream;
-  cudaStreamCreate(&stream);
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  cudaGraph_t captured = nullptr;
+  if (graph && cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess)
+    throw std::runtime_error("cudaStreamBeginCapture failed");
   forward(p, xv, w, caller ? &rt : nullptr, fo, {saved.get(), saved.bytes(), fws.get(), fws.bytes()}, stream);
 
   DeviceBuffer dx(p.T * p.d * el), dwr(p.E * p.d * el), dw1(c.w1.size() * el), dw2(c.w2.size() * el);
@@ -191,6 +196,16 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.get(), dt, {p.E, p.d}, dev);
   if (caller) bo.grad_scores = TensorView::contiguous(dsc.get(), DType::kFP32, {p.num_pairs}, dev);
   backward(p, xv, w, caller ? &rt : nullptr, bi, bo, {saved.get(), saved.bytes(), bws.get(), bws.bytes()}, stream);
+  if (graph) {
+    if (cudaStreamEndCapture(stream, &captured) != cudaSuccess) throw std::runtime_error("capture failed");
+    cudaGraphExec_t exec;
+    if (cudaGraphInstantiate(&exec, captured, 0) != cudaSuccess) throw std::runtime_error("instantiate failed");
+    for (int replay = 0; replay < 2; ++replay)
+      if (cudaGraphLaunch(exec, stream) != cudaSuccess) throw std::runtime_error("graph launch failed");
+    if (cudaStreamSynchronize(stream) != cudaSuccess) throw std::runtime_error("graph replay failed");
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(captured);
+  }
   if (cudaStreamSynchronize(stream) != cudaSuccess) throw std::runtime_error("stream failed");
   cudaStreamDestroy(stream);
   if (cudaGetLastError() != cudaSuccess) throw std::runtime_error("CUDA error after the layer");

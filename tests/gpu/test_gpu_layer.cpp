@@ -191,23 +191,27 @@ TEST(GpuLayerProperties, TwoRunsAreBitwiseIdentical) {
   EXPECT_EQ(a.saved, b.saved);
 }
 
-// The layer allocates nothing behind the caller's back: after a warm-up call (which creates the thread's cuBLAS
-// handle, cuBLAS's own one-time allocation), forward and backward leave device memory use unchanged.
-TEST(GpuLayerProperties, NoDeviceAllocationInsideForwardOrBackward) {
+// No allocation and no host synchronisation inside forward/backward: both run under CUDA-graph capture in global
+// mode (which rejects cudaMalloc and synchronising calls), and the replayed graph gives bitwise the same results.
+// A first call on the thread creates its cuBLAS handle (cuBLAS's one-time allocation), so it runs uncaptured.
+TEST(GpuLayerProperties, CapturesIntoACudaGraphAndReplaysBitwiseEqual) {
   REQUIRE_GPU();
-  MoEProblem p;
-  p.T = 4096, p.d = 256, p.n = 128, p.E = 16, p.K = 4;
-  const LayerCase<double> c(p, 12);
-  (void)run_on_gpu(c, DType::kBF16);  // warm-up
-  // run_on_gpu allocates its buffers before the layer runs and frees them after; compare use around a second run
-  // with every buffer of the first released.
-  std::size_t free0 = 0, free1 = 0, total = 0;
-  cudaDeviceSynchronize();
-  cudaMemGetInfo(&free0, &total);
-  (void)run_on_gpu(c, DType::kBF16);
-  cudaDeviceSynchronize();
-  cudaMemGetInfo(&free1, &total);
-  EXPECT_EQ(free0, free1) << "device memory in use changed across a forward+backward";
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied})
+    for (CacheMode cm : {CacheMode::kPreActivation, CacheMode::kInputOnly}) {
+      MoEProblem p;
+      p.T = 2048, p.d = 256, p.n = 128, p.E = 16, p.K = 4, p.routing = r, p.cache = cm, p.tile_m = 64;
+      p.has_b1 = p.has_b2 = true;
+      const LayerCase<double> c(p, 12);
+      const GpuRun direct = run_on_gpu(c, DType::kBF16);
+      GpuRun replayed;
+      ASSERT_NO_THROW(replayed = run_on_gpu(c, DType::kBF16, 0, /*graph=*/true))
+          << routing_mode_name(r) << " " << cache_mode_name(cm);
+      EXPECT_EQ(direct.raw_out, replayed.raw_out);
+      EXPECT_EQ(direct.raw_dx, replayed.raw_dx);
+      EXPECT_EQ(direct.raw_dw1, replayed.raw_dw1);
+      EXPECT_EQ(direct.raw_dw2, replayed.raw_dw2);
+      EXPECT_EQ(direct.saved, replayed.saved);
+    }
 }
 
 TEST(GpuLayerProperties, BothWeightLayoutsGiveBitwiseIdenticalOutputs) {

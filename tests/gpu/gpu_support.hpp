@@ -174,16 +174,29 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   fo.out = TensorView::contiguous(out.get(), dt, {p.T, p.d}, dev);
   if (!caller) fo.router_logits = TensorView::contiguous(logits.get(), dt, {p.T, p.E}, dev);
   fo.expert_counts = TensorView::contiguous(counts.get(), DType::kInt32, {p.E}, dev);
+  DeviceBuffer dx(p.T * p.d * el), dwr(p.E * p.d * el), dw1(c.w1.size() * el), dw2(c.w2.size() * el);
+  DeviceBuffer db1(c.b1.size() * el), db2(c.b2.size() * el), dsc(std::max<std::int64_t>(p.num_pairs, 0) * 4);
+  DeviceBuffer bws(backward_workspace_bytes(p, dt, dev));
+  // Every buffer exists before the layer runs: nothing may be allocated while a graph is being captured.
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
   cudaGraph_t captured = nullptr;
   if (graph && cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess)
     throw std::runtime_error("cudaStreamBeginCapture failed");
+  struct CaptureGuard {  // ends a capture left open by an exception, so later tests can allocate
+    cudaStream_t s;
+    bool active;
+    ~CaptureGuard() {
+      cudaStreamCaptureStatus st;
+      if (active && cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone) {
+        cudaGraph_t g = nullptr;
+        cudaStreamEndCapture(s, &g);
+        if (g) cudaGraphDestroy(g);
+      }
+    }
+  } capture_guard{stream, graph};
   forward(p, xv, w, caller ? &rt : nullptr, fo, {saved.get(), saved.bytes(), fws.get(), fws.bytes()}, stream);
 
-  DeviceBuffer dx(p.T * p.d * el), dwr(p.E * p.d * el), dw1(c.w1.size() * el), dw2(c.w2.size() * el);
-  DeviceBuffer db1(c.b1.size() * el), db2(c.b2.size() * el), dsc(std::max<std::int64_t>(p.num_pairs, 0) * 4);
-  DeviceBuffer bws(backward_workspace_bytes(p, dt, dev));
   BackwardInputs bi;
   bi.grad_out = TensorView::contiguous(gout.get(), dt, {p.T, p.d}, dev);
   if (!caller) bi.grad_router_logits = TensorView::contiguous(glog.get(), dt, {p.T, p.E}, dev);
@@ -197,7 +210,8 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   if (caller) bo.grad_scores = TensorView::contiguous(dsc.get(), DType::kFP32, {p.num_pairs}, dev);
   backward(p, xv, w, caller ? &rt : nullptr, bi, bo, {saved.get(), saved.bytes(), bws.get(), bws.bytes()}, stream);
   if (graph) {
-    if (cudaStreamEndCapture(stream, &captured) != cudaSuccess) throw std::runtime_error("capture failed");
+    const cudaError_t end = cudaStreamEndCapture(stream, &captured);  // always ends the capture
+    if (end != cudaSuccess || captured == nullptr) throw std::runtime_error("capture failed");
     cudaGraphExec_t exec;
     if (cudaGraphInstantiate(&exec, captured, 0) != cudaSuccess) throw std::runtime_error("instantiate failed");
     for (int replay = 0; replay < 2; ++replay)

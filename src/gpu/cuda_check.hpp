@@ -27,8 +27,9 @@ namespace sonicmoe::gpu {
     if (sonicmoe_err_ != cudaSuccess) ::sonicmoe::gpu::throw_cuda(sonicmoe_err_, #call, __FILE__, __LINE__); \
   } while (0)
 
-/// After a kernel launch: reports launch-configuration errors (no synchronisation).
-#define SONICMOE_CUDA_CHECK_LAUNCH(name) SONICMOE_CUDA_CHECK(cudaPeekAtLastError())
+/// After a kernel launch: reports launch errors (no synchronisation). cudaGetLastError also clears a non-sticky
+/// error, so one stale error cannot make every later call fail.
+#define SONICMOE_CUDA_CHECK_LAUNCH(name) SONICMOE_CUDA_CHECK(cudaGetLastError())
 
 #define SONICMOE_CUBLAS_CHECK(call)                                                          \
   do {                                                                                       \

@@ -18,14 +18,18 @@ class DeviceGuard {
  public:
   explicit DeviceGuard(int ordinal) {
     SONICMOE_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != ordinal) SONICMOE_CUDA_CHECK(cudaSetDevice(ordinal));
+    changed_ = previous_ != ordinal;
+    if (changed_) SONICMOE_CUDA_CHECK(cudaSetDevice(ordinal));
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(previous_);
+  }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
   int previous_ = 0;
+  bool changed_ = false;
 };
 
 /// One cuBLAS handle per (thread, device), created on first use and kept for the thread's life.

@@ -178,23 +178,26 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   DeviceBuffer db1(c.b1.size() * el), db2(c.b2.size() * el), dsc(std::max<std::int64_t>(p.num_pairs, 0) * 4);
   DeviceBuffer bws(backward_workspace_bytes(p, dt, dev));
   // Every buffer exists before the layer runs: nothing may be allocated while a graph is being captured.
-  cudaStream_t stream;
-  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  cudaGraph_t captured = nullptr;
-  if (graph && cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess)
-    throw std::runtime_error("cudaStreamBeginCapture failed");
-  struct CaptureGuard {  // ends a capture left open by an exception, so later tests can allocate
-    cudaStream_t s;
-    bool active;
-    ~CaptureGuard() {
+  // Owns the stream; on the way out ends a capture an exception left open (so later tests can allocate), then
+  // destroys the stream.
+  struct StreamGuard {
+    cudaStream_t s = nullptr;
+    StreamGuard() { cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking); }
+    ~StreamGuard() {
       cudaStreamCaptureStatus st;
-      if (active && cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone) {
+      if (cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone) {
         cudaGraph_t g = nullptr;
         cudaStreamEndCapture(s, &g);
         if (g) cudaGraphDestroy(g);
       }
+      cudaStreamDestroy(s);
+      cudaGetLastError();
     }
-  } capture_guard{stream, graph};
+  } stream_guard;
+  const cudaStream_t stream = stream_guard.s;
+  cudaGraph_t captured = nullptr;
+  if (graph && cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess)
+    throw std::runtime_error("cudaStreamBeginCapture failed");
   forward(p, xv, w, caller ? &rt : nullptr, fo, {saved.get(), saved.bytes(), fws.get(), fws.bytes()}, stream);
 
   BackwardInputs bi;
@@ -221,7 +224,6 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
     cudaGraphDestroy(captured);
   }
   if (cudaStreamSynchronize(stream) != cudaSuccess) throw std::runtime_error("stream failed");
-  cudaStreamDestroy(stream);
   if (cudaGetLastError() != cudaSuccess) throw std::runtime_error("CUDA error after the layer");
 
   auto dec = [&](const DeviceBuffer& b, std::size_t n) {

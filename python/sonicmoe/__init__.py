@@ -1,0 +1,12 @@
+"""sonicmoe: fast, memory-lean Mixture-of-Experts layers for NVIDIA Hopper GPUs, from PyTorch."""
+from ._library import load_library as _load_library
+
+_load_library()
+
+from . import _ops  # noqa: E402,F401  (fake implementations and autograd of the operators)
+from .functional import (grouped_experts, load_balancing_loss, moe, moe_from_routing,  # noqa: E402
+                         router_z_loss)
+from .module import MoE, MoEOutput  # noqa: E402
+
+__all__ = ["MoE", "MoEOutput", "moe", "moe_from_routing", "grouped_experts", "load_balancing_loss", "router_z_loss"]
+__version__ = "0.1.0"

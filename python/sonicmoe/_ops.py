@@ -1,0 +1,79 @@
+"""Fake (meta) implementations and autograd of the sonicmoe operators.
+
+torch.ops.sonicmoe.layer_forward(...) -> (out, router_logits, expert_counts, saved) computes the layer; `saved` is
+the uint8 buffer of what the backward needs (X is the input, kept by reference). Its autograd calls
+torch.ops.sonicmoe.layer_backward. Both have fake implementations, so torch.compile(fullgraph=True) traces through
+the layer without graph breaks.
+"""
+import torch
+
+_CALLER = 2
+
+
+def _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, tile, cache):
+    T, d = x.shape
+    num_pairs = token_index.shape[0] if routing == _CALLER else 0
+    return torch.ops.sonicmoe.saved_nbytes(
+        T, d, w2.shape[2], w1.shape[0], top_k, num_pairs, activation, score, routing, tile, cache, x.element_size()
+    )
+
+
+@torch.library.register_fake("sonicmoe::layer_forward")
+def _layer_forward_fake(x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
+                        weight_layout, score, routing, rounding, tile, cache):
+    T, d = x.shape
+    E = w1.shape[0]
+    out = x.new_empty((T, d))
+    logits = x.new_empty((0,)) if routing == _CALLER else x.new_empty((T, E))
+    counts = x.new_empty((E,), dtype=torch.int32)
+    nbytes = _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, tile, cache)
+    saved = x.new_empty((nbytes,), dtype=torch.uint8)
+    return out, logits, counts, saved
+
+
+@torch.library.register_fake("sonicmoe::layer_backward")
+def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores,
+                         saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache):
+    caller = routing == _CALLER
+    empty = x.new_empty((0,))
+    return (
+        torch.empty_like(x),
+        empty if caller else torch.empty_like(router_weight),
+        torch.empty_like(w1),
+        torch.empty_like(b1) if b1 is not None else empty,
+        torch.empty_like(w2),
+        torch.empty_like(b2) if b2 is not None else empty,
+        scores.new_empty(scores.shape) if caller else empty,
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores = inputs[:9]
+    ctx.options = inputs[9:]
+    ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, output[3])
+
+
+def _backward(ctx, grad_out, grad_logits, grad_counts, grad_saved):
+    x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved = ctx.saved_tensors
+    caller = ctx.options[4] == _CALLER
+    if grad_out is None:
+        grad_out = torch.zeros_like(x)
+    if caller or (grad_logits is not None and grad_logits.numel() == 0):
+        grad_logits = None
+    dx, dwr, dw1, db1, dw2, db2, dscores = torch.ops.sonicmoe.layer_backward(
+        grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved,
+        *ctx.options)
+    return (
+        dx,
+        None if caller or router_weight is None else dwr,
+        dw1,
+        db1 if b1 is not None else None,
+        dw2,
+        db2 if b2 is not None else None,
+        None,
+        None,
+        dscores if caller else None,
+    ) + (None,) * len(ctx.options)
+
+
+torch.library.register_autograd("sonicmoe::layer_forward", _backward, setup_context=_setup_context)

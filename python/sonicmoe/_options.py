@@ -1,0 +1,15 @@
+"""Names of the layer's options and their integer codes (the enum values of include/sonicmoe/problem.hpp)."""
+
+ACTIVATIONS = {"swiglu": 0, "geglu": 1, "reglu": 2, "relu_squared": 3, "relu": 4, "gelu": 5, "silu": 6}
+GLU_ACTIVATIONS = {"swiglu", "geglu", "reglu"}
+WEIGHT_LAYOUTS = {"interleaved": 0, "concatenated": 1}
+SCORES = {"softmax_topk": 0, "topk_softmax": 1, "topk_softmax_renorm": 2}
+ROUTINGS = {"topk": 0, "token_rounding": 1, "caller": 2}
+ROUNDINGS = {"nearest": 0, "up": 1, "down": 2}
+ACTIVATION_MEMORY = {"preact": 0, "input_only": 1}
+
+
+def code(table: dict, name: str, argument: str) -> int:
+    if name not in table:
+        raise ValueError(f"sonicmoe: argument '{argument}': expected one of {sorted(table)}, got {name!r}")
+    return table[name]

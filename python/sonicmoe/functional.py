@@ -1,0 +1,157 @@
+"""Functional API of the sonicmoe layer.
+
+Shapes: x (T, d); router_weight (E, d); w1 (E, 2n, d) for GLU activations, (E, n, d) otherwise; w2 (E, d, n); b1
+(E, 2n | n); b2 (E, d) — nn.Linear (out, in) per expert. With weight_layout="interleaved" the rows of w1 alternate
+gate, up, gate, up...; with "concatenated" rows [0, n) are gate and [n, 2n) up (HF gate_up_proj). No host
+synchronisation: expert counts stay on the device.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._options import (ACTIVATIONS, ACTIVATION_MEMORY, GLU_ACTIVATIONS, ROUNDINGS, ROUTINGS, SCORES, WEIGHT_LAYOUTS,
+                       code)
+
+_CPU_DTYPES = (torch.float32, torch.float64)
+_CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fail(arg: str, expected: str, got) -> None:
+    raise ValueError(f"sonicmoe: argument '{arg}': expected {expected}, got {got}")
+
+
+def _check_tensor(name: str, t: Tensor, shape, ref: Tensor, *, inner_stride_only: bool = False) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"sonicmoe: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
+    if t.device != ref.device:
+        _fail(name, f"a tensor on {ref.device} (the device of x)", f"a tensor on {t.device}")
+    if t.dtype != ref.dtype:
+        _fail(name, f"dtype {ref.dtype} (the dtype of x)", t.dtype)
+    if tuple(t.shape) != tuple(shape):
+        _fail(name, f"shape {tuple(shape)}", tuple(t.shape))
+    ok = t.stride(-1) == 1 if inner_stride_only else t.is_contiguous()
+    if not ok:
+        _fail(name, "a contiguous tensor (call .contiguous())" if not inner_stride_only
+              else "unit stride in the last dimension", f"strides {t.stride()}")
+
+
+def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, weight_layout: str, top_k: int):
+    if not isinstance(x, Tensor):
+        raise TypeError(f"sonicmoe: argument 'x': expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        _fail("x", "a (tokens, hidden) tensor", f"shape {tuple(x.shape)}")
+    allowed = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
+    if x.dtype not in allowed:
+        _fail("x", f"one of {allowed} on {x.device.type}", x.dtype)
+    if not isinstance(w1, Tensor) or w1.dim() != 3 or not isinstance(w2, Tensor) or w2.dim() != 3:
+        _fail("w1/w2", "3-D expert weights (E, 2n|n, d) and (E, d, n)",
+              f"{getattr(w1, 'shape', w1)} and {getattr(w2, 'shape', w2)}")
+    T, d = x.shape
+    E, n = w2.shape[0], w2.shape[2]
+    act = code(ACTIVATIONS, activation, "activation")
+    layout = code(WEIGHT_LAYOUTS, weight_layout, "weight_layout")
+    if weight_layout == "concatenated" and activation not in GLU_ACTIVATIONS:
+        _fail("weight_layout", f"'interleaved' for the non-GLU activation {activation!r}", repr(weight_layout))
+    rows = 2 * n if activation in GLU_ACTIVATIONS else n
+    _check_tensor("x", x, (T, d), x, inner_stride_only=True)
+    _check_tensor("w1", w1, (E, rows, d), x)
+    _check_tensor("w2", w2, (E, d, n), x)
+    if b1 is not None:
+        _check_tensor("b1", b1, (E, rows), x)
+    if b2 is not None:
+        _check_tensor("b2", b2, (E, d), x)
+    if not isinstance(top_k, int) or not 1 <= top_k <= E:
+        _fail("top_k", f"an integer in [1, {E}] (the number of experts)", top_k)
+    return act, layout
+
+
+def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,
+        b2: Optional[Tensor] = None, *, top_k: int, activation: str = "swiglu", score: str = "softmax_topk",
+        routing: str = "topk", rounding: str = "nearest", tile: int = 128, weight_layout: str = "interleaved",
+        activation_memory: str = "preact") -> Tuple[Tensor, Tensor, Tensor]:
+    """The whole MoE layer: router, routing, experts, aggregation. Returns (out (T, d), router_logits (T, E),
+    expert_counts (E,) int32 on the device). Differentiable w.r.t. x, router_weight, w1, w2, b1, b2."""
+    act, layout = _check_common(x, w1, w2, b1, b2, activation, weight_layout, top_k)
+    if routing not in ("topk", "token_rounding"):
+        _fail("routing", "'topk' or 'token_rounding' (use moe_from_routing for caller-supplied routing)", repr(routing))
+    _check_tensor("router_weight", router_weight, (w1.shape[0], x.shape[1]), x)
+    if not isinstance(tile, int) or tile <= 0 or tile % 8:
+        _fail("tile", "a positive multiple of 8", tile)
+    out, logits, counts, _ = torch.ops.sonicmoe.layer_forward(
+        x, router_weight, w1, b1, w2, b2, None, None, None, top_k, act, layout, code(SCORES, score, "score"),
+        code(ROUTINGS, routing, "routing"), code(ROUNDINGS, rounding, "rounding"), tile,
+        code(ACTIVATION_MEMORY, activation_memory, "activation_memory"))
+    return out, logits, counts
+
+
+def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, expert_index: Tensor, scores: Tensor,
+                     b1: Optional[Tensor] = None, b2: Optional[Tensor] = None, *, max_experts_per_token: int,
+                     activation: str = "swiglu", weight_layout: str = "interleaved",
+                     activation_memory: str = "preact") -> Tuple[Tensor, Tensor]:
+    """The layer from caller-supplied (token, expert, score) triples, token indices ascending and at most
+    max_experts_per_token per token. Returns (out (T, d), expert_counts (E,) int32). Differentiable w.r.t. x, w1, w2,
+    b1, b2 and scores (in the caller's order). On the GPU, pairs whose expert or token is out of range are skipped
+    (expert-parallel sentinels); on the CPU they raise."""
+    act, layout = _check_common(x, w1, w2, b1, b2, activation, weight_layout, max_experts_per_token)
+    P = token_index.shape[0] if isinstance(token_index, Tensor) else None
+    for name, t in (("token_index", token_index), ("expert_index", expert_index)):
+        if not isinstance(t, Tensor) or t.dim() != 1 or t.shape[0] != P:
+            _fail(name, "a 1-D tensor with one entry per pair", getattr(t, "shape", t))
+        if t.dtype not in (torch.int32, torch.int64):
+            _fail(name, "dtype int32 or int64", t.dtype)
+        if t.device != x.device:
+            _fail(name, f"a tensor on {x.device}", t.device)
+        if not t.is_contiguous():
+            _fail(name, "a contiguous tensor", f"strides {t.stride()}")
+    score_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if not isinstance(scores, Tensor) or tuple(scores.shape) != (P,) or scores.dtype != score_dtype or \
+            scores.device != x.device or not scores.is_contiguous():
+        _fail("scores", f"a contiguous ({P},) {score_dtype} tensor on {x.device}",
+              f"{getattr(scores, 'shape', scores)} {getattr(scores, 'dtype', '')} on {getattr(scores, 'device', '')}")
+    out, _, counts, _ = torch.ops.sonicmoe.layer_forward(
+        x, None, w1, b1, w2, b2, token_index, expert_index, scores, max_experts_per_token, act, layout, 0,
+        ROUTINGS["caller"], 0, 128, code(ACTIVATION_MEMORY, activation_memory, "activation_memory"))
+    return out, counts
+
+
+def grouped_experts(x_grouped: Tensor, expert_counts: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,
+                    b2: Optional[Tensor] = None, *, activation: str = "swiglu", weight_layout: str = "interleaved",
+                    activation_memory: str = "preact") -> Tensor:
+    """The expert computation on pre-dispatched tokens: rows of x_grouped (P, d) already grouped by expert, with
+    expert_counts (E,) on the device (sum = P). Returns (P, d), row i = expert(i)'s MLP of row i. This is the seam of
+    expert-parallel dispatchers (torchtitan GroupedExperts, DeepEP): no host synchronisation."""
+    if not isinstance(expert_counts, Tensor) or expert_counts.dim() != 1 or expert_counts.shape[0] != w1.shape[0]:
+        _fail("expert_counts", f"a ({w1.shape[0]},) tensor", getattr(expert_counts, "shape", expert_counts))
+    P = x_grouped.shape[0]
+    idx_dtype = torch.int32 if P < 2**31 else torch.int64
+    token_index = torch.arange(P, device=x_grouped.device, dtype=idx_dtype)
+    expert_index = torch.repeat_interleave(
+        torch.arange(w1.shape[0], device=x_grouped.device, dtype=idx_dtype), expert_counts.to(torch.int64),
+        output_size=P)
+    scores = torch.ones(P, device=x_grouped.device,
+                        dtype=torch.float64 if x_grouped.dtype == torch.float64 else torch.float32)
+    out, _ = moe_from_routing(x_grouped, w1, w2, token_index, expert_index, scores, b1, b2, max_experts_per_token=1,
+                              activation=activation, weight_layout=weight_layout,
+                              activation_memory=activation_memory)
+    return out
+
+
+def _loss_precision(router_logits: Tensor) -> Tensor:
+    """bf16/fp16 logits are upcast to fp32 for the losses; fp32/fp64 keep their precision."""
+    return router_logits if router_logits.dtype in (torch.float32, torch.float64) else router_logits.float()
+
+
+def load_balancing_loss(router_logits: Tensor, expert_counts: Tensor) -> Tensor:
+    """Switch load-balancing loss E * sum_e (P_e / sum P) (f_e / sum f), P_e = sum_t softmax(z_t)_e, from the
+    device-side counts (not differentiated). Differentiable w.r.t. the logits."""
+    z = _loss_precision(router_logits)
+    E = z.shape[-1]
+    P = torch.softmax(z, dim=-1).sum(0)
+    f = expert_counts.to(z.dtype)
+    return E * torch.sum((P / P.sum()) * (f / f.sum().clamp_min(1.0)))
+
+
+def router_z_loss(router_logits: Tensor) -> Tensor:
+    """Router z-loss: mean over tokens of logsumexp(z_t)^2."""
+    return torch.logsumexp(_loss_precision(router_logits), dim=-1).square().mean()

@@ -1,0 +1,20 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; fails (does not skip) without one")
+
+
+@pytest.fixture
+def cuda():
+    """The CUDA device; a GPU test asked to run without one fails."""
+    if not torch.cuda.is_available():
+        pytest.fail("GPU test run on a machine without a CUDA device")
+    return torch.device("cuda")

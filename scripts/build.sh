@@ -4,5 +4,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${SONICMOE_BUILD_DIR:-$root/build}"
 jobs="${SONICMOE_JOBS:-$(nproc)}"
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+# The PyTorch operator library is built whenever the python3 found can import torch.
+torch_opt=OFF
+if [ "${SONICMOE_NO_TORCH:-0}" != 1 ] && python3 -c "import torch" >/dev/null 2>&1; then torch_opt=ON; fi
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSONICMOE_BUILD_TORCH="$torch_opt" >/dev/null
 cmake --build "$build" --parallel "$jobs"

@@ -2,7 +2,8 @@
 # Installs what the build needs, from Debian and PyPI only, and nothing else. Idempotent: a second run changes
 # nothing and needs no network.
 #   Debian: cmake (>= 3.25), ninja, g++, GoogleTest.
-#   PyPI:   nvidia-cutlass==4.2.0.0 (CUTLASS/CuTe C++ headers) into third_party/cutlass (git-ignored).
+#   PyPI:   nvidia-cutlass==4.2.0.0 (CUTLASS/CuTe C++ headers) into third_party/cutlass (git-ignored);
+#           torch==2.11.0, pytest, numpy for the PyTorch front end (into the python3 found, unless already there).
 # The CUDA toolkit (nvcc) is not installed here: the build compiles the CUDA sources for sm_90a when nvcc is present
 # (/usr/local/cuda on the development, CI and GPU machines) and builds the CPU library alone otherwise.
 set -euo pipefail
@@ -42,6 +43,16 @@ if ! have_cutlass; then
   python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-compile \
     --root-user-action=ignore --target "$cutlass_dir" "nvidia-cutlass==$cutlass_version"
   echo "$cutlass_version" > "$cutlass_dir/.version"
+fi
+# The PyTorch front end: torch from PyPI (the CUDA 13.0 build; pip caches the wheels), pytest, numpy. Skipped when
+# torch is already importable (the GPU machine's image has torch 2.11) or SONICMOE_NO_TORCH=1.
+if [ "${SONICMOE_NO_TORCH:-0}" != 1 ]; then
+  if ! python3 -c "import torch" >/dev/null 2>&1; then
+    echo "setup: installing torch==2.11.0 from PyPI (large; cached by pip after the first time)"
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "torch==2.11.0"
+  fi
+  python3 -c "import pytest, numpy, scikit_build_core" >/dev/null 2>&1 ||
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore pytest numpy scikit-build-core
 fi
 echo "setup: ok (cmake $(cmake --version | head -n1 | awk '{print $3}'), CUTLASS $cutlass_version," \
      "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo "not found: CPU-only build"))"

@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
-# The tests, from nothing: set up, build, run the CPU test suite (CTest label "cpu"). On a GPU machine pass
-# --gpu to run every label (the GPU suites arrive with the GPU runtime and fail, not skip, without a GPU).
+# The tests, from nothing: set up, build, run the CPU test suites: CTest label "cpu" and the PyTorch tests not marked
+# gpu. On a GPU machine pass --gpu to run everything (GPU tests fail, not skip, without a GPU).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 labels=(-L cpu)
 [ "${1:-}" = "--gpu" ] && labels=()
 bash "$root/scripts/setup.sh"
 bash "$root/scripts/build.sh"
-cd "${SONICMOE_BUILD_DIR:-$root/build}"
-ctest --output-on-failure --parallel "$(nproc)" ${labels[@]+"${labels[@]}"}
+build="${SONICMOE_BUILD_DIR:-$root/build}"
+(cd "$build" && ctest --output-on-failure --parallel "$(nproc)" ${labels[@]+"${labels[@]}"})
+# The PyTorch front end (pytest): the CPU part everywhere, the GPU part (marker gpu) with --gpu.
+if [ -f "$build/lib/libsonicmoe_torch.so" ]; then
+  markers=(-m "not gpu")
+  [ "${1:-}" = "--gpu" ] && markers=()
+  SONICMOE_TORCH_LIBRARY="$build/lib/libsonicmoe_torch.so" python3 -m pytest -q -p no:cacheprovider \
+    "$root/tests/python" ${markers[@]+"${markers[@]}"}
+else
+  echo "test: torch is not importable, so the PyTorch tests were not built or run (SONICMOE_NO_TORCH=1?)"
+fi

@@ -1,0 +1,164 @@
+"""sonicmoe's PyTorch operators on the GPU (marked gpu: run on the GPU machine, fail without a GPU)."""
+import math
+import os
+
+import pytest
+import torch
+
+import sonicmoe
+from reference import experts, reference_moe, route
+
+pytestmark = pytest.mark.gpu
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def gpu_case(cuda, T=512, d=256, n=128, E=16, K=4, activation="swiglu", bias=True, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = 2 * n if activation in ("swiglu", "geglu", "reglu") else n
+    r = lambda *s, std=1.0: (torch.randn(*s, generator=g, dtype=torch.float64) * std)
+    host = [r(T, d), r(E, d, std=1 / math.sqrt(d)), r(E, rows, d, std=1 / math.sqrt(d)),
+            r(E, d, n, std=1 / math.sqrt(n)), r(E, rows, std=0.1) if bias else None, r(E, d, std=0.1) if bias else None]
+    dev = [t.to(cuda, dtype).requires_grad_() if t is not None else None for t in host]
+    # The float64 reference sees exactly the GPU's (rounded) values.
+    ref = [t.to(dtype).double().requires_grad_() if t is not None else None for t in host]
+    return dev, ref
+
+
+@pytest.mark.parametrize("routing,score,act,cache", [
+    ("topk", "softmax_topk", "swiglu", "preact"), ("topk", "topk_softmax", "geglu", "input_only"),
+    ("topk", "topk_softmax_renorm", "relu_squared", "preact"), ("token_rounding", "softmax_topk", "swiglu", "preact"),
+    ("token_rounding", "topk_softmax", "gelu", "input_only")])
+def test_bf16_layer_matches_float64_reference(cuda, routing, score, act, cache):
+    dev, ref = gpu_case(cuda, activation=act)
+    opts = dict(top_k=4, activation=act, score=score, routing=routing, tile=16)
+    out, logits, counts = sonicmoe.moe(*dev, activation_memory=cache, **opts)
+    # Routing decisions pinned to the GPU's logits (bf16 rounding can reorder near-ties).
+    x, rw, w1, w2, b1, b2 = ref
+    z = logits.detach().double()
+    z = z + (x @ rw.T - (x @ rw.T).detach())  # same values as the GPU's logits, gradient of x W_r^T
+    tok, exp, s = route(z, 4, score, routing, "nearest", 16)
+    ref_out = experts(x, tok, exp, s, w1, w2, b1, b2, act, "interleaved")
+    assert rel(out, ref_out) < 1e-2
+    assert torch.equal(counts.cpu().long(), torch.bincount(exp, minlength=16))
+    go = torch.randn(out.shape, dtype=torch.float64)
+    gl = torch.randn(logits.shape, dtype=torch.float64) * 0.1
+    g = torch.autograd.grad((out.double() * go.to(cuda)).sum() + (logits.double() * gl.to(cuda)).sum(),
+                            [p for p in dev if p is not None])
+    r = torch.autograd.grad((ref_out * go).sum() + (z * gl).sum(), [p for p in ref if p is not None])
+    for name, a, b in zip(["x", "router_weight", "w1", "w2", "b1", "b2"], g, r):
+        assert rel(a.cpu(), b) < 1e-2, name
+
+
+def test_compile_fullgraph_matches_eager(cuda):
+    torch._dynamo.reset()
+    m = sonicmoe.MoE(256, 128, 16, 4, bias=True, device=cuda, dtype=torch.bfloat16, aux_loss_coef=0.01)
+    x = torch.randn(4, 128, 256, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    f = lambda inp: (lambda o: (o.output, o.aux_loss))(m(inp))
+    e = f(x)
+    c = torch.compile(f, fullgraph=True)(x)
+    assert torch.equal(c[0], e[0])
+    ge = torch.autograd.grad(e[0].float().sum() + e[1], [x, m.w1, m.router_weight])
+    gc = torch.autograd.grad(c[0].float().sum() + c[1], [x, m.w1, m.router_weight])
+    for a, b in zip(gc, ge):
+        assert rel(a, b) < 1e-2
+
+
+def test_cuda_graph_replay_matches_eager(cuda):
+    m = sonicmoe.MoE(256, 128, 16, 4, device=cuda, dtype=torch.bfloat16)
+    x = torch.randn(1024, 256, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graph requires
+        for _ in range(2):
+            m.zero_grad(set_to_none=True)
+            m(x).output.float().square().sum().backward()
+    torch.cuda.current_stream().wait_stream(s)
+    eager_w1 = m.w1.grad.clone()
+    m.zero_grad(set_to_none=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = m(x).output
+        out.float().square().sum().backward()
+    for _ in range(3):
+        m.w1.grad.zero_()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(m.w1.grad, eager_w1)
+
+
+def test_two_runs_bitwise_identical_and_layouts_agree(cuda):
+    dev, _ = gpu_case(cuda, activation="geglu")
+    a = sonicmoe.moe(*dev, top_k=4, activation="geglu")
+    b = sonicmoe.moe(*dev, top_k=4, activation="geglu")
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    x, rw, w1, w2, b1, b2 = dev
+    w1c = torch.cat([w1[:, 0::2], w1[:, 1::2]], 1).detach()
+    b1c = torch.cat([b1[:, 0::2], b1[:, 1::2]], 1).detach()
+    c = sonicmoe.moe(x, rw, w1c, w2, b1c, b2, top_k=4, activation="geglu", weight_layout="concatenated")
+    assert torch.equal(a[0], c[0])
+
+
+def test_errors_on_gpu(cuda):
+    dev, _ = gpu_case(cuda)
+    x, rw, w1, w2, b1, b2 = dev
+    with pytest.raises(ValueError, match="'w1'.*device|'w1'.*cuda"):
+        sonicmoe.moe(x, rw, w1.cpu(), w2, top_k=4)
+    with pytest.raises(ValueError, match="'x'.*one of"):
+        sonicmoe.moe(x.double(), rw.double(), w1.double(), w2.double(), top_k=4)
+
+
+def test_training_step_compiled_fsdp2_no_graph_breaks_no_host_sync(cuda):
+    """A small model with sonicmoe.MoE, sharded with FSDP2's fully_shard on one GPU, compiled with fullgraph=True
+    (so a graph break is an error), trained for a few steps with CUDA sync debug mode set to raise on any
+    synchronising call inside forward and backward."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(256)
+            self.moe = sonicmoe.MoE(256, 128, 16, 4, aux_loss_coef=0.01, z_loss_coef=1e-3)
+
+        def forward(self, h):
+            o = self.moe(self.norm(h))
+            return h + o.output, o.aux_loss + o.z_loss
+
+    torch._dynamo.reset()
+    model = torch.nn.ModuleList([Block(), Block()]).to(cuda, torch.bfloat16)
+    for blk in model:  # torchtitan's recipe: compile each block whole (fullgraph: a graph break is an error), then shard
+        blk.compile(fullgraph=True)
+        fully_shard(blk)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loss_fn(h):
+        aux = 0.0
+        for blk in model:
+            h, a = blk(h)
+            aux = aux + a
+        return h.float().square().mean() + aux
+
+    x = torch.randn(2, 256, 256, device=cuda, dtype=torch.bfloat16)
+    losses = []
+    for step in range(4):
+        if step >= 1:  # after the first (compiling) step, any host synchronisation raises
+            torch.cuda.set_sync_debug_mode("error")
+        loss = loss_fn(x)
+        loss.backward()
+        torch.cuda.set_sync_debug_mode("default")
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]
+    dist.destroy_process_group()

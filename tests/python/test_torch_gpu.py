@@ -37,7 +37,7 @@ def test_bf16_layer_matches_float64_reference(cuda, routing, score, act, cache):
     out, logits, counts = sonicmoe.moe(*dev, activation_memory=cache, **opts)
     # Routing decisions pinned to the GPU's logits (bf16 rounding can reorder near-ties).
     x, rw, w1, w2, b1, b2 = ref
-    z = logits.detach().double()
+    z = logits.detach().double().cpu()
     z = z + (x @ rw.T - (x @ rw.T).detach())  # same values as the GPU's logits, gradient of x W_r^T
     tok, exp, s = route(z, 4, score, routing, "nearest", 16)
     ref_out = experts(x, tok, exp, s, w1, w2, b1, b2, act, "interleaved")
@@ -133,20 +133,26 @@ def test_training_step_compiled_fsdp2_no_graph_breaks_no_host_sync(cuda):
             o = self.moe(self.norm(h))
             return h + o.output, o.aux_loss + o.z_loss
 
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
+
+        def forward(self, h):
+            aux = 0.0
+            for blk in self.blocks:
+                h, a = blk(h)
+                aux = aux + a
+            return h.float().square().mean() + aux
+
     torch._dynamo.reset()
-    model = torch.nn.ModuleList([Block(), Block()]).to(cuda, torch.bfloat16)
-    for blk in model:  # torchtitan's recipe: compile each block whole (fullgraph: a graph break is an error), then shard
+    model = Model().to(cuda, torch.bfloat16)
+    for blk in model.blocks:  # torchtitan's recipe: compile each block whole (fullgraph: a break is an error), shard
         blk.compile(fullgraph=True)
         fully_shard(blk)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def loss_fn(h):
-        aux = 0.0
-        for blk in model:
-            h, a = blk(h)
-            aux = aux + a
-        return h.float().square().mean() + aux
+    loss_fn = model
 
     x = torch.randn(2, 256, 256, device=cuda, dtype=torch.bfloat16)
     losses = []

@@ -26,7 +26,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
 fi
 if [ "$what" = all ] || [ "$what" = sanitize ]; then
   # Small shapes only (the sanitizers slow kernels down ~100x); every kernel is on these paths.
-  subset='*GpuLayer.MatchesFloat64Reference/bf16_swiglu_concatenated_bias_topk_topk_softmax_preact:*GpuLayer.MatchesFloat64Reference/bf16_relu_squared_interleaved_bias_caller_input_only:*GpuLayer.MatchesFloat64Reference/fp32_geglu_interleaved_bias_topk_softmax_topk_input_only:*GpuLayer.MatchesFloat64Reference/bf16_relu_interleaved_nobias_token_rounding_topk_softmax_down_input_only:*GpuEdgeShapes.*odd_dims*:*GpuEdgeShapes.*empty_experts*:*GpuEdgeShapes.*padded_rows*:GpuLayerProperties.SavedMetadata*:GpuLayerProperties.OutOfRange*'
+  subset='GpuLayerProperties.SplitBackward*:*GpuLayer.MatchesFloat64Reference/bf16_swiglu_concatenated_bias_topk_topk_softmax_preact:*GpuLayer.MatchesFloat64Reference/bf16_relu_squared_interleaved_bias_caller_input_only:*GpuLayer.MatchesFloat64Reference/fp32_geglu_interleaved_bias_topk_softmax_topk_input_only:*GpuLayer.MatchesFloat64Reference/bf16_relu_interleaved_nobias_token_rounding_topk_softmax_down_input_only:*GpuEdgeShapes.*odd_dims*:*GpuEdgeShapes.*empty_experts*:*GpuEdgeShapes.*padded_rows*:GpuLayerProperties.SavedMetadata*:GpuLayerProperties.OutOfRange*'
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 \
       --gtest_filter="$subset" > "$logs/sanitize_$tool.log" 2>&1

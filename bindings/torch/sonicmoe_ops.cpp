@@ -157,6 +157,76 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
   return {dx, dwr, dw1, db1, dw2, db2, dscores};
 }
 
+/// The split backward's input half: (grad_x, grad_router_weight, grad_scores, deferred).
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_input(
+    const Tensor& grad_out, const OptTensor& grad_logits, const Tensor& x, const OptTensor& router_weight,
+    const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2, const OptTensor& token_index,
+    const OptTensor& expert_index, const OptTensor& scores, const Tensor& saved, int64_t top_k, int64_t activation,
+    int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache) {
+  const sonicmoe::MoEProblem p = problem_of(x, w1, w2, b1, b2, token_index, top_k, activation, weight_layout, score,
+                                            routing, rounding, tile, cache);
+  sonicmoe::validate_problem(p, "backward_input");
+  const bool caller = p.routing == sonicmoe::RoutingMode::kCallerSupplied;
+  const sonicmoe::DType dt = to_dtype(x.scalar_type());
+  const sonicmoe::Device dev = x.is_cuda() ? sonicmoe::Device::cuda(x.get_device()) : sonicmoe::Device::cpu();
+  const auto bytes = x.options().dtype(at::kByte);
+  Tensor workspace = at::empty({static_cast<int64_t>(sonicmoe::backward_input_workspace_bytes(p, dt, dev))}, bytes);
+  Tensor deferred = at::empty({static_cast<int64_t>(sonicmoe::deferred_layout(p, dt).total_bytes)}, bytes);
+  const Tensor go = grad_out.contiguous();
+  Tensor dx = at::empty({p.T, p.d}, x.options());
+  Tensor dwr = caller ? at::empty({0}, x.options()) : at::empty({p.E, p.d}, x.options());
+  Tensor dscores = caller ? at::empty({p.num_pairs}, x.options().dtype(score_type(x))) : at::empty({0}, x.options());
+  sonicmoe::RoutingTriples triples;
+  if (caller) {
+    triples.token_index = view(*token_index), triples.expert_index = view(*expert_index);
+    triples.score = view(*scores);
+  }
+  sonicmoe::BackwardInputs bi;
+  bi.grad_out = view(go);
+  OptTensor gl;
+  if (grad_logits && grad_logits->defined() && !caller) gl = grad_logits->contiguous();
+  bi.grad_router_logits = view(gl);
+  sonicmoe::BackwardOutputs bo;
+  bo.grad_x = view(dx);
+  if (!caller) bo.grad_weights.router_weight = view(dwr);
+  if (caller) bo.grad_scores = view(dscores);
+  sonicmoe::backward_input(p, view(x), weights_of(router_weight, w1, b1, w2, b2), caller ? &triples : nullptr, bi,
+                           bo,
+                           {saved.data_ptr(), static_cast<std::size_t>(saved.numel()), workspace.data_ptr(),
+                            static_cast<std::size_t>(workspace.numel())},
+                           {deferred.data_ptr(), static_cast<std::size_t>(deferred.numel())}, stream_for(x));
+  return {dx, dwr, dscores, deferred};
+}
+
+/// The split backward's weight half: (grad_w1, grad_b1, grad_w2, grad_b2).
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
+    const Tensor& grad_out, const Tensor& x, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1,
+    const Tensor& w2, const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index,
+    const OptTensor& scores, const Tensor& saved, const Tensor& deferred, int64_t top_k, int64_t activation,
+    int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache) {
+  const sonicmoe::MoEProblem p = problem_of(x, w1, w2, b1, b2, token_index, top_k, activation, weight_layout, score,
+                                            routing, rounding, tile, cache);
+  sonicmoe::validate_problem(p, "backward_weight");
+  const bool caller = p.routing == sonicmoe::RoutingMode::kCallerSupplied;
+  const Tensor go = grad_out.contiguous();
+  Tensor dw1 = at::empty(w1.sizes(), x.options()), dw2 = at::empty(w2.sizes(), x.options());
+  Tensor db1 = p.has_b1 ? at::empty(b1->sizes(), x.options()) : at::empty({0}, x.options());
+  Tensor db2 = p.has_b2 ? at::empty(b2->sizes(), x.options()) : at::empty({0}, x.options());
+  sonicmoe::RoutingTriples triples;
+  if (caller) {
+    triples.token_index = view(*token_index), triples.expert_index = view(*expert_index);
+    triples.score = view(*scores);
+  }
+  sonicmoe::BackwardOutputs bo;
+  bo.grad_weights.w1 = view(dw1), bo.grad_weights.w2 = view(dw2);
+  if (p.has_b1) bo.grad_weights.b1 = view(db1);
+  if (p.has_b2) bo.grad_weights.b2 = view(db2);
+  sonicmoe::backward_weight(p, view(x), weights_of(router_weight, w1, b1, w2, b2), caller ? &triples : nullptr,
+                            view(go), bo, saved.data_ptr(), static_cast<std::size_t>(saved.numel()),
+                            {deferred.data_ptr(), static_cast<std::size_t>(deferred.numel())}, stream_for(x));
+  return {dw1, db1, dw2, db2};
+}
+
 /// Size of the saved buffer, for the fake (meta) implementation used by torch.compile.
 int64_t saved_nbytes(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, int64_t num_pairs, int64_t activation,
                      int64_t score, int64_t routing, int64_t tile, int64_t cache, int64_t elem_size) {
@@ -185,6 +255,16 @@ TORCH_LIBRARY(sonicmoe, m) {
       "int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "layer_backward_input(Tensor grad_out, Tensor? grad_logits, Tensor x, Tensor? router_weight, Tensor w1, "
+      "Tensor? b1, Tensor w2, Tensor? b2, Tensor? token_index, Tensor? expert_index, Tensor? scores, Tensor saved, "
+      "int top_k, int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "layer_backward_weight(Tensor grad_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, "
+      "Tensor? b2, Tensor? token_index, Tensor? expert_index, Tensor? scores, Tensor saved, Tensor deferred, "
+      "int top_k, int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "saved_nbytes(int T, int d, int n, int E, int K, int num_pairs, int activation, int score, int routing, "
       "int tile, int cache, int elem_size) -> int");
   m.impl("saved_nbytes", &saved_nbytes);
@@ -193,9 +273,13 @@ TORCH_LIBRARY(sonicmoe, m) {
 TORCH_LIBRARY_IMPL(sonicmoe, CPU, m) {
   m.impl("layer_forward", &layer_forward);
   m.impl("layer_backward", &layer_backward);
+  m.impl("layer_backward_input", &layer_backward_input);
+  m.impl("layer_backward_weight", &layer_backward_weight);
 }
 
 TORCH_LIBRARY_IMPL(sonicmoe, CUDA, m) {
   m.impl("layer_forward", &layer_forward);
   m.impl("layer_backward", &layer_backward);
+  m.impl("layer_backward_input", &layer_backward_input);
+  m.impl("layer_backward_weight", &layer_backward_weight);
 }

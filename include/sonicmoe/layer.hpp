@@ -83,4 +83,28 @@ void backward(const MoEProblem& problem, const TensorView& x, const LayerWeights
               const RoutingTriples* routing, const BackwardInputs& inputs, const BackwardOutputs& outputs,
               const BackwardBuffers& buffers, void* stream = nullptr);
 
+// ---- split backward (zero-bubble and deferred weight-gradient schedules) ----------------------------------------
+
+/// Caller memory of the split backward: `deferred` holds deferred_layout(...).total_bytes and stays untouched by the
+/// caller between backward_input() and backward_weight().
+struct DeferredBuffer {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+/// The input-gradient half of backward(): grad_x, the router weight's gradient and (caller-supplied routing) the
+/// score gradients; outputs.grad_weights.{w1, b1, w2, b2} must be empty. Leaves dH and A' in `deferred`.
+/// buffers.workspace holds backward_input_workspace_bytes(...).
+void backward_input(const MoEProblem& problem, const TensorView& x, const LayerWeights& weights,
+                    const RoutingTriples* routing, const BackwardInputs& inputs, const BackwardOutputs& outputs,
+                    const BackwardBuffers& buffers, const DeferredBuffer& deferred, void* stream = nullptr);
+
+/// The weight-gradient half: grad w1, b1, w2, b2 from `deferred`, the forward's `saved` buffer, x and grad_out
+/// (which the caller keeps until then). backward_input() then backward_weight() give bitwise the results of
+/// backward(). outputs.grad_x, grad_scores and grad_weights.router_weight must be empty.
+void backward_weight(const MoEProblem& problem, const TensorView& x, const LayerWeights& weights,
+                     const RoutingTriples* routing, const TensorView& grad_out, const BackwardOutputs& outputs,
+                     const void* saved, std::size_t saved_bytes, const DeferredBuffer& deferred,
+                     void* stream = nullptr);
+
 }  // namespace sonicmoe

@@ -91,7 +91,21 @@ struct BackwardWorkspaceLayout {
   BufferRegion h_recompute, dh, a_prime, dx_expanded, ds_partial, ds, dlogits, expert_tiles, cublas;
   std::size_t total_bytes = 0;
 };
-BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& problem, DType data_dtype);
+/// split: the layout of backward_input(), without dh and a_prime (they live in the deferred buffer).
+BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& problem, DType data_dtype, bool split = false);
+
+/// What backward_input() leaves for backward_weight() (layer.hpp), kept by the caller in between:
+///   dh       P x w1_rows   data dtype   gradient of the pre-activation, grouped order
+///   a_prime  P x n         data dtype   A' = s * A, grouped order
+struct DeferredLayout {
+  BufferRegion dh, a_prime;
+  std::size_t total_bytes = 0;
+};
+DeferredLayout deferred_layout(const MoEProblem& problem, DType data_dtype);
+
+/// Workspace of backward_input(): backward_workspace_layout(..., split = true). backward_weight() needs none.
+/// 0 for Device::cpu().
+std::size_t backward_input_workspace_bytes(const MoEProblem& problem, DType data_dtype, Device device);
 
 /// Workspace bytes that forward()/backward() need on `device`. The CPU reference allocates its own host scratch
 /// (it is a reference, not a production path), so it needs none: 0 for Device::cpu().

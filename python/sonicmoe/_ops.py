@@ -47,9 +47,49 @@ def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2
     )
 
 
+class defer_weight_grads:
+    """Split backward for zero-bubble / deferred weight-gradient schedules.
+
+    Inside ``with sonicmoe.defer_weight_grads() as deferred:``, the backward of sonicmoe layers computes the input
+    gradient (and the router's and the scores' gradients) now and queues the expert weight-gradient work;
+    ``deferred.run()`` does it later and accumulates into the parameters' ``.grad``. The results equal a plain
+    backward bitwise. Between the two, each layer keeps dH and A' (memory.hpp's deferred layout) and dO alive.
+    Eager mode only (not inside torch.compile or a captured CUDA graph).
+    """
+
+    _active = []
+
+    def __init__(self):
+        self.jobs = []
+
+    def __enter__(self):
+        defer_weight_grads._active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        defer_weight_grads._active.remove(self)
+        return False
+
+    def run(self):
+        """Computes every queued weight gradient, in the order the backward met the layers."""
+        jobs, self.jobs = self.jobs, []
+        for job in jobs:
+            job()
+
+    def __len__(self):
+        return len(self.jobs)
+
+
+def _accumulate(param, grad):
+    if param is None or not param.requires_grad:
+        return
+    param.grad = grad if param.grad is None else param.grad + grad
+
+
 def _setup_context(ctx, inputs, output):
     x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores = inputs[:9]
     ctx.options = inputs[9:]
+    ctx.weights = (w1, b1, w2, b2)  # for deferred accumulation into .grad
     ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, output[3])
 
 
@@ -60,6 +100,22 @@ def _backward(ctx, grad_out, grad_logits, grad_counts, grad_saved):
         grad_out = torch.zeros_like(x)
     if caller or (grad_logits is not None and grad_logits.numel() == 0):
         grad_logits = None
+    if defer_weight_grads._active:
+        dx, dwr, dscores, deferred = torch.ops.sonicmoe.layer_backward_input(
+            grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved,
+            *ctx.options)
+        weights, options = ctx.weights, ctx.options
+
+        def weight_job():
+            dw1, db1_, dw2, db2_ = torch.ops.sonicmoe.layer_backward_weight(
+                grad_out, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved, deferred,
+                *options)
+            for param, grad in zip(weights, (dw1, db1_, dw2, db2_)):
+                _accumulate(param, grad)
+
+        defer_weight_grads._active[-1].jobs.append(weight_job)
+        return (dx, None if caller or router_weight is None else dwr, None, None, None, None, None, None,
+                dscores if caller else None) + (None,) * len(ctx.options)
     dx, dwr, dw1, db1, dw2, db2, dscores = torch.ops.sonicmoe.layer_backward(
         grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved,
         *ctx.options)

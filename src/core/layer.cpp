@@ -219,6 +219,95 @@ void backward_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x,
   }
 }
 
+template <class R>
+void backward_input_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const LayerWeights& w,
+                        const RoutingTriples* routing, const BackwardInputs& bin, const BackwardOutputs& out,
+                        const BackwardBuffers& buffers, const DeferredBuffer& deferred) {
+  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), buffers.saved);
+  std::vector<std::vector<R>> store;
+  std::vector<std::vector<std::int64_t>> index_store;
+  const ref::LayerInputs<R> in = read_inputs<R>(p, x, w, routing, store, index_store);
+  const std::vector<R> grad_out = detail::read_real<R>(bin.grad_out);
+  std::vector<R> grad_logits;
+  if (!bin.grad_router_logits.empty()) grad_logits = detail::read_real<R>(bin.grad_router_logits);
+  const ref::BackwardResult<R> g =
+      ref::layer_backward(p, in, saved, grad_out.data(), grad_logits.empty() ? nullptr : grad_logits.data());
+  detail::write_real(out.grad_x, g.dx.data());
+  if (p.routing == RoutingMode::kCallerSupplied) {
+    detail::write_real(out.grad_scores, g.dscores.data());
+    if (!out.grad_weights.router_weight.empty()) {
+      const std::vector<R> zeros(static_cast<std::size_t>(p.E * p.d), R(0));
+      detail::write_real(out.grad_weights.router_weight, zeros.data());
+    }
+  } else {
+    detail::write_real(out.grad_weights.router_weight, g.drouter_weight.data());
+  }
+  const DeferredLayout dl = deferred_layout(p, x.dtype);
+  put(deferred.data, dl.dh, g.dh.data(), g.dh.size());
+  put(deferred.data, dl.a_prime, g.a_prime.data(), g.a_prime.size());
+}
+
+template <class R>
+void backward_weight_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const TensorView& grad_out,
+                         const BackwardOutputs& out, const void* saved_buf, const DeferredBuffer& deferred) {
+  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), saved_buf);
+  const std::size_t P = static_cast<std::size_t>(saved.meta.num_pairs());
+  const DeferredLayout dl = deferred_layout(p, x.dtype);
+  const std::vector<R> dh = get_real<R>(deferred.data, dl.dh, P * static_cast<std::size_t>(p.w1_rows()));
+  const std::vector<R> a_prime = get_real<R>(deferred.data, dl.a_prime, P * static_cast<std::size_t>(p.n));
+  const std::vector<R> xs = detail::read_real<R>(x), go = detail::read_real<R>(grad_out);
+  ref::ExpertGrads<R> g;
+  ref::experts_weight_grads(ref::expert_shape(p), p.E, xs.data(), saved.meta, saved.scores.data(), dh.data(),
+                            a_prime.data(), go.data(), p.has_b1, p.has_b2, g);
+  detail::write_real(out.grad_weights.w1, g.dw1.data());
+  detail::write_real(out.grad_weights.w2, g.dw2.data());
+  if (p.has_b1) detail::write_real(out.grad_weights.b1, g.db1.data());
+  if (p.has_b2) detail::write_real(out.grad_weights.b2, g.db2.data());
+}
+
+void check_deferred(const ArgChecker& c, const MoEProblem& p, DType dt, const DeferredBuffer& deferred) {
+  const std::size_t need = deferred_layout(p, dt).total_bytes;
+  if (deferred.bytes < need)
+    c.fail("deferred.bytes", "at least deferred_layout(problem, dtype).total_bytes = " + bytes_str(need),
+           bytes_str(deferred.bytes));
+  if (deferred.data == nullptr && need > 0) c.fail("deferred.data", "a non-null pointer", "nullptr");
+}
+
+void check_saved(const ArgChecker& c, const MoEProblem& p, DType dt, const void* saved, std::size_t bytes) {
+  const std::size_t need = saved_layout(p, dt).total_bytes;
+  if (bytes < need)
+    c.fail("buffers.saved_bytes", "at least saved_layout(problem, dtype).total_bytes = " + bytes_str(need),
+           bytes_str(bytes));
+  if (saved == nullptr) c.fail("buffers.saved", "the buffer forward() filled", "nullptr");
+}
+
+void check_weight_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const Device& dev,
+                        const LayerWeightGrads& gw) {
+  c.tensor(gw.w1, "outputs.grad_weights.w1", {p.E, p.w1_rows(), p.d}, dt, dev);
+  c.tensor(gw.w2, "outputs.grad_weights.w2", {p.E, p.d, p.n}, dt, dev);
+  if (p.has_b1) c.tensor(gw.b1, "outputs.grad_weights.b1", {p.E, p.w1_rows()}, dt, dev);
+  else c.absent(gw.b1, "outputs.grad_weights.b1", "problem.has_b1 is false");
+  if (p.has_b2) c.tensor(gw.b2, "outputs.grad_weights.b2", {p.E, p.d}, dt, dev);
+  else c.absent(gw.b2, "outputs.grad_weights.b2", "problem.has_b2 is false");
+}
+
+void check_input_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const Device& dev,
+                       const BackwardInputs& bin, const BackwardOutputs& out) {
+  c.tensor(bin.grad_out, "inputs.grad_out", {p.T, p.d}, dt, dev);
+  if (p.routing == RoutingMode::kCallerSupplied)
+    c.absent(bin.grad_router_logits, "inputs.grad_router_logits", "routing 'caller' has no router logits");
+  else if (!bin.grad_router_logits.empty())
+    c.tensor(bin.grad_router_logits, "inputs.grad_router_logits", {p.T, p.E}, dt, dev);
+  c.tensor(out.grad_x, "outputs.grad_x", {p.T, p.d}, dt, dev);
+  const LayerWeightGrads& gw = out.grad_weights;
+  if (p.routing != RoutingMode::kCallerSupplied || !gw.router_weight.empty())
+    c.tensor(gw.router_weight, "outputs.grad_weights.router_weight", {p.E, p.d}, dt, dev);
+  if (p.routing == RoutingMode::kCallerSupplied)
+    c.tensor(out.grad_scores, "outputs.grad_scores", {p.num_pairs}, score_dtype(dt), dev);
+  else
+    c.absent(out.grad_scores, "outputs.grad_scores", "only routing 'caller' has caller-supplied scores");
+}
+
 }  // namespace
 
 void forward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
@@ -259,30 +348,9 @@ void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, c
   const ArgChecker c("backward");
   const DType dt = validate_inputs(c, p, x, w, routing, stream);
   const Device dev = x.device;
-  c.tensor(bin.grad_out, "inputs.grad_out", {p.T, p.d}, dt, dev);
-  if (p.routing == RoutingMode::kCallerSupplied)
-    c.absent(bin.grad_router_logits, "inputs.grad_router_logits", "routing 'caller' has no router logits");
-  else if (!bin.grad_router_logits.empty())
-    c.tensor(bin.grad_router_logits, "inputs.grad_router_logits", {p.T, p.E}, dt, dev);
-  c.tensor(out.grad_x, "outputs.grad_x", {p.T, p.d}, dt, dev);
-  const LayerWeightGrads& gw = out.grad_weights;
-  if (p.routing != RoutingMode::kCallerSupplied || !gw.router_weight.empty())
-    c.tensor(gw.router_weight, "outputs.grad_weights.router_weight", {p.E, p.d}, dt, dev);
-  c.tensor(gw.w1, "outputs.grad_weights.w1", {p.E, p.w1_rows(), p.d}, dt, dev);
-  c.tensor(gw.w2, "outputs.grad_weights.w2", {p.E, p.d, p.n}, dt, dev);
-  if (p.has_b1) c.tensor(gw.b1, "outputs.grad_weights.b1", {p.E, p.w1_rows()}, dt, dev);
-  else c.absent(gw.b1, "outputs.grad_weights.b1", "problem.has_b1 is false");
-  if (p.has_b2) c.tensor(gw.b2, "outputs.grad_weights.b2", {p.E, p.d}, dt, dev);
-  else c.absent(gw.b2, "outputs.grad_weights.b2", "problem.has_b2 is false");
-  if (p.routing == RoutingMode::kCallerSupplied)
-    c.tensor(out.grad_scores, "outputs.grad_scores", {p.num_pairs}, score_dtype(dt), dev);
-  else
-    c.absent(out.grad_scores, "outputs.grad_scores", "only routing 'caller' has caller-supplied scores");
-  const std::size_t saved_need = saved_layout(p, dt).total_bytes;
-  if (buffers.saved_bytes < saved_need)
-    c.fail("buffers.saved_bytes", "at least saved_layout(problem, dtype).total_bytes = " + bytes_str(saved_need),
-           bytes_str(buffers.saved_bytes));
-  if (buffers.saved == nullptr) c.fail("buffers.saved", "the buffer forward() filled", "nullptr");
+  check_input_grads(c, p, dt, dev, bin, out);
+  check_weight_grads(c, p, dt, dev, out.grad_weights);
+  check_saved(c, p, dt, buffers.saved, buffers.saved_bytes);
   const std::size_t ws_need = backward_workspace_bytes(p, dt, dev);
   if (buffers.workspace_bytes < ws_need)
     c.fail("buffers.workspace_bytes", "at least backward_workspace_bytes(...) = " + bytes_str(ws_need),
@@ -298,6 +366,60 @@ void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, c
 
   if (dt == DType::kFP64) backward_cpu<double>(c, p, x, w, routing, bin, out, buffers);
   else backward_cpu<float>(c, p, x, w, routing, bin, out, buffers);
+}
+
+void backward_input(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
+                    const BackwardInputs& bin, const BackwardOutputs& out, const BackwardBuffers& buffers,
+                    const DeferredBuffer& deferred, void* stream) {
+  const ArgChecker c("backward_input");
+  const DType dt = validate_inputs(c, p, x, w, routing, stream);
+  const Device dev = x.device;
+  check_input_grads(c, p, dt, dev, bin, out);
+  const LayerWeightGrads& gw = out.grad_weights;
+  for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&gw.w1, "outputs.grad_weights.w1"},
+                                {&gw.b1, "outputs.grad_weights.b1"}, {&gw.w2, "outputs.grad_weights.w2"},
+                                {&gw.b2, "outputs.grad_weights.b2"}})
+    c.absent(*t, name, "expert weight gradients come from backward_weight()");
+  check_saved(c, p, dt, buffers.saved, buffers.saved_bytes);
+  const std::size_t ws_need = backward_input_workspace_bytes(p, dt, dev);
+  if (buffers.workspace_bytes < ws_need)
+    c.fail("buffers.workspace_bytes", "at least backward_input_workspace_bytes(...) = " + bytes_str(ws_need),
+           bytes_str(buffers.workspace_bytes));
+  if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
+  check_deferred(c, p, dt, deferred);
+#ifdef SONICMOE_WITH_CUDA
+  if (dev.type == DeviceType::kCUDA) {
+    gpu::backward_input_cuda(p, x, w, bin, out, buffers, deferred, stream);
+    return;
+  }
+#endif
+  if (p.routing == RoutingMode::kCallerSupplied) validate_routing_values(c, p, *routing);
+  if (dt == DType::kFP64) backward_input_cpu<double>(c, p, x, w, routing, bin, out, buffers, deferred);
+  else backward_input_cpu<float>(c, p, x, w, routing, bin, out, buffers, deferred);
+}
+
+void backward_weight(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
+                     const TensorView& grad_out, const BackwardOutputs& out, const void* saved,
+                     std::size_t saved_bytes, const DeferredBuffer& deferred, void* stream) {
+  const ArgChecker c("backward_weight");
+  const DType dt = validate_inputs(c, p, x, w, routing, stream);
+  const Device dev = x.device;
+  c.tensor(grad_out, "grad_out", {p.T, p.d}, dt, dev);
+  check_weight_grads(c, p, dt, dev, out.grad_weights);
+  c.absent(out.grad_x, "outputs.grad_x", "the input gradient comes from backward_input()");
+  c.absent(out.grad_scores, "outputs.grad_scores", "score gradients come from backward_input()");
+  c.absent(out.grad_weights.router_weight, "outputs.grad_weights.router_weight",
+           "the router's gradient comes from backward_input()");
+  check_saved(c, p, dt, saved, saved_bytes);
+  check_deferred(c, p, dt, deferred);
+#ifdef SONICMOE_WITH_CUDA
+  if (dev.type == DeviceType::kCUDA) {
+    gpu::backward_weight_cuda(p, x, grad_out, out, saved, deferred, stream);
+    return;
+  }
+#endif
+  if (dt == DType::kFP64) backward_weight_cpu<double>(c, p, x, grad_out, out, saved, deferred);
+  else backward_weight_cpu<float>(c, p, x, grad_out, out, saved, deferred);
 }
 
 }  // namespace sonicmoe

@@ -73,13 +73,15 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
   return l;
 }
 
-BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType data_dtype) {
+BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType data_dtype, bool split) {
   const std::size_t elem = dtype_size(data_dtype), P = u(p.max_pairs());
   LayoutBuilder b;
   BackwardWorkspaceLayout l;
   if (p.cache == CacheMode::kInputOnly) l.h_recompute = b.add(P * u(p.w1_rows()) * elem);
-  l.dh = b.add(P * u(p.w1_rows()) * elem);
-  l.a_prime = b.add(P * u(p.n) * elem);
+  if (!split) {
+    l.dh = b.add(P * u(p.w1_rows()) * elem);
+    l.a_prime = b.add(P * u(p.n) * elem);
+  }
   l.dx_expanded = b.add(P * u(p.d) * elem);
   l.ds_partial = b.add(P * ((u(p.n) + 63) / 64) * 4);
   l.ds = b.add(P * dtype_size(score_dtype(data_dtype)));
@@ -88,6 +90,20 @@ BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType dat
   if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
   l.total_bytes = b.total();
   return l;
+}
+
+DeferredLayout deferred_layout(const MoEProblem& p, DType data_dtype) {
+  const std::size_t elem = dtype_size(data_dtype), P = u(p.max_pairs());
+  LayoutBuilder b;
+  DeferredLayout l;
+  l.dh = b.add(P * u(p.w1_rows()) * elem);
+  l.a_prime = b.add(P * u(p.n) * elem);
+  l.total_bytes = b.total();
+  return l;
+}
+
+std::size_t backward_input_workspace_bytes(const MoEProblem& p, DType data_dtype, Device device) {
+  return device.type == DeviceType::kCPU ? 0 : backward_workspace_layout(p, data_dtype, true).total_bytes;
 }
 
 std::size_t forward_workspace_bytes(const MoEProblem& p, DType data_dtype, Device device) {

@@ -189,39 +189,36 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   mark_stage(nullptr, stream);
 }
 
-void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
-                   const BackwardInputs& in, const BackwardOutputs& out, const BackwardBuffers& buf,
-                   void* stream_ptr) {
-  (void)routing;
-  const DeviceGuard guard(x.device.index);
-  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+namespace {
+
+/// The input-gradient half: dH kernel (dH, A' into dh/a_prime), dS, dX~, dX, router gradients.
+void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const BackwardInputs& in,
+                          const BackwardOutputs& out, const void* saved, void* workspace,
+                          const BackwardWorkspaceLayout& wl, void* dh, void* a_prime, cudaStream_t stream) {
   const DType dt = x.dtype;
   const std::int64_t P = p.max_pairs(), rows = p.w1_rows();
   const SavedLayout sl = saved_layout(p, dt);
-  const BackwardWorkspaceLayout wl = backward_workspace_layout(p, dt);
-  const float* scores = at<float>(buf.saved, sl.scores);
-  const std::int32_t* offsets = at<std::int32_t>(buf.saved, sl.expert_offsets);
-  const std::int32_t* scatter = at<std::int32_t>(buf.saved, sl.scatter);
-  const std::int32_t* inverse = at<std::int32_t>(buf.saved, sl.inverse);
-  const std::int32_t* gather = at<std::int32_t>(buf.saved, sl.gather);
-  const std::int32_t* token_offsets = at<std::int32_t>(buf.saved, sl.token_offsets);
-  std::int32_t* tiles = at<std::int32_t>(buf.workspace, wl.expert_tiles);
+  const float* scores = at<float>(saved, sl.scores);
+  const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);
+  const std::int32_t* scatter = at<std::int32_t>(saved, sl.scatter);
+  const std::int32_t* inverse = at<std::int32_t>(saved, sl.inverse);
+  const std::int32_t* gather = at<std::int32_t>(saved, sl.gather);
+  const std::int32_t* token_offsets = at<std::int32_t>(saved, sl.token_offsets);
+  std::int32_t* tiles = at<std::int32_t>(workspace, wl.expert_tiles);
   mark_stage("backward/expert_tiles", stream);
   launch_expert_tiles(offsets, p.E, tiles, stream);
 
   // H: kept by the forward, or recomputed (input-only mode) with the forward's arithmetic.
-  const void* h = at(buf.saved, sl.h);
+  const void* h = at(saved, sl.h);
   if (p.cache == CacheMode::kInputOnly) {
     mark_stage("backward/h_recompute", stream);
-    void* hr = at(buf.workspace, wl.h_recompute);
+    void* hr = at(workspace, wl.h_recompute);
     launch_varlen_m_gemm(up_projection_args(p, dt, x, w, offsets, tiles, gather, hr, nullptr), stream);
     h = hr;
   }
 
   // dH kernel: dA' = gather(dO) W2_e, epilogue -> dH, A' = s A, dS partials.
-  void* dh = at(buf.workspace, wl.dh);
-  void* a_prime = at(buf.workspace, wl.a_prime);
-  float* ds_partial = at<float>(buf.workspace, wl.ds_partial);
+  float* ds_partial = at<float>(workspace, wl.ds_partial);
   VarlenMArgs dha;
   dha.dt = dt;
   dha.E = p.E, dha.N = p.n, dha.K = p.d, dha.P_max = P;
@@ -238,42 +235,88 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   mark_stage("backward/dh_kernel", stream);
   launch_varlen_m_gemm(dha, stream);
 
-  // dS (pair order), with the b2 term; db2; dW2.
+  // dS (pair order), with the b2 term.
   const bool caller = p.routing == RoutingMode::kCallerSupplied;
-  float* ds = caller ? static_cast<float*>(out.grad_scores.data) : at<float>(buf.workspace, wl.ds);
+  float* ds = caller ? static_cast<float*>(out.grad_scores.data) : at<float>(workspace, wl.ds);
   mark_stage("backward/ds_reduce", stream);
   launch_ds_reduce(dt, ds_partial, (p.n + kDsTileN - 1) / kDsTileN, inverse, gather, offsets, p.E, P,
                    in.grad_out.data, in.grad_out.stride[0], p.has_b2 ? w.b2.data : nullptr,
                    p.has_b2 ? w.b2.stride[0] : 0, p.d, ds, stream);
-  mark_stage("backward/db2", stream);
-  if (p.has_b2)
-    launch_segment_column_sum(dt, in.grad_out.data, in.grad_out.stride[0], gather, scores, scatter, offsets, p.E,
-                              p.d, 0, out.grad_weights.b2.data, out.grad_weights.b2.stride[0], stream);
-  VarlenKArgs dw2;
-  dw2.dt = dt;
-  dw2.E = p.E, dw2.M = p.d, dw2.N = p.n;
-  dw2.expert_offsets = offsets;
-  dw2.a = in.grad_out.data, dw2.lda = in.grad_out.stride[0], dw2.a_gather = gather;
-  dw2.b = a_prime, dw2.ldb = p.n;
-  dw2.out = out.grad_weights.w2.data, dw2.out_expert_stride = out.grad_weights.w2.stride[0];
-  dw2.ld_out = out.grad_weights.w2.stride[1];
-  mark_stage("backward/dw2", stream);
-  launch_varlen_k_gemm(dw2, stream);
 
-  // dX~ = dH W1_e (grouped), dW1, db1, then dX = gather-sum of dX~.
-  void* dxe = at(buf.workspace, wl.dx_expanded);
-  const bool concat = p.weight_layout == WeightLayout::kConcatenated;
+  // dX~ = dH W1_e (grouped), then dX = gather-sum of dX~.
+  void* dxe = at(workspace, wl.dx_expanded);
   VarlenMArgs dxa;
   dxa.dt = dt;
   dxa.E = p.E, dxa.N = p.d, dxa.K = rows, dxa.P_max = P;
   dxa.expert_offsets = offsets, dxa.expert_tiles = tiles;
   dxa.a = dh, dxa.lda = rows;
   dxa.b.ptr = w.w1.data, dxa.b.expert_stride = w.w1.stride[0], dxa.b.stride_col = 1;
-  dxa.b.stride_k = w.w1.stride[1], dxa.b.permute = concat ? 2 : 0, dxa.b.glu_n = p.n;
+  dxa.b.stride_k = w.w1.stride[1], dxa.b.permute = p.weight_layout == WeightLayout::kConcatenated ? 2 : 0;
+  dxa.b.glu_n = p.n;
   dxa.epilogue = Epilogue::kStore;
   dxa.out = dxe, dxa.ld_out = p.d;
   mark_stage("backward/dx_expanded", stream);
   launch_varlen_m_gemm(dxa, stream);
+  mark_stage("backward/dx_aggregation", stream);
+  launch_gather_sum(dt, dxe, p.d, nullptr, inverse, token_offsets, p.K, p.T, out.grad_x.data, out.grad_x.stride[0],
+                    stream);
+
+  // Router: dlogits from dS (+ the caller's gradient of the logits), then dx += dlogits W_r, dW_r = dlogits^T x.
+  if (caller) {
+    mark_stage(nullptr, stream);
+    const TensorView& gr = out.grad_weights.router_weight;
+    if (!gr.empty())
+      SONICMOE_CUDA_CHECK(cudaMemset2DAsync(gr.data, dtype_size(dt) * gr.stride[0], 0, dtype_size(dt) * p.d, p.E,
+                                            stream));
+    return;
+  }
+  void* dlogits = at(workspace, wl.dlogits);
+  mark_stage("backward/router_backward", stream);
+  const void* upstream = in.grad_router_logits.empty() ? nullptr : in.grad_router_logits.data;
+  const std::int64_t ld_up = in.grad_router_logits.empty() ? 0 : in.grad_router_logits.stride[0];
+  if (p.routing == RoutingMode::kTokenRounding)
+    launch_token_rounding_backward(dt, p.score, at(saved, sl.router_logits), p.T, p.E, p.K, ds, inverse, offsets,
+                                   token_offsets, upstream, ld_up, dlogits, stream);
+  else
+    launch_router_backward(dt, p.score, scores, ds, inverse, offsets, at(saved, sl.router_logits), p.T, p.E, p.K,
+                           upstream, ld_up, dlogits, stream);
+  mark_stage("backward/router_gemms", stream);
+  cublasHandle_t hd = prepared_cublas(x.device.index, stream, at(workspace, wl.cublas));
+  // dx (T x d row-major = col-major d x T) += W_r^T-view: col-major (d x E) * dlogits^T-view (E x T).
+  gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_N, p.d, p.T, p.E, w.router_weight.data, w.router_weight.stride[0], dlogits,
+       p.E, 1.0f, out.grad_x.data, out.grad_x.stride[0]);
+  // dW_r (E x d row-major = col-major d x E) = x^T-view (d x T) * dlogits (T x E).
+  gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_T, p.d, p.E, p.T, x.data, x.stride[0], dlogits, p.E, 0.0f,
+       out.grad_weights.router_weight.data, out.grad_weights.router_weight.stride[0]);
+  mark_stage(nullptr, stream);
+}
+
+/// The weight-gradient half: db2, dW2 (from dO and A'), dW1 (from dH and X), db1 (from dH). Needs no workspace.
+void backward_weight_phase(const MoEProblem& p, const TensorView& x, const TensorView& grad_out,
+                           const BackwardOutputs& out, const void* saved, const void* dh, const void* a_prime,
+                           cudaStream_t stream) {
+  const DType dt = x.dtype;
+  const std::int64_t rows = p.w1_rows();
+  const SavedLayout sl = saved_layout(p, dt);
+  const float* scores = at<float>(saved, sl.scores);
+  const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);
+  const std::int32_t* scatter = at<std::int32_t>(saved, sl.scatter);
+  const std::int32_t* gather = at<std::int32_t>(saved, sl.gather);
+  const bool concat = p.weight_layout == WeightLayout::kConcatenated;
+  mark_stage("backward/db2", stream);
+  if (p.has_b2)
+    launch_segment_column_sum(dt, grad_out.data, grad_out.stride[0], gather, scores, scatter, offsets, p.E, p.d, 0,
+                              out.grad_weights.b2.data, out.grad_weights.b2.stride[0], stream);
+  VarlenKArgs dw2;
+  dw2.dt = dt;
+  dw2.E = p.E, dw2.M = p.d, dw2.N = p.n;
+  dw2.expert_offsets = offsets;
+  dw2.a = grad_out.data, dw2.lda = grad_out.stride[0], dw2.a_gather = gather;
+  dw2.b = a_prime, dw2.ldb = p.n;
+  dw2.out = out.grad_weights.w2.data, dw2.out_expert_stride = out.grad_weights.w2.stride[0];
+  dw2.ld_out = out.grad_weights.w2.stride[1];
+  mark_stage("backward/dw2", stream);
+  launch_varlen_k_gemm(dw2, stream);
   VarlenKArgs dw1;
   dw1.dt = dt;
   dw1.E = p.E, dw1.M = rows, dw1.N = p.d;
@@ -288,38 +331,40 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   if (p.has_b1)
     launch_segment_column_sum(dt, dh, rows, nullptr, nullptr, nullptr, offsets, p.E, rows, concat ? p.n : 0,
                               out.grad_weights.b1.data, out.grad_weights.b1.stride[0], stream);
-  mark_stage("backward/dx_aggregation", stream);
-  launch_gather_sum(dt, dxe, p.d, nullptr, inverse, token_offsets, p.K, p.T, out.grad_x.data, out.grad_x.stride[0],
-                    stream);
-
-  // Router: dlogits from dS (+ the caller's gradient of the logits), then dx += dlogits W_r, dW_r = dlogits^T x.
-  if (caller) {
-    mark_stage(nullptr, stream);
-    const TensorView& gr = out.grad_weights.router_weight;
-    if (!gr.empty())
-      SONICMOE_CUDA_CHECK(cudaMemset2DAsync(gr.data, dtype_size(dt) * gr.stride[0], 0, dtype_size(dt) * p.d, p.E,
-                                            stream));
-    return;
-  }
-  void* dlogits = at(buf.workspace, wl.dlogits);
-  mark_stage("backward/router_backward", stream);
-  const void* upstream = in.grad_router_logits.empty() ? nullptr : in.grad_router_logits.data;
-  const std::int64_t ld_up = in.grad_router_logits.empty() ? 0 : in.grad_router_logits.stride[0];
-  if (p.routing == RoutingMode::kTokenRounding)
-    launch_token_rounding_backward(dt, p.score, at(buf.saved, sl.router_logits), p.T, p.E, p.K, ds, inverse, offsets,
-                                   token_offsets, upstream, ld_up, dlogits, stream);
-  else
-    launch_router_backward(dt, p.score, scores, ds, inverse, offsets, at(buf.saved, sl.router_logits), p.T, p.E,
-                           p.K, upstream, ld_up, dlogits, stream);
-  mark_stage("backward/router_gemms", stream);
-  cublasHandle_t hd = prepared_cublas(x.device.index, stream, at(buf.workspace, wl.cublas));
-  // dx (T x d row-major = col-major d x T) += W_r^T-view: col-major (d x E) * dlogits^T-view (E x T).
-  gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_N, p.d, p.T, p.E, w.router_weight.data, w.router_weight.stride[0], dlogits,
-       p.E, 1.0f, out.grad_x.data, out.grad_x.stride[0]);
-  // dW_r (E x d row-major = col-major d x E) = x^T-view (d x T) * dlogits (T x E).
-  gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_T, p.d, p.E, p.T, x.data, x.stride[0], dlogits, p.E, 0.0f,
-       out.grad_weights.router_weight.data, out.grad_weights.router_weight.stride[0]);
   mark_stage(nullptr, stream);
+}
+
+}  // namespace
+
+void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
+                   const BackwardInputs& in, const BackwardOutputs& out, const BackwardBuffers& buf,
+                   void* stream_ptr) {
+  (void)routing;
+  const DeviceGuard guard(x.device.index);
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const BackwardWorkspaceLayout wl = backward_workspace_layout(p, x.dtype);
+  void* dh = at(buf.workspace, wl.dh);
+  void* a_prime = at(buf.workspace, wl.a_prime);
+  backward_input_phase(p, x, w, in, out, buf.saved, buf.workspace, wl, dh, a_prime, stream);
+  backward_weight_phase(p, x, in.grad_out, out, buf.saved, dh, a_prime, stream);
+}
+
+void backward_input_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const BackwardInputs& in,
+                         const BackwardOutputs& out, const BackwardBuffers& buf, const DeferredBuffer& deferred,
+                         void* stream_ptr) {
+  const DeviceGuard guard(x.device.index);
+  const DeferredLayout dl = deferred_layout(p, x.dtype);
+  backward_input_phase(p, x, w, in, out, buf.saved, buf.workspace, backward_workspace_layout(p, x.dtype, true),
+                       at(deferred.data, dl.dh), at(deferred.data, dl.a_prime), static_cast<cudaStream_t>(stream_ptr));
+}
+
+void backward_weight_cuda(const MoEProblem& p, const TensorView& x, const TensorView& grad_out,
+                          const BackwardOutputs& out, const void* saved, const DeferredBuffer& deferred,
+                          void* stream_ptr) {
+  const DeviceGuard guard(x.device.index);
+  const DeferredLayout dl = deferred_layout(p, x.dtype);
+  backward_weight_phase(p, x, grad_out, out, saved, at(deferred.data, dl.dh), at(deferred.data, dl.a_prime),
+                        static_cast<cudaStream_t>(stream_ptr));
 }
 
 }  // namespace sonicmoe::gpu

@@ -14,4 +14,12 @@ void backward_cuda(const MoEProblem& problem, const TensorView& x, const LayerWe
                    const RoutingTriples* routing, const BackwardInputs& inputs, const BackwardOutputs& outputs,
                    const BackwardBuffers& buffers, void* stream);
 
+void backward_input_cuda(const MoEProblem& problem, const TensorView& x, const LayerWeights& weights,
+                         const BackwardInputs& inputs, const BackwardOutputs& outputs, const BackwardBuffers& buffers,
+                         const DeferredBuffer& deferred, void* stream);
+
+void backward_weight_cuda(const MoEProblem& problem, const TensorView& x, const TensorView& grad_out,
+                          const BackwardOutputs& outputs, const void* saved, const DeferredBuffer& deferred,
+                          void* stream);
+
 }  // namespace sonicmoe::gpu

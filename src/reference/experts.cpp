@@ -79,10 +79,6 @@ ExpertGrads<R> experts_backward(const ExpertShape& shape, std::int64_t E, const 
   const std::int64_t d = shape.d, n = shape.n, rows = shape.w1_rows(), P = meta.num_pairs();
   const bool glu = is_glu(shape.activation);
   ExpertGrads<R> gr;
-  gr.dw1.assign(static_cast<std::size_t>(E * rows * d), R(0));
-  gr.dw2.assign(static_cast<std::size_t>(E * d * n), R(0));
-  if (params.b1) gr.db1.assign(static_cast<std::size_t>(E * rows), R(0));
-  if (params.b2) gr.db2.assign(static_cast<std::size_t>(E * d), R(0));
   gr.ds.assign(static_cast<std::size_t>(P), R(0));
   gr.da_prime.assign(static_cast<std::size_t>(P * n), R(0));
   gr.dh.assign(static_cast<std::size_t>(P * rows), R(0));
@@ -127,28 +123,48 @@ ExpertGrads<R> experts_backward(const ExpertShape& shape, std::int64_t E, const 
       R bias_term = 0;
       for (std::int64_t k = 0; k < d; ++k) bias_term += dout[k] * params.b2[e * d + k];
       ds += bias_term;
-      for (std::int64_t k = 0; k < d; ++k) gr.db2[e * d + k] += s * dout[k];
     }
     gr.ds[p] = ds;
-    // dW2_e += dO_t^T A'_g.
-    for (std::int64_t k = 0; k < d; ++k)
-      for (std::int64_t j = 0; j < n; ++j) gr.dw2[(e * d + k) * n + j] += dout[k] * a_prime[j];
-    // dX~_g = dH_g W1_e; dW1_e += dH_g^T X_t; db1_e += dH_g.
-    const R* xt = x + t * d;
+    // dX~_g = dH_g W1_e.
     R* dxe = gr.dx_expanded.data() + g * d;
     for (std::int64_t c = 0; c < rows; ++c) {
-      const std::int64_t r = w1_row_of_column(shape, c);
-      const R* w = params.w1 + (e * rows + r) * d;
-      R* dw = gr.dw1.data() + (e * rows + r) * d;
-      for (std::int64_t k = 0; k < d; ++k) {
-        dxe[k] += dh[c] * w[k];
-        dw[k] += dh[c] * xt[k];
-      }
-      if (params.b1) gr.db1[e * rows + r] += dh[c];
+      const R* w = params.w1 + (e * rows + w1_row_of_column(shape, c)) * d;
+      for (std::int64_t k = 0; k < d; ++k) dxe[k] += dh[c] * w[k];
     }
   }
   gr.dx = gather_sum<R>(gr.dx_expanded.data(), d, nullptr, meta);
+  experts_weight_grads(shape, E, x, meta, scores, gr.dh.data(), gr.a_prime.data(), grad_out, params.b1 != nullptr,
+                       params.b2 != nullptr, gr);
   return gr;
+}
+
+template <class R>
+void experts_weight_grads(const ExpertShape& shape, std::int64_t E, const R* x, const RoutingMetadata& meta,
+                          const R* scores, const R* dh_all, const R* a_prime_all, const R* grad_out, bool has_b1,
+                          bool has_b2, ExpertGrads<R>& gr) {
+  const std::int64_t d = shape.d, n = shape.n, rows = shape.w1_rows(), P = meta.num_pairs();
+  gr.dw1.assign(static_cast<std::size_t>(E * rows * d), R(0));
+  gr.dw2.assign(static_cast<std::size_t>(E * d * n), R(0));
+  gr.db1.assign(has_b1 ? static_cast<std::size_t>(E * rows) : 0, R(0));
+  gr.db2.assign(has_b2 ? static_cast<std::size_t>(E * d) : 0, R(0));
+  for (std::int64_t g = 0; g < P; ++g) {
+    const std::int64_t e = meta.expert_of_row(g), t = meta.gather[g];
+    const R s = scores[meta.scatter[g]];
+    const R* dout = grad_out + t * d;
+    const R* a_prime = a_prime_all + g * n;
+    const R* dh = dh_all + g * rows;
+    const R* xt = x + t * d;
+    if (has_b2)
+      for (std::int64_t k = 0; k < d; ++k) gr.db2[e * d + k] += s * dout[k];
+    for (std::int64_t k = 0; k < d; ++k)
+      for (std::int64_t j = 0; j < n; ++j) gr.dw2[(e * d + k) * n + j] += dout[k] * a_prime[j];
+    for (std::int64_t c = 0; c < rows; ++c) {
+      const std::int64_t r = w1_row_of_column(shape, c);
+      R* dw = gr.dw1.data() + (e * rows + r) * d;
+      for (std::int64_t k = 0; k < d; ++k) dw[k] += dh[c] * xt[k];
+      if (has_b1) gr.db1[e * rows + r] += dh[c];
+    }
+  }
 }
 
 #define SONICMOE_INSTANTIATE(R)                                                                                   \
@@ -159,7 +175,9 @@ ExpertGrads<R> experts_backward(const ExpertShape& shape, std::int64_t E, const 
                                              const RoutingMetadata&);                                             \
   template std::vector<R> gather_sum<R>(const R*, std::int64_t, const R*, const RoutingMetadata&);                \
   template ExpertGrads<R> experts_backward<R>(const ExpertShape&, std::int64_t, const R*, const ExpertParams<R>&, \
-                                              const RoutingMetadata&, const R*, const R*, const R*);
+                                              const RoutingMetadata&, const R*, const R*, const R*);               \
+  template void experts_weight_grads<R>(const ExpertShape&, std::int64_t, const R*, const RoutingMetadata&,       \
+                                        const R*, const R*, const R*, const R*, bool, bool, ExpertGrads<R>&);
 SONICMOE_INSTANTIATE(float)
 SONICMOE_INSTANTIATE(double)
 #undef SONICMOE_INSTANTIATE

@@ -66,6 +66,14 @@ struct ExpertGrads {
   std::vector<R> dx_expanded;  // (P, d): dH W1_e
 };
 
+/// Expert weight gradients from dH and A' (the deferred half of the backward): dW2_e = sum_g dO_t^T A'_g,
+/// db2_e = sum_g s dO_t, dW1_e = sum_g dH_g^T X_t, db1_e = sum_g dH_g; sums in ascending grouped order.
+/// Fills g.dw1, g.db1 (with b1), g.dw2, g.db2 (with b2).
+template <class R>
+void experts_weight_grads(const ExpertShape& shape, std::int64_t E, const R* x, const RoutingMetadata& meta,
+                          const R* scores, const R* dh, const R* a_prime, const R* grad_out, bool has_b1, bool has_b2,
+                          ExpertGrads<R>& g);
+
 /// Backward of the experts given the saved H (grouped order), the scores (pair order) and dO (T, d).
 /// A is recomputed from H, and dS comes from <dA', A>, never from a cached Y (SPEC §3.3).
 template <class R>

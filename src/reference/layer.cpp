@@ -87,6 +87,8 @@ BackwardResult<R> layer_backward(const MoEProblem& pb, const LayerInputs<R>& in,
   res.dw2 = std::move(eg.dw2);
   res.db2 = std::move(eg.db2);
   res.ds = std::move(eg.ds);
+  res.dh = std::move(eg.dh);
+  res.a_prime = std::move(eg.a_prime);
 
   if (pb.routing == RoutingMode::kCallerSupplied) {
     res.dscores = res.ds;

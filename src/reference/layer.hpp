@@ -54,6 +54,7 @@ struct BackwardResult {
   std::vector<R> dscores;  // (P) caller-supplied routing only, caller's pair order
   std::vector<R> ds;       // (P) pair order, dL/dscore of every routed pair
   std::vector<R> dlogits;  // (T, E) total gradient reaching the logits (empty for caller-supplied routing)
+  std::vector<R> dh, a_prime;  // what the split backward defers to its weight half (grouped order)
 };
 
 template <class R>

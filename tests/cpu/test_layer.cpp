@@ -255,3 +255,105 @@ TEST(PublicApi, NaNInputsPropagateAndAreNotErrors) {
 
 }  // namespace
 }  // namespace sonicmoe::test
+
+namespace sonicmoe::test {
+namespace {
+
+// backward_input() then backward_weight() give bitwise the results of backward(), through the deferred buffer.
+class SplitBackward : public testing::TestWithParam<std::tuple<RoutingMode, CacheMode>> {};
+
+TEST_P(SplitBackward, EqualsTheFullBackwardBitwise) {
+  MoEProblem p = small_problem(Activation::kGeGLU, std::get<0>(GetParam()));
+  p.cache = std::get<1>(GetParam());
+  p.has_b1 = p.has_b2 = true;
+  p.weight_layout = WeightLayout::kConcatenated;
+  const LayerCase<double> c(p, 31);
+  const MoEProblem& q = c.problem;
+  const bool caller = q.routing == RoutingMode::kCallerSupplied;
+  const DType dt = DType::kFP64;
+  std::vector<double> x = c.x, wr = c.router_weight, w1 = c.w1, w2 = c.w2, b1 = c.b1, b2 = c.b2, go = c.grad_out;
+  std::vector<double> sc = c.pair_score, out(q.T * q.d), logits(q.T * q.E);
+  std::vector<std::int64_t> tok = c.pair_token, exp = c.pair_expert;
+  std::vector<std::int32_t> counts(q.E);
+  LayerWeights w;
+  if (!caller) w.router_weight = TensorView::contiguous(wr.data(), dt, {q.E, q.d});
+  w.w1 = TensorView::contiguous(w1.data(), dt, {q.E, q.w1_rows(), q.d});
+  w.w2 = TensorView::contiguous(w2.data(), dt, {q.E, q.d, q.n});
+  w.b1 = TensorView::contiguous(b1.data(), dt, {q.E, q.w1_rows()});
+  w.b2 = TensorView::contiguous(b2.data(), dt, {q.E, q.d});
+  RoutingTriples rt;
+  if (caller) {
+    rt.token_index = TensorView::contiguous(tok.data(), DType::kInt64, {q.num_pairs});
+    rt.expert_index = TensorView::contiguous(exp.data(), DType::kInt64, {q.num_pairs});
+    rt.score = TensorView::contiguous(sc.data(), dt, {q.num_pairs});
+  }
+  const TensorView xv = TensorView::contiguous(x.data(), dt, {q.T, q.d});
+  ForwardOutputs fo;
+  fo.out = TensorView::contiguous(out.data(), dt, {q.T, q.d});
+  if (!caller) fo.router_logits = TensorView::contiguous(logits.data(), dt, {q.T, q.E});
+  fo.expert_counts = TensorView::contiguous(counts.data(), DType::kInt32, {q.E});
+  std::vector<unsigned char> saved(saved_layout(q, dt).total_bytes);
+  forward(q, xv, w, caller ? &rt : nullptr, fo, {saved.data(), saved.size(), nullptr, 0});
+
+  struct Grads {
+    std::vector<double> dx, dwr, dw1, db1, dw2, db2, dsc;
+  };
+  auto make_grads = [&](Grads& g) {
+    g.dx.assign(q.T * q.d, 0), g.dwr.assign(wr.size(), 0), g.dw1.assign(w1.size(), 0), g.dw2.assign(w2.size(), 0);
+    g.db1.assign(b1.size(), 0), g.db2.assign(b2.size(), 0), g.dsc.assign(q.num_pairs, 0);
+  };
+  BackwardInputs bi;
+  bi.grad_out = TensorView::contiguous(go.data(), dt, {q.T, q.d});
+  Grads full, split;
+  make_grads(full), make_grads(split);
+  auto outputs = [&](Grads& g, bool input_half, bool weight_half) {
+    BackwardOutputs bo;
+    if (input_half) {
+      bo.grad_x = TensorView::contiguous(g.dx.data(), dt, {q.T, q.d});
+      if (!caller) bo.grad_weights.router_weight = TensorView::contiguous(g.dwr.data(), dt, {q.E, q.d});
+      if (caller) bo.grad_scores = TensorView::contiguous(g.dsc.data(), dt, {q.num_pairs});
+    }
+    if (weight_half) {
+      bo.grad_weights.w1 = TensorView::contiguous(g.dw1.data(), dt, {q.E, q.w1_rows(), q.d});
+      bo.grad_weights.w2 = TensorView::contiguous(g.dw2.data(), dt, {q.E, q.d, q.n});
+      bo.grad_weights.b1 = TensorView::contiguous(g.db1.data(), dt, {q.E, q.w1_rows()});
+      bo.grad_weights.b2 = TensorView::contiguous(g.db2.data(), dt, {q.E, q.d});
+    }
+    return bo;
+  };
+  backward(q, xv, w, caller ? &rt : nullptr, bi, outputs(full, true, true), {saved.data(), saved.size(), nullptr, 0});
+  std::vector<unsigned char> deferred(deferred_layout(q, dt).total_bytes);
+  backward_input(q, xv, w, caller ? &rt : nullptr, bi, outputs(split, true, false),
+                 {saved.data(), saved.size(), nullptr, 0}, {deferred.data(), deferred.size()});
+  backward_weight(q, xv, w, caller ? &rt : nullptr, bi.grad_out, outputs(split, false, true), saved.data(),
+                  saved.size(), {deferred.data(), deferred.size()});
+  EXPECT_EQ(split.dx, full.dx);
+  EXPECT_EQ(split.dwr, full.dwr);
+  EXPECT_EQ(split.dsc, full.dsc);
+  EXPECT_EQ(split.dw1, full.dw1);
+  EXPECT_EQ(split.dw2, full.dw2);
+  EXPECT_EQ(split.db1, full.db1);
+  EXPECT_EQ(split.db2, full.db2);
+
+  // Each half refuses the other half's outputs.
+  EXPECT_THROW(backward_input(q, xv, w, caller ? &rt : nullptr, bi, outputs(split, true, true),
+                              {saved.data(), saved.size(), nullptr, 0}, {deferred.data(), deferred.size()}),
+               Error);
+  EXPECT_THROW(backward_weight(q, xv, w, caller ? &rt : nullptr, bi.grad_out, outputs(split, true, true),
+                               saved.data(), saved.size(), {deferred.data(), deferred.size()}),
+               Error);
+  EXPECT_THROW(backward_weight(q, xv, w, caller ? &rt : nullptr, bi.grad_out, outputs(split, false, true),
+                               saved.data(), saved.size(), {deferred.data(), deferred.size() - 1}),
+               Error);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RoutingAndCache, SplitBackward,
+    testing::Combine(testing::Values(RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied),
+                     testing::Values(CacheMode::kPreActivation, CacheMode::kInputOnly)),
+    [](const testing::TestParamInfo<std::tuple<RoutingMode, CacheMode>>& i) {
+      return std::string(routing_mode_name(std::get<0>(i.param))) + "_" + cache_mode_name(std::get<1>(i.param));
+    });
+
+}  // namespace
+}  // namespace sonicmoe::test

@@ -131,7 +131,9 @@ struct GpuRun {
 /// Runs the case on the GPU in `dt`. row_pad > 0 gives x padded rows (ld = d + row_pad). With `graph`, forward and
 /// backward are captured into a CUDA graph in global capture mode (any allocation or host synchronisation inside
 /// them fails the capture) and the graph is replayed twice.
-inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_pad = 0, bool graph = false) {
+/// With `split`, the backward runs as backward_input() then backward_weight() through a deferred buffer.
+inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_pad = 0, bool graph = false,
+                         bool split = false) {
   const MoEProblem& p = c.problem;
   GpuRun r;
   r.problem = p;
@@ -176,7 +178,8 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   fo.expert_counts = TensorView::contiguous(counts.get(), DType::kInt32, {p.E}, dev);
   DeviceBuffer dx(p.T * p.d * el), dwr(p.E * p.d * el), dw1(c.w1.size() * el), dw2(c.w2.size() * el);
   DeviceBuffer db1(c.b1.size() * el), db2(c.b2.size() * el), dsc(std::max<std::int64_t>(p.num_pairs, 0) * 4);
-  DeviceBuffer bws(backward_workspace_bytes(p, dt, dev));
+  DeviceBuffer bws(split ? backward_input_workspace_bytes(p, dt, dev) : backward_workspace_bytes(p, dt, dev));
+  DeviceBuffer deferred(split ? deferred_layout(p, dt).total_bytes : 0);
   // Every buffer exists before the layer runs: nothing may be allocated while a graph is being captured.
   // Owns the stream; on the way out ends a capture an exception left open (so later tests can allocate), then
   // destroys the stream.
@@ -211,7 +214,18 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   if (p.has_b1) bo.grad_weights.b1 = TensorView::contiguous(db1.get(), dt, {p.E, p.w1_rows()}, dev);
   if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.get(), dt, {p.E, p.d}, dev);
   if (caller) bo.grad_scores = TensorView::contiguous(dsc.get(), DType::kFP32, {p.num_pairs}, dev);
-  backward(p, xv, w, caller ? &rt : nullptr, bi, bo, {saved.get(), saved.bytes(), bws.get(), bws.bytes()}, stream);
+  if (split) {
+    BackwardOutputs in_half = bo, weight_half;
+    in_half.grad_weights.w1 = in_half.grad_weights.b1 = in_half.grad_weights.w2 = in_half.grad_weights.b2 = TensorView();
+    weight_half.grad_weights = bo.grad_weights;
+    weight_half.grad_weights.router_weight = TensorView();
+    backward_input(p, xv, w, caller ? &rt : nullptr, bi, in_half, {saved.get(), saved.bytes(), bws.get(), bws.bytes()},
+                   {deferred.get(), deferred.bytes()}, stream);
+    backward_weight(p, xv, w, caller ? &rt : nullptr, bi.grad_out, weight_half, saved.get(), saved.bytes(),
+                    {deferred.get(), deferred.bytes()}, stream);
+  } else {
+    backward(p, xv, w, caller ? &rt : nullptr, bi, bo, {saved.get(), saved.bytes(), bws.get(), bws.bytes()}, stream);
+  }
   if (graph) {
     const cudaError_t end = cudaStreamEndCapture(stream, &captured);  // always ends the capture
     if (end != cudaSuccess || captured == nullptr) throw std::runtime_error("capture failed");
@@ -251,7 +265,8 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   r.counts.resize(p.E);
   std::memcpy(r.counts.data(), hc.data(), 4 * p.E);
   r.saved = saved.download();
-  for (const DeviceBuffer* b : {&x, &out, &logits, &counts, &saved, &fws, &dx, &dwr, &dw1, &dw2, &db1, &db2, &dsc, &bws})
+  for (const DeviceBuffer* b :
+       {&x, &out, &logits, &counts, &saved, &fws, &dx, &dwr, &dw1, &dw2, &db1, &db2, &dsc, &bws, &deferred})
     r.canaries_intact = r.canaries_intact && b->canary_intact();
   return r;
 }

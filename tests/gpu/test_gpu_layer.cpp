@@ -214,6 +214,28 @@ TEST(GpuLayerProperties, CapturesIntoACudaGraphAndReplaysBitwiseEqual) {
     }
 }
 
+// backward_input() then backward_weight() (the split backward) give bitwise the full backward's results.
+TEST(GpuLayerProperties, SplitBackwardEqualsFullBackwardBitwise) {
+  REQUIRE_GPU();
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied})
+    for (CacheMode cm : {CacheMode::kPreActivation, CacheMode::kInputOnly}) {
+      MoEProblem p;
+      p.T = 1500, p.d = 192, p.n = 96, p.E = 12, p.K = 3, p.routing = r, p.cache = cm, p.tile_m = 64;
+      p.has_b1 = p.has_b2 = true, p.weight_layout = WeightLayout::kConcatenated;
+      const LayerCase<double> c(p, 14);
+      const GpuRun full = run_on_gpu(c, DType::kBF16);
+      const GpuRun split = run_on_gpu(c, DType::kBF16, 0, false, /*split=*/true);
+      EXPECT_TRUE(split.canaries_intact);
+      EXPECT_EQ(split.raw_dx, full.raw_dx) << routing_mode_name(r) << " " << cache_mode_name(cm);
+      EXPECT_EQ(split.raw_dw1, full.raw_dw1);
+      EXPECT_EQ(split.raw_dw2, full.raw_dw2);
+      EXPECT_EQ(split.db1, full.db1);
+      EXPECT_EQ(split.db2, full.db2);
+      EXPECT_EQ(split.dwr, full.dwr);
+      EXPECT_EQ(split.dscores, full.dscores);
+    }
+}
+
 TEST(GpuLayerProperties, BothWeightLayoutsGiveBitwiseIdenticalOutputs) {
   REQUIRE_GPU();
   MoEProblem p;

@@ -210,3 +210,22 @@ def test_clear_errors():
         sonicmoe.MoE(16, 8, 4, 5)
     with pytest.raises(ValueError, match="'x'.*\\(..., 16\\)"):
         sonicmoe.MoE(16, 8, 4, 2, dtype=torch.float64)(torch.randn(3, 15, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("routing", ["topk", "token_rounding"])
+def test_split_backward_defers_weight_grads_and_matches(routing):
+    torch.manual_seed(3)
+    m = sonicmoe.MoE(16, 8, 4, 2, dtype=torch.float64, bias=True, routing=routing, tile=8)
+    x = torch.randn(20, 16, dtype=torch.float64, requires_grad=True)
+    m(x).output.square().sum().backward()
+    full = {name: p.grad.clone() for name, p in m.named_parameters()}
+    full_x = x.grad.clone()
+    m.zero_grad(set_to_none=True)
+    x.grad = None
+    with sonicmoe.defer_weight_grads() as deferred:
+        m(x).output.square().sum().backward()
+    assert torch.equal(x.grad, full_x) and torch.equal(m.router_weight.grad, full["router_weight"])
+    assert m.w1.grad is None and m.w2.grad is None and len(deferred) == 1
+    deferred.run()
+    for name, p in m.named_parameters():
+        assert torch.equal(p.grad, full[name]), name

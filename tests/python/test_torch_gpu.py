@@ -169,3 +169,20 @@ def test_training_step_compiled_fsdp2_no_graph_breaks_no_host_sync(cuda):
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0]
     dist.destroy_process_group()
+
+
+def test_split_backward_on_gpu_matches_full(cuda):
+    torch.manual_seed(5)
+    m = sonicmoe.MoE(256, 128, 16, 4, bias=True, device=cuda, dtype=torch.bfloat16)
+    x = torch.randn(1024, 256, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    m(x).output.float().square().sum().backward()
+    full = {name: p.grad.clone() for name, p in m.named_parameters()}
+    full_x = x.grad.clone()
+    m.zero_grad(set_to_none=True)
+    x.grad = None
+    with sonicmoe.defer_weight_grads() as deferred:
+        m(x).output.float().square().sum().backward()
+    assert torch.equal(x.grad, full_x) and m.w1.grad is None
+    deferred.run()
+    for name, p in m.named_parameters():
+        assert torch.equal(p.grad, full[name]), name

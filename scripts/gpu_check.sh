@@ -19,7 +19,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if [ -f build/lib/libsonicmoe_torch.so ]; then
-    SONICMOE_TORCH_LIBRARY="$root/build/lib/libsonicmoe_torch.so" python3 -m pytest -q -p no:cacheprovider \
+    SONICMOE_IN_TREE=1 SONICMOE_TORCH_LIBRARY="$root/build/lib/libsonicmoe_torch.so" python3 -m pytest -q -p no:cacheprovider \
       tests/python 2>&1 | tee "$logs/pytest.log" | tail -n 15
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi

@@ -11,10 +11,11 @@ build="${SONICMOE_BUILD_DIR:-$root/build}"
 (cd "$build" && ctest --output-on-failure --parallel "$(nproc)" ${labels[@]+"${labels[@]}"})
 # The PyTorch front end (pytest): the CPU part everywhere, the GPU part (marker gpu) with --gpu.
 if [ -f "$build/lib/libsonicmoe_torch.so" ]; then
+  echo "test: installing the sonicmoe package (pip install --no-build-isolation .)"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-build-isolation "$root"
   markers=(-m "not gpu")
   [ "${1:-}" = "--gpu" ] && markers=()
-  SONICMOE_TORCH_LIBRARY="$build/lib/libsonicmoe_torch.so" python3 -m pytest -q -p no:cacheprovider \
-    "$root/tests/python" ${markers[@]+"${markers[@]}"}
+  (cd "$root/tests/python" && python3 -m pytest -q -p no:cacheprovider . ${markers[@]+"${markers[@]}"})
 else
   echo "test: torch is not importable, so the PyTorch tests were not built or run (SONICMOE_NO_TORCH=1?)"
 fi

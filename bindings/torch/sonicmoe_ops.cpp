@@ -76,6 +76,16 @@ sonicmoe::LayerWeights weights_of(const OptTensor& router_weight, const Tensor& 
   return w;
 }
 
+sonicmoe::RoutingTriples triples_of(bool caller, const OptTensor& token_index, const OptTensor& expert_index,
+                                    const OptTensor& scores) {
+  sonicmoe::RoutingTriples r;
+  if (!caller) return r;
+  TORCH_CHECK(token_index && expert_index && scores,
+              "sonicmoe: routing 'caller' needs token_index, expert_index and scores");
+  r.token_index = view(*token_index), r.expert_index = view(*expert_index), r.score = view(*scores);
+  return r;
+}
+
 at::ScalarType score_type(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
@@ -95,13 +105,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
   Tensor counts = at::empty({p.E}, x.options().dtype(at::kInt));
   Tensor saved = at::empty({static_cast<int64_t>(sonicmoe::saved_layout(p, dt).total_bytes)}, bytes);
   Tensor workspace = at::empty({static_cast<int64_t>(sonicmoe::forward_workspace_bytes(p, dt, dev))}, bytes);
-  sonicmoe::RoutingTriples triples;
-  if (caller) {
-    TORCH_CHECK(token_index && expert_index && scores,
-                "sonicmoe: routing 'caller' needs token_index, expert_index and scores");
-    triples.token_index = view(*token_index), triples.expert_index = view(*expert_index);
-    triples.score = view(*scores);
-  }
+  const sonicmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
   sonicmoe::ForwardOutputs fo;
   fo.out = view(out);
   if (!caller) fo.router_logits = view(logits);
@@ -133,11 +137,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
   Tensor db1 = p.has_b1 ? at::empty(b1->sizes(), x.options()) : at::empty({0}, x.options());
   Tensor db2 = p.has_b2 ? at::empty(b2->sizes(), x.options()) : at::empty({0}, x.options());
   Tensor dscores = caller ? at::empty({p.num_pairs}, x.options().dtype(score_type(x))) : at::empty({0}, x.options());
-  sonicmoe::RoutingTriples triples;
-  if (caller) {
-    triples.token_index = view(*token_index), triples.expert_index = view(*expert_index);
-    triples.score = view(*scores);
-  }
+  const sonicmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
   sonicmoe::BackwardInputs bi;
   bi.grad_out = view(go);
   OptTensor gl;
@@ -176,11 +176,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_input(
   Tensor dx = at::empty({p.T, p.d}, x.options());
   Tensor dwr = caller ? at::empty({0}, x.options()) : at::empty({p.E, p.d}, x.options());
   Tensor dscores = caller ? at::empty({p.num_pairs}, x.options().dtype(score_type(x))) : at::empty({0}, x.options());
-  sonicmoe::RoutingTriples triples;
-  if (caller) {
-    triples.token_index = view(*token_index), triples.expert_index = view(*expert_index);
-    triples.score = view(*scores);
-  }
+  const sonicmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
   sonicmoe::BackwardInputs bi;
   bi.grad_out = view(go);
   OptTensor gl;
@@ -212,11 +208,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
   Tensor dw1 = at::empty(w1.sizes(), x.options()), dw2 = at::empty(w2.sizes(), x.options());
   Tensor db1 = p.has_b1 ? at::empty(b1->sizes(), x.options()) : at::empty({0}, x.options());
   Tensor db2 = p.has_b2 ? at::empty(b2->sizes(), x.options()) : at::empty({0}, x.options());
-  sonicmoe::RoutingTriples triples;
-  if (caller) {
-    triples.token_index = view(*token_index), triples.expert_index = view(*expert_index);
-    triples.score = view(*scores);
-  }
+  const sonicmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
   sonicmoe::BackwardOutputs bo;
   bo.grad_weights.w1 = view(dw1), bo.grad_weights.w2 = view(dw2);
   if (p.has_b1) bo.grad_weights.b1 = view(db1);

@@ -71,6 +71,43 @@ __device__ __forceinline__ bool ranks_before(float av, int ai, float bv, int bi)
   return ai < bi;
 }
 
+/// The next top-K selection of a row by one warp: the best candidate ranking after (prev_v, prev_i) (prev_i < 0: the
+/// first). Repeating it K times selects the top K in order with no marking, for any E and K. Every kernel that
+/// selects experts uses this one function, so the forward and the backward always agree on the selection.
+template <class T>
+__device__ __forceinline__ void warp_next_selection(const T* row, int E, int lane, float& prev_v, int& prev_i) {
+  float best_v = NAN;
+  int best_i = -1;
+  for (int i = lane; i < E; i += 32) {
+    const float v = to_float(row[i]);
+    const bool after_prev = prev_i < 0 || ranks_before(prev_v, prev_i, v, i);
+    if (after_prev && (best_i < 0 || ranks_before(v, i, best_v, best_i))) best_v = v, best_i = i;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, best_v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+    if (oi >= 0 && (best_i < 0 || ranks_before(ov, oi, best_v, best_i))) best_v = ov, best_i = oi;
+  }
+  prev_v = best_v, prev_i = best_i;
+}
+
+/// Row maximum and sum of exp(z - max) by one warp (every lane gets both); per-lane loops then a fixed butterfly.
+template <class T>
+__device__ __forceinline__ float warp_row_max(const T* z, int E, int lane) {
+  float m = -INFINITY;
+  for (int i = lane; i < E; i += 32) m = fmaxf(m, to_float(z[i]));
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+template <class T>
+__device__ __forceinline__ float warp_row_sumexp(const T* z, int E, float m, int lane) {
+  float s = 0.0f;
+  for (int i = lane; i < E; i += 32) s += expf(to_float(z[i]) - m);
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
+}
+
 /// Expert owning grouped row g: the last e with offsets[e] <= g.
 __device__ __forceinline__ int expert_of_row(const std::int32_t* offsets, int E, std::int64_t g) {
   int lo = 0, hi = E;  // invariant: offsets[lo] <= g < offsets[hi]

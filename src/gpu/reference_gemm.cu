@@ -18,6 +18,23 @@ __device__ __forceinline__ T ld(const void* p, std::int64_t i) {
   return static_cast<const T*>(p)[i];
 }
 
+/// acc[i][j] += sum_kk As[kk][4 ty + i] * Bs[kk][4 tx + j]: each thread's 4 x 4 outputs over one BK slice.
+__device__ __forceinline__ void tile_product(const float (&As)[BK][BM + 4], const float (&Bs)[BK][BN + 4], int tx,
+                                             int ty, float (&acc)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < BK; ++kk) {
+    float av[4], bv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) av[i] = As[kk][ty * 4 + i];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) bv[j] = Bs[kk][tx * 4 + j];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+  }
+}
+
 template <class T, Epilogue EPI>
 __global__ void __launch_bounds__(THREADS) varlen_m_gemm_kernel(const VarlenMArgs a) {
   __shared__ float As[BK][BM + 4];
@@ -62,18 +79,7 @@ __global__ void __launch_bounds__(THREADS) varlen_m_gemm_kernel(const VarlenMArg
       Bs[kk][col] = v;
     }
     __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < BK; ++kk) {
-      float av[4], bv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) av[i] = As[kk][ty * 4 + i];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bv[j] = Bs[kk][tx * 4 + j];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-    }
+    tile_product(As, Bs, tx, ty, acc);
     __syncthreads();
   }
 
@@ -184,18 +190,7 @@ __global__ void __launch_bounds__(THREADS) varlen_k_gemm_kernel(const VarlenKArg
       Bs[kk][n] = v;
     }
     __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < BK; ++kk) {
-      float av[4], bv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) av[i] = As[kk][ty * 4 + i];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bv[j] = Bs[kk][tx * 4 + j];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-    }
+    tile_product(As, Bs, tx, ty, acc);
     __syncthreads();
   }
   T* out = static_cast<T*>(a.out) + static_cast<std::int64_t>(e) * a.out_expert_stride;

@@ -10,24 +10,7 @@ namespace {
 constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxK = 64;  // selections held in shared memory per warp; larger K loops in chunks (see below)
 
-template <class T>
-__device__ float warp_row_max(const T* z, int E, int lane) {
-  float m = -INFINITY;
-  for (int i = lane; i < E; i += 32) m = fmaxf(m, to_float(z[i]));
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  return m;
-}
-
-template <class T>
-__device__ float warp_row_sumexp(const T* z, int E, float m, int lane) {
-  float s = 0.0f;
-  for (int i = lane; i < E; i += 32) s += expf(to_float(z[i]) - m);
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  return s;
-}
-
-// Selection by repeated warp arg-max: round r picks the best candidate ranking after round r-1's pick, so no
-// marking is needed and any E, K works. Cost O(K * E / 32) per lane, read from L1/L2.
+// Selection by repeated warp arg-max (warp_next_selection): cost O(K * E / 32) per lane, read from L1/L2.
 template <class T>
 __global__ void topk_scores_kernel(const T* __restrict__ logits, std::int64_t ld, std::int64_t T_, int E, int K,
                                    ScoreVariant variant, float* __restrict__ scores, std::int32_t* __restrict__ experts) {
@@ -38,22 +21,10 @@ __global__ void topk_scores_kernel(const T* __restrict__ logits, std::int64_t ld
   float prev_v = INFINITY;
   int prev_i = -1;
   for (int r = 0; r < K; ++r) {
-    float best_v = NAN;
-    int best_i = -1;
-    for (int i = lane; i < E; i += 32) {
-      const float v = to_float(z[i]);
-      const bool after_prev = prev_i < 0 || ranks_before(prev_v, prev_i, v, i);
-      if (after_prev && (best_i < 0 || ranks_before(v, i, best_v, best_i))) best_v = v, best_i = i;
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, best_v, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-      if (oi >= 0 && (best_i < 0 || ranks_before(ov, oi, best_v, best_i))) best_v = ov, best_i = oi;
-    }
-    prev_v = best_v, prev_i = best_i;
+    warp_next_selection(z, E, lane, prev_v, prev_i);
     if (lane == 0) {
-      experts[t * K + r] = best_i;
-      scores[t * K + r] = best_v;  // the raw logit for now; turned into a score below
+      experts[t * K + r] = prev_i;
+      scores[t * K + r] = prev_v;  // the raw logit for now; turned into a score below
     }
   }
   __syncwarp();

@@ -37,12 +37,8 @@ __global__ void token_stats_kernel(const T* __restrict__ z, std::int64_t ld, std
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= T_) return;
   const T* row = z + t * ld;
-  float m = -INFINITY;
-  for (int i = lane; i < E; i += 32) m = fmaxf(m, to_float(row[i]));
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float s = 0.0f;
-  for (int i = lane; i < E; i += 32) s += expf(to_float(row[i]) - m);
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  const float m = warp_row_max(row, E, lane);
+  const float s = warp_row_sumexp(row, E, m, lane);
   if (lane == 0) stats[2 * t] = m, stats[2 * t + 1] = s;
 }
 
@@ -205,30 +201,14 @@ __global__ void tr_backward_kernel(ScoreVariant variant, const T* __restrict__ z
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;
   if (t >= T_) return;
   const T* row = z + t * E;
-  float m = -INFINITY;
-  for (int i = lane; i < E; i += 32) m = fmaxf(m, to_float(row[i]));
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float sum = 0.0f;
-  for (int i = lane; i < E; i += 32) sum += expf(to_float(row[i]) - m);
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  // The token's choices, as the forward's top-K kernel made them (same order of comparisons).
+  const float m = warp_row_max(row, E, lane);
+  const float sum = warp_row_sumexp(row, E, m, lane);
+  // The token's choices, by the same selection function as the forward's top-K kernel.
   float prev_v = INFINITY;
   int prev_i = -1;
   for (int r = 0; r < K; ++r) {
-    float best_v = NAN;
-    int best_i = -1;
-    for (int i = lane; i < E; i += 32) {
-      const float v = to_float(row[i]);
-      const bool after_prev = prev_i < 0 || ranks_before(prev_v, prev_i, v, i);
-      if (after_prev && (best_i < 0 || ranks_before(v, i, best_v, best_i))) best_v = v, best_i = i;
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, best_v, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-      if (oi >= 0 && (best_i < 0 || ranks_before(ov, oi, best_v, best_i))) best_v = ov, best_i = oi;
-    }
-    prev_v = best_v, prev_i = best_i;
-    if (lane == 0) tc_e[warp][r] = best_i, tc_g[warp][r] = 0.0f, tc_s[warp][r] = best_v;
+    warp_next_selection(row, E, lane, prev_v, prev_i);
+    if (lane == 0) tc_e[warp][r] = prev_i, tc_g[warp][r] = 0.0f, tc_s[warp][r] = prev_v;
   }
   __syncwarp();
   if (lane == 0) {  // token-choice scores of the variant

@@ -190,24 +190,25 @@ void forward_cpu(const MoEProblem& p, const TensorView& x, const LayerWeights& w
   store_saved(p, saved_layout(p, x.dtype), buffers.saved, res.saved);
 }
 
+/// The reference backward over host views: the forward's state from `saved`, inputs and upstream gradients.
 template <class R>
-void backward_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const LayerWeights& w,
-                  const RoutingTriples* routing, const BackwardInputs& bin, const BackwardOutputs& out,
-                  const BackwardBuffers& buffers) {
-  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), buffers.saved);
+ref::BackwardResult<R> reference_backward(const ArgChecker& c, const MoEProblem& p, const TensorView& x,
+                                          const LayerWeights& w, const RoutingTriples* routing,
+                                          const BackwardInputs& bin, const void* saved_buffer) {
+  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), saved_buffer);
   std::vector<std::vector<R>> store;
   std::vector<std::vector<std::int64_t>> index_store;
   const ref::LayerInputs<R> in = read_inputs<R>(p, x, w, routing, store, index_store);
   const std::vector<R> grad_out = detail::read_real<R>(bin.grad_out);
   std::vector<R> grad_logits;
   if (!bin.grad_router_logits.empty()) grad_logits = detail::read_real<R>(bin.grad_router_logits);
-  const ref::BackwardResult<R> g =
-      ref::layer_backward(p, in, saved, grad_out.data(), grad_logits.empty() ? nullptr : grad_logits.data());
+  return ref::layer_backward(p, in, saved, grad_out.data(), grad_logits.empty() ? nullptr : grad_logits.data());
+}
+
+/// grad_x, and the router's gradient (zero without a router) or the caller's score gradients.
+template <class R>
+void write_input_grads(const MoEProblem& p, const BackwardOutputs& out, const ref::BackwardResult<R>& g) {
   detail::write_real(out.grad_x, g.dx.data());
-  detail::write_real(out.grad_weights.w1, g.dw1.data());
-  detail::write_real(out.grad_weights.w2, g.dw2.data());
-  if (p.has_b1) detail::write_real(out.grad_weights.b1, g.db1.data());
-  if (p.has_b2) detail::write_real(out.grad_weights.b2, g.db2.data());
   if (p.routing == RoutingMode::kCallerSupplied) {
     detail::write_real(out.grad_scores, g.dscores.data());
     if (!out.grad_weights.router_weight.empty()) {  // no router in the layer: its gradient is zero
@@ -220,28 +221,31 @@ void backward_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x,
 }
 
 template <class R>
+void write_weight_grads(const MoEProblem& p, const BackwardOutputs& out, const std::vector<R>& dw1,
+                        const std::vector<R>& db1, const std::vector<R>& dw2, const std::vector<R>& db2) {
+  detail::write_real(out.grad_weights.w1, dw1.data());
+  detail::write_real(out.grad_weights.w2, dw2.data());
+  if (p.has_b1) detail::write_real(out.grad_weights.b1, db1.data());
+  if (p.has_b2) detail::write_real(out.grad_weights.b2, db2.data());
+}
+
+template <class R>
+void backward_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const LayerWeights& w,
+                  const RoutingTriples* routing, const BackwardInputs& bin, const BackwardOutputs& out,
+                  const BackwardBuffers& buffers) {
+  const ref::BackwardResult<R> g = reference_backward<R>(c, p, x, w, routing, bin, buffers.saved);
+  write_input_grads(p, out, g);
+  write_weight_grads(p, out, g.dw1, g.db1, g.dw2, g.db2);
+}
+
+template <class R>
 void backward_input_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const LayerWeights& w,
                         const RoutingTriples* routing, const BackwardInputs& bin, const BackwardOutputs& out,
                         const BackwardBuffers& buffers, const DeferredBuffer& deferred) {
-  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), buffers.saved);
-  std::vector<std::vector<R>> store;
-  std::vector<std::vector<std::int64_t>> index_store;
-  const ref::LayerInputs<R> in = read_inputs<R>(p, x, w, routing, store, index_store);
-  const std::vector<R> grad_out = detail::read_real<R>(bin.grad_out);
-  std::vector<R> grad_logits;
-  if (!bin.grad_router_logits.empty()) grad_logits = detail::read_real<R>(bin.grad_router_logits);
-  const ref::BackwardResult<R> g =
-      ref::layer_backward(p, in, saved, grad_out.data(), grad_logits.empty() ? nullptr : grad_logits.data());
-  detail::write_real(out.grad_x, g.dx.data());
-  if (p.routing == RoutingMode::kCallerSupplied) {
-    detail::write_real(out.grad_scores, g.dscores.data());
-    if (!out.grad_weights.router_weight.empty()) {
-      const std::vector<R> zeros(static_cast<std::size_t>(p.E * p.d), R(0));
-      detail::write_real(out.grad_weights.router_weight, zeros.data());
-    }
-  } else {
-    detail::write_real(out.grad_weights.router_weight, g.drouter_weight.data());
-  }
+  // The reference computes the weight gradients too; only dH and A' are kept for backward_weight(), which
+  // recomputes the weight gradients from them (so the deferred path is what gets tested).
+  const ref::BackwardResult<R> g = reference_backward<R>(c, p, x, w, routing, bin, buffers.saved);
+  write_input_grads(p, out, g);
   const DeferredLayout dl = deferred_layout(p, x.dtype);
   put(deferred.data, dl.dh, g.dh.data(), g.dh.size());
   put(deferred.data, dl.a_prime, g.a_prime.data(), g.a_prime.size());
@@ -259,10 +263,7 @@ void backward_weight_cpu(const ArgChecker& c, const MoEProblem& p, const TensorV
   ref::ExpertGrads<R> g;
   ref::experts_weight_grads(ref::expert_shape(p), p.E, xs.data(), saved.meta, saved.scores.data(), dh.data(),
                             a_prime.data(), go.data(), p.has_b1, p.has_b2, g);
-  detail::write_real(out.grad_weights.w1, g.dw1.data());
-  detail::write_real(out.grad_weights.w2, g.dw2.data());
-  if (p.has_b1) detail::write_real(out.grad_weights.b1, g.db1.data());
-  if (p.has_b2) detail::write_real(out.grad_weights.b2, g.db2.data());
+  write_weight_grads(p, out, g.dw1, g.db1, g.dw2, g.db2);
 }
 
 void check_deferred(const ArgChecker& c, const MoEProblem& p, DType dt, const DeferredBuffer& deferred) {

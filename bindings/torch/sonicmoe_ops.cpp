@@ -88,6 +88,14 @@ sonicmoe::RoutingTriples triples_of(bool caller, const OptTensor& token_index, c
 
 at::ScalarType score_type(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
+sonicmoe::Device library_device(const Tensor& x) {
+  return x.is_cuda() ? sonicmoe::Device::cuda(x.get_device()) : sonicmoe::Device::cpu();
+}
+
+Tensor byte_buffer(const Tensor& x, std::size_t bytes) {
+  return at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
     const Tensor& x, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
     const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index, const OptTensor& scores,
@@ -98,13 +106,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
   sonicmoe::validate_problem(p, "forward");
   const bool caller = p.routing == sonicmoe::RoutingMode::kCallerSupplied;
   const sonicmoe::DType dt = to_dtype(x.scalar_type());
-  const sonicmoe::Device dev = x.is_cuda() ? sonicmoe::Device::cuda(x.get_device()) : sonicmoe::Device::cpu();
-  const auto bytes = x.options().dtype(at::kByte);
   Tensor out = at::empty({p.T, p.d}, x.options());
   Tensor logits = caller ? at::empty({0}, x.options()) : at::empty({p.T, p.E}, x.options());
   Tensor counts = at::empty({p.E}, x.options().dtype(at::kInt));
-  Tensor saved = at::empty({static_cast<int64_t>(sonicmoe::saved_layout(p, dt).total_bytes)}, bytes);
-  Tensor workspace = at::empty({static_cast<int64_t>(sonicmoe::forward_workspace_bytes(p, dt, dev))}, bytes);
+  Tensor saved = byte_buffer(x, sonicmoe::saved_layout(p, dt).total_bytes);
+  Tensor workspace = byte_buffer(x, sonicmoe::forward_workspace_bytes(p, dt, library_device(x)));
   const sonicmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
   sonicmoe::ForwardOutputs fo;
   fo.out = view(out);
@@ -117,6 +123,46 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
   return {out, logits, counts, saved};
 }
 
+/// Upstream gradients and the input-gradient outputs of a backward (kept alive while the views are used).
+struct InputGrads {
+  Tensor go, dx, dwr, dscores;
+  OptTensor gl;
+  sonicmoe::BackwardInputs inputs;
+
+  InputGrads(const sonicmoe::MoEProblem& p, const Tensor& x, const Tensor& grad_out, const OptTensor& grad_logits) {
+    const bool caller = p.routing == sonicmoe::RoutingMode::kCallerSupplied;
+    go = grad_out.contiguous();
+    if (grad_logits && grad_logits->defined() && !caller) gl = grad_logits->contiguous();
+    dx = at::empty({p.T, p.d}, x.options());
+    dwr = caller ? at::empty({0}, x.options()) : at::empty({p.E, p.d}, x.options());
+    dscores = caller ? at::empty({p.num_pairs}, x.options().dtype(score_type(x))) : at::empty({0}, x.options());
+    inputs.grad_out = view(go);
+    inputs.grad_router_logits = view(gl);
+  }
+  void attach(const sonicmoe::MoEProblem& p, sonicmoe::BackwardOutputs& bo) const {
+    bo.grad_x = view(dx);
+    if (p.routing == sonicmoe::RoutingMode::kCallerSupplied) bo.grad_scores = view(dscores);
+    else bo.grad_weights.router_weight = view(dwr);
+  }
+};
+
+/// The expert weight-gradient outputs of a backward.
+struct WeightGrads {
+  Tensor dw1, db1, dw2, db2;
+
+  WeightGrads(const sonicmoe::MoEProblem& p, const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
+              const OptTensor& b2) {
+    dw1 = at::empty(w1.sizes(), x.options()), dw2 = at::empty(w2.sizes(), x.options());
+    db1 = p.has_b1 ? at::empty(b1->sizes(), x.options()) : at::empty({0}, x.options());
+    db2 = p.has_b2 ? at::empty(b2->sizes(), x.options()) : at::empty({0}, x.options());
+  }
+  void attach(const sonicmoe::MoEProblem& p, sonicmoe::BackwardOutputs& bo) const {
+    bo.grad_weights.w1 = view(dw1), bo.grad_weights.w2 = view(dw2);
+    if (p.has_b1) bo.grad_weights.b1 = view(db1);
+    if (p.has_b2) bo.grad_weights.b2 = view(db2);
+  }
+};
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backward(
     const Tensor& grad_out, const OptTensor& grad_logits, const Tensor& x, const OptTensor& router_weight,
     const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2, const OptTensor& token_index,
@@ -126,35 +172,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
                                             routing, rounding, tile, cache);
   sonicmoe::validate_problem(p, "backward");
   const bool caller = p.routing == sonicmoe::RoutingMode::kCallerSupplied;
-  const sonicmoe::DType dt = to_dtype(x.scalar_type());
-  const sonicmoe::Device dev = x.is_cuda() ? sonicmoe::Device::cuda(x.get_device()) : sonicmoe::Device::cpu();
-  Tensor workspace =
-      at::empty({static_cast<int64_t>(sonicmoe::backward_workspace_bytes(p, dt, dev))}, x.options().dtype(at::kByte));
-  const Tensor go = grad_out.contiguous();
-  Tensor dx = at::empty({p.T, p.d}, x.options());
-  Tensor dwr = caller ? at::empty({0}, x.options()) : at::empty({p.E, p.d}, x.options());
-  Tensor dw1 = at::empty(w1.sizes(), x.options()), dw2 = at::empty(w2.sizes(), x.options());
-  Tensor db1 = p.has_b1 ? at::empty(b1->sizes(), x.options()) : at::empty({0}, x.options());
-  Tensor db2 = p.has_b2 ? at::empty(b2->sizes(), x.options()) : at::empty({0}, x.options());
-  Tensor dscores = caller ? at::empty({p.num_pairs}, x.options().dtype(score_type(x))) : at::empty({0}, x.options());
-  const sonicmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
-  sonicmoe::BackwardInputs bi;
-  bi.grad_out = view(go);
-  OptTensor gl;
-  if (grad_logits && grad_logits->defined() && !caller) gl = grad_logits->contiguous();
-  bi.grad_router_logits = view(gl);
+  Tensor workspace = byte_buffer(x, sonicmoe::backward_workspace_bytes(p, to_dtype(x.scalar_type()), library_device(x)));
+  const InputGrads ig(p, x, grad_out, grad_logits);
+  const WeightGrads wg(p, x, w1, b1, w2, b2);
   sonicmoe::BackwardOutputs bo;
-  bo.grad_x = view(dx);
-  if (!caller) bo.grad_weights.router_weight = view(dwr);
-  bo.grad_weights.w1 = view(dw1), bo.grad_weights.w2 = view(dw2);
-  if (p.has_b1) bo.grad_weights.b1 = view(db1);
-  if (p.has_b2) bo.grad_weights.b2 = view(db2);
-  if (caller) bo.grad_scores = view(dscores);
-  sonicmoe::backward(p, view(x), weights_of(router_weight, w1, b1, w2, b2), caller ? &triples : nullptr, bi, bo,
+  ig.attach(p, bo);
+  wg.attach(p, bo);
+  const sonicmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
+  sonicmoe::backward(p, view(x), weights_of(router_weight, w1, b1, w2, b2), caller ? &triples : nullptr, ig.inputs,
+                     bo,
                      {saved.data_ptr(), static_cast<std::size_t>(saved.numel()), workspace.data_ptr(),
                       static_cast<std::size_t>(workspace.numel())},
                      stream_for(x));
-  return {dx, dwr, dw1, db1, dw2, db2, dscores};
+  return {ig.dx, ig.dwr, wg.dw1, wg.db1, wg.dw2, wg.db2, ig.dscores};
 }
 
 /// The split backward's input half: (grad_x, grad_router_weight, grad_scores, deferred).
@@ -168,30 +198,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_input(
   sonicmoe::validate_problem(p, "backward_input");
   const bool caller = p.routing == sonicmoe::RoutingMode::kCallerSupplied;
   const sonicmoe::DType dt = to_dtype(x.scalar_type());
-  const sonicmoe::Device dev = x.is_cuda() ? sonicmoe::Device::cuda(x.get_device()) : sonicmoe::Device::cpu();
-  const auto bytes = x.options().dtype(at::kByte);
-  Tensor workspace = at::empty({static_cast<int64_t>(sonicmoe::backward_input_workspace_bytes(p, dt, dev))}, bytes);
-  Tensor deferred = at::empty({static_cast<int64_t>(sonicmoe::deferred_layout(p, dt).total_bytes)}, bytes);
-  const Tensor go = grad_out.contiguous();
-  Tensor dx = at::empty({p.T, p.d}, x.options());
-  Tensor dwr = caller ? at::empty({0}, x.options()) : at::empty({p.E, p.d}, x.options());
-  Tensor dscores = caller ? at::empty({p.num_pairs}, x.options().dtype(score_type(x))) : at::empty({0}, x.options());
-  const sonicmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
-  sonicmoe::BackwardInputs bi;
-  bi.grad_out = view(go);
-  OptTensor gl;
-  if (grad_logits && grad_logits->defined() && !caller) gl = grad_logits->contiguous();
-  bi.grad_router_logits = view(gl);
+  Tensor workspace = byte_buffer(x, sonicmoe::backward_input_workspace_bytes(p, dt, library_device(x)));
+  Tensor deferred = byte_buffer(x, sonicmoe::deferred_layout(p, dt).total_bytes);
+  const InputGrads ig(p, x, grad_out, grad_logits);
   sonicmoe::BackwardOutputs bo;
-  bo.grad_x = view(dx);
-  if (!caller) bo.grad_weights.router_weight = view(dwr);
-  if (caller) bo.grad_scores = view(dscores);
-  sonicmoe::backward_input(p, view(x), weights_of(router_weight, w1, b1, w2, b2), caller ? &triples : nullptr, bi,
-                           bo,
+  ig.attach(p, bo);
+  const sonicmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
+  sonicmoe::backward_input(p, view(x), weights_of(router_weight, w1, b1, w2, b2), caller ? &triples : nullptr,
+                           ig.inputs, bo,
                            {saved.data_ptr(), static_cast<std::size_t>(saved.numel()), workspace.data_ptr(),
                             static_cast<std::size_t>(workspace.numel())},
                            {deferred.data_ptr(), static_cast<std::size_t>(deferred.numel())}, stream_for(x));
-  return {dx, dwr, dscores, deferred};
+  return {ig.dx, ig.dwr, ig.dscores, deferred};
 }
 
 /// The split backward's weight half: (grad_w1, grad_b1, grad_w2, grad_b2).
@@ -205,18 +223,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
   sonicmoe::validate_problem(p, "backward_weight");
   const bool caller = p.routing == sonicmoe::RoutingMode::kCallerSupplied;
   const Tensor go = grad_out.contiguous();
-  Tensor dw1 = at::empty(w1.sizes(), x.options()), dw2 = at::empty(w2.sizes(), x.options());
-  Tensor db1 = p.has_b1 ? at::empty(b1->sizes(), x.options()) : at::empty({0}, x.options());
-  Tensor db2 = p.has_b2 ? at::empty(b2->sizes(), x.options()) : at::empty({0}, x.options());
-  const sonicmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
+  const WeightGrads wg(p, x, w1, b1, w2, b2);
   sonicmoe::BackwardOutputs bo;
-  bo.grad_weights.w1 = view(dw1), bo.grad_weights.w2 = view(dw2);
-  if (p.has_b1) bo.grad_weights.b1 = view(db1);
-  if (p.has_b2) bo.grad_weights.b2 = view(db2);
+  wg.attach(p, bo);
+  const sonicmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
   sonicmoe::backward_weight(p, view(x), weights_of(router_weight, w1, b1, w2, b2), caller ? &triples : nullptr,
                             view(go), bo, saved.data_ptr(), static_cast<std::size_t>(saved.numel()),
                             {deferred.data_ptr(), static_cast<std::size_t>(deferred.numel())}, stream_for(x));
-  return {dw1, db1, dw2, db2};
+  return {wg.dw1, wg.db1, wg.dw2, wg.db2};
 }
 
 /// Size of the saved buffer, for the fake (meta) implementation used by torch.compile.

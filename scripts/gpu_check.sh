@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one go: build (all cores), the CPU and GPU test suites, compute-sanitizer (memcheck and
 # racecheck) on a representative subset, and the benchmark. Logs go to $OUT (the device tool's folder) or
-# build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|all] [extra gtest filter]
+# build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|all] [gtest filter]
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 what="${1:-all}"
@@ -14,6 +14,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 bash scripts/setup.sh
 SONICMOE_JOBS="$(nproc)" bash scripts/build.sh 2>&1 | tail -n 3
 status=0
+# The Hopper kernels: registers / stack / shared memory per kernel, and HGMMA present in their SASS.
+for obj in build/CMakeFiles/sonicmoe.dir/src/gpu/hopper/instantiations/*.o; do
+  echo "$(basename "$obj"): $(cuobjdump --dump-resource-usage "$obj" 2>&1 | grep -o 'REG:[0-9]* STACK:[0-9]* SHARED:[0-9]* LOCAL:[0-9]*' | head -1)," \
+    "HGMMA instructions: $(cuobjdump --dump-sass "$obj" 2>/dev/null | grep -c HGMMA)"
+done 2>&1 | tee "$logs/hopper_kernels.txt"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   (cd build && ctest -L cpu --parallel "$(nproc)" 2>&1 | tail -n 3)
   ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
@@ -26,7 +31,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
 fi
 if [ "$what" = all ] || [ "$what" = sanitize ]; then
   # Small shapes only (the sanitizers slow kernels down ~100x); every kernel is on these paths.
-  subset='GpuLayerProperties.SplitBackward*:*GpuLayer.MatchesFloat64Reference/bf16_swiglu_concatenated_bias_topk_topk_softmax_preact:*GpuLayer.MatchesFloat64Reference/bf16_relu_squared_interleaved_bias_caller_input_only:*GpuLayer.MatchesFloat64Reference/fp32_geglu_interleaved_bias_topk_softmax_topk_input_only:*GpuLayer.MatchesFloat64Reference/bf16_relu_interleaved_nobias_token_rounding_topk_softmax_down_input_only:*GpuEdgeShapes.*odd_dims*:*GpuEdgeShapes.*empty_experts*:*GpuEdgeShapes.*padded_rows*:GpuLayerProperties.SavedMetadata*:GpuLayerProperties.OutOfRange*'
+  subset='GpuLayerProperties.SplitBackward*:*GpuLayer.MatchesFloat64Reference/bf16_swiglu_concatenated_bias_topk_topk_softmax_preact:*GpuLayer.MatchesFloat64Reference/bf16_relu_squared_interleaved_bias_caller_input_only:*GpuLayer.MatchesFloat64Reference/fp32_geglu_interleaved_bias_topk_softmax_topk_input_only:*GpuLayer.MatchesFloat64Reference/bf16_relu_interleaved_nobias_token_rounding_topk_softmax_down_input_only:*GpuEdgeShapes.*odd_dims*:*GpuEdgeShapes.*empty_experts*:*GpuEdgeShapes.*padded_rows*:GpuLayerProperties.SavedMetadata*:GpuLayerProperties.OutOfRange*:HopperUpProjection.*/swiglu_concatenated_bias_H_and_A:HopperUpProjection.*/relu_squared_interleaved_bias_A_only:HopperUpProjectionProperties.EdgeShapes:HopperDownProjection.ManyExperts*'
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 \
       --gtest_filter="$subset" > "$logs/sanitize_$tool.log" 2>&1
@@ -34,6 +39,10 @@ if [ "$what" = all ] || [ "$what" = sanitize ]; then
     echo "compute-sanitizer $tool: exit $rc; $(grep -E "SUMMARY|PASSED|FAILED" "$logs/sanitize_$tool.log" | sort -u | tr "\n" " ")"
     [ $rc -eq 0 ] || status=1
   done
+fi
+if [ "$what" = quick ]; then  # the Hopper kernel tests and one configuration's benchmark
+  ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
+  ./build/bin/sonicmoe-bench --config "${BENCH_CONFIG:-7B-256}" --iters 5 --warmup 2 2>&1 | tee "$logs/bench.log" | tail -n 40
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   ./build/bin/sonicmoe-bench --all-configs --iters "${BENCH_ITERS:-3}" --warmup 1 --json "$logs/bench.json" 2>&1 |

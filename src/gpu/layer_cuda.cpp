@@ -6,6 +6,7 @@
 #include <map>
 
 #include "gpu/cuda_check.hpp"
+#include "gpu/hopper/dispatch.hpp"
 #include "gpu/kernels.hpp"
 #include "gpu/stage_timing.hpp"
 #include "sonicmoe/memory.hpp"
@@ -168,9 +169,10 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   void* a_buf = at(buf.workspace, wl.a);
   void* y_buf = at(buf.workspace, wl.y);
   mark_stage("forward/up_projection", stream);
-  launch_varlen_m_gemm(up_projection_args(p, dt, x, w, m.expert_offsets, m.expert_tiles, m.gather,
-                                          at(buf.saved, sl.h), a_buf),
-                       stream);
+  // Input-only cache mode keeps no H (its saved region is absent): the kernel then stores only A.
+  launch_forward_gemm(up_projection_args(p, dt, x, w, m.expert_offsets, m.expert_tiles, m.gather,
+                                         at(buf.saved, sl.h), a_buf),
+                      "forward/up_projection", stream);
   VarlenMArgs down;
   down.dt = dt;
   down.E = p.E, down.N = p.d, down.K = p.n, down.P_max = P;
@@ -182,7 +184,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   down.out = y_buf, down.ld_out = p.d;
   if (p.has_b2) down.bias = w.b2.data, down.ld_bias = w.b2.stride[0];
   mark_stage("forward/down_projection", stream);
-  launch_varlen_m_gemm(down, stream);
+  launch_forward_gemm(down, "forward/down_projection", stream);
   mark_stage("forward/aggregation", stream);
   launch_gather_sum(dt, y_buf, p.d, scores, m.inverse, m.token_offsets, p.K, p.T, out.out.data, out.out.stride[0],
                     stream);
@@ -213,7 +215,9 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
   if (p.cache == CacheMode::kInputOnly) {
     mark_stage("backward/h_recompute", stream);
     void* hr = at(workspace, wl.h_recompute);
-    launch_varlen_m_gemm(up_projection_args(p, dt, x, w, offsets, tiles, gather, hr, nullptr), stream);
+    // The forward's kernel, so that the recomputed H is bitwise the H the forward would have kept.
+    launch_forward_gemm(up_projection_args(p, dt, x, w, offsets, tiles, gather, hr, nullptr),
+                        "backward/h_recompute", stream);
     h = hr;
   }
 

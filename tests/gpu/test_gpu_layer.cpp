@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 
+#include "gpu/hopper/dispatch.hpp"
 #include "gpu_support.hpp"
 #include "reference/router.hpp"
 
@@ -136,7 +137,49 @@ std::vector<GpuCase> gpu_cases() {
   return out;
 }
 
+// The same options at a shape the Hopper kernels take in bf16 (d and n multiples of 64, N = 2n or n a multiple
+// of 128; T and the segments are not tile multiples), so the whole layer runs on them.
+TEST_P(GpuLayer, HopperShapesMatchFloat64Reference) {
+  const GpuCase& gc = GetParam();
+  MoEProblem p;
+  p.T = 333, p.d = 192, p.n = is_glu(gc.activation) ? 64 : 128, p.E = 8, p.K = 2;
+  p.activation = gc.activation, p.weight_layout = gc.layout, p.has_b1 = p.has_b2 = gc.bias;
+  p.routing = gc.routing, p.score = gc.score, p.cache = gc.cache;
+  p.rounding = gc.rounding, p.tile_m = 16;
+  const LayerCase<double> c(p, 4048);
+  const GpuRun g = run_on_gpu(c, gc.dt);
+  compare_all(g, reference_for(quantized_case(c, gc.dt), g.logits), gc.dt);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllOptions, GpuLayer, testing::ValuesIn(gpu_cases()), gpu_case_name);
+
+// The layer on the Hopper kernels against the same layer on the GPU reference GEMMs, at a 7B-like shape (scaled
+// down in T) too large for the float64 CPU reference; and the input-only cache mode (H recomputed in the
+// backward by the same kernel) bitwise equal to the default mode.
+TEST(GpuLayerProperties, HopperKernelsAgreeWithTheReferenceGemmPath) {
+  REQUIRE_GPU();
+  MoEProblem p;
+  p.T = 4096, p.d = 1536, p.n = 256, p.E = 32, p.K = 4, p.has_b1 = p.has_b2 = true;
+  p.weight_layout = WeightLayout::kConcatenated;
+  const LayerCase<double> c(p, 17);
+  const GpuRun fast = run_on_gpu(c, DType::kBF16);
+  gpu::set_hopper_kernels_enabled(false);
+  const GpuRun ref = run_on_gpu(c, DType::kBF16);
+  gpu::set_hopper_kernels_enabled(true);
+  EXPECT_TRUE(fast.canaries_intact);
+  EXPECT_LT(rel_error(fast.out, ref.out), 5e-3);
+  EXPECT_LT(rel_error(fast.dx, ref.dx), 1e-2);
+  EXPECT_LT(rel_error(fast.dw1, ref.dw1), 1e-2);
+  EXPECT_LT(rel_error(fast.dw2, ref.dw2), 1e-2);
+  EXPECT_LT(rel_error(fast.dwr, ref.dwr), 1e-2);
+  LayerCase<double> ci = c;
+  ci.problem.cache = CacheMode::kInputOnly;
+  const GpuRun input_only = run_on_gpu(ci, DType::kBF16);
+  EXPECT_EQ(input_only.raw_out, fast.raw_out);
+  EXPECT_EQ(input_only.raw_dx, fast.raw_dx);
+  EXPECT_EQ(input_only.raw_dw1, fast.raw_dw1);
+  EXPECT_EQ(input_only.raw_dw2, fast.raw_dw2);
+}
 
 // ---- edge shapes -----------------------------------------------------------------------------------------------
 
@@ -332,13 +375,14 @@ TEST(GpuLayerProperties, OutOfRangeCallerPairsAreSkipped) {
 
 // ---- 64-bit offsets ----------------------------------------------------------------------------------------------
 
-// P * d = 524288 * 4160 > 2^31 elements in Y and dX~: row offsets must be 64-bit. Checked on sampled tokens,
+// P * d = 524288 * 4224 > 2^31 elements in Y and dX~: row offsets must be 64-bit. Checked on sampled tokens,
 // including the last ones (the highest grouped rows), against the reference restricted to each token (a token's
 // output and input gradient depend only on its own row).
 TEST(GpuLayerLarge, OffsetsPast2To31Elements) {
   REQUIRE_GPU();
   MoEProblem p;
-  p.T = 65536, p.d = 4160, p.n = 64, p.E = 8, p.K = 8;  // K = E: every token in every expert
+  // d = 4224 = 33 * 128: the Hopper kernels take it (Y on the down-projection kernel).
+  p.T = 65536, p.d = 4224, p.n = 64, p.E = 8, p.K = 8;  // K = E: every token in every expert
   p.has_b1 = p.has_b2 = true;
   const LayerCase<double> c(p, 11);
   const GpuRun g = run_on_gpu(c, DType::kBF16);

@@ -1,0 +1,182 @@
+#include "gpu/hopper/dispatch.hpp"
+
+#include <cuda.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <set>
+#include <utility>
+
+#include "gpu/cuda_check.hpp"
+#include "gpu/hopper/kernel_configs.hpp"
+
+namespace sonicmoe::gpu {
+namespace {
+
+std::atomic<int>& enabled_flag() {
+  static std::atomic<int> flag{[] {
+    const char* v = std::getenv("SONICMOE_DISABLE_HOPPER_KERNELS");
+    return (v != nullptr && v[0] != '\0' && v[0] != '0') ? 0 : 1;
+  }()};
+  return flag;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    SONICMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || f == nullptr)
+      throw RuntimeError("sonicmoe: the CUDA driver has no cuTensorMapEncodeTiled (needs CUDA 12 or newer)");
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+/// bf16 K-major tensor map with a 128-byte swizzle; dims[0] is K (contiguous). Strides in bytes.
+CUtensorMap make_tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
+                            const cuuint32_t* box) {
+  CUtensorMap map;
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank),
+                                    const_cast<void*>(base), dims, strides, box, elem_strides,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw RuntimeError("sonicmoe: cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)));
+  return map;
+}
+
+struct DeviceTraits {
+  int major = 0, minor = 0, sm_count = 0;
+};
+
+DeviceTraits current_device() {
+  int dev = 0;
+  SONICMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  DeviceTraits t;
+  SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.major, cudaDevAttrComputeCapabilityMajor, dev));
+  SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.minor, cudaDevAttrComputeCapabilityMinor, dev));
+  SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.sm_count, cudaDevAttrMultiProcessorCount, dev));
+  return t;
+}
+
+void log_fallback_once(const char* stage, const std::string& reason) {
+  static std::mutex mu;
+  static std::set<std::pair<std::string, std::string>> seen;
+  const std::lock_guard<std::mutex> lock(mu);
+  if (seen.emplace(stage, reason).second)
+    std::fprintf(stderr, "sonicmoe: %s runs on the GPU reference GEMM: %s\n", stage, reason.c_str());
+}
+
+constexpr int kTileN = hopper::UpGatherConfig<Activation::kSwiGLU>::kTileN;
+static_assert(kTileN == hopper::DownConfig::kTileN, "one N tile for both forward kernels");
+
+}  // namespace
+
+void set_hopper_kernels_enabled(bool enabled) { enabled_flag().store(enabled ? 1 : 0); }
+bool hopper_kernels_enabled() { return enabled_flag().load() != 0; }
+
+std::string hopper_unsupported_reason(const VarlenMArgs& a) {
+  if (!hopper_kernels_enabled()) return "Hopper kernels disabled (SONICMOE_DISABLE_HOPPER_KERNELS or the test switch)";
+  if (a.dt != DType::kBF16) return std::string("dtype ") + dtype_name(a.dt) + " (the Hopper kernels are bf16)";
+  const DeviceTraits dev = current_device();
+  if (dev.major != 9 || dev.minor != 0)
+    return "compute capability " + std::to_string(dev.major) + "." + std::to_string(dev.minor) + " (needs 9.0)";
+  if (a.epilogue != Epilogue::kStore && a.epilogue != Epilogue::kUpActivation) return "backward epilogue";
+  if (a.K <= 0 || a.K % 64 != 0) return "K = " + std::to_string(a.K) + " is not a positive multiple of 64";
+  if (a.N <= 0 || a.N % kTileN != 0) return "N = " + std::to_string(a.N) + " is not a multiple of 128";
+  if (a.E <= 0 || a.E > (1 << 30)) return "E out of range";
+  if (a.P_max >= (std::int64_t{1} << 31)) return "more than 2^31 - 1 routed rows";
+  const ExpertOperand& b = a.b;
+  if (b.stride_k != 1) return "weights not K-major (stride along K != 1)";
+  if (b.permute == 2) return "weights permuted along K";
+  if (b.permute == 1 && (a.epilogue != Epilogue::kUpActivation || !is_glu(a.activation)))
+    return "concatenated layout outside a GLU up-projection";
+  if (!aligned16(b.ptr) || b.stride_col % 8 != 0 || b.expert_stride % 8 != 0)
+    return "weight rows not 16-byte aligned";
+  if (!aligned16(a.a) || a.lda % 8 != 0) return "A rows not 16-byte aligned";
+  if (a.out && (!aligned16(a.out) || a.ld_out % 8 != 0)) return "output rows not 16-byte aligned";
+  if (a.epilogue == Epilogue::kUpActivation) {
+    if (a.act_out && (!aligned16(a.act_out) || a.ld_act % 8 != 0)) return "A-output rows not 16-byte aligned";
+    if (a.act_out == nullptr && a.out == nullptr) return "nothing to store";
+    if (a.a_gather == nullptr) return "up-projection without a gather index";
+  } else {
+    if (a.out == nullptr) return "nothing to store";
+    if (a.a_gather != nullptr) return "down-projection with a gather index";
+  }
+  return "";
+}
+
+void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t stream) {
+  const std::string reason = hopper_unsupported_reason(a);
+  if (!reason.empty()) {
+    log_fallback_once(stage, reason);
+    launch_varlen_m_gemm(a, stream);
+    return;
+  }
+  if (a.P_max == 0) return;  // no routed rows: nothing to write
+  hopper::GroupedGemmParams p;
+  p.E = static_cast<int>(a.E), p.N = static_cast<int>(a.N), p.K = static_cast<int>(a.K);
+  p.n_tiles = p.N / kTileN;
+  p.expert_offsets = a.expert_offsets;
+  p.a = a.a, p.lda = a.lda, p.gather = a.a_gather;
+  const ExpertOperand& b = a.b;
+  {
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(a.N),
+                                static_cast<cuuint64_t>(a.E)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(b.stride_col) * 2, static_cast<cuuint64_t>(b.expert_stride) * 2};
+    const cuuint32_t box[3] = {64, kTileN / 2, 1};
+    p.tma_b = make_tensor_map(b.ptr, 3, dims, strides, box);
+  }
+  p.b_concatenated = b.permute == 1;
+  p.b_half_row0_second = p.b_concatenated ? static_cast<int>(b.glu_n) : 0;
+  p.glu_n = static_cast<int>(b.glu_n);
+  p.out = a.out, p.ld_out = a.ld_out;
+  p.bias = a.bias, p.ld_bias = a.ld_bias;
+  const int sm_count = current_device().sm_count;
+  if (a.epilogue == Epilogue::kUpActivation) {
+    p.activation = a.activation;
+    p.act_out = a.act_out, p.ld_act = a.ld_act;
+    switch (a.activation) {
+      case Activation::kSwiGLU:
+        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kSwiGLU>>(p, sm_count, stream);
+        break;
+      case Activation::kGeGLU:
+        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kGeGLU>>(p, sm_count, stream);
+        break;
+      case Activation::kReGLU:
+        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kReGLU>>(p, sm_count, stream);
+        break;
+      case Activation::kReLUSquared:
+        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kReLUSquared>>(p, sm_count, stream);
+        break;
+      case Activation::kReLU:
+        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kReLU>>(p, sm_count, stream);
+        break;
+      case Activation::kGELU:
+        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kGELU>>(p, sm_count, stream);
+        break;
+      case Activation::kSiLU:
+        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kSiLU>>(p, sm_count, stream);
+        break;
+    }
+  } else {
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(a.P_max)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(a.lda) * 2};
+    const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(hopper::DownConfig::kTileM)};
+    p.tma_a = make_tensor_map(a.a, 2, dims, strides, box);
+    hopper::launch_grouped_gemm<hopper::DownConfig>(p, sm_count, stream);
+  }
+}
+
+}  // namespace sonicmoe::gpu

@@ -1,0 +1,29 @@
+// Dispatch of the forward expert GEMMs to the Hopper kernels, with the GPU reference GEMM as the fallback for
+// what they do not take. Host code only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "gpu/kernels.hpp"
+
+namespace sonicmoe::gpu {
+
+/// Why the Hopper kernels cannot run `a` ("" when they can). Limits (docs/ARCHITECTURE.md): bf16; an sm_90 device;
+/// K a multiple of 64; N a multiple of 128 (GLU: n a multiple of 64; other activations: n a multiple of 128);
+/// K-major weights (stride 1 along K) with 16-byte-aligned rows and base; rows of A, H/Y and A-out 16-byte aligned;
+/// the store or up-projection epilogue.
+std::string hopper_unsupported_reason(const VarlenMArgs& a);
+
+/// Runs a forward varlen-M GEMM (up- or down-projection) on the Hopper kernel when it takes the shape, else on
+/// the GPU reference GEMM, printing once per (stage, reason) to stderr why. Same results either way up to
+/// rounding (fp32 accumulation in a different order).
+void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t stream);
+
+/// Process-wide switch (default on; off when the environment sets SONICMOE_DISABLE_HOPPER_KERNELS=1). Tests use
+/// it to run the same layer through both paths.
+void set_hopper_kernels_enabled(bool enabled);
+bool hopper_kernels_enabled();
+
+}  // namespace sonicmoe::gpu

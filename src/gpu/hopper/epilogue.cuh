@@ -1,0 +1,176 @@
+// Epilogues of the Hopper grouped GEMM, run by the consumer warpgroup that computed the tile, on the fp32
+// accumulators:
+//   kUpActivation: h = acc + b1 -> H (bf16, always gate/up-interleaved, skipped in inference) and
+//                  A = act(h) (bf16), both from the same fp32 values (SPEC §2.3);
+//   kStore:        y = acc + b2 -> Y (bf16).
+// The tile goes through a padded shared-memory staging buffer 64 rows at a time, then out with 16-byte
+// coalesced stores predicated on the expert's segment, so a tile never writes rows of the next expert.
+//
+// WGMMA accumulator fragment (per 64-row atom): value (v0, v1, v2) of a thread holds row 8 v1 + lane / 4 (+16 per
+// warp) and column 8 v2 + 2 (lane % 4) + v0. A gate/up pair is (v0 = 0, 1) of one v2 in the interleaved layout and
+// (v2, v2 + kTileN / 16) in the concatenated layout (whose tile holds kTileN / 2 gate rows then the matching up
+// rows), so the GLU never needs another thread's values.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/bfloat16.h>
+
+#include <cuda_bf16.h>
+
+#include "gpu/device_math.cuh"
+#include "gpu/hopper/async_primitives.cuh"
+#include "gpu/hopper/grouped_gemm_params.hpp"
+#include "gpu/hopper/tile_scheduler.cuh"
+
+namespace sonicmoe::gpu::hopper {
+
+/// Activations with the tanh.approx / ex2.approx special-function units (SPEC §2.3: the Hopper kernels use
+/// tanh.approx.f32); errors are far below bf16 rounding of the result.
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <Activation act>
+__device__ __forceinline__ float fast_activation(float x) {
+  switch (act) {
+    case Activation::kSwiGLU:
+    case Activation::kSiLU: {
+      const float h = 0.5f * x;  // silu(x) = x sigmoid(x) = h tanh(h) + h
+      return fmaf(h, tanh_approx(h), h);
+    }
+    case Activation::kGeGLU:
+    case Activation::kGELU: {
+      const float c = 0.7978845608028654f, a = 0.044715f;
+      const float h = 0.5f * x;
+      return fmaf(h, tanh_approx(c * fmaf(a * x * x, x, x)), h);
+    }
+    case Activation::kReGLU:
+    case Activation::kReLU:
+      return x > 0.0f ? x : 0.0f;
+    case Activation::kReLUSquared:
+      return x > 0.0f ? x * x : 0.0f;
+  }
+  return 0.0f;
+}
+
+template <class Config>
+struct Epilogue {
+  static constexpr int kTileM = Config::kTileM, kTileN = Config::kTileN;
+  static constexpr int kRows = 64;  // one WGMMA atom of rows per staging pass
+  static constexpr bool kUp = Config::kEpilogue == EpilogueKind::kUpActivation;
+  // Staging pitch in elements: +8 bf16 (16 B) per row keeps the fragment writes free of bank conflicts. H (or Y)
+  // and A take turns in one buffer; the fp32 values stay in registers in between.
+  static constexpr int kPitch = kTileN + 8;
+
+  struct Storage {  // per consumer warpgroup
+    alignas(16) __nv_bfloat16 staged[kRows * kPitch];
+  };
+
+  __device__ __forceinline__ static float bias_at(const GroupedGemmParams& p, int e, std::int64_t col) {
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(p.bias)[static_cast<std::int64_t>(e) * p.ld_bias + col]);
+  }
+
+  /// Copies `cols` columns of `rows` staged rows to dst (row stride ld) with 16-byte stores, then frees the buffer.
+  __device__ __forceinline__ static void store_rows(const Storage& st, int cols, int rows, __nv_bfloat16* dst, std::int64_t ld,
+                                    int wg_thread, int barrier_id) {
+    named_barrier_sync(barrier_id, 128);  // the fragments are staged
+    const int chunks_per_row = cols / 8;
+    const int total = kRows * chunks_per_row;
+    for (int i = wg_thread; i < total; i += 128) {
+      const int r = i / chunks_per_row, ch = i - r * chunks_per_row;
+      if (r < rows) {
+        const uint4 v = *reinterpret_cast<const uint4*>(st.staged + r * kPitch + ch * 8);
+        *reinterpret_cast<uint4*>(dst + static_cast<std::int64_t>(r) * ld + ch * 8) = v;
+      }
+    }
+    named_barrier_sync(barrier_id, 128);  // the buffer is free for the next pass
+  }
+
+  __device__ __forceinline__ static void put2(Storage& st, int r, int col, float a, float b) {
+    *reinterpret_cast<__nv_bfloat162*>(&st.staged[r * kPitch + col]) = __floats2bfloat162_rn(a, b);
+  }
+
+  /// kConcat: the tile holds the concatenated layout's gate rows then up rows. kBias: add the bias.
+  template <bool kConcat, bool kBias, class Accumulator>
+  __device__ __forceinline__ static void apply(const GroupedGemmParams& p, Storage& st, const Accumulator& acc, const TileCoord& c,
+                               int wg_thread, int barrier_id) {
+    using namespace cute;
+    const int warp = wg_thread / 32, lane = wg_thread % 32;
+    const int quad = lane % 4, row_in_warp = lane / 4;
+    constexpr bool glu = Config::kGlu;
+    constexpr bool concat = glu && kConcat;
+    constexpr Activation kAct = Config::kActivation;
+    const int act_cols = glu ? kTileN / 2 : kTileN;
+    // The tile's first output column: H/Y column n_tile * kTileN; A column n_tile * act_cols.
+    const std::int64_t col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
+    const std::int64_t act_col0 = static_cast<std::int64_t>(c.n_tile) * act_cols;
+    constexpr int kHalfBlocks = kTileN / 16;  // concatenated: the up of v2 is v2 + kHalfBlocks
+
+    // (gate or h) and (up) values of a fragment pair with their biases; see the header comment for the pairing.
+    auto value = [&](int v0, int v1, int v2, int m) __attribute__((always_inline)) -> float {
+      float x = acc(make_coord(make_coord(v0, v1, v2), m, 0));
+      if constexpr (kBias) {
+        const int tile_col = v2 * 8 + quad * 2 + v0;
+        std::int64_t bcol;
+        if constexpr (concat) {  // tile column -> (gate j or up j) in the weights' own order
+          bcol = v2 < kHalfBlocks ? act_col0 + tile_col : p.glu_n + act_col0 + tile_col - kTileN / 2;
+        } else {
+          bcol = col0 + tile_col;
+        }
+        x += bias_at(p, c.expert, bcol);
+      }
+      return x;
+    };
+
+    CUTE_UNROLL
+    for (int m = 0; m < kTileM / kRows; ++m) {
+      const int rows = min(kRows, c.rows - m * kRows);
+      if (rows <= 0) break;  // uniform across the warpgroup
+      const std::int64_t g0 = c.row0 + m * kRows;
+      if (p.out != nullptr) {  // H (interleaved) or Y
+        CUTE_UNROLL
+        for (int v2 = 0; v2 < kTileN / 8; ++v2) {
+          CUTE_UNROLL
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int r = warp * 16 + v1 * 8 + row_in_warp, col = v2 * 8 + quad * 2;
+            if constexpr (concat) {
+              if (v2 < kHalfBlocks) {  // gate j, j+1 with up j, j+1 -> H columns 2j .. 2j+3
+                put2(st, r, 2 * col, value(0, v1, v2, m), value(0, v1, v2 + kHalfBlocks, m));
+                put2(st, r, 2 * col + 2, value(1, v1, v2, m), value(1, v1, v2 + kHalfBlocks, m));
+              }
+            } else {
+              put2(st, r, col, value(0, v1, v2, m), value(1, v1, v2, m));
+            }
+          }
+        }
+        store_rows(st, kTileN, rows, static_cast<__nv_bfloat16*>(p.out) + g0 * p.ld_out + col0, p.ld_out,
+                   wg_thread, barrier_id);
+      }
+      if (kUp && p.act_out != nullptr) {  // A from the same fp32 values
+        CUTE_UNROLL
+        for (int v2 = 0; v2 < kTileN / 8; ++v2) {
+          CUTE_UNROLL
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int r = warp * 16 + v1 * 8 + row_in_warp, col = v2 * 8 + quad * 2;
+            if constexpr (concat) {
+              if (v2 < kHalfBlocks)
+                put2(st, r, col, fast_activation<kAct>(value(0, v1, v2, m)) * value(0, v1, v2 + kHalfBlocks, m),
+                     fast_activation<kAct>(value(1, v1, v2, m)) * value(1, v1, v2 + kHalfBlocks, m));
+            } else if constexpr (glu) {
+              st.staged[r * kPitch + col / 2] =
+                  __float2bfloat16_rn(fast_activation<kAct>(value(0, v1, v2, m)) * value(1, v1, v2, m));
+            } else {
+              put2(st, r, col, fast_activation<kAct>(value(0, v1, v2, m)), fast_activation<kAct>(value(1, v1, v2, m)));
+            }
+          }
+        }
+        store_rows(st, act_cols, rows, static_cast<__nv_bfloat16*>(p.act_out) + g0 * p.ld_act + act_col0, p.ld_act,
+                   wg_thread, barrier_id);
+      }
+    }
+  }
+};
+
+}  // namespace sonicmoe::gpu::hopper

@@ -1,0 +1,112 @@
+// The persistent, warp-specialised Hopper grouped GEMM kernel (SPEC §2.3, §2.4, §6.1) and its launcher template.
+// Included only by the one-configuration translation units in src/gpu/hopper/instantiations/.
+//
+// CTA = 3 warpgroups. Warpgroup 0 is the producer (mainloop.cuh); warpgroups 1 and 2 are consumers that take
+// alternate tiles of the CTA's persistent sequence (ping-pong): while one runs its epilogue (activation math and
+// stores) the other keeps the tensor cores busy. A consumer starts a tile's mainloop only after the other one has
+// seen the last stage of the previous tile arrive, which keeps the two on a single in-order ring of stages.
+#pragma once
+
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cuda_runtime.h>
+
+#include "gpu/cuda_check.hpp"
+#include "gpu/hopper/epilogue.cuh"
+#include "gpu/hopper/mainloop.cuh"
+
+namespace sonicmoe::gpu::hopper {
+
+template <class Config>
+struct GroupedGemmKernel {
+  using Main = Mainloop<Config>;
+  using Epi = Epilogue<Config>;
+
+  struct alignas(1024) SharedStorage {
+    typename Main::Storage mainloop;
+    typename Epi::Storage epilogue[Config::kConsumerWarpgroups];
+    std::uint64_t tile_done[Config::kConsumerWarpgroups];  // "consumer w has seen its tile's last stage"
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + alignment slack
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA on sm_90");
+
+  // Registers: the producer needs few (more when it gathers: row offsets), the consumers hold a 128 x kTileN fp32
+  // accumulator (kTileN regs per thread) plus the epilogue's temporaries.
+  static constexpr int kProducerRegs = Config::kGatherA ? 56 : 40;
+  static constexpr int kConsumerRegs = Config::kGatherA ? 224 : 232;
+};
+
+/// One consumer warpgroup's persistent loop: tiles consumer, consumer + 2, ... of this CTA's sequence.
+template <class Config, bool kConcat, bool kBias, class Storage>
+__device__ __forceinline__ void consumer_loop(const GroupedGemmParams& p, Storage& s, int consumer, int wg_thread) {
+  using K = GroupedGemmKernel<Config>;
+  VarlenTileScheduler<Config::kTileM> sched(p.expert_offsets, p.E, p.n_tiles);
+  typename K::Main::TiledMma mma;
+  auto acc = cute::partition_fragment_C(mma, cute::Shape<cute::Int<Config::kTileM>, cute::Int<Config::kTileN>>{});
+  const std::uint32_t k_tiles = static_cast<std::uint32_t>(p.K / Config::kTileK);
+  for (int i = consumer;; i += Config::kConsumerWarpgroups) {  // i: position in this CTA's tile sequence
+    const TileCoord c = sched.get(static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x));
+    if (!c.valid()) break;
+    if (i > 0) {  // wait until the previous tile's consumer has seen all of that tile's stages
+      const int other = 1 - consumer, other_tile = (i - 1) / Config::kConsumerWarpgroups;
+      mbar_wait(&s.tile_done[other], static_cast<std::uint32_t>(other_tile) & 1u);
+    }
+    K::Main::consume(p, s.mainloop, acc, static_cast<std::uint32_t>(i) * k_tiles, wg_thread, [&] {
+      if (wg_thread == 0) mbar_arrive(&s.tile_done[consumer]);
+    });
+    K::Epi::template apply<kConcat, kBias>(p, s.epilogue[consumer], acc, c, wg_thread, 1 + consumer);
+  }
+}
+
+template <class Config>
+__global__ void __launch_bounds__(Config::kThreads, 1) grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p) {
+  using K = GroupedGemmKernel<Config>;
+  extern __shared__ unsigned char smem_raw[];
+  auto& s = *reinterpret_cast<typename K::SharedStorage*>(
+      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~static_cast<std::uintptr_t>(1023));
+  const int warpgroup = threadIdx.x / 128, wg_thread = threadIdx.x % 128;
+
+  if (threadIdx.x == 0) {
+    K::Main::init_barriers(s.mainloop);
+    for (int w = 0; w < Config::kConsumerWarpgroups; ++w) mbar_init(&s.tile_done[w], 1);
+    mbar_init_fence();
+    tma_prefetch_descriptor(&p.tma_b);
+    if constexpr (!Config::kGatherA) tma_prefetch_descriptor(&p.tma_a);
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
+    // Without a gather only one thread issues the TMA loads; the other producer warps have nothing to do.
+    if (Config::kGatherA || wg_thread < 32) K::Main::produce(p, s.mainloop, wg_thread);
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<K::kConsumerRegs>();
+  // The epilogue variant is chosen once, outside the persistent loop (uniform branch).
+  auto run = [&](auto concat, auto bias) {
+    consumer_loop<Config, decltype(concat)::value, decltype(bias)::value>(p, s, warpgroup - 1, wg_thread);
+  };
+  using Yes = cute::true_type;
+  using No = cute::false_type;
+  if constexpr (Config::kGlu) {
+    if (p.b_concatenated) {
+      if (p.bias != nullptr) run(Yes{}, Yes{}); else run(Yes{}, No{});
+      return;
+    }
+  }
+  if (p.bias != nullptr) run(No{}, Yes{}); else run(No{}, No{});
+}
+
+/// Enqueues the kernel with one CTA per SM (a persistent grid; tiles beyond the work are never visited).
+template <class Config>
+void launch_grouped_gemm(const GroupedGemmParams& p, int sm_count, cudaStream_t stream) {
+  using K = GroupedGemmKernel<Config>;
+  auto* kernel = &grouped_gemm_kernel<Config>;
+  // Per device and cheap; set on every launch so that every device the process uses gets it.
+  SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
+  kernel<<<sm_count, Config::kThreads, K::kSmemBytes, stream>>>(p);
+  SONICMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace sonicmoe::gpu::hopper

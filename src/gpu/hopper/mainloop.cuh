@@ -1,0 +1,161 @@
+// Mainloop collective of the Hopper grouped GEMM: a multi-stage shared-memory ring filled by one producer
+// warpgroup and drained by WGMMA in the consumer warpgroups.
+//
+// Producer: B (weights) tiles arrive by TMA, issued by one thread; A rows are either gathered with 16-byte
+// cp.async by all 128 producer threads (the up-projection: rows of X picked by the routing, never materialised)
+// or loaded by TMA (the down-projection: the contiguous activation buffer). A stage's "full" barrier counts the
+// TMA transaction bytes plus, when gathering, one cp.async arrival per producer thread.
+// Consumer: one warpgroup computes a whole 128 x kTileN tile with two 64-row WGMMA atoms, keeping one batch in
+// flight and releasing each stage behind it.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/bfloat16.h>
+
+#include "gpu/hopper/async_primitives.cuh"
+#include "gpu/hopper/grouped_gemm_params.hpp"
+#include "gpu/hopper/tile_scheduler.cuh"
+
+namespace sonicmoe::gpu::hopper {
+
+template <class Config>
+struct Mainloop {
+  static constexpr int kTileM = Config::kTileM, kTileN = Config::kTileN, kTileK = Config::kTileK;
+  static constexpr int kStages = Config::kStages;
+  using Element = cutlass::bfloat16_t;
+
+  // 128-byte-swizzled K-major tiles: the layout TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and WGMMA reads.
+  using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+                                                   cute::Shape<cute::Int<kTileM>, cute::Int<kTileK>,
+                                                               cute::Int<kStages>>{}));
+  using SmemLayoutB = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+                                                   cute::Shape<cute::Int<kTileN>, cute::Int<kTileK>,
+                                                               cute::Int<kStages>>{}));
+  using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
+                                                      cute::Shape<cute::_64, cute::Int<kTileN>, cute::Int<kTileK>>,
+                                                      cute::GMMA::Major::K, cute::GMMA::Major::K>());
+  using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}));
+
+  static constexpr int kBytesA = kTileM * kTileK * 2;
+  static constexpr int kBytesB = kTileN * kTileK * 2;
+
+  struct alignas(1024) Storage {
+    alignas(1024) Element a[kStages][kTileM * kTileK];
+    alignas(1024) Element b[kStages][kTileN * kTileK];
+    std::uint64_t full[kStages];
+    std::uint64_t empty[kStages];
+  };
+
+  __device__ __forceinline__ static void init_barriers(Storage& s) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(&s.full[i], Config::kGatherA ? 1 + 128 : 1);
+      mbar_init(&s.empty[i], 1);  // one arrival from the consuming warpgroup
+    }
+  }
+
+  // ---- producer ------------------------------------------------------------------------------------------------
+
+  /// Fills the ring for every tile of this CTA, in the order the consumers take them. `ptid` in [0, 128).
+  __device__ __forceinline__ static void produce(const GroupedGemmParams& p, Storage& s, int ptid) {
+    VarlenTileScheduler<kTileM> sched(p.expert_offsets, p.E, p.n_tiles);
+    const int k_tiles = p.K / kTileK;
+    std::uint32_t iter = 0;
+    // Gather mapping: 8 threads cover one 128-byte row slice (16 B each), 16 rows per pass, 8 passes.
+    const int chunk = ptid & 7, row_in_pass = ptid >> 3;
+    const std::uint32_t swizzled_chunk = static_cast<std::uint32_t>((chunk ^ (row_in_pass & 7)) << 4);
+    const Element* a_base = static_cast<const Element*>(p.a);
+    for (int tile = blockIdx.x;; tile += gridDim.x) {
+      const TileCoord c = sched.get(tile);
+      if (!c.valid()) break;
+      const int half_rows = kTileN / 2;
+      int b_row_first, b_row_second;
+      if (p.b_concatenated) {
+        b_row_first = c.n_tile * half_rows;
+        b_row_second = p.b_half_row0_second + b_row_first;
+      } else {
+        b_row_first = c.n_tile * kTileN;
+        b_row_second = b_row_first + half_rows;
+      }
+      std::int64_t src_row[8];
+      if constexpr (Config::kGatherA) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int r = row_in_pass + 16 * i;
+          src_row[i] = r < c.rows ? static_cast<std::int64_t>(p.gather[c.row0 + r]) * p.lda : -1;
+        }
+      }
+      for (int kb = 0; kb < k_tiles; ++kb, ++iter) {
+        const int stage = iter % kStages;
+        const std::uint32_t phase = (iter / kStages) & 1u;
+        mbar_wait(&s.empty[stage], phase ^ 1u);
+        if (ptid == 0) {
+          mbar_arrive_expect_tx(&s.full[stage], kBytesB + (Config::kGatherA ? 0 : kBytesA));
+          tma_load_3d(&p.tma_b, &s.full[stage], &s.b[stage][0], kb * kTileK, b_row_first, c.expert);
+          tma_load_3d(&p.tma_b, &s.full[stage], &s.b[stage][half_rows * kTileK], kb * kTileK, b_row_second,
+                      c.expert);
+          if constexpr (!Config::kGatherA)
+            tma_load_2d(&p.tma_a, &s.full[stage], &s.a[stage][0], kb * kTileK, static_cast<int>(c.row0));
+        }
+        if constexpr (Config::kGatherA) {
+          const std::uint32_t dst0 = smem_u32(&s.a[stage][0]) + swizzled_chunk;
+          const std::int64_t k_off = static_cast<std::int64_t>(kb) * kTileK + chunk * 8;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int r = row_in_pass + 16 * i;
+            const bool ok = src_row[i] >= 0;
+            const Element* src = ok ? a_base + src_row[i] + k_off : a_base;
+            cp_async_16(dst0 + r * 128, src, ok ? 16u : 0u);
+          }
+          cp_async_arrive_noinc(&s.full[stage]);
+        }
+      }
+    }
+    if constexpr (Config::kGatherA) cp_async_wait_all();
+  }
+
+  // ---- consumer ------------------------------------------------------------------------------------------------
+
+  /// Accumulates one tile into `acc` (zeroed by the first WGMMA). `iter` is the ring position of the tile's first
+  /// k-block. `on_last_wait` runs (on every thread) once this warpgroup has seen its last stage arrive.
+  template <class Accumulator, class OnLastWait>
+  __device__ __forceinline__ static void consume(const GroupedGemmParams& p, Storage& s, Accumulator& acc, std::uint32_t iter,
+                                 int wg_thread, OnLastWait&& on_last_wait) {
+    using namespace cute;
+    TiledMma mma;
+    Tensor sA = make_tensor(make_smem_ptr(&s.a[0][0]), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(&s.b[0][0]), SmemLayoutB{});
+    auto thr = mma.get_thread_slice(wg_thread);
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage) descriptors
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+    const int k_tiles = p.K / kTileK;
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    int previous_stage = -1;
+    for (int kb = 0; kb < k_tiles; ++kb, ++iter) {
+      const int stage = iter % kStages;
+      mbar_wait(&s.full[stage], (iter / kStages) & 1u);
+      // No proxy fence for the cp.async-written A: the mbarrier completion orders the copies before the WGMMA
+      // reads (as CUTLASS's SM90 cp.async + GMMA warp-specialised mainloops rely on).
+      if (kb == k_tiles - 1) on_last_wait();
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tCrA); ++k) {
+        cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // the previous k-block's WGMMAs are done: its stage can be refilled
+      warpgroup_fence_operand(acc);
+      if (previous_stage >= 0 && wg_thread == 0) mbar_arrive(&s.empty[previous_stage]);
+      previous_stage = stage;
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (previous_stage >= 0 && wg_thread == 0) mbar_arrive(&s.empty[previous_stage]);
+  }
+};
+
+}  // namespace sonicmoe::gpu::hopper

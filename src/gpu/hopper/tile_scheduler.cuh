@@ -1,0 +1,84 @@
+// Persistent tile scheduler over variable-length expert segments (varlen-M).
+//
+// The work is the list of output tiles of every expert in expert order; expert e contributes
+// ceil(f_e / kTileM) x n_tiles tiles, f_e = off[e+1] - off[e] (empty experts contribute none, segments are not
+// padded). CTA b takes tiles b, b + grid, b + 2 grid, ... (a static persistent schedule: deterministic, no atomics).
+// Within an expert tiles run along N first, so the CTAs working at one time share the gathered A rows and the
+// expert's weights in L2.
+//
+// Each warp decodes its tile index on its own: the lanes load 32 experts' offsets at once, scan their tile counts
+// with shuffles, and the warp keeps the window's position, so that a CTA walks the expert list once over its life.
+#pragma once
+
+#include <cstdint>
+
+namespace sonicmoe::gpu::hopper {
+
+struct TileCoord {
+  int expert = -1;        // -1: past the last tile
+  std::int64_t row0 = 0;  // first grouped row of the tile
+  int rows = 0;           // rows of the tile inside the expert's segment (<= kTileM)
+  int n_tile = 0;
+  __device__ bool valid() const { return expert >= 0; }
+};
+
+template <int kTileM>
+class VarlenTileScheduler {
+ public:
+  __device__ VarlenTileScheduler(const std::int32_t* offsets, int E, int n_tiles)
+      : offsets_(offsets), E_(E), n_tiles_(n_tiles) {}
+
+  /// The coordinates of work tile `tile`; tiles must be asked for in increasing order. Warp-collective.
+  __device__ TileCoord get(int tile) {
+    const int lane = threadIdx.x & 31;
+    while (window_ < E_) {
+      if (!loaded_) {  // this lane's expert of the window, its tile count and the window's inclusive scan
+        const int e = window_ + lane;
+        count_ = 0, start_ = 0, end_ = 0;
+        if (e < E_) {
+          start_ = offsets_[e];
+          end_ = offsets_[e + 1];
+          count_ = ((end_ - start_ + kTileM - 1) / kTileM) * n_tiles_;
+        }
+        inclusive_ = count_;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int v = __shfl_up_sync(0xffffffffu, inclusive_, o);
+          if (lane >= o) inclusive_ += v;
+        }
+        loaded_ = true;
+      }
+      const int window_tiles = __shfl_sync(0xffffffffu, inclusive_, 31);
+      if (tile < window_base_ + window_tiles) {
+        const unsigned hit = __ballot_sync(0xffffffffu, tile < window_base_ + inclusive_);
+        const int l = __ffs(hit) - 1;
+        const int before = __shfl_sync(0xffffffffu, inclusive_ - count_, l);
+        const std::int32_t seg_start = __shfl_sync(0xffffffffu, start_, l);
+        const std::int32_t seg_end = __shfl_sync(0xffffffffu, end_, l);
+        const int local = tile - window_base_ - before;
+        TileCoord c;
+        c.expert = window_ + l;
+        const int m_tile = local / n_tiles_;
+        c.n_tile = local - m_tile * n_tiles_;
+        c.row0 = static_cast<std::int64_t>(seg_start) + static_cast<std::int64_t>(m_tile) * kTileM;
+        c.rows = static_cast<int>(min(static_cast<std::int64_t>(kTileM), seg_end - c.row0));
+        return c;
+      }
+      window_base_ += window_tiles;
+      window_ += 32;
+      loaded_ = false;
+    }
+    return TileCoord{};
+  }
+
+ private:
+  const std::int32_t* offsets_;
+  int E_, n_tiles_;
+  int window_ = 0;       // first expert of the current window of 32
+  int window_base_ = 0;  // tiles of the experts before the window
+  bool loaded_ = false;
+  int count_ = 0, inclusive_ = 0;  // this lane's expert: tiles, and tiles up to and including it in the window
+  std::int32_t start_ = 0, end_ = 0;
+};
+
+}  // namespace sonicmoe::gpu::hopper

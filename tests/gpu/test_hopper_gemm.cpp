@@ -1,0 +1,362 @@
+// The Hopper forward kernels (src/gpu/hopper) at the kernel level: the gather-fused up-projection with its
+// activation epilogue and the down-projection, against a float64 host computation on the same bf16 inputs and
+// against the GPU reference GEMM; every activation, both weight layouts, bias, inference (A only), strided
+// weights, edge segments (empty experts, 1-row experts, lengths around the 128-row tile, > 32 experts), rows past
+// the routed ones left untouched, determinism; and the dispatcher's fallback reasons.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "gpu/hopper/dispatch.hpp"
+#include "gpu/kernels.hpp"
+#include "gpu_support.hpp"
+
+namespace sonicmoe::test {
+namespace {
+
+using gpu::Epilogue;
+using gpu::VarlenMArgs;
+
+double act_ref(Activation a, double x) {
+  switch (a) {
+    case Activation::kSwiGLU:
+    case Activation::kSiLU: return x / (1.0 + std::exp(-x));
+    case Activation::kGeGLU:
+    case Activation::kGELU: return 0.5 * x * (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+    case Activation::kReGLU:
+    case Activation::kReLU: return x > 0 ? x : 0.0;
+    case Activation::kReLUSquared: return x > 0 ? x * x : 0.0;
+  }
+  return 0.0;
+}
+
+/// Grouped rows: segment lengths per expert, a random token per row, X (T x d), and per-expert weights.
+struct Segments {
+  std::vector<std::int32_t> offsets, tiles64, gather;
+  std::int64_t rows() const { return offsets.back(); }
+};
+
+Segments make_segments(const std::vector<int>& lengths, std::int64_t T, std::mt19937& rng) {
+  Segments s;
+  s.offsets.push_back(0);
+  s.tiles64.push_back(0);
+  for (int f : lengths) {
+    s.offsets.push_back(s.offsets.back() + f);
+    s.tiles64.push_back(s.tiles64.back() + (f + gpu::kGemmTileM - 1) / gpu::kGemmTileM);
+  }
+  std::uniform_int_distribution<std::int32_t> tok(0, static_cast<std::int32_t>(T - 1));
+  for (std::int32_t g = 0; g < s.offsets.back(); ++g) s.gather.push_back(tok(rng));
+  if (T > 1) s.gather.back() = static_cast<std::int32_t>(T - 1);  // the last token row is read
+  return s;
+}
+
+std::vector<double> normal(std::size_t n, double scale, std::mt19937& rng) {
+  std::normal_distribution<double> d(0.0, scale);
+  std::vector<double> v(n);
+  for (auto& x : v) x = d(rng);
+  return quantize(v, DType::kBF16);
+}
+
+std::vector<double> download_bf16(const DeviceBuffer& b, std::size_t count) {
+  const std::vector<unsigned char> raw = b.download();
+  return decode(raw.data(), count, DType::kBF16);
+}
+
+bool all_bytes(const std::vector<unsigned char>& v, std::size_t from, std::size_t to, unsigned char byte) {
+  for (std::size_t i = from; i < to; ++i)
+    if (v[i] != byte) return false;
+  return true;
+}
+
+struct UpCase {
+  Activation act;
+  WeightLayout layout;
+  bool bias;
+  bool store_h;
+};
+
+std::string up_case_name(const testing::TestParamInfo<UpCase>& i) {
+  return std::string(activation_name(i.param.act)) + "_" + weight_layout_name(i.param.layout) +
+         (i.param.bias ? "_bias" : "_nobias") + (i.param.store_h ? "_H_and_A" : "_A_only");
+}
+
+/// Everything the up-projection produced, plus the float64 expectation.
+struct UpResult {
+  std::vector<double> h, a, h_ref, a_ref;
+  std::vector<unsigned char> raw_h, raw_a;
+  bool tails_untouched = true, canaries = true;
+};
+
+/// Runs the up-projection over `lengths` on the Hopper kernel (or the reference GEMM when `reference`).
+/// w1 is given interleaved; for the concatenated layout it is uploaded permuted (the math is the same).
+UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n, const std::vector<int>& lengths,
+                std::uint32_t seed, bool reference = false, std::int64_t pad_rows = 0, std::int64_t pad_k = 0) {
+  std::mt19937 rng(seed);
+  const std::int64_t E = static_cast<std::int64_t>(lengths.size());
+  const bool glu = is_glu(uc.act);
+  const std::int64_t N = glu ? 2 * n : n, act_cols = n;
+  const Segments s = make_segments(lengths, T, rng);
+  const std::int64_t P = s.rows(), P_cap = P + 37;  // capacity past the routed rows stays untouched
+  const std::vector<double> x = normal(static_cast<std::size_t>(T * d), 1.0, rng);
+  const std::vector<double> w = normal(static_cast<std::size_t>(E * N * d), 1.0 / std::sqrt(double(d)), rng);
+  const std::vector<double> b = normal(static_cast<std::size_t>(E * N), 0.5, rng);
+  // Device weights: (E, rows_per_expert, ld) with optional padding rows/columns (strided views).
+  const std::int64_t ldw = d + pad_k, rows_e = N + pad_rows;
+  std::vector<double> w_dev(static_cast<std::size_t>(E * rows_e * ldw), 0.0), b_dev(static_cast<std::size_t>(E * N));
+  const bool concat = uc.layout == WeightLayout::kConcatenated;
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t c = 0; c < N; ++c) {
+      const std::int64_t row = concat ? (c % 2) * n + c / 2 : c;
+      for (std::int64_t k = 0; k < d; ++k) w_dev[(e * rows_e + row) * ldw + k] = w[(e * N + c) * d + k];
+      b_dev[e * N + row] = b[e * N + c];
+    }
+  DeviceBuffer dx(encode(x, DType::kBF16)), dw(encode(w_dev, DType::kBF16)), db(encode(b_dev, DType::kBF16));
+  std::vector<unsigned char> off_b(s.offsets.size() * 4), til_b(s.tiles64.size() * 4), gat_b(s.gather.size() * 4 + 4);
+  std::memcpy(off_b.data(), s.offsets.data(), off_b.size());
+  std::memcpy(til_b.data(), s.tiles64.data(), til_b.size());
+  if (!s.gather.empty()) std::memcpy(gat_b.data(), s.gather.data(), s.gather.size() * 4);
+  DeviceBuffer doff(off_b), dtil(til_b), dgat(gat_b);
+  DeviceBuffer dh(static_cast<std::size_t>(P_cap * N * 2)), da(static_cast<std::size_t>(P_cap * act_cols * 2));
+
+  VarlenMArgs a;
+  a.dt = DType::kBF16;
+  a.E = E, a.N = N, a.K = d, a.P_max = P_cap;
+  a.expert_offsets = static_cast<const std::int32_t*>(doff.get());
+  a.expert_tiles = static_cast<const std::int32_t*>(dtil.get());
+  a.a = dx.get(), a.lda = d, a.a_gather = static_cast<const std::int32_t*>(dgat.get());
+  a.b.ptr = dw.get(), a.b.expert_stride = rows_e * ldw, a.b.stride_col = ldw, a.b.stride_k = 1;
+  a.b.permute = concat ? 1 : 0, a.b.glu_n = n;
+  a.epilogue = Epilogue::kUpActivation;
+  a.out = uc.store_h ? dh.get() : nullptr, a.ld_out = N;
+  if (uc.bias) a.bias = db.get(), a.ld_bias = N;
+  a.activation = uc.act;
+  a.act_out = da.get(), a.ld_act = act_cols;
+
+  UpResult r;
+  if (reference) {
+    gpu::launch_varlen_m_gemm(a, nullptr);
+  } else {
+    EXPECT_EQ(gpu::hopper_unsupported_reason(a), "") << "the case must take the Hopper kernel";
+    gpu::launch_forward_gemm(a, "test/up_projection", nullptr);
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  r.raw_h = dh.download(), r.raw_a = da.download();
+  r.canaries = dh.canary_intact() && da.canary_intact();
+  r.tails_untouched = all_bytes(r.raw_a, static_cast<std::size_t>(P * act_cols * 2), r.raw_a.size(), 0xFF) &&
+                      all_bytes(r.raw_h, static_cast<std::size_t>(uc.store_h ? P * N * 2 : 0), r.raw_h.size(), 0xFF);
+  r.h = decode(r.raw_h.data(), static_cast<std::size_t>(P * N), DType::kBF16);
+  r.a = decode(r.raw_a.data(), static_cast<std::size_t>(P * act_cols), DType::kBF16);
+  // float64 expectation (H interleaved whatever the layout).
+  r.h_ref.assign(static_cast<std::size_t>(P * N), 0.0);
+  r.a_ref.assign(static_cast<std::size_t>(P * act_cols), 0.0);
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g) {
+      const double* xr = &x[static_cast<std::size_t>(s.gather[g] * d)];
+      for (std::int64_t c = 0; c < N; ++c) {
+        const double* wr = &w[static_cast<std::size_t>((e * N + c) * d)];
+        double acc = uc.bias ? b[e * N + c] : 0.0;
+        for (std::int64_t k = 0; k < d; ++k) acc += xr[k] * wr[k];
+        r.h_ref[g * N + c] = acc;
+      }
+      for (std::int64_t j = 0; j < act_cols; ++j)
+        r.a_ref[g * act_cols + j] = glu ? act_ref(uc.act, r.h_ref[g * N + 2 * j]) * r.h_ref[g * N + 2 * j + 1]
+                                        : act_ref(uc.act, r.h_ref[g * N + j]);
+    }
+  return r;
+}
+
+class HopperUpProjection : public testing::TestWithParam<UpCase> {
+ protected:
+  void SetUp() override { REQUIRE_GPU(); }
+};
+
+// Segments: an empty expert, 1 row, 127, 128, 129, 257 rows (partial and exact tiles), then the rest.
+const std::vector<int> kEdgeLengths = {0, 1, 127, 128, 0, 129, 257, 64, 3};
+
+TEST_P(HopperUpProjection, MatchesFloat64AndTheReferenceGemm) {
+  const UpCase uc = GetParam();
+  const std::int64_t n = is_glu(uc.act) ? 192 : 256;  // N = 384 or 256: several N tiles
+  const UpResult fast = run_up(uc, 500, 320, n, kEdgeLengths, 21);
+  const UpResult ref = run_up(uc, 500, 320, n, kEdgeLengths, 21, /*reference=*/true);
+  EXPECT_TRUE(fast.canaries);
+  EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones were written";
+  for (double v : fast.a) ASSERT_FALSE(std::isnan(v)) << "an A element was not written";
+  EXPECT_LT(rel_error(fast.a, fast.a_ref), 1e-2);
+  EXPECT_LT(rel_error(fast.a, ref.a), 1e-2);
+  if (uc.store_h) {
+    for (double v : fast.h) ASSERT_FALSE(std::isnan(v)) << "an H element was not written";
+    EXPECT_LT(rel_error(fast.h, fast.h_ref), 4e-3);  // bf16 output rounding only
+    EXPECT_LT(rel_error(fast.h, ref.h), 4e-3);
+  }
+  // Deterministic: a second run is bitwise equal.
+  const UpResult again = run_up(uc, 500, 320, n, kEdgeLengths, 21);
+  EXPECT_EQ(again.raw_a, fast.raw_a);
+  EXPECT_EQ(again.raw_h, fast.raw_h);
+}
+
+std::vector<UpCase> up_cases() {
+  std::vector<UpCase> v;
+  for (Activation a : {Activation::kSwiGLU, Activation::kGeGLU, Activation::kReGLU, Activation::kReLUSquared,
+                       Activation::kReLU, Activation::kGELU, Activation::kSiLU})
+    for (WeightLayout l : {WeightLayout::kInterleaved, WeightLayout::kConcatenated}) {
+      if (!is_glu(a) && l == WeightLayout::kConcatenated) continue;
+      for (bool bias : {false, true})
+        for (bool h : {true, false}) v.push_back({a, l, bias, h});
+    }
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(AllEpilogues, HopperUpProjection, testing::ValuesIn(up_cases()), up_case_name);
+
+TEST(HopperUpProjectionProperties, LayoutsAndInferenceModeAreBitwiseIdentical) {
+  REQUIRE_GPU();
+  const UpCase il{Activation::kSwiGLU, WeightLayout::kInterleaved, true, true};
+  const UpCase cc{Activation::kSwiGLU, WeightLayout::kConcatenated, true, true};
+  const UpCase inf{Activation::kSwiGLU, WeightLayout::kInterleaved, true, false};
+  const UpResult a = run_up(il, 300, 256, 128, kEdgeLengths, 5);
+  const UpResult b = run_up(cc, 300, 256, 128, kEdgeLengths, 5);
+  const UpResult c = run_up(inf, 300, 256, 128, kEdgeLengths, 5);
+  EXPECT_EQ(a.raw_h, b.raw_h) << "H must not depend on the weight layout";
+  EXPECT_EQ(a.raw_a, b.raw_a);
+  EXPECT_EQ(a.raw_a, c.raw_a) << "A must not depend on whether H is stored";
+}
+
+TEST(HopperUpProjectionProperties, EdgeShapes) {
+  REQUIRE_GPU();
+  const UpCase uc{Activation::kSwiGLU, WeightLayout::kConcatenated, true, true};
+  struct Shape {
+    std::int64_t T, d, n;
+    std::vector<int> lengths;
+    std::int64_t pad_rows, pad_k;
+    const char* name;
+  };
+  std::vector<int> many(300, 0);  // > 32 experts: the scheduler walks several windows; most are empty
+  for (std::size_t e = 0; e < many.size(); e += 7) many[e] = static_cast<int>(e % 150) + 1;
+  const std::vector<Shape> shapes = {
+      {1, 64, 64, {1}, 0, 0, "T1_one_row"},
+      {1, 64, 64, {0, 0, 1, 0}, 0, 0, "T1_K1_among_empty_experts"},
+      {40, 128, 64, {40, 40, 40, 40}, 0, 0, "K_eq_E"},
+      {700, 192, 64, {700}, 0, 0, "E1"},
+      {900, 128, 64, many, 0, 0, "300_experts"},
+      {200, 256, 128, {200, 50, 0, 129}, 16, 64, "strided_weights"},
+  };
+  for (const Shape& s : shapes) {
+    const UpResult r = run_up(uc, s.T, s.d, s.n, s.lengths, 9, false, s.pad_rows, s.pad_k);
+    EXPECT_TRUE(r.canaries) << s.name;
+    EXPECT_TRUE(r.tails_untouched) << s.name;
+    EXPECT_LT(rel_error(r.h, r.h_ref), 4e-3) << s.name;
+    EXPECT_LT(rel_error(r.a, r.a_ref), 1e-2) << s.name;
+  }
+}
+
+// ---- down-projection ------------------------------------------------------------------------------------------
+
+struct DownResult {
+  std::vector<double> y, y_ref;
+  std::vector<unsigned char> raw;
+  bool tails_untouched = true, canaries = true;
+};
+
+DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& lengths, bool bias, std::uint32_t seed,
+                    bool reference = false) {
+  std::mt19937 rng(seed);
+  const std::int64_t E = static_cast<std::int64_t>(lengths.size());
+  const Segments s = make_segments(lengths, 1, rng);
+  const std::int64_t P = s.rows(), P_cap = P + 29;
+  std::vector<double> act = normal(static_cast<std::size_t>(P_cap * n), 1.0, rng);
+  const std::vector<double> w = normal(static_cast<std::size_t>(E * d * n), 1.0 / std::sqrt(double(n)), rng);
+  const std::vector<double> b = normal(static_cast<std::size_t>(E * d), 0.5, rng);
+  DeviceBuffer da(encode(act, DType::kBF16)), dw(encode(w, DType::kBF16)), db(encode(b, DType::kBF16));
+  std::vector<unsigned char> off_b(s.offsets.size() * 4), til_b(s.tiles64.size() * 4);
+  std::memcpy(off_b.data(), s.offsets.data(), off_b.size());
+  std::memcpy(til_b.data(), s.tiles64.data(), til_b.size());
+  DeviceBuffer doff(off_b), dtil(til_b), dy(static_cast<std::size_t>(P_cap * d * 2));
+  VarlenMArgs a;
+  a.dt = DType::kBF16;
+  a.E = E, a.N = d, a.K = n, a.P_max = P_cap;
+  a.expert_offsets = static_cast<const std::int32_t*>(doff.get());
+  a.expert_tiles = static_cast<const std::int32_t*>(dtil.get());
+  a.a = da.get(), a.lda = n;
+  a.b.ptr = dw.get(), a.b.expert_stride = d * n, a.b.stride_col = n, a.b.stride_k = 1;
+  a.epilogue = Epilogue::kStore;
+  a.out = dy.get(), a.ld_out = d;
+  if (bias) a.bias = db.get(), a.ld_bias = d;
+  if (reference) {
+    gpu::launch_varlen_m_gemm(a, nullptr);
+  } else {
+    EXPECT_EQ(gpu::hopper_unsupported_reason(a), "") << "the case must take the Hopper kernel";
+    gpu::launch_forward_gemm(a, "test/down_projection", nullptr);
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  DownResult r;
+  r.raw = dy.download();
+  r.canaries = dy.canary_intact();
+  r.tails_untouched = all_bytes(r.raw, static_cast<std::size_t>(P * d * 2), r.raw.size(), 0xFF);
+  r.y = decode(r.raw.data(), static_cast<std::size_t>(P * d), DType::kBF16);
+  r.y_ref.assign(static_cast<std::size_t>(P * d), 0.0);
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g)
+      for (std::int64_t c = 0; c < d; ++c) {
+        double acc = bias ? b[e * d + c] : 0.0;
+        for (std::int64_t k = 0; k < n; ++k) acc += act[g * n + k] * w[(e * d + c) * n + k];
+        r.y_ref[g * d + c] = acc;
+      }
+  return r;
+}
+
+TEST(HopperDownProjection, MatchesFloat64AndTheReferenceGemm) {
+  REQUIRE_GPU();
+  for (bool bias : {false, true})
+    for (auto [d, n] : {std::pair<std::int64_t, std::int64_t>{384, 192}, {128, 64}, {256, 576}}) {
+      const DownResult fast = run_down(d, n, kEdgeLengths, bias, 31);
+      const DownResult ref = run_down(d, n, kEdgeLengths, bias, 31, true);
+      for (double v : fast.y) ASSERT_FALSE(std::isnan(v)) << "a Y element was not written";
+      EXPECT_TRUE(fast.canaries);
+      EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones were written";
+      EXPECT_LT(rel_error(fast.y, fast.y_ref), 4e-3) << d << "x" << n;
+      EXPECT_LT(rel_error(fast.y, ref.y), 4e-3) << d << "x" << n;
+      EXPECT_EQ(run_down(d, n, kEdgeLengths, bias, 31).raw, fast.raw) << "not deterministic";
+    }
+}
+
+TEST(HopperDownProjection, ManyExpertsAndSingleRows) {
+  REQUIRE_GPU();
+  std::vector<int> many(100, 0);
+  for (std::size_t e = 0; e < many.size(); ++e) many[e] = static_cast<int>((e * 37) % 5);  // 0..4 rows
+  const DownResult r = run_down(256, 128, many, true, 3);
+  EXPECT_TRUE(r.tails_untouched);
+  EXPECT_LT(rel_error(r.y, r.y_ref), 4e-3);
+}
+
+// ---- dispatch ---------------------------------------------------------------------------------------------------
+
+TEST(HopperDispatch, NamesWhyAShapeFallsBack) {
+  REQUIRE_GPU();
+  VarlenMArgs a;
+  a.dt = DType::kBF16;
+  a.E = 4, a.N = 256, a.K = 128, a.P_max = 100;
+  static std::int32_t dummy[64];
+  a.a = dummy, a.lda = 128, a.a_gather = dummy;
+  a.b.ptr = dummy, a.b.expert_stride = 256 * 128, a.b.stride_col = 128, a.b.stride_k = 1;
+  a.epilogue = Epilogue::kUpActivation;
+  a.out = dummy, a.ld_out = 256, a.act_out = dummy, a.ld_act = 128;
+  EXPECT_EQ(gpu::hopper_unsupported_reason(a), "");
+  auto reason = [&](auto change) {
+    VarlenMArgs b = a;
+    change(b);
+    return gpu::hopper_unsupported_reason(b);
+  };
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.K = 96; }).find("K = 96"), std::string::npos);
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.N = 192; }).find("N = 192"), std::string::npos);
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.dt = DType::kFP16; }).find("dtype"), std::string::npos);
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.b.stride_k = 2; }).find("K-major"), std::string::npos);
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.lda = 129; }).find("aligned"), std::string::npos);
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.epilogue = Epilogue::kActivationGrad; }).find("backward"),
+            std::string::npos);
+  gpu::set_hopper_kernels_enabled(false);
+  EXPECT_NE(gpu::hopper_unsupported_reason(a).find("disabled"), std::string::npos);
+  gpu::set_hopper_kernels_enabled(true);
+}
+
+}  // namespace
+}  // namespace sonicmoe::test

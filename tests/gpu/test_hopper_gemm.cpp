@@ -174,11 +174,23 @@ class HopperUpProjection : public testing::TestWithParam<UpCase> {
 // Segments: an empty expert, 1 row, 127, 128, 129, 257 rows (partial and exact tiles), then the rest.
 const std::vector<int> kEdgeLengths = {0, 1, 127, 128, 0, 129, 257, 64, 3};
 
+/// Runs `body` with the N tile forced to 128 (ping-pong) and 256 (cooperative), then restores the heuristic.
+template <class F>
+void for_each_tile(F&& body) {
+  for (int tile : {128, 256}) {
+    SCOPED_TRACE("tile N " + std::to_string(tile));
+    gpu::set_hopper_tile_n(tile);
+    body();
+  }
+  gpu::set_hopper_tile_n(0);
+}
+
 TEST_P(HopperUpProjection, MatchesFloat64AndTheReferenceGemm) {
   const UpCase uc = GetParam();
-  const std::int64_t n = is_glu(uc.act) ? 192 : 256;  // N = 384 or 256: several N tiles
-  const UpResult fast = run_up(uc, 500, 320, n, kEdgeLengths, 21);
+  const std::int64_t n = 256;  // N = 512 (GLU) or 256: two or four 128-column tiles, one or two 256-column ones
   const UpResult ref = run_up(uc, 500, 320, n, kEdgeLengths, 21, /*reference=*/true);
+  for_each_tile([&] {
+  const UpResult fast = run_up(uc, 500, 320, n, kEdgeLengths, 21);
   EXPECT_TRUE(fast.canaries);
   EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones were written";
   for (double v : fast.a) ASSERT_FALSE(std::isnan(v)) << "an A element was not written";
@@ -193,6 +205,7 @@ TEST_P(HopperUpProjection, MatchesFloat64AndTheReferenceGemm) {
   const UpResult again = run_up(uc, 500, 320, n, kEdgeLengths, 21);
   EXPECT_EQ(again.raw_a, fast.raw_a);
   EXPECT_EQ(again.raw_h, fast.raw_h);
+  });
 }
 
 std::vector<UpCase> up_cases() {
@@ -213,12 +226,14 @@ TEST(HopperUpProjectionProperties, LayoutsAndInferenceModeAreBitwiseIdentical) {
   const UpCase il{Activation::kSwiGLU, WeightLayout::kInterleaved, true, true};
   const UpCase cc{Activation::kSwiGLU, WeightLayout::kConcatenated, true, true};
   const UpCase inf{Activation::kSwiGLU, WeightLayout::kInterleaved, true, false};
-  const UpResult a = run_up(il, 300, 256, 128, kEdgeLengths, 5);
-  const UpResult b = run_up(cc, 300, 256, 128, kEdgeLengths, 5);
-  const UpResult c = run_up(inf, 300, 256, 128, kEdgeLengths, 5);
-  EXPECT_EQ(a.raw_h, b.raw_h) << "H must not depend on the weight layout";
-  EXPECT_EQ(a.raw_a, b.raw_a);
-  EXPECT_EQ(a.raw_a, c.raw_a) << "A must not depend on whether H is stored";
+  for_each_tile([&] {
+    const UpResult a = run_up(il, 300, 256, 128, kEdgeLengths, 5);
+    const UpResult b = run_up(cc, 300, 256, 128, kEdgeLengths, 5);
+    const UpResult c = run_up(inf, 300, 256, 128, kEdgeLengths, 5);
+    EXPECT_EQ(a.raw_h, b.raw_h) << "H must not depend on the weight layout";
+    EXPECT_EQ(a.raw_a, b.raw_a);
+    EXPECT_EQ(a.raw_a, c.raw_a) << "A must not depend on whether H is stored";
+  });
 }
 
 TEST(HopperUpProjectionProperties, EdgeShapes) {
@@ -239,14 +254,18 @@ TEST(HopperUpProjectionProperties, EdgeShapes) {
       {700, 192, 64, {700}, 0, 0, "E1"},
       {900, 128, 64, many, 0, 0, "300_experts"},
       {200, 256, 128, {200, 50, 0, 129}, 16, 64, "strided_weights"},
+      {1, 64, 128, {0, 1}, 0, 0, "T1_wide_tile"},
+      {900, 128, 128, many, 0, 0, "300_experts_wide_tile"},
   };
-  for (const Shape& s : shapes) {
-    const UpResult r = run_up(uc, s.T, s.d, s.n, s.lengths, 9, false, s.pad_rows, s.pad_k);
-    EXPECT_TRUE(r.canaries) << s.name;
-    EXPECT_TRUE(r.tails_untouched) << s.name;
-    EXPECT_LT(rel_error(r.h, r.h_ref), 4e-3) << s.name;
-    EXPECT_LT(rel_error(r.a, r.a_ref), 1e-2) << s.name;
-  }
+  for_each_tile([&] {
+    for (const Shape& s : shapes) {
+      const UpResult r = run_up(uc, s.T, s.d, s.n, s.lengths, 9, false, s.pad_rows, s.pad_k);
+      EXPECT_TRUE(r.canaries) << s.name;
+      EXPECT_TRUE(r.tails_untouched) << s.name;
+      EXPECT_LT(rel_error(r.h, r.h_ref), 4e-3) << s.name;
+      EXPECT_LT(rel_error(r.a, r.a_ref), 1e-2) << s.name;
+    }
+  });
 }
 
 // ---- down-projection ------------------------------------------------------------------------------------------
@@ -307,15 +326,17 @@ DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& leng
 TEST(HopperDownProjection, MatchesFloat64AndTheReferenceGemm) {
   REQUIRE_GPU();
   for (bool bias : {false, true})
-    for (auto [d, n] : {std::pair<std::int64_t, std::int64_t>{384, 192}, {128, 64}, {256, 576}}) {
-      const DownResult fast = run_down(d, n, kEdgeLengths, bias, 31);
+    for (auto [d, n] : {std::pair<std::int64_t, std::int64_t>{384, 192}, {128, 64}, {256, 576}, {512, 1024}}) {
       const DownResult ref = run_down(d, n, kEdgeLengths, bias, 31, true);
+      for_each_tile([&, d = d, n = n] {
+      const DownResult fast = run_down(d, n, kEdgeLengths, bias, 31);
       for (double v : fast.y) ASSERT_FALSE(std::isnan(v)) << "a Y element was not written";
       EXPECT_TRUE(fast.canaries);
       EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones were written";
       EXPECT_LT(rel_error(fast.y, fast.y_ref), 4e-3) << d << "x" << n;
       EXPECT_LT(rel_error(fast.y, ref.y), 4e-3) << d << "x" << n;
       EXPECT_EQ(run_down(d, n, kEdgeLengths, bias, 31).raw, fast.raw) << "not deterministic";
+      });
     }
 }
 
@@ -323,9 +344,11 @@ TEST(HopperDownProjection, ManyExpertsAndSingleRows) {
   REQUIRE_GPU();
   std::vector<int> many(100, 0);
   for (std::size_t e = 0; e < many.size(); ++e) many[e] = static_cast<int>((e * 37) % 5);  // 0..4 rows
-  const DownResult r = run_down(256, 128, many, true, 3);
-  EXPECT_TRUE(r.tails_untouched);
-  EXPECT_LT(rel_error(r.y, r.y_ref), 4e-3);
+  for_each_tile([&] {
+    const DownResult r = run_down(256, 128, many, true, 3);
+    EXPECT_TRUE(r.tails_untouched);
+    EXPECT_LT(rel_error(r.y, r.y_ref), 4e-3);
+  });
 }
 
 // ---- dispatch ---------------------------------------------------------------------------------------------------

@@ -78,10 +78,47 @@ void log_fallback_once(const char* stage, const std::string& reason) {
     std::fprintf(stderr, "sonicmoe: %s runs on the GPU reference GEMM: %s\n", stage, reason.c_str());
 }
 
-constexpr int kTileN = hopper::UpGatherConfig<Activation::kSwiGLU>::kTileN;
-static_assert(kTileN == hopper::DownConfig::kTileN, "one N tile for both forward kernels");
+/// The narrowest N tile of the kernels: every supported shape has N a multiple of it.
+constexpr int kMinTileN = hopper::UpPingPongConfig<Activation::kSwiGLU>::kTileN;
+
+/// Tile heuristic (SPEC §6.2 as the starting point, then measured: docs/BENCHMARKS.md). The 128 x 256
+/// cooperative tile halves the operand bytes per FLOP, which the gathered up-projection needs; the down-projection
+/// keeps the 128 x 128 ping-pong tile (its Y stores overlap the other warpgroup's short mainloop) unless the
+/// reduction is long. SONICMOE_HOPPER_TILE_N=128 or 256 overrides it (tuning and tests).
+std::atomic<int>& forced_tile_n() {
+  static std::atomic<int> v{[] {
+    const char* e = std::getenv("SONICMOE_HOPPER_TILE_N");
+    return e ? std::atoi(e) : 0;
+  }()};
+  return v;
+}
+
+int choose_tile_n(const VarlenMArgs& a) {
+  const int forced = forced_tile_n().load();
+  const bool wide_ok = a.N % 256 == 0;
+  if (forced == 128 || !wide_ok) return 128;
+  if (forced == 256) return 256;
+  if (a.epilogue == Epilogue::kUpActivation) return 256;
+  return a.K >= 1024 ? 256 : 128;
+}
+
+template <template <Activation> class Config>
+void launch_up(Activation act, const hopper::GroupedGemmParams& p, int sms, cudaStream_t stream) {
+  switch (act) {
+    case Activation::kSwiGLU: return hopper::launch_grouped_gemm<Config<Activation::kSwiGLU>>(p, sms, stream);
+    case Activation::kGeGLU: return hopper::launch_grouped_gemm<Config<Activation::kGeGLU>>(p, sms, stream);
+    case Activation::kReGLU: return hopper::launch_grouped_gemm<Config<Activation::kReGLU>>(p, sms, stream);
+    case Activation::kReLUSquared:
+      return hopper::launch_grouped_gemm<Config<Activation::kReLUSquared>>(p, sms, stream);
+    case Activation::kReLU: return hopper::launch_grouped_gemm<Config<Activation::kReLU>>(p, sms, stream);
+    case Activation::kGELU: return hopper::launch_grouped_gemm<Config<Activation::kGELU>>(p, sms, stream);
+    case Activation::kSiLU: return hopper::launch_grouped_gemm<Config<Activation::kSiLU>>(p, sms, stream);
+  }
+}
 
 }  // namespace
+
+void set_hopper_tile_n(int tile_n) { forced_tile_n().store(tile_n); }
 
 void set_hopper_kernels_enabled(bool enabled) { enabled_flag().store(enabled ? 1 : 0); }
 bool hopper_kernels_enabled() { return enabled_flag().load() != 0; }
@@ -94,7 +131,7 @@ std::string hopper_unsupported_reason(const VarlenMArgs& a) {
     return "compute capability " + std::to_string(dev.major) + "." + std::to_string(dev.minor) + " (needs 9.0)";
   if (a.epilogue != Epilogue::kStore && a.epilogue != Epilogue::kUpActivation) return "backward epilogue";
   if (a.K <= 0 || a.K % 64 != 0) return "K = " + std::to_string(a.K) + " is not a positive multiple of 64";
-  if (a.N <= 0 || a.N % kTileN != 0) return "N = " + std::to_string(a.N) + " is not a multiple of 128";
+  if (a.N <= 0 || a.N % kMinTileN != 0) return "N = " + std::to_string(a.N) + " is not a multiple of 128";
   if (a.E <= 0 || a.E > (1 << 30)) return "E out of range";
   if (a.P_max >= (std::int64_t{1} << 31)) return "more than 2^31 - 1 routed rows";
   const ExpertOperand& b = a.b;
@@ -127,7 +164,8 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
   if (a.P_max == 0) return;  // no routed rows: nothing to write
   hopper::GroupedGemmParams p;
   p.E = static_cast<int>(a.E), p.N = static_cast<int>(a.N), p.K = static_cast<int>(a.K);
-  p.n_tiles = p.N / kTileN;
+  const int tile_n = choose_tile_n(a);
+  p.n_tiles = p.N / tile_n;
   p.expert_offsets = a.expert_offsets;
   p.a = a.a, p.lda = a.lda, p.gather = a.a_gather;
   const ExpertOperand& b = a.b;
@@ -135,7 +173,7 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(a.N),
                                 static_cast<cuuint64_t>(a.E)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(b.stride_col) * 2, static_cast<cuuint64_t>(b.expert_stride) * 2};
-    const cuuint32_t box[3] = {64, kTileN / 2, 1};
+    const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(tile_n / 2), 1};
     p.tma_b = make_tensor_map(b.ptr, 3, dims, strides, box);
   }
   p.b_concatenated = b.permute == 1;
@@ -147,35 +185,19 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
   if (a.epilogue == Epilogue::kUpActivation) {
     p.activation = a.activation;
     p.act_out = a.act_out, p.ld_act = a.ld_act;
-    switch (a.activation) {
-      case Activation::kSwiGLU:
-        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kSwiGLU>>(p, sm_count, stream);
-        break;
-      case Activation::kGeGLU:
-        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kGeGLU>>(p, sm_count, stream);
-        break;
-      case Activation::kReGLU:
-        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kReGLU>>(p, sm_count, stream);
-        break;
-      case Activation::kReLUSquared:
-        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kReLUSquared>>(p, sm_count, stream);
-        break;
-      case Activation::kReLU:
-        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kReLU>>(p, sm_count, stream);
-        break;
-      case Activation::kGELU:
-        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kGELU>>(p, sm_count, stream);
-        break;
-      case Activation::kSiLU:
-        hopper::launch_grouped_gemm<hopper::UpGatherConfig<Activation::kSiLU>>(p, sm_count, stream);
-        break;
-    }
+    if (tile_n == 256)
+      launch_up<hopper::UpCooperativeConfig>(a.activation, p, sm_count, stream);
+    else
+      launch_up<hopper::UpPingPongConfig>(a.activation, p, sm_count, stream);
   } else {
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(a.P_max)};
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(a.lda) * 2};
-    const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(hopper::DownConfig::kTileM)};
+    const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(hopper::DownPingPongConfig::kTileM)};
     p.tma_a = make_tensor_map(a.a, 2, dims, strides, box);
-    hopper::launch_grouped_gemm<hopper::DownConfig>(p, sm_count, stream);
+    if (tile_n == 256)
+      hopper::launch_grouped_gemm<hopper::DownCooperativeConfig>(p, sm_count, stream);
+    else
+      hopper::launch_grouped_gemm<hopper::DownPingPongConfig>(p, sm_count, stream);
   }
 }
 

@@ -24,6 +24,9 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
 /// Process-wide switch (default on; off when the environment sets SONICMOE_DISABLE_HOPPER_KERNELS=1). Tests use
 /// it to run the same layer through both paths.
 void set_hopper_kernels_enabled(bool enabled);
+/// Forces the N tile (128 or 256, where N allows it) instead of the heuristic; 0 restores the heuristic. Also
+/// set from the environment by SONICMOE_HOPPER_TILE_N.
+void set_hopper_tile_n(int tile_n);
 bool hopper_kernels_enabled();
 
 }  // namespace sonicmoe::gpu

@@ -57,12 +57,18 @@ __device__ __forceinline__ float fast_activation(float x) {
 
 template <class Config>
 struct Epilogue {
-  static constexpr int kTileM = Config::kTileM, kTileN = Config::kTileN;
-  static constexpr int kRows = 64;  // one WGMMA atom of rows per staging pass
+  static constexpr int kTileN = Config::kTileN;
+  static constexpr int kRows = 64;  // one WGMMA atom of rows
+  // Row atoms of one warpgroup: ping-pong, the whole 128-row tile; cooperative, its own 64-row half.
+  static constexpr int kRowAtoms = Config::kCooperative ? 1 : Config::kTileM / kRows;
   static constexpr bool kUp = Config::kEpilogue == EpilogueKind::kUpActivation;
-  // Staging pitch in elements: +8 bf16 (16 B) per row keeps the fragment writes free of bank conflicts. H (or Y)
-  // and A take turns in one buffer; the fp32 values stay in registers in between.
-  static constexpr int kPitch = kTileN + 8;
+  static constexpr bool kGlu = Config::kGlu;
+  static constexpr int kActCols = kGlu ? kTileN / 2 : kTileN;  // A columns of a tile
+  // The staging buffer holds 64 rows x 128 columns; wider tiles go out in several column passes. Its pitch has
+  // +8 bf16 (16 B) per row, which keeps the fragment writes free of bank conflicts. H (or Y) and A take turns in
+  // it; the fp32 values stay in registers in between.
+  static constexpr int kStageCols = 128;
+  static constexpr int kPitch = kStageCols + 8;
 
   struct Storage {  // per consumer warpgroup
     alignas(16) __nv_bfloat16 staged[kRows * kPitch];
@@ -73,8 +79,8 @@ struct Epilogue {
   }
 
   /// Copies `cols` columns of `rows` staged rows to dst (row stride ld) with 16-byte stores, then frees the buffer.
-  __device__ __forceinline__ static void store_rows(const Storage& st, int cols, int rows, __nv_bfloat16* dst, std::int64_t ld,
-                                    int wg_thread, int barrier_id) {
+  __device__ __forceinline__ static void store_rows(const Storage& st, int cols, int rows, __nv_bfloat16* dst,
+                                                    std::int64_t ld, int wg_thread, int barrier_id) {
     named_barrier_sync(barrier_id, 128);  // the fragments are staged
     const int chunks_per_row = cols / 8;
     const int total = kRows * chunks_per_row;
@@ -92,23 +98,22 @@ struct Epilogue {
     *reinterpret_cast<__nv_bfloat162*>(&st.staged[r * kPitch + col]) = __floats2bfloat162_rn(a, b);
   }
 
-  /// kConcat: the tile holds the concatenated layout's gate rows then up rows. kBias: add the bias.
+  /// kConcat: the tile holds the concatenated layout's gate rows then up rows. kBias: add the bias. row_base: the
+  /// warpgroup's first row in the tile (cooperative: 0 or 64).
   template <bool kConcat, bool kBias, class Accumulator>
-  __device__ __forceinline__ static void apply(const GroupedGemmParams& p, Storage& st, const Accumulator& acc, const TileCoord& c,
-                               int wg_thread, int barrier_id) {
+  __device__ __forceinline__ static void apply(const GroupedGemmParams& p, Storage& st, const Accumulator& acc,
+                                               const TileCoord& c, int row_base, int wg_thread, int barrier_id) {
     using namespace cute;
     const int warp = wg_thread / 32, lane = wg_thread % 32;
     const int quad = lane % 4, row_in_warp = lane / 4;
-    constexpr bool glu = Config::kGlu;
-    constexpr bool concat = glu && kConcat;
+    constexpr bool concat = kGlu && kConcat;
     constexpr Activation kAct = Config::kActivation;
-    const int act_cols = glu ? kTileN / 2 : kTileN;
-    // The tile's first output column: H/Y column n_tile * kTileN; A column n_tile * act_cols.
-    const std::int64_t col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
-    const std::int64_t act_col0 = static_cast<std::int64_t>(c.n_tile) * act_cols;
     constexpr int kHalfBlocks = kTileN / 16;  // concatenated: the up of v2 is v2 + kHalfBlocks
+    // The tile's first output column: H/Y column n_tile * kTileN; A column n_tile * kActCols.
+    const std::int64_t col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
+    const std::int64_t act_col0 = static_cast<std::int64_t>(c.n_tile) * kActCols;
 
-    // (gate or h) and (up) values of a fragment pair with their biases; see the header comment for the pairing.
+    // A fragment value with its bias; see the header comment for the pairing.
     auto value = [&](int v0, int v1, int v2, int m) __attribute__((always_inline)) -> float {
       float x = acc(make_coord(make_coord(v0, v1, v2), m, 0));
       if constexpr (kBias) {
@@ -125,49 +130,65 @@ struct Epilogue {
     };
 
     CUTE_UNROLL
-    for (int m = 0; m < kTileM / kRows; ++m) {
-      const int rows = min(kRows, c.rows - m * kRows);
+    for (int m = 0; m < kRowAtoms; ++m) {
+      const int rows = min(kRows, c.rows - row_base - m * kRows);
       if (rows <= 0) break;  // uniform across the warpgroup
-      const std::int64_t g0 = c.row0 + m * kRows;
-      if (p.out != nullptr) {  // H (interleaved) or Y
+      const std::int64_t g0 = c.row0 + row_base + m * kRows;
+      if (p.out != nullptr) {  // H (interleaved) or Y, in column passes of kStageCols
         CUTE_UNROLL
-        for (int v2 = 0; v2 < kTileN / 8; ++v2) {
+        for (int pass = 0; pass < kTileN / kStageCols; ++pass) {
           CUTE_UNROLL
-          for (int v1 = 0; v1 < 2; ++v1) {
-            const int r = warp * 16 + v1 * 8 + row_in_warp, col = v2 * 8 + quad * 2;
-            if constexpr (concat) {
-              if (v2 < kHalfBlocks) {  // gate j, j+1 with up j, j+1 -> H columns 2j .. 2j+3
-                put2(st, r, 2 * col, value(0, v1, v2, m), value(0, v1, v2 + kHalfBlocks, m));
-                put2(st, r, 2 * col + 2, value(1, v1, v2, m), value(1, v1, v2 + kHalfBlocks, m));
+          for (int v2 = 0; v2 < kTileN / 8; ++v2) {
+            CUTE_UNROLL
+            for (int v1 = 0; v1 < 2; ++v1) {
+              const int r = warp * 16 + v1 * 8 + row_in_warp, col = v2 * 8 + quad * 2;
+              if constexpr (concat) {
+                // gate j, j+1 with up j, j+1 -> H columns 2j .. 2j+3 (2j in [16 v2, 16 v2 + 16))
+                if (v2 < kHalfBlocks && (16 * v2) / kStageCols == pass) {
+                  const int hc = 2 * col - pass * kStageCols;
+                  put2(st, r, hc, value(0, v1, v2, m), value(0, v1, v2 + kHalfBlocks, m));
+                  put2(st, r, hc + 2, value(1, v1, v2, m), value(1, v1, v2 + kHalfBlocks, m));
+                }
+              } else {
+                if ((8 * v2) / kStageCols == pass)
+                  put2(st, r, col - pass * kStageCols, value(0, v1, v2, m), value(1, v1, v2, m));
               }
-            } else {
-              put2(st, r, col, value(0, v1, v2, m), value(1, v1, v2, m));
             }
           }
+          store_rows(st, kStageCols, rows,
+                     static_cast<__nv_bfloat16*>(p.out) + g0 * p.ld_out + col0 + pass * kStageCols, p.ld_out,
+                     wg_thread, barrier_id);
         }
-        store_rows(st, kTileN, rows, static_cast<__nv_bfloat16*>(p.out) + g0 * p.ld_out + col0, p.ld_out,
-                   wg_thread, barrier_id);
       }
       if (kUp && p.act_out != nullptr) {  // A from the same fp32 values
+        constexpr int kPassCols = kActCols < kStageCols ? kActCols : kStageCols;
         CUTE_UNROLL
-        for (int v2 = 0; v2 < kTileN / 8; ++v2) {
+        for (int pass = 0; pass < kActCols / kPassCols; ++pass) {
           CUTE_UNROLL
-          for (int v1 = 0; v1 < 2; ++v1) {
-            const int r = warp * 16 + v1 * 8 + row_in_warp, col = v2 * 8 + quad * 2;
-            if constexpr (concat) {
-              if (v2 < kHalfBlocks)
-                put2(st, r, col, fast_activation<kAct>(value(0, v1, v2, m)) * value(0, v1, v2 + kHalfBlocks, m),
-                     fast_activation<kAct>(value(1, v1, v2, m)) * value(1, v1, v2 + kHalfBlocks, m));
-            } else if constexpr (glu) {
-              st.staged[r * kPitch + col / 2] =
-                  __float2bfloat16_rn(fast_activation<kAct>(value(0, v1, v2, m)) * value(1, v1, v2, m));
-            } else {
-              put2(st, r, col, fast_activation<kAct>(value(0, v1, v2, m)), fast_activation<kAct>(value(1, v1, v2, m)));
+          for (int v2 = 0; v2 < kTileN / 8; ++v2) {
+            CUTE_UNROLL
+            for (int v1 = 0; v1 < 2; ++v1) {
+              const int r = warp * 16 + v1 * 8 + row_in_warp, col = v2 * 8 + quad * 2;
+              if constexpr (concat) {  // A columns j, j+1 = col, col + 1
+                if (v2 < kHalfBlocks && (8 * v2) / kPassCols == pass)
+                  put2(st, r, col - pass * kPassCols,
+                       fast_activation<kAct>(value(0, v1, v2, m)) * value(0, v1, v2 + kHalfBlocks, m),
+                       fast_activation<kAct>(value(1, v1, v2, m)) * value(1, v1, v2 + kHalfBlocks, m));
+              } else if constexpr (kGlu) {  // A column col / 2 = 4 v2 + quad
+                if ((4 * v2) / kPassCols == pass)
+                  st.staged[r * kPitch + col / 2 - pass * kPassCols] =
+                      __float2bfloat16_rn(fast_activation<kAct>(value(0, v1, v2, m)) * value(1, v1, v2, m));
+              } else {
+                if ((8 * v2) / kPassCols == pass)
+                  put2(st, r, col - pass * kPassCols, fast_activation<kAct>(value(0, v1, v2, m)),
+                       fast_activation<kAct>(value(1, v1, v2, m)));
+              }
             }
           }
+          store_rows(st, kPassCols, rows,
+                     static_cast<__nv_bfloat16*>(p.act_out) + g0 * p.ld_act + act_col0 + pass * kPassCols, p.ld_act,
+                     wg_thread, barrier_id);
         }
-        store_rows(st, act_cols, rows, static_cast<__nv_bfloat16*>(p.act_out) + g0 * p.ld_act + act_col0, p.ld_act,
-                   wg_thread, barrier_id);
       }
     }
   }

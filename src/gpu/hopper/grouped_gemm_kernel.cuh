@@ -22,52 +22,62 @@ struct GroupedGemmKernel {
   using Main = Mainloop<Config>;
   using Epi = Epilogue<Config>;
 
-  struct alignas(1024) SharedStorage {
-    typename Main::Storage mainloop;
+  struct SharedStorage {
+    typename Main::Tiles tiles;  // first: 1024-byte aligned at the start of dynamic shared memory
     typename Epi::Storage epilogue[Config::kConsumerWarpgroups];
-    std::uint64_t tile_done[Config::kConsumerWarpgroups];  // "consumer w has seen its tile's last stage"
+    typename Main::Barriers barriers;
+    std::uint64_t tile_done[Config::kConsumerWarpgroups];  // ping-pong: "consumer w has seen its tile's last stage"
   };
-  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + alignment slack
+  // The dynamic shared memory window starts 1024-byte aligned (checked at kernel entry), so no slack is added.
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA on sm_90");
 
-  // Registers: the producer needs few (more when it gathers: row offsets), the consumers hold a 128 x kTileN fp32
-  // accumulator (kTileN regs per thread) plus the epilogue's temporaries.
+  // Registers: the producer needs few (more when it gathers: row offsets), the consumers hold a 128 x kTileN
+  // (ping-pong) or 64 x kTileN (cooperative) fp32 accumulator: 128 registers per thread either way.
   static constexpr int kProducerRegs = Config::kGatherA ? 56 : 40;
   static constexpr int kConsumerRegs = Config::kGatherA ? 224 : 232;
 };
 
-/// One consumer warpgroup's persistent loop: tiles consumer, consumer + 2, ... of this CTA's sequence.
-template <class Config, bool kConcat, bool kBias, class Storage>
-__device__ __forceinline__ void consumer_loop(const GroupedGemmParams& p, Storage& s, int consumer, int wg_thread) {
+/// One consumer warpgroup's persistent loop. Ping-pong: tiles consumer, consumer + 2, ... of this CTA's sequence,
+/// whole. Cooperative: every tile, rows [64 consumer, 64 consumer + 64).
+template <class Config, bool kConcat, bool kBias, class SharedStorage>
+__device__ __forceinline__ void consumer_loop(const GroupedGemmParams& p, SharedStorage& s, int consumer,
+                                              int wg_thread) {
   using K = GroupedGemmKernel<Config>;
+  const typename K::Main::Storage ring{s.tiles, s.barriers};
   VarlenTileScheduler<Config::kTileM> sched(p.expert_offsets, p.E, p.n_tiles);
   typename K::Main::TiledMma mma;
   auto acc = cute::partition_fragment_C(mma, cute::Shape<cute::Int<Config::kTileM>, cute::Int<Config::kTileN>>{});
   const std::uint32_t k_tiles = static_cast<std::uint32_t>(p.K / Config::kTileK);
-  for (int i = consumer;; i += Config::kConsumerWarpgroups) {  // i: position in this CTA's tile sequence
+  constexpr int kStep = Config::kCooperative ? 1 : Config::kConsumerWarpgroups;
+  const int mma_thread = Config::kCooperative ? consumer * 128 + wg_thread : wg_thread;
+  const int row_base = Config::kCooperative ? consumer * 64 : 0;
+  for (int i = Config::kCooperative ? 0 : consumer;; i += kStep) {  // i: position in this CTA's tile sequence
     const TileCoord c = sched.get(static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x));
     if (!c.valid()) break;
-    if (i > 0) {  // wait until the previous tile's consumer has seen all of that tile's stages
-      const int other = 1 - consumer, other_tile = (i - 1) / Config::kConsumerWarpgroups;
-      mbar_wait(&s.tile_done[other], static_cast<std::uint32_t>(other_tile) & 1u);
+    if constexpr (!Config::kCooperative) {
+      if (i > 0) {  // wait until the previous tile's consumer has seen all of that tile's stages
+        const int other = 1 - consumer, other_tile = (i - 1) / Config::kConsumerWarpgroups;
+        mbar_wait(&s.tile_done[other], static_cast<std::uint32_t>(other_tile) & 1u);
+      }
     }
-    K::Main::consume(p, s.mainloop, acc, static_cast<std::uint32_t>(i) * k_tiles, wg_thread, [&] {
-      if (wg_thread == 0) mbar_arrive(&s.tile_done[consumer]);
+    K::Main::consume(p, ring, acc, static_cast<std::uint32_t>(i) * k_tiles, mma_thread, [&] {
+      if (!Config::kCooperative && wg_thread == 0) mbar_arrive(&s.tile_done[consumer]);
     });
-    K::Epi::template apply<kConcat, kBias>(p, s.epilogue[consumer], acc, c, wg_thread, 1 + consumer);
+    K::Epi::template apply<kConcat, kBias>(p, s.epilogue[consumer], acc, c, row_base, wg_thread, 1 + consumer);
   }
 }
 
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1) grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p) {
   using K = GroupedGemmKernel<Config>;
-  extern __shared__ unsigned char smem_raw[];
-  auto& s = *reinterpret_cast<typename K::SharedStorage*>(
-      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~static_cast<std::uintptr_t>(1023));
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  if ((smem_u32(smem_raw) & 1023u) != 0) __trap();  // the swizzled tiles need 1024-byte alignment
+  auto& s = *reinterpret_cast<typename K::SharedStorage*>(smem_raw);
   const int warpgroup = threadIdx.x / 128, wg_thread = threadIdx.x % 128;
 
   if (threadIdx.x == 0) {
-    K::Main::init_barriers(s.mainloop);
+    K::Main::init_barriers(s.barriers);
     for (int w = 0; w < Config::kConsumerWarpgroups; ++w) mbar_init(&s.tile_done[w], 1);
     mbar_init_fence();
     tma_prefetch_descriptor(&p.tma_b);
@@ -78,7 +88,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) grouped_gemm_kernel(const
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
     // Without a gather only one thread issues the TMA loads; the other producer warps have nothing to do.
-    if (Config::kGatherA || wg_thread < 32) K::Main::produce(p, s.mainloop, wg_thread);
+    if (Config::kGatherA || wg_thread < 32)
+      K::Main::produce(p, typename K::Main::Storage{s.tiles, s.barriers}, wg_thread);
     return;
   }
 

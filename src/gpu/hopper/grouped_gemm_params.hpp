@@ -23,9 +23,15 @@ enum class EpilogueKind : int {
 
 /// A kernel configuration: the tile, the pipeline depth, the A-operand load path and the epilogue. One
 /// configuration per translation unit (src/gpu/hopper/instantiations/).
-template <int TileN_, int Stages_, bool GatherA_, EpilogueKind Epi_, Activation Act_ = Activation::kSwiGLU>
+/// Consumer schedules: ping-pong (the two consumer warpgroups take alternate 128 x kTileN tiles; one's epilogue
+/// overlaps the other's mainloop) or cooperative (both share each tile, 64 rows each: twice the N width per
+/// WGMMA for the same registers, so fewer operand bytes per FLOP through L2 and shared memory).
+enum class Schedule : int { kPingPong, kCooperative };
+
+template <int TileN_, int Stages_, bool GatherA_, EpilogueKind Epi_, Schedule Sched_,
+          Activation Act_ = Activation::kSwiGLU>
 struct KernelConfig {
-  static constexpr int kTileM = 128;  // rows of one tile; each consumer warpgroup owns whole tiles (ping-pong)
+  static constexpr int kTileM = 128;  // rows of one tile
   static constexpr int kTileN = TileN_;
   static constexpr int kTileK = 64;   // 128 bytes of bf16: one 128-byte-swizzled row per smem line
   static constexpr int kStages = Stages_;
@@ -36,6 +42,7 @@ struct KernelConfig {
   static constexpr Activation kActivation = Act_;
   static constexpr bool kGlu = Epi_ == EpilogueKind::kUpActivation &&
                                (Act_ == Activation::kSwiGLU || Act_ == Activation::kGeGLU || Act_ == Activation::kReGLU);
+  static constexpr bool kCooperative = Sched_ == Schedule::kCooperative;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
 };

@@ -11,23 +11,29 @@ namespace sonicmoe::gpu::hopper {
 template <class Config>
 void launch_grouped_gemm(const GroupedGemmParams& p, int sm_count, cudaStream_t stream);
 
-/// Up-projection: X rows gathered by cp.async, 128 x 128 tiles (64 A columns for GLU), 5 stages, activation
-/// epilogue. 5 x 32 KiB ring + 2 x 17 KiB staging = 197 KiB of shared memory. One per activation.
+// Up-projection: X rows gathered by cp.async, activation epilogue, one configuration per activation.
+/// 128 x 128 tiles (64 A columns for GLU), ping-pong, 5 stages: 5 x 32 KiB ring + 2 x 17 KiB staging.
 template <Activation kAct>
-using UpGatherConfig = KernelConfig<128, 5, true, EpilogueKind::kUpActivation, kAct>;
-/// Down-projection: contiguous A by TMA, 128 x 128 tiles, 5 stages, bias epilogue.
-using DownConfig = KernelConfig<128, 5, false, EpilogueKind::kStore>;
+using UpPingPongConfig = KernelConfig<128, 5, true, EpilogueKind::kUpActivation, Schedule::kPingPong, kAct>;
+/// 128 x 256 tiles, cooperative, 4 stages: 4 x 48 KiB ring + 2 x 17 KiB staging (N a multiple of 256).
+template <Activation kAct>
+using UpCooperativeConfig = KernelConfig<256, 4, true, EpilogueKind::kUpActivation, Schedule::kCooperative, kAct>;
+// Down-projection: contiguous A by TMA, bias epilogue.
+using DownPingPongConfig = KernelConfig<128, 5, false, EpilogueKind::kStore, Schedule::kPingPong>;
+using DownCooperativeConfig = KernelConfig<256, 4, false, EpilogueKind::kStore, Schedule::kCooperative>;
 
-#define SONICMOE_UP_CONFIG(act) \
-  extern template void launch_grouped_gemm<UpGatherConfig<act>>(const GroupedGemmParams&, int, cudaStream_t);
-SONICMOE_UP_CONFIG(Activation::kSwiGLU)
-SONICMOE_UP_CONFIG(Activation::kGeGLU)
-SONICMOE_UP_CONFIG(Activation::kReGLU)
-SONICMOE_UP_CONFIG(Activation::kReLUSquared)
-SONICMOE_UP_CONFIG(Activation::kReLU)
-SONICMOE_UP_CONFIG(Activation::kGELU)
-SONICMOE_UP_CONFIG(Activation::kSiLU)
-#undef SONICMOE_UP_CONFIG
-extern template void launch_grouped_gemm<DownConfig>(const GroupedGemmParams&, int, cudaStream_t);
+#define SONICMOE_UP_CONFIGS(act)                                                                               \
+  extern template void launch_grouped_gemm<UpPingPongConfig<act>>(const GroupedGemmParams&, int, cudaStream_t); \
+  extern template void launch_grouped_gemm<UpCooperativeConfig<act>>(const GroupedGemmParams&, int, cudaStream_t);
+SONICMOE_UP_CONFIGS(Activation::kSwiGLU)
+SONICMOE_UP_CONFIGS(Activation::kGeGLU)
+SONICMOE_UP_CONFIGS(Activation::kReGLU)
+SONICMOE_UP_CONFIGS(Activation::kReLUSquared)
+SONICMOE_UP_CONFIGS(Activation::kReLU)
+SONICMOE_UP_CONFIGS(Activation::kGELU)
+SONICMOE_UP_CONFIGS(Activation::kSiLU)
+#undef SONICMOE_UP_CONFIGS
+extern template void launch_grouped_gemm<DownPingPongConfig>(const GroupedGemmParams&, int, cudaStream_t);
+extern template void launch_grouped_gemm<DownCooperativeConfig>(const GroupedGemmParams&, int, cudaStream_t);
 
 }  // namespace sonicmoe::gpu::hopper

@@ -37,29 +37,39 @@ struct Mainloop {
   using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
                                                       cute::Shape<cute::_64, cute::Int<kTileN>, cute::Int<kTileK>>,
                                                       cute::GMMA::Major::K, cute::GMMA::Major::K>());
-  using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}));
+  // Ping-pong: one warpgroup covers the 128-row tile with two 64-row atoms. Cooperative: two warpgroups side by
+  // side along M, 64 rows each.
+  using TiledMma = decltype(cute::make_tiled_mma(
+      MmaAtom{}, cute::Layout<cute::Shape<cute::Int<Config::kCooperative ? 2 : 1>, cute::_1, cute::_1>>{}));
 
   static constexpr int kBytesA = kTileM * kTileK * 2;
   static constexpr int kBytesB = kTileN * kTileK * 2;
 
-  struct alignas(1024) Storage {
+  struct Tiles {  // 1024-byte aligned (128-byte swizzle atoms); sizes are multiples of 1024
     alignas(1024) Element a[kStages][kTileM * kTileK];
     alignas(1024) Element b[kStages][kTileN * kTileK];
+  };
+  struct Barriers {
     std::uint64_t full[kStages];
     std::uint64_t empty[kStages];
   };
+  struct Storage {
+    Tiles& t;
+    Barriers& bar;
+  };
 
-  __device__ __forceinline__ static void init_barriers(Storage& s) {
+  __device__ __forceinline__ static void init_barriers(Barriers& b) {
     for (int i = 0; i < kStages; ++i) {
-      mbar_init(&s.full[i], Config::kGatherA ? 1 + 128 : 1);
-      mbar_init(&s.empty[i], 1);  // one arrival from the consuming warpgroup
+      mbar_init(&b.full[i], Config::kGatherA ? 1 + 128 : 1);
+      // One arrival per consuming warpgroup: ping-pong, the tile's owner; cooperative, both.
+      mbar_init(&b.empty[i], Config::kCooperative ? 2 : 1);
     }
   }
 
   // ---- producer ------------------------------------------------------------------------------------------------
 
   /// Fills the ring for every tile of this CTA, in the order the consumers take them. `ptid` in [0, 128).
-  __device__ __forceinline__ static void produce(const GroupedGemmParams& p, Storage& s, int ptid) {
+  __device__ __forceinline__ static void produce(const GroupedGemmParams& p, Storage s, int ptid) {
     VarlenTileScheduler<kTileM> sched(p.expert_offsets, p.E, p.n_tiles);
     const int k_tiles = p.K / kTileK;
     std::uint32_t iter = 0;
@@ -90,17 +100,17 @@ struct Mainloop {
       for (int kb = 0; kb < k_tiles; ++kb, ++iter) {
         const int stage = iter % kStages;
         const std::uint32_t phase = (iter / kStages) & 1u;
-        mbar_wait(&s.empty[stage], phase ^ 1u);
+        mbar_wait(&s.bar.empty[stage], phase ^ 1u);
         if (ptid == 0) {
-          mbar_arrive_expect_tx(&s.full[stage], kBytesB + (Config::kGatherA ? 0 : kBytesA));
-          tma_load_3d(&p.tma_b, &s.full[stage], &s.b[stage][0], kb * kTileK, b_row_first, c.expert);
-          tma_load_3d(&p.tma_b, &s.full[stage], &s.b[stage][half_rows * kTileK], kb * kTileK, b_row_second,
+          mbar_arrive_expect_tx(&s.bar.full[stage], kBytesB + (Config::kGatherA ? 0 : kBytesA));
+          tma_load_3d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][0], kb * kTileK, b_row_first, c.expert);
+          tma_load_3d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][half_rows * kTileK], kb * kTileK, b_row_second,
                       c.expert);
           if constexpr (!Config::kGatherA)
-            tma_load_2d(&p.tma_a, &s.full[stage], &s.a[stage][0], kb * kTileK, static_cast<int>(c.row0));
+            tma_load_2d(&p.tma_a, &s.bar.full[stage], &s.t.a[stage][0], kb * kTileK, static_cast<int>(c.row0));
         }
         if constexpr (Config::kGatherA) {
-          const std::uint32_t dst0 = smem_u32(&s.a[stage][0]) + swizzled_chunk;
+          const std::uint32_t dst0 = smem_u32(&s.t.a[stage][0]) + swizzled_chunk;
           const std::int64_t k_off = static_cast<std::int64_t>(kb) * kTileK + chunk * 8;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
@@ -109,7 +119,7 @@ struct Mainloop {
             const Element* src = ok ? a_base + src_row[i] + k_off : a_base;
             cp_async_16(dst0 + r * 128, src, ok ? 16u : 0u);
           }
-          cp_async_arrive_noinc(&s.full[stage]);
+          cp_async_arrive_noinc(&s.bar.full[stage]);
         }
       }
     }
@@ -121,13 +131,14 @@ struct Mainloop {
   /// Accumulates one tile into `acc` (zeroed by the first WGMMA). `iter` is the ring position of the tile's first
   /// k-block. `on_last_wait` runs (on every thread) once this warpgroup has seen its last stage arrive.
   template <class Accumulator, class OnLastWait>
-  __device__ __forceinline__ static void consume(const GroupedGemmParams& p, Storage& s, Accumulator& acc, std::uint32_t iter,
-                                 int wg_thread, OnLastWait&& on_last_wait) {
+  __device__ __forceinline__ static void consume(const GroupedGemmParams& p, Storage s, Accumulator& acc, std::uint32_t iter,
+                                 int mma_thread, OnLastWait&& on_last_wait) {
+    const int wg_thread = mma_thread % 128;
     using namespace cute;
     TiledMma mma;
-    Tensor sA = make_tensor(make_smem_ptr(&s.a[0][0]), SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(&s.b[0][0]), SmemLayoutB{});
-    auto thr = mma.get_thread_slice(wg_thread);
+    Tensor sA = make_tensor(make_smem_ptr(&s.t.a[0][0]), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(&s.t.b[0][0]), SmemLayoutB{});
+    auto thr = mma.get_thread_slice(mma_thread);
     Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage) descriptors
     Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
     const int k_tiles = p.K / kTileK;
@@ -135,7 +146,7 @@ struct Mainloop {
     int previous_stage = -1;
     for (int kb = 0; kb < k_tiles; ++kb, ++iter) {
       const int stage = iter % kStages;
-      mbar_wait(&s.full[stage], (iter / kStages) & 1u);
+      mbar_wait(&s.bar.full[stage], (iter / kStages) & 1u);
       // No proxy fence for the cp.async-written A: the mbarrier completion orders the copies before the WGMMA
       // reads (as CUTLASS's SM90 cp.async + GMMA warp-specialised mainloops rely on).
       if (kb == k_tiles - 1) on_last_wait();
@@ -149,12 +160,12 @@ struct Mainloop {
       warpgroup_commit_batch();
       warpgroup_wait<1>();  // the previous k-block's WGMMAs are done: its stage can be refilled
       warpgroup_fence_operand(acc);
-      if (previous_stage >= 0 && wg_thread == 0) mbar_arrive(&s.empty[previous_stage]);
+      if (previous_stage >= 0 && wg_thread == 0) mbar_arrive(&s.bar.empty[previous_stage]);
       previous_stage = stage;
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-    if (previous_stage >= 0 && wg_thread == 0) mbar_arrive(&s.empty[previous_stage]);
+    if (previous_stage >= 0 && wg_thread == 0) mbar_arrive(&s.bar.empty[previous_stage]);
   }
 };
 

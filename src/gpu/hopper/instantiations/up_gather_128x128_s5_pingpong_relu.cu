@@ -3,5 +3,5 @@
 #include "gpu/hopper/kernel_configs.hpp"
 
 namespace sonicmoe::gpu::hopper {
-template void launch_grouped_gemm<DownConfig>(const GroupedGemmParams&, int, cudaStream_t);
+template void launch_grouped_gemm<UpPingPongConfig<Activation::kReLU>>(const GroupedGemmParams&, int, cudaStream_t);
 }

@@ -270,6 +270,14 @@ std::string json_of(const Result& r, const Options& o, const std::string& gpu, d
 
 }  // namespace
 
+/// Model FLOPs of a forward expert-GEMM stage (0 for other stages): up 2 TK d w1_rows, down 2 TK n d.
+double stage_gemm_flops(const std::string& stage, const MoEProblem& p) {
+  const double pairs = static_cast<double>(p.T) * static_cast<double>(p.K);
+  if (stage == "forward/up_projection") return 2.0 * pairs * p.d * p.w1_rows();
+  if (stage == "forward/down_projection") return 2.0 * pairs * p.n * p.d;
+  return 0.0;
+}
+
 int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_objects) {
   cudaStream_t s;
   check(cudaSetDevice(0), "cudaSetDevice");
@@ -303,6 +311,8 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
       std::printf("    %-32s %9.3f ms", st.stage.c_str(), st.ms);
       if (st.stage.find("aggregation") != std::string::npos && st.ms > 0)
         std::printf("   %6.0f GB/s = %.2f of copy bandwidth", agg_bytes / (st.ms * 1e6), agg_bytes / (st.ms * 1e-3) / bw);
+      const double gemm_flops = stage_gemm_flops(st.stage, p);
+      if (gemm_flops > 0 && st.ms > 0) std::printf("   %6.1f TFLOP/s", gemm_flops / (st.ms * 1e9));
       std::printf("\n");
     }
     std::printf("  activation memory: accounted %.1f MiB, measured %.1f MiB; peak %.1f MiB (%.1f MiB above "
@@ -312,12 +322,21 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
   }
   if (results.size() > 1) {
     std::printf("\nsummary (%s, %s)\n", gpu.c_str(), dtype_name(runs[0].dtype));
-    std::printf("| config | fwd ms | fwd TFLOP/s | fwd eff | bwd ms | bwd TFLOP/s | bwd eff | act MiB (acct/meas) | peak MiB |\n");
-    std::printf("|---|---|---|---|---|---|---|---|---|\n");
-    for (const Result& r : results)
-      std::printf("| %s | %.3f | %.1f | %.3f | %.3f | %.1f | %.3f | %.1f / %.1f | %.1f |\n", r.config.c_str(), r.fwd_ms,
-                  r.fwd_tflops, r.bound_fwd / r.fwd_ms, r.bwd_ms, r.bwd_tflops, r.bound_bwd / r.bwd_ms,
-                  mib(r.act_accounted), mib(r.act_measured), mib(r.peak_total));
+    std::printf("| config | fwd ms | fwd TFLOP/s | fwd eff | up-proj TFLOP/s | down-proj TFLOP/s | bwd ms | bwd TFLOP/s | "
+                "bwd eff | act MiB (acct/meas) | peak MiB |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      const Result& r = results[i];
+      double up = 0, down = 0;
+      for (const StageTime& st : r.stages) {
+        const double f = stage_gemm_flops(st.stage, runs[i].problem);
+        if (st.stage == "forward/up_projection" && st.ms > 0) up = f / (st.ms * 1e9);
+        if (st.stage == "forward/down_projection" && st.ms > 0) down = f / (st.ms * 1e9);
+      }
+      std::printf("| %s | %.3f | %.1f | %.3f | %.1f | %.1f | %.3f | %.1f | %.3f | %.1f / %.1f | %.1f |\n",
+                  r.config.c_str(), r.fwd_ms, r.fwd_tflops, r.bound_fwd / r.fwd_ms, up, down, r.bwd_ms, r.bwd_tflops,
+                  r.bound_bwd / r.bwd_ms, mib(r.act_accounted), mib(r.act_measured), mib(r.peak_total));
+    }
   }
   cublasDestroy(h);
   cudaStreamDestroy(s);

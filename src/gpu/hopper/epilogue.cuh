@@ -101,7 +101,7 @@ struct Epilogue {
   /// kConcat: the tile holds the concatenated layout's gate rows then up rows. kBias: add the bias. row_base: the
   /// warpgroup's first row in the tile (cooperative: 0 or 64).
   template <bool kConcat, bool kBias, class Accumulator>
-  __device__ __forceinline__ static void apply(const GroupedGemmParams& p, Storage& st, const Accumulator& acc,
+  __device__ __forceinline__ static void apply(const GroupedGemmParams& p, Storage& st, Accumulator& acc,
                                                const TileCoord& c, int row_base, int wg_thread, int barrier_id) {
     using namespace cute;
     const int warp = wg_thread / 32, lane = wg_thread % 32;
@@ -113,20 +113,28 @@ struct Epilogue {
     const std::int64_t col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
     const std::int64_t act_col0 = static_cast<std::int64_t>(c.n_tile) * kActCols;
 
-    // A fragment value with its bias; see the header comment for the pairing.
-    auto value = [&](int v0, int v1, int v2, int m) __attribute__((always_inline)) -> float {
-      float x = acc(make_coord(make_coord(v0, v1, v2), m, 0));
-      if constexpr (kBias) {
-        const int tile_col = v2 * 8 + quad * 2 + v0;
-        std::int64_t bcol;
-        if constexpr (concat) {  // tile column -> (gate j or up j) in the weights' own order
-          bcol = v2 < kHalfBlocks ? act_col0 + tile_col : p.glu_n + act_col0 + tile_col - kTileN / 2;
-        } else {
-          bcol = col0 + tile_col;
+    // The bias, added once in place (a column's bias serves both rows of a fragment pair; the next tile's first
+    // WGMMA overwrites the accumulator). Tile column -> the weights' own row order (concatenated: gate j or up j).
+    if constexpr (kBias) {
+      CUTE_UNROLL
+      for (int v2 = 0; v2 < kTileN / 8; ++v2) {
+        CUTE_UNROLL
+        for (int v0 = 0; v0 < 2; ++v0) {
+          const int tile_col = v2 * 8 + quad * 2 + v0;
+          std::int64_t bcol = col0 + tile_col;
+          if constexpr (concat)
+            bcol = v2 < kHalfBlocks ? act_col0 + tile_col : p.glu_n + act_col0 + tile_col - kTileN / 2;
+          const float b = bias_at(p, c.expert, bcol);
+          CUTE_UNROLL
+          for (int m = 0; m < kRowAtoms; ++m) {
+            acc(make_coord(make_coord(v0, 0, v2), m, 0)) += b;
+            acc(make_coord(make_coord(v0, 1, v2), m, 0)) += b;
+          }
         }
-        x += bias_at(p, c.expert, bcol);
       }
-      return x;
+    }
+    auto value = [&](int v0, int v1, int v2, int m) __attribute__((always_inline)) -> float {
+      return acc(make_coord(make_coord(v0, v1, v2), m, 0));
     };
 
     CUTE_UNROLL

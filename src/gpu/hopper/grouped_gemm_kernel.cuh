@@ -34,8 +34,8 @@ struct GroupedGemmKernel {
 
   // Registers: the producer needs few (more when it gathers: row offsets), the consumers hold a 128 x kTileN
   // (ping-pong) or 64 x kTileN (cooperative) fp32 accumulator: 128 registers per thread either way.
-  static constexpr int kProducerRegs = Config::kGatherA ? 56 : 40;
-  static constexpr int kConsumerRegs = Config::kGatherA ? 224 : 232;
+  static constexpr int kProducerRegs = 48;
+  static constexpr int kConsumerRegs = 232;
 };
 
 /// One consumer warpgroup's persistent loop. Ping-pong: tiles consumer, consumer + 2, ... of this CTA's sequence,
@@ -94,19 +94,21 @@ __global__ void __launch_bounds__(Config::kThreads, 1) grouped_gemm_kernel(const
   }
 
   cutlass::arch::warpgroup_reg_alloc<K::kConsumerRegs>();
-  // The epilogue variant is chosen once, outside the persistent loop (uniform branch).
-  auto run = [&](auto concat, auto bias) {
-    consumer_loop<Config, decltype(concat)::value, decltype(bias)::value>(p, s, warpgroup - 1, wg_thread);
-  };
-  using Yes = cute::true_type;
-  using No = cute::false_type;
+  // The epilogue variant is chosen once, outside the persistent loop (uniform branch); every variant is inlined.
+  const int consumer = warpgroup - 1;
   if constexpr (Config::kGlu) {
     if (p.b_concatenated) {
-      if (p.bias != nullptr) run(Yes{}, Yes{}); else run(Yes{}, No{});
+      if (p.bias != nullptr)
+        consumer_loop<Config, true, true>(p, s, consumer, wg_thread);
+      else
+        consumer_loop<Config, true, false>(p, s, consumer, wg_thread);
       return;
     }
   }
-  if (p.bias != nullptr) run(No{}, Yes{}); else run(No{}, No{});
+  if (p.bias != nullptr)
+    consumer_loop<Config, false, true>(p, s, consumer, wg_thread);
+  else
+    consumer_loop<Config, false, false>(p, s, consumer, wg_thread);
 }
 
 /// Enqueues the kernel with one CTA per SM (a persistent grid; tiles beyond the work are never visited).

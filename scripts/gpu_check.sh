@@ -15,13 +15,15 @@ bash scripts/setup.sh
 SONICMOE_JOBS="$(nproc)" bash scripts/build.sh 2>&1 | tail -n 3
 status=0
 # The Hopper kernels: registers / stack / shared memory per kernel, and HGMMA present in their SASS.
-for obj in build/CMakeFiles/sonicmoe.dir/src/gpu/hopper/instantiations/*.o; do
+for src in src/gpu/hopper/instantiations/*.cu; do
+  obj="build/CMakeFiles/sonicmoe.dir/$src.o"
   echo "$(basename "$obj"): $(cuobjdump --dump-resource-usage "$obj" 2>&1 | grep -o 'REG:[0-9]* STACK:[0-9]* SHARED:[0-9]* LOCAL:[0-9]*' | head -1)," \
     "HGMMA instructions: $(cuobjdump --dump-sass "$obj" 2>/dev/null | grep -c HGMMA)"
 done 2>&1 | tee "$logs/hopper_kernels.txt"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   (cd build && ctest -L cpu --parallel "$(nproc)" 2>&1 | tail -n 3)
-  ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
+  # A hung kernel fails the run instead of eating the lease.
+  timeout 480 ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if [ -f build/lib/libsonicmoe_torch.so ]; then
     SONICMOE_IN_TREE=1 SONICMOE_TORCH_LIBRARY="$root/build/lib/libsonicmoe_torch.so" python3 -m pytest -q -p no:cacheprovider \
@@ -41,7 +43,7 @@ if [ "$what" = all ] || [ "$what" = sanitize ]; then
   done
 fi
 if [ "$what" = quick ]; then  # the Hopper kernel tests and one configuration's benchmark
-  ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
+  timeout 300 ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
   ./build/bin/sonicmoe-bench --config "${BENCH_CONFIG:-7B-256}" --iters 5 --warmup 2 2>&1 | tee "$logs/bench.log" | tail -n 40
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -34,8 +34,11 @@ struct GroupedGemmKernel {
 
   // Registers: the producer needs few (more when it gathers: row offsets), the consumers hold a 128 x kTileN
   // (ping-pong) or 64 x kTileN (cooperative) fp32 accumulator: 128 registers per thread either way.
-  static constexpr int kProducerRegs = 48;
-  static constexpr int kConsumerRegs = 232;
+  // setmaxnreg moves registers between warpgroups within what the launch allocated (168 x 384 = 64512): the
+  // split must satisfy 128 x (producer + 2 x consumer) <= 64512, or the consumers' increase waits forever.
+  static constexpr int kProducerRegs = Config::kGatherA ? 56 : 40;
+  static constexpr int kConsumerRegs = Config::kGatherA ? 224 : 232;
+  static_assert(128 * (kProducerRegs + 2 * kConsumerRegs) <= 168 * Config::kThreads, "register split");
 };
 
 /// One consumer warpgroup's persistent loop. Ping-pong: tiles consumer, consumer + 2, ... of this CTA's sequence,

@@ -81,10 +81,11 @@ void log_fallback_once(const char* stage, const std::string& reason) {
 /// The narrowest N tile of the kernels: every supported shape has N a multiple of it.
 constexpr int kMinTileN = hopper::UpPingPongConfig<Activation::kSwiGLU>::kTileN;
 
-/// Tile heuristic (SPEC §6.2 as the starting point, then measured: docs/BENCHMARKS.md). The 128 x 256
-/// cooperative tile halves the operand bytes per FLOP, which the gathered up-projection needs; the down-projection
-/// keeps the 128 x 128 ping-pong tile (its Y stores overlap the other warpgroup's short mainloop) unless the
-/// reduction is long. SONICMOE_HOPPER_TILE_N=128 or 256 overrides it (tuning and tests).
+/// Tile heuristic (SPEC §6.2 as the starting point, then measured on an H200: docs/BENCHMARKS.md). The 128 x 256
+/// cooperative tile halves the operand bytes per FLOP through L2 and shared memory, which the gathered
+/// up-projection needs (7B-256: 614 TFLOP/s against 500 with 128 x 128 ping-pong); for the down-projection it
+/// measured equal (n >= 512) or 2-4 % faster (n = 256). The 128 x 128 ping-pong tile serves N that is a multiple
+/// of 128 but not of 256. SONICMOE_HOPPER_TILE_N=128 or 256 (or set_hopper_tile_n) overrides it.
 std::atomic<int>& forced_tile_n() {
   static std::atomic<int> v{[] {
     const char* e = std::getenv("SONICMOE_HOPPER_TILE_N");
@@ -95,11 +96,8 @@ std::atomic<int>& forced_tile_n() {
 
 int choose_tile_n(const VarlenMArgs& a) {
   const int forced = forced_tile_n().load();
-  const bool wide_ok = a.N % 256 == 0;
-  if (forced == 128 || !wide_ok) return 128;
-  if (forced == 256) return 256;
-  if (a.epilogue == Epilogue::kUpActivation) return 256;
-  return a.K >= 1024 ? 256 : 128;
+  if (forced == 128 || a.N % 256 != 0) return 128;
+  return 256;
 }
 
 template <template <Activation> class Config>

@@ -55,7 +55,7 @@ std::string usage() {
       "usage: sonicmoe-bench [options]\n"
       "\n"
       "Runs one MoE layer forward and backward with the best backend available and prints the configuration,\n"
-      "timings, model FLOPs and the memory accounting. Today the backend is the CPU reference (fp32/fp64).\n"
+      "timings, model FLOPs and the memory accounting: on the GPU when one is present, else the CPU reference.\n"
       "\n"
       "Problem:\n"
       "  --config NAME        a named configuration (default: cpu-small without a GPU backend):\n";

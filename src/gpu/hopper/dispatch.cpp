@@ -83,7 +83,7 @@ constexpr int kMinTileN = hopper::UpPingPongConfig<Activation::kSwiGLU>::kTileN;
 
 /// Tile heuristic (SPEC §6.2 as the starting point, then measured on an H200: docs/BENCHMARKS.md). The 128 x 256
 /// cooperative tile halves the operand bytes per FLOP through L2 and shared memory, which the gathered
-/// up-projection needs (7B-256: 614 TFLOP/s against 500 with 128 x 128 ping-pong); for the down-projection it
+/// up-projection needs (7B-256: 614 TFLOP/s against 515 with 128 x 128 ping-pong); for the down-projection it
 /// measured equal (n >= 512) or 2-4 % faster (n = 256). The 128 x 128 ping-pong tile serves N that is a multiple
 /// of 128 but not of 256. SONICMOE_HOPPER_TILE_N=128 or 256 (or set_hopper_tile_n) overrides it.
 std::atomic<int>& forced_tile_n() {

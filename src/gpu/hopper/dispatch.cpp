@@ -179,10 +179,19 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
   p.glu_n = static_cast<int>(b.glu_n);
   p.out = a.out, p.ld_out = a.ld_out;
   p.bias = a.bias, p.ld_bias = a.ld_bias;
+  // Output tensor maps for the epilogue's TMA stores: (columns, rows), box 64 x 64, 128-byte swizzle.
+  auto output_map = [&](void* ptr, std::int64_t cols, std::int64_t ld) {
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(a.P_max)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+    const cuuint32_t box[2] = {64, 64};
+    return make_tensor_map(ptr, 2, dims, strides, box);
+  };
+  if (a.out != nullptr) p.tma_out = output_map(a.out, a.N, a.ld_out);
   const int sm_count = current_device().sm_count;
   if (a.epilogue == Epilogue::kUpActivation) {
     p.activation = a.activation;
     p.act_out = a.act_out, p.ld_act = a.ld_act;
+    if (a.act_out != nullptr) p.tma_act = output_map(a.act_out, is_glu(a.activation) ? a.N / 2 : a.N, a.ld_act);
     if (tile_n == 256)
       launch_up<hopper::UpCooperativeConfig>(a.activation, p, sm_count, stream);
     else

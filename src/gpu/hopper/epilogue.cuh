@@ -3,8 +3,9 @@
 //   kUpActivation: h = acc + b1 -> H (bf16, always gate/up-interleaved, skipped in inference) and
 //                  A = act(h) (bf16), both from the same fp32 values (SPEC §2.3);
 //   kStore:        y = acc + b2 -> Y (bf16).
-// The tile goes through a padded shared-memory staging buffer 64 rows at a time, then out with 16-byte
-// coalesced stores predicated on the expert's segment, so a tile never writes rows of the next expert.
+// The tile goes through a swizzled shared-memory staging buffer 64 rows x 128 columns at a time, then out by TMA
+// store (whole 64-row blocks) or predicated 16-byte stores (the block cut by the end of the expert's segment), so
+// a tile never writes rows of the next expert.
 //
 // WGMMA accumulator fragment (per 64-row atom): value (v0, v1, v2) of a thread holds row 8 v1 + lane / 4 (+16 per
 // warp) and column 8 v2 + 2 (lane % 4) + v0. A gate/up pair is (v0 = 0, 1) of one v2 in the interleaved layout and
@@ -64,38 +65,61 @@ struct Epilogue {
   static constexpr bool kUp = Config::kEpilogue == EpilogueKind::kUpActivation;
   static constexpr bool kGlu = Config::kGlu;
   static constexpr int kActCols = kGlu ? kTileN / 2 : kTileN;  // A columns of a tile
-  // The staging buffer holds 64 rows x 128 columns; wider tiles go out in several column passes. Its pitch has
-  // +8 bf16 (16 B) per row, which keeps the fragment writes free of bank conflicts. H (or Y) and A take turns in
-  // it; the fp32 values stay in registers in between.
+  // The staging buffer holds 64 rows x 128 columns as two 64 x 64 blocks in TMA's 128-byte-swizzled layout: a
+  // whole 64-row block leaves by TMA store (asynchronous: the warpgroup goes on to its next mainloop while the
+  // copy engine drains it); a block cut by the end of the expert's segment leaves by predicated 16-byte stores.
+  // H (or Y) and A take turns in it; the fp32 values stay in registers in between.
   static constexpr int kStageCols = 128;
-  static constexpr int kPitch = kStageCols + 8;
+  static constexpr int kBlockElems = kRows * 64;
 
-  struct Storage {  // per consumer warpgroup
-    alignas(16) __nv_bfloat16 staged[kRows * kPitch];
+  struct Storage {  // per consumer warpgroup; 1024-byte aligned (swizzle atoms)
+    alignas(1024) __nv_bfloat16 staged[kRows * kStageCols];
   };
 
-  __device__ __forceinline__ static float bias_at(const GroupedGemmParams& p, int e, std::int64_t col) {
-    return __bfloat162float(static_cast<const __nv_bfloat16*>(p.bias)[static_cast<std::int64_t>(e) * p.ld_bias + col]);
+  /// Element index of (row, column) in the swizzled staging buffer (16-byte chunk index XOR row % 8).
+  __device__ __forceinline__ static int staged_index(int r, int col) {
+    return (col >> 6) * kBlockElems + r * 64 + ((((col >> 3) & 7) ^ (r & 7)) << 3) + (col & 7);
   }
 
-  /// Copies `cols` columns of `rows` staged rows to dst (row stride ld) with 16-byte stores, then frees the buffer.
-  __device__ __forceinline__ static void store_rows(const Storage& st, int cols, int rows, __nv_bfloat16* dst,
-                                                    std::int64_t ld, int wg_thread, int barrier_id) {
-    named_barrier_sync(barrier_id, 128);  // the fragments are staged
+  /// Waits until the buffer is free: the previous TMA store has read it, and every thread is done with it.
+  __device__ __forceinline__ static void acquire(int wg_thread, int barrier_id) {
+    if (wg_thread == 0) bulk_wait_group_read0();
+    named_barrier_sync(barrier_id, 128);
+  }
+
+  /// Sends `cols` staged columns of `rows` rows to (row g0, column c0) of the output: TMA when the block is whole,
+  /// predicated 16-byte stores otherwise.
+  __device__ __forceinline__ static void release(const Storage& st, const CUtensorMap* map, int cols, int rows,
+                                                 __nv_bfloat16* base, std::int64_t ld, std::int64_t g0,
+                                                 std::int64_t c0, int wg_thread, int barrier_id) {
+    fence_proxy_async_shared();  // the fragments written with st.shared, made visible to the copy engine
+    named_barrier_sync(barrier_id, 128);
+    if (rows == kRows) {
+      if (wg_thread == 0) {
+        for (int b = 0; b < cols / 64; ++b)
+          tma_store_2d(map, st.staged + b * kBlockElems, static_cast<int>(c0) + 64 * b, static_cast<int>(g0));
+        bulk_commit_group();
+      }
+      return;
+    }
     const int chunks_per_row = cols / 8;
     const int total = kRows * chunks_per_row;
+    __nv_bfloat16* dst = base + g0 * ld + c0;
     for (int i = wg_thread; i < total; i += 128) {
       const int r = i / chunks_per_row, ch = i - r * chunks_per_row;
       if (r < rows) {
-        const uint4 v = *reinterpret_cast<const uint4*>(st.staged + r * kPitch + ch * 8);
+        const uint4 v = *reinterpret_cast<const uint4*>(st.staged + staged_index(r, ch * 8));
         *reinterpret_cast<uint4*>(dst + static_cast<std::int64_t>(r) * ld + ch * 8) = v;
       }
     }
-    named_barrier_sync(barrier_id, 128);  // the buffer is free for the next pass
   }
 
   __device__ __forceinline__ static void put2(Storage& st, int r, int col, float a, float b) {
-    *reinterpret_cast<__nv_bfloat162*>(&st.staged[r * kPitch + col]) = __floats2bfloat162_rn(a, b);
+    *reinterpret_cast<__nv_bfloat162*>(&st.staged[staged_index(r, col)]) = __floats2bfloat162_rn(a, b);
+  }
+
+  __device__ __forceinline__ static float bias_at(const GroupedGemmParams& p, int e, std::int64_t col) {
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(p.bias)[static_cast<std::int64_t>(e) * p.ld_bias + col]);
   }
 
   /// kConcat: the tile holds the concatenated layout's gate rows then up rows. kBias: add the bias. row_base: the
@@ -145,6 +169,7 @@ struct Epilogue {
       if (p.out != nullptr) {  // H (interleaved) or Y, in column passes of kStageCols
         CUTE_UNROLL
         for (int pass = 0; pass < kTileN / kStageCols; ++pass) {
+          acquire(wg_thread, barrier_id);
           CUTE_UNROLL
           for (int v2 = 0; v2 < kTileN / 8; ++v2) {
             CUTE_UNROLL
@@ -163,15 +188,15 @@ struct Epilogue {
               }
             }
           }
-          store_rows(st, kStageCols, rows,
-                     static_cast<__nv_bfloat16*>(p.out) + g0 * p.ld_out + col0 + pass * kStageCols, p.ld_out,
-                     wg_thread, barrier_id);
+          release(st, &p.tma_out, kStageCols, rows, static_cast<__nv_bfloat16*>(p.out), p.ld_out, g0,
+                  col0 + pass * kStageCols, wg_thread, barrier_id);
         }
       }
       if (kUp && p.act_out != nullptr) {  // A from the same fp32 values
         constexpr int kPassCols = kActCols < kStageCols ? kActCols : kStageCols;
         CUTE_UNROLL
         for (int pass = 0; pass < kActCols / kPassCols; ++pass) {
+          acquire(wg_thread, barrier_id);
           CUTE_UNROLL
           for (int v2 = 0; v2 < kTileN / 8; ++v2) {
             CUTE_UNROLL
@@ -184,7 +209,7 @@ struct Epilogue {
                        fast_activation<kAct>(value(1, v1, v2, m)) * value(1, v1, v2 + kHalfBlocks, m));
               } else if constexpr (kGlu) {  // A column col / 2 = 4 v2 + quad
                 if ((4 * v2) / kPassCols == pass)
-                  st.staged[r * kPitch + col / 2 - pass * kPassCols] =
+                  st.staged[staged_index(r, col / 2 - pass * kPassCols)] =
                       __float2bfloat16_rn(fast_activation<kAct>(value(0, v1, v2, m)) * value(1, v1, v2, m));
               } else {
                 if ((8 * v2) / kPassCols == pass)
@@ -193,9 +218,8 @@ struct Epilogue {
               }
             }
           }
-          store_rows(st, kPassCols, rows,
-                     static_cast<__nv_bfloat16*>(p.act_out) + g0 * p.ld_act + act_col0 + pass * kPassCols, p.ld_act,
-                     wg_thread, barrier_id);
+          release(st, &p.tma_act, kPassCols, rows, static_cast<__nv_bfloat16*>(p.act_out), p.ld_act, g0,
+                  act_col0 + pass * kPassCols, wg_thread, barrier_id);
         }
       }
     }

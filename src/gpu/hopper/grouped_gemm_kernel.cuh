@@ -69,6 +69,7 @@ __device__ __forceinline__ void consumer_loop(const GroupedGemmParams& p, Shared
     });
     K::Epi::template apply<kConcat, kBias>(p, s.epilogue[consumer], acc, c, row_base, wg_thread, 1 + consumer);
   }
+  if (wg_thread == 0) bulk_wait_group0();  // this warpgroup's last TMA stores have landed
 }
 
 template <class Config>

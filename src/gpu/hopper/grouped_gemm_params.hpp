@@ -74,7 +74,11 @@ struct GroupedGemmParams {
   Activation activation = Activation::kSwiGLU;
   void* act_out = nullptr;  // A (kUpActivation), bf16, row stride ld_act
   std::int64_t ld_act = 0;
-  int glu_n = 0;  // n (the concatenated layout's bias offset of the up half)
+  int glu_n = 0;
+  // TMA stores of whole 64-row blocks: 2D (columns, rows) maps of out and act_out, box (64, 64), 128-byte swizzle
+  // (blocks that end past the expert's segment are written with predicated stores instead).
+  CUtensorMap tma_out;
+  CUtensorMap tma_act;  // n (the concatenated layout's bias offset of the up half)
 };
 
 }  // namespace sonicmoe::gpu::hopper

@@ -12,10 +12,10 @@ template <class Config>
 void launch_grouped_gemm(const GroupedGemmParams& p, int sm_count, cudaStream_t stream);
 
 // Up-projection: X rows gathered by cp.async, activation epilogue, one configuration per activation.
-/// 128 x 128 tiles (64 A columns for GLU), ping-pong, 5 stages: 5 x 32 KiB ring + 2 x 17 KiB staging.
+/// 128 x 128 tiles (64 A columns for GLU), ping-pong, 5 stages: 5 x 32 KiB ring + 2 x 16 KiB staging.
 template <Activation kAct>
 using UpPingPongConfig = KernelConfig<128, 5, true, EpilogueKind::kUpActivation, Schedule::kPingPong, kAct>;
-/// 128 x 256 tiles, cooperative, 4 stages: 4 x 48 KiB ring + 2 x 17 KiB staging (N a multiple of 256).
+/// 128 x 256 tiles, cooperative, 4 stages: 4 x 48 KiB ring + 2 x 16 KiB staging (N a multiple of 256).
 template <Activation kAct>
 using UpCooperativeConfig = KernelConfig<256, 4, true, EpilogueKind::kUpActivation, Schedule::kCooperative, kAct>;
 // Down-projection: contiguous A by TMA, bias epilogue.

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <map>
 #include <set>
 #include <utility>
 
@@ -60,13 +61,20 @@ struct DeviceTraits {
   int major = 0, minor = 0, sm_count = 0;
 };
 
+/// The current device's compute capability and SM count, queried once per device (every forward launch asks).
 DeviceTraits current_device() {
   int dev = 0;
   SONICMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  static std::mutex mu;
+  static std::map<int, DeviceTraits> known;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = known.find(dev);
+  if (it != known.end()) return it->second;
   DeviceTraits t;
   SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.major, cudaDevAttrComputeCapabilityMajor, dev));
   SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.minor, cudaDevAttrComputeCapabilityMinor, dev));
   SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.sm_count, cudaDevAttrMultiProcessorCount, dev));
+  known.emplace(dev, t);
   return t;
 }
 
@@ -121,10 +129,11 @@ void set_hopper_tile_n(int tile_n) { forced_tile_n().store(tile_n); }
 void set_hopper_kernels_enabled(bool enabled) { enabled_flag().store(enabled ? 1 : 0); }
 bool hopper_kernels_enabled() { return enabled_flag().load() != 0; }
 
-std::string hopper_unsupported_reason(const VarlenMArgs& a) {
+namespace {
+
+std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
   if (!hopper_kernels_enabled()) return "Hopper kernels disabled (SONICMOE_DISABLE_HOPPER_KERNELS or the test switch)";
   if (a.dt != DType::kBF16) return std::string("dtype ") + dtype_name(a.dt) + " (the Hopper kernels are bf16)";
-  const DeviceTraits dev = current_device();
   if (dev.major != 9 || dev.minor != 0)
     return "compute capability " + std::to_string(dev.major) + "." + std::to_string(dev.minor) + " (needs 9.0)";
   if (a.epilogue != Epilogue::kStore && a.epilogue != Epilogue::kUpActivation) return "backward epilogue";
@@ -152,8 +161,13 @@ std::string hopper_unsupported_reason(const VarlenMArgs& a) {
   return "";
 }
 
+}  // namespace
+
+std::string hopper_unsupported_reason(const VarlenMArgs& a) { return unsupported_reason(a, current_device()); }
+
 void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t stream) {
-  const std::string reason = hopper_unsupported_reason(a);
+  const DeviceTraits dev = current_device();
+  const std::string reason = unsupported_reason(a, dev);
   if (!reason.empty()) {
     log_fallback_once(stage, reason);
     launch_varlen_m_gemm(a, stream);
@@ -175,7 +189,6 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
     p.tma_b = make_tensor_map(b.ptr, 3, dims, strides, box);
   }
   p.b_concatenated = b.permute == 1;
-  p.b_half_row0_second = p.b_concatenated ? static_cast<int>(b.glu_n) : 0;
   p.glu_n = static_cast<int>(b.glu_n);
   p.out = a.out, p.ld_out = a.ld_out;
   p.bias = a.bias, p.ld_bias = a.ld_bias;
@@ -187,9 +200,8 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
     return make_tensor_map(ptr, 2, dims, strides, box);
   };
   if (a.out != nullptr) p.tma_out = output_map(a.out, a.N, a.ld_out);
-  const int sm_count = current_device().sm_count;
+  const int sm_count = dev.sm_count;
   if (a.epilogue == Epilogue::kUpActivation) {
-    p.activation = a.activation;
     p.act_out = a.act_out, p.ld_act = a.ld_act;
     if (a.act_out != nullptr) p.tma_act = output_map(a.act_out, is_glu(a.activation) ? a.N / 2 : a.N, a.ld_act);
     if (tile_n == 256)

@@ -18,7 +18,6 @@
 
 #include <cuda_bf16.h>
 
-#include "gpu/device_math.cuh"
 #include "gpu/hopper/async_primitives.cuh"
 #include "gpu/hopper/grouped_gemm_params.hpp"
 #include "gpu/hopper/tile_scheduler.cuh"

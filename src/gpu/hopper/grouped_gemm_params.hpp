@@ -63,7 +63,6 @@ struct GroupedGemmParams {
   // B operand (weights), K-major: 3D (K, rows per expert, E), box (64, kTileN / 2, 1). A tile's kTileN rows are
   // loaded as two halves, so the concatenated GLU layout lands interleaved in shared memory without a copy.
   CUtensorMap tma_b;
-  int b_half_row0_second = 0;  // concatenated GLU: the up rows start at n (second half at row n + j0), else 0
   bool b_concatenated = false;
 
   // Epilogue.
@@ -71,14 +70,13 @@ struct GroupedGemmParams {
   std::int64_t ld_out = 0;
   const void* bias = nullptr;  // (E, N) in the weights' own row order, row stride ld_bias; may be null
   std::int64_t ld_bias = 0;
-  Activation activation = Activation::kSwiGLU;
   void* act_out = nullptr;  // A (kUpActivation), bf16, row stride ld_act
   std::int64_t ld_act = 0;
-  int glu_n = 0;
+  int glu_n = 0;  // n: in the concatenated layout, the first up row of the weights and of the bias
   // TMA stores of whole 64-row blocks: 2D (columns, rows) maps of out and act_out, box (64, 64), 128-byte swizzle
   // (blocks that end past the expert's segment are written with predicated stores instead).
   CUtensorMap tma_out;
-  CUtensorMap tma_act;  // n (the concatenated layout's bias offset of the up half)
+  CUtensorMap tma_act;
 };
 
 }  // namespace sonicmoe::gpu::hopper

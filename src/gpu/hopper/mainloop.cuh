@@ -84,7 +84,7 @@ struct Mainloop {
       int b_row_first, b_row_second;
       if (p.b_concatenated) {
         b_row_first = c.n_tile * half_rows;
-        b_row_second = p.b_half_row0_second + b_row_first;
+        b_row_second = p.glu_n + b_row_first;  // the up rows of the same j
       } else {
         b_row_first = c.n_tile * kTileN;
         b_row_second = b_row_first + half_rows;

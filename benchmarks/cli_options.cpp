@@ -83,6 +83,8 @@ std::string usage() {
       "  --warmup N           untimed repetitions first (default 3 on the GPU, 1 on the CPU)\n"
       "  --all-configs        run the 12 main configurations (GPU) and print a summary table\n"
       "  --json PATH          also write the results as a JSON array to PATH\n"
+      "  --profile            GPU: one more forward inside cudaProfilerStart/Stop, for\n"
+      "                       ncu --profile-from-start off / nsys --capture-range=cudaProfilerApi\n"
       "  --seed N             random seed of the inputs (default 0)\n"
       "  --help               this text\n";
   return s;
@@ -125,6 +127,10 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
     }
     if (a == "--all-configs") {
       o.all_configs = true;
+      continue;
+    }
+    if (a == "--profile") {
+      o.profile = true;
       continue;
     }
     if (a.rfind("--", 0) != 0) bad("command line", "options starting with '--' (see --help)", "'" + a + "'");
@@ -175,6 +181,7 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
   if (!warmup_given) o.warmup = o.gpu ? 3 : 1;
   if (o.all_configs && !o.gpu)
     bad("--all-configs", "a GPU backend (the CPU reference would take hours on the main configurations)", "the CPU");
+  if (o.profile && !o.gpu) bad("--profile", "a GPU backend (it marks a CUDA profiler capture range)", "the CPU");
 
   p.has_b1 = bias == "b1" || bias == "both";
   p.has_b2 = bias == "b2" || bias == "both";

@@ -33,6 +33,7 @@ struct Options {
   std::uint64_t seed = 0;
   bool all_configs = false;  // run the 12 main configurations
   std::string json_path;     // write results as JSON here when set
+  bool profile = false;      // GPU: bracket one extra forward with cudaProfilerStart/Stop (ncu/nsys capture range)
   bool help = false;
 };
 

@@ -3,6 +3,7 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -230,6 +231,26 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   r.fwd_ms = median_ms(o.warmup, o.iters, s, [&] { forward(p, xv, w, nullptr, fo, fb, s); });
   std::fprintf(stderr, "  [%s] timing backward (%d+%d)...\n", o.config_name.c_str(), o.warmup, o.iters);
   r.bwd_ms = median_ms(o.warmup, o.iters, s, [&] { backward(p, xv, w, nullptr, bi, bo, bb, s); });
+  if (o.profile) {
+    // Diagnostics: the forward issued back to back (the host runs ahead, so its launch latency is hidden; the
+    // difference to fwd_ms is host time the GPU waits for), then one forward as the profiler's capture range.
+    const int reps = 20;
+    cudaEvent_t a, b;
+    check(cudaEventCreate(&a), "event"), check(cudaEventCreate(&b), "event");
+    check(cudaEventRecord(a, s), "record");
+    for (int i = 0; i < reps; ++i) forward(p, xv, w, nullptr, fo, fb, s);
+    check(cudaEventRecord(b, s), "record");
+    check(cudaEventSynchronize(b), "sync");
+    float t = 0;
+    check(cudaEventElapsedTime(&t, a, b), "elapsed");
+    cudaEventDestroy(a), cudaEventDestroy(b);
+    std::printf("  [%s] forward %d back-to-back: %.4f ms each (one timed call: %.4f ms)\n", o.config_name.c_str(),
+                reps, t / reps, r.fwd_ms);
+    check(cudaProfilerStart(), "cudaProfilerStart");
+    forward(p, xv, w, nullptr, fo, fb, s);
+    check(cudaStreamSynchronize(s), "profiled forward");
+    check(cudaProfilerStop(), "cudaProfilerStop");
+  }
   enable_stage_timing(true);
   forward(p, xv, w, nullptr, fo, fb, s);
   backward(p, xv, w, nullptr, bi, bo, bb, s);

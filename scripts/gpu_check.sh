@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one go: build (all cores), the CPU and GPU test suites, compute-sanitizer (memcheck and
 # racecheck) on a representative subset, and the benchmark. Logs go to $OUT (the device tool's folder) or
-# build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|all] [gtest filter]
+# build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|profile|all] [gtest filter]
+# profile: kernel by kernel durations of one forward of $BENCH_CONFIGS (ncu, unlocked clocks; nsys when present).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 what="${1:-all}"
@@ -45,6 +46,21 @@ fi
 if [ "$what" = quick ]; then  # the Hopper kernel tests and one configuration's benchmark
   timeout 300 ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
   ./build/bin/sonicmoe-bench --config "${BENCH_CONFIG:-7B-256}" --iters 5 --warmup 2 2>&1 | tee "$logs/bench.log" | tail -n 40
+fi
+if [ "$what" = profile ]; then
+  for cfg in ${BENCH_CONFIGS:-7B-256}; do
+    echo "== $cfg"
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+      ./build/bin/sonicmoe-bench --config "$cfg" --iters 3 --warmup 1 --profile > "$logs/ncu_$cfg.csv" 2>&1
+    grep -E "back-to-back" "$logs/ncu_$cfg.csv"
+    python3 scripts/ncu_kernel_times.py "$logs/ncu_$cfg.csv"
+    if command -v nsys > /dev/null; then
+      nsys profile -o "$logs/nsys_$cfg" --force-overwrite true --capture-range=cudaProfilerApi \
+        ./build/bin/sonicmoe-bench --config "$cfg" --iters 3 --warmup 1 --profile > /dev/null 2>&1
+      nsys stats -q --report cuda_gpu_trace --format csv "$logs/nsys_$cfg.nsys-rep" > "$logs/nsys_$cfg.csv" 2>&1
+      head -n 40 "$logs/nsys_$cfg.csv"
+    fi
+  done
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   ./build/bin/sonicmoe-bench --all-configs --iters "${BENCH_ITERS:-3}" --warmup 1 --json "$logs/bench.json" 2>&1 |

@@ -8,9 +8,80 @@ namespace sonicmoe::gpu {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kMaxK = 64;  // selections held in shared memory per warp; larger K loops in chunks (see below)
+constexpr int kMaxK = 64;
+constexpr int kMaxPerLane = 16;  // rows of up to 512 experts are selected from registers  // selections held in shared memory per warp; larger K loops in chunks (see below)
 
-// Selection by repeated warp arg-max (warp_next_selection): cost O(K * E / 32) per lane, read from L1/L2.
+// The rank of a candidate as one 64-bit key whose unsigned order is ranks_before's: the value's bits made
+// monotone (NaN lowest, -0 as +0) above the complemented index (lower index first on equal values).
+__device__ __forceinline__ std::uint64_t rank_key(float v, int i) {
+  std::uint32_t u = __float_as_uint(v == 0.0f ? 0.0f : v);
+  u = isnan(v) ? 0u : (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<std::uint64_t>(u) << 32) | (0xffffffffu - static_cast<std::uint32_t>(i));
+}
+__device__ __forceinline__ float key_value(std::uint64_t key) {  // NaN for the NaN key (all ones)
+  const std::uint32_t u = static_cast<std::uint32_t>(key >> 32);
+  return __uint_as_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
+}
+
+// Selection by repeated warp arg-max over a row held in registers as rank keys: lane l keeps elements l, l + 32,
+// ... (the order in which warp_row_max / warp_row_sumexp visit them, so the softmax sums are the backward's). Round
+// r takes the largest key below the previous selection's: no element is marked, and the selections are exactly
+// those of warp_next_selection. The warp maximum is two redux instructions (value word, then index word among the
+// lanes holding that value). Rows longer than 32 * kMaxPerLane take the kernel below.
+template <class T, int PerLane>
+__global__ void topk_scores_registers_kernel(const T* __restrict__ logits, std::int64_t ld, std::int64_t T_, int E,
+                                             int K, ScoreVariant variant, float* __restrict__ scores,
+                                             std::int32_t* __restrict__ experts) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (t >= T_) return;
+  const T* z = logits + t * ld;
+  std::uint64_t key[PerLane];
+#pragma unroll
+  for (int j = 0; j < PerLane; ++j) {
+    const int i = j * 32 + lane;
+    key[j] = i < E ? rank_key(to_float(z[i]), i) : 0u;  // 0: below every element of the row
+  }
+  std::uint64_t prev = ~std::uint64_t{0};
+  float first = 0.0f, sum = 0.0f, mine = 0.0f;
+  float* s = scores + t * K;
+  std::int32_t* x = experts + t * K;
+  for (int r = 0; r < K; ++r) {
+    std::uint64_t best = 0;
+#pragma unroll
+    for (int j = 0; j < PerLane; ++j) best = (key[j] < prev && key[j] > best) ? key[j] : best;
+    const std::uint32_t hi = __reduce_max_sync(0xffffffffu, static_cast<std::uint32_t>(best >> 32));
+    const std::uint32_t lo = __reduce_max_sync(
+        0xffffffffu, static_cast<std::uint32_t>(best >> 32) == hi ? static_cast<std::uint32_t>(best) : 0u);
+    prev = (static_cast<std::uint64_t>(hi) << 32) | lo;
+    const float v = key_value(prev);
+    // Selections come in descending order, so the first is the maximum over the selection (NaN only when all are).
+    if (r == 0) first = v;
+    sum += expf(v - first);  // every lane, in selection order
+    if ((r & 31) == lane) {
+      x[r] = static_cast<std::int32_t>(0xffffffffu - lo);
+      if (K <= 32) mine = v;
+      else s[r] = v;  // K > 32: the raw logit, read back below by the lane that wrote it
+    }
+  }
+  float m = first, total = sum;
+  if (variant == ScoreVariant::kTopKOfSoftmax) {  // the probabilities of the full softmax
+    m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < PerLane; ++j)
+      if (j * 32 + lane < E) m = fmaxf(m, to_float(z[j * 32 + lane]));
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    total = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PerLane; ++j)
+      if (j * 32 + lane < E) total += expf(to_float(z[j * 32 + lane]) - m);
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  }
+  // Renormalised (softmax over the selection, router.cpp) or the selection's full-softmax probabilities.
+  for (int r = lane; r < K; r += 32) s[r] = expf((K <= 32 ? mine : s[r]) - m) / total;
+}
+
+// The same selection for any E, reading the row from L1/L2 in each of the K rounds.
 template <class T>
 __global__ void topk_scores_kernel(const T* __restrict__ logits, std::int64_t ld, std::int64_t T_, int E, int K,
                                    ScoreVariant variant, float* __restrict__ scores, std::int32_t* __restrict__ experts) {
@@ -117,8 +188,16 @@ void launch_topk_scores(DType dt, const void* logits, std::int64_t ld, std::int6
   if (T == 0) return;
   dispatch_data_type(dt, [&](auto tag) {
     using Tp = decltype(tag);
-    topk_scores_kernel<Tp><<<ceil_div(T, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
-        static_cast<const Tp*>(logits), ld, T, static_cast<int>(E), static_cast<int>(K), variant, scores, experts);
+    const unsigned grid = ceil_div(T, kWarpsPerBlock);
+    const auto* z = static_cast<const Tp*>(logits);
+    const int e = static_cast<int>(E), k = static_cast<int>(K);
+    auto run = [&](auto kernel) { kernel<<<grid, 32 * kWarpsPerBlock, 0, stream>>>(z, ld, T, e, k, variant, scores, experts); };
+    if (E <= 32) run(topk_scores_registers_kernel<Tp, 1>);
+    else if (E <= 64) run(topk_scores_registers_kernel<Tp, 2>);
+    else if (E <= 128) run(topk_scores_registers_kernel<Tp, 4>);
+    else if (E <= 256) run(topk_scores_registers_kernel<Tp, 8>);
+    else if (E <= 32 * kMaxPerLane) run(topk_scores_registers_kernel<Tp, kMaxPerLane>);
+    else run(topk_scores_kernel<Tp>);
   });
   SONICMOE_CUDA_CHECK_LAUNCH("topk_scores");
 }

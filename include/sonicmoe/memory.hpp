@@ -53,6 +53,9 @@ struct ActivationMemory {
 };
 ActivationMemory activation_memory(const MoEProblem& problem, DType data_dtype);
 
+/// Pairs per tile of the GPU routing-metadata build (its per-tile expert histograms are E x ceil(P / this)).
+inline constexpr std::int64_t kMetadataTilePairs = 256;
+
 /// Workspace handed to cuBLAS for the router GEMMs (so it allocates nothing itself).
 inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 
@@ -61,7 +64,7 @@ inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 ///   y             P x d                 data dtype  down-projection output Y, grouped order
 ///   pair_expert   P                     int32       expert of each pair, pair order
 ///   pair_token    P                     int32       token of each pair (variable-K routing only)
-///   tile_hist     E x ceil(P / 1024)    int32       per-tile expert histograms of the metadata build
+///   tile_hist     E x ceil(P / 256)     int32       per-tile expert histograms of the metadata build
 ///   expert_tiles  E + 1                 int32       GEMM M-tiles per expert, scanned
 ///   cublas        kCublasWorkspaceBytes             cuBLAS workspace of the router GEMM (not for caller-supplied)
 /// Token rounding only:

@@ -59,7 +59,7 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
   l.y = b.add(P * u(p.d) * elem);
   l.pair_expert = b.add(P * 4);
   if (p.variable_k()) l.pair_token = b.add(P * 4);
-  l.tile_hist = b.add(u(p.E) * ((P + 1023) / 1024) * 4);
+  l.tile_hist = b.add(u(p.E) * ((P + u(kMetadataTilePairs) - 1) / u(kMetadataTilePairs)) * 4);
   l.expert_tiles = b.add(u(p.E + 1) * 4);
   if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
   if (p.routing == RoutingMode::kTokenRounding) {

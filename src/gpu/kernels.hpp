@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "sonicmoe/memory.hpp"
 #include "sonicmoe/problem.hpp"
 #include "sonicmoe/tensor.hpp"
 
@@ -18,8 +19,8 @@ namespace sonicmoe::gpu {
 inline constexpr int kGemmTileM = 64;
 /// Columns of one N-tile of the dH kernel: one dS partial per (pair, N-tile) (memory.hpp: ceil(n / 64)).
 inline constexpr int kDsTileN = 64;
-/// Pairs per tile of the metadata build.
-inline constexpr int kMetadataTile = 1024;
+/// Pairs per tile of the metadata build (one thread per pair; memory.hpp sizes the histograms with it).
+inline constexpr int kMetadataTile = static_cast<int>(kMetadataTilePairs);
 
 // ---- router ----------------------------------------------------------------------------------------------------
 
@@ -43,7 +44,7 @@ struct MetadataArgs {
   const std::int32_t* pair_expert = nullptr;  // (P); values outside [0, E) are skipped (sentinels)
   const std::int32_t* pair_token = nullptr;   // (P) or null for top-K (token = p / K)
   std::int64_t K = 1;
-  std::int32_t* tile_hist = nullptr;       // (E, ceil(P / 1024)) scratch
+  std::int32_t* tile_hist = nullptr;       // (E, ceil(P / kMetadataTile)) scratch
   std::int32_t* expert_counts = nullptr;   // (E) output, may be null
   std::int32_t* expert_offsets = nullptr;  // (E + 1)
   std::int32_t* expert_tiles = nullptr;    // (E + 1): exclusive scan of ceil(count / kGemmTileM)

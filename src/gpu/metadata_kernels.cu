@@ -1,5 +1,5 @@
 // Routing metadata without a global sort and without host synchronisation (SPEC §2.2):
-//   1. per-tile expert histograms (tiles of kMetadataTile pairs),
+//   1. per-tile expert histograms (tiles of kMetadataTile pairs, one thread per pair),
 //   2. per-expert exclusive scans over tiles, then an exclusive scan over experts -> offsets,
 //   3. per tile, each pair's stable rank among same-expert pairs before it in the tile.
 // Grouped row of pair p = offsets[e] + (pairs of e in earlier tiles) + rank: ascending pair order inside each
@@ -19,11 +19,12 @@ using BlockScan = cub::BlockScan<std::int32_t, kScanThreads>;
 __global__ void tile_histogram_kernel(const std::int32_t* __restrict__ pair_expert, std::int64_t P, int E,
                                       std::int64_t n_tiles, std::int32_t* __restrict__ hist) {
   const std::int64_t tile = blockIdx.x;
-  const std::int64_t end = min(P, (tile + 1) * kMetadataTile);
-  for (std::int64_t p = tile * kMetadataTile + threadIdx.x; p < end; p += blockDim.x) {
-    const std::int32_t e = pair_expert[p];
-    if (e >= 0 && e < E) atomicAdd(&hist[e * n_tiles + tile], 1);
-  }
+  const std::int64_t p = tile * kMetadataTile + threadIdx.x;
+  const std::int32_t e = p < P ? pair_expert[p] : -1;
+  // One integer atomic per distinct expert of a warp (the lowest lane of each group adds the group's size).
+  const unsigned group = __match_any_sync(0xffffffffu, e);
+  const int lane = threadIdx.x & 31;
+  if (e >= 0 && e < E && (__ffs(group) - 1) == lane) atomicAdd(&hist[e * n_tiles + tile], __popc(group));
 }
 
 /// Row e of hist: exclusive scan over tiles in place; the expert's total goes to offsets[e + 1].
@@ -84,20 +85,27 @@ __global__ void place_kernel(const std::int32_t* __restrict__ pair_expert, const
                              const std::int32_t* __restrict__ hist, const std::int32_t* __restrict__ offsets,
                              std::int32_t* __restrict__ scatter, std::int32_t* __restrict__ inverse,
                              std::int32_t* __restrict__ gather) {
-  __shared__ std::int32_t tile_expert[kMetadataTile];
+  __shared__ alignas(16) std::int32_t tile_expert[kMetadataTile];
   const std::int64_t tile = blockIdx.x, base = tile * kMetadataTile;
-  const int i = threadIdx.x;
+  const int i = threadIdx.x, lane = i & 31, warp_begin = i & ~31;
   const std::int64_t p = base + i;
   const std::int32_t e = p < P ? pair_expert[p] : -1;
   tile_expert[i] = e;
   __syncthreads();
+  // Stable rank of p among the tile's pairs of expert e: earlier warps counted from shared memory (16-byte reads,
+  // the same address across the warp), this warp's earlier lanes from the match mask.
+  const unsigned same = __match_any_sync(0xffffffffu, e);
+  std::int32_t rank = __popc(same & ((1u << lane) - 1u));
+  const int4* earlier = reinterpret_cast<const int4*>(tile_expert);
+  for (int j = 0; j < warp_begin / 4; ++j) {
+    const int4 q = earlier[j];
+    rank += (q.x == e) + (q.y == e) + (q.z == e) + (q.w == e);
+  }
   if (p >= P) return;
   if (e < 0 || e >= E) {
     inverse[p] = -1;
     return;
   }
-  std::int32_t rank = 0;
-  for (int j = 0; j < i; ++j) rank += tile_expert[j] == e;
   const std::int32_t g = offsets[e] + hist[e * n_tiles + tile] + rank;
   inverse[p] = g;
   scatter[g] = static_cast<std::int32_t>(p);
@@ -126,8 +134,8 @@ void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream) {
   SONICMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_offsets, 0, sizeof(std::int32_t) * (a.E + 1), stream));
   if (n_tiles > 0) {
     SONICMOE_CUDA_CHECK(cudaMemsetAsync(a.tile_hist, 0, sizeof(std::int32_t) * a.E * n_tiles, stream));
-    tile_histogram_kernel<<<static_cast<unsigned>(n_tiles), 256, 0, stream>>>(a.pair_expert, a.P, E, n_tiles,
-                                                                             a.tile_hist);
+    tile_histogram_kernel<<<static_cast<unsigned>(n_tiles), kMetadataTile, 0, stream>>>(a.pair_expert, a.P, E,
+                                                                                       n_tiles, a.tile_hist);
     SONICMOE_CUDA_CHECK_LAUNCH("tile_histogram");
     scan_tiles_kernel<<<E, kScanThreads, 0, stream>>>(a.tile_hist, n_tiles, a.expert_offsets);
     SONICMOE_CUDA_CHECK_LAUNCH("scan_tiles");

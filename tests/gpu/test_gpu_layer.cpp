@@ -329,17 +329,43 @@ TEST(GpuLayerProperties, SavedMetadataEqualsTheReferenceBuild) {
   }
 }
 
-TEST(GpuLayerProperties, TopKOnTheGpuLogitsIsExactForLargeEAndK) {
+// Every top-K kernel variant: rows held in registers (E <= 512: 1, 2, 4, 8 or 16 per lane, E not a multiple of 32,
+// K = E, K > 32 which keeps raw logits in memory between the rounds) and rows read from memory (E > 512); each score
+// variant. The selection, the grouped order and the scores must be those of the reference on the GPU's logits.
+TEST(GpuLayerProperties, TopKOnTheGpuLogitsIsExactForEveryKernelVariant) {
   REQUIRE_GPU();
-  for (auto [E, K] : {std::pair<std::int64_t, std::int64_t>{4096, 16}, {5000, 20}, {64, 64}}) {
+  struct Shape {
+    std::int64_t E, K;
+    ScoreVariant score;
+  };
+  const Shape shapes[] = {{1, 1, ScoreVariant::kSoftmaxOverTopK},       {20, 20, ScoreVariant::kTopKOfSoftmax},
+                          {64, 64, ScoreVariant::kTopKOfSoftmax},       {128, 8, ScoreVariant::kSoftmaxOverTopK},
+                          {200, 7, ScoreVariant::kTopKOfSoftmaxRenorm}, {256, 16, ScoreVariant::kTopKOfSoftmax},
+                          {512, 40, ScoreVariant::kSoftmaxOverTopK},    {4096, 16, ScoreVariant::kTopKOfSoftmax},
+                          {5000, 20, ScoreVariant::kSoftmaxOverTopK}};
+  for (const Shape& sh : shapes) {
     MoEProblem p;
-    p.T = 64, p.d = 32, p.n = 8, p.E = E, p.K = K, p.score = ScoreVariant::kTopKOfSoftmax;
+    p.T = 64, p.d = 32, p.n = 8, p.E = sh.E, p.K = sh.K, p.score = sh.score;
     const LayerCase<double> c(p, 9);
     const GpuRun g = run_on_gpu(c, DType::kBF16);
     // Ties are common among bf16 logits: the order must still be exactly (value desc, index asc).
     const ReferenceRun r = reference_for(quantized_case(c, DType::kBF16), g.logits);
-    for (std::int64_t e = 0; e < E; ++e) ASSERT_EQ(g.counts[e], r.f.expert_counts[e]) << "E=" << E << " K=" << K;
-    EXPECT_LT(rel_error(g.out, r.f.out), 1e-2);
+    const std::string where = "E=" + std::to_string(sh.E) + " K=" + std::to_string(sh.K);
+    for (std::int64_t e = 0; e < sh.E; ++e) ASSERT_EQ(g.counts[e], r.f.expert_counts[e]) << where;
+    const SavedLayout l = saved_layout(g.problem, DType::kBF16);
+    const ref::RoutingMetadata& m = r.f.saved.meta;
+    const std::size_t P = static_cast<std::size_t>(m.num_pairs());
+    double worst = 0.0;
+    for (std::size_t i = 0; i < P; ++i) {
+      std::int32_t inv;
+      float score;
+      std::memcpy(&inv, &g.saved[l.inverse.offset + 4 * i], 4);
+      std::memcpy(&score, &g.saved[l.scores.offset + 4 * i], 4);
+      ASSERT_EQ(inv, m.inverse[i]) << where << " pair " << i;
+      worst = std::max(worst, std::abs(score - r.f.saved.scores[i]));
+    }
+    EXPECT_LT(worst, 1e-5) << where << ": fp32 scores against the float64 scores of the same logits";
+    EXPECT_LT(rel_error(g.out, r.f.out), 1e-2) << where;
   }
 }
 

@@ -58,11 +58,6 @@ std::vector<double> normal(std::size_t n, double scale, std::mt19937& rng) {
   return quantize(v, DType::kBF16);
 }
 
-std::vector<double> download_bf16(const DeviceBuffer& b, std::size_t count) {
-  const std::vector<unsigned char> raw = b.download();
-  return decode(raw.data(), count, DType::kBF16);
-}
-
 bool all_bytes(const std::vector<unsigned char>& v, std::size_t from, std::size_t to, unsigned char byte) {
   for (std::size_t i = from; i < to; ++i)
     if (v[i] != byte) return false;
@@ -321,6 +316,32 @@ DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& leng
         r.y_ref[g * d + c] = acc;
       }
   return r;
+}
+
+// The rasterisation group only reorders the tiles: every group size (dividing an expert's M-tiles or not, larger
+// than an expert) gives bitwise the same H, A and Y, on both tiles.
+TEST(HopperSchedulerProperties, RasterOrderGivesBitwiseIdenticalResults) {
+  REQUIRE_GPU();
+  const UpCase uc{Activation::kSwiGLU, WeightLayout::kInterleaved, true, true};
+  const std::vector<int> lengths = {1000, 0, 700, 129, 1, 300, 2000};  // 1 to 16 M-tiles per expert
+  for_each_tile([&] {
+    gpu::set_hopper_raster_m(1);
+    const UpResult base = run_up(uc, 4130, 128, 256, lengths, 13);
+    EXPECT_LT(rel_error(base.a, base.a_ref), 1e-2);
+    const DownResult down_base = run_down(512, 128, lengths, true, 14);
+    EXPECT_LT(rel_error(down_base.y, down_base.y_ref), 1e-2);
+    for (int raster : {2, 3, 7, 64}) {
+      SCOPED_TRACE("raster_m " + std::to_string(raster));
+      gpu::set_hopper_raster_m(raster);
+      const UpResult r = run_up(uc, 4130, 128, 256, lengths, 13);
+      EXPECT_TRUE(r.canaries);
+      EXPECT_TRUE(r.tails_untouched);
+      EXPECT_EQ(r.raw_h, base.raw_h);
+      EXPECT_EQ(r.raw_a, base.raw_a);
+      EXPECT_EQ(run_down(512, 128, lengths, true, 14).raw, down_base.raw);
+    }
+  });
+  gpu::set_hopper_raster_m(0);
 }
 
 TEST(HopperDownProjection, MatchesFloat64AndTheReferenceGemm) {

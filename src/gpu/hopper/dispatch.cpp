@@ -108,6 +108,22 @@ int choose_tile_n(const VarlenMArgs& a) {
   return 256;
 }
 
+/// Rasterisation group (M-tiles, tile_scheduler.cuh). SONICMOE_HOPPER_RASTER_M (or set_hopper_raster_m) forces it.
+std::atomic<int>& forced_raster_m() {
+  static std::atomic<int> v{[] {
+    const char* e = std::getenv("SONICMOE_HOPPER_RASTER_M");
+    return e ? std::atoi(e) : 0;
+  }()};
+  return v;
+}
+
+int choose_raster_m(const VarlenMArgs& a) {
+  const int forced = forced_raster_m().load();
+  if (forced > 0) return forced;
+  (void)a;
+  return 1;
+}
+
 template <template <Activation> class Config>
 void launch_up(Activation act, const hopper::GroupedGemmParams& p, int sms, cudaStream_t stream) {
   switch (act) {
@@ -125,6 +141,7 @@ void launch_up(Activation act, const hopper::GroupedGemmParams& p, int sms, cuda
 }  // namespace
 
 void set_hopper_tile_n(int tile_n) { forced_tile_n().store(tile_n); }
+void set_hopper_raster_m(int raster_m) { forced_raster_m().store(raster_m > 0 ? raster_m : 0); }
 
 void set_hopper_kernels_enabled(bool enabled) { enabled_flag().store(enabled ? 1 : 0); }
 bool hopper_kernels_enabled() { return enabled_flag().load() != 0; }
@@ -178,6 +195,7 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
   p.E = static_cast<int>(a.E), p.N = static_cast<int>(a.N), p.K = static_cast<int>(a.K);
   const int tile_n = choose_tile_n(a);
   p.n_tiles = p.N / tile_n;
+  p.raster_m = choose_raster_m(a);
   p.expert_offsets = a.expert_offsets;
   p.a = a.a, p.lda = a.lda, p.gather = a.a_gather;
   const ExpertOperand& b = a.b;

@@ -27,6 +27,9 @@ void set_hopper_kernels_enabled(bool enabled);
 /// Forces the N tile (128 or 256, where N allows it) instead of the heuristic; 0 restores the heuristic. Also
 /// set from the environment by SONICMOE_HOPPER_TILE_N.
 void set_hopper_tile_n(int tile_n);
+/// Forces the tile scheduler's rasterisation group (M-tiles per group; 1 runs along N); 0 restores the heuristic.
+/// Also set from the environment by SONICMOE_HOPPER_RASTER_M. The results are bitwise the same for every value.
+void set_hopper_raster_m(int raster_m);
 bool hopper_kernels_enabled();
 
 }  // namespace sonicmoe::gpu

@@ -48,7 +48,7 @@ __device__ __forceinline__ void consumer_loop(const GroupedGemmParams& p, Shared
                                               int wg_thread) {
   using K = GroupedGemmKernel<Config>;
   const typename K::Main::Storage ring{s.tiles, s.barriers};
-  VarlenTileScheduler<Config::kTileM> sched(p.expert_offsets, p.E, p.n_tiles);
+  VarlenTileScheduler<Config::kTileM> sched(p.expert_offsets, p.E, p.n_tiles, p.raster_m);
   typename K::Main::TiledMma mma;
   auto acc = cute::partition_fragment_C(mma, cute::Shape<cute::Int<Config::kTileM>, cute::Int<Config::kTileN>>{});
   const std::uint32_t k_tiles = static_cast<std::uint32_t>(p.K / Config::kTileK);

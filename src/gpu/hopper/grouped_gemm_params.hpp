@@ -52,6 +52,7 @@ struct GroupedGemmParams {
   int N = 0;        // output columns (H columns for the up-projection: 2n for GLU, n otherwise)
   int K = 0;        // reduction length, a multiple of 64
   int n_tiles = 0;  // N / kTileN
+  int raster_m = 1;  // M-tiles per rasterisation group of the tile scheduler (1: along N)
   const std::int32_t* expert_offsets = nullptr;  // (E + 1), device
 
   // A operand. Gathered: rows of `a` (row stride lda elements) picked by `gather`. Contiguous: TMA through tma_a.

@@ -70,7 +70,7 @@ struct Mainloop {
 
   /// Fills the ring for every tile of this CTA, in the order the consumers take them. `ptid` in [0, 128).
   __device__ __forceinline__ static void produce(const GroupedGemmParams& p, Storage s, int ptid) {
-    VarlenTileScheduler<kTileM> sched(p.expert_offsets, p.E, p.n_tiles);
+    VarlenTileScheduler<kTileM> sched(p.expert_offsets, p.E, p.n_tiles, p.raster_m);
     const int k_tiles = p.K / kTileK;
     std::uint32_t iter = 0;
     // Gather mapping: 8 threads cover one 128-byte row slice (16 B each), 16 rows per pass, 8 passes.

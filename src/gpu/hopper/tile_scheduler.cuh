@@ -3,8 +3,10 @@
 // The work is the list of output tiles of every expert in expert order; expert e contributes
 // ceil(f_e / kTileM) x n_tiles tiles, f_e = off[e+1] - off[e] (empty experts contribute none, segments are not
 // padded). CTA b takes tiles b, b + grid, b + 2 grid, ... (a static persistent schedule: deterministic, no atomics).
-// Within an expert tiles run along N first, so the CTAs working at one time share the gathered A rows and the
-// expert's weights in L2.
+// Rasterisation inside an expert: groups of raster_m M-tiles; inside a group the tiles run along M (raster_m tiles
+// sharing one weight tile) and then along N. raster_m = 1 is along N (every N-tile of one M-tile, sharing its
+// gathered A rows, then the next M-tile). Either way the CTAs working at one time hold one or two experts' weights
+// and a band of A rows in L2; the dispatcher picks raster_m (dispatch.cpp).
 //
 // Each warp decodes its tile index on its own: the lanes load 32 experts' offsets at once, scan their tile counts
 // with shuffles, and the warp keeps the window's position, so that a CTA walks the expert list once over its life.
@@ -25,8 +27,8 @@ struct TileCoord {
 template <int kTileM>
 class VarlenTileScheduler {
  public:
-  __device__ VarlenTileScheduler(const std::int32_t* offsets, int E, int n_tiles)
-      : offsets_(offsets), E_(E), n_tiles_(n_tiles) {}
+  __device__ VarlenTileScheduler(const std::int32_t* offsets, int E, int n_tiles, int raster_m)
+      : offsets_(offsets), E_(E), n_tiles_(n_tiles), raster_m_(raster_m) {}
 
   /// The coordinates of work tile `tile`; tiles must be asked for in increasing order. Warp-collective.
   __device__ TileCoord get(int tile) {
@@ -58,8 +60,14 @@ class VarlenTileScheduler {
         const int local = tile - window_base_ - before;
         TileCoord c;
         c.expert = window_ + l;
-        const int m_tile = local / n_tiles_;
-        c.n_tile = local - m_tile * n_tiles_;
+        // Group g holds M-tiles [g raster_m, g raster_m + gm) (gm < raster_m for the expert's last group).
+        const int m_tiles = (seg_end - seg_start + kTileM - 1) / kTileM;
+        const int g = local / (raster_m_ * n_tiles_);
+        const int in_group = local - g * raster_m_ * n_tiles_;
+        const int gm = min(raster_m_, m_tiles - g * raster_m_);
+        const int n_tile = in_group / gm;
+        const int m_tile = g * raster_m_ + (in_group - n_tile * gm);
+        c.n_tile = n_tile;
         c.row0 = static_cast<std::int64_t>(seg_start) + static_cast<std::int64_t>(m_tile) * kTileM;
         c.rows = static_cast<int>(min(static_cast<std::int64_t>(kTileM), seg_end - c.row0));
         return c;
@@ -73,7 +81,7 @@ class VarlenTileScheduler {
 
  private:
   const std::int32_t* offsets_;
-  int E_, n_tiles_;
+  int E_, n_tiles_, raster_m_;
   int window_ = 0;       // first expert of the current window of 32
   int window_base_ = 0;  // tiles of the experts before the window
   bool loaded_ = false;

@@ -169,7 +169,8 @@ class HopperUpProjection : public testing::TestWithParam<UpCase> {
 // Segments: an empty expert, 1 row, 127, 128, 129, 257 rows (partial and exact tiles), then the rest.
 const std::vector<int> kEdgeLengths = {0, 1, 127, 128, 0, 129, 257, 64, 3};
 
-/// Runs `body` with the N tile forced to 128 (ping-pong) and 256 (cooperative), then restores the heuristic.
+/// Runs `body` with the N tile forced to 128 (ping-pong) and 256 (cooperative; the up-projection multicasts W1
+/// across 2-CTA clusters), then restores the heuristic.
 template <class F>
 void for_each_tile(F&& body) {
   for (int tile : {128, 256}) {

@@ -104,6 +104,27 @@ __device__ __forceinline__ void bulk_wait_group_read0() {
 /// Waits until this thread's committed bulk stores are complete (written to global memory).
 __device__ __forceinline__ void bulk_wait_group0() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+/// TMA tile load delivered to the same shared-memory offset (data and complete_tx on the same barrier offset) in
+/// every CTA of the cluster named by cta_mask.
+__device__ __forceinline__ void tma_load_3d_multicast(const CUtensorMap* map, std::uint64_t* bar, void* dst, int c0,
+                                                      int c1, int c2, std::uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
+      "%4, %5}], [%2], %6;" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
+      : "memory");
+}
+
+/// One arrival on the barrier at the same offset in CTA `cta_rank` of the cluster. Release at CTA scope (the
+/// default) is all a consumer's "stage read" signal needs: the WGMMAs that read the stage have completed (wait_group)
+/// before it. A .release.cluster arrival adds a cluster-scope fence to every k-block; it made the 2-CTA kernel 1.6x
+/// slower than the cluster-free one (docs/BENCHMARKS.md).
+__device__ __forceinline__ void mbar_arrive_cluster(std::uint64_t* bar, std::uint32_t cta_rank) {
+  std::uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(cta_rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");
 }

@@ -7,9 +7,12 @@
 // seen the last stage of the previous tile arrive, which keeps the two on a single in-order ring of stages.
 #pragma once
 
+#include <cute/arch/cluster_sm90.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include <cuda_runtime.h>
+
+#include <atomic>
 
 #include "gpu/cuda_check.hpp"
 #include "gpu/hopper/epilogue.cuh"
@@ -48,7 +51,7 @@ __device__ __forceinline__ void consumer_loop(const GroupedGemmParams& p, Shared
                                               int wg_thread) {
   using K = GroupedGemmKernel<Config>;
   const typename K::Main::Storage ring{s.tiles, s.barriers};
-  VarlenTileScheduler<Config::kTileM> sched(p.expert_offsets, p.E, p.n_tiles, p.raster_m);
+  ClusterTiles<Config> sched(p);
   typename K::Main::TiledMma mma;
   auto acc = cute::partition_fragment_C(mma, cute::Shape<cute::Int<Config::kTileM>, cute::Int<Config::kTileN>>{});
   const std::uint32_t k_tiles = static_cast<std::uint32_t>(p.K / Config::kTileK);
@@ -56,7 +59,7 @@ __device__ __forceinline__ void consumer_loop(const GroupedGemmParams& p, Shared
   const int mma_thread = Config::kCooperative ? consumer * 128 + wg_thread : wg_thread;
   const int row_base = Config::kCooperative ? consumer * 64 : 0;
   for (int i = Config::kCooperative ? 0 : consumer;; i += kStep) {  // i: position in this CTA's tile sequence
-    const TileCoord c = sched.get(static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x));
+    const TileCoord c = sched.get(i);
     if (!c.valid()) break;
     if constexpr (!Config::kCooperative) {
       if (i > 0) {  // wait until the previous tile's consumer has seen all of that tile's stages
@@ -87,42 +90,71 @@ __global__ void __launch_bounds__(Config::kThreads, 1) grouped_gemm_kernel(const
     tma_prefetch_descriptor(&p.tma_b);
     if constexpr (!Config::kGatherA) tma_prefetch_descriptor(&p.tma_a);
   }
-  __syncthreads();
+  // With a cluster, the peer's barriers must be initialised before any multicast or remote arrival reaches them.
+  if constexpr (Config::kClusterM > 1)
+    cute::cluster_sync();
+  else
+    __syncthreads();
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
     // Without a gather only one thread issues the TMA loads; the other producer warps have nothing to do.
     if (Config::kGatherA || wg_thread < 32)
       K::Main::produce(p, typename K::Main::Storage{s.tiles, s.barriers}, wg_thread);
-    return;
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<K::kConsumerRegs>();
+    // The epilogue variant is chosen once, outside the persistent loop (uniform branch); every variant is inlined.
+    const int consumer = warpgroup - 1;
+    const bool concat = Config::kGlu && p.b_concatenated;
+    if (concat && p.bias != nullptr)
+      consumer_loop<Config, Config::kGlu, true>(p, s, consumer, wg_thread);
+    else if (concat)
+      consumer_loop<Config, Config::kGlu, false>(p, s, consumer, wg_thread);
+    else if (p.bias != nullptr)
+      consumer_loop<Config, false, true>(p, s, consumer, wg_thread);
+    else
+      consumer_loop<Config, false, false>(p, s, consumer, wg_thread);
   }
-
-  cutlass::arch::warpgroup_reg_alloc<K::kConsumerRegs>();
-  // The epilogue variant is chosen once, outside the persistent loop (uniform branch); every variant is inlined.
-  const int consumer = warpgroup - 1;
-  if constexpr (Config::kGlu) {
-    if (p.b_concatenated) {
-      if (p.bias != nullptr)
-        consumer_loop<Config, true, true>(p, s, consumer, wg_thread);
-      else
-        consumer_loop<Config, true, false>(p, s, consumer, wg_thread);
-      return;
-    }
-  }
-  if (p.bias != nullptr)
-    consumer_loop<Config, false, true>(p, s, consumer, wg_thread);
-  else
-    consumer_loop<Config, false, false>(p, s, consumer, wg_thread);
+  // A CTA leaves only when its peer can no longer arrive on its barriers (the consumers' remote releases).
+  if constexpr (Config::kClusterM > 1) cute::cluster_sync();
 }
 
 /// Enqueues the kernel with one CTA per SM (a persistent grid; tiles beyond the work are never visited).
+/// Devices whose resident-cluster count is cached (others ask on every launch).
+inline constexpr int kMaxDevices = 64;
+
 template <class Config>
 void launch_grouped_gemm(const GroupedGemmParams& p, int sm_count, cudaStream_t stream) {
   using K = GroupedGemmKernel<Config>;
   auto* kernel = &grouped_gemm_kernel<Config>;
   // Per device and cheap; set on every launch so that every device the process uses gets it.
   SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
-  kernel<<<sm_count, Config::kThreads, K::kSmemBytes, stream>>>(p);
+  if constexpr (Config::kClusterM == 1) {
+    kernel<<<sm_count, Config::kThreads, K::kSmemBytes, stream>>>(p);
+  } else {
+    cudaLaunchConfig_t cfg = {};
+    cfg.blockDim = dim3(Config::kThreads);
+    cfg.dynamicSmemBytes = K::kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = Config::kClusterM, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr, cfg.numAttrs = 1;
+    // As many clusters as can be resident at once (SMs pair within a GPC; 66 on an H200), so the static schedule
+    // has no tail wave. Asked once per device.
+    static std::atomic<int> resident[kMaxDevices];
+    int dev = 0;
+    SONICMOE_CUDA_CHECK(cudaGetDevice(&dev));
+    int clusters = dev < kMaxDevices ? resident[dev].load(std::memory_order_relaxed) : 0;
+    if (clusters == 0) {
+      cfg.gridDim = dim3((sm_count / Config::kClusterM) * Config::kClusterM);
+      SONICMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+      clusters = clusters > 0 ? clusters : 1;
+      if (dev < kMaxDevices) resident[dev].store(clusters, std::memory_order_relaxed);
+    }
+    cfg.gridDim = dim3(static_cast<unsigned>(clusters) * Config::kClusterM);
+    SONICMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  }
   SONICMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -29,7 +29,7 @@ enum class EpilogueKind : int {
 enum class Schedule : int { kPingPong, kCooperative };
 
 template <int TileN_, int Stages_, bool GatherA_, EpilogueKind Epi_, Schedule Sched_,
-          Activation Act_ = Activation::kSwiGLU>
+          Activation Act_ = Activation::kSwiGLU, int ClusterM_ = 1>
 struct KernelConfig {
   static constexpr int kTileM = 128;  // rows of one tile
   static constexpr int kTileN = TileN_;
@@ -43,6 +43,9 @@ struct KernelConfig {
   static constexpr bool kGlu = Epi_ == EpilogueKind::kUpActivation &&
                                (Act_ == Activation::kSwiGLU || Act_ == Activation::kGeGLU || Act_ == Activation::kReGLU);
   static constexpr bool kCooperative = Sched_ == Schedule::kCooperative;
+  // CTAs per cluster along M: with 2, a cluster takes two M-adjacent tiles of one expert and N tile, and each CTA
+  // loads half of the shared weight tile and multicasts it to both (half the weight traffic from L2).
+  static constexpr int kClusterM = ClusterM_;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
 };

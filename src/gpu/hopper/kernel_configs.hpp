@@ -15,10 +15,13 @@ void launch_grouped_gemm(const GroupedGemmParams& p, int sm_count, cudaStream_t 
 /// 128 x 128 tiles (64 A columns for GLU), ping-pong, 5 stages: 5 x 32 KiB ring + 2 x 16 KiB staging.
 template <Activation kAct>
 using UpPingPongConfig = KernelConfig<128, 5, true, EpilogueKind::kUpActivation, Schedule::kPingPong, kAct>;
-/// 128 x 256 tiles, cooperative, 4 stages: 4 x 48 KiB ring + 2 x 16 KiB staging (N a multiple of 256).
+/// 128 x 256 tiles, cooperative, 4 stages: 4 x 48 KiB ring + 2 x 16 KiB staging (N a multiple of 256). Clusters of
+/// 2 CTAs along M: each loads half of the W1 tile and multicasts it to both (half the weight traffic from L2;
+/// measured equal on 1.4B/7B and 4 % faster on 120B (2048,64,4) than the cluster-free kernel, BENCHMARKS.md).
 template <Activation kAct>
-using UpCooperativeConfig = KernelConfig<256, 4, true, EpilogueKind::kUpActivation, Schedule::kCooperative, kAct>;
-// Down-projection: contiguous A by TMA, bias epilogue.
+using UpCooperativeConfig = KernelConfig<256, 4, true, EpilogueKind::kUpActivation, Schedule::kCooperative, kAct, 2>;
+// Down-projection: contiguous A by TMA, bias epilogue. No clusters: multicasting W2 across 2-CTA clusters measured
+// equal or up to 2.5 % slower on six configurations (BENCHMARKS.md), so it was not kept.
 using DownPingPongConfig = KernelConfig<128, 5, false, EpilogueKind::kStore, Schedule::kPingPong>;
 using DownCooperativeConfig = KernelConfig<256, 4, false, EpilogueKind::kStore, Schedule::kCooperative>;
 

@@ -61,8 +61,9 @@ struct Mainloop {
   __device__ __forceinline__ static void init_barriers(Barriers& b) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&b.full[i], Config::kGatherA ? 1 + 128 : 1);
-      // One arrival per consuming warpgroup: ping-pong, the tile's owner; cooperative, both.
-      mbar_init(&b.empty[i], Config::kCooperative ? 2 : 1);
+      // One arrival per consuming warpgroup (ping-pong: the tile's owner; cooperative: both) of every CTA of the
+      // cluster: a stage is refilled by multicast into all of them.
+      mbar_init(&b.empty[i], (Config::kCooperative ? 2 : 1) * Config::kClusterM);
     }
   }
 
@@ -70,15 +71,15 @@ struct Mainloop {
 
   /// Fills the ring for every tile of this CTA, in the order the consumers take them. `ptid` in [0, 128).
   __device__ __forceinline__ static void produce(const GroupedGemmParams& p, Storage s, int ptid) {
-    VarlenTileScheduler<kTileM> sched(p.expert_offsets, p.E, p.n_tiles, p.raster_m);
+    ClusterTiles<Config> sched(p);
     const int k_tiles = p.K / kTileK;
     std::uint32_t iter = 0;
     // Gather mapping: 8 threads cover one 128-byte row slice (16 B each), 16 rows per pass, 8 passes.
     const int chunk = ptid & 7, row_in_pass = ptid >> 3;
     const std::uint32_t swizzled_chunk = static_cast<std::uint32_t>((chunk ^ (row_in_pass & 7)) << 4);
     const Element* a_base = static_cast<const Element*>(p.a);
-    for (int tile = blockIdx.x;; tile += gridDim.x) {
-      const TileCoord c = sched.get(tile);
+    for (int i = 0;; ++i) {
+      const TileCoord c = sched.get(i);
       if (!c.valid()) break;
       const int half_rows = kTileN / 2;
       int b_row_first, b_row_second;
@@ -103,9 +104,15 @@ struct Mainloop {
         mbar_wait(&s.bar.empty[stage], phase ^ 1u);
         if (ptid == 0) {
           mbar_arrive_expect_tx(&s.bar.full[stage], kBytesB + (Config::kGatherA ? 0 : kBytesA));
-          tma_load_3d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][0], kb * kTileK, b_row_first, c.expert);
-          tma_load_3d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][half_rows * kTileK], kb * kTileK, b_row_second,
-                      c.expert);
+          if constexpr (Config::kClusterM == 2) {  // this CTA's half of the weight tile, to both CTAs
+            const int half = static_cast<int>(sched.rank());
+            tma_load_3d_multicast(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][half * half_rows * kTileK],
+                                  kb * kTileK, half == 0 ? b_row_first : b_row_second, c.expert, 0x3);
+          } else {
+            tma_load_3d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][0], kb * kTileK, b_row_first, c.expert);
+            tma_load_3d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][half_rows * kTileK], kb * kTileK,
+                        b_row_second, c.expert);
+          }
           if constexpr (!Config::kGatherA)
             tma_load_2d(&p.tma_a, &s.bar.full[stage], &s.t.a[stage][0], kb * kTileK, static_cast<int>(c.row0));
         }
@@ -160,12 +167,22 @@ struct Mainloop {
       warpgroup_commit_batch();
       warpgroup_wait<1>();  // the previous k-block's WGMMAs are done: its stage can be refilled
       warpgroup_fence_operand(acc);
-      if (previous_stage >= 0 && wg_thread == 0) mbar_arrive(&s.bar.empty[previous_stage]);
+      if (previous_stage >= 0 && wg_thread < Config::kClusterM) release(s, previous_stage, wg_thread);
       previous_stage = stage;
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-    if (previous_stage >= 0 && wg_thread == 0) mbar_arrive(&s.bar.empty[previous_stage]);
+    if (previous_stage >= 0 && wg_thread < Config::kClusterM) release(s, previous_stage, wg_thread);
+  }
+
+  /// This warpgroup is done reading `stage`: tell every producer that writes into it. With a cluster, thread r of
+  /// the warpgroup signals CTA r (one arrival per thread, issued in parallel).
+  __device__ __forceinline__ static void release(Storage s, int stage, int cta_rank) {
+    if constexpr (Config::kClusterM == 1) {
+      mbar_arrive(&s.bar.empty[stage]);
+    } else {
+      mbar_arrive_cluster(&s.bar.empty[stage], static_cast<std::uint32_t>(cta_rank));
+    }
   }
 };
 

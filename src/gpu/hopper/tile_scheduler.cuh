@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "gpu/hopper/grouped_gemm_params.hpp"
+
 namespace sonicmoe::gpu::hopper {
 
 struct TileCoord {
@@ -87,6 +89,41 @@ class VarlenTileScheduler {
   bool loaded_ = false;
   int count_ = 0, inclusive_ = 0;  // this lane's expert: tiles, and tiles up to and including it in the window
   std::int32_t start_ = 0, end_ = 0;
+};
+
+/// The tile sequence of this CTA. Without clusters, tiles blockIdx.x, + gridDim.x, ... With a cluster of 2 along M,
+/// the unit is a pair of M-adjacent tiles (same expert and N tile, so the weight tile is shared): cluster c takes
+/// units c, c + clusters, ... and CTA rank r its tile r of each pair. The second tile of a pair can be empty
+/// (rows <= 0): that CTA still runs the mainloop (its multicast half is needed) and writes nothing.
+template <class Config>
+class ClusterTiles {
+ public:
+  __device__ explicit ClusterTiles(const GroupedGemmParams& p)
+      : sched_(p.expert_offsets, p.E, p.n_tiles, p.raster_m),
+        unit_(static_cast<int>(blockIdx.x) / Config::kClusterM),
+        units_(static_cast<int>(gridDim.x) / Config::kClusterM) {
+    if constexpr (Config::kClusterM > 1) {
+      std::uint32_t r;
+      asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+      rank_ = r;
+    }
+  }
+  __device__ std::uint32_t rank() const { return rank_; }
+  /// Tile i of this CTA's sequence (warp-collective, i increasing).
+  __device__ TileCoord get(int i) {
+    TileCoord c = sched_.get(unit_ + i * units_);
+    if (Config::kClusterM > 1 && c.valid()) {
+      const int skip = static_cast<int>(rank_) * Config::kTileM;
+      c.row0 += skip;
+      c.rows = min(c.rows - skip, Config::kTileM);
+    }
+    return c;
+  }
+
+ private:
+  VarlenTileScheduler<Config::kTileM * Config::kClusterM> sched_;
+  int unit_, units_;
+  std::uint32_t rank_ = 0;
 };
 
 }  // namespace sonicmoe::gpu::hopper

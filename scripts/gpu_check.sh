@@ -35,9 +35,13 @@ fi
 if [ "$what" = all ] || [ "$what" = sanitize ]; then
   # Small shapes only (the sanitizers slow kernels down ~100x); every kernel is on these paths.
   subset='GpuLayerProperties.SplitBackward*:*GpuLayer.MatchesFloat64Reference/bf16_swiglu_concatenated_bias_topk_topk_softmax_preact:*GpuLayer.MatchesFloat64Reference/bf16_relu_squared_interleaved_bias_caller_input_only:*GpuLayer.MatchesFloat64Reference/fp32_geglu_interleaved_bias_topk_softmax_topk_input_only:*GpuLayer.MatchesFloat64Reference/bf16_relu_interleaved_nobias_token_rounding_topk_softmax_down_input_only:*GpuEdgeShapes.*odd_dims*:*GpuEdgeShapes.*empty_experts*:*GpuEdgeShapes.*padded_rows*:GpuLayerProperties.SavedMetadata*:GpuLayerProperties.OutOfRange*:HopperUpProjection.*/swiglu_concatenated_bias_H_and_A:HopperUpProjection.*/relu_squared_interleaved_bias_A_only:HopperUpProjectionProperties.EdgeShapes:HopperDownProjection.ManyExperts*:GpuLayerProperties.TopK*:HopperSchedulerProperties.*'
+  # racecheck checks shared memory only; the top-K kernels use none, and that test's router-weight gradient GEMM
+  # (T=64, E=4096: a cuBLAS nvjet split-K kernel) is reported by racecheck inside cuBLAS, which is not ours to fix.
   for tool in memcheck racecheck; do
+    filter="$subset"
+    [ "$tool" = racecheck ] && filter="${subset/:GpuLayerProperties.TopK\*/}"
     compute-sanitizer --tool "$tool" --error-exitcode 9 ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 \
-      --gtest_filter="$subset" > "$logs/sanitize_$tool.log" 2>&1
+      --gtest_filter="$filter" > "$logs/sanitize_$tool.log" 2>&1
     rc=$?
     echo "compute-sanitizer $tool: exit $rc; $(grep -E "SUMMARY|PASSED|FAILED" "$logs/sanitize_$tool.log" | sort -u | tr "\n" " ")"
     [ $rc -eq 0 ] || status=1

@@ -89,16 +89,19 @@ void log_fallback_once(const char* stage, const std::string& reason) {
 /// The narrowest N tile of the kernels: every supported shape has N a multiple of it.
 constexpr int kMinTileN = hopper::UpPingPongConfig<Activation::kSwiGLU>::kTileN;
 
+/// An integer from the environment, 0 when the variable is unset.
+int env_int(const char* name) {
+  const char* e = std::getenv(name);
+  return e ? std::atoi(e) : 0;
+}
+
 /// Tile heuristic (SPEC §6.2 as the starting point, then measured on an H200: docs/BENCHMARKS.md). The 128 x 256
 /// cooperative tile halves the operand bytes per FLOP through L2 and shared memory, which the gathered
 /// up-projection needs (7B-256: 614 TFLOP/s against 515 with 128 x 128 ping-pong); for the down-projection it
 /// measured equal (n >= 512) or 2-4 % faster (n = 256). The 128 x 128 ping-pong tile serves N that is a multiple
 /// of 128 but not of 256. SONICMOE_HOPPER_TILE_N=128 or 256 (or set_hopper_tile_n) overrides it.
 std::atomic<int>& forced_tile_n() {
-  static std::atomic<int> v{[] {
-    const char* e = std::getenv("SONICMOE_HOPPER_TILE_N");
-    return e ? std::atoi(e) : 0;
-  }()};
+  static std::atomic<int> v{env_int("SONICMOE_HOPPER_TILE_N")};
   return v;
 }
 
@@ -110,18 +113,14 @@ int choose_tile_n(const VarlenMArgs& a) {
 
 /// Rasterisation group (M-tiles, tile_scheduler.cuh). SONICMOE_HOPPER_RASTER_M (or set_hopper_raster_m) forces it.
 std::atomic<int>& forced_raster_m() {
-  static std::atomic<int> v{[] {
-    const char* e = std::getenv("SONICMOE_HOPPER_RASTER_M");
-    return e ? std::atoi(e) : 0;
-  }()};
+  static std::atomic<int> v{env_int("SONICMOE_HOPPER_RASTER_M")};
   return v;
 }
 
-int choose_raster_m(const VarlenMArgs& a) {
+/// Along N (1) unless forced: groups of 2-8 M-tiles measured no better (docs/BENCHMARKS.md).
+int choose_raster_m() {
   const int forced = forced_raster_m().load();
-  if (forced > 0) return forced;
-  (void)a;
-  return 1;
+  return forced > 0 ? forced : 1;
 }
 
 template <template <Activation> class Config>
@@ -195,7 +194,7 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
   p.E = static_cast<int>(a.E), p.N = static_cast<int>(a.N), p.K = static_cast<int>(a.K);
   const int tile_n = choose_tile_n(a);
   p.n_tiles = p.N / tile_n;
-  p.raster_m = choose_raster_m(a);
+  p.raster_m = choose_raster_m();
   p.expert_offsets = a.expert_offsets;
   p.a = a.a, p.lda = a.lda, p.gather = a.a_gather;
   const ExpertOperand& b = a.b;

@@ -120,41 +120,39 @@ __global__ void __launch_bounds__(Config::kThreads, 1) grouped_gemm_kernel(const
 }
 
 /// Enqueues the kernel with one CTA per SM (a persistent grid; tiles beyond the work are never visited).
-/// Devices whose resident-cluster count is cached (others ask on every launch).
+/// Devices whose launch set-up is cached (others repeat it on every launch).
 inline constexpr int kMaxDevices = 64;
 
 template <class Config>
 void launch_grouped_gemm(const GroupedGemmParams& p, int sm_count, cudaStream_t stream) {
   using K = GroupedGemmKernel<Config>;
   auto* kernel = &grouped_gemm_kernel<Config>;
-  // Per device and cheap; set on every launch so that every device the process uses gets it.
-  SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
-  if constexpr (Config::kClusterM == 1) {
-    kernel<<<sm_count, Config::kThreads, K::kSmemBytes, stream>>>(p);
-  } else {
-    cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(Config::kThreads);
-    cfg.dynamicSmemBytes = K::kSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = Config::kClusterM, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr, cfg.numAttrs = 1;
-    // As many clusters as can be resident at once (SMs pair within a GPC; 66 on an H200), so the static schedule
-    // has no tail wave. Asked once per device.
-    static std::atomic<int> resident[kMaxDevices];
-    int dev = 0;
-    SONICMOE_CUDA_CHECK(cudaGetDevice(&dev));
-    int clusters = dev < kMaxDevices ? resident[dev].load(std::memory_order_relaxed) : 0;
-    if (clusters == 0) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(Config::kThreads);
+  cfg.dynamicSmemBytes = K::kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = Config::kClusterM, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr, cfg.numAttrs = Config::kClusterM > 1 ? 1 : 0;
+  // Once per device: the shared-memory opt-in (a per-device function attribute) and how many clusters can be
+  // resident at once (SMs pair within a GPC; 66 on an H200), so the static schedule has no tail wave.
+  static std::atomic<int> resident[kMaxDevices];  // 0: not set up yet; else resident clusters (CTAs without)
+  int dev = 0;
+  SONICMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  int clusters = dev < kMaxDevices ? resident[dev].load(std::memory_order_relaxed) : 0;
+  if (clusters == 0) {
+    SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
+    clusters = sm_count;
+    if constexpr (Config::kClusterM > 1) {
       cfg.gridDim = dim3((sm_count / Config::kClusterM) * Config::kClusterM);
       SONICMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
-      clusters = clusters > 0 ? clusters : 1;
-      if (dev < kMaxDevices) resident[dev].store(clusters, std::memory_order_relaxed);
     }
-    cfg.gridDim = dim3(static_cast<unsigned>(clusters) * Config::kClusterM);
-    SONICMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+    clusters = clusters > 0 ? clusters : 1;
+    if (dev < kMaxDevices) resident[dev].store(clusters, std::memory_order_relaxed);
   }
+  cfg.gridDim = dim3(static_cast<unsigned>(clusters) * Config::kClusterM);
+  SONICMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
   SONICMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -3,9 +3,9 @@
 #include <cerrno>
 #include <cstdlib>
 
-#include "sonicmoe/error.hpp"
+#include "machmoe/error.hpp"
 
-namespace sonicmoe::bench {
+namespace machmoe::bench {
 
 const std::vector<NamedConfig>& named_configs() {
   static const std::vector<NamedConfig> configs = {
@@ -23,7 +23,7 @@ const std::vector<NamedConfig>& named_configs() {
 namespace {
 
 [[noreturn]] void bad(const std::string& option, const std::string& expected, const std::string& got) {
-  throw_argument_error("sonicmoe-bench", option, expected, got);
+  throw_argument_error("machmoe-bench", option, expected, got);
 }
 
 std::int64_t parse_int(const std::string& option, const std::string& text, std::int64_t lo) {
@@ -52,7 +52,7 @@ auto parse_enum(const std::string& option, const std::string& text, F&& f) {
 
 std::string usage() {
   std::string s =
-      "usage: sonicmoe-bench [options]\n"
+      "usage: machmoe-bench [options]\n"
       "\n"
       "Runs one MoE layer forward and backward with the best backend available and prints the configuration,\n"
       "timings, model FLOPs and the memory accounting: on the GPU when one is present, else the CPU reference.\n"
@@ -189,13 +189,13 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
     bad("--routing", "topk or token_rounding (caller-supplied triples come from the API, not the command line)",
         "'caller'");
   if (sizes_overridden) o.config_name += " (sizes overridden)";
-  validate_problem(p, "sonicmoe-bench");
+  validate_problem(p, "machmoe-bench");
   return o;
 }
 
-}  // namespace sonicmoe::bench
+}  // namespace machmoe::bench
 
-namespace sonicmoe::bench {
+namespace machmoe::bench {
 
 std::vector<Options> main_config_runs(const Options& base) {
   std::vector<Options> runs;
@@ -209,4 +209,4 @@ std::vector<Options> main_config_runs(const Options& base) {
   return runs;
 }
 
-}  // namespace sonicmoe::bench
+}  // namespace machmoe::bench

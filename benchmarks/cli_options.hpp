@@ -1,4 +1,4 @@
-// Command-line options of sonicmoe-bench, parsed strictly: unknown options, missing or malformed values and
+// Command-line options of machmoe-bench, parsed strictly: unknown options, missing or malformed values and
 // invalid combinations are errors that say what was expected.
 #pragma once
 
@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "sonicmoe/problem.hpp"
-#include "sonicmoe/tensor.hpp"
+#include "machmoe/problem.hpp"
+#include "machmoe/tensor.hpp"
 
-namespace sonicmoe::bench {
+namespace machmoe::bench {
 
 struct NamedConfig {
   const char* name;
@@ -17,7 +17,7 @@ struct NamedConfig {
   const char* note;
 };
 
-/// The 12 main configurations of TARGETS.md plus the reduced CPU default.
+/// The 12 main configurations of docs/TARGETS.md plus the reduced CPU default.
 const std::vector<NamedConfig>& named_configs();
 
 enum class Backend { kAuto, kCpu, kGpu };
@@ -40,11 +40,11 @@ struct Options {
 /// The 12 main configurations with every other option of `base` (for --all-configs).
 std::vector<Options> main_config_runs(const Options& base);
 
-/// Parses argv. Throws sonicmoe::Error with a message naming the option on bad input.
+/// Parses argv. Throws machmoe::Error with a message naming the option on bad input.
 /// `have_gpu_backend` (a CUDA build with a device) resolves --backend auto and the defaults that depend on it:
 /// the 7B configuration in bf16 on the GPU, the reduced size in fp32 on the CPU reference.
 Options parse_options(const std::vector<std::string>& args, bool have_gpu_backend);
 
 std::string usage();
 
-}  // namespace sonicmoe::bench
+}  // namespace machmoe::bench

@@ -1,4 +1,4 @@
-// sonicmoe-bench on the GPU: times the layer (CUDA events, median), its stages, the cuBLAS bound of TARGETS.md
+// machmoe-bench on the GPU: times the layer (CUDA events, median), its stages, the cuBLAS bound of docs/TARGETS.md
 // measured in the same run, and activation/peak memory both as accounted and as measured by the driver.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "gpu_bench.hpp"
-#include "sonicmoe/sonicmoe.hpp"
+#include "machmoe/machmoe.hpp"
 
-namespace sonicmoe::bench {
+namespace machmoe::bench {
 namespace {
 
 void check(cudaError_t e, const char* what) {
@@ -364,4 +364,4 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
   return 0;
 }
 
-}  // namespace sonicmoe::bench
+}  // namespace machmoe::bench

@@ -2,10 +2,10 @@
 # Configures and builds into build/ (Release: -DNDEBUG, which the CUTLASS kernels need). Used by main.sh and test.sh.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-build="${SONICMOE_BUILD_DIR:-$root/build}"
-jobs="${SONICMOE_JOBS:-$(nproc)}"
+build="${MACHMOE_BUILD_DIR:-$root/build}"
+jobs="${MACHMOE_JOBS:-$(nproc)}"
 # The PyTorch operator library is built whenever the python3 found can import torch.
 torch_opt=OFF
-if [ "${SONICMOE_NO_TORCH:-0}" != 1 ] && python3 -c "import torch" >/dev/null 2>&1; then torch_opt=ON; fi
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSONICMOE_BUILD_TORCH="$torch_opt" >/dev/null
+if [ "${MACHMOE_NO_TORCH:-0}" != 1 ] && python3 -c "import torch" >/dev/null 2>&1; then torch_opt=ON; fi
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMACHMOE_BUILD_TORCH="$torch_opt" >/dev/null
 cmake --build "$build" --parallel "$jobs"

@@ -13,21 +13,21 @@ export PYTHONUNBUFFERED=1
 cd "$root"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
 bash scripts/setup.sh
-SONICMOE_JOBS="$(nproc)" bash scripts/build.sh 2>&1 | tail -n 3
+MACHMOE_JOBS="$(nproc)" bash scripts/build.sh 2>&1 | tail -n 3
 status=0
 # The Hopper kernels: registers / stack / shared memory per kernel, and HGMMA present in their SASS.
 for src in src/gpu/hopper/instantiations/*.cu; do
-  obj="build/CMakeFiles/sonicmoe.dir/$src.o"
+  obj="build/CMakeFiles/machmoe.dir/$src.o"
   echo "$(basename "$obj"): $(cuobjdump --dump-resource-usage "$obj" 2>&1 | grep -o 'REG:[0-9]* STACK:[0-9]* SHARED:[0-9]* LOCAL:[0-9]*' | head -1)," \
     "HGMMA instructions: $(cuobjdump --dump-sass "$obj" 2>/dev/null | grep -c HGMMA)"
 done 2>&1 | tee "$logs/hopper_kernels.txt"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   (cd build && ctest -L cpu --parallel "$(nproc)" 2>&1 | tail -n 3)
   # A hung kernel fails the run instead of eating the lease.
-  timeout 480 ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
+  timeout 480 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  if [ -f build/lib/libsonicmoe_torch.so ]; then
-    SONICMOE_IN_TREE=1 SONICMOE_TORCH_LIBRARY="$root/build/lib/libsonicmoe_torch.so" python3 -m pytest -q -p no:cacheprovider \
+  if [ -f build/lib/libmachmoe_torch.so ]; then
+    MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY="$root/build/lib/libmachmoe_torch.so" python3 -m pytest -q -p no:cacheprovider \
       tests/python 2>&1 | tee "$logs/pytest.log" | tail -n 15
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
@@ -40,7 +40,7 @@ if [ "$what" = all ] || [ "$what" = sanitize ]; then
   for tool in memcheck racecheck; do
     filter="$subset"
     [ "$tool" = racecheck ] && filter="${subset/:GpuLayerProperties.TopK\*/}"
-    compute-sanitizer --tool "$tool" --error-exitcode 9 ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 \
+    compute-sanitizer --tool "$tool" --error-exitcode 9 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
       --gtest_filter="$filter" > "$logs/sanitize_$tool.log" 2>&1
     rc=$?
     echo "compute-sanitizer $tool: exit $rc; $(grep -E "SUMMARY|PASSED|FAILED" "$logs/sanitize_$tool.log" | sort -u | tr "\n" " ")"
@@ -48,26 +48,26 @@ if [ "$what" = all ] || [ "$what" = sanitize ]; then
   done
 fi
 if [ "$what" = quick ]; then  # the Hopper kernel tests and one configuration's benchmark
-  timeout 300 ./build/tests/sonicmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
-  ./build/bin/sonicmoe-bench --config "${BENCH_CONFIG:-7B-256}" --iters 5 --warmup 2 2>&1 | tee "$logs/bench.log" | tail -n 40
+  timeout 300 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
+  ./build/bin/machmoe-bench --config "${BENCH_CONFIG:-7B-256}" --iters 5 --warmup 2 2>&1 | tee "$logs/bench.log" | tail -n 40
 fi
 if [ "$what" = profile ]; then
   for cfg in ${BENCH_CONFIGS:-7B-256}; do
     echo "== $cfg"
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-      ./build/bin/sonicmoe-bench --config "$cfg" --iters 3 --warmup 1 --profile > "$logs/ncu_$cfg.csv" 2>&1
+      ./build/bin/machmoe-bench --config "$cfg" --iters 3 --warmup 1 --profile > "$logs/ncu_$cfg.csv" 2>&1
     grep -E "back-to-back" "$logs/ncu_$cfg.csv"
     python3 scripts/ncu_kernel_times.py "$logs/ncu_$cfg.csv"
     if command -v nsys > /dev/null; then
       nsys profile -o "$logs/nsys_$cfg" --force-overwrite true --capture-range=cudaProfilerApi \
-        ./build/bin/sonicmoe-bench --config "$cfg" --iters 3 --warmup 1 --profile > /dev/null 2>&1
+        ./build/bin/machmoe-bench --config "$cfg" --iters 3 --warmup 1 --profile > /dev/null 2>&1
       nsys stats -q --report cuda_gpu_trace --format csv "$logs/nsys_$cfg.nsys-rep" > "$logs/nsys_$cfg.csv" 2>&1
       head -n 40 "$logs/nsys_$cfg.csv"
     fi
   done
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  ./build/bin/sonicmoe-bench --all-configs --iters "${BENCH_ITERS:-3}" --warmup 1 --json "$logs/bench.json" 2>&1 |
+  ./build/bin/machmoe-bench --all-configs --iters "${BENCH_ITERS:-3}" --warmup 1 --json "$logs/bench.json" 2>&1 |
     tee "$logs/bench.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi

@@ -45,8 +45,8 @@ if ! have_cutlass; then
   echo "$cutlass_version" > "$cutlass_dir/.version"
 fi
 # The PyTorch front end: torch from PyPI (the CUDA 13.0 build; pip caches the wheels), pytest, numpy. Skipped when
-# torch is already importable (the GPU machine's image has torch 2.11) or SONICMOE_NO_TORCH=1.
-if [ "${SONICMOE_NO_TORCH:-0}" != 1 ]; then
+# torch is already importable (the GPU machine's image has torch 2.11) or MACHMOE_NO_TORCH=1.
+if [ "${MACHMOE_NO_TORCH:-0}" != 1 ]; then
   if ! python3 -c "import torch" >/dev/null 2>&1; then
     echo "setup: installing torch==2.11.0 from PyPI (large; cached by pip after the first time)"
     python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "torch==2.11.0"

@@ -7,15 +7,15 @@ labels=(-L cpu)
 [ "${1:-}" = "--gpu" ] && labels=()
 bash "$root/scripts/setup.sh"
 bash "$root/scripts/build.sh"
-build="${SONICMOE_BUILD_DIR:-$root/build}"
+build="${MACHMOE_BUILD_DIR:-$root/build}"
 (cd "$build" && ctest --output-on-failure --parallel "$(nproc)" ${labels[@]+"${labels[@]}"})
 # The PyTorch front end (pytest): the CPU part everywhere, the GPU part (marker gpu) with --gpu.
-if [ -f "$build/lib/libsonicmoe_torch.so" ]; then
-  echo "test: installing the sonicmoe package (pip install --no-build-isolation .)"
+if [ -f "$build/lib/libmachmoe_torch.so" ]; then
+  echo "test: installing the machmoe package (pip install --no-build-isolation .)"
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-build-isolation "$root"
   markers=(-m "not gpu")
   [ "${1:-}" = "--gpu" ] && markers=()
   (cd "$root/tests/python" && python3 -m pytest -q -p no:cacheprovider . ${markers[@]+"${markers[@]}"})
 else
-  echo "test: torch is not importable, so the PyTorch tests were not built or run (SONICMOE_NO_TORCH=1?)"
+  echo "test: torch is not importable, so the PyTorch tests were not built or run (MACHMOE_NO_TORCH=1?)"
 fi

@@ -1,8 +1,8 @@
 #include "core/checks.hpp"
 
-#include "sonicmoe/error.hpp"
+#include "machmoe/error.hpp"
 
-namespace sonicmoe::detail {
+namespace machmoe::detail {
 
 std::string shape_string(std::initializer_list<std::int64_t> shape) {
   std::string s = "(";
@@ -54,4 +54,4 @@ void ArgChecker::absent(const TensorView& t, const std::string& name, const std:
   if (!t.empty()) fail(name, "an empty view (" + why + ")", "a tensor of shape " + t.shape_string());
 }
 
-}  // namespace sonicmoe::detail
+}  // namespace machmoe::detail

@@ -1,4 +1,4 @@
-// Argument checks shared by the public entry points. Each failure throws sonicmoe::Error naming the function, the
+// Argument checks shared by the public entry points. Each failure throws machmoe::Error naming the function, the
 // argument, what was expected and what was given.
 #pragma once
 
@@ -7,9 +7,9 @@
 #include <string>
 #include <utility>
 
-#include "sonicmoe/tensor.hpp"
+#include "machmoe/tensor.hpp"
 
-namespace sonicmoe::detail {
+namespace machmoe::detail {
 
 std::string shape_string(std::initializer_list<std::int64_t> shape);
 
@@ -35,4 +35,4 @@ class ArgChecker {
   std::string where_;
 };
 
-}  // namespace sonicmoe::detail
+}  // namespace machmoe::detail

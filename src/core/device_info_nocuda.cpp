@@ -1,17 +1,17 @@
 // Device discovery for builds without nvcc: no CUDA devices.
-#include "sonicmoe/device.hpp"
+#include "machmoe/device.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 
 bool built_with_cuda() { return false; }
 int cuda_device_count() { return 0; }
 std::string cuda_device_description(int) { return {}; }
 
-}  // namespace sonicmoe
+}  // namespace machmoe
 
-#include "sonicmoe/profiling.hpp"
+#include "machmoe/profiling.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 void enable_stage_timing(bool) {}
 std::vector<StageTime> collect_stage_timings() { return {}; }
-}  // namespace sonicmoe
+}  // namespace machmoe

@@ -1,10 +1,10 @@
-#include "sonicmoe/error.hpp"
+#include "machmoe/error.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 
 void throw_argument_error(const std::string& where, const std::string& arg, const std::string& expected,
                           const std::string& got) {
-  throw Error("sonicmoe::" + where + ": argument '" + arg + "': expected " + expected + ", got " + got);
+  throw Error("machmoe::" + where + ": argument '" + arg + "': expected " + expected + ", got " + got);
 }
 
-}  // namespace sonicmoe
+}  // namespace machmoe

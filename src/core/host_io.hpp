@@ -5,9 +5,9 @@
 #include <cstring>
 #include <vector>
 
-#include "sonicmoe/tensor.hpp"
+#include "machmoe/tensor.hpp"
 
-namespace sonicmoe::detail {
+namespace machmoe::detail {
 
 /// Calls f(element_offset, linear_index) for every element of a row-major view of rank <= 4.
 template <class F>
@@ -54,4 +54,4 @@ inline void write_int32(const TensorView& t, const std::int64_t* values) {
   for_each_element(t, [&](std::int64_t off, std::int64_t i) { dst[off] = static_cast<std::int32_t>(values[i]); });
 }
 
-}  // namespace sonicmoe::detail
+}  // namespace machmoe::detail

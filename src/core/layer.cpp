@@ -1,6 +1,6 @@
 // Public forward/backward: validation of every argument, then dispatch to a backend. Today the backend is the
 // CPU reference (fp32/fp64 host tensors); the CUDA runtime plugs in here.
-#include "sonicmoe/layer.hpp"
+#include "machmoe/layer.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -9,13 +9,13 @@
 #include "core/checks.hpp"
 #include "core/host_io.hpp"
 #include "reference/layer.hpp"
-#include "sonicmoe/error.hpp"
+#include "machmoe/error.hpp"
 
-#ifdef SONICMOE_WITH_CUDA
+#ifdef MACHMOE_WITH_CUDA
 #include "gpu/layer_cuda.hpp"
 #endif
 
-namespace sonicmoe {
+namespace machmoe {
 
 namespace {
 
@@ -55,7 +55,7 @@ DType validate_inputs(const ArgChecker& c, const MoEProblem& p, const TensorView
   }
 
   if (dev.type == DeviceType::kCUDA) {
-#ifndef SONICMOE_WITH_CUDA
+#ifndef MACHMOE_WITH_CUDA
     c.fail("x", "tensors on cpu (this build has no CUDA support: nvcc was not found at configure time)",
            device_name(dev));
 #endif
@@ -331,7 +331,7 @@ void forward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, co
     c.fail("buffers.workspace_bytes", "at least forward_workspace_bytes(...) = " + bytes_str(ws_need),
            bytes_str(buffers.workspace_bytes));
   if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
-#ifdef SONICMOE_WITH_CUDA
+#ifdef MACHMOE_WITH_CUDA
   if (x.device.type == DeviceType::kCUDA) {
     // Index values stay on the device (checking them here would synchronise); out-of-range pairs are skipped.
     gpu::forward_cuda(p, x, w, routing, out, buffers, stream);
@@ -357,7 +357,7 @@ void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, c
     c.fail("buffers.workspace_bytes", "at least backward_workspace_bytes(...) = " + bytes_str(ws_need),
            bytes_str(buffers.workspace_bytes));
   if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
-#ifdef SONICMOE_WITH_CUDA
+#ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
     gpu::backward_cuda(p, x, w, routing, bin, out, buffers, stream);
     return;
@@ -388,7 +388,7 @@ void backward_input(const MoEProblem& p, const TensorView& x, const LayerWeights
            bytes_str(buffers.workspace_bytes));
   if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
   check_deferred(c, p, dt, deferred);
-#ifdef SONICMOE_WITH_CUDA
+#ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
     gpu::backward_input_cuda(p, x, w, bin, out, buffers, deferred, stream);
     return;
@@ -413,7 +413,7 @@ void backward_weight(const MoEProblem& p, const TensorView& x, const LayerWeight
            "the router's gradient comes from backward_input()");
   check_saved(c, p, dt, saved, saved_bytes);
   check_deferred(c, p, dt, deferred);
-#ifdef SONICMOE_WITH_CUDA
+#ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
     gpu::backward_weight_cuda(p, x, grad_out, out, saved, deferred, stream);
     return;
@@ -423,4 +423,4 @@ void backward_weight(const MoEProblem& p, const TensorView& x, const LayerWeight
   else backward_weight_cpu<float>(c, p, x, grad_out, out, saved, deferred);
 }
 
-}  // namespace sonicmoe
+}  // namespace machmoe

@@ -1,10 +1,10 @@
-#include "sonicmoe/losses.hpp"
+#include "machmoe/losses.hpp"
 
 #include "core/checks.hpp"
 #include "core/host_io.hpp"
 #include "reference/losses.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 
 namespace {
 
@@ -64,4 +64,4 @@ void router_z_loss(const TensorView& logits, const TensorView& loss, const Tenso
     emit(ref::router_z_loss(detail::read_real<float>(logits).data(), T, E), loss, grad, grad_scale, accumulate);
 }
 
-}  // namespace sonicmoe
+}  // namespace machmoe

@@ -1,6 +1,6 @@
-#include "sonicmoe/memory.hpp"
+#include "machmoe/memory.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 
 namespace {
 /// Appends regions at kRegionAlignment boundaries.
@@ -114,4 +114,4 @@ std::size_t backward_workspace_bytes(const MoEProblem& p, DType data_dtype, Devi
   return device.type == DeviceType::kCPU ? 0 : backward_workspace_layout(p, data_dtype).total_bytes;
 }
 
-}  // namespace sonicmoe
+}  // namespace machmoe

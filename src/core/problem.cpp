@@ -1,11 +1,11 @@
-#include "sonicmoe/problem.hpp"
+#include "machmoe/problem.hpp"
 
 #include <algorithm>
 #include <sstream>
 
-#include "sonicmoe/error.hpp"
+#include "machmoe/error.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 
 bool is_glu(Activation act) {
   return act == Activation::kSwiGLU || act == Activation::kGeGLU || act == Activation::kReGLU;
@@ -145,4 +145,4 @@ void validate_problem(const MoEProblem& p, const char* where) {
                              std::to_string(p.max_pairs()) + ")");
 }
 
-}  // namespace sonicmoe
+}  // namespace machmoe

@@ -1,8 +1,8 @@
-#include "sonicmoe/tensor.hpp"
+#include "machmoe/tensor.hpp"
 
-#include "sonicmoe/error.hpp"
+#include "machmoe/error.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
@@ -94,4 +94,4 @@ static std::string join(const std::int64_t* v, int n) {
 std::string TensorView::shape_string() const { return join(shape, rank); }
 std::string TensorView::stride_string() const { return join(stride, rank); }
 
-}  // namespace sonicmoe
+}  // namespace machmoe

@@ -6,7 +6,7 @@
 #include "gpu/device_math.cuh"
 #include "gpu/kernels.hpp"
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 namespace {
 
 /// One block per token; each thread owns VEC consecutive columns per chunk (16-byte loads when VEC > 1).
@@ -120,7 +120,7 @@ void launch_gather_sum(DType dt, const void* rows, std::int64_t width, const flo
       gather_sum_kernel<Tp, 1><<<grid, threads, 0, stream>>>(static_cast<const Tp*>(rows), width, weights, inverse,
                                                              token_offsets, K, static_cast<Tp*>(out), ld_out);
   });
-  SONICMOE_CUDA_CHECK_LAUNCH("gather_sum");
+  MACHMOE_CUDA_CHECK_LAUNCH("gather_sum");
 }
 
 void launch_ds_reduce(DType dt, const float* partial, std::int64_t n_tiles, const std::int32_t* inverse,
@@ -134,7 +134,7 @@ void launch_ds_reduce(DType dt, const float* partial, std::int64_t n_tiles, cons
                                                               static_cast<int>(E), P, static_cast<const Tp*>(grad_out),
                                                               ld_go, static_cast<const Tp*>(b2), ld_b2, d, ds);
   });
-  SONICMOE_CUDA_CHECK_LAUNCH("ds_reduce");
+  MACHMOE_CUDA_CHECK_LAUNCH("ds_reduce");
 }
 
 void launch_segment_column_sum(DType dt, const void* m, std::int64_t ld_m, const std::int32_t* gather,
@@ -149,7 +149,7 @@ void launch_segment_column_sum(DType dt, const void* m, std::int64_t ld_m, const
         static_cast<const Tp*>(m), ld_m, gather, scores, scatter, offsets, cols, glu_n, static_cast<Tp*>(out),
         ld_out_expert, col_blocks);
   });
-  SONICMOE_CUDA_CHECK_LAUNCH("segment_column_sum");
+  MACHMOE_CUDA_CHECK_LAUNCH("segment_column_sum");
 }
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu

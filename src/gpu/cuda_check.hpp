@@ -1,4 +1,4 @@
-// CUDA / cuBLAS status checks that throw sonicmoe::RuntimeError with the failing call and its location.
+// CUDA / cuBLAS status checks that throw machmoe::RuntimeError with the failing call and its location.
 #pragma once
 
 #include <cublas_v2.h>
@@ -6,34 +6,34 @@
 
 #include <string>
 
-#include "sonicmoe/error.hpp"
+#include "machmoe/error.hpp"
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 
 [[noreturn]] inline void throw_cuda(cudaError_t err, const char* what, const char* file, int line) {
-  throw RuntimeError(std::string("sonicmoe: CUDA error '") + cudaGetErrorString(err) + "' in " + what + " at " + file +
+  throw RuntimeError(std::string("machmoe: CUDA error '") + cudaGetErrorString(err) + "' in " + what + " at " + file +
                      ":" + std::to_string(line));
 }
 [[noreturn]] inline void throw_cublas(cublasStatus_t st, const char* what, const char* file, int line) {
-  throw RuntimeError(std::string("sonicmoe: cuBLAS error ") + cublasGetStatusString(st) + " in " + what + " at " +
+  throw RuntimeError(std::string("machmoe: cuBLAS error ") + cublasGetStatusString(st) + " in " + what + " at " +
                      file + ":" + std::to_string(line));
 }
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu
 
-#define SONICMOE_CUDA_CHECK(call)                                                          \
+#define MACHMOE_CUDA_CHECK(call)                                                          \
   do {                                                                                     \
-    cudaError_t sonicmoe_err_ = (call);                                                    \
-    if (sonicmoe_err_ != cudaSuccess) ::sonicmoe::gpu::throw_cuda(sonicmoe_err_, #call, __FILE__, __LINE__); \
+    cudaError_t machmoe_err_ = (call);                                                    \
+    if (machmoe_err_ != cudaSuccess) ::machmoe::gpu::throw_cuda(machmoe_err_, #call, __FILE__, __LINE__); \
   } while (0)
 
 /// After a kernel launch: reports launch errors (no synchronisation). cudaGetLastError also clears a non-sticky
 /// error, so one stale error cannot make every later call fail.
-#define SONICMOE_CUDA_CHECK_LAUNCH(name) SONICMOE_CUDA_CHECK(cudaGetLastError())
+#define MACHMOE_CUDA_CHECK_LAUNCH(name) MACHMOE_CUDA_CHECK(cudaGetLastError())
 
-#define SONICMOE_CUBLAS_CHECK(call)                                                          \
+#define MACHMOE_CUBLAS_CHECK(call)                                                          \
   do {                                                                                       \
-    cublasStatus_t sonicmoe_st_ = (call);                                                    \
-    if (sonicmoe_st_ != CUBLAS_STATUS_SUCCESS)                                               \
-      ::sonicmoe::gpu::throw_cublas(sonicmoe_st_, #call, __FILE__, __LINE__);                \
+    cublasStatus_t machmoe_st_ = (call);                                                    \
+    if (machmoe_st_ != CUBLAS_STATUS_SUCCESS)                                               \
+      ::machmoe::gpu::throw_cublas(machmoe_st_, #call, __FILE__, __LINE__);                \
   } while (0)

@@ -4,9 +4,9 @@
 
 #include <string>
 
-#include "sonicmoe/device.hpp"
+#include "machmoe/device.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 
 bool built_with_cuda() { return true; }
 
@@ -30,4 +30,4 @@ std::string cuda_device_description(int ordinal) {
          std::to_string(prop.totalGlobalMem / (1024ull * 1024ull * 1024ull)) + " GiB)";
 }
 
-}  // namespace sonicmoe
+}  // namespace machmoe

@@ -7,11 +7,11 @@
 
 #include <cstdint>
 
-#include "sonicmoe/error.hpp"
-#include "sonicmoe/problem.hpp"
-#include "sonicmoe/tensor.hpp"
+#include "machmoe/error.hpp"
+#include "machmoe/problem.hpp"
+#include "machmoe/tensor.hpp"
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -126,10 +126,10 @@ void dispatch_data_type(DType dt, F&& f) {
     case DType::kBF16: f(__nv_bfloat16{}); return;
     case DType::kFP16: f(__half{}); return;
     case DType::kFP32: f(float{}); return;
-    default: throw Error(std::string("sonicmoe: GPU kernels take bf16, fp16 or fp32 data, got ") + dtype_name(dt));
+    default: throw Error(std::string("machmoe: GPU kernels take bf16, fp16 or fp32 data, got ") + dtype_name(dt));
   }
 }
 
 inline unsigned int ceil_div(std::int64_t a, std::int64_t b) { return static_cast<unsigned int>((a + b - 1) / b); }
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu

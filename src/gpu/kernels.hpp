@@ -2,18 +2,18 @@
 // layer_cuda.cpp compiles with the host compiler. Every launcher enqueues work on `stream` and never
 // synchronises. Data pointers are of the layer's data dtype (bf16, fp16 or fp32); indices are int32; scores fp32.
 //
-// Row orders as in include/sonicmoe/layer.hpp: pair order p, grouped order g.
+// Row orders as in include/machmoe/layer.hpp: pair order p, grouped order g.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "sonicmoe/memory.hpp"
-#include "sonicmoe/problem.hpp"
-#include "sonicmoe/tensor.hpp"
+#include "machmoe/memory.hpp"
+#include "machmoe/problem.hpp"
+#include "machmoe/tensor.hpp"
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 
 /// Rows of one M-tile of the reference grouped GEMM; expert_tiles counts M-tiles per expert in these units.
 inline constexpr int kGemmTileM = 64;
@@ -147,9 +147,9 @@ struct VarlenKArgs {
 /// Weight-gradient GEMM, reduction over each expert's rows; experts with no rows get zeros.
 void launch_varlen_k_gemm(const VarlenKArgs& a, cudaStream_t stream);
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 
 /// Caller-supplied triples -> int32 pair arrays. Pairs whose expert is outside [0, E) or whose token is outside
 /// [0, T) get expert -1 and are skipped by every kernel (no host round trip to raise an error on the GPU).
@@ -157,11 +157,11 @@ void launch_convert_pairs(const void* token, DType token_dt, const void* expert,
                           std::int64_t T, std::int64_t E, std::int32_t* pair_token, std::int32_t* pair_expert,
                           cudaStream_t stream);
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 
-// ---- token rounding (SPEC §5) ------------------------------------------------------------------------------------
+// ---- token rounding (docs/SPEC.md §5) ------------------------------------------------------------------------------------
 
 /// Maximum K of token rounding on the GPU (the backward keeps a token's choices in shared memory).
 inline constexpr int kTokenRoundingMaxK = 64;
@@ -195,4 +195,4 @@ void launch_token_rounding_backward(DType dt, ScoreVariant variant, const void* 
                                     const void* grad_logits, std::int64_t ld_grad, void* dlogits,
                                     cudaStream_t stream);
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu

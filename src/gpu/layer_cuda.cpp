@@ -9,18 +9,18 @@
 #include "gpu/hopper/dispatch.hpp"
 #include "gpu/kernels.hpp"
 #include "gpu/stage_timing.hpp"
-#include "sonicmoe/memory.hpp"
+#include "machmoe/memory.hpp"
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 namespace {
 
 /// Makes `ordinal` current for the scope of a call and restores the caller's device.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int ordinal) {
-    SONICMOE_CUDA_CHECK(cudaGetDevice(&previous_));
+    MACHMOE_CUDA_CHECK(cudaGetDevice(&previous_));
     changed_ = previous_ != ordinal;
-    if (changed_) SONICMOE_CUDA_CHECK(cudaSetDevice(ordinal));
+    if (changed_) MACHMOE_CUDA_CHECK(cudaSetDevice(ordinal));
   }
   ~DeviceGuard() {
     if (changed_) cudaSetDevice(previous_);
@@ -39,7 +39,7 @@ cublasHandle_t cublas_handle(int ordinal) {
   auto it = handles.find(ordinal);
   if (it != handles.end()) return it->second;
   cublasHandle_t h = nullptr;
-  SONICMOE_CUBLAS_CHECK(cublasCreate(&h));
+  MACHMOE_CUBLAS_CHECK(cublasCreate(&h));
   handles.emplace(ordinal, h);
   return h;
 }
@@ -59,15 +59,15 @@ void gemm(cublasHandle_t h, DType dt, cublasOperation_t opa, cublasOperation_t o
           std::int64_t ldc) {
   const float alpha = 1.0f;
   const cudaDataType_t t = cuda_type(dt);
-  SONICMOE_CUBLAS_CHECK(cublasGemmEx(h, opa, opb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+  MACHMOE_CUBLAS_CHECK(cublasGemmEx(h, opa, opb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                                      &alpha, A, t, static_cast<int>(lda), B, t, static_cast<int>(ldb), &beta, C, t,
                                      static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 cublasHandle_t prepared_cublas(int ordinal, cudaStream_t stream, void* workspace) {
   cublasHandle_t h = cublas_handle(ordinal);
-  SONICMOE_CUBLAS_CHECK(cublasSetStream(h, stream));
-  SONICMOE_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, kCublasWorkspaceBytes));
+  MACHMOE_CUBLAS_CHECK(cublasSetStream(h, stream));
+  MACHMOE_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, kCublasWorkspaceBytes));
   return h;
 }
 
@@ -142,7 +142,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
     launch_convert_pairs(routing->token_index.data, routing->token_index.dtype, routing->expert_index.data,
                          routing->expert_index.dtype, P, p.T, p.E, pair_token, pair_expert, stream);
     if (P > 0)
-      SONICMOE_CUDA_CHECK(cudaMemcpyAsync(scores, routing->score.data, sizeof(float) * P, cudaMemcpyDeviceToDevice,
+      MACHMOE_CUDA_CHECK(cudaMemcpyAsync(scores, routing->score.data, sizeof(float) * P, cudaMemcpyDeviceToDevice,
                                           stream));
   }
   mark_stage("forward/routing_metadata", stream);
@@ -160,7 +160,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   launch_routing_metadata(m, stream);
   if (sl.router_logits.present()) {
     const std::size_t row = dtype_size(dt) * static_cast<std::size_t>(p.E);
-    SONICMOE_CUDA_CHECK(cudaMemcpy2DAsync(at(buf.saved, sl.router_logits), row, out.router_logits.data,
+    MACHMOE_CUDA_CHECK(cudaMemcpy2DAsync(at(buf.saved, sl.router_logits), row, out.router_logits.data,
                                           dtype_size(dt) * out.router_logits.stride[0], row, p.T,
                                           cudaMemcpyDeviceToDevice, stream));
   }
@@ -270,7 +270,7 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
     mark_stage(nullptr, stream);
     const TensorView& gr = out.grad_weights.router_weight;
     if (!gr.empty())
-      SONICMOE_CUDA_CHECK(cudaMemset2DAsync(gr.data, dtype_size(dt) * gr.stride[0], 0, dtype_size(dt) * p.d, p.E,
+      MACHMOE_CUDA_CHECK(cudaMemset2DAsync(gr.data, dtype_size(dt) * gr.stride[0], 0, dtype_size(dt) * p.d, p.E,
                                             stream));
     return;
   }
@@ -371,4 +371,4 @@ void backward_weight_cuda(const MoEProblem& p, const TensorView& x, const Tensor
                         static_cast<cudaStream_t>(stream_ptr));
 }
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu

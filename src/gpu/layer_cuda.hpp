@@ -2,9 +2,9 @@
 // public API after it has validated every argument; allocates nothing and never synchronises with the host.
 #pragma once
 
-#include "sonicmoe/layer.hpp"
+#include "machmoe/layer.hpp"
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 
 void forward_cuda(const MoEProblem& problem, const TensorView& x, const LayerWeights& weights,
                   const RoutingTriples* routing, const ForwardOutputs& outputs, const ForwardBuffers& buffers,
@@ -22,4 +22,4 @@ void backward_weight_cuda(const MoEProblem& problem, const TensorView& x, const 
                           const BackwardOutputs& outputs, const void* saved, const DeferredBuffer& deferred,
                           void* stream);
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu

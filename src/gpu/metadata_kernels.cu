@@ -1,4 +1,4 @@
-// Routing metadata without a global sort and without host synchronisation (SPEC §2.2):
+// Routing metadata without a global sort and without host synchronisation (docs/SPEC.md §2.2):
 //   1. per-tile expert histograms (tiles of kMetadataTile pairs, one thread per pair),
 //   2. per-expert exclusive scans over tiles, then an exclusive scan over experts -> offsets,
 //   3. per tile, each pair's stable rank among same-expert pairs before it in the tile.
@@ -10,7 +10,7 @@
 #include "gpu/device_math.cuh"
 #include "gpu/kernels.hpp"
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 namespace {
 
 constexpr int kScanThreads = 256;
@@ -131,26 +131,26 @@ __global__ void token_offsets_kernel(const std::int32_t* __restrict__ pair_token
 void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream) {
   const std::int64_t n_tiles = (a.P + kMetadataTile - 1) / kMetadataTile;
   const int E = static_cast<int>(a.E);
-  SONICMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_offsets, 0, sizeof(std::int32_t) * (a.E + 1), stream));
+  MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_offsets, 0, sizeof(std::int32_t) * (a.E + 1), stream));
   if (n_tiles > 0) {
-    SONICMOE_CUDA_CHECK(cudaMemsetAsync(a.tile_hist, 0, sizeof(std::int32_t) * a.E * n_tiles, stream));
+    MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.tile_hist, 0, sizeof(std::int32_t) * a.E * n_tiles, stream));
     tile_histogram_kernel<<<static_cast<unsigned>(n_tiles), kMetadataTile, 0, stream>>>(a.pair_expert, a.P, E,
                                                                                        n_tiles, a.tile_hist);
-    SONICMOE_CUDA_CHECK_LAUNCH("tile_histogram");
+    MACHMOE_CUDA_CHECK_LAUNCH("tile_histogram");
     scan_tiles_kernel<<<E, kScanThreads, 0, stream>>>(a.tile_hist, n_tiles, a.expert_offsets);
-    SONICMOE_CUDA_CHECK_LAUNCH("scan_tiles");
+    MACHMOE_CUDA_CHECK_LAUNCH("scan_tiles");
   }
   expert_offsets_kernel<<<1, kScanThreads, 0, stream>>>(a.expert_offsets, E, a.expert_counts, a.expert_tiles, true);
-  SONICMOE_CUDA_CHECK_LAUNCH("expert_offsets");
+  MACHMOE_CUDA_CHECK_LAUNCH("expert_offsets");
   if (n_tiles > 0) {
     place_kernel<<<static_cast<unsigned>(n_tiles), kMetadataTile, 0, stream>>>(
         a.pair_expert, a.pair_token, a.P, a.K, E, n_tiles, a.tile_hist, a.expert_offsets, a.scatter, a.inverse,
         a.gather);
-    SONICMOE_CUDA_CHECK_LAUNCH("place");
+    MACHMOE_CUDA_CHECK_LAUNCH("place");
   }
   if (a.token_offsets) {
     token_offsets_kernel<<<ceil_div(a.T + 1, 256), 256, 0, stream>>>(a.pair_token, a.P, a.T, a.token_offsets);
-    SONICMOE_CUDA_CHECK_LAUNCH("token_offsets");
+    MACHMOE_CUDA_CHECK_LAUNCH("token_offsets");
   }
 }
 
@@ -158,12 +158,12 @@ void launch_expert_tiles(const std::int32_t* expert_offsets, std::int64_t E, std
                          cudaStream_t stream) {
   expert_offsets_kernel<<<1, kScanThreads, 0, stream>>>(const_cast<std::int32_t*>(expert_offsets),
                                                         static_cast<int>(E), nullptr, expert_tiles, false);
-  SONICMOE_CUDA_CHECK_LAUNCH("expert_tiles");
+  MACHMOE_CUDA_CHECK_LAUNCH("expert_tiles");
 }
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 namespace {
 
 template <class I, class J>
@@ -196,7 +196,7 @@ void launch_convert_pairs(const void* token, DType token_dt, const void* expert,
   else if (t64) run(std::int64_t{}, std::int32_t{});
   else if (e64) run(std::int32_t{}, std::int64_t{});
   else run(std::int32_t{}, std::int32_t{});
-  SONICMOE_CUDA_CHECK_LAUNCH("convert_pairs");
+  MACHMOE_CUDA_CHECK_LAUNCH("convert_pairs");
 }
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu

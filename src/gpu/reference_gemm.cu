@@ -7,7 +7,7 @@
 #include "gpu/device_math.cuh"
 #include "gpu/kernels.hpp"
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 namespace {
 
 constexpr int BM = kGemmTileM, BN = 64, BK = 16, THREADS = 256;
@@ -225,7 +225,7 @@ void launch_varlen_m_gemm(const VarlenMArgs& a, cudaStream_t stream) {
         break;
     }
   });
-  SONICMOE_CUDA_CHECK_LAUNCH("varlen_m_gemm");
+  MACHMOE_CUDA_CHECK_LAUNCH("varlen_m_gemm");
 }
 
 void launch_varlen_k_gemm(const VarlenKArgs& a, cudaStream_t stream) {
@@ -236,7 +236,7 @@ void launch_varlen_k_gemm(const VarlenKArgs& a, cudaStream_t stream) {
     using Tp = decltype(tag);
     varlen_k_gemm_kernel<Tp><<<grid, THREADS, 0, stream>>>(a, m_tiles);
   });
-  SONICMOE_CUDA_CHECK_LAUNCH("varlen_k_gemm");
+  MACHMOE_CUDA_CHECK_LAUNCH("varlen_k_gemm");
 }
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu

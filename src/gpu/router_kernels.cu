@@ -4,7 +4,7 @@
 #include "gpu/device_math.cuh"
 #include "gpu/kernels.hpp"
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
@@ -199,7 +199,7 @@ void launch_topk_scores(DType dt, const void* logits, std::int64_t ld, std::int6
     else if (E <= 32 * kMaxPerLane) run(topk_scores_registers_kernel<Tp, kMaxPerLane>);
     else run(topk_scores_kernel<Tp>);
   });
-  SONICMOE_CUDA_CHECK_LAUNCH("topk_scores");
+  MACHMOE_CUDA_CHECK_LAUNCH("topk_scores");
 }
 
 void launch_router_backward(DType dt, ScoreVariant variant, const float* scores, const float* ds,
@@ -213,7 +213,7 @@ void launch_router_backward(DType dt, ScoreVariant variant, const float* scores,
         variant, scores, ds, inverse, offsets, static_cast<const Tp*>(logits), T, static_cast<int>(E),
         static_cast<int>(K), static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits));
   });
-  SONICMOE_CUDA_CHECK_LAUNCH("router_backward");
+  MACHMOE_CUDA_CHECK_LAUNCH("router_backward");
 }
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu

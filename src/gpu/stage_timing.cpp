@@ -4,9 +4,9 @@
 #include <vector>
 
 #include "gpu/cuda_check.hpp"
-#include "sonicmoe/profiling.hpp"
+#include "machmoe/profiling.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 namespace {
 
 struct Mark {
@@ -36,11 +36,11 @@ void enable_stage_timing(bool on) { recorder().on = on; }
 std::vector<StageTime> collect_stage_timings() {
   Recorder& r = recorder();
   std::vector<StageTime> out;
-  if (!r.marks.empty()) SONICMOE_CUDA_CHECK(cudaEventSynchronize(r.marks.back().event));
+  if (!r.marks.empty()) MACHMOE_CUDA_CHECK(cudaEventSynchronize(r.marks.back().event));
   for (std::size_t i = 0; i + 1 < r.marks.size(); ++i) {
     if (!r.marks[i].name) continue;
     float ms = 0;
-    SONICMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, r.marks[i].event, r.marks[i + 1].event));
+    MACHMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, r.marks[i].event, r.marks[i + 1].event));
     out.push_back({r.marks[i].name, ms});
   }
   for (const Mark& m : r.marks) r.pool.push_back(m.event);
@@ -55,14 +55,14 @@ void mark_stage(const char* name, cudaStream_t stream) {
   if (!r.on) return;
   cudaEvent_t e;
   if (r.pool.empty()) {
-    SONICMOE_CUDA_CHECK(cudaEventCreate(&e));
+    MACHMOE_CUDA_CHECK(cudaEventCreate(&e));
   } else {
     e = r.pool.back();
     r.pool.pop_back();
   }
-  SONICMOE_CUDA_CHECK(cudaEventRecord(e, stream));
+  MACHMOE_CUDA_CHECK(cudaEventRecord(e, stream));
   r.marks.push_back({name, e});
 }
 
 }  // namespace gpu
-}  // namespace sonicmoe
+}  // namespace machmoe

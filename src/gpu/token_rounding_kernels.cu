@@ -1,4 +1,4 @@
-// Token rounding on the device, without a sort and without host synchronisation (SPEC §5, docs/ROUTING.md).
+// Token rounding on the device, without a sort and without host synchronisation (docs/SPEC.md §5, docs/ROUTING.md).
 //
 // S'[t, e] = token-choice score if t chose e, else softmax(z_t)[e] - 1 (so every choosing token ranks first).
 // Per expert, one block selects the r_e best tokens by (S' desc, token asc) with a radix select over the fp32
@@ -10,7 +10,7 @@
 #include "gpu/device_math.cuh"
 #include "gpu/kernels.hpp"
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 namespace {
 
 constexpr int kSelectThreads = 256;
@@ -272,7 +272,7 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
     const Tp* z = static_cast<const Tp*>(a.logits);
     launch_topk_scores(a.dt, a.logits, a.ld_logits, a.T, a.E, a.K, a.variant, a.tc_score, a.tc_expert, stream);
     token_stats_kernel<Tp><<<ceil_div(a.T, kWarps), 32 * kWarps, 0, stream>>>(z, a.ld_logits, a.T, E, a.token_stats);
-    SONICMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_count, 0, sizeof(std::int32_t) * a.E, stream));
+    MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_count, 0, sizeof(std::int32_t) * a.E, stream));
     tc_count_kernel<<<ceil_div(a.T * a.K, 256), 256, 0, stream>>>(a.tc_expert, a.T * a.K, a.expert_count);
     select_kernel<Tp><<<E, kSelectThreads, 0, stream>>>(z, a.ld_logits, a.token_stats, a.tc_expert, a.tc_score,
                                                         a.expert_count, a.T, E, K, a.tile_m, a.rule, a.keep);
@@ -285,7 +285,7 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
       tail_kernel<<<ceil_div(a.P_max, 256), 256, 0, stream>>>(a.token_count, a.T, a.P_max, a.pair_token,
                                                               a.pair_expert, a.pair_score);
   });
-  SONICMOE_CUDA_CHECK_LAUNCH("token_rounding");
+  MACHMOE_CUDA_CHECK_LAUNCH("token_rounding");
 }
 
 void launch_token_rounding_backward(DType dt, ScoreVariant variant, const void* logits, std::int64_t T,
@@ -300,7 +300,7 @@ void launch_token_rounding_backward(DType dt, ScoreVariant variant, const void* 
         variant, static_cast<const Tp*>(logits), T, static_cast<int>(E), static_cast<int>(K), ds, inverse, offsets,
         token_offsets, static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits));
   });
-  SONICMOE_CUDA_CHECK_LAUNCH("token_rounding_backward");
+  MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_backward");
 }
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu

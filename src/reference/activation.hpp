@@ -1,12 +1,12 @@
 // Scalar activation functions and their exact derivatives, for the CPU reference. GELU is the tanh
-// approximation, which is what the GPU epilogues compute (SPEC §2.3).
+// approximation, which is what the GPU epilogues compute (docs/SPEC.md §2.3).
 #pragma once
 
 #include <cmath>
 
-#include "sonicmoe/problem.hpp"
+#include "machmoe/problem.hpp"
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 template <class R>
 R sigmoid(R x) {
@@ -47,4 +47,4 @@ ScalarAct<R> act_scalar(Activation act, R x) {
   return {R(0), R(0)};
 }
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

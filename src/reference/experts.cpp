@@ -2,7 +2,7 @@
 
 #include "reference/activation.hpp"
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 std::int64_t w1_row_of_column(const ExpertShape& shape, std::int64_t c) {
   if (!is_glu(shape.activation) || shape.layout == WeightLayout::kInterleaved) return c;
@@ -167,7 +167,7 @@ void experts_weight_grads(const ExpertShape& shape, std::int64_t E, const R* x, 
   }
 }
 
-#define SONICMOE_INSTANTIATE(R)                                                                                   \
+#define MACHMOE_INSTANTIATE(R)                                                                                   \
   template std::vector<R> up_projection<R>(const ExpertShape&, const R*, const ExpertParams<R>&,                  \
                                            const RoutingMetadata&);                                               \
   template std::vector<R> activation_forward<R>(const ExpertShape&, const R*, std::int64_t);                      \
@@ -178,8 +178,8 @@ void experts_weight_grads(const ExpertShape& shape, std::int64_t E, const R* x, 
                                               const RoutingMetadata&, const R*, const R*, const R*);               \
   template void experts_weight_grads<R>(const ExpertShape&, std::int64_t, const R*, const RoutingMetadata&,       \
                                         const R*, const R*, const R*, const R*, bool, bool, ExpertGrads<R>&);
-SONICMOE_INSTANTIATE(float)
-SONICMOE_INSTANTIATE(double)
-#undef SONICMOE_INSTANTIATE
+MACHMOE_INSTANTIATE(float)
+MACHMOE_INSTANTIATE(double)
+#undef MACHMOE_INSTANTIATE
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

@@ -1,5 +1,5 @@
 // Expert computation of the CPU reference: the up-projection with activation, the down-projection, the
-// per-token weighted aggregation (SPEC §2.3-§2.5) and their backward (SPEC §3). Grouped-order tensors are
+// per-token weighted aggregation (docs/SPEC.md §2.3-§2.5) and their backward (docs/SPEC.md §3). Grouped-order tensors are
 // (P, ·) row-major; pair-order vectors are (P).
 //
 // H is always stored with gate/up *interleaved* columns (H[:, 2j] = gate_j, H[:, 2j+1] = up_j), whatever the
@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "reference/routing_metadata.hpp"
-#include "sonicmoe/problem.hpp"
+#include "machmoe/problem.hpp"
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 struct ExpertShape {
   std::int64_t d = 0, n = 0;
@@ -75,9 +75,9 @@ void experts_weight_grads(const ExpertShape& shape, std::int64_t E, const R* x, 
                           ExpertGrads<R>& g);
 
 /// Backward of the experts given the saved H (grouped order), the scores (pair order) and dO (T, d).
-/// A is recomputed from H, and dS comes from <dA', A>, never from a cached Y (SPEC §3.3).
+/// A is recomputed from H, and dS comes from <dA', A>, never from a cached Y (docs/SPEC.md §3.3).
 template <class R>
 ExpertGrads<R> experts_backward(const ExpertShape& shape, std::int64_t E, const R* x, const ExpertParams<R>& params,
                                 const RoutingMetadata& meta, const R* scores, const R* h, const R* grad_out);
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

@@ -5,7 +5,7 @@
 #include "reference/router.hpp"
 #include "reference/token_rounding.hpp"
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 ExpertShape expert_shape(const MoEProblem& problem) {
   ExpertShape s;
@@ -118,4 +118,4 @@ template BackwardResult<float> layer_backward<float>(const MoEProblem&, const La
 template BackwardResult<double> layer_backward<double>(const MoEProblem&, const LayerInputs<double>&,
                                                        const ForwardSaved<double>&, const double*, const double*);
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

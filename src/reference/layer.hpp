@@ -2,7 +2,7 @@
 // including the router's. Contiguous row-major arrays of one real type (float or double).
 //
 // The forward's result separates what the backward may read (ForwardSaved: exactly the regions of
-// sonicmoe::SavedLayout) from transients (A, Y) that are returned only so tests can look at them; the backward
+// machmoe::SavedLayout) from transients (A, Y) that are returned only so tests can look at them; the backward
 // takes ForwardSaved alone, so it cannot use a cached Y or A.
 #pragma once
 
@@ -11,9 +11,9 @@
 
 #include "reference/experts.hpp"
 #include "reference/routing_metadata.hpp"
-#include "sonicmoe/problem.hpp"
+#include "machmoe/problem.hpp"
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 template <class R>
 struct LayerInputs {
@@ -67,4 +67,4 @@ BackwardResult<R> layer_backward(const MoEProblem& problem, const LayerInputs<R>
 
 ExpertShape expert_shape(const MoEProblem& problem);
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

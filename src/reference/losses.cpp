@@ -5,7 +5,7 @@
 
 #include "reference/router.hpp"
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 template <class R>
 LossAndGrad<R> load_balancing_loss(const R* logits, const std::int64_t* counts, std::int64_t T, std::int64_t E) {
@@ -61,4 +61,4 @@ template LossAndGrad<double> load_balancing_loss<double>(const double*, const st
 template LossAndGrad<float> router_z_loss<float>(const float*, std::int64_t, std::int64_t);
 template LossAndGrad<double> router_z_loss<double>(const double*, std::int64_t, std::int64_t);
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 template <class R>
 struct LossAndGrad {
@@ -21,4 +21,4 @@ LossAndGrad<R> load_balancing_loss(const R* logits, const std::int64_t* counts, 
 template <class R>
 LossAndGrad<R> router_z_loss(const R* logits, std::int64_t T, std::int64_t E);
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

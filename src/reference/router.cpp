@@ -4,7 +4,7 @@
 #include <cmath>
 #include <numeric>
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 template <class R>
 std::vector<R> router_logits(const R* x, const R* router_weight, std::int64_t T, std::int64_t d, std::int64_t E) {
@@ -57,7 +57,7 @@ std::vector<R> topk_scores(ScoreVariant variant, const R* logits, const std::int
   for (std::int64_t t = 0; t < T; ++t) {
     const R* z = logits + t * E;
     const std::int64_t* sel = topk + t * K;
-    // The renormalised variant is the same function as the softmax over the selected logits (SPEC §2.1); it is
+    // The renormalised variant is the same function as the softmax over the selected logits (docs/SPEC.md §2.1); it is
     // computed that way because then it depends only on the selected logits: tokens whose selected logits are
     // equal up to a shift get bitwise-equal scores, so token rounding breaks their ties by token index on every
     // backend rather than by rounding noise of a full-row softmax.
@@ -126,7 +126,7 @@ void router_gemm_backward(const R* x, const R* router_weight, const R* grad_logi
     }
 }
 
-#define SONICMOE_INSTANTIATE(R)                                                                                    \
+#define MACHMOE_INSTANTIATE(R)                                                                                    \
   template std::vector<R> router_logits<R>(const R*, const R*, std::int64_t, std::int64_t, std::int64_t);          \
   template std::vector<R> softmax_rows<R>(const R*, std::int64_t, std::int64_t);                                   \
   template std::vector<std::int64_t> topk_experts<R>(const R*, std::int64_t, std::int64_t, std::int64_t);          \
@@ -137,8 +137,8 @@ void router_gemm_backward(const R* x, const R* router_weight, const R* grad_logi
   template void softmax_backward_accumulate<R>(const R*, const R*, std::int64_t, std::int64_t, R*);                \
   template void router_gemm_backward<R>(const R*, const R*, const R*, std::int64_t, std::int64_t, std::int64_t,    \
                                         R*, R*);
-SONICMOE_INSTANTIATE(float)
-SONICMOE_INSTANTIATE(double)
-#undef SONICMOE_INSTANTIATE
+MACHMOE_INSTANTIATE(float)
+MACHMOE_INSTANTIATE(double)
+#undef MACHMOE_INSTANTIATE
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

@@ -1,13 +1,13 @@
-// Router of the CPU reference (SPEC §2.1): logits, top-K with ties to the lower expert index, the three score
+// Router of the CPU reference (docs/SPEC.md §2.1): logits, top-K with ties to the lower expert index, the three score
 // variants and their exact backward. Row-major contiguous arrays; logits are (T, E), selections (T, K).
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
-#include "sonicmoe/problem.hpp"
+#include "machmoe/problem.hpp"
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 /// z = x * Wr^T: x (T, d), router_weight (E, d) -> (T, E).
 template <class R>
@@ -30,7 +30,7 @@ std::vector<R> topk_scores(ScoreVariant variant, const R* logits, const std::int
 /// kSoftmaxOverTopK: dz_{i_k} = s_k (g_k - sum_j g_j s_j), zero elsewhere; needs only the scores.
 /// kTopKOfSoftmax: dz = softmax backward of dp (dp_{i_k} = g_k): dense over all E; needs the logits.
 /// kTopKOfSoftmaxRenorm: its dense formula dz_i = p_i (dp_i - sum_k dp_k p_{i_k}), dp_{i_k} = (g_k - sum_j g_j s_j)/S,
-/// equals the kSoftmaxOverTopK formula exactly (the dense part vanishes, SPEC §2.1), so it is computed from the
+/// equals the kSoftmaxOverTopK formula exactly (the dense part vanishes, docs/SPEC.md §2.1), so it is computed from the
 /// scores alone and the logits need not be kept; tests check the identity against the dense formula.
 /// `logits` may be nullptr unless variant == kTopKOfSoftmax.
 template <class R>
@@ -48,4 +48,4 @@ template <class R>
 void router_gemm_backward(const R* x, const R* router_weight, const R* grad_logits, std::int64_t T, std::int64_t d,
                           std::int64_t E, R* grad_x_accumulate, R* grad_router_weight);
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

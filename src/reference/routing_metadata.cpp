@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <utility>
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 std::int64_t RoutingMetadata::expert_of_row(std::int64_t g) const {
   // Last e with expert_offsets[e] <= g; skips empty experts because their offsets repeat.
@@ -74,4 +74,4 @@ RoutingMetadata metadata_from_grouped(std::int64_t T, std::int64_t E, std::vecto
   return m;
 }
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

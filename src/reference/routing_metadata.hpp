@@ -1,4 +1,4 @@
-// Routing metadata of the CPU reference (SPEC §2.2): per-expert counts and offsets, scatter (grouped row ->
+// Routing metadata of the CPU reference (docs/SPEC.md §2.2): per-expert counts and offsets, scatter (grouped row ->
 // pair), its inverse, gather (grouped row -> token) and per-token pair offsets. Deterministic: pairs of one
 // expert keep ascending pair order (a stable counting sort), the order the GPU build must reproduce.
 #pragma once
@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 struct RoutingMetadata {
   std::int64_t T = 0, E = 0;
@@ -37,4 +37,4 @@ RoutingMetadata metadata_from_grouped(std::int64_t T, std::int64_t E, std::vecto
                                       std::vector<std::int64_t> inverse, std::vector<std::int64_t> gather,
                                       std::vector<std::int64_t> expert_offsets);
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

@@ -5,7 +5,7 @@
 
 #include "reference/router.hpp"
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 std::int64_t rounded_expert_count(std::int64_t f, std::int64_t T, std::int64_t tile_m, RoundingRule rule) {
   const std::int64_t down = (f / tile_m) * tile_m;
@@ -93,14 +93,14 @@ std::vector<R> token_rounding_backward(ScoreVariant variant, const R* logits, st
   return dz;
 }
 
-#define SONICMOE_INSTANTIATE(R)                                                                                  \
+#define MACHMOE_INSTANTIATE(R)                                                                                  \
   template TokenRoundingResult<R> token_rounding<R>(ScoreVariant, RoundingRule, std::int64_t, const R*,          \
                                                     std::int64_t, std::int64_t, std::int64_t);                   \
   template std::vector<R> token_rounding_backward<R>(ScoreVariant, const R*, std::int64_t, std::int64_t,         \
                                                      std::int64_t, const std::int64_t*, const std::int64_t*,     \
                                                      std::int64_t, const R*);
-SONICMOE_INSTANTIATE(float)
-SONICMOE_INSTANTIATE(double)
-#undef SONICMOE_INSTANTIATE
+MACHMOE_INSTANTIATE(float)
+MACHMOE_INSTANTIATE(double)
+#undef MACHMOE_INSTANTIATE
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

@@ -1,4 +1,4 @@
-// Token rounding (tile-aware routing, SPEC §5) in the CPU reference.
+// Token rounding (tile-aware routing, docs/SPEC.md §5) in the CPU reference.
 //
 // 1. Token choice: each token's top-K experts by logit, scored by the problem's score variant ("TC scores").
 // 2. f_e = number of tokens choosing expert e; its target r_e is floor_M(f_e) or up_M(f_e) by the rounding rule,
@@ -14,9 +14,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "sonicmoe/problem.hpp"
+#include "machmoe/problem.hpp"
 
-namespace sonicmoe::ref {
+namespace machmoe::ref {
 
 template <class R>
 struct TokenRoundingResult {
@@ -42,4 +42,4 @@ std::vector<R> token_rounding_backward(ScoreVariant variant, const R* logits, st
                                        const std::int64_t* pair_expert, std::int64_t num_pairs,
                                        const R* grad_score);
 
-}  // namespace sonicmoe::ref
+}  // namespace machmoe::ref

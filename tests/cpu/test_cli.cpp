@@ -1,10 +1,10 @@
-// sonicmoe-bench's option parsing.
+// machmoe-bench's option parsing.
 #include <gtest/gtest.h>
 
 #include "cli_options.hpp"
-#include "sonicmoe/error.hpp"
+#include "machmoe/error.hpp"
 
-namespace sonicmoe::bench {
+namespace machmoe::bench {
 namespace {
 
 std::string error_of(const std::vector<std::string>& args) {
@@ -70,4 +70,4 @@ TEST(Cli, GpuDefaultsAndDtypes) {
 }
 
 }  // namespace
-}  // namespace sonicmoe::bench
+}  // namespace machmoe::bench

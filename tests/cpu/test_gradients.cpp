@@ -8,7 +8,7 @@
 
 #include "test_support.hpp"
 
-namespace sonicmoe::test {
+namespace machmoe::test {
 namespace {
 
 struct GradCase {
@@ -138,4 +138,4 @@ std::vector<GradCase> edge_cases() {
 INSTANTIATE_TEST_SUITE_P(EdgeShapes, LayerGradients, testing::ValuesIn(edge_cases()), case_name);
 
 }  // namespace
-}  // namespace sonicmoe::test
+}  // namespace machmoe::test

@@ -4,10 +4,10 @@
 #include <cmath>
 #include <cstring>
 
-#include "sonicmoe/sonicmoe.hpp"
+#include "machmoe/machmoe.hpp"
 #include "test_support.hpp"
 
-namespace sonicmoe::test {
+namespace machmoe::test {
 namespace {
 
 MoEProblem small_problem(Activation act = Activation::kSwiGLU, RoutingMode routing = RoutingMode::kTopK) {
@@ -254,9 +254,9 @@ TEST(PublicApi, NaNInputsPropagateAndAreNotErrors) {
 }
 
 }  // namespace
-}  // namespace sonicmoe::test
+}  // namespace machmoe::test
 
-namespace sonicmoe::test {
+namespace machmoe::test {
 namespace {
 
 // backward_input() then backward_weight() give bitwise the results of backward(), through the deferred buffer.
@@ -356,4 +356,4 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 }  // namespace
-}  // namespace sonicmoe::test
+}  // namespace machmoe::test

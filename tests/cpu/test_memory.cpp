@@ -1,11 +1,11 @@
-// Memory accounting: closed forms of SPEC §4.4 / TARGETS.md T6-T7, layout sanity, 64-bit sizes, and agreement
+// Memory accounting: closed forms of docs/SPEC.md §4.4 / docs/TARGETS.md T6-T7, layout sanity, 64-bit sizes, and agreement
 // with what the reference really keeps.
 #include <gtest/gtest.h>
 
-#include "sonicmoe/memory.hpp"
+#include "machmoe/memory.hpp"
 #include "test_support.hpp"
 
-namespace sonicmoe::test {
+namespace machmoe::test {
 namespace {
 
 MoEProblem config(std::int64_t T, std::int64_t d, std::int64_t n, std::int64_t E, std::int64_t K) {
@@ -25,9 +25,9 @@ TEST(MemoryAccounting, PreActivationModeIs2Td_Plus_4TKn_PlusMetadata) {
   EXPECT_EQ(m.logits_bytes, 0u);
   // scores fp32 + scatter + inverse + gather int32, expert offsets int32, each region 256-byte aligned.
   EXPECT_EQ(m.metadata_bytes, 4 * up256(4 * TK) + up256(4 * (E + 1)));
-  EXPECT_LE(m.metadata_bytes, 24 * TK) << "TARGETS.md T6: metadata <= 24 bytes per routed pair";
+  EXPECT_LE(m.metadata_bytes, 24 * TK) << "docs/TARGETS.md T6: metadata <= 24 bytes per routed pair";
   EXPECT_EQ(m.total_bytes(), 2 * T * d + 4 * TK * n + m.metadata_bytes);
-  // SPEC §4.4's 7B example: 72 MiB of X + 192 MiB of H.
+  // docs/SPEC.md §4.4's 7B example: 72 MiB of X + 192 MiB of H.
   EXPECT_EQ(m.x_bytes, 72u << 20);
   EXPECT_EQ(m.h_bytes, 192u << 20);
 }
@@ -38,7 +38,7 @@ TEST(MemoryAccounting, InputOnlyModeIs2Td_PlusMetadata) {
   const ActivationMemory m = activation_memory(p, DType::kBF16);
   EXPECT_EQ(m.h_bytes, 0u);
   EXPECT_EQ(m.total_bytes(), 2u * 24576 * 1536 + m.metadata_bytes);
-  EXPECT_LE(m.metadata_bytes, 24u * 24576 * 8) << "TARGETS.md T7";
+  EXPECT_LE(m.metadata_bytes, 24u * 24576 * 8) << "docs/TARGETS.md T7";
 }
 
 TEST(MemoryAccounting, FlatInGranularityAtFixedActivatedParameters) {
@@ -149,4 +149,4 @@ TEST(MemoryAccounting, MatchesWhatTheReferenceKeeps) {
 }
 
 }  // namespace
-}  // namespace sonicmoe::test
+}  // namespace machmoe::test

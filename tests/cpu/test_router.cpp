@@ -6,7 +6,7 @@
 #include "reference/router.hpp"
 #include "test_support.hpp"
 
-namespace sonicmoe::test {
+namespace machmoe::test {
 namespace {
 
 TEST(TopK, TiesGoToTheLowerExpertIndexAndOrderIsDescending) {
@@ -67,7 +67,7 @@ TEST(ScoreVariants, RenormalisedTopKOfSoftmaxEqualsSoftmaxOverTopKAndItsDenseGra
   const std::vector<double> sa = ref::topk_scores(ScoreVariant::kSoftmaxOverTopK, z.data(), topk.data(), T, E, K);
   const std::vector<double> sb = ref::topk_scores(ScoreVariant::kTopKOfSoftmaxRenorm, z.data(), topk.data(), T, E, K);
   EXPECT_LT(rel_error(sb, sa), 1e-14);
-  // The dense formula of SPEC §2.1 (b): dz_i = p_i (dp_i - dot) over all E experts.
+  // The dense formula of docs/SPEC.md §2.1 (b): dz_i = p_i (dp_i - dot) over all E experts.
   const std::vector<double> p = ref::softmax_rows(z.data(), T, E);
   std::vector<double> dense(T * E, 0.0);
   for (std::int64_t t = 0; t < T; ++t) {
@@ -142,4 +142,4 @@ TEST(RouterLosses, GradientsMatchFiniteDifferences) {
 }
 
 }  // namespace
-}  // namespace sonicmoe::test
+}  // namespace machmoe::test

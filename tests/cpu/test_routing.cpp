@@ -8,7 +8,7 @@
 #include "reference/token_rounding.hpp"
 #include "test_support.hpp"
 
-namespace sonicmoe::test {
+namespace machmoe::test {
 namespace {
 
 void expect_metadata_invariants(const ref::RoutingMetadata& m) {
@@ -157,4 +157,4 @@ INSTANTIATE_TEST_SUITE_P(
                     TrCase{RoundingRule::kNearest, ScoreVariant::kSoftmaxOverTopK, 128, 4, 4, 32}));  // K = E
 
 }  // namespace
-}  // namespace sonicmoe::test
+}  // namespace machmoe::test

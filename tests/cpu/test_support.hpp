@@ -11,9 +11,9 @@
 
 #include "reference/layer.hpp"
 #include "reference/router.hpp"
-#include "sonicmoe/problem.hpp"
+#include "machmoe/problem.hpp"
 
-namespace sonicmoe::test {
+namespace machmoe::test {
 
 inline double rel_error(const std::vector<double>& a, const std::vector<double>& ref) {
   double num = 0, den = 0;
@@ -113,4 +113,4 @@ inline std::vector<double> finite_difference(LayerCase<double>& c, std::vector<d
   return g;
 }
 
-}  // namespace sonicmoe::test
+}  // namespace machmoe::test

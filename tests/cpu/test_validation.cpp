@@ -6,9 +6,9 @@
 #include <cstring>
 #include <functional>
 
-#include "sonicmoe/sonicmoe.hpp"
+#include "machmoe/machmoe.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 namespace {
 
 /// A valid fp64 call (T=6, d=8, n=3 so w1 is (E, 6, 8), E=4, K=2) that each test breaks in one place.
@@ -75,7 +75,7 @@ struct Call {
   void backward_call() { backward(p, xv, w, routing(), bi, bo, bb); }
 };
 
-/// Expects sonicmoe::Error whose message contains every fragment.
+/// Expects machmoe::Error whose message contains every fragment.
 void expect_error(const std::function<void()>& f, std::initializer_list<const char*> fragments) {
   try {
     f();
@@ -333,4 +333,4 @@ TEST(Validation, Losses) {
 }
 
 }  // namespace
-}  // namespace sonicmoe
+}  // namespace machmoe

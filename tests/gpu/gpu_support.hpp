@@ -10,10 +10,10 @@
 #include <cstring>
 #include <vector>
 
-#include "sonicmoe/sonicmoe.hpp"
+#include "machmoe/machmoe.hpp"
 #include "test_support.hpp"
 
-namespace sonicmoe::test {
+namespace machmoe::test {
 
 #define GPU_CHECK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
@@ -22,7 +22,7 @@ inline void require_gpu() {
   ASSERT_GT(cuda_device_count(), 0) << "GPU test run on a machine without a usable CUDA device";
 }
 /// In a test body: stop the test when require_gpu() failed.
-#define REQUIRE_GPU() ASSERT_NO_FATAL_FAILURE(::sonicmoe::test::require_gpu())
+#define REQUIRE_GPU() ASSERT_NO_FATAL_FAILURE(::machmoe::test::require_gpu())
 
 inline std::uint16_t to_bf16(float f) {
   std::uint32_t u;
@@ -297,4 +297,4 @@ inline ReferenceRun reference_for(const LayerCase<double>& q, const std::vector<
   return r;
 }
 
-}  // namespace sonicmoe::test
+}  // namespace machmoe::test

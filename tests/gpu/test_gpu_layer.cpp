@@ -1,4 +1,4 @@
-// The GPU runtime against the float64 CPU reference (TARGETS.md T10: relative Frobenius error <= 1e-2 in bf16 on
+// The GPU runtime against the float64 CPU reference (docs/TARGETS.md T10: relative Frobenius error <= 1e-2 in bf16 on
 // inputs ~N(0,1) and weights ~N(0, 1/sqrt(fan_in))), for every option, edge shapes, determinism, buffer bounds,
 // kernel-level exactness of routing and metadata, sentinel pairs, and a case whose offsets pass 2^31 elements.
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 #include "gpu_support.hpp"
 #include "reference/router.hpp"
 
-namespace sonicmoe::test {
+namespace machmoe::test {
 namespace {
 
 double tolerance(DType dt) { return dt == DType::kFP32 ? 2e-5 : 1e-2; }
@@ -430,4 +430,4 @@ TEST(GpuLayerLarge, OffsetsPast2To31Elements) {
 }
 
 }  // namespace
-}  // namespace sonicmoe::test
+}  // namespace machmoe::test

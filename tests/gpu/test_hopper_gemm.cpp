@@ -12,7 +12,7 @@
 #include "gpu/kernels.hpp"
 #include "gpu_support.hpp"
 
-namespace sonicmoe::test {
+namespace machmoe::test {
 namespace {
 
 using gpu::Epilogue;
@@ -404,4 +404,4 @@ TEST(HopperDispatch, NamesWhyAShapeFallsBack) {
 }
 
 }  // namespace
-}  // namespace sonicmoe::test
+}  // namespace machmoe::test

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-# SONICMOE_IN_TREE=1 tests the sources of this checkout (with SONICMOE_TORCH_LIBRARY or build/lib); otherwise the
+# MACHMOE_IN_TREE=1 tests the sources of this checkout (with MACHMOE_TORCH_LIBRARY or build/lib); otherwise the
 # installed package (scripts/test.sh installs it first).
-if os.environ.get("SONICMOE_IN_TREE") == "1":
+if os.environ.get("MACHMOE_IN_TREE") == "1":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 

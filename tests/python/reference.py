@@ -1,4 +1,4 @@
-"""A pure-PyTorch reference MoE layer (written from SPEC §2-§5), used to check sonicmoe's operators."""
+"""A pure-PyTorch reference MoE layer (written from docs/SPEC.md §2-§5), used to check machmoe's operators."""
 import torch
 import torch.nn.functional as F
 

@@ -1,11 +1,11 @@
-"""sonicmoe's PyTorch operators on the CPU (float64 reference path) against a pure-PyTorch reference."""
+"""machmoe's PyTorch operators on the CPU (float64 reference path) against a pure-PyTorch reference."""
 import itertools
 import math
 
 import pytest
 import torch
 
-import sonicmoe
+import machmoe
 from reference import GLU, experts, reference_moe
 
 ACTIVATIONS = ["swiglu", "geglu", "reglu", "relu_squared", "relu", "gelu", "silu"]
@@ -45,7 +45,7 @@ def test_layer_matches_reference(act, layout, bias, score, routing, rounding, ca
     T = 20 if routing == "token_rounding" else 12
     x, rw, w1, w2, b1, b2 = make(T=T, activation=act, bias=bias, seed=hash((act, bias)) % 1000)
     opts = dict(top_k=2, activation=act, score=score, routing=routing, rounding=rounding, tile=8, weight_layout=layout)
-    out, logits, counts = sonicmoe.moe(x, rw, w1, w2, b1, b2, activation_memory=cache, **opts)
+    out, logits, counts = machmoe.moe(x, rw, w1, w2, b1, b2, activation_memory=cache, **opts)
     ref_out, ref_logits, ref_counts = reference_moe(x, rw, w1, w2, b1, b2, **opts)
     assert rel(out, ref_out) < 1e-12
     assert rel(logits, ref_logits) < 1e-12
@@ -65,7 +65,7 @@ def test_caller_routing_matches_reference_including_score_gradient(act):
     tok = torch.tensor([0, 0, 1, 3, 3, 4, 6, 7, 7, 9])
     exp = torch.tensor([1, 3, 0, 2, 1, 3, 0, 2, 3, 1])
     scores = torch.rand(10, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    out, counts = sonicmoe.moe_from_routing(x, w1, w2, tok, exp, scores, b1, b2, max_experts_per_token=2,
+    out, counts = machmoe.moe_from_routing(x, w1, w2, tok, exp, scores, b1, b2, max_experts_per_token=2,
                                             activation=act)
     ref = experts(x, tok, exp, scores, w1, w2, b1, b2, act, "interleaved")
     assert rel(out, ref) < 1e-12
@@ -80,11 +80,11 @@ def test_caller_routing_matches_reference_including_score_gradient(act):
 
 def test_gradcheck_float64():
     x, rw, w1, w2, b1, b2 = make(T=6, d=5, n=3, E=3)
-    f = lambda *a: sonicmoe.moe(*a, top_k=2, score="topk_softmax")[0]
+    f = lambda *a: machmoe.moe(*a, top_k=2, score="topk_softmax")[0]
     assert torch.autograd.gradcheck(f, (x, rw, w1, w2, b1, b2), eps=1e-6, atol=1e-7)
     tok, exp = torch.tensor([0, 0, 2, 3, 5]), torch.tensor([1, 2, 0, 2, 1])
     sc = torch.rand(5, dtype=torch.float64).requires_grad_()
-    g = lambda x_, s_: sonicmoe.moe_from_routing(x_, w1, w2, tok, exp, s_, max_experts_per_token=2)[0]
+    g = lambda x_, s_: machmoe.moe_from_routing(x_, w1, w2, tok, exp, s_, max_experts_per_token=2)[0]
     assert torch.autograd.gradcheck(g, (x, sc), eps=1e-6, atol=1e-7)
 
 
@@ -93,8 +93,8 @@ def test_both_layouts_bitwise_identical():
     n = w2.shape[2]
     w1c = torch.cat([w1[:, 0::2], w1[:, 1::2]], 1).detach().requires_grad_()
     b1c = torch.cat([b1[:, 0::2], b1[:, 1::2]], 1).detach().requires_grad_()
-    oi = sonicmoe.moe(x, rw, w1, w2, b1, b2, top_k=2, activation="geglu")[0]
-    oc = sonicmoe.moe(x, rw, w1c, w2, b1c, b2, top_k=2, activation="geglu", weight_layout="concatenated")[0]
+    oi = machmoe.moe(x, rw, w1, w2, b1, b2, top_k=2, activation="geglu")[0]
+    oc = machmoe.moe(x, rw, w1c, w2, b1c, b2, top_k=2, activation="geglu", weight_layout="concatenated")[0]
     assert torch.equal(oi, oc)
     go = torch.randn_like(oi)
     gi = torch.autograd.grad((oi * go).sum(), [x, w1])
@@ -106,15 +106,15 @@ def test_both_layouts_bitwise_identical():
 
 def test_two_runs_bitwise_identical():
     x, rw, w1, w2, b1, b2 = make()
-    a = sonicmoe.moe(x, rw, w1, w2, b1, b2, top_k=2, routing="token_rounding", tile=8)
-    b = sonicmoe.moe(x, rw, w1, w2, b1, b2, top_k=2, routing="token_rounding", tile=8)
+    a = machmoe.moe(x, rw, w1, w2, b1, b2, top_k=2, routing="token_rounding", tile=8)
+    b = machmoe.moe(x, rw, w1, w2, b1, b2, top_k=2, routing="token_rounding", tile=8)
     assert all(torch.equal(u, v) for u, v in zip(a, b))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compile_fullgraph_same_results(backend):
     torch._dynamo.reset()
-    m = sonicmoe.MoE(16, 8, 4, 2, dtype=torch.float64, bias=True, aux_loss_coef=0.01)
+    m = machmoe.MoE(16, 8, 4, 2, dtype=torch.float64, bias=True, aux_loss_coef=0.01)
     x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
 
     def step(inp):
@@ -132,7 +132,7 @@ def test_compile_fullgraph_same_results(backend):
 def test_grouped_experts_on_pre_dispatched_rows():
     x, _, w1, w2, b1, b2 = make(T=9)
     counts = torch.tensor([3, 0, 4, 2])
-    y = sonicmoe.grouped_experts(x, counts, w1, w2, b1, b2)
+    y = machmoe.grouped_experts(x, counts, w1, w2, b1, b2)
     exp = torch.repeat_interleave(torch.arange(4), counts)
     ref = experts(x, torch.arange(9), exp, torch.ones(9, dtype=torch.float64), w1, w2, b1, b2, "swiglu", "interleaved")
     assert rel(y, ref) < 1e-12
@@ -144,7 +144,7 @@ def test_grouped_experts_on_pre_dispatched_rows():
 @pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
 def test_module_loads_hf_experts(layout):
     d, n, E = 16, 8, 4
-    m = sonicmoe.MoE(d, n, E, 2, dtype=torch.float64, weight_layout=layout)
+    m = machmoe.MoE(d, n, E, 2, dtype=torch.float64, weight_layout=layout)
     gate = [torch.randn(n, d, dtype=torch.float64) for _ in range(E)]
     up = [torch.randn(n, d, dtype=torch.float64) for _ in range(E)]
     down = [torch.randn(d, n, dtype=torch.float64) for _ in range(E)]
@@ -163,13 +163,13 @@ def test_module_loads_hf_experts(layout):
             ref[t] += w[t, k] * (down[e] @ (torch.nn.functional.silu(gate[e] @ x[t]) * (up[e] @ x[t])))
     assert rel(out, ref) < 1e-12
     fused = torch.cat([torch.stack(gate), torch.stack(up)], 1)
-    m2 = sonicmoe.MoE(d, n, E, 2, dtype=torch.float64, weight_layout=layout).load_hf_experts(
+    m2 = machmoe.MoE(d, n, E, 2, dtype=torch.float64, weight_layout=layout).load_hf_experts(
         gate_up_proj=fused, down_proj=down, router=router)
     assert torch.equal(m2(x).output, out)
 
 
 def test_module_returns_device_counts_and_losses():
-    m = sonicmoe.MoE(16, 8, 4, 2, dtype=torch.float64, aux_loss_coef=0.5, z_loss_coef=0.25)
+    m = machmoe.MoE(16, 8, 4, 2, dtype=torch.float64, aux_loss_coef=0.5, z_loss_coef=0.25)
     o = m(torch.randn(2, 3, 16, dtype=torch.float64))
     assert o.output.shape == (2, 3, 16) and o.router_logits.shape == (6, 4)
     assert o.expert_counts.dtype == torch.int32 and int(o.expert_counts.sum()) == 12
@@ -181,48 +181,48 @@ def test_module_returns_device_counts_and_losses():
 def test_clear_errors():
     x, rw, w1, w2, b1, b2 = make(d=10)  # d != 2n, so a transposed w1 has the wrong shape
     with pytest.raises(ValueError, match="'w1'.*dtype torch.float32 \\(the dtype of x\\)"):
-        sonicmoe.moe(x.float(), rw, w1, w2, top_k=2)
+        machmoe.moe(x.float(), rw, w1, w2, top_k=2)
     with pytest.raises(ValueError, match="'x'.*bfloat16|'x'.*one of"):
-        sonicmoe.moe(x.bfloat16(), rw.bfloat16(), w1.bfloat16(), w2.bfloat16(), top_k=2)
+        machmoe.moe(x.bfloat16(), rw.bfloat16(), w1.bfloat16(), w2.bfloat16(), top_k=2)
     with pytest.raises(ValueError, match="'w1'.*shape"):
-        sonicmoe.moe(x, rw, w1.transpose(1, 2).contiguous(), w2, top_k=2)
+        machmoe.moe(x, rw, w1.transpose(1, 2).contiguous(), w2, top_k=2)
     with pytest.raises(ValueError, match="'w2'.*contiguous"):
-        sonicmoe.moe(x, rw, w1, w2.transpose(1, 2).contiguous().transpose(1, 2), top_k=2)
+        machmoe.moe(x, rw, w1, w2.transpose(1, 2).contiguous().transpose(1, 2), top_k=2)
     with pytest.raises(ValueError, match="'top_k'.*\\[1, 4\\]"):
-        sonicmoe.moe(x, rw, w1, w2, top_k=5)
+        machmoe.moe(x, rw, w1, w2, top_k=5)
     with pytest.raises(ValueError, match="'activation'"):
-        sonicmoe.moe(x, rw, w1, w2, top_k=2, activation="swish")
+        machmoe.moe(x, rw, w1, w2, top_k=2, activation="swish")
     with pytest.raises(ValueError, match="'router_weight'.*device"):
-        sonicmoe.moe(x, rw.to("meta"), w1, w2, top_k=2)
+        machmoe.moe(x, rw.to("meta"), w1, w2, top_k=2)
     with pytest.raises(ValueError, match="'tile'"):
-        sonicmoe.moe(x, rw, w1, w2, top_k=2, routing="token_rounding", tile=12)
+        machmoe.moe(x, rw, w1, w2, top_k=2, routing="token_rounding", tile=12)
     with pytest.raises(ValueError, match="'weight_layout'"):
-        sonicmoe.moe(x, rw, w1[:, :4].contiguous(), w2, top_k=2, activation="relu", weight_layout="concatenated")
+        machmoe.moe(x, rw, w1[:, :4].contiguous(), w2, top_k=2, activation="relu", weight_layout="concatenated")
     tok, exp, sc = torch.tensor([0, 1, 1]), torch.tensor([0, 1, 9]), torch.ones(3, dtype=torch.float64)
     with pytest.raises(ValueError, match="routing.expert_index\\[2\\].*\\[0, 4\\), got 9"):
-        sonicmoe.moe_from_routing(x, w1, w2, tok, exp, sc, max_experts_per_token=2)
+        machmoe.moe_from_routing(x, w1, w2, tok, exp, sc, max_experts_per_token=2)
     with pytest.raises(ValueError, match="token_index.*ascending"):
-        sonicmoe.moe_from_routing(x, w1, w2, torch.tensor([1, 0, 2]), torch.tensor([0, 1, 2]), sc,
+        machmoe.moe_from_routing(x, w1, w2, torch.tensor([1, 0, 2]), torch.tensor([0, 1, 2]), sc,
                                   max_experts_per_token=2)
     with pytest.raises(ValueError, match="'scores'"):
-        sonicmoe.moe_from_routing(x, w1, w2, tok, torch.tensor([0, 1, 2]), sc.float(), max_experts_per_token=2)
+        machmoe.moe_from_routing(x, w1, w2, tok, torch.tensor([0, 1, 2]), sc.float(), max_experts_per_token=2)
     with pytest.raises(ValueError, match="'top_k'"):
-        sonicmoe.MoE(16, 8, 4, 5)
+        machmoe.MoE(16, 8, 4, 5)
     with pytest.raises(ValueError, match="'x'.*\\(..., 16\\)"):
-        sonicmoe.MoE(16, 8, 4, 2, dtype=torch.float64)(torch.randn(3, 15, dtype=torch.float64))
+        machmoe.MoE(16, 8, 4, 2, dtype=torch.float64)(torch.randn(3, 15, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("routing", ["topk", "token_rounding"])
 def test_split_backward_defers_weight_grads_and_matches(routing):
     torch.manual_seed(3)
-    m = sonicmoe.MoE(16, 8, 4, 2, dtype=torch.float64, bias=True, routing=routing, tile=8)
+    m = machmoe.MoE(16, 8, 4, 2, dtype=torch.float64, bias=True, routing=routing, tile=8)
     x = torch.randn(20, 16, dtype=torch.float64, requires_grad=True)
     m(x).output.square().sum().backward()
     full = {name: p.grad.clone() for name, p in m.named_parameters()}
     full_x = x.grad.clone()
     m.zero_grad(set_to_none=True)
     x.grad = None
-    with sonicmoe.defer_weight_grads() as deferred:
+    with machmoe.defer_weight_grads() as deferred:
         m(x).output.square().sum().backward()
     assert torch.equal(x.grad, full_x) and torch.equal(m.router_weight.grad, full["router_weight"])
     assert m.w1.grad is None and m.w2.grad is None and len(deferred) == 1

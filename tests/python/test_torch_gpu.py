@@ -1,11 +1,11 @@
-"""sonicmoe's PyTorch operators on the GPU (marked gpu: run on the GPU machine, fail without a GPU)."""
+"""machmoe's PyTorch operators on the GPU (marked gpu: run on the GPU machine, fail without a GPU)."""
 import math
 import os
 
 import pytest
 import torch
 
-import sonicmoe
+import machmoe
 from reference import experts, reference_moe, route
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +35,7 @@ def gpu_case(cuda, T=512, d=256, n=128, E=16, K=4, activation="swiglu", bias=Tru
 def test_bf16_layer_matches_float64_reference(cuda, routing, score, act, cache):
     dev, ref = gpu_case(cuda, activation=act)
     opts = dict(top_k=4, activation=act, score=score, routing=routing, tile=16)
-    out, logits, counts = sonicmoe.moe(*dev, activation_memory=cache, **opts)
+    out, logits, counts = machmoe.moe(*dev, activation_memory=cache, **opts)
     # Routing decisions pinned to the GPU's logits (bf16 rounding can reorder near-ties).
     x, rw, w1, w2, b1, b2 = ref
     z = logits.detach().double().cpu()
@@ -55,7 +55,7 @@ def test_bf16_layer_matches_float64_reference(cuda, routing, score, act, cache):
 
 def test_compile_fullgraph_matches_eager(cuda):
     torch._dynamo.reset()
-    m = sonicmoe.MoE(256, 128, 16, 4, bias=True, device=cuda, dtype=torch.bfloat16, aux_loss_coef=0.01)
+    m = machmoe.MoE(256, 128, 16, 4, bias=True, device=cuda, dtype=torch.bfloat16, aux_loss_coef=0.01)
     x = torch.randn(4, 128, 256, device=cuda, dtype=torch.bfloat16, requires_grad=True)
     f = lambda inp: (lambda o: (o.output, o.aux_loss))(m(inp))
     e = f(x)
@@ -68,7 +68,7 @@ def test_compile_fullgraph_matches_eager(cuda):
 
 
 def test_cuda_graph_replay_matches_eager(cuda):
-    m = sonicmoe.MoE(256, 128, 16, 4, device=cuda, dtype=torch.bfloat16)
+    m = machmoe.MoE(256, 128, 16, 4, device=cuda, dtype=torch.bfloat16)
     x = torch.randn(1024, 256, device=cuda, dtype=torch.bfloat16, requires_grad=True)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -92,13 +92,13 @@ def test_cuda_graph_replay_matches_eager(cuda):
 
 def test_two_runs_bitwise_identical_and_layouts_agree(cuda):
     dev, _ = gpu_case(cuda, activation="geglu")
-    a = sonicmoe.moe(*dev, top_k=4, activation="geglu")
-    b = sonicmoe.moe(*dev, top_k=4, activation="geglu")
+    a = machmoe.moe(*dev, top_k=4, activation="geglu")
+    b = machmoe.moe(*dev, top_k=4, activation="geglu")
     assert all(torch.equal(u, v) for u, v in zip(a, b))
     x, rw, w1, w2, b1, b2 = dev
     w1c = torch.cat([w1[:, 0::2], w1[:, 1::2]], 1).detach()
     b1c = torch.cat([b1[:, 0::2], b1[:, 1::2]], 1).detach()
-    c = sonicmoe.moe(x, rw, w1c, w2, b1c, b2, top_k=4, activation="geglu", weight_layout="concatenated")
+    c = machmoe.moe(x, rw, w1c, w2, b1c, b2, top_k=4, activation="geglu", weight_layout="concatenated")
     assert torch.equal(a[0], c[0])
 
 
@@ -106,13 +106,13 @@ def test_errors_on_gpu(cuda):
     dev, _ = gpu_case(cuda)
     x, rw, w1, w2, b1, b2 = dev
     with pytest.raises(ValueError, match="'w1'.*device|'w1'.*cuda"):
-        sonicmoe.moe(x, rw, w1.cpu(), w2, top_k=4)
+        machmoe.moe(x, rw, w1.cpu(), w2, top_k=4)
     with pytest.raises(ValueError, match="'x'.*one of"):
-        sonicmoe.moe(x.double(), rw.double(), w1.double(), w2.double(), top_k=4)
+        machmoe.moe(x.double(), rw.double(), w1.double(), w2.double(), top_k=4)
 
 
 def test_training_step_compiled_fsdp2_no_graph_breaks_no_host_sync(cuda):
-    """A small model with sonicmoe.MoE, sharded with FSDP2's fully_shard on one GPU, compiled with fullgraph=True
+    """A small model with machmoe.MoE, sharded with FSDP2's fully_shard on one GPU, compiled with fullgraph=True
     (so a graph break is an error), trained for a few steps with CUDA sync debug mode set to raise on any
     synchronising call inside forward and backward."""
     import torch.distributed as dist
@@ -128,7 +128,7 @@ def test_training_step_compiled_fsdp2_no_graph_breaks_no_host_sync(cuda):
         def __init__(self):
             super().__init__()
             self.norm = torch.nn.LayerNorm(256)
-            self.moe = sonicmoe.MoE(256, 128, 16, 4, aux_loss_coef=0.01, z_loss_coef=1e-3)
+            self.moe = machmoe.MoE(256, 128, 16, 4, aux_loss_coef=0.01, z_loss_coef=1e-3)
 
         def forward(self, h):
             o = self.moe(self.norm(h))
@@ -173,14 +173,14 @@ def test_training_step_compiled_fsdp2_no_graph_breaks_no_host_sync(cuda):
 
 def test_split_backward_on_gpu_matches_full(cuda):
     torch.manual_seed(5)
-    m = sonicmoe.MoE(256, 128, 16, 4, bias=True, device=cuda, dtype=torch.bfloat16)
+    m = machmoe.MoE(256, 128, 16, 4, bias=True, device=cuda, dtype=torch.bfloat16)
     x = torch.randn(1024, 256, device=cuda, dtype=torch.bfloat16, requires_grad=True)
     m(x).output.float().square().sum().backward()
     full = {name: p.grad.clone() for name, p in m.named_parameters()}
     full_x = x.grad.clone()
     m.zero_grad(set_to_none=True)
     x.grad = None
-    with sonicmoe.defer_weight_grads() as deferred:
+    with machmoe.defer_weight_grads() as deferred:
         m(x).output.float().square().sum().backward()
     assert torch.equal(x.grad, full_x) and m.w1.grad is None
     deferred.run()

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-namespace sonicmoe::gpu::hopper {
+namespace machmoe::gpu::hopper {
 
 __device__ __forceinline__ std::uint32_t smem_u32(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
@@ -129,4 +129,4 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) 
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");
 }
 
-}  // namespace sonicmoe::gpu::hopper
+}  // namespace machmoe::gpu::hopper

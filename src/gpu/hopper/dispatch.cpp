@@ -13,12 +13,12 @@
 #include "gpu/cuda_check.hpp"
 #include "gpu/hopper/kernel_configs.hpp"
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 namespace {
 
 std::atomic<int>& enabled_flag() {
   static std::atomic<int> flag{[] {
-    const char* v = std::getenv("SONICMOE_DISABLE_HOPPER_KERNELS");
+    const char* v = std::getenv("MACHMOE_DISABLE_HOPPER_KERNELS");
     return (v != nullptr && v[0] != '\0' && v[0] != '0') ? 0 : 1;
   }()};
   return flag;
@@ -35,9 +35,9 @@ EncodeTiled encode_tiled() {
   static const EncodeTiled fn = [] {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult q{};
-    SONICMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    MACHMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
     if (q != cudaDriverEntryPointSuccess || f == nullptr)
-      throw RuntimeError("sonicmoe: the CUDA driver has no cuTensorMapEncodeTiled (needs CUDA 12 or newer)");
+      throw RuntimeError("machmoe: the CUDA driver has no cuTensorMapEncodeTiled (needs CUDA 12 or newer)");
     return reinterpret_cast<EncodeTiled>(f);
   }();
   return fn;
@@ -53,7 +53,7 @@ CUtensorMap make_tensor_map(const void* base, int rank, const cuuint64_t* dims, 
                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
-    throw RuntimeError("sonicmoe: cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)));
+    throw RuntimeError("machmoe: cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)));
   return map;
 }
 
@@ -64,16 +64,16 @@ struct DeviceTraits {
 /// The current device's compute capability and SM count, queried once per device (every forward launch asks).
 DeviceTraits current_device() {
   int dev = 0;
-  SONICMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  MACHMOE_CUDA_CHECK(cudaGetDevice(&dev));
   static std::mutex mu;
   static std::map<int, DeviceTraits> known;
   const std::lock_guard<std::mutex> lock(mu);
   const auto it = known.find(dev);
   if (it != known.end()) return it->second;
   DeviceTraits t;
-  SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.major, cudaDevAttrComputeCapabilityMajor, dev));
-  SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.minor, cudaDevAttrComputeCapabilityMinor, dev));
-  SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.sm_count, cudaDevAttrMultiProcessorCount, dev));
+  MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.major, cudaDevAttrComputeCapabilityMajor, dev));
+  MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.minor, cudaDevAttrComputeCapabilityMinor, dev));
+  MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.sm_count, cudaDevAttrMultiProcessorCount, dev));
   known.emplace(dev, t);
   return t;
 }
@@ -83,7 +83,7 @@ void log_fallback_once(const char* stage, const std::string& reason) {
   static std::set<std::pair<std::string, std::string>> seen;
   const std::lock_guard<std::mutex> lock(mu);
   if (seen.emplace(stage, reason).second)
-    std::fprintf(stderr, "sonicmoe: %s runs on the GPU reference GEMM: %s\n", stage, reason.c_str());
+    std::fprintf(stderr, "machmoe: %s runs on the GPU reference GEMM: %s\n", stage, reason.c_str());
 }
 
 /// The narrowest N tile of the kernels: every supported shape has N a multiple of it.
@@ -95,13 +95,13 @@ int env_int(const char* name) {
   return e ? std::atoi(e) : 0;
 }
 
-/// Tile heuristic (SPEC §6.2 as the starting point, then measured on an H200: docs/BENCHMARKS.md). The 128 x 256
+/// Tile heuristic (docs/SPEC.md §6.2 as the starting point, then measured on an H200: docs/BENCHMARKS.md). The 128 x 256
 /// cooperative tile halves the operand bytes per FLOP through L2 and shared memory, which the gathered
 /// up-projection needs (7B-256: 614 TFLOP/s against 515 with 128 x 128 ping-pong); for the down-projection it
 /// measured equal (n >= 512) or 2-4 % faster (n = 256). The 128 x 128 ping-pong tile serves N that is a multiple
-/// of 128 but not of 256. SONICMOE_HOPPER_TILE_N=128 or 256 (or set_hopper_tile_n) overrides it.
+/// of 128 but not of 256. MACHMOE_HOPPER_TILE_N=128 or 256 (or set_hopper_tile_n) overrides it.
 std::atomic<int>& forced_tile_n() {
-  static std::atomic<int> v{env_int("SONICMOE_HOPPER_TILE_N")};
+  static std::atomic<int> v{env_int("MACHMOE_HOPPER_TILE_N")};
   return v;
 }
 
@@ -111,9 +111,9 @@ int choose_tile_n(const VarlenMArgs& a) {
   return 256;
 }
 
-/// Rasterisation group (M-tiles, tile_scheduler.cuh). SONICMOE_HOPPER_RASTER_M (or set_hopper_raster_m) forces it.
+/// Rasterisation group (M-tiles, tile_scheduler.cuh). MACHMOE_HOPPER_RASTER_M (or set_hopper_raster_m) forces it.
 std::atomic<int>& forced_raster_m() {
-  static std::atomic<int> v{env_int("SONICMOE_HOPPER_RASTER_M")};
+  static std::atomic<int> v{env_int("MACHMOE_HOPPER_RASTER_M")};
   return v;
 }
 
@@ -148,7 +148,7 @@ bool hopper_kernels_enabled() { return enabled_flag().load() != 0; }
 namespace {
 
 std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
-  if (!hopper_kernels_enabled()) return "Hopper kernels disabled (SONICMOE_DISABLE_HOPPER_KERNELS or the test switch)";
+  if (!hopper_kernels_enabled()) return "Hopper kernels disabled (MACHMOE_DISABLE_HOPPER_KERNELS or the test switch)";
   if (a.dt != DType::kBF16) return std::string("dtype ") + dtype_name(a.dt) + " (the Hopper kernels are bf16)";
   if (dev.major != 9 || dev.minor != 0)
     return "compute capability " + std::to_string(dev.major) + "." + std::to_string(dev.minor) + " (needs 9.0)";
@@ -237,4 +237,4 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
   }
 }
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu

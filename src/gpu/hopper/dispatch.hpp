@@ -8,7 +8,7 @@
 
 #include "gpu/kernels.hpp"
 
-namespace sonicmoe::gpu {
+namespace machmoe::gpu {
 
 /// Why the Hopper kernels cannot run `a` ("" when they can). Limits (docs/ARCHITECTURE.md): bf16; an sm_90 device;
 /// K a multiple of 64; N a multiple of 128 (GLU: n a multiple of 64; other activations: n a multiple of 128);
@@ -21,15 +21,15 @@ std::string hopper_unsupported_reason(const VarlenMArgs& a);
 /// rounding (fp32 accumulation in a different order).
 void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t stream);
 
-/// Process-wide switch (default on; off when the environment sets SONICMOE_DISABLE_HOPPER_KERNELS=1). Tests use
+/// Process-wide switch (default on; off when the environment sets MACHMOE_DISABLE_HOPPER_KERNELS=1). Tests use
 /// it to run the same layer through both paths.
 void set_hopper_kernels_enabled(bool enabled);
 /// Forces the N tile (128 or 256, where N allows it) instead of the heuristic; 0 restores the heuristic. Also
-/// set from the environment by SONICMOE_HOPPER_TILE_N.
+/// set from the environment by MACHMOE_HOPPER_TILE_N.
 void set_hopper_tile_n(int tile_n);
 /// Forces the tile scheduler's rasterisation group (M-tiles per group; 1 runs along N); 0 restores the heuristic.
-/// Also set from the environment by SONICMOE_HOPPER_RASTER_M. The results are bitwise the same for every value.
+/// Also set from the environment by MACHMOE_HOPPER_RASTER_M. The results are bitwise the same for every value.
 void set_hopper_raster_m(int raster_m);
 bool hopper_kernels_enabled();
 
-}  // namespace sonicmoe::gpu
+}  // namespace machmoe::gpu

@@ -1,7 +1,7 @@
 // Epilogues of the Hopper grouped GEMM, run by the consumer warpgroup that computed the tile, on the fp32
 // accumulators:
 //   kUpActivation: h = acc + b1 -> H (bf16, always gate/up-interleaved, skipped in inference) and
-//                  A = act(h) (bf16), both from the same fp32 values (SPEC §2.3);
+//                  A = act(h) (bf16), both from the same fp32 values (docs/SPEC.md §2.3);
 //   kStore:        y = acc + b2 -> Y (bf16).
 // The tile goes through a swizzled shared-memory staging buffer 64 rows x 128 columns at a time, then out by TMA
 // store (whole 64-row blocks) or predicated 16-byte stores (the block cut by the end of the expert's segment), so
@@ -22,9 +22,9 @@
 #include "gpu/hopper/grouped_gemm_params.hpp"
 #include "gpu/hopper/tile_scheduler.cuh"
 
-namespace sonicmoe::gpu::hopper {
+namespace machmoe::gpu::hopper {
 
-/// Activations with the tanh.approx / ex2.approx special-function units (SPEC §2.3: the Hopper kernels use
+/// Activations with the tanh.approx / ex2.approx special-function units (docs/SPEC.md §2.3: the Hopper kernels use
 /// tanh.approx.f32); errors are far below bf16 rounding of the result.
 __device__ __forceinline__ float tanh_approx(float x) {
   float y;
@@ -225,4 +225,4 @@ struct Epilogue {
   }
 };
 
-}  // namespace sonicmoe::gpu::hopper
+}  // namespace machmoe::gpu::hopper

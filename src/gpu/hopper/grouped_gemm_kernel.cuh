@@ -1,4 +1,4 @@
-// The persistent, warp-specialised Hopper grouped GEMM kernel (SPEC §2.3, §2.4, §6.1) and its launcher template.
+// The persistent, warp-specialised Hopper grouped GEMM kernel (docs/SPEC.md §2.3, §2.4, §6.1) and its launcher template.
 // Included only by the one-configuration translation units in src/gpu/hopper/instantiations/.
 //
 // CTA = 3 warpgroups. Warpgroup 0 is the producer (mainloop.cuh); warpgroups 1 and 2 are consumers that take
@@ -18,7 +18,7 @@
 #include "gpu/hopper/epilogue.cuh"
 #include "gpu/hopper/mainloop.cuh"
 
-namespace sonicmoe::gpu::hopper {
+namespace machmoe::gpu::hopper {
 
 template <class Config>
 struct GroupedGemmKernel {
@@ -139,21 +139,21 @@ void launch_grouped_gemm(const GroupedGemmParams& p, int sm_count, cudaStream_t 
   // resident at once (SMs pair within a GPC; 66 on an H200), so the static schedule has no tail wave.
   static std::atomic<int> resident[kMaxDevices];  // 0: not set up yet; else resident clusters (CTAs without)
   int dev = 0;
-  SONICMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  MACHMOE_CUDA_CHECK(cudaGetDevice(&dev));
   int clusters = dev < kMaxDevices ? resident[dev].load(std::memory_order_relaxed) : 0;
   if (clusters == 0) {
-    SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
+    MACHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
     clusters = sm_count;
     if constexpr (Config::kClusterM > 1) {
       cfg.gridDim = dim3((sm_count / Config::kClusterM) * Config::kClusterM);
-      SONICMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+      MACHMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
     }
     clusters = clusters > 0 ? clusters : 1;
     if (dev < kMaxDevices) resident[dev].store(clusters, std::memory_order_relaxed);
   }
   cfg.gridDim = dim3(static_cast<unsigned>(clusters) * Config::kClusterM);
-  SONICMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
-  SONICMOE_CUDA_CHECK(cudaGetLastError());
+  MACHMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  MACHMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace sonicmoe::gpu::hopper
+}  // namespace machmoe::gpu::hopper

@@ -11,9 +11,9 @@
 
 #include <cstdint>
 
-#include "sonicmoe/problem.hpp"
+#include "machmoe/problem.hpp"
 
-namespace sonicmoe::gpu::hopper {
+namespace machmoe::gpu::hopper {
 
 /// What the epilogue does with the fp32 tile.
 enum class EpilogueKind : int {
@@ -83,4 +83,4 @@ struct GroupedGemmParams {
   CUtensorMap tma_act;
 };
 
-}  // namespace sonicmoe::gpu::hopper
+}  // namespace machmoe::gpu::hopper

@@ -6,7 +6,7 @@
 
 #include "gpu/hopper/grouped_gemm_params.hpp"
 
-namespace sonicmoe::gpu::hopper {
+namespace machmoe::gpu::hopper {
 
 template <class Config>
 void launch_grouped_gemm(const GroupedGemmParams& p, int sm_count, cudaStream_t stream);
@@ -25,18 +25,18 @@ using UpCooperativeConfig = KernelConfig<256, 4, true, EpilogueKind::kUpActivati
 using DownPingPongConfig = KernelConfig<128, 5, false, EpilogueKind::kStore, Schedule::kPingPong>;
 using DownCooperativeConfig = KernelConfig<256, 4, false, EpilogueKind::kStore, Schedule::kCooperative>;
 
-#define SONICMOE_UP_CONFIGS(act)                                                                               \
+#define MACHMOE_UP_CONFIGS(act)                                                                               \
   extern template void launch_grouped_gemm<UpPingPongConfig<act>>(const GroupedGemmParams&, int, cudaStream_t); \
   extern template void launch_grouped_gemm<UpCooperativeConfig<act>>(const GroupedGemmParams&, int, cudaStream_t);
-SONICMOE_UP_CONFIGS(Activation::kSwiGLU)
-SONICMOE_UP_CONFIGS(Activation::kGeGLU)
-SONICMOE_UP_CONFIGS(Activation::kReGLU)
-SONICMOE_UP_CONFIGS(Activation::kReLUSquared)
-SONICMOE_UP_CONFIGS(Activation::kReLU)
-SONICMOE_UP_CONFIGS(Activation::kGELU)
-SONICMOE_UP_CONFIGS(Activation::kSiLU)
-#undef SONICMOE_UP_CONFIGS
+MACHMOE_UP_CONFIGS(Activation::kSwiGLU)
+MACHMOE_UP_CONFIGS(Activation::kGeGLU)
+MACHMOE_UP_CONFIGS(Activation::kReGLU)
+MACHMOE_UP_CONFIGS(Activation::kReLUSquared)
+MACHMOE_UP_CONFIGS(Activation::kReLU)
+MACHMOE_UP_CONFIGS(Activation::kGELU)
+MACHMOE_UP_CONFIGS(Activation::kSiLU)
+#undef MACHMOE_UP_CONFIGS
 extern template void launch_grouped_gemm<DownPingPongConfig>(const GroupedGemmParams&, int, cudaStream_t);
 extern template void launch_grouped_gemm<DownCooperativeConfig>(const GroupedGemmParams&, int, cudaStream_t);
 
-}  // namespace sonicmoe::gpu::hopper
+}  // namespace machmoe::gpu::hopper

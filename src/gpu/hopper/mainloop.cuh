@@ -19,7 +19,7 @@
 #include "gpu/hopper/grouped_gemm_params.hpp"
 #include "gpu/hopper/tile_scheduler.cuh"
 
-namespace sonicmoe::gpu::hopper {
+namespace machmoe::gpu::hopper {
 
 template <class Config>
 struct Mainloop {
@@ -186,4 +186,4 @@ struct Mainloop {
   }
 };
 
-}  // namespace sonicmoe::gpu::hopper
+}  // namespace machmoe::gpu::hopper

@@ -16,7 +16,7 @@
 
 #include "gpu/hopper/grouped_gemm_params.hpp"
 
-namespace sonicmoe::gpu::hopper {
+namespace machmoe::gpu::hopper {
 
 struct TileCoord {
   int expert = -1;        // -1: past the last tile
@@ -126,4 +126,4 @@ class ClusterTiles {
   std::uint32_t rank_ = 0;
 };
 
-}  // namespace sonicmoe::gpu::hopper
+}  // namespace machmoe::gpu::hopper

@@ -1,4 +1,4 @@
-"""sonicmoe.MoE: a drop-in Mixture-of-Experts layer."""
+"""machmoe.MoE: a drop-in Mixture-of-Experts layer."""
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -38,9 +38,9 @@ class MoE(nn.Module):
                                    (ACTIVATION_MEMORY, activation_memory, "activation_memory")):
             code(table, value, name)
         if routing not in ("topk", "token_rounding"):
-            raise ValueError(f"sonicmoe: argument 'routing': expected 'topk' or 'token_rounding', got {routing!r}")
+            raise ValueError(f"machmoe: argument 'routing': expected 'topk' or 'token_rounding', got {routing!r}")
         if not 1 <= top_k <= num_experts:
-            raise ValueError(f"sonicmoe: argument 'top_k': expected an integer in [1, {num_experts}], got {top_k}")
+            raise ValueError(f"machmoe: argument 'top_k': expected an integer in [1, {num_experts}], got {top_k}")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.activation, self.score, self.routing, self.rounding, self.tile = activation, score, routing, rounding, tile
@@ -67,7 +67,7 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> MoEOutput:
         shape = x.shape
         if shape[-1] != self.hidden_size:
-            raise ValueError(f"sonicmoe: argument 'x': expected (..., {self.hidden_size}), got {tuple(shape)}")
+            raise ValueError(f"machmoe: argument 'x': expected (..., {self.hidden_size}), got {tuple(shape)}")
         flat = x.reshape(-1, self.hidden_size)
         out, logits, counts = F.moe(flat, self.router_weight, self.w1, self.w2, self.b1, self.b2, top_k=self.top_k,
                                     activation=self.activation, score=self.score, routing=self.routing,
@@ -88,17 +88,17 @@ class MoE(nn.Module):
         (d, n) lists, or a fused gate_up_proj (E, 2n, d) ([gate; up] rows, or (E, d, 2n) which is transposed), plus
         the router (E, d). Writes into this module's layout (interleaved or concatenated) without keeping copies."""
         if self.activation not in GLU_ACTIVATIONS:
-            raise ValueError("sonicmoe: load_hf_experts expects a gated (GLU) activation")
+            raise ValueError("machmoe: load_hf_experts expects a gated (GLU) activation")
         n, d, E = self.intermediate_size, self.hidden_size, self.num_experts
         if gate_up_proj is not None:
             g = gate_up_proj if tuple(gate_up_proj.shape) == (E, 2 * n, d) else gate_up_proj.transpose(1, 2)
             if tuple(g.shape) != (E, 2 * n, d):
-                raise ValueError(f"sonicmoe: argument 'gate_up_proj': expected ({E}, {2 * n}, {d}) or "
+                raise ValueError(f"machmoe: argument 'gate_up_proj': expected ({E}, {2 * n}, {d}) or "
                                  f"({E}, {d}, {2 * n}), got {tuple(gate_up_proj.shape)}")
             gate, up = g[:, :n], g[:, n:]
         else:
             if gate_proj is None or up_proj is None or len(gate_proj) != E or len(up_proj) != E:
-                raise ValueError(f"sonicmoe: expected {E} gate_proj and up_proj weights, or gate_up_proj")
+                raise ValueError(f"machmoe: expected {E} gate_proj and up_proj weights, or gate_up_proj")
             gate, up = torch.stack(list(gate_proj)), torch.stack(list(up_proj))
         if self.weight_layout == "interleaved":
             self.w1.view(E, n, 2, d)[:, :, 0].copy_(gate)
@@ -108,7 +108,7 @@ class MoE(nn.Module):
             self.w1[:, n:].copy_(up)
         if down_proj is not None:
             if len(down_proj) != E:
-                raise ValueError(f"sonicmoe: argument 'down_proj': expected {E} weights, got {len(down_proj)}")
+                raise ValueError(f"machmoe: argument 'down_proj': expected {E} weights, got {len(down_proj)}")
             self.w2.copy_(torch.stack(list(down_proj)))
         if router is not None:
             self.router_weight.copy_(router)

@@ -1,19 +1,19 @@
 // The MoE layer: forward and backward over caller memory. Torch-free.
 //
-// Row orders (SPEC §1): "pair order" indexes routed (token, expert) pairs (p = t*K + k for top-K routing, the
+// Row orders (docs/SPEC.md §1): "pair order" indexes routed (token, expert) pairs (p = t*K + k for top-K routing, the
 // caller's triple order for caller-supplied routing, (token, expert)-sorted for token rounding); "grouped order"
 // sorts pairs by expert, ascending pair order within an expert.
 //
-// Every function validates all of its arguments before touching any output, and throws sonicmoe::Error.
+// Every function validates all of its arguments before touching any output, and throws machmoe::Error.
 #pragma once
 
 #include <cstddef>
 
-#include "sonicmoe/memory.hpp"
-#include "sonicmoe/problem.hpp"
-#include "sonicmoe/tensor.hpp"
+#include "machmoe/memory.hpp"
+#include "machmoe/problem.hpp"
+#include "machmoe/tensor.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 
 /// Parameters, all of the layer's data dtype. W1 is (E, w1_rows, d) and W2 is (E, d, n): nn.Linear (out, in)
 /// per expert. Biases are empty views unless problem.has_b1 / has_b2.
@@ -107,4 +107,4 @@ void backward_weight(const MoEProblem& problem, const TensorView& x, const Layer
                      const void* saved, std::size_t saved_bytes, const DeferredBuffer& deferred,
                      void* stream = nullptr);
 
-}  // namespace sonicmoe
+}  // namespace machmoe

@@ -3,7 +3,7 @@
 
 #include <string>
 
-namespace sonicmoe {
+namespace machmoe {
 
 /// True when the library was compiled with its CUDA sources (nvcc was found at configure time).
 bool built_with_cuda();
@@ -12,4 +12,4 @@ int cuda_device_count();
 /// "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)"; empty when the ordinal is not a usable device.
 std::string cuda_device_description(int ordinal);
 
-}  // namespace sonicmoe
+}  // namespace machmoe

@@ -1,4 +1,4 @@
-"""Names of the layer's options and their integer codes (the enum values of include/sonicmoe/problem.hpp)."""
+"""Names of the layer's options and their integer codes (the enum values of include/machmoe/problem.hpp)."""
 
 ACTIVATIONS = {"swiglu": 0, "geglu": 1, "reglu": 2, "relu_squared": 3, "relu": 4, "gelu": 5, "silu": 6}
 GLU_ACTIVATIONS = {"swiglu", "geglu", "reglu"}
@@ -11,5 +11,5 @@ ACTIVATION_MEMORY = {"preact": 0, "input_only": 1}
 
 def code(table: dict, name: str, argument: str) -> int:
     if name not in table:
-        raise ValueError(f"sonicmoe: argument '{argument}': expected one of {sorted(table)}, got {name!r}")
+        raise ValueError(f"machmoe: argument '{argument}': expected one of {sorted(table)}, got {name!r}")
     return table[name]

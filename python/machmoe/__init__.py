@@ -1,4 +1,4 @@
-"""sonicmoe: fast, memory-lean Mixture-of-Experts layers for NVIDIA Hopper GPUs, from PyTorch."""
+"""machmoe: fast, memory-lean Mixture-of-Experts layers for NVIDIA Hopper GPUs, from PyTorch."""
 from ._library import load_library as _load_library
 
 _load_library()

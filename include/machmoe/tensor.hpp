@@ -7,7 +7,7 @@
 #include <initializer_list>
 #include <string>
 
-namespace sonicmoe {
+namespace machmoe {
 
 enum class DType : int { kBF16, kFP16, kFP32, kFP64, kInt32, kInt64 };
 
@@ -56,4 +56,4 @@ struct TensorView {
   std::string stride_string() const;  // "(128, 16, 1)"
 };
 
-}  // namespace sonicmoe
+}  // namespace machmoe

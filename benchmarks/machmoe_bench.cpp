@@ -1,4 +1,4 @@
-// sonicmoe-bench: the project's main job. Runs one MoE layer forward and backward through the public API with
+// machmoe-bench: the project's main job. Runs one MoE layer forward and backward through the public API with
 // the best backend this build has, and prints the configuration, timings, model FLOPs and memory accounting.
 #include <algorithm>
 #include <chrono>
@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "cli_options.hpp"
-#include "sonicmoe/sonicmoe.hpp"
+#include "machmoe/machmoe.hpp"
 
-#ifdef SONICMOE_WITH_CUDA
+#ifdef MACHMOE_WITH_CUDA
 #include "gpu_bench.hpp"
 #endif
 
@@ -19,7 +19,7 @@ int write_json(const std::string& path, const std::vector<std::string>& objects)
 
 namespace {
 
-using namespace sonicmoe;
+using namespace machmoe;
 
 double mib(std::size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
@@ -95,7 +95,7 @@ int run(const bench::Options& o) {
   if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.data(), dt, {p.E, p.d});
   BackwardBuffers bb{saved.data(), saved.size(), nullptr, 0};
 
-  std::printf("sonicmoe-bench %s\n", kVersion);
+  std::printf("machmoe-bench %s\n", kVersion);
   const int gpus = cuda_device_count();
   std::printf("build:    %s\n", built_with_cuda() ? "with CUDA sources (sm_90a)" : "CPU only (no nvcc at build time)");
   if (gpus > 0)
@@ -119,7 +119,7 @@ int run(const bench::Options& o) {
   for (std::int32_t c : counts) pairs += c;
   std::int64_t empty_experts = 0;
   for (std::int32_t c : counts) empty_experts += c == 0;
-  // Model FLOPs (TARGETS.md): GLU 6 / 12 * pairs * n * d, non-GLU 4 / 8; padding never counted, so token-rounded
+  // Model FLOPs (docs/TARGETS.md): GLU 6 / 12 * pairs * n * d, non-GLU 4 / 8; padding never counted, so token-rounded
   // pairs count as routed pairs.
   const double unit = static_cast<double>(pairs) * double(p.n) * double(p.d);
   const double fwd_flop = (is_glu(p.activation) ? 6.0 : 4.0) * unit;
@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
   try {
     o = bench::parse_options(args, have_gpu);
   } catch (const Error& e) {
-    std::fprintf(stderr, "error: %s\n(run sonicmoe-bench --help for the options)\n", e.what());
+    std::fprintf(stderr, "error: %s\n(run machmoe-bench --help for the options)\n", e.what());
     return 2;
   }
   if (o.help) {
@@ -197,9 +197,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   try {
-#ifdef SONICMOE_WITH_CUDA
+#ifdef MACHMOE_WITH_CUDA
     if (o.gpu) {
-      std::printf("sonicmoe-bench %s, backend: gpu (%s)\n", kVersion, dtype_name(o.dtype));
+      std::printf("machmoe-bench %s, backend: gpu (%s)\n", kVersion, dtype_name(o.dtype));
       std::vector<std::string> json;
       const int rc = bench::run_gpu(o.all_configs ? bench::main_config_runs(o) : std::vector<bench::Options>{o}, json);
       return rc ? rc : write_json(o.json_path, json);

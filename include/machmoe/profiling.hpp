@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-namespace sonicmoe {
+namespace machmoe {
 
 struct StageTime {
   std::string stage;  // "forward/up_projection", ...
@@ -16,4 +16,4 @@ void enable_stage_timing(bool on);
 /// Waits for the recorded events and returns each stage's time, in launch order, since the last call.
 std::vector<StageTime> collect_stage_timings();
 
-}  // namespace sonicmoe
+}  // namespace machmoe

@@ -6,10 +6,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "sonicmoe/problem.hpp"
-#include "sonicmoe/tensor.hpp"
+#include "machmoe/problem.hpp"
+#include "machmoe/tensor.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 
 /// Regions start at multiples of this many bytes (TMA and 16-byte vector loads want aligned bases).
 inline constexpr std::size_t kRegionAlignment = 256;
@@ -39,10 +39,10 @@ struct SavedLayout {
 };
 SavedLayout saved_layout(const MoEProblem& problem, DType data_dtype);
 
-/// Activation memory as TARGETS.md defines it: what the forward keeps alive for the backward, the layer input
+/// Activation memory as docs/TARGETS.md defines it: what the forward keeps alive for the backward, the layer input
 /// X counted once (the caller keeps it; the backward takes it again), parameters and the output excluded.
 /// In bf16 with top-K routing this is 2Td + 4TKn + 16TK + 4(E+1) (+ alignment) in kPreActivation mode and
-/// 2Td + 16TK + 4(E+1) in kInputOnly mode (SPEC §4.4, TARGETS.md T6/T7).
+/// 2Td + 16TK + 4(E+1) in kInputOnly mode (docs/SPEC.md §4.4, docs/TARGETS.md T6/T7).
 struct ActivationMemory {
   std::size_t x_bytes = 0;         // T*d*sizeof(data)
   std::size_t h_bytes = 0;         // saved.h
@@ -115,4 +115,4 @@ std::size_t backward_input_workspace_bytes(const MoEProblem& problem, DType data
 std::size_t forward_workspace_bytes(const MoEProblem& problem, DType data_dtype, Device device);
 std::size_t backward_workspace_bytes(const MoEProblem& problem, DType data_dtype, Device device);
 
-}  // namespace sonicmoe
+}  // namespace machmoe

@@ -1,11 +1,11 @@
 // What one MoE layer computes: sizes and every option of the layer. Shared by the CPU reference, the GPU
-// runtime and the bindings, so one description means one function everywhere (see docs/SPEC-NOTES.md).
+// runtime and the bindings, so one description means one function everywhere (docs/SPEC.md).
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-namespace sonicmoe {
+namespace machmoe {
 
 /// Expert activation. GLU activations act on a (gate, up) pair: a = act(gate) * up, and W1 has 2n rows per
 /// expert. Non-GLU activations act elementwise on n pre-activations, and W1 has n rows per expert.
@@ -36,11 +36,11 @@ enum class ScoreVariant : int {
 
 enum class RoutingMode : int {
   kTopK,            // token choice: each token picks its top-K experts
-  kTokenRounding,   // token choice, then each expert's count rounded to a multiple of tile_m (SPEC §5)
+  kTokenRounding,   // token choice, then each expert's count rounded to a multiple of tile_m (docs/SPEC.md §5)
   kCallerSupplied,  // the caller gives (token, expert, score) triples, token-sorted
 };
 
-/// Token-rounding rule per expert (SPEC §5.2).
+/// Token-rounding rule per expert (docs/SPEC.md §5.2).
 enum class RoundingRule : int {
   kNearest,  // NR-f: round up iff strictly closer to the upper tile multiple (ties round down)
   kUp,       // always up: pad with the best-scored non-chosen tokens
@@ -94,11 +94,11 @@ struct MoEProblem {
   std::string to_string() const;
 };
 
-/// Throws sonicmoe::Error naming the field, what was expected and what was given.
+/// Throws machmoe::Error naming the field, what was expected and what was given.
 void validate_problem(const MoEProblem& problem, const char* where = "validate_problem");
 
 // Names used by the command line, the bindings and error messages, and their inverses (which throw
-// sonicmoe::Error listing the accepted names).
+// machmoe::Error listing the accepted names).
 const char* activation_name(Activation v);
 const char* weight_layout_name(WeightLayout v);
 const char* score_variant_name(ScoreVariant v);
@@ -112,4 +112,4 @@ RoutingMode parse_routing_mode(const std::string& s);
 RoundingRule parse_rounding_rule(const std::string& s);
 CacheMode parse_cache_mode(const std::string& s);
 
-}  // namespace sonicmoe
+}  // namespace machmoe

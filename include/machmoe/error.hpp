@@ -5,7 +5,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace sonicmoe {
+namespace machmoe {
 
 /// Thrown for invalid arguments at a public entry point. Nothing has been written to any output when it is
 /// thrown: validation happens before any work starts.
@@ -20,8 +20,8 @@ class RuntimeError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Builds the standard message "sonicmoe::<where>: argument '<arg>': expected <expected>, got <got>".
+/// Builds the standard message "machmoe::<where>: argument '<arg>': expected <expected>, got <got>".
 [[noreturn]] void throw_argument_error(const std::string& where, const std::string& arg,
                                        const std::string& expected, const std::string& got);
 
-}  // namespace sonicmoe
+}  // namespace machmoe

@@ -1,8 +1,8 @@
-"""Fake (meta) implementations and autograd of the sonicmoe operators.
+"""Fake (meta) implementations and autograd of the machmoe operators.
 
-torch.ops.sonicmoe.layer_forward(...) -> (out, router_logits, expert_counts, saved) computes the layer; `saved` is
+torch.ops.machmoe.layer_forward(...) -> (out, router_logits, expert_counts, saved) computes the layer; `saved` is
 the uint8 buffer of what the backward needs (X is the input, kept by reference). Its autograd calls
-torch.ops.sonicmoe.layer_backward. Both have fake implementations, so torch.compile(fullgraph=True) traces through
+torch.ops.machmoe.layer_backward. Both have fake implementations, so torch.compile(fullgraph=True) traces through
 the layer without graph breaks.
 """
 import torch
@@ -13,12 +13,12 @@ _CALLER = 2
 def _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, tile, cache):
     T, d = x.shape
     num_pairs = token_index.shape[0] if routing == _CALLER else 0
-    return torch.ops.sonicmoe.saved_nbytes(
+    return torch.ops.machmoe.saved_nbytes(
         T, d, w2.shape[2], w1.shape[0], top_k, num_pairs, activation, score, routing, tile, cache, x.element_size()
     )
 
 
-@torch.library.register_fake("sonicmoe::layer_forward")
+@torch.library.register_fake("machmoe::layer_forward")
 def _layer_forward_fake(x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
                         weight_layout, score, routing, rounding, tile, cache):
     T, d = x.shape
@@ -31,7 +31,7 @@ def _layer_forward_fake(x, router_weight, w1, b1, w2, b2, token_index, expert_in
     return out, logits, counts, saved
 
 
-@torch.library.register_fake("sonicmoe::layer_backward")
+@torch.library.register_fake("machmoe::layer_backward")
 def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores,
                          saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache):
     caller = routing == _CALLER
@@ -50,7 +50,7 @@ def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2
 class defer_weight_grads:
     """Split backward for zero-bubble / deferred weight-gradient schedules.
 
-    Inside ``with sonicmoe.defer_weight_grads() as deferred:``, the backward of sonicmoe layers computes the input
+    Inside ``with machmoe.defer_weight_grads() as deferred:``, the backward of machmoe layers computes the input
     gradient (and the router's and the scores' gradients) now and queues the expert weight-gradient work;
     ``deferred.run()`` does it later and accumulates into the parameters' ``.grad``. The results equal a plain
     backward bitwise. Between the two, each layer keeps dH and A' (memory.hpp's deferred layout) and dO alive.
@@ -101,13 +101,13 @@ def _backward(ctx, grad_out, grad_logits, grad_counts, grad_saved):
     if caller or (grad_logits is not None and grad_logits.numel() == 0):
         grad_logits = None
     if defer_weight_grads._active:
-        dx, dwr, dscores, deferred = torch.ops.sonicmoe.layer_backward_input(
+        dx, dwr, dscores, deferred = torch.ops.machmoe.layer_backward_input(
             grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved,
             *ctx.options)
         weights, options = ctx.weights, ctx.options
 
         def weight_job():
-            dw1, db1_, dw2, db2_ = torch.ops.sonicmoe.layer_backward_weight(
+            dw1, db1_, dw2, db2_ = torch.ops.machmoe.layer_backward_weight(
                 grad_out, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved, deferred,
                 *options)
             for param, grad in zip(weights, (dw1, db1_, dw2, db2_)):
@@ -116,7 +116,7 @@ def _backward(ctx, grad_out, grad_logits, grad_counts, grad_saved):
         defer_weight_grads._active[-1].jobs.append(weight_job)
         return (dx, None if caller or router_weight is None else dwr, None, None, None, None, None, None,
                 dscores if caller else None) + (None,) * len(ctx.options)
-    dx, dwr, dw1, db1, dw2, db2, dscores = torch.ops.sonicmoe.layer_backward(
+    dx, dwr, dw1, db1, dw2, db2, dscores = torch.ops.machmoe.layer_backward(
         grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved,
         *ctx.options)
     return (
@@ -132,4 +132,4 @@ def _backward(ctx, grad_out, grad_logits, grad_counts, grad_saved):
     ) + (None,) * len(ctx.options)
 
 
-torch.library.register_autograd("sonicmoe::layer_forward", _backward, setup_context=_setup_context)
+torch.library.register_autograd("machmoe::layer_forward", _backward, setup_context=_setup_context)

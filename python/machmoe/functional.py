@@ -1,4 +1,4 @@
-"""Functional API of the sonicmoe layer.
+"""Functional API of the machmoe layer.
 
 Shapes: x (T, d); router_weight (E, d); w1 (E, 2n, d) for GLU activations, (E, n, d) otherwise; w2 (E, d, n); b1
 (E, 2n | n); b2 (E, d) — nn.Linear (out, in) per expert. With weight_layout="interleaved" the rows of w1 alternate
@@ -18,12 +18,12 @@ _CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _fail(arg: str, expected: str, got) -> None:
-    raise ValueError(f"sonicmoe: argument '{arg}': expected {expected}, got {got}")
+    raise ValueError(f"machmoe: argument '{arg}': expected {expected}, got {got}")
 
 
 def _check_tensor(name: str, t: Tensor, shape, ref: Tensor, *, inner_stride_only: bool = False) -> None:
     if not isinstance(t, Tensor):
-        raise TypeError(f"sonicmoe: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"machmoe: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
     if t.device != ref.device:
         _fail(name, f"a tensor on {ref.device} (the device of x)", f"a tensor on {t.device}")
     if t.dtype != ref.dtype:
@@ -38,7 +38,7 @@ def _check_tensor(name: str, t: Tensor, shape, ref: Tensor, *, inner_stride_only
 
 def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, weight_layout: str, top_k: int):
     if not isinstance(x, Tensor):
-        raise TypeError(f"sonicmoe: argument 'x': expected a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"machmoe: argument 'x': expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         _fail("x", "a (tokens, hidden) tensor", f"shape {tuple(x.shape)}")
     allowed = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
@@ -78,7 +78,7 @@ def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[T
     _check_tensor("router_weight", router_weight, (w1.shape[0], x.shape[1]), x)
     if not isinstance(tile, int) or tile <= 0 or tile % 8:
         _fail("tile", "a positive multiple of 8", tile)
-    out, logits, counts, _ = torch.ops.sonicmoe.layer_forward(
+    out, logits, counts, _ = torch.ops.machmoe.layer_forward(
         x, router_weight, w1, b1, w2, b2, None, None, None, top_k, act, layout, code(SCORES, score, "score"),
         code(ROUTINGS, routing, "routing"), code(ROUNDINGS, rounding, "rounding"), tile,
         code(ACTIVATION_MEMORY, activation_memory, "activation_memory"))
@@ -109,7 +109,7 @@ def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, exp
             scores.device != x.device or not scores.is_contiguous():
         _fail("scores", f"a contiguous ({P},) {score_dtype} tensor on {x.device}",
               f"{getattr(scores, 'shape', scores)} {getattr(scores, 'dtype', '')} on {getattr(scores, 'device', '')}")
-    out, _, counts, _ = torch.ops.sonicmoe.layer_forward(
+    out, _, counts, _ = torch.ops.machmoe.layer_forward(
         x, None, w1, b1, w2, b2, token_index, expert_index, scores, max_experts_per_token, act, layout, 0,
         ROUTINGS["caller"], 0, 128, code(ACTIVATION_MEMORY, activation_memory, "activation_memory"))
     return out, counts

@@ -3,9 +3,9 @@
 // BackwardInputs::grad_router_logits.
 #pragma once
 
-#include "sonicmoe/tensor.hpp"
+#include "machmoe/tensor.hpp"
 
-namespace sonicmoe {
+namespace machmoe {
 
 /// Switch-style load-balancing loss: aux = E * sum_e (P_e / sum P) * (f_e / sum f) with P_e = sum_t softmax(z_t)_e
 /// over all E experts and f_e = expert_counts[e] (int32, not differentiated).
@@ -19,4 +19,4 @@ void load_balancing_loss(const TensorView& router_logits, const TensorView& expe
 void router_z_loss(const TensorView& router_logits, const TensorView& loss, const TensorView& grad_logits,
                    double grad_scale = 1.0, bool accumulate = false, void* stream = nullptr);
 
-}  // namespace sonicmoe
+}  // namespace machmoe

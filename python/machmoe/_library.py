@@ -1,14 +1,14 @@
-"""Finds and loads libsonicmoe_torch (the TORCH_LIBRARY operators)."""
+"""Finds and loads libmachmoe_torch (the TORCH_LIBRARY operators)."""
 import os
 from pathlib import Path
 
 import torch
 
-_NAME = "libsonicmoe_torch.so"
+_NAME = "libmachmoe_torch.so"
 
 
 def _candidates():
-    env = os.environ.get("SONICMOE_TORCH_LIBRARY")
+    env = os.environ.get("MACHMOE_TORCH_LIBRARY")
     if env:
         yield Path(env)
     here = Path(__file__).resolve().parent
@@ -24,6 +24,6 @@ def load_library() -> Path:
             torch.ops.load_library(str(path))
             return path
     raise ImportError(
-        "sonicmoe: the operator library was not found; install the package (pip install --no-build-isolation .) "
-        "or build it (SONICMOE_BUILD_TORCH=ON) and set SONICMOE_TORCH_LIBRARY. Looked in: " + ", ".join(tried)
+        "machmoe: the operator library was not found; install the package (pip install --no-build-isolation .) "
+        "or build it (MACHMOE_BUILD_TORCH=ON) and set MACHMOE_TORCH_LIBRARY. Looked in: " + ", ".join(tried)
     )

@@ -1,0 +1,12 @@
+// Umbrella header of the torch-free machmoe C++ API.
+#pragma once
+
+#include "machmoe/device.hpp"
+#include "machmoe/error.hpp"
+#include "machmoe/layer.hpp"
+#include "machmoe/losses.hpp"
+#include "machmoe/memory.hpp"
+#include "machmoe/problem.hpp"
+#include "machmoe/profiling.hpp"
+#include "machmoe/tensor.hpp"
+#include "machmoe/version.hpp"

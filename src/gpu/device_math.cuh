@@ -1,5 +1,5 @@
-// Device helpers shared by the GPU runtime's kernels: element conversions, activations (the same functions as
-// src/reference/activation.hpp, in fp32), the concatenated-GLU row map, and dtype dispatch.
+// Device helpers shared by the GPU runtime's kernels: element conversions, activations (src/math/activation.hpp in
+// fp32), the concatenated-GLU row map, and dtype dispatch.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "machmoe/error.hpp"
+#include "math/activation.hpp"
 #include "machmoe/problem.hpp"
 #include "machmoe/tensor.hpp"
 
@@ -26,37 +27,12 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
-struct ActValue {
-  float value, derivative;
-};
+/// f and f' of the elementwise part of an activation (the gate function for GLU activations), fp32, exact
+/// transcendentals: the one definition of src/math/activation.hpp.
+using ActValue = math::ActValue<float>;
+__device__ __forceinline__ ActValue act_eval(Activation act, float x) { return math::act_value_and_derivative(act, x); }
 
-/// f and f' of the elementwise part of an activation (the gate function for GLU activations).
-__device__ __forceinline__ ActValue act_eval(Activation act, float x) {
-  switch (act) {
-    case Activation::kSwiGLU:
-    case Activation::kSiLU: {
-      const float s = 1.0f / (1.0f + expf(-x));
-      return {x * s, s * (1.0f + x * (1.0f - s))};
-    }
-    case Activation::kGeGLU:
-    case Activation::kGELU: {
-      const float c = 0.7978845608028654f, a = 0.044715f;
-      const float t = tanhf(c * (x + a * x * x * x));
-      const float du = c * (1.0f + 3.0f * a * x * x);
-      return {0.5f * x * (1.0f + t), 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du};
-    }
-    case Activation::kReGLU:
-    case Activation::kReLU:
-      return x > 0.0f ? ActValue{x, 1.0f} : ActValue{0.0f, 0.0f};
-    case Activation::kReLUSquared:
-      return x > 0.0f ? ActValue{x * x, 2.0f * x} : ActValue{0.0f, 0.0f};
-  }
-  return {0.0f, 0.0f};
-}
-
-__host__ __device__ __forceinline__ bool act_is_glu(Activation a) {
-  return a == Activation::kSwiGLU || a == Activation::kGeGLU || a == Activation::kReGLU;
-}
+__host__ __device__ __forceinline__ bool act_is_glu(Activation a) { return math::is_glu_activation(a); }
 
 /// Concatenated GLU layout: interleaved column c lives in row (c % 2) * n + c / 2.
 __device__ __forceinline__ std::int64_t glu_concat_row(std::int64_t c, std::int64_t n) {

@@ -1,6 +1,6 @@
 #include "reference/experts.hpp"
 
-#include "reference/activation.hpp"
+#include "math/activation.hpp"
 
 namespace machmoe::ref {
 
@@ -36,8 +36,8 @@ std::vector<R> activation_forward(const ExpertShape& shape, const R* h, std::int
   std::vector<R> a(static_cast<std::size_t>(num_rows * n));
   for (std::int64_t g = 0; g < num_rows; ++g)
     for (std::int64_t j = 0; j < n; ++j)
-      a[g * n + j] = glu ? act_scalar(shape.activation, h[g * rows + 2 * j]).value * h[g * rows + 2 * j + 1]
-                         : act_scalar(shape.activation, h[g * rows + j]).value;
+      a[g * n + j] = glu ? math::act_value_and_derivative(shape.activation, h[g * rows + 2 * j]).value * h[g * rows + 2 * j + 1]
+                         : math::act_value_and_derivative(shape.activation, h[g * rows + j]).value;
   return a;
 }
 
@@ -107,12 +107,12 @@ ExpertGrads<R> experts_backward(const ExpertShape& shape, std::int64_t E, const 
       const R da = s * da_prime[j];
       if (glu) {
         const R gate = hg[2 * j], up = hg[2 * j + 1];
-        const ScalarAct<R> f = act_scalar(shape.activation, gate);
+        const math::ActValue<R> f = math::act_value_and_derivative(shape.activation, gate);
         a[j] = f.value * up;
         dh[2 * j] = da * up * f.derivative;
         dh[2 * j + 1] = da * f.value;
       } else {
-        const ScalarAct<R> f = act_scalar(shape.activation, hg[j]);
+        const math::ActValue<R> f = math::act_value_and_derivative(shape.activation, hg[j]);
         a[j] = f.value;
         dh[j] = da * f.derivative;
       }

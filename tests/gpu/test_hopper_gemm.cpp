@@ -10,6 +10,7 @@
 
 #include "gpu/hopper/dispatch.hpp"
 #include "gpu/kernels.hpp"
+#include "math/activation.hpp"
 #include "gpu_support.hpp"
 
 namespace machmoe::test {
@@ -18,18 +19,7 @@ namespace {
 using gpu::Epilogue;
 using gpu::VarlenMArgs;
 
-double act_ref(Activation a, double x) {
-  switch (a) {
-    case Activation::kSwiGLU:
-    case Activation::kSiLU: return x / (1.0 + std::exp(-x));
-    case Activation::kGeGLU:
-    case Activation::kGELU: return 0.5 * x * (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
-    case Activation::kReGLU:
-    case Activation::kReLU: return x > 0 ? x : 0.0;
-    case Activation::kReLUSquared: return x > 0 ? x * x : 0.0;
-  }
-  return 0.0;
-}
+double act_ref(Activation a, double x) { return math::act_value_and_derivative(a, x).value; }
 
 /// Grouped rows: segment lengths per expert, a random token per row, X (T x d), and per-expert weights.
 struct Segments {

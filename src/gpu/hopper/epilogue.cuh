@@ -19,41 +19,11 @@
 #include <cuda_bf16.h>
 
 #include "gpu/hopper/async_primitives.cuh"
+#include "gpu/hopper/fast_math.cuh"
 #include "gpu/hopper/grouped_gemm_params.hpp"
 #include "gpu/hopper/tile_scheduler.cuh"
 
 namespace machmoe::gpu::hopper {
-
-/// Activations with the tanh.approx / ex2.approx special-function units (docs/SPEC.md §2.3: the Hopper kernels use
-/// tanh.approx.f32); errors are far below bf16 rounding of the result.
-__device__ __forceinline__ float tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-template <Activation act>
-__device__ __forceinline__ float fast_activation(float x) {
-  switch (act) {
-    case Activation::kSwiGLU:
-    case Activation::kSiLU: {
-      const float h = 0.5f * x;  // silu(x) = x sigmoid(x) = h tanh(h) + h
-      return fmaf(h, tanh_approx(h), h);
-    }
-    case Activation::kGeGLU:
-    case Activation::kGELU: {
-      const float c = 0.7978845608028654f, a = 0.044715f;
-      const float h = 0.5f * x;
-      return fmaf(h, tanh_approx(c * fmaf(a * x * x, x, x)), h);
-    }
-    case Activation::kReGLU:
-    case Activation::kReLU:
-      return x > 0.0f ? x : 0.0f;
-    case Activation::kReLUSquared:
-      return x > 0.0f ? x * x : 0.0f;
-  }
-  return 0.0f;
-}
 
 template <class Config>
 struct Epilogue {

@@ -11,7 +11,8 @@
 #include <utility>
 
 #include "gpu/cuda_check.hpp"
-#include "gpu/hopper/kernel_configs.hpp"
+#include "gpu/hopper/heuristics.hpp"
+#include "gpu/hopper/kernel_families.hpp"
 
 namespace machmoe::gpu {
 namespace {
@@ -86,8 +87,7 @@ void log_fallback_once(const char* stage, const std::string& reason) {
     std::fprintf(stderr, "machmoe: %s runs on the GPU reference GEMM: %s\n", stage, reason.c_str());
 }
 
-/// The narrowest N tile of the kernels: every supported shape has N a multiple of it.
-constexpr int kMinTileN = hopper::UpPingPongConfig<Activation::kSwiGLU>::kTileN;
+using hopper::kMinTileN;
 
 /// An integer from the environment, 0 when the variable is unset.
 int env_int(const char* name) {
@@ -95,45 +95,34 @@ int env_int(const char* name) {
   return e ? std::atoi(e) : 0;
 }
 
-/// Tile heuristic (docs/SPEC.md §6.2 as the starting point, then measured on an H200: docs/BENCHMARKS.md). The 128 x 256
-/// cooperative tile halves the operand bytes per FLOP through L2 and shared memory, which the gathered
-/// up-projection needs (7B-256: 614 TFLOP/s against 515 with 128 x 128 ping-pong); for the down-projection it
-/// measured equal (n >= 512) or 2-4 % faster (n = 256). The 128 x 128 ping-pong tile serves N that is a multiple
-/// of 128 but not of 256. MACHMOE_HOPPER_TILE_N=128 or 256 (or set_hopper_tile_n) overrides it.
+// The override layer of the tile heuristics (hopper/heuristics.hpp): MACHMOE_HOPPER_TILE_N=128|256 and
+// MACHMOE_HOPPER_RASTER_M=g from the environment, or set_hopper_tile_n / set_hopper_raster_m (tests, tuning).
 std::atomic<int>& forced_tile_n() {
   static std::atomic<int> v{env_int("MACHMOE_HOPPER_TILE_N")};
   return v;
 }
-
-int choose_tile_n(const VarlenMArgs& a) {
-  const int forced = forced_tile_n().load();
-  if (forced == 128 || a.N % 256 != 0) return 128;
-  return 256;
-}
-
-/// Rasterisation group (M-tiles, tile_scheduler.cuh). MACHMOE_HOPPER_RASTER_M (or set_hopper_raster_m) forces it.
 std::atomic<int>& forced_raster_m() {
   static std::atomic<int> v{env_int("MACHMOE_HOPPER_RASTER_M")};
   return v;
 }
-
-/// Along N (1) unless forced: groups of 2-8 M-tiles measured no better (docs/BENCHMARKS.md).
-int choose_raster_m() {
-  const int forced = forced_raster_m().load();
-  return forced > 0 ? forced : 1;
+hopper::TileOverrides tile_overrides() {
+  hopper::TileOverrides o;
+  o.tile_n = forced_tile_n().load();
+  o.raster_m = forced_raster_m().load();
+  return o;
 }
 
-template <template <Activation> class Config>
-void launch_up(Activation act, const hopper::GroupedGemmParams& p, int sms, cudaStream_t stream) {
+template <class Tile>
+void launch_up(Activation act, const hopper::UpProjectionParams& p, int sms, cudaStream_t stream) {
+  using hopper::launch_up_projection;
   switch (act) {
-    case Activation::kSwiGLU: return hopper::launch_grouped_gemm<Config<Activation::kSwiGLU>>(p, sms, stream);
-    case Activation::kGeGLU: return hopper::launch_grouped_gemm<Config<Activation::kGeGLU>>(p, sms, stream);
-    case Activation::kReGLU: return hopper::launch_grouped_gemm<Config<Activation::kReGLU>>(p, sms, stream);
-    case Activation::kReLUSquared:
-      return hopper::launch_grouped_gemm<Config<Activation::kReLUSquared>>(p, sms, stream);
-    case Activation::kReLU: return hopper::launch_grouped_gemm<Config<Activation::kReLU>>(p, sms, stream);
-    case Activation::kGELU: return hopper::launch_grouped_gemm<Config<Activation::kGELU>>(p, sms, stream);
-    case Activation::kSiLU: return hopper::launch_grouped_gemm<Config<Activation::kSiLU>>(p, sms, stream);
+    case Activation::kSwiGLU: return launch_up_projection<Tile, Activation::kSwiGLU>(p, sms, stream);
+    case Activation::kGeGLU: return launch_up_projection<Tile, Activation::kGeGLU>(p, sms, stream);
+    case Activation::kReGLU: return launch_up_projection<Tile, Activation::kReGLU>(p, sms, stream);
+    case Activation::kReLUSquared: return launch_up_projection<Tile, Activation::kReLUSquared>(p, sms, stream);
+    case Activation::kReLU: return launch_up_projection<Tile, Activation::kReLU>(p, sms, stream);
+    case Activation::kGELU: return launch_up_projection<Tile, Activation::kGELU>(p, sms, stream);
+    case Activation::kSiLU: return launch_up_projection<Tile, Activation::kSiLU>(p, sms, stream);
   }
 }
 
@@ -190,50 +179,72 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
     return;
   }
   if (a.P_max == 0) return;  // no routed rows: nothing to write
-  hopper::GroupedGemmParams p;
-  p.E = static_cast<int>(a.E), p.N = static_cast<int>(a.N), p.K = static_cast<int>(a.K);
-  const int tile_n = choose_tile_n(a);
-  p.n_tiles = p.N / tile_n;
-  p.raster_m = choose_raster_m();
-  p.expert_offsets = a.expert_offsets;
-  p.a = a.a, p.lda = a.lda, p.gather = a.a_gather;
+  const bool up = a.epilogue == Epilogue::kUpActivation;
+  hopper::GemmShape shape;
+  shape.family = up ? hopper::KernelFamily::kUpProjection : hopper::KernelFamily::kDownProjection;
+  shape.N = a.N, shape.K = a.K;
+  const hopper::TileChoice tiles = hopper::choose_tiles(shape, tile_overrides());
+
+  hopper::VarlenMSchedulerParams sched;
+  sched.E = static_cast<int>(a.E);
+  sched.n_tiles = static_cast<int>(a.N) / tiles.tile_n;
+  sched.raster_m = tiles.raster_m;
+  sched.expert_offsets = a.expert_offsets;
+
+  hopper::MainloopVarlenMParams main;
+  main.K = static_cast<int>(a.K);
+  main.a = a.a, main.lda = a.lda, main.gather = a.a_gather;
   const ExpertOperand& b = a.b;
   {
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(a.N),
                                 static_cast<cuuint64_t>(a.E)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(b.stride_col) * 2, static_cast<cuuint64_t>(b.expert_stride) * 2};
-    const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(tile_n / 2), 1};
-    p.tma_b = make_tensor_map(b.ptr, 3, dims, strides, box);
+    const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(tiles.tile_n / 2), 1};
+    main.tma_b = make_tensor_map(b.ptr, 3, dims, strides, box);
   }
-  p.b_concatenated = b.permute == 1;
-  p.glu_n = static_cast<int>(b.glu_n);
-  p.out = a.out, p.ld_out = a.ld_out;
-  p.bias = a.bias, p.ld_bias = a.ld_bias;
+  main.b_concatenated = b.permute == 1;
+  main.glu_n = static_cast<int>(b.glu_n);
+
   // Output tensor maps for the epilogue's TMA stores: (columns, rows), box 64 x 64, 128-byte swizzle.
-  auto output_map = [&](void* ptr, std::int64_t cols, std::int64_t ld) {
-    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(a.P_max)};
-    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
-    const cuuint32_t box[2] = {64, 64};
-    return make_tensor_map(ptr, 2, dims, strides, box);
+  auto output = [&](void* ptr, std::int64_t cols, std::int64_t ld) {
+    hopper::EpilogueOutput o;
+    o.ptr = ptr, o.ld = ld;
+    if (ptr != nullptr) {
+      const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(a.P_max)};
+      const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+      const cuuint32_t box[2] = {64, 64};
+      o.tma = make_tensor_map(ptr, 2, dims, strides, box);
+    }
+    return o;
   };
-  if (a.out != nullptr) p.tma_out = output_map(a.out, a.N, a.ld_out);
+  hopper::EpilogueBias bias;
+  bias.ptr = a.bias, bias.ld = a.ld_bias;
   const int sm_count = dev.sm_count;
-  if (a.epilogue == Epilogue::kUpActivation) {
-    p.act_out = a.act_out, p.ld_act = a.ld_act;
-    if (a.act_out != nullptr) p.tma_act = output_map(a.act_out, is_glu(a.activation) ? a.N / 2 : a.N, a.ld_act);
-    if (tile_n == 256)
-      launch_up<hopper::UpCooperativeConfig>(a.activation, p, sm_count, stream);
+  if (up) {
+    hopper::UpProjectionParams p;
+    p.mainloop = main, p.scheduler = sched;
+    p.epilogue.h = output(a.out, a.N, a.ld_out);
+    p.epilogue.a = output(a.act_out, is_glu(a.activation) ? a.N / 2 : a.N, a.ld_act);
+    p.epilogue.bias = bias;
+    p.epilogue.concatenated = main.b_concatenated;
+    p.epilogue.glu_n = main.glu_n;
+    if (tiles.tile_n == 256)
+      launch_up<hopper::Tile128x256CooperativeCluster2>(a.activation, p, sm_count, stream);
     else
-      launch_up<hopper::UpPingPongConfig>(a.activation, p, sm_count, stream);
+      launch_up<hopper::Tile128x128PingPong>(a.activation, p, sm_count, stream);
   } else {
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(a.P_max)};
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(a.lda) * 2};
-    const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(hopper::DownPingPongConfig::kTileM)};
-    p.tma_a = make_tensor_map(a.a, 2, dims, strides, box);
-    if (tile_n == 256)
-      hopper::launch_grouped_gemm<hopper::DownCooperativeConfig>(p, sm_count, stream);
+    const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(hopper::Tile128x128PingPong::kTileM)};
+    main.tma_a = make_tensor_map(a.a, 2, dims, strides, box);
+    hopper::DownProjectionParams p;
+    p.mainloop = main, p.scheduler = sched;
+    p.epilogue.out = output(a.out, a.N, a.ld_out);
+    p.epilogue.bias = bias;
+    if (tiles.tile_n == 256)
+      hopper::launch_down_projection<hopper::Tile128x256Cooperative>(p, sm_count, stream);
     else
-      hopper::launch_grouped_gemm<hopper::DownPingPongConfig>(p, sm_count, stream);
+      hopper::launch_down_projection<hopper::Tile128x128PingPong>(p, sm_count, stream);
   }
 }
 

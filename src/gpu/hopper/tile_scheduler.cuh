@@ -14,7 +14,8 @@
 
 #include <cstdint>
 
-#include "gpu/hopper/grouped_gemm_params.hpp"
+#include "gpu/hopper/params.hpp"
+#include "gpu/hopper/tile_config.hpp"
 
 namespace machmoe::gpu::hopper {
 
@@ -95,14 +96,17 @@ class VarlenTileScheduler {
 /// the unit is a pair of M-adjacent tiles (same expert and N tile, so the weight tile is shared): cluster c takes
 /// units c, c + clusters, ... and CTA rank r its tile r of each pair. The second tile of a pair can be empty
 /// (rows <= 0): that CTA still runs the mainloop (its multicast half is needed) and writes nothing.
-template <class Config>
+template <class Tile>
 class ClusterTiles {
  public:
-  __device__ explicit ClusterTiles(const GroupedGemmParams& p)
+  using Params = VarlenMSchedulerParams;
+  static constexpr int kClusterM = Tile::kClusterM;
+
+  __device__ explicit ClusterTiles(const Params& p)
       : sched_(p.expert_offsets, p.E, p.n_tiles, p.raster_m),
-        unit_(static_cast<int>(blockIdx.x) / Config::kClusterM),
-        units_(static_cast<int>(gridDim.x) / Config::kClusterM) {
-    if constexpr (Config::kClusterM > 1) {
+        unit_(static_cast<int>(blockIdx.x) / Tile::kClusterM),
+        units_(static_cast<int>(gridDim.x) / Tile::kClusterM) {
+    if constexpr (Tile::kClusterM > 1) {
       std::uint32_t r;
       asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
       rank_ = r;
@@ -112,16 +116,16 @@ class ClusterTiles {
   /// Tile i of this CTA's sequence (warp-collective, i increasing).
   __device__ TileCoord get(int i) {
     TileCoord c = sched_.get(unit_ + i * units_);
-    if (Config::kClusterM > 1 && c.valid()) {
-      const int skip = static_cast<int>(rank_) * Config::kTileM;
+    if (Tile::kClusterM > 1 && c.valid()) {
+      const int skip = static_cast<int>(rank_) * Tile::kTileM;
       c.row0 += skip;
-      c.rows = min(c.rows - skip, Config::kTileM);
+      c.rows = min(c.rows - skip, Tile::kTileM);
     }
     return c;
   }
 
  private:
-  VarlenTileScheduler<Config::kTileM * Config::kClusterM> sched_;
+  VarlenTileScheduler<Tile::kTileM * Tile::kClusterM> sched_;
   int unit_, units_;
   std::uint32_t rank_ = 0;
 };

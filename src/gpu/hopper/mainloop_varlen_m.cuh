@@ -1,5 +1,5 @@
-// Mainloop collective of the Hopper grouped GEMM: a multi-stage shared-memory ring filled by one producer
-// warpgroup and drained by WGMMA in the consumer warpgroups.
+// The varlen-M mainloop of the Hopper kernels: a multi-stage shared-memory ring filled by one producer warpgroup
+// and drained by WGMMA in the consumer warpgroups, over the tiles the scheduler hands out.
 //
 // Producer: B (weights) tiles arrive by TMA, issued by one thread; A rows are either gathered with 16-byte
 // cp.async by all 128 producer threads (the up-projection: rows of X picked by the routing, never materialised)
@@ -7,6 +7,10 @@
 // TMA transaction bytes plus, when gathering, one cp.async arrival per producer thread.
 // Consumer: one warpgroup computes a whole 128 x kTileN tile with two 64-row WGMMA atoms, keeping one batch in
 // flight and releasing each stage behind it.
+//
+// Template parameters: the tile configuration (tile_config.hpp), how A arrives (gathered rows or a contiguous
+// TMA tile), the majorness of B and the element type. Edge predication along N and K slots in where the TMA boxes
+// and the cp.async sizes are formed (produce), never deeper.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -16,16 +20,32 @@
 #include <cutlass/bfloat16.h>
 
 #include "gpu/hopper/async_primitives.cuh"
-#include "gpu/hopper/grouped_gemm_params.hpp"
+#include "gpu/hopper/params.hpp"
+#include "gpu/hopper/tile_config.hpp"
 #include "gpu/hopper/tile_scheduler.cuh"
 
 namespace machmoe::gpu::hopper {
 
-template <class Config>
-struct Mainloop {
-  static constexpr int kTileM = Config::kTileM, kTileN = Config::kTileN, kTileK = Config::kTileK;
-  static constexpr int kStages = Config::kStages;
-  using Element = cutlass::bfloat16_t;
+/// How the A operand reaches shared memory.
+enum class OperandA : int {
+  kGathered,    // rows picked by an index, 16-byte cp.async by the 128 producer threads (never materialised)
+  kContiguous,  // a contiguous row block, one TMA load
+};
+/// Which index of an operand is contiguous in memory: K-major (the reduction index) or MN-major.
+enum class Major : int { kK, kMN };
+
+template <class Tile, OperandA kOperandA, Major kMajorB = Major::kK, class Element_ = cutlass::bfloat16_t>
+struct MainloopVarlenM {
+  using Params = MainloopVarlenMParams;
+  using Element = Element_;
+  using Traits = TileTraits<Tile>;
+  static constexpr int kTileM = Tile::kTileM, kTileN = Tile::kTileN, kTileK = Tile::kTileK;
+  static constexpr int kStages = Tile::kStages;
+  static constexpr bool kGatherA = kOperandA == OperandA::kGathered;
+  static_assert(kMajorB == Major::kK, "MN-major B (the dH and dX~ kernels' weights) is not built yet");
+  static_assert(sizeof(Element) == 2, "16-bit operands (bf16)");
+  // Registers of the producer warpgroup: more when it gathers (row offsets of its 8 rows).
+  static constexpr int kProducerRegs = kGatherA ? 56 : 40;
 
   // 128-byte-swizzled K-major tiles: the layout TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and WGMMA reads.
   using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
@@ -40,7 +60,7 @@ struct Mainloop {
   // Ping-pong: one warpgroup covers the 128-row tile with two 64-row atoms. Cooperative: two warpgroups side by
   // side along M, 64 rows each.
   using TiledMma = decltype(cute::make_tiled_mma(
-      MmaAtom{}, cute::Layout<cute::Shape<cute::Int<Config::kCooperative ? 2 : 1>, cute::_1, cute::_1>>{}));
+      MmaAtom{}, cute::Layout<cute::Shape<cute::Int<Traits::kCooperative ? 2 : 1>, cute::_1, cute::_1>>{}));
 
   static constexpr int kBytesA = kTileM * kTileK * 2;
   static constexpr int kBytesB = kTileN * kTileK * 2;
@@ -60,18 +80,20 @@ struct Mainloop {
 
   __device__ __forceinline__ static void init_barriers(Barriers& b) {
     for (int i = 0; i < kStages; ++i) {
-      mbar_init(&b.full[i], Config::kGatherA ? 1 + 128 : 1);
+      mbar_init(&b.full[i], kGatherA ? 1 + 128 : 1);
       // One arrival per consuming warpgroup (ping-pong: the tile's owner; cooperative: both) of every CTA of the
       // cluster: a stage is refilled by multicast into all of them.
-      mbar_init(&b.empty[i], (Config::kCooperative ? 2 : 1) * Config::kClusterM);
+      mbar_init(&b.empty[i], (Traits::kCooperative ? 2 : 1) * Tile::kClusterM);
     }
   }
 
   // ---- producer ------------------------------------------------------------------------------------------------
 
   /// Fills the ring for every tile of this CTA, in the order the consumers take them. `ptid` in [0, 128).
-  __device__ __forceinline__ static void produce(const GroupedGemmParams& p, Storage s, int ptid) {
-    ClusterTiles<Config> sched(p);
+  template <class Scheduler>
+  __device__ __forceinline__ static void produce(const Params& p, const typename Scheduler::Params& sp, Storage s,
+                                                 int ptid) {
+    Scheduler sched(sp);
     const int k_tiles = p.K / kTileK;
     std::uint32_t iter = 0;
     // Gather mapping: 8 threads cover one 128-byte row slice (16 B each), 16 rows per pass, 8 passes.
@@ -91,7 +113,7 @@ struct Mainloop {
         b_row_second = b_row_first + half_rows;
       }
       std::int64_t src_row[8];
-      if constexpr (Config::kGatherA) {
+      if constexpr (kGatherA) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int r = row_in_pass + 16 * i;
@@ -103,8 +125,8 @@ struct Mainloop {
         const std::uint32_t phase = (iter / kStages) & 1u;
         mbar_wait(&s.bar.empty[stage], phase ^ 1u);
         if (ptid == 0) {
-          mbar_arrive_expect_tx(&s.bar.full[stage], kBytesB + (Config::kGatherA ? 0 : kBytesA));
-          if constexpr (Config::kClusterM == 2) {  // this CTA's half of the weight tile, to both CTAs
+          mbar_arrive_expect_tx(&s.bar.full[stage], kBytesB + (kGatherA ? 0 : kBytesA));
+          if constexpr (Tile::kClusterM == 2) {  // this CTA's half of the weight tile, to both CTAs
             const int half = static_cast<int>(sched.rank());
             tma_load_3d_multicast(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][half * half_rows * kTileK],
                                   kb * kTileK, half == 0 ? b_row_first : b_row_second, c.expert, 0x3);
@@ -113,10 +135,10 @@ struct Mainloop {
             tma_load_3d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][half_rows * kTileK], kb * kTileK,
                         b_row_second, c.expert);
           }
-          if constexpr (!Config::kGatherA)
+          if constexpr (!kGatherA)
             tma_load_2d(&p.tma_a, &s.bar.full[stage], &s.t.a[stage][0], kb * kTileK, static_cast<int>(c.row0));
         }
-        if constexpr (Config::kGatherA) {
+        if constexpr (kGatherA) {
           const std::uint32_t dst0 = smem_u32(&s.t.a[stage][0]) + swizzled_chunk;
           const std::int64_t k_off = static_cast<std::int64_t>(kb) * kTileK + chunk * 8;
 #pragma unroll
@@ -130,7 +152,7 @@ struct Mainloop {
         }
       }
     }
-    if constexpr (Config::kGatherA) cp_async_wait_all();
+    if constexpr (kGatherA) cp_async_wait_all();
   }
 
   // ---- consumer ------------------------------------------------------------------------------------------------
@@ -138,7 +160,7 @@ struct Mainloop {
   /// Accumulates one tile into `acc` (zeroed by the first WGMMA). `iter` is the ring position of the tile's first
   /// k-block. `on_last_wait` runs (on every thread) once this warpgroup has seen its last stage arrive.
   template <class Accumulator, class OnLastWait>
-  __device__ __forceinline__ static void consume(const GroupedGemmParams& p, Storage s, Accumulator& acc, std::uint32_t iter,
+  __device__ __forceinline__ static void consume(const Params& p, Storage s, Accumulator& acc, std::uint32_t iter,
                                  int mma_thread, OnLastWait&& on_last_wait) {
     const int wg_thread = mma_thread % 128;
     using namespace cute;
@@ -167,18 +189,18 @@ struct Mainloop {
       warpgroup_commit_batch();
       warpgroup_wait<1>();  // the previous k-block's WGMMAs are done: its stage can be refilled
       warpgroup_fence_operand(acc);
-      if (previous_stage >= 0 && wg_thread < Config::kClusterM) release(s, previous_stage, wg_thread);
+      if (previous_stage >= 0 && wg_thread < Tile::kClusterM) release(s, previous_stage, wg_thread);
       previous_stage = stage;
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-    if (previous_stage >= 0 && wg_thread < Config::kClusterM) release(s, previous_stage, wg_thread);
+    if (previous_stage >= 0 && wg_thread < Tile::kClusterM) release(s, previous_stage, wg_thread);
   }
 
   /// This warpgroup is done reading `stage`: tell every producer that writes into it. With a cluster, thread r of
   /// the warpgroup signals CTA r (one arrival per thread, issued in parallel).
   __device__ __forceinline__ static void release(Storage s, int stage, int cta_rank) {
-    if constexpr (Config::kClusterM == 1) {
+    if constexpr (Tile::kClusterM == 1) {
       mbar_arrive(&s.bar.empty[stage]);
     } else {
       mbar_arrive_cluster(&s.bar.empty[stage], static_cast<std::uint32_t>(cta_rank));

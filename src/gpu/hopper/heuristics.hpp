@@ -1,0 +1,40 @@
+// Tile heuristics of the Hopper kernels as pure functions of the problem shape (no device query, no environment):
+// testable on the CPU. The overrides (environment variables, test switches) live in dispatch.cpp and reach these
+// functions as arguments.
+#pragma once
+
+#include <cstdint>
+
+namespace machmoe::gpu::hopper {
+
+enum class KernelFamily : int { kUpProjection, kDownProjection };
+
+struct GemmShape {
+  KernelFamily family = KernelFamily::kUpProjection;
+  std::int64_t N = 0;  // output columns
+  std::int64_t K = 0;  // reduction length
+};
+
+/// Forced choices (0: the heuristic decides).
+struct TileOverrides {
+  int tile_n = 0;    // 128 or 256
+  int raster_m = 0;  // M-tiles per rasterisation group
+};
+
+struct TileChoice {
+  int tile_n = 128;  // 128: Tile128x128PingPong; 256: the 128 x 256 cooperative tile (with clusters of 2 for up)
+  int raster_m = 1;  // 1: along N
+};
+
+/// The narrowest N tile: every shape the kernels take has N a multiple of it.
+inline constexpr int kMinTileN = 128;
+
+/// The tile and rasterisation for a shape the kernels take (N a multiple of kMinTileN). Measured on an H200
+/// (docs/BENCHMARKS.md; docs/SPEC.md §6.2 was the starting point): the 128 x 256 cooperative tile halves the
+/// operand bytes per FLOP through L2 and shared memory, which the gathered up-projection needs (7B-256: 614 TFLOP/s
+/// against 515 with 128 x 128 ping-pong); for the down-projection it measured equal (n >= 512) or 2-4 % faster
+/// (n = 256). 128 x 128 ping-pong serves N that is a multiple of 128 but not of 256 (and a forced 128). Groups of
+/// 2-8 M-tiles measured no better than running along N.
+TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
+
+}  // namespace machmoe::gpu::hopper

@@ -1,0 +1,169 @@
+// The persistent, warp-specialised Hopper kernel, assembled from three pieces (docs/SPEC.md §6.1):
+//   Mainloop   fills a shared-memory ring (producer warpgroup) and drains it with WGMMA (consumers);
+//   Epilogue   turns a consumer's fp32 accumulator tile into the outputs;
+//   Scheduler  hands out the persistent tile sequence of each CTA (or cluster).
+// Each piece has its own Params; the kernel's are KernelParams<...> (params.hpp). Included only by the
+// one-configuration translation units in src/gpu/hopper/instantiations/.
+//
+// CTA = 3 warpgroups. Warpgroup 0 is the producer; warpgroups 1 and 2 are consumers. Ping-pong: they take
+// alternate tiles of the CTA's persistent sequence, and while one runs its epilogue the other keeps the tensor
+// cores busy; a consumer starts a tile's mainloop only after the other one has seen the last stage of the previous
+// tile arrive, which keeps the two on a single in-order ring of stages. Cooperative: both share every tile.
+#pragma once
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+
+#include "gpu/cuda_check.hpp"
+#include "gpu/hopper/async_primitives.cuh"
+#include "gpu/hopper/params.hpp"
+#include "gpu/hopper/tile_config.hpp"
+
+namespace machmoe::gpu::hopper {
+
+template <class Tile, class Mainloop_, class Epilogue_, class Scheduler_>
+struct PersistentKernel {
+  using TileConfig = Tile;
+  using Traits = TileTraits<Tile>;
+  using Mainloop = Mainloop_;
+  using Epilogue = Epilogue_;
+  using Scheduler = Scheduler_;
+  using Params = KernelParams<typename Mainloop::Params, typename Epilogue::Params, typename Scheduler::Params>;
+  static constexpr int kThreads = Traits::kThreads;
+  static constexpr int kClusterM = Tile::kClusterM;
+
+  struct SharedStorage {
+    typename Mainloop::Tiles tiles;  // first: 1024-byte aligned at the start of dynamic shared memory
+    typename Epilogue::Storage epilogue[Traits::kConsumerWarpgroups];
+    typename Mainloop::Barriers barriers;
+    std::uint64_t tile_done[Traits::kConsumerWarpgroups];  // ping-pong: "consumer w has seen its tile's last stage"
+  };
+  // The dynamic shared memory window starts 1024-byte aligned (checked at kernel entry), so no slack is added.
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA on sm_90");
+
+  // Registers: the producer needs few (more when it gathers: row offsets), the consumers hold a 128 x kTileN
+  // (ping-pong) or 64 x kTileN (cooperative) fp32 accumulator: 128 registers per thread either way.
+  // setmaxnreg moves registers between warpgroups within what the launch allocated (168 x 384 = 64512): the
+  // split must satisfy 128 x (producer + 2 x consumer) <= 64512, or the consumers' increase waits forever.
+  static constexpr int kProducerRegs = Mainloop::kProducerRegs;
+  static constexpr int kConsumerRegs = Mainloop::kGatherA ? 224 : 232;
+  static_assert(128 * (kProducerRegs + 2 * kConsumerRegs) <= 168 * kThreads, "register split");
+
+  /// One consumer warpgroup's persistent loop. Ping-pong: tiles consumer, consumer + 2, ... of this CTA's
+  /// sequence, whole. Cooperative: every tile, rows [64 consumer, 64 consumer + 64).
+  template <class Variant>
+  __device__ __forceinline__ static void consumer_loop(const Params& p, SharedStorage& s, int consumer,
+                                                       int wg_thread) {
+    const typename Mainloop::Storage ring{s.tiles, s.barriers};
+    Scheduler sched(p.scheduler);
+    typename Mainloop::TiledMma mma;
+    auto acc = cute::partition_fragment_C(mma, cute::Shape<cute::Int<Tile::kTileM>, cute::Int<Tile::kTileN>>{});
+    const std::uint32_t k_tiles = static_cast<std::uint32_t>(p.mainloop.K / Tile::kTileK);
+    constexpr int kStep = Traits::kCooperative ? 1 : Traits::kConsumerWarpgroups;
+    const int mma_thread = Traits::kCooperative ? consumer * 128 + wg_thread : wg_thread;
+    const int row_base = Traits::kCooperative ? consumer * 64 : 0;
+    for (int i = Traits::kCooperative ? 0 : consumer;; i += kStep) {  // i: position in this CTA's tile sequence
+      const TileCoord c = sched.get(i);
+      if (!c.valid()) break;
+      if constexpr (!Traits::kCooperative) {
+        if (i > 0) {  // wait until the previous tile's consumer has seen all of that tile's stages
+          const int other = 1 - consumer, other_tile = (i - 1) / Traits::kConsumerWarpgroups;
+          mbar_wait(&s.tile_done[other], static_cast<std::uint32_t>(other_tile) & 1u);
+        }
+      }
+      Mainloop::consume(p.mainloop, ring, acc, static_cast<std::uint32_t>(i) * k_tiles, mma_thread, [&] {
+        if (!Traits::kCooperative && wg_thread == 0) mbar_arrive(&s.tile_done[consumer]);
+      });
+      Epilogue::template apply<Variant>(p.epilogue, s.epilogue[consumer], acc, c, row_base, wg_thread,
+                                        epilogue_barrier(consumer));
+    }
+    if (wg_thread == 0) bulk_wait_group0();  // this warpgroup's last TMA stores have landed
+  }
+
+  __device__ __forceinline__ static void run(const Params& p, unsigned char* smem_raw) {
+    if ((smem_u32(smem_raw) & 1023u) != 0) __trap();  // the swizzled tiles need 1024-byte alignment
+    auto& s = *reinterpret_cast<SharedStorage*>(smem_raw);
+    const int warpgroup = threadIdx.x / 128, wg_thread = threadIdx.x % 128;
+
+    if (threadIdx.x == 0) {
+      Mainloop::init_barriers(s.barriers);
+      for (int w = 0; w < Traits::kConsumerWarpgroups; ++w) mbar_init(&s.tile_done[w], 1);
+      mbar_init_fence();
+      tma_prefetch_descriptor(&p.mainloop.tma_b);
+      if constexpr (!Mainloop::kGatherA) tma_prefetch_descriptor(&p.mainloop.tma_a);
+    }
+    // With a cluster, the peer's barriers must be initialised before any multicast or remote arrival reaches them.
+    if constexpr (kClusterM > 1)
+      cute::cluster_sync();
+    else
+      __syncthreads();
+
+    if (warpgroup == 0) {
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+      // Without a gather only one thread issues the TMA loads; the other producer warps have nothing to do.
+      if (Mainloop::kGatherA || wg_thread < 32)
+        Mainloop::template produce<Scheduler>(p.mainloop, p.scheduler,
+                                              typename Mainloop::Storage{s.tiles, s.barriers}, wg_thread);
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+      // The epilogue variant is chosen once, outside the persistent loop (uniform branch); every variant is inlined.
+      const int consumer = warpgroup - 1;
+      // always_inline: a variant left as a call put a 1 KiB stack frame into one configuration (geglu, 128 x 256).
+      Epilogue::with_variant(p.epilogue, [&](auto variant) __attribute__((always_inline)) {
+        consumer_loop<decltype(variant)>(p, s, consumer, wg_thread);
+      });
+    }
+    // A CTA leaves only when its peer can no longer arrive on its barriers (the consumers' remote releases).
+    if constexpr (kClusterM > 1) cute::cluster_sync();
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1) persistent_kernel(const __grid_constant__ typename Kernel::Params p) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Kernel::run(p, smem_raw);
+}
+
+/// Devices whose launch set-up is cached (others repeat it on every launch).
+inline constexpr int kMaxDevices = 64;
+
+/// Enqueues the kernel on a persistent grid: one CTA per SM, or as many clusters as can be resident at once (SMs
+/// pair within a GPC; 66 on an H200), so the static schedule has no tail wave. Tiles beyond the work are never
+/// visited.
+template <class Kernel>
+void launch_kernel(const typename Kernel::Params& p, int sm_count, cudaStream_t stream) {
+  auto* kernel = &persistent_kernel<Kernel>;
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(Kernel::kThreads);
+  cfg.dynamicSmemBytes = Kernel::kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = Kernel::kClusterM, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr, cfg.numAttrs = Kernel::kClusterM > 1 ? 1 : 0;
+  // Once per device: the shared-memory opt-in (a per-device function attribute) and the resident clusters.
+  static std::atomic<int> resident[kMaxDevices];  // 0: not set up yet; else resident clusters (CTAs without)
+  int dev = 0;
+  MACHMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  int clusters = dev < kMaxDevices ? resident[dev].load(std::memory_order_relaxed) : 0;
+  if (clusters == 0) {
+    MACHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes));
+    clusters = sm_count;
+    if constexpr (Kernel::kClusterM > 1) {
+      cfg.gridDim = dim3((sm_count / Kernel::kClusterM) * Kernel::kClusterM);
+      MACHMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+    }
+    clusters = clusters > 0 ? clusters : 1;
+    if (dev < kMaxDevices) resident[dev].store(clusters, std::memory_order_relaxed);
+  }
+  cfg.gridDim = dim3(static_cast<unsigned>(clusters) * Kernel::kClusterM);
+  MACHMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  MACHMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace machmoe::gpu::hopper

@@ -1,0 +1,32 @@
+// Each kernel family as a combination of pieces (kernel.cuh): mainloop + epilogue + scheduler. A new kernel (the
+// backward's dH and dX~) is a new line here, not a fork. Included only by instantiations/*.cu.
+#pragma once
+
+#include "gpu/hopper/epilogue_activation.cuh"
+#include "gpu/hopper/epilogue_store.cuh"
+#include "gpu/hopper/kernel.cuh"
+#include "gpu/hopper/kernel_families.hpp"
+#include "gpu/hopper/mainloop_varlen_m.cuh"
+#include "gpu/hopper/tile_scheduler.cuh"
+
+namespace machmoe::gpu::hopper {
+
+template <class Tile, Activation kAct>
+using UpProjectionKernel = PersistentKernel<Tile, MainloopVarlenM<Tile, OperandA::kGathered>,
+                                            EpilogueActivation<Tile, kAct>, ClusterTiles<Tile>>;
+
+template <class Tile>
+using DownProjectionKernel =
+    PersistentKernel<Tile, MainloopVarlenM<Tile, OperandA::kContiguous>, EpilogueStore<Tile>, ClusterTiles<Tile>>;
+
+template <class Tile, Activation kAct>
+void launch_up_projection(const UpProjectionParams& p, int sm_count, cudaStream_t stream) {
+  launch_kernel<UpProjectionKernel<Tile, kAct>>(p, sm_count, stream);
+}
+
+template <class Tile>
+void launch_down_projection(const DownProjectionParams& p, int sm_count, cudaStream_t stream) {
+  launch_kernel<DownProjectionKernel<Tile>>(p, sm_count, stream);
+}
+
+}  // namespace machmoe::gpu::hopper

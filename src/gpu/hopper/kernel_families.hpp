@@ -1,0 +1,26 @@
+// The kernel families built from the pieces (kernel_families.cuh assembles them) and the launcher of each, for
+// host code (dispatch.cpp); no device code here. The configurations that exist are listed, one per translation
+// unit, in instantiations/kernel_list.inc, generated from the table in generate_instantiations.py.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "gpu/hopper/params.hpp"
+#include "gpu/hopper/tile_config.hpp"
+#include "machmoe/problem.hpp"
+
+namespace machmoe::gpu::hopper {
+
+/// Up-projection (forward): X rows gathered by cp.async, W1 by TMA, activation epilogue (H and A).
+using UpProjectionParams = KernelParams<MainloopVarlenMParams, EpilogueActivationParams>;
+template <class Tile, Activation kAct>
+void launch_up_projection(const UpProjectionParams& p, int sm_count, cudaStream_t stream);
+
+/// Down-projection (forward): contiguous A by TMA, W2 by TMA, store epilogue (Y).
+using DownProjectionParams = KernelParams<MainloopVarlenMParams, EpilogueStoreParams>;
+template <class Tile>
+void launch_down_projection(const DownProjectionParams& p, int sm_count, cudaStream_t stream);
+
+}  // namespace machmoe::gpu::hopper
+
+#include "gpu/hopper/instantiations/kernel_list.inc"

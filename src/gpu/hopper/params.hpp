@@ -1,0 +1,78 @@
+// Parameters of the pieces of a Hopper kernel (kernel.cuh): each piece owns its own struct, and a kernel's
+// parameters are the three side by side. Host and device code share this header; it holds no device code.
+//
+// A varlen-M kernel computes, for every expert e and every row g of its grouped segment [off[e], off[e+1]),
+//   C[g, c] = sum_k A[row(g), k] * B_e[c, k]        (fp32 accumulation on the tensor cores)
+// and hands the fp32 tile to its epilogue. row(g) = gather[g] (a gathered A: rows of X picked by the routing) or g
+// (a contiguous A loaded by TMA).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (the type only; descriptors are encoded through the runtime's driver entry point)
+
+#include <cstdint>
+
+namespace machmoe::gpu::hopper {
+
+/// The persistent tile scheduler over variable-length expert segments (tile_scheduler.cuh).
+struct VarlenMSchedulerParams {
+  int E = 0;         // experts
+  int n_tiles = 0;   // N / kTileN
+  int raster_m = 1;  // M-tiles per rasterisation group (1: along N)
+  const std::int32_t* expert_offsets = nullptr;  // (E + 1), device
+};
+
+/// The varlen-M mainloop (mainloop_varlen_m.cuh).
+struct MainloopVarlenMParams {
+  int K = 0;  // reduction length, a multiple of 64
+  // A operand. Gathered: rows of `a` (row stride lda elements) picked by `gather`. Contiguous: TMA through tma_a.
+  const void* a = nullptr;
+  std::int64_t lda = 0;
+  const std::int32_t* gather = nullptr;
+  CUtensorMap tma_a;  // 2D (K, rows), box (64, 128), 128-byte swizzle; unused when gathered
+  // B operand (weights), K-major: 3D (K, rows per expert, E), box (64, kTileN / 2, 1). A tile's kTileN rows are
+  // loaded as two halves, so the concatenated GLU layout lands interleaved in shared memory without a copy.
+  CUtensorMap tma_b;
+  bool b_concatenated = false;
+  int glu_n = 0;  // n: in the concatenated layout, the first up row of the weights
+};
+
+/// Output written by an epilogue through the swizzled staging buffer: TMA store of whole 64-row blocks
+/// (2D (columns, rows) map, box (64, 64), 128-byte swizzle), predicated 16-byte stores for the block cut by the
+/// end of an expert's segment.
+struct EpilogueOutput {
+  void* ptr = nullptr;  // bf16, row stride ld; null: not stored
+  std::int64_t ld = 0;
+  CUtensorMap tma;
+};
+
+/// Bias of the epilogues: (E, N) in the weights' own row order (concatenated GLU: gate rows then up rows).
+struct EpilogueBias {
+  const void* ptr = nullptr;  // bf16; null: no bias
+  std::int64_t ld = 0;
+};
+
+/// Y = acc (+ b2) (epilogue_store.cuh): the down-projection.
+struct EpilogueStoreParams {
+  EpilogueOutput out;
+  EpilogueBias bias;
+};
+
+/// H = acc (+ b1), A = act(H) from the same fp32 values (epilogue_activation.cuh): the up-projection.
+struct EpilogueActivationParams {
+  EpilogueOutput h;  // always gate/up-interleaved; ptr null in inference (H not kept)
+  EpilogueOutput a;  // A
+  EpilogueBias bias;
+  // Concatenated GLU weights: a tile holds kTileN / 2 gate columns then the matching up columns (the mainloop
+  // loads them so); H is still stored interleaved. glu_n: the first up row of the weights and of the bias.
+  bool concatenated = false;
+  int glu_n = 0;
+};
+
+template <class MainloopParams, class EpilogueParams, class SchedulerParams = VarlenMSchedulerParams>
+struct KernelParams {
+  MainloopParams mainloop;
+  EpilogueParams epilogue;
+  SchedulerParams scheduler;
+};
+
+}  // namespace machmoe::gpu::hopper

@@ -1,0 +1,49 @@
+// The Hopper tile heuristics are pure functions of the shape and the overrides (src/gpu/hopper/heuristics.hpp), so
+// they are tested here, on the CPU, without a device.
+#include <gtest/gtest.h>
+
+#include "gpu/hopper/heuristics.hpp"
+
+namespace machmoe::test {
+namespace {
+
+using gpu::hopper::choose_tiles;
+using gpu::hopper::GemmShape;
+using gpu::hopper::KernelFamily;
+using gpu::hopper::TileOverrides;
+
+GemmShape shape(KernelFamily f, std::int64_t N, std::int64_t K) {
+  GemmShape s;
+  s.family = f, s.N = N, s.K = K;
+  return s;
+}
+
+TEST(HopperHeuristics, WideTileWhereNAllowsIt) {
+  for (KernelFamily f : {KernelFamily::kUpProjection, KernelFamily::kDownProjection}) {
+    EXPECT_EQ(choose_tiles(shape(f, 512, 1536), {}).tile_n, 256);   // 7B (256,128,8) up: N = 2n = 512
+    EXPECT_EQ(choose_tiles(shape(f, 4096, 2048), {}).tile_n, 256);  // 120B down: N = d
+    EXPECT_EQ(choose_tiles(shape(f, 384, 768), {}).tile_n, 128);    // a multiple of 128, not of 256
+    EXPECT_EQ(choose_tiles(shape(f, 128, 64), {}).tile_n, 128);
+  }
+}
+
+TEST(HopperHeuristics, OverridesAreHonouredWhereTheShapeAllows) {
+  TileOverrides o;
+  o.tile_n = 128;
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kUpProjection, 512, 1536), o).tile_n, 128);
+  o.tile_n = 256;  // not possible for N = 384: the heuristic's tile stays
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kUpProjection, 384, 1536), o).tile_n, 128);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kUpProjection, 512, 1536), o).tile_n, 256);
+}
+
+TEST(HopperHeuristics, RasterisationAlongNUnlessForced) {
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 1536, 256), {}).raster_m, 1);
+  TileOverrides o;
+  o.raster_m = 4;
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 1536, 256), o).raster_m, 4);
+  o.raster_m = -3;  // not a group size: the heuristic's
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 1536, 256), o).raster_m, 1);
+}
+
+}  // namespace
+}  // namespace machmoe::test

@@ -9,7 +9,7 @@ configs="${*:-7B-256 30B-256 120B-2048}"
 logs="${OUT:-$root/build/gpu-logs}"; mkdir -p "$logs"
 cd "$root"
 MACHMOE_JOBS="$(nproc)" MACHMOE_NO_TORCH=1 bash scripts/build.sh 2>&1 | tail -n 1
-(cd "$old" && MACHMOE_JOBS="$(nproc)" SONICMOE_NO_TORCH=1 MACHMOE_NO_TORCH=1 bash scripts/build.sh 2>&1 | tail -n 1)
+(cd "$old" && MACHMOE_JOBS="$(nproc)" MACHMOE_NO_TORCH=1 bash scripts/build.sh 2>&1 | tail -n 1)
 bench_of() { ls "$1"/build/bin/*-bench; }
 for cfg in $configs; do
   for rep in 1 2; do

@@ -170,7 +170,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   void* y_buf = at(buf.workspace, wl.y);
   mark_stage("forward/up_projection", stream);
   // Input-only cache mode keeps no H (its saved region is absent): the kernel then stores only A.
-  launch_forward_gemm(up_projection_args(p, dt, x, w, m.expert_offsets, m.expert_tiles, m.gather,
+  launch_expert_gemm(up_projection_args(p, dt, x, w, m.expert_offsets, m.expert_tiles, m.gather,
                                          at(buf.saved, sl.h), a_buf),
                       "forward/up_projection", stream);
   VarlenMArgs down;
@@ -184,7 +184,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   down.out = y_buf, down.ld_out = p.d;
   if (p.has_b2) down.bias = w.b2.data, down.ld_bias = w.b2.stride[0];
   mark_stage("forward/down_projection", stream);
-  launch_forward_gemm(down, "forward/down_projection", stream);
+  launch_expert_gemm(down, "forward/down_projection", stream);
   mark_stage("forward/aggregation", stream);
   launch_gather_sum(dt, y_buf, p.d, scores, m.inverse, m.token_offsets, p.K, p.T, out.out.data, out.out.stride[0],
                     stream);
@@ -216,7 +216,7 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
     mark_stage("backward/h_recompute", stream);
     void* hr = at(workspace, wl.h_recompute);
     // The forward's kernel, so that the recomputed H is bitwise the H the forward would have kept.
-    launch_forward_gemm(up_projection_args(p, dt, x, w, offsets, tiles, gather, hr, nullptr),
+    launch_expert_gemm(up_projection_args(p, dt, x, w, offsets, tiles, gather, hr, nullptr),
                         "backward/h_recompute", stream);
     h = hr;
   }
@@ -260,7 +260,7 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
   dxa.epilogue = Epilogue::kStore;
   dxa.out = dxe, dxa.ld_out = p.d;
   mark_stage("backward/dx_expanded", stream);
-  launch_varlen_m_gemm(dxa, stream);
+  launch_expert_gemm(dxa, "backward/dx_expanded", stream);
   mark_stage("backward/dx_aggregation", stream);
   launch_gather_sum(dt, dxe, p.d, nullptr, inverse, token_offsets, p.K, p.T, out.grad_x.data, out.grad_x.stride[0],
                     stream);

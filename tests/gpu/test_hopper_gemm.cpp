@@ -123,7 +123,7 @@ UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n
     gpu::launch_varlen_m_gemm(a, nullptr);
   } else {
     EXPECT_EQ(gpu::hopper_unsupported_reason(a), "") << "the case must take the Hopper kernel";
-    gpu::launch_forward_gemm(a, "test/up_projection", nullptr);
+    gpu::launch_expert_gemm(a, "test/up_projection", nullptr);
   }
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   r.raw_h = dh.download(), r.raw_a = da.download();
@@ -290,7 +290,7 @@ DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& leng
     gpu::launch_varlen_m_gemm(a, nullptr);
   } else {
     EXPECT_EQ(gpu::hopper_unsupported_reason(a), "") << "the case must take the Hopper kernel";
-    gpu::launch_forward_gemm(a, "test/down_projection", nullptr);
+    gpu::launch_expert_gemm(a, "test/down_projection", nullptr);
   }
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   DownResult r;
@@ -364,6 +364,108 @@ TEST(HopperDownProjection, ManyExpertsAndSingleRows) {
 }
 
 // ---- dispatch ---------------------------------------------------------------------------------------------------
+
+// ---- backward dX~ = dH W1_e (MN-major W1 read in place) ------------------------------------------------------------
+
+/// dX~ of `lengths` segments: dH (P x K, K = 2n for GLU rows), W1 (E, K, d) in the given layout, d output columns.
+DownResult run_dx(std::int64_t d, std::int64_t K, bool concatenated, const std::vector<int>& lengths,
+                  std::uint32_t seed, bool reference = false) {
+  std::mt19937 rng(seed);
+  const std::int64_t E = static_cast<std::int64_t>(lengths.size()), n = K / 2;
+  const Segments s = make_segments(lengths, 1, rng);
+  const std::int64_t P = s.rows(), P_cap = P + 29;
+  std::vector<double> dh = normal(static_cast<std::size_t>(P_cap * K), 1.0, rng);
+  const std::vector<double> w1 = normal(static_cast<std::size_t>(E * K * d), 1.0 / std::sqrt(double(d)), rng);
+  DeviceBuffer ddh(encode(dh, DType::kBF16)), dw(encode(w1, DType::kBF16));
+  std::vector<unsigned char> off_b(s.offsets.size() * 4), til_b(s.tiles64.size() * 4);
+  std::memcpy(off_b.data(), s.offsets.data(), off_b.size());
+  std::memcpy(til_b.data(), s.tiles64.data(), til_b.size());
+  DeviceBuffer doff(off_b), dtil(til_b), dy(static_cast<std::size_t>(P_cap * d * 2));
+  VarlenMArgs a;
+  a.dt = DType::kBF16;
+  a.E = E, a.N = d, a.K = K, a.P_max = P_cap;
+  a.expert_offsets = static_cast<const std::int32_t*>(doff.get());
+  a.expert_tiles = static_cast<const std::int32_t*>(dtil.get());
+  a.a = ddh.get(), a.lda = K;
+  a.b.ptr = dw.get(), a.b.expert_stride = K * d, a.b.stride_col = 1, a.b.stride_k = d;
+  a.b.permute = concatenated ? 2 : 0, a.b.glu_n = n;
+  a.epilogue = Epilogue::kStore;
+  a.out = dy.get(), a.ld_out = d;
+  if (reference) {
+    gpu::launch_varlen_m_gemm(a, nullptr);
+  } else {
+    EXPECT_EQ(gpu::hopper_unsupported_reason(a), "") << "the case must take the Hopper kernel";
+    gpu::launch_expert_gemm(a, "test/dx_expanded", nullptr);
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  DownResult r;
+  r.raw = dy.download();
+  r.canaries = dy.canary_intact();
+  r.tails_untouched = all_bytes(r.raw, static_cast<std::size_t>(P * d * 2), r.raw.size(), 0xFF);
+  r.y = decode(r.raw.data(), static_cast<std::size_t>(P * d), DType::kBF16);
+  r.y_ref.assign(static_cast<std::size_t>(P * d), 0.0);
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g)
+      for (std::int64_t c = 0; c < d; ++c) {
+        double acc = 0.0;
+        for (std::int64_t k = 0; k < K; ++k) {
+          const std::int64_t row = concatenated ? (k % 2) * n + k / 2 : k;
+          acc += dh[g * K + k] * w1[(e * K + row) * d + c];
+        }
+        r.y_ref[g * d + c] = acc;
+      }
+  return r;
+}
+
+TEST(HopperDxExpanded, MatchesFloat64AndTheReferenceGemm) {
+  REQUIRE_GPU();
+  gpu::set_hopper_backward_enabled(true);
+  for (bool concatenated : {false, true})
+    for (auto [d, K] : {std::pair<std::int64_t, std::int64_t>{384, 128}, {128, 64}, {256, 512}, {512, 2048}}) {
+      SCOPED_TRACE(std::to_string(d) + "x" + std::to_string(K) + (concatenated ? " concatenated" : ""));
+      const DownResult ref = run_dx(d, K, concatenated, kEdgeLengths, 41, true);
+      for_each_tile([&, d = d, K = K] {
+        const DownResult fast = run_dx(d, K, concatenated, kEdgeLengths, 41);
+        for (double v : fast.y) ASSERT_FALSE(std::isnan(v)) << "a dX~ element was not written";
+        EXPECT_TRUE(fast.canaries);
+        EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones were written";
+        EXPECT_LT(rel_error(fast.y, fast.y_ref), 4e-3);
+        EXPECT_LT(rel_error(fast.y, ref.y), 4e-3);
+        EXPECT_EQ(run_dx(d, K, concatenated, kEdgeLengths, 41).raw, fast.raw) << "not deterministic";
+      });
+    }
+  gpu::set_hopper_backward_enabled(false);
+}
+
+TEST(HopperDxExpanded, ManyExpertsAndSingleRows) {
+  REQUIRE_GPU();
+  gpu::set_hopper_backward_enabled(true);
+  std::vector<int> many(100, 0);
+  for (std::size_t e = 0; e < many.size(); ++e) many[e] = static_cast<int>((e * 37) % 5);  // 0..4 rows
+  for_each_tile([&] {
+    const DownResult r = run_dx(256, 128, true, many, 3);
+    EXPECT_TRUE(r.tails_untouched);
+    EXPECT_LT(rel_error(r.y, r.y_ref), 4e-3);
+  });
+  gpu::set_hopper_backward_enabled(false);
+}
+
+TEST(HopperDxExpanded, OptInUntilRunOnAGpu) {
+  REQUIRE_GPU();
+  VarlenMArgs a;
+  a.dt = DType::kBF16;
+  a.E = 4, a.N = 256, a.K = 128, a.P_max = 100;
+  static std::int32_t dummy[64];
+  a.a = dummy, a.lda = 128;
+  a.b.ptr = dummy, a.b.expert_stride = 256 * 128, a.b.stride_col = 1, a.b.stride_k = 256;
+  a.epilogue = Epilogue::kStore;
+  a.out = dummy, a.ld_out = 256;
+  gpu::set_hopper_backward_enabled(false);
+  EXPECT_NE(gpu::hopper_unsupported_reason(a).find("MACHMOE_HOPPER_BACKWARD"), std::string::npos);
+  gpu::set_hopper_backward_enabled(true);
+  EXPECT_EQ(gpu::hopper_unsupported_reason(a), "");
+  gpu::set_hopper_backward_enabled(false);
+}
 
 TEST(HopperDispatch, NamesWhyAShapeFallsBack) {
   REQUIRE_GPU();

@@ -48,7 +48,7 @@ EncodeTiled encode_tiled() {
 CUtensorMap make_tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
                             const cuuint32_t* box) {
   CUtensorMap map;
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
   const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank),
                                     const_cast<void*>(base), dims, strides, box, elem_strides,
                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -132,6 +132,17 @@ void set_hopper_tile_n(int tile_n) { forced_tile_n().store(tile_n); }
 void set_hopper_raster_m(int raster_m) { forced_raster_m().store(raster_m > 0 ? raster_m : 0); }
 
 void set_hopper_kernels_enabled(bool enabled) { enabled_flag().store(enabled ? 1 : 0); }
+
+namespace {
+/// The backward's Hopper kernels are opt-in until the GPU suite has run on them (MACHMOE_HOPPER_BACKWARD=1 or
+/// set_hopper_backward_enabled): they were written and compiled on a machine without a GPU.
+std::atomic<int>& backward_flag() {
+  static std::atomic<int> flag{env_int("MACHMOE_HOPPER_BACKWARD") != 0 ? 1 : 0};
+  return flag;
+}
+}  // namespace
+void set_hopper_backward_enabled(bool enabled) { backward_flag().store(enabled ? 1 : 0); }
+bool hopper_backward_enabled() { return backward_flag().load() != 0; }
 bool hopper_kernels_enabled() { return enabled_flag().load() != 0; }
 
 namespace {
@@ -147,12 +158,27 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
   if (a.E <= 0 || a.E > (1 << 30)) return "E out of range";
   if (a.P_max >= (std::int64_t{1} << 31)) return "more than 2^31 - 1 routed rows";
   const ExpertOperand& b = a.b;
-  if (b.stride_k != 1) return "weights not K-major (stride along K != 1)";
-  if (b.permute == 2) return "weights permuted along K";
-  if (b.permute == 1 && (a.epilogue != Epilogue::kUpActivation || !is_glu(a.activation)))
-    return "concatenated layout outside a GLU up-projection";
-  if (!aligned16(b.ptr) || b.stride_col % 8 != 0 || b.expert_stride % 8 != 0)
-    return "weight rows not 16-byte aligned";
+  // K-major weights (stride 1 along K: the forward's W1 and W2) or MN-major (stride 1 along N: the backward reads
+  // W1 for dX~ in place).
+  const bool mn_major = b.stride_col == 1 && b.stride_k != 1;
+  if (b.stride_k != 1 && !mn_major)
+    return "weights neither K-major (stride 1 along K) nor MN-major (stride 1 along N)";
+  if (mn_major) {
+    if (a.epilogue != Epilogue::kStore || a.a_gather != nullptr || a.bias != nullptr)
+      return "MN-major weights outside the dX~ GEMM (contiguous A, no bias)";
+    if (!hopper_backward_enabled())
+      return "the Hopper dX~ kernel is opt-in until it has run on a GPU (MACHMOE_HOPPER_BACKWARD=1)";
+    if (b.permute == 1) return "MN-major weights permuted along N";
+    if (b.permute == 2 && a.K != 2 * b.glu_n) return "concatenated layout with K != 2n";
+    if (!aligned16(b.ptr) || b.stride_k % 8 != 0 || b.expert_stride % 8 != 0)
+      return "weight rows not 16-byte aligned";
+  } else {
+    if (b.permute == 2) return "weights permuted along K";
+    if (b.permute == 1 && (a.epilogue != Epilogue::kUpActivation || !is_glu(a.activation)))
+      return "concatenated layout outside a GLU up-projection";
+    if (!aligned16(b.ptr) || b.stride_col % 8 != 0 || b.expert_stride % 8 != 0)
+      return "weight rows not 16-byte aligned";
+  }
   if (!aligned16(a.a) || a.lda % 8 != 0) return "A rows not 16-byte aligned";
   if (a.out && (!aligned16(a.out) || a.ld_out % 8 != 0)) return "output rows not 16-byte aligned";
   if (a.epilogue == Epilogue::kUpActivation) {
@@ -170,7 +196,7 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
 
 std::string hopper_unsupported_reason(const VarlenMArgs& a) { return unsupported_reason(a, current_device()); }
 
-void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t stream) {
+void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t stream) {
   const DeviceTraits dev = current_device();
   const std::string reason = unsupported_reason(a, dev);
   if (!reason.empty()) {
@@ -180,8 +206,10 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
   }
   if (a.P_max == 0) return;  // no routed rows: nothing to write
   const bool up = a.epilogue == Epilogue::kUpActivation;
+  const bool mn_major = a.b.stride_col == 1 && a.b.stride_k != 1;  // the backward's dX~ (unsupported_reason)
   hopper::GemmShape shape;
-  shape.family = up ? hopper::KernelFamily::kUpProjection : hopper::KernelFamily::kDownProjection;
+  shape.family = up ? hopper::KernelFamily::kUpProjection
+                     : (mn_major ? hopper::KernelFamily::kDxExpanded : hopper::KernelFamily::kDownProjection);
   shape.N = a.N, shape.K = a.K;
   const hopper::TileChoice tiles = hopper::choose_tiles(shape, tile_overrides());
 
@@ -195,7 +223,18 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
   main.K = static_cast<int>(a.K);
   main.a = a.a, main.lda = a.lda, main.gather = a.a_gather;
   const ExpertOperand& b = a.b;
-  {
+  if (mn_major) {
+    // (N, half, j, E) with k = 2 j + half: interleaved rows k = 2j, 2j + 1 or, concatenated (permute along K),
+    // gate row j and up row n + j. Box (64, 2, 32, 1): one 64-column block of all 64 k of a stage.
+    const std::int64_t half_stride = b.permute == 2 ? b.glu_n * b.stride_k : b.stride_k;
+    const std::int64_t j_stride = b.permute == 2 ? b.stride_k : 2 * b.stride_k;
+    const cuuint64_t dims[4] = {static_cast<cuuint64_t>(a.N), 2, static_cast<cuuint64_t>(a.K / 2),
+                                static_cast<cuuint64_t>(a.E)};
+    const cuuint64_t strides[3] = {static_cast<cuuint64_t>(half_stride) * 2, static_cast<cuuint64_t>(j_stride) * 2,
+                                   static_cast<cuuint64_t>(b.expert_stride) * 2};
+    const cuuint32_t box[4] = {64, 2, 32, 1};
+    main.tma_b = make_tensor_map(b.ptr, 4, dims, strides, box);
+  } else {
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(a.N),
                                 static_cast<cuuint64_t>(a.E)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(b.stride_col) * 2, static_cast<cuuint64_t>(b.expert_stride) * 2};
@@ -241,7 +280,11 @@ void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t s
     p.mainloop = main, p.scheduler = sched;
     p.epilogue.out = output(a.out, a.N, a.ld_out);
     p.epilogue.bias = bias;
-    if (tiles.tile_n == 256)
+    if (mn_major && tiles.tile_n == 256)
+      hopper::launch_dx_expanded<hopper::Tile128x256Cooperative>(p, sm_count, stream);
+    else if (mn_major)
+      hopper::launch_dx_expanded<hopper::Tile128x128PingPong>(p, sm_count, stream);
+    else if (tiles.tile_n == 256)
       hopper::launch_down_projection<hopper::Tile128x256Cooperative>(p, sm_count, stream);
     else
       hopper::launch_down_projection<hopper::Tile128x128PingPong>(p, sm_count, stream);

@@ -1,4 +1,4 @@
-// Dispatch of the forward expert GEMMs to the Hopper kernels, with the GPU reference GEMM as the fallback for
+// Dispatch of the expert GEMMs to the Hopper kernels, with the GPU reference GEMM as the fallback for
 // what they do not take. Host code only.
 #pragma once
 
@@ -16,10 +16,10 @@ namespace machmoe::gpu {
 /// the store or up-projection epilogue.
 std::string hopper_unsupported_reason(const VarlenMArgs& a);
 
-/// Runs a forward varlen-M GEMM (up- or down-projection) on the Hopper kernel when it takes the shape, else on
-/// the GPU reference GEMM, printing once per (stage, reason) to stderr why. Same results either way up to
-/// rounding (fp32 accumulation in a different order).
-void launch_forward_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t stream);
+/// Runs a varlen-M expert GEMM (forward up- or down-projection, backward dX~) on the Hopper kernel when it takes
+/// the shape, else on the GPU reference GEMM, printing once per (stage, reason) to stderr why. Same results either
+/// way up to rounding (fp32 accumulation in a different order).
+void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t stream);
 
 /// Process-wide switch (default on; off when the environment sets MACHMOE_DISABLE_HOPPER_KERNELS=1). Tests use
 /// it to run the same layer through both paths.
@@ -31,5 +31,9 @@ void set_hopper_tile_n(int tile_n);
 /// Also set from the environment by MACHMOE_HOPPER_RASTER_M. The results are bitwise the same for every value.
 void set_hopper_raster_m(int raster_m);
 bool hopper_kernels_enabled();
+/// The backward's Hopper kernels (dX~ today) are opt-in until they have run on a GPU: off by default, on with
+/// MACHMOE_HOPPER_BACKWARD=1 or this switch (tests).
+void set_hopper_backward_enabled(bool enabled);
+bool hopper_backward_enabled();
 
 }  // namespace machmoe::gpu

@@ -7,7 +7,7 @@
 
 namespace machmoe::gpu::hopper {
 
-enum class KernelFamily : int { kUpProjection, kDownProjection };
+enum class KernelFamily : int { kUpProjection, kDownProjection, kDxExpanded };
 
 struct GemmShape {
   KernelFamily family = KernelFamily::kUpProjection;

@@ -19,6 +19,10 @@ template <class Tile>
 using DownProjectionKernel =
     PersistentKernel<Tile, MainloopVarlenM<Tile, OperandA::kContiguous>, EpilogueStore<Tile>, ClusterTiles<Tile>>;
 
+template <class Tile>
+using DxExpandedKernel = PersistentKernel<Tile, MainloopVarlenM<Tile, OperandA::kContiguous, Major::kMN>,
+                                          EpilogueStore<Tile>, ClusterTiles<Tile>>;
+
 template <class Tile, Activation kAct>
 void launch_up_projection(const UpProjectionParams& p, int sm_count, cudaStream_t stream) {
   launch_kernel<UpProjectionKernel<Tile, kAct>>(p, sm_count, stream);
@@ -27,6 +31,11 @@ void launch_up_projection(const UpProjectionParams& p, int sm_count, cudaStream_
 template <class Tile>
 void launch_down_projection(const DownProjectionParams& p, int sm_count, cudaStream_t stream) {
   launch_kernel<DownProjectionKernel<Tile>>(p, sm_count, stream);
+}
+
+template <class Tile>
+void launch_dx_expanded(const DownProjectionParams& p, int sm_count, cudaStream_t stream) {
+  launch_kernel<DxExpandedKernel<Tile>>(p, sm_count, stream);
 }
 
 }  // namespace machmoe::gpu::hopper

@@ -21,6 +21,11 @@ using DownProjectionParams = KernelParams<MainloopVarlenMParams, EpilogueStorePa
 template <class Tile>
 void launch_down_projection(const DownProjectionParams& p, int sm_count, cudaStream_t stream);
 
+/// dX~ = dH W1_e (backward): contiguous dH by TMA, W1 read in place as an MN-major B (both layouts), store
+/// epilogue. Shares DownProjectionParams' shape (mainloop + store epilogue).
+template <class Tile>
+void launch_dx_expanded(const DownProjectionParams& p, int sm_count, cudaStream_t stream);
+
 }  // namespace machmoe::gpu::hopper
 
 #include "gpu/hopper/instantiations/kernel_list.inc"

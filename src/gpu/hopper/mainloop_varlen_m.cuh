@@ -13,6 +13,8 @@
 // and the cp.async sizes are formed (produce), never deeper.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/arch/mma_sm90.hpp>
@@ -42,7 +44,11 @@ struct MainloopVarlenM {
   static constexpr int kTileM = Tile::kTileM, kTileN = Tile::kTileN, kTileK = Tile::kTileK;
   static constexpr int kStages = Tile::kStages;
   static constexpr bool kGatherA = kOperandA == OperandA::kGathered;
-  static_assert(kMajorB == Major::kK, "MN-major B (the dH and dX~ kernels' weights) is not built yet");
+  static constexpr bool kMajorBK = kMajorB == Major::kK;
+  // MN-major B is read in place from weights stored (K, N) row-major per expert (the backward's W1 for dX~, W2 for
+  // dH): a 4D tensor map (N, half, j, E) with k = 2 j + half, so the concatenated GLU layout is read interleaved
+  // without a copy (params.hpp). No multicast on that path yet.
+  static_assert(kMajorBK || Tile::kClusterM == 1, "MN-major B: clusters not built yet");
   static_assert(sizeof(Element) == 2, "16-bit operands (bf16)");
   // Registers of the producer warpgroup: more when it gathers (row offsets of its 8 rows).
   static constexpr int kProducerRegs = kGatherA ? 56 : 40;
@@ -51,12 +57,20 @@ struct MainloopVarlenM {
   using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
                                                    cute::Shape<cute::Int<kTileM>, cute::Int<kTileK>,
                                                                cute::Int<kStages>>{}));
-  using SmemLayoutB = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
-                                                   cute::Shape<cute::Int<kTileN>, cute::Int<kTileK>,
-                                                               cute::Int<kStages>>{}));
+  // K-major B: the same layout as A. MN-major B: 64 (N) x 8 (K) swizzle atoms ordered K first, so one 64-column
+  // block holds all 64 k of the stage contiguously (8 KiB), which is exactly what one TMA box writes.
+  using SmemLayoutBK = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+                                                    cute::Shape<cute::Int<kTileN>, cute::Int<kTileK>,
+                                                                cute::Int<kStages>>{}));
+  using SmemLayoutBMN = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+                                                     cute::Shape<cute::Int<kTileN>, cute::Int<kTileK>,
+                                                                 cute::Int<kStages>>{},
+                                                     cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using SmemLayoutB = std::conditional_t<kMajorBK, SmemLayoutBK, SmemLayoutBMN>;
   using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
                                                       cute::Shape<cute::_64, cute::Int<kTileN>, cute::Int<kTileK>>,
-                                                      cute::GMMA::Major::K, cute::GMMA::Major::K>());
+                                                      cute::GMMA::Major::K,
+                                                      kMajorBK ? cute::GMMA::Major::K : cute::GMMA::Major::MN>());
   // Ping-pong: one warpgroup covers the 128-row tile with two 64-row atoms. Cooperative: two warpgroups side by
   // side along M, 64 rows each.
   using TiledMma = decltype(cute::make_tiled_mma(
@@ -126,7 +140,12 @@ struct MainloopVarlenM {
         mbar_wait(&s.bar.empty[stage], phase ^ 1u);
         if (ptid == 0) {
           mbar_arrive_expect_tx(&s.bar.full[stage], kBytesB + (kGatherA ? 0 : kBytesA));
-          if constexpr (Tile::kClusterM == 2) {  // this CTA's half of the weight tile, to both CTAs
+          if constexpr (!kMajorBK) {  // kTileN / 64 boxes of (64 columns) x (32 j) x (gate, up | k, k + 1)
+#pragma unroll
+            for (int b = 0; b < kTileN / 64; ++b)
+              tma_load_4d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][b * 64 * kTileK], c.n_tile * kTileN + 64 * b, 0,
+                          kb * (kTileK / 2), c.expert);
+          } else if constexpr (Tile::kClusterM == 2) {  // this CTA's half of the weight tile, to both CTAs
             const int half = static_cast<int>(sched.rank());
             tma_load_3d_multicast(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][half * half_rows * kTileK],
                                   kb * kTileK, half == 0 ? b_row_first : b_row_second, c.expert, 0x3);

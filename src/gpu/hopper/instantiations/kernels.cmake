@@ -16,4 +16,6 @@ set(MACHMOE_HOPPER_KERNEL_SOURCES
   src/gpu/hopper/instantiations/up_128x256_cooperative_cluster2_silu.cu
   src/gpu/hopper/instantiations/down_128x128_pingpong.cu
   src/gpu/hopper/instantiations/down_128x256_cooperative.cu
+  src/gpu/hopper/instantiations/bwd_dx_128x128_pingpong.cu
+  src/gpu/hopper/instantiations/bwd_dx_128x256_cooperative.cu
 )

@@ -1,7 +1,9 @@
 #include "cli_options.hpp"
 
-#include <cerrno>
-#include <cstdlib>
+#include <charconv>
+#include <limits>
+#include <map>
+#include <system_error>
 
 #include "machmoe/error.hpp"
 
@@ -26,15 +28,6 @@ namespace {
   throw_argument_error("machmoe-bench", option, expected, got);
 }
 
-std::int64_t parse_int(const std::string& option, const std::string& text, std::int64_t lo) {
-  errno = 0;
-  char* end = nullptr;
-  const long long v = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || errno == ERANGE || v < lo)
-    bad(option, "an integer >= " + std::to_string(lo), "'" + text + "'");
-  return v;
-}
-
 template <class F>
 auto parse_enum(const std::string& option, const std::string& text, F&& f) {
   try {
@@ -48,7 +41,60 @@ auto parse_enum(const std::string& option, const std::string& text, F&& f) {
   }
 }
 
+const IntegerOption* integer_option(const std::string& name) {
+  for (const IntegerOption& o : integer_options())
+    if (name == o.name) return &o;
+  return nullptr;
+}
+
+const char* const kFlags[] = {"--help", "-h", "--all-configs", "--profile"};
+const char* const kTextOptions[] = {"--config", "--activation", "--bias", "--layout", "--score", "--routing",
+                                    "--rounding", "--cache", "--dtype", "--backend", "--json"};
+// Options that set one size of the problem, which --all-configs would overwrite.
+const char* const kSizeOptions[] = {"--config", "--T", "--d", "--n", "--E", "--K"};
+
+bool one_of(const std::string& a, const char* const* first, std::size_t count) {
+  for (std::size_t i = 0; i < count; ++i)
+    if (a == first[i]) return true;
+  return false;
+}
+template <std::size_t N>
+bool one_of(const std::string& a, const char* const (&list)[N]) {
+  return one_of(a, list, N);
+}
+
 }  // namespace
+
+const std::vector<IntegerOption>& integer_options() {
+  // Each bound is what the library or the run can take: sizes as validate_problem allows them (K <= E and the
+  // T*K pair limit are checked with the whole problem), repetitions so that a run ends.
+  static const std::vector<IntegerOption> options = {
+      {"--T", 1, Limits::kMaxTokens, "tokens"},
+      {"--d", 1, Limits::kMaxDim, "hidden size"},
+      {"--n", 1, Limits::kMaxDim, "expert intermediate size"},
+      {"--E", 1, Limits::kMaxExperts, "experts"},
+      {"--K", 1, Limits::kMaxExperts, "experts per token, at most E"},
+      {"--tile", 8, Limits::kMaxTileM, "token-rounding tile, a multiple of 8"},
+      {"--iters", 1, kMaxRepetitions, "timed repetitions"},
+      {"--warmup", 0, kMaxRepetitions, "untimed repetitions"},
+      {"--seed", 0, std::numeric_limits<std::int64_t>::max(), "random seed"},
+  };
+  return options;
+}
+
+std::int64_t parse_integer(const std::string& option, const std::string& text, std::int64_t lo, std::int64_t hi) {
+  const std::string expected = "a decimal integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  // std::from_chars takes exactly [-]digits (no '+', spaces, exponent or base prefix) and reports overflow, so
+  // "4294967296" is read as itself, never wrapped to fit a narrower type.
+  std::int64_t v = 0;
+  const char* first = text.data();
+  const char* last = first + text.size();
+  const std::from_chars_result r = std::from_chars(first, last, v, 10);
+  if (r.ec == std::errc::result_out_of_range) bad(option, expected, "'" + text + "' (beyond the 64-bit range)");
+  if (text.empty() || r.ec != std::errc() || r.ptr != last) bad(option, expected + " (digits only)", "'" + text + "'");
+  if (v < lo || v > hi) bad(option, expected, "'" + text + "'");
+  return v;
+}
 
 std::string usage() {
   std::string s =
@@ -74,7 +120,7 @@ std::string usage() {
       "  --score NAME         softmax_topk (default), topk_softmax, topk_softmax_renorm\n"
       "  --routing NAME       topk (default) or token_rounding\n"
       "  --rounding NAME      nearest (default), up, down (token_rounding only)\n"
-      "  --tile M             token-rounding tile, a positive multiple of 8 (default 128)\n"
+      "  --tile M             token-rounding tile, a multiple of 8 (default 128; token_rounding only)\n"
       "  --cache NAME         preact (default: keep X and H) or input_only (keep X, recompute H)\n"
       "Run:\n"
       "  --backend NAME       auto (default: the GPU when one is present), gpu or cpu\n"
@@ -86,25 +132,53 @@ std::string usage() {
       "  --profile            GPU: one more forward inside cudaProfilerStart/Stop, for\n"
       "                       ncu --profile-from-start off / nsys --capture-range=cudaProfilerApi\n"
       "  --seed N             random seed of the inputs (default 0)\n"
-      "  --help               this text\n";
+      "  --help               this text\n"
+      "\n"
+      "Numbers are decimal integers (digits, no sign, exponent or spaces) in these ranges:\n";
+  for (const IntegerOption& o : integer_options())
+    s += "  " + std::string(o.name) + std::string(10 - std::string(o.name).size(), ' ') + "[" + std::to_string(o.lo) +
+         ", " + std::to_string(o.hi) + "]  " + o.what + "\n";
+  s += "Each option may be given once.\n";
   return s;
 }
 
 Options parse_options(const std::vector<std::string>& args, bool have_gpu_backend) {
   Options o;
-  std::string bias = "none", dtype, backend = "auto";
-  bool sizes_overridden = false, iters_given = false, warmup_given = false;
-  // First pass: the backend and the configuration, so that defaults and size overrides apply whatever the order.
-  for (std::size_t i = 0; i + 1 < args.size(); ++i)
-    if (args[i] == "--backend") backend = args[i + 1];
+  // Pass 1: split the command line into flags and option values. Unknown options, a missing value and an option
+  // given twice (one of the two values would be ignored) are errors before anything is interpreted.
+  std::map<std::string, std::string> given;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (one_of(a, kFlags)) {
+      o.help = o.help || a == "--help" || a == "-h";
+      o.all_configs = o.all_configs || a == "--all-configs";
+      o.profile = o.profile || a == "--profile";
+      continue;
+    }
+    if (a.rfind("--", 0) != 0) bad("command line", "options starting with '--' (see --help)", "'" + a + "'");
+    if (!one_of(a, kTextOptions) && !integer_option(a))
+      bad("command line", "a known option (see --help)", "unknown option '" + a + "'");
+    if (i + 1 >= args.size()) bad(a, "a value after " + a, "nothing");
+    const std::string& v = args[++i];
+    const auto [it, first_time] = given.emplace(a, v);
+    if (!first_time) bad(a, "the option once", "it twice ('" + it->second + "', then '" + v + "')");
+  }
+  auto has = [&](const char* name) { return given.count(name) != 0; };
+  auto text = [&](const char* name, const std::string& fallback) { return has(name) ? given.at(name) : fallback; };
+  auto integer = [&](const IntegerOption& opt) { return parse_integer(opt.name, given.at(opt.name), opt.lo, opt.hi); };
+
+  const std::string backend = text("--backend", "auto");
   if (backend != "auto" && backend != "gpu" && backend != "cpu") bad("--backend", "one of {auto, gpu, cpu}", "'" + backend + "'");
   if (backend == "gpu" && !have_gpu_backend)
     bad("--backend", "auto or cpu (no GPU backend here: a CUDA build and a CUDA device are needed)", "'gpu'");
   o.backend = backend == "gpu" ? Backend::kGpu : backend == "cpu" ? Backend::kCpu : Backend::kAuto;
   o.gpu = have_gpu_backend && backend != "cpu";
-  o.config_name = o.gpu ? "7B-256" : "cpu-small";
-  for (std::size_t i = 0; i + 1 < args.size(); ++i)
-    if (args[i] == "--config") o.config_name = args[i + 1];
+  if (o.all_configs)
+    for (const char* size : kSizeOptions)
+      if (has(size))
+        bad(size, "no configuration or size option with --all-configs (it runs the 12 main configurations as named)",
+            "'" + given.at(size) + "'");
+  o.config_name = text("--config", o.gpu ? "7B-256" : "cpu-small");
   const NamedConfig* cfg = nullptr;
   std::string names;
   for (const NamedConfig& c : named_configs()) {
@@ -119,54 +193,47 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
   p.E = cfg->E;
   p.K = cfg->K;
 
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    if (a == "--help" || a == "-h") {
-      o.help = true;
-      continue;
-    }
-    if (a == "--all-configs") {
-      o.all_configs = true;
-      continue;
-    }
-    if (a == "--profile") {
-      o.profile = true;
-      continue;
-    }
-    if (a.rfind("--", 0) != 0) bad("command line", "options starting with '--' (see --help)", "'" + a + "'");
-    static const char* known[] = {"--config", "--T", "--d", "--n", "--E", "--K", "--activation", "--bias",
-                                  "--layout", "--score", "--routing", "--rounding", "--tile", "--cache",
-                                  "--dtype", "--iters", "--warmup", "--seed", "--backend", "--json"};
-    bool is_known = false;
-    for (const char* k : known) is_known = is_known || a == k;
-    if (!is_known) bad("command line", "a known option (see --help)", "unknown option '" + a + "'");
-    if (i + 1 >= args.size()) bad(a, "a value after " + a, "nothing");
-    const std::string v = args[++i];
-    if (a == "--config" || a == "--backend") continue;
-    if (a == "--T") p.T = parse_int(a, v, 1), sizes_overridden = true;
-    else if (a == "--d") p.d = parse_int(a, v, 1), sizes_overridden = true;
-    else if (a == "--n") p.n = parse_int(a, v, 1), sizes_overridden = true;
-    else if (a == "--E") p.E = parse_int(a, v, 1), sizes_overridden = true;
-    else if (a == "--K") p.K = parse_int(a, v, 1), sizes_overridden = true;
-    else if (a == "--activation") p.activation = parse_enum(a, v, parse_activation);
-    else if (a == "--layout") p.weight_layout = parse_enum(a, v, parse_weight_layout);
-    else if (a == "--score") p.score = parse_enum(a, v, parse_score_variant);
-    else if (a == "--routing") p.routing = parse_enum(a, v, parse_routing_mode);
-    else if (a == "--rounding") p.rounding = parse_enum(a, v, parse_rounding_rule);
-    else if (a == "--tile") p.tile_m = parse_int(a, v, 1);
-    else if (a == "--cache") p.cache = parse_enum(a, v, parse_cache_mode);
-    else if (a == "--iters") o.iters = static_cast<int>(parse_int(a, v, 1)), iters_given = true;
-    else if (a == "--warmup") o.warmup = static_cast<int>(parse_int(a, v, 0)), warmup_given = true;
-    else if (a == "--json") o.json_path = v;
-    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(parse_int(a, v, 0));
-    else if (a == "--bias") {
-      if (v != "none" && v != "b1" && v != "b2" && v != "both") bad(a, "one of {none, b1, b2, both}", "'" + v + "'");
-      bias = v;
-    } else if (a == "--dtype") {
-      dtype = v;
-    }
+  bool sizes_overridden = false;
+  for (const IntegerOption& opt : integer_options()) {
+    if (!has(opt.name)) continue;
+    const std::int64_t v = integer(opt);
+    const std::string name = opt.name;
+    if (name == "--T") p.T = v, sizes_overridden = true;
+    else if (name == "--d") p.d = v, sizes_overridden = true;
+    else if (name == "--n") p.n = v, sizes_overridden = true;
+    else if (name == "--E") p.E = v, sizes_overridden = true;
+    else if (name == "--K") p.K = v, sizes_overridden = true;
+    else if (name == "--tile") {
+      if (v % 8 != 0) bad(name, "a multiple of 8 in [8, " + std::to_string(opt.hi) + "]", "'" + given.at(name) + "'");
+      p.tile_m = v;
+    } else if (name == "--iters") o.iters = static_cast<int>(v);  // <= kMaxRepetitions: fits an int
+    else if (name == "--warmup") o.warmup = static_cast<int>(v);
+    else if (name == "--seed") o.seed = static_cast<std::uint64_t>(v);
   }
-  if (dtype.empty()) dtype = o.gpu ? "bf16" : "fp32";
+  if (has("--activation")) p.activation = parse_enum("--activation", given.at("--activation"), parse_activation);
+  if (has("--layout")) p.weight_layout = parse_enum("--layout", given.at("--layout"), parse_weight_layout);
+  if (has("--score")) p.score = parse_enum("--score", given.at("--score"), parse_score_variant);
+  if (has("--routing")) p.routing = parse_enum("--routing", given.at("--routing"), parse_routing_mode);
+  if (has("--rounding")) p.rounding = parse_enum("--rounding", given.at("--rounding"), parse_rounding_rule);
+  if (has("--cache")) p.cache = parse_enum("--cache", given.at("--cache"), parse_cache_mode);
+  if (p.routing == RoutingMode::kCallerSupplied)
+    bad("--routing", "topk or token_rounding (caller-supplied triples come from the API, not the command line)",
+        "'caller'");
+  // The rounding rule and the tile only mean something to token rounding; accepting them otherwise would let a
+  // run silently measure something else than what was asked for.
+  for (const char* tr_only : {"--rounding", "--tile"})
+    if (has(tr_only) && p.routing != RoutingMode::kTokenRounding)
+      bad(tr_only, "--routing token_rounding with it (it applies to token rounding only)",
+          "'" + given.at(tr_only) + "' with routing '" + routing_mode_name(p.routing) + "'");
+  const std::string bias = text("--bias", "none");
+  if (bias != "none" && bias != "b1" && bias != "b2" && bias != "both")
+    bad("--bias", "one of {none, b1, b2, both}", "'" + bias + "'");
+  if (has("--json")) {
+    o.json_path = given.at("--json");
+    if (o.json_path.empty()) bad("--json", "a file path", "''");
+  }
+
+  const std::string dtype = text("--dtype", o.gpu ? "bf16" : "fp32");
   if (o.gpu) {
     if (dtype == "bf16") o.dtype = DType::kBF16;
     else if (dtype == "fp16") o.dtype = DType::kFP16;
@@ -177,17 +244,14 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
     else if (dtype == "fp64") o.dtype = DType::kFP64;
     else bad("--dtype", "fp32 or fp64 on the CPU reference", "'" + dtype + "'");
   }
-  if (!iters_given) o.iters = o.gpu ? 10 : 3;
-  if (!warmup_given) o.warmup = o.gpu ? 3 : 1;
+  if (!has("--iters")) o.iters = o.gpu ? 10 : 3;
+  if (!has("--warmup")) o.warmup = o.gpu ? 3 : 1;
   if (o.all_configs && !o.gpu)
     bad("--all-configs", "a GPU backend (the CPU reference would take hours on the main configurations)", "the CPU");
   if (o.profile && !o.gpu) bad("--profile", "a GPU backend (it marks a CUDA profiler capture range)", "the CPU");
 
   p.has_b1 = bias == "b1" || bias == "both";
   p.has_b2 = bias == "b2" || bias == "both";
-  if (p.routing == RoutingMode::kCallerSupplied)
-    bad("--routing", "topk or token_rounding (caller-supplied triples come from the API, not the command line)",
-        "'caller'");
   if (sizes_overridden) o.config_name += " (sizes overridden)";
   validate_problem(p, "machmoe-bench");
   return o;

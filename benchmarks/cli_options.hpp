@@ -28,14 +28,29 @@ struct Options {
   Backend backend = Backend::kAuto;
   bool gpu = false;          // resolved: the run uses the GPU backend
   DType dtype = DType::kFP32;  // resolved: bf16 on the GPU, fp32 on the CPU unless --dtype says otherwise
-  int iters = 3;             // resolved: 10 on the GPU, 3 on the CPU unless --iters says otherwise
-  int warmup = 1;            // resolved: 3 on the GPU, 1 on the CPU
+  int iters = 3;             // resolved: 10 on the GPU, 3 on the CPU unless --iters says otherwise (<= kMaxRepetitions)
+  int warmup = 1;            // resolved: 3 on the GPU, 1 on the CPU (<= kMaxRepetitions)
   std::uint64_t seed = 0;
   bool all_configs = false;  // run the 12 main configurations
   std::string json_path;     // write results as JSON here when set
   bool profile = false;      // GPU: bracket one extra forward with cudaProfilerStart/Stop (ncu/nsys capture range)
   bool help = false;
 };
+
+/// An option that takes a decimal integer, and the range it accepts (usage() lists them).
+struct IntegerOption {
+  const char* name;
+  std::int64_t lo, hi;
+  const char* what;
+};
+const std::vector<IntegerOption>& integer_options();
+
+/// The most repetitions --iters and --warmup take: enough for any measurement, few enough that a run ends.
+inline constexpr std::int64_t kMaxRepetitions = 100000;
+
+/// Parses `text` as a decimal integer in [lo, hi]: optional '-' then digits only, overflow detected (never
+/// wrapped). Throws machmoe::Error naming `option`, the range and the text given.
+std::int64_t parse_integer(const std::string& option, const std::string& text, std::int64_t lo, std::int64_t hi);
 
 /// The 12 main configurations with every other option of `base` (for --all-configs).
 std::vector<Options> main_config_runs(const Options& base);

@@ -52,10 +52,18 @@ __global__ void normal_init_kernel(T* p, std::size_t n, std::uint64_t seed, floa
   }
 }
 
+/// A device buffer; a failed allocation names the buffer and its size (the configuration is added by run_gpu).
 struct Dev {
   void* p = nullptr;
   std::size_t bytes = 0;
-  explicit Dev(std::size_t b) : bytes(b) { check(cudaMalloc(&p, std::max<std::size_t>(b, 1)), "cudaMalloc"); }
+  Dev(std::size_t b, const char* name) : bytes(b) {
+    const cudaError_t e = cudaMalloc(&p, std::max<std::size_t>(b, 1));
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // clear the (non-sticky) allocation error so that later calls are not blamed for it
+      throw std::runtime_error("cudaMalloc of device buffer '" + std::string(name) + "' (" + std::to_string(b) +
+                               " bytes) failed: " + cudaGetErrorString(e));
+    }
+  }
   ~Dev() { cudaFree(p); }
   Dev(const Dev&) = delete;
   Dev& operator=(const Dev&) = delete;
@@ -97,7 +105,7 @@ double median_ms(int warmup, int iters, cudaStream_t s, const std::function<void
 /// Device-to-device copy bandwidth, bytes read + written per second.
 double copy_bandwidth(cudaStream_t s) {
   const std::size_t bytes = std::size_t{1} << 30;
-  Dev a(bytes), b(bytes);
+  Dev a(bytes, "copy source"), b(bytes, "copy destination");
   check(cudaMemsetAsync(a.p, 1, bytes, s), "memset");
   const double ms = median_ms(2, 10, s, [&] { check(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s), "copy"); });
   return 2.0 * bytes / (ms * 1e-3);
@@ -107,7 +115,7 @@ double copy_bandwidth(cudaStream_t s) {
 double batched_gemm_ms(cublasHandle_t h, DType dt, std::int64_t E, std::int64_t M, std::int64_t N, std::int64_t K,
                        cudaStream_t s) {
   const std::size_t el = dtype_size(dt);
-  Dev A(el * E * M * K), B(el * E * K * N), C(el * E * M * N);
+  Dev A(el * E * M * K, "cuBLAS bound A"), B(el * E * K * N, "cuBLAS bound B"), C(el * E * M * N, "cuBLAS bound C");
   fill_normal(dt, A, E * M * K, 1, 1.0f, s), fill_normal(dt, B, E * K * N, 2, 1.0f, s);
   const cudaDataType_t t = dt == DType::kBF16 ? CUDA_R_16BF : dt == DType::kFP16 ? CUDA_R_16F : CUDA_R_32F;
   const float alpha = 1, beta = 0;
@@ -154,10 +162,13 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   check(cudaDeviceSynchronize(), "sync");
   const std::size_t used0 = used_bytes();
 
-  Dev x(el * n(p.T * p.d)), wr(el * n(p.E * p.d)), w1(el * n(p.E * p.w1_rows() * p.d)), w2(el * n(p.E * p.d * p.n));
-  Dev b1(el * n(p.has_b1 ? p.E * p.w1_rows() : 0)), b2(el * n(p.has_b2 ? p.E * p.d : 0)), gout(el * n(p.T * p.d));
-  Dev out(el * n(p.T * p.d)), logits(el * n(p.T * p.E)), counts(4 * n(p.E));
-  Dev dx(x.bytes), dwr(wr.bytes), dw1(w1.bytes), dw2(w2.bytes), db1(b1.bytes), db2(b2.bytes);
+  Dev x(el * n(p.T * p.d), "x"), wr(el * n(p.E * p.d), "router_weight"), w1(el * n(p.E * p.w1_rows() * p.d), "w1"),
+      w2(el * n(p.E * p.d * p.n), "w2");
+  Dev b1(el * n(p.has_b1 ? p.E * p.w1_rows() : 0), "b1"), b2(el * n(p.has_b2 ? p.E * p.d : 0), "b2"),
+      gout(el * n(p.T * p.d), "grad_out");
+  Dev out(el * n(p.T * p.d), "out"), logits(el * n(p.T * p.E), "router_logits"), counts(4 * n(p.E), "expert_counts");
+  Dev dx(x.bytes, "grad_x"), dwr(wr.bytes, "grad_router_weight"), dw1(w1.bytes, "grad_w1"), dw2(w2.bytes, "grad_w2"),
+      db1(b1.bytes, "grad_b1"), db2(b2.bytes, "grad_b2");
   const std::uint64_t seed = o.seed * 1000003ull;
   fill_normal(dt, x, n(p.T * p.d), seed + 1, 1.0f, s);
   fill_normal(dt, wr, n(p.E * p.d), seed + 2, 1.0f / std::sqrt(float(p.d)), s);
@@ -193,8 +204,8 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   r.config = o.config_name;
   {  // Warm up: the first call on a thread creates the library's cuBLAS handle (cuBLAS's one-time allocation),
      // which must not be counted as activation memory.
-    Dev saved0(saved_layout(p, dt).total_bytes), fws0(forward_workspace_bytes(p, dt, dev)),
-        bws0(backward_workspace_bytes(p, dt, dev));
+    Dev saved0(saved_layout(p, dt).total_bytes, "saved"), fws0(forward_workspace_bytes(p, dt, dev), "forward workspace"),
+        bws0(backward_workspace_bytes(p, dt, dev), "backward workspace");
     forward(p, xv, w, nullptr, fo, {saved0.p, saved0.bytes, fws0.p, fws0.bytes}, s);
     backward(p, xv, w, nullptr, bi, bo, {saved0.p, saved0.bytes, bws0.p, bws0.bytes}, s);
     check(cudaStreamSynchronize(s), "warm-up");
@@ -203,17 +214,17 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   const std::size_t base = used_bytes();
   std::size_t peak = base;
   const SavedLayout sl = saved_layout(p, dt);
-  Dev saved(sl.total_bytes);
+  Dev saved(sl.total_bytes, "saved");
   std::size_t after_fwd;
   {
-    Dev fws(forward_workspace_bytes(p, dt, dev));
+    Dev fws(forward_workspace_bytes(p, dt, dev), "forward workspace");
     peak = std::max(peak, used_bytes());
     forward(p, xv, w, nullptr, fo, {saved.p, saved.bytes, fws.p, fws.bytes}, s);
     check(cudaStreamSynchronize(s), "forward");
   }
   after_fwd = used_bytes();
   {
-    Dev bws(backward_workspace_bytes(p, dt, dev));
+    Dev bws(backward_workspace_bytes(p, dt, dev), "backward workspace");
     peak = std::max(peak, used_bytes());
     backward(p, xv, w, nullptr, bi, bo, {saved.p, saved.bytes, bws.p, bws.bytes}, s);
     check(cudaStreamSynchronize(s), "backward");
@@ -224,7 +235,8 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   r.peak_transient = static_cast<double>(peak - base);
 
   // Timing: both workspaces held, forward and backward timed separately (backward reuses one forward's state).
-  Dev fws(forward_workspace_bytes(p, dt, dev)), bws(backward_workspace_bytes(p, dt, dev));
+  Dev fws(forward_workspace_bytes(p, dt, dev), "forward workspace"),
+      bws(backward_workspace_bytes(p, dt, dev), "backward workspace");
   const ForwardBuffers fb{saved.p, saved.bytes, fws.p, fws.bytes};
   const BackwardBuffers bb{saved.p, saved.bytes, bws.p, bws.bytes};
   std::fprintf(stderr, "  [%s] timing forward (%d+%d)...\n", o.config_name.c_str(), o.warmup, o.iters);
@@ -314,7 +326,12 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
   for (std::size_t i = 0; i < runs.size(); ++i) {
     const Options& o = runs[i];
     std::fprintf(stderr, "[%zu/%zu] %s: %s\n", i + 1, runs.size(), o.config_name.c_str(), o.problem.to_string().c_str());
-    results.push_back(run_one(o, h, bw, s));
+    try {
+      results.push_back(run_one(o, h, bw, s));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("config " + o.config_name + " (" + o.problem.to_string() + ", " +
+                               dtype_name(o.dtype) + "): " + e.what());
+    }
     const Result& r = results.back();
     json_objects.push_back(json_of(r, o, gpu, bw));
     std::printf("\nconfig %s (%s, %s)\n", o.config_name.c_str(), o.problem.to_string().c_str(), dtype_name(o.dtype));

@@ -4,9 +4,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
+#include <new>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "cli_options.hpp"
 #include "machmoe/machmoe.hpp"
@@ -22,14 +27,6 @@ namespace {
 using namespace machmoe;
 
 double mib(std::size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
-
-template <class R>
-std::vector<R> normal(std::mt19937_64& rng, std::size_t count, double stddev) {
-  std::normal_distribution<double> dist(0.0, stddev);
-  std::vector<R> v(count);
-  for (R& x : v) x = static_cast<R>(dist(rng));
-  return v;
-}
 
 template <class F>
 double median_ms(int warmup, int iters, F&& f) {
@@ -51,26 +48,134 @@ double frobenius(const std::vector<R>& v) {
   return std::sqrt(s);
 }
 
+/// What the CPU run could not allocate: a host buffer of ours (named, with its size) or the reference's scratch.
+class OutOfHostMemory : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// One host buffer of the CPU run, for the memory check before anything is allocated and for the messages.
+struct HostBuffer {
+  std::string name;   // e.g. "w1 (E x w1_rows x d)"
+  std::int64_t count;  // elements
+  std::size_t elem;    // bytes per element
+  std::uint64_t bytes() const { return static_cast<std::uint64_t>(count) * elem; }  // < 2^61: sizes are validated
+};
+
+std::string buffer_text(const HostBuffer& b) {
+  return "'" + b.name + "' (" + std::to_string(b.count) + " elements of " + std::to_string(b.elem) + " bytes = " +
+         std::to_string(b.bytes()) + " bytes)";
+}
+
+/// Physical memory of this machine, 0 when unknown. A run that needs more would be killed by the kernel while it
+/// fills its buffers (allocation itself succeeds under overcommit), so it is refused up front instead.
+std::uint64_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+}
+
+/// The buffers run() allocates, sized from the validated problem (each product < 2^58 elements). Biases and
+/// their gradients have count 0 when the problem has none.
+struct HostPlan {
+  HostBuffer x, router_weight, w1, w2, b1, b2, grad_out, out, router_logits, grad_x, grad_router_weight, grad_w1,
+      grad_w2, grad_b1, grad_b2, expert_counts, saved;
+
+  HostPlan(const MoEProblem& p, DType dt) {
+    const std::size_t el = dtype_size(dt);
+    const std::int64_t b1_count = p.has_b1 ? p.E * p.w1_rows() : 0, b2_count = p.has_b2 ? p.E * p.d : 0;
+    x = {"x (T x d)", p.T * p.d, el};
+    router_weight = {"router_weight (E x d)", p.E * p.d, el};
+    w1 = {"w1 (E x w1_rows x d)", p.E * p.w1_rows() * p.d, el};
+    w2 = {"w2 (E x d x n)", p.E * p.d * p.n, el};
+    b1 = {"b1 (E x w1_rows)", b1_count, el};
+    b2 = {"b2 (E x d)", b2_count, el};
+    grad_out = {"grad_out (T x d)", p.T * p.d, el};
+    out = {"out (T x d)", p.T * p.d, el};
+    router_logits = {"router_logits (T x E)", p.T * p.E, el};
+    grad_x = {"grad_x (T x d)", p.T * p.d, el};
+    grad_router_weight = {"grad_router_weight (E x d)", p.E * p.d, el};
+    grad_w1 = {"grad_w1 (E x w1_rows x d)", p.E * p.w1_rows() * p.d, el};
+    grad_w2 = {"grad_w2 (E x d x n)", p.E * p.d * p.n, el};
+    grad_b1 = {"grad_b1 (E x w1_rows)", b1_count, el};
+    grad_b2 = {"grad_b2 (E x d)", b2_count, el};
+    expert_counts = {"expert_counts (E)", p.E, 4};
+    saved = {"saved (saved_layout bytes)", static_cast<std::int64_t>(saved_layout(p, dt).total_bytes), 1};
+  }
+  std::vector<const HostBuffer*> all() const {
+    return {&x,      &router_weight, &w1,      &w2,      &b1,      &b2,      &grad_out,      &out, &router_logits,
+            &grad_x, &grad_router_weight, &grad_w1, &grad_w2, &grad_b1, &grad_b2, &expert_counts, &saved};
+  }
+};
+
+/// Refuses a run whose own buffers exceed physical memory, naming the total and the largest buffer.
+void check_host_memory(const HostPlan& plan, const MoEProblem& p) {
+  const std::uint64_t phys = physical_memory_bytes();
+  if (phys == 0) return;
+  std::uint64_t total = 0;  // 17 buffers of < 2^61 bytes each cannot wrap 64 bits
+  const HostBuffer* largest = &plan.x;
+  for (const HostBuffer* b : plan.all()) {
+    total += b->bytes();
+    if (b->bytes() > largest->bytes()) largest = b;
+  }
+  if (total > phys)
+    throw OutOfHostMemory("the CPU run needs " + std::to_string(total) + " bytes of host buffers, more than this "
+                          "machine's " + std::to_string(phys) + " bytes of memory; the largest is " +
+                          buffer_text(*largest) + "; problem: " + p.to_string());
+}
+
+/// A zeroed host vector for buffer `b`, or OutOfHostMemory naming it.
+template <class R>
+std::vector<R> allocate(const HostBuffer& b, const MoEProblem& p) {
+  try {
+    return std::vector<R>(static_cast<std::size_t>(b.count));
+  } catch (const std::bad_alloc&) {
+    throw OutOfHostMemory("cannot allocate host buffer " + buffer_text(b) + "; problem: " + p.to_string());
+  } catch (const std::length_error&) {
+    throw OutOfHostMemory("host buffer " + buffer_text(b) + " exceeds std::vector's limit; problem: " + p.to_string());
+  }
+}
+
+template <class R>
+std::vector<R> normal(const HostBuffer& b, const MoEProblem& p, std::mt19937_64& rng, double stddev) {
+  std::vector<R> v = allocate<R>(b, p);
+  std::normal_distribution<double> dist(0.0, stddev);
+  for (R& x : v) x = static_cast<R>(dist(rng));
+  return v;
+}
+
+/// Runs one pass of the reference, turning its own scratch allocation failures into a message with the problem.
+template <class F>
+void reference_pass(const char* pass, const MoEProblem& p, F&& f) {
+  try {
+    f();
+  } catch (const std::bad_alloc&) {
+    throw OutOfHostMemory(std::string("the CPU reference ran out of host memory for its own scratch in the ") + pass +
+                          " pass; problem: " + p.to_string());
+  }
+}
+
 template <class R>
 int run(const bench::Options& o) {
   const MoEProblem& p = o.problem;
   const DType dt = o.dtype;
-  const auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+  const HostPlan plan(p, dt);
+  check_host_memory(plan, p);
   std::mt19937_64 rng(o.seed);
   // Realistic magnitudes: x ~ N(0, 1), weights ~ N(0, 1/sqrt(fan_in)).
-  std::vector<R> x = normal<R>(rng, sz(p.T * p.d), 1.0);
-  std::vector<R> wr = normal<R>(rng, sz(p.E * p.d), 1.0 / std::sqrt(double(p.d)));
-  std::vector<R> w1 = normal<R>(rng, sz(p.E * p.w1_rows() * p.d), 1.0 / std::sqrt(double(p.d)));
-  std::vector<R> w2 = normal<R>(rng, sz(p.E * p.d * p.n), 1.0 / std::sqrt(double(p.n)));
-  std::vector<R> b1 = p.has_b1 ? normal<R>(rng, sz(p.E * p.w1_rows()), 0.1) : std::vector<R>();
-  std::vector<R> b2 = p.has_b2 ? normal<R>(rng, sz(p.E * p.d), 0.1) : std::vector<R>();
-  std::vector<R> dout = normal<R>(rng, sz(p.T * p.d), 1.0);
+  std::vector<R> x = normal<R>(plan.x, p, rng, 1.0);
+  std::vector<R> wr = normal<R>(plan.router_weight, p, rng, 1.0 / std::sqrt(double(p.d)));
+  std::vector<R> w1 = normal<R>(plan.w1, p, rng, 1.0 / std::sqrt(double(p.d)));
+  std::vector<R> w2 = normal<R>(plan.w2, p, rng, 1.0 / std::sqrt(double(p.n)));
+  std::vector<R> b1 = normal<R>(plan.b1, p, rng, 0.1);
+  std::vector<R> b2 = normal<R>(plan.b2, p, rng, 0.1);
+  std::vector<R> dout = normal<R>(plan.grad_out, p, rng, 1.0);
 
-  std::vector<R> out(sz(p.T * p.d)), logits(sz(p.T * p.E)), dx(sz(p.T * p.d)), dwr(wr.size()), dw1(w1.size()),
-      dw2(w2.size()), db1(b1.size()), db2(b2.size());
-  std::vector<std::int32_t> counts(sz(p.E));
-  const SavedLayout layout = saved_layout(p, dt);
-  std::vector<unsigned char> saved(layout.total_bytes);
+  std::vector<R> out = allocate<R>(plan.out, p), logits = allocate<R>(plan.router_logits, p),
+                 dx = allocate<R>(plan.grad_x, p), dwr = allocate<R>(plan.grad_router_weight, p),
+                 dw1 = allocate<R>(plan.grad_w1, p), dw2 = allocate<R>(plan.grad_w2, p),
+                 db1 = allocate<R>(plan.grad_b1, p), db2 = allocate<R>(plan.grad_b2, p);
+  std::vector<std::int32_t> counts = allocate<std::int32_t>(plan.expert_counts, p);
+  std::vector<unsigned char> saved = allocate<unsigned char>(plan.saved, p);
 
   LayerWeights w;
   w.router_weight = TensorView::contiguous(wr.data(), dt, {p.E, p.d});
@@ -110,10 +215,14 @@ int run(const bench::Options& o) {
 
   std::printf("running:  %d warm-up + %d timed forward passes...\n", o.warmup, o.iters);
   std::fflush(stdout);
-  const double fwd_ms = median_ms(o.warmup, o.iters, [&] { forward(p, xv, w, nullptr, fo, fb); });
+  const double fwd_ms = median_ms(o.warmup, o.iters, [&] {
+    reference_pass("forward", p, [&] { forward(p, xv, w, nullptr, fo, fb); });
+  });
   std::printf("running:  %d warm-up + %d timed backward passes...\n", o.warmup, o.iters);
   std::fflush(stdout);
-  const double bwd_ms = median_ms(o.warmup, o.iters, [&] { backward(p, xv, w, nullptr, bi, bo, bb); });
+  const double bwd_ms = median_ms(o.warmup, o.iters, [&] {
+    reference_pass("backward", p, [&] { backward(p, xv, w, nullptr, bi, bo, bb); });
+  });
 
   std::int64_t pairs = 0;
   for (std::int32_t c : counts) pairs += c;
@@ -206,6 +315,14 @@ int main(int argc, char** argv) {
     }
 #endif
     return o.dtype == DType::kFP64 ? run<double>(o) : run<float>(o);
+  } catch (const OutOfHostMemory& e) {
+    std::fprintf(stderr, "error: config %s: %s\n", o.config_name.c_str(), e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    // Allocations of our own are named where they happen; this is anything else, still with the configuration.
+    std::fprintf(stderr, "error: out of host memory (std::bad_alloc); config %s, problem: %s\n",
+                 o.config_name.c_str(), o.problem.to_string().c_str());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

@@ -7,7 +7,9 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <utility>
 
 #include "machmoe/machmoe.hpp"
 
@@ -16,51 +18,133 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-machmoe::DType to_dtype(at::ScalarType t) {
-  switch (t) {
+// Every operator checks each of its arguments where it enters, before converting it: the integer options are
+// 64-bit here and the library's enums are int, so an unchecked code would be narrowed (2^32 -> 0, a valid value)
+// or become an enum value no switch handles. Failures use the library's format, "machmoe::<op>: argument '<arg>':
+// expected ..., got ...", and are machmoe::Error (std::invalid_argument), which torch raises as ValueError.
+
+[[noreturn]] void fail(const char* op, const std::string& arg, const std::string& expected, const std::string& got) {
+  machmoe::throw_argument_error(op, arg, expected, got);
+}
+
+std::string shape_of(const Tensor& t) {
+  std::string s = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + (t.dim() == 1 ? ",)" : ")");
+}
+
+/// An integer argument in [lo, hi].
+int64_t in_range(const char* op, const char* arg, int64_t v, int64_t lo, int64_t hi, const std::string& why = "") {
+  if (v < lo || v > hi)
+    fail(op, arg, "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]" + why, std::to_string(v));
+  return v;
+}
+
+/// The token-rounding tile: checked whatever the routing, since the operators always carry it and a value the
+/// routing ignores today is still a caller's mistake.
+int64_t tile_arg(const char* op, int64_t tile) {
+  if (tile < 8 || tile > machmoe::Limits::kMaxTileM || tile % 8 != 0)
+    fail(op, "tile",
+         "a multiple of 8 in [8, " + std::to_string(machmoe::Limits::kMaxTileM) +
+             "] (the token-rounding tile M; checked for every routing)",
+         std::to_string(tile));
+  return tile;
+}
+
+machmoe::DType to_dtype(const char* op, const std::string& arg, const Tensor& t) {
+  switch (t.scalar_type()) {
     case at::kBFloat16: return machmoe::DType::kBF16;
     case at::kHalf: return machmoe::DType::kFP16;
     case at::kFloat: return machmoe::DType::kFP32;
     case at::kDouble: return machmoe::DType::kFP64;
     case at::kInt: return machmoe::DType::kInt32;
     case at::kLong: return machmoe::DType::kInt64;
-    default: TORCH_CHECK(false, "machmoe: unsupported dtype ", t);
+    default:
+      fail(op, arg, "dtype bfloat16, float16, float32, float64, int32 or int64", c10::toString(t.scalar_type()));
   }
 }
 
-machmoe::TensorView view(const Tensor& t) {
+/// A required tensor that is present (C++ callers can pass an undefined one). Sparse and other layouts, and devices
+/// other than cpu and cuda, never reach these kernels: the dispatcher has no kernel of ours for their keys.
+void check_defined(const char* op, const std::string& arg, const Tensor& t) {
+  if (!t.defined()) fail(op, arg, "a tensor", "an undefined tensor");
+}
+
+machmoe::TensorView view(const char* op, const std::string& arg, const Tensor& t) {
+  check_defined(op, arg, t);
+  if (t.dim() > machmoe::kMaxRank)
+    fail(op, arg, "a tensor of rank <= " + std::to_string(machmoe::kMaxRank), "rank " + std::to_string(t.dim()));
   machmoe::TensorView v;
-  TORCH_CHECK(t.dim() <= machmoe::kMaxRank, "machmoe: tensors of rank <= 4, got rank ", t.dim());
+  v.dtype = to_dtype(op, arg, t);
   v.data = t.data_ptr();
-  v.dtype = to_dtype(t.scalar_type());
   v.device = t.is_cuda() ? machmoe::Device::cuda(t.get_device()) : machmoe::Device::cpu();
   v.rank = static_cast<int>(t.dim());
   for (int i = 0; i < v.rank; ++i) v.shape[i] = t.size(i), v.stride[i] = t.stride(i);
   return v;
 }
 
-machmoe::TensorView view(const OptTensor& t) { return t && t->defined() ? view(*t) : machmoe::TensorView(); }
+bool present(const OptTensor& t) { return t && t->defined(); }
 
-/// The problem from the operands and the integer options (enum values of machmoe/problem.hpp).
-machmoe::MoEProblem problem_of(const Tensor& x, const Tensor& w1, const Tensor& w2, const OptTensor& b1,
-                                const OptTensor& b2, const OptTensor& token_index, int64_t top_k, int64_t activation,
-                                int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile,
-                                int64_t cache) {
-  TORCH_CHECK(x.dim() == 2, "machmoe: argument 'x': expected a (T, d) tensor, got shape ", x.sizes());
-  TORCH_CHECK(w1.dim() == 3, "machmoe: argument 'w1': expected an (E, 2n or n, d) tensor, got shape ", w1.sizes());
-  TORCH_CHECK(w2.dim() == 3, "machmoe: argument 'w2': expected an (E, d, n) tensor, got shape ", w2.sizes());
+machmoe::TensorView view(const char* op, const std::string& arg, const OptTensor& t) {
+  return present(t) ? view(op, arg, *t) : machmoe::TensorView();
+}
+
+void check_rank(const char* op, const char* arg, const Tensor& t, int64_t rank, const char* what) {
+  check_defined(op, arg, t);
+  if (t.dim() != rank) fail(op, arg, what, "shape " + shape_of(t));
+}
+
+/// A raw byte buffer the library reads through a pointer (saved, deferred): the library cannot see its device or
+/// layout, so a buffer on another device or with a wider dtype would be read as the wrong memory or size.
+void check_byte_buffer(const char* op, const char* arg, const Tensor& buf, const Tensor& x, const char* from) {
+  check_defined(op, arg, buf);
+  if (buf.scalar_type() != at::kByte)
+    fail(op, arg, std::string("a uint8 tensor (the buffer ") + from + " returned)", c10::toString(buf.scalar_type()));
+  if (buf.dim() != 1) fail(op, arg, std::string("a 1-D tensor (the buffer ") + from + " returned)", "shape " + shape_of(buf));
+  if (buf.device() != x.device())
+    fail(op, arg, "a tensor on " + x.device().str() + " (the device of x)", "a tensor on " + buf.device().str());
+  if (!buf.is_contiguous()) fail(op, arg, "a contiguous tensor", "stride " + std::to_string(buf.stride(0)));
+}
+
+/// The problem from the operands and the integer options (enum codes of machmoe/problem.hpp), every integer
+/// checked before it is converted.
+machmoe::MoEProblem problem_of(const char* op, const Tensor& x, const Tensor& w1, const Tensor& w2,
+                                const OptTensor& b1, const OptTensor& b2, const OptTensor& token_index,
+                                const OptTensor& expert_index, const OptTensor& scores, int64_t top_k,
+                                int64_t activation, int64_t weight_layout, int64_t score, int64_t routing,
+                                int64_t rounding, int64_t tile, int64_t cache) {
+  check_rank(op, "x", x, 2, "a (T, d) tensor");
+  check_rank(op, "w1", w1, 3, "an (E, 2n or n, d) tensor");
+  check_rank(op, "w2", w2, 3, "an (E, d, n) tensor");
   machmoe::MoEProblem p;
-  p.T = x.size(0), p.d = x.size(1), p.E = w1.size(0), p.n = w2.size(2), p.K = top_k;
-  p.activation = static_cast<machmoe::Activation>(activation);
-  p.weight_layout = static_cast<machmoe::WeightLayout>(weight_layout);
-  p.score = static_cast<machmoe::ScoreVariant>(score);
-  p.routing = static_cast<machmoe::RoutingMode>(routing);
-  p.rounding = static_cast<machmoe::RoundingRule>(rounding);
-  p.tile_m = tile;
-  p.cache = static_cast<machmoe::CacheMode>(cache);
-  p.has_b1 = b1 && b1->defined();
-  p.has_b2 = b2 && b2->defined();
-  if (p.routing == machmoe::RoutingMode::kCallerSupplied && token_index) p.num_pairs = token_index->size(0);
+  p.activation = machmoe::activation_from_code(activation, op, "activation");
+  p.weight_layout = machmoe::weight_layout_from_code(weight_layout, op, "weight_layout");
+  p.score = machmoe::score_variant_from_code(score, op, "score");
+  p.routing = machmoe::routing_mode_from_code(routing, op, "routing");
+  p.rounding = machmoe::rounding_rule_from_code(rounding, op, "rounding");
+  p.cache = machmoe::cache_mode_from_code(cache, op, "cache");
+  p.tile_m = tile_arg(op, tile);
+  p.T = x.size(0), p.d = x.size(1), p.E = w1.size(0), p.n = w2.size(2);
+  if (p.E < 1 || p.E > machmoe::Limits::kMaxExperts)
+    fail(op, "w1", "(E, 2n or n, d) with E in [1, " + std::to_string(machmoe::Limits::kMaxExperts) + "] experts",
+         "shape " + shape_of(w1));
+  p.K = in_range(op, "top_k", top_k, 1, p.E, " (at most E = w1.size(0) experts per token)");
+  p.has_b1 = present(b1);
+  p.has_b2 = present(b2);
+  const bool caller = p.routing == machmoe::RoutingMode::kCallerSupplied;
+  const std::pair<const OptTensor*, const char*> triples[] = {
+      {&token_index, "token_index"}, {&expert_index, "expert_index"}, {&scores, "scores"}};
+  for (const auto& [t, name] : triples) {
+    if (caller && !present(*t)) fail(op, name, "a (P,) tensor for routing 'caller'", "None");
+    if (!caller && present(*t))
+      fail(op, name,
+           std::string("None for routing '") + machmoe::routing_mode_name(p.routing) +
+               "' (the router picks the pairs; caller-supplied triples need routing 'caller')",
+           "a tensor of shape " + shape_of(**t));
+    if (caller) check_rank(op, name, **t, 1, "a 1-D (P,) tensor, one entry per pair");
+  }
+  if (caller) p.num_pairs = token_index->size(0);
+  machmoe::validate_problem(p, op);
   return p;
 }
 
@@ -68,21 +152,22 @@ void* stream_for(const Tensor& x) {
   return x.is_cuda() ? static_cast<void*>(c10::cuda::getCurrentCUDAStream(x.get_device()).stream()) : nullptr;
 }
 
-machmoe::LayerWeights weights_of(const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1,
-                                  const Tensor& w2, const OptTensor& b2) {
+machmoe::LayerWeights weights_of(const char* op, const OptTensor& router_weight, const Tensor& w1,
+                                  const OptTensor& b1, const Tensor& w2, const OptTensor& b2) {
   machmoe::LayerWeights w;
-  w.router_weight = view(router_weight);
-  w.w1 = view(w1), w.b1 = view(b1), w.w2 = view(w2), w.b2 = view(b2);
+  w.router_weight = view(op, "router_weight", router_weight);
+  w.w1 = view(op, "w1", w1), w.b1 = view(op, "b1", b1), w.w2 = view(op, "w2", w2), w.b2 = view(op, "b2", b2);
   return w;
 }
 
-machmoe::RoutingTriples triples_of(bool caller, const OptTensor& token_index, const OptTensor& expert_index,
-                                    const OptTensor& scores) {
+/// The caller's triples (problem_of has checked that they are present exactly for routing 'caller').
+machmoe::RoutingTriples triples_of(const char* op, const machmoe::MoEProblem& p, const OptTensor& token_index,
+                                    const OptTensor& expert_index, const OptTensor& scores) {
   machmoe::RoutingTriples r;
-  if (!caller) return r;
-  TORCH_CHECK(token_index && expert_index && scores,
-              "machmoe: routing 'caller' needs token_index, expert_index and scores");
-  r.token_index = view(*token_index), r.expert_index = view(*expert_index), r.score = view(*scores);
+  if (p.routing != machmoe::RoutingMode::kCallerSupplied) return r;
+  r.token_index = view(op, "token_index", token_index);
+  r.expert_index = view(op, "expert_index", expert_index);
+  r.score = view(op, "scores", scores);
   return r;
 }
 
@@ -96,27 +181,48 @@ Tensor byte_buffer(const Tensor& x, std::size_t bytes) {
   return at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
 }
 
+/// The operands every layer operator shares, checked and viewed before anything is allocated.
+struct LayerArgs {
+  machmoe::MoEProblem p;
+  machmoe::DType dtype;
+  machmoe::TensorView x;
+  machmoe::LayerWeights weights;
+  machmoe::RoutingTriples triples;
+  bool caller;
+
+  LayerArgs(const char* op, const Tensor& x_, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1,
+            const Tensor& w2, const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index,
+            const OptTensor& scores, int64_t top_k, int64_t activation, int64_t weight_layout, int64_t score,
+            int64_t routing, int64_t rounding, int64_t tile, int64_t cache)
+      : p(problem_of(op, x_, w1, w2, b1, b2, token_index, expert_index, scores, top_k, activation, weight_layout,
+                     score, routing, rounding, tile, cache)),
+        dtype(to_dtype(op, "x", x_)),
+        x(view(op, "x", x_)),
+        weights(weights_of(op, router_weight, w1, b1, w2, b2)),
+        triples(triples_of(op, p, token_index, expert_index, scores)),
+        caller(p.routing == machmoe::RoutingMode::kCallerSupplied) {}
+  const machmoe::RoutingTriples* routing() const { return caller ? &triples : nullptr; }
+};
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
     const Tensor& x, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
     const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index, const OptTensor& scores,
     int64_t top_k, int64_t activation, int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding,
     int64_t tile, int64_t cache) {
-  const machmoe::MoEProblem p = problem_of(x, w1, w2, b1, b2, token_index, top_k, activation, weight_layout, score,
-                                            routing, rounding, tile, cache);
-  machmoe::validate_problem(p, "forward");
-  const bool caller = p.routing == machmoe::RoutingMode::kCallerSupplied;
-  const machmoe::DType dt = to_dtype(x.scalar_type());
+  const char* op = "layer_forward";
+  const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
+                    weight_layout, score, routing, rounding, tile, cache);
+  const machmoe::MoEProblem& p = a.p;
   Tensor out = at::empty({p.T, p.d}, x.options());
-  Tensor logits = caller ? at::empty({0}, x.options()) : at::empty({p.T, p.E}, x.options());
+  Tensor logits = a.caller ? at::empty({0}, x.options()) : at::empty({p.T, p.E}, x.options());
   Tensor counts = at::empty({p.E}, x.options().dtype(at::kInt));
-  Tensor saved = byte_buffer(x, machmoe::saved_layout(p, dt).total_bytes);
-  Tensor workspace = byte_buffer(x, machmoe::forward_workspace_bytes(p, dt, library_device(x)));
-  const machmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
+  Tensor saved = byte_buffer(x, machmoe::saved_layout(p, a.dtype).total_bytes);
+  Tensor workspace = byte_buffer(x, machmoe::forward_workspace_bytes(p, a.dtype, library_device(x)));
   machmoe::ForwardOutputs fo;
-  fo.out = view(out);
-  if (!caller) fo.router_logits = view(logits);
-  fo.expert_counts = view(counts);
-  machmoe::forward(p, view(x), weights_of(router_weight, w1, b1, w2, b2), caller ? &triples : nullptr, fo,
+  fo.out = view(op, "out", out);
+  if (!a.caller) fo.router_logits = view(op, "router_logits", logits);
+  fo.expert_counts = view(op, "expert_counts", counts);
+  machmoe::forward(p, a.x, a.weights, a.routing(), fo,
                     {saved.data_ptr(), static_cast<std::size_t>(saved.numel()), workspace.data_ptr(),
                      static_cast<std::size_t>(workspace.numel())},
                     stream_for(x));
@@ -129,20 +235,27 @@ struct InputGrads {
   OptTensor gl;
   machmoe::BackwardInputs inputs;
 
-  InputGrads(const machmoe::MoEProblem& p, const Tensor& x, const Tensor& grad_out, const OptTensor& grad_logits) {
+  InputGrads(const char* op, const machmoe::MoEProblem& p, const Tensor& x, const Tensor& grad_out,
+             const OptTensor& grad_logits) {
     const bool caller = p.routing == machmoe::RoutingMode::kCallerSupplied;
+    check_defined(op, "grad_out", grad_out);
+    // Routing 'caller' has no router logits: the forward returned an empty tensor for them, whose gradient
+    // autograd may pass back empty; anything else would be silently dropped.
+    if (caller && present(grad_logits) && grad_logits->numel() != 0)
+      fail(op, "grad_logits", "None or an empty tensor (routing 'caller' has no router logits)",
+           "a tensor of shape " + shape_of(*grad_logits));
     go = grad_out.contiguous();
-    if (grad_logits && grad_logits->defined() && !caller) gl = grad_logits->contiguous();
+    if (present(grad_logits) && !caller) gl = grad_logits->contiguous();
     dx = at::empty({p.T, p.d}, x.options());
     dwr = caller ? at::empty({0}, x.options()) : at::empty({p.E, p.d}, x.options());
     dscores = caller ? at::empty({p.num_pairs}, x.options().dtype(score_type(x))) : at::empty({0}, x.options());
-    inputs.grad_out = view(go);
-    inputs.grad_router_logits = view(gl);
+    inputs.grad_out = view(op, "grad_out", go);
+    inputs.grad_router_logits = view(op, "grad_logits", gl);
   }
-  void attach(const machmoe::MoEProblem& p, machmoe::BackwardOutputs& bo) const {
-    bo.grad_x = view(dx);
-    if (p.routing == machmoe::RoutingMode::kCallerSupplied) bo.grad_scores = view(dscores);
-    else bo.grad_weights.router_weight = view(dwr);
+  void attach(const char* op, const machmoe::MoEProblem& p, machmoe::BackwardOutputs& bo) const {
+    bo.grad_x = view(op, "grad_x", dx);
+    if (p.routing == machmoe::RoutingMode::kCallerSupplied) bo.grad_scores = view(op, "grad_scores", dscores);
+    else bo.grad_weights.router_weight = view(op, "grad_router_weight", dwr);
   }
 };
 
@@ -156,10 +269,10 @@ struct WeightGrads {
     db1 = p.has_b1 ? at::empty(b1->sizes(), x.options()) : at::empty({0}, x.options());
     db2 = p.has_b2 ? at::empty(b2->sizes(), x.options()) : at::empty({0}, x.options());
   }
-  void attach(const machmoe::MoEProblem& p, machmoe::BackwardOutputs& bo) const {
-    bo.grad_weights.w1 = view(dw1), bo.grad_weights.w2 = view(dw2);
-    if (p.has_b1) bo.grad_weights.b1 = view(db1);
-    if (p.has_b2) bo.grad_weights.b2 = view(db2);
+  void attach(const char* op, const machmoe::MoEProblem& p, machmoe::BackwardOutputs& bo) const {
+    bo.grad_weights.w1 = view(op, "grad_w1", dw1), bo.grad_weights.w2 = view(op, "grad_w2", dw2);
+    if (p.has_b1) bo.grad_weights.b1 = view(op, "grad_b1", db1);
+    if (p.has_b2) bo.grad_weights.b2 = view(op, "grad_b2", db2);
   }
 };
 
@@ -168,19 +281,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
     const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2, const OptTensor& token_index,
     const OptTensor& expert_index, const OptTensor& scores, const Tensor& saved, int64_t top_k, int64_t activation,
     int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache) {
-  const machmoe::MoEProblem p = problem_of(x, w1, w2, b1, b2, token_index, top_k, activation, weight_layout, score,
-                                            routing, rounding, tile, cache);
-  machmoe::validate_problem(p, "backward");
-  const bool caller = p.routing == machmoe::RoutingMode::kCallerSupplied;
-  Tensor workspace = byte_buffer(x, machmoe::backward_workspace_bytes(p, to_dtype(x.scalar_type()), library_device(x)));
-  const InputGrads ig(p, x, grad_out, grad_logits);
+  const char* op = "layer_backward";
+  const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
+                    weight_layout, score, routing, rounding, tile, cache);
+  check_byte_buffer(op, "saved", saved, x, "layer_forward");
+  const machmoe::MoEProblem& p = a.p;
+  const InputGrads ig(op, p, x, grad_out, grad_logits);
+  Tensor workspace = byte_buffer(x, machmoe::backward_workspace_bytes(p, a.dtype, library_device(x)));
   const WeightGrads wg(p, x, w1, b1, w2, b2);
   machmoe::BackwardOutputs bo;
-  ig.attach(p, bo);
-  wg.attach(p, bo);
-  const machmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
-  machmoe::backward(p, view(x), weights_of(router_weight, w1, b1, w2, b2), caller ? &triples : nullptr, ig.inputs,
-                     bo,
+  ig.attach(op, p, bo);
+  wg.attach(op, p, bo);
+  machmoe::backward(p, a.x, a.weights, a.routing(), ig.inputs, bo,
                      {saved.data_ptr(), static_cast<std::size_t>(saved.numel()), workspace.data_ptr(),
                       static_cast<std::size_t>(workspace.numel())},
                      stream_for(x));
@@ -193,19 +305,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_input(
     const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2, const OptTensor& token_index,
     const OptTensor& expert_index, const OptTensor& scores, const Tensor& saved, int64_t top_k, int64_t activation,
     int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache) {
-  const machmoe::MoEProblem p = problem_of(x, w1, w2, b1, b2, token_index, top_k, activation, weight_layout, score,
-                                            routing, rounding, tile, cache);
-  machmoe::validate_problem(p, "backward_input");
-  const bool caller = p.routing == machmoe::RoutingMode::kCallerSupplied;
-  const machmoe::DType dt = to_dtype(x.scalar_type());
-  Tensor workspace = byte_buffer(x, machmoe::backward_input_workspace_bytes(p, dt, library_device(x)));
-  Tensor deferred = byte_buffer(x, machmoe::deferred_layout(p, dt).total_bytes);
-  const InputGrads ig(p, x, grad_out, grad_logits);
+  const char* op = "layer_backward_input";
+  const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
+                    weight_layout, score, routing, rounding, tile, cache);
+  check_byte_buffer(op, "saved", saved, x, "layer_forward");
+  const machmoe::MoEProblem& p = a.p;
+  const InputGrads ig(op, p, x, grad_out, grad_logits);
+  Tensor workspace = byte_buffer(x, machmoe::backward_input_workspace_bytes(p, a.dtype, library_device(x)));
+  Tensor deferred = byte_buffer(x, machmoe::deferred_layout(p, a.dtype).total_bytes);
   machmoe::BackwardOutputs bo;
-  ig.attach(p, bo);
-  const machmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
-  machmoe::backward_input(p, view(x), weights_of(router_weight, w1, b1, w2, b2), caller ? &triples : nullptr,
-                           ig.inputs, bo,
+  ig.attach(op, p, bo);
+  machmoe::backward_input(p, a.x, a.weights, a.routing(), ig.inputs, bo,
                            {saved.data_ptr(), static_cast<std::size_t>(saved.numel()), workspace.data_ptr(),
                             static_cast<std::size_t>(workspace.numel())},
                            {deferred.data_ptr(), static_cast<std::size_t>(deferred.numel())}, stream_for(x));
@@ -218,33 +328,49 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
     const Tensor& w2, const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index,
     const OptTensor& scores, const Tensor& saved, const Tensor& deferred, int64_t top_k, int64_t activation,
     int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache) {
-  const machmoe::MoEProblem p = problem_of(x, w1, w2, b1, b2, token_index, top_k, activation, weight_layout, score,
-                                            routing, rounding, tile, cache);
-  machmoe::validate_problem(p, "backward_weight");
-  const bool caller = p.routing == machmoe::RoutingMode::kCallerSupplied;
+  const char* op = "layer_backward_weight";
+  const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
+                    weight_layout, score, routing, rounding, tile, cache);
+  check_byte_buffer(op, "saved", saved, x, "layer_forward");
+  check_byte_buffer(op, "deferred", deferred, x, "layer_backward_input");
+  check_defined(op, "grad_out", grad_out);
+  const machmoe::MoEProblem& p = a.p;
   const Tensor go = grad_out.contiguous();
+  const machmoe::TensorView gov = view(op, "grad_out", go);
   const WeightGrads wg(p, x, w1, b1, w2, b2);
   machmoe::BackwardOutputs bo;
-  wg.attach(p, bo);
-  const machmoe::RoutingTriples triples = triples_of(caller, token_index, expert_index, scores);
-  machmoe::backward_weight(p, view(x), weights_of(router_weight, w1, b1, w2, b2), caller ? &triples : nullptr,
-                            view(go), bo, saved.data_ptr(), static_cast<std::size_t>(saved.numel()),
+  wg.attach(op, p, bo);
+  machmoe::backward_weight(p, a.x, a.weights, a.routing(), gov, bo, saved.data_ptr(),
+                            static_cast<std::size_t>(saved.numel()),
                             {deferred.data_ptr(), static_cast<std::size_t>(deferred.numel())}, stream_for(x));
   return {wg.dw1, wg.db1, wg.dw2, wg.db2};
 }
 
-/// Size of the saved buffer, for the fake (meta) implementation used by torch.compile.
+/// Size of the saved buffer, for the fake (meta) implementation used by torch.compile. Every argument is checked
+/// here under its own name; validate_problem then checks how they combine (K <= E, T*K pairs, ...). T is left to
+/// validate_problem alone, which owns the rule for empty inputs.
 int64_t saved_nbytes(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, int64_t num_pairs, int64_t activation,
                      int64_t score, int64_t routing, int64_t tile, int64_t cache, int64_t elem_size) {
+  const char* op = "saved_nbytes";
+  using machmoe::Limits;
   machmoe::MoEProblem p;
-  p.T = T, p.d = d, p.n = n, p.E = E, p.K = K, p.num_pairs = num_pairs, p.tile_m = tile;
-  p.activation = static_cast<machmoe::Activation>(activation);
-  p.score = static_cast<machmoe::ScoreVariant>(score);
-  p.routing = static_cast<machmoe::RoutingMode>(routing);
-  p.cache = static_cast<machmoe::CacheMode>(cache);
-  const machmoe::DType dt = elem_size == 8 ? machmoe::DType::kFP64
-                             : elem_size == 4 ? machmoe::DType::kFP32
-                                              : machmoe::DType::kBF16;
+  p.T = in_range(op, "T", T, 0, Limits::kMaxTokens);
+  p.d = in_range(op, "d", d, 1, Limits::kMaxDim);
+  p.n = in_range(op, "n", n, 1, Limits::kMaxDim);
+  p.E = in_range(op, "E", E, 1, Limits::kMaxExperts);
+  p.K = in_range(op, "K", K, 1, E, " (1 <= K <= E)");
+  p.num_pairs = in_range(op, "num_pairs", num_pairs, 0, Limits::kMaxPairs);
+  p.activation = machmoe::activation_from_code(activation, op, "activation");
+  p.score = machmoe::score_variant_from_code(score, op, "score");
+  p.routing = machmoe::routing_mode_from_code(routing, op, "routing");
+  p.tile_m = tile_arg(op, tile);
+  p.cache = machmoe::cache_mode_from_code(cache, op, "cache");
+  machmoe::DType dt = machmoe::DType::kBF16;  // bf16 and fp16 keep the same bytes
+  if (elem_size == 8) dt = machmoe::DType::kFP64;
+  else if (elem_size == 4) dt = machmoe::DType::kFP32;
+  else if (elem_size != 2)
+    fail(op, "elem_size", "2, 4 or 8 (bytes per element of x: bf16/fp16, fp32, fp64)", std::to_string(elem_size));
+  machmoe::validate_problem(p, op);
   return static_cast<int64_t>(machmoe::saved_layout(p, dt).total_bytes);
 }
 

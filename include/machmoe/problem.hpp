@@ -94,7 +94,9 @@ struct MoEProblem {
   std::string to_string() const;
 };
 
-/// Throws machmoe::Error naming the field, what was expected and what was given.
+/// Throws machmoe::Error naming the field, what was expected and what was given. The option fields are checked
+/// to hold one of their enum's values (a value cast from an unchecked integer may hold any int), before any check
+/// that depends on them.
 void validate_problem(const MoEProblem& problem, const char* where = "validate_problem");
 
 // Names used by the command line, the bindings and error messages, and their inverses (which throw
@@ -111,5 +113,16 @@ ScoreVariant parse_score_variant(const std::string& s);
 RoutingMode parse_routing_mode(const std::string& s);
 RoundingRule parse_rounding_rule(const std::string& s);
 CacheMode parse_cache_mode(const std::string& s);
+
+// Integer codes of the options (the enums' values), as bindings carry them (the PyTorch operators' `int`
+// arguments). Each returns the enum when `code` is one of its values; otherwise it throws machmoe::Error naming
+// `where` and `arg`, listing every valid name with its value, and printing `code`. They take the full 64-bit
+// value, so a code that does not fit an int (2^32, say) is rejected rather than wrapped onto a valid one.
+Activation activation_from_code(std::int64_t code, const std::string& where, const std::string& arg);
+WeightLayout weight_layout_from_code(std::int64_t code, const std::string& where, const std::string& arg);
+ScoreVariant score_variant_from_code(std::int64_t code, const std::string& where, const std::string& arg);
+RoutingMode routing_mode_from_code(std::int64_t code, const std::string& where, const std::string& arg);
+RoundingRule rounding_rule_from_code(std::int64_t code, const std::string& where, const std::string& arg);
+CacheMode cache_mode_from_code(std::int64_t code, const std::string& where, const std::string& arg);
 
 }  // namespace machmoe

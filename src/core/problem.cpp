@@ -76,6 +76,30 @@ Enum parse(const NameTable<Enum, N>& table, const std::string& s, const char* wh
   }
   throw_argument_error("parse", what, "one of {" + accepted + "}", "'" + s + "'");
 }
+
+/// "{swiglu = 0, geglu = 1, ...}": the names with the integer codes a binding passes.
+template <class Enum, std::size_t N>
+std::string codes_of(const NameTable<Enum, N>& table) {
+  std::string s;
+  for (std::size_t i = 0; i < N; ++i)
+    s += (i ? ", " : "") + std::string(table.name[i]) + " = " + std::to_string(static_cast<int>(table.value[i]));
+  return "{" + s + "}";
+}
+
+/// The enum value whose code is `code`, compared as 64-bit integers so that no wider code wraps onto a valid one.
+template <class Enum, std::size_t N>
+Enum from_code(const NameTable<Enum, N>& table, std::int64_t code, const std::string& where, const std::string& arg,
+               const char* type) {
+  for (std::size_t i = 0; i < N; ++i)
+    if (static_cast<std::int64_t>(static_cast<int>(table.value[i])) == code) return table.value[i];
+  throw_argument_error(where, arg, std::string("a ") + type + " code, one of " + codes_of(table),
+                       std::to_string(code));
+}
+
+template <class Enum, std::size_t N>
+void check_code(const NameTable<Enum, N>& table, Enum v, const char* where, const char* field, const char* type) {
+  from_code(table, static_cast<int>(v), where, field, type);
+}
 }  // namespace
 
 const char* activation_name(Activation v) { return name_of(kActivations, v); }
@@ -90,6 +114,25 @@ ScoreVariant parse_score_variant(const std::string& s) { return parse(kScores, s
 RoutingMode parse_routing_mode(const std::string& s) { return parse(kRoutings, s, "routing"); }
 RoundingRule parse_rounding_rule(const std::string& s) { return parse(kRoundings, s, "rounding"); }
 CacheMode parse_cache_mode(const std::string& s) { return parse(kCaches, s, "cache"); }
+
+Activation activation_from_code(std::int64_t code, const std::string& where, const std::string& arg) {
+  return from_code(kActivations, code, where, arg, "machmoe::Activation");
+}
+WeightLayout weight_layout_from_code(std::int64_t code, const std::string& where, const std::string& arg) {
+  return from_code(kLayouts, code, where, arg, "machmoe::WeightLayout");
+}
+ScoreVariant score_variant_from_code(std::int64_t code, const std::string& where, const std::string& arg) {
+  return from_code(kScores, code, where, arg, "machmoe::ScoreVariant");
+}
+RoutingMode routing_mode_from_code(std::int64_t code, const std::string& where, const std::string& arg) {
+  return from_code(kRoutings, code, where, arg, "machmoe::RoutingMode");
+}
+RoundingRule rounding_rule_from_code(std::int64_t code, const std::string& where, const std::string& arg) {
+  return from_code(kRoundings, code, where, arg, "machmoe::RoundingRule");
+}
+CacheMode cache_mode_from_code(std::int64_t code, const std::string& where, const std::string& arg) {
+  return from_code(kCaches, code, where, arg, "machmoe::CacheMode");
+}
 
 std::string MoEProblem::to_string() const {
   std::ostringstream os;
@@ -113,12 +156,25 @@ static void check_range(const char* where, const char* field, std::int64_t v, st
                          std::to_string(v));
 }
 
+/// Each option holds one of its enum's values. A MoEProblem filled from an unchecked integer (a binding, a file)
+/// may hold any int, and every later check and the backends switch on these fields, so they come first: an invalid
+/// activation must be reported as such, not as the W1 shape it would imply.
+static void validate_options(const MoEProblem& p, const char* where) {
+  check_code(kActivations, p.activation, where, "problem.activation", "machmoe::Activation");
+  check_code(kLayouts, p.weight_layout, where, "problem.weight_layout", "machmoe::WeightLayout");
+  check_code(kScores, p.score, where, "problem.score", "machmoe::ScoreVariant");
+  check_code(kRoutings, p.routing, where, "problem.routing", "machmoe::RoutingMode");
+  check_code(kRoundings, p.rounding, where, "problem.rounding", "machmoe::RoundingRule");
+  check_code(kCaches, p.cache, where, "problem.cache", "machmoe::CacheMode");
+}
+
 void validate_problem(const MoEProblem& p, const char* where) {
   check_range(where, "problem.T", p.T, 1, Limits::kMaxTokens);
   check_range(where, "problem.d", p.d, 1, Limits::kMaxDim);
   check_range(where, "problem.n", p.n, 1, Limits::kMaxDim);
   check_range(where, "problem.E", p.E, 1, Limits::kMaxExperts, " (expert ids are 16-bit in the metadata build)");
   check_range(where, "problem.K", p.K, 1, p.E, " (1 <= K <= E)");
+  validate_options(p, where);
   if (!is_glu(p.activation) && p.weight_layout != WeightLayout::kInterleaved)
     throw_argument_error(where, "problem.weight_layout",
                          "'interleaved' for the non-GLU activation '" + std::string(activation_name(p.activation)) +

@@ -1,6 +1,8 @@
 // machmoe-bench's option parsing.
 #include <gtest/gtest.h>
 
+#include <cstdint>
+
 #include "cli_options.hpp"
 #include "machmoe/error.hpp"
 
@@ -36,14 +38,16 @@ TEST(Cli, DefaultsAndNamedConfigs) {
 TEST(Cli, BadOptionsGiveClearErrors) {
   EXPECT_NE(error_of({"--frobnicate"}).find("unknown option '--frobnicate'"), std::string::npos);
   EXPECT_NE(error_of({"--T"}).find("a value after --T"), std::string::npos);
-  EXPECT_NE(error_of({"--T", "12x"}).find("'--T': expected an integer >= 1, got '12x'"), std::string::npos);
+  EXPECT_NE(error_of({"--T", "12x"}).find("'--T': expected a decimal integer in [1, 2147483647] (digits only), got '12x'"),
+            std::string::npos);
   EXPECT_NE(error_of({"--iters", "0"}).find("'--iters'"), std::string::npos);
   EXPECT_NE(error_of({"--config", "13B"}).find("'--config'"), std::string::npos);
   EXPECT_NE(error_of({"--activation", "swish"}).find("one of {swiglu"), std::string::npos);
   EXPECT_NE(error_of({"--routing", "caller"}).find("'--routing'"), std::string::npos);
   EXPECT_NE(error_of({"--dtype", "bf16"}).find("fp32 or fp64"), std::string::npos);
   EXPECT_NE(error_of({"--K", "200"}).find("'problem.K'"), std::string::npos);
-  EXPECT_NE(error_of({"--routing", "token_rounding", "--tile", "100"}).find("'problem.tile_m'"), std::string::npos);
+  EXPECT_NE(error_of({"--routing", "token_rounding", "--tile", "100"}).find("'--tile': expected a multiple of 8"),
+            std::string::npos);
   EXPECT_NE(error_of({"stray"}).find("'stray'"), std::string::npos);
   EXPECT_NE(error_of({"--backend", "gpu"}).find("no GPU backend here"), std::string::npos);
   EXPECT_NE(error_of({"--backend", "tpu"}).find("{auto, gpu, cpu}"), std::string::npos);
@@ -67,6 +71,116 @@ TEST(Cli, GpuDefaultsAndDtypes) {
   ASSERT_EQ(runs.size(), 12u);
   EXPECT_EQ(runs[11].config_name, "120B-2048");
   EXPECT_EQ(runs[11].problem.activation, Activation::kGeGLU);
+}
+
+// ---- numbers: 64-bit parsing with overflow detection, a documented range per option -----------------------------
+
+TEST(Cli, IntegersParseExactlyOrFailNamingOptionRangeAndText) {
+  EXPECT_EQ(parse_integer("--x", "0", 0, 10), 0);
+  EXPECT_EQ(parse_integer("--x", "10", 0, 10), 10);
+  EXPECT_EQ(parse_integer("--x", "007", 0, 10), 7);
+  EXPECT_EQ(parse_integer("--x", "9223372036854775807", 0, INT64_MAX), INT64_MAX);
+  auto error = [](const std::string& text) {
+    try {
+      parse_integer("--x", text, 1, 100);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  // Range errors print the range and the text as given.
+  for (const char* t : {"0", "-1", "101", "4294967296", "4294967297", "9223372036854775807", "-9223372036854775808"})
+    EXPECT_NE(error(t).find("argument '--x': expected a decimal integer in [1, 100], got '" + std::string(t) + "'"),
+              std::string::npos)
+        << t << ": " << error(t);
+  // Values past 64 bits are reported as such, never wrapped.
+  for (const char* t : {"9223372036854775808", "18446744073709551616", "99999999999999999999999", "-9223372036854775809"})
+    EXPECT_NE(error(t).find("got '" + std::string(t) + "' (beyond the 64-bit range)"), std::string::npos) << error(t);
+  // Anything but [-]digits, whole.
+  for (const char* t : {"", " ", "+5", " 5", "5 ", "1e3", "12abc", "0x10", "1.0", "-", "--5", "5\n", "\xef\xbc\x95"})
+    EXPECT_NE(error(t).find("(digits only), got '" + std::string(t) + "'"), std::string::npos)
+        << "'" << t << "': " << error(t);
+}
+
+TEST(Cli, EveryIntegerOptionTakesItsDocumentedRangeAndNothingElse) {
+  const std::string help = usage();
+  for (const IntegerOption& o : integer_options()) {
+    SCOPED_TRACE(o.name);
+    const std::string range = "[" + std::to_string(o.lo) + ", " + std::to_string(o.hi) + "]";
+    EXPECT_NE(help.find(std::string(o.name) + std::string(10 - std::string(o.name).size(), ' ') + range),
+              std::string::npos)
+        << "usage() documents the range";
+    EXPECT_EQ(parse_integer(o.name, std::to_string(o.lo), o.lo, o.hi), o.lo);
+    EXPECT_EQ(parse_integer(o.name, std::to_string(o.hi), o.lo, o.hi), o.hi);
+    // Through the command line: below and above the range, and 2^32 + lo (which a 32-bit narrowing would turn
+    // into the valid lo), each rejected with the option, its range and the text. (--seed takes all of [0, 2^63).)
+    std::vector<std::int64_t> bad = {o.lo - 1, (std::int64_t{1} << 32) + o.lo};
+    if (o.hi < INT64_MAX) bad.push_back(o.hi + 1);
+    for (const std::int64_t v : bad) {
+      if (v >= o.lo && v <= o.hi) continue;
+      const std::string text = std::to_string(v);
+      const std::vector<std::string> args = std::string(o.name) == "--tile"
+                                                ? std::vector<std::string>{"--routing", "token_rounding", o.name, text}
+                                                : std::vector<std::string>{o.name, text};
+      const std::string msg = error_of(args);
+      EXPECT_NE(msg.find("argument '" + std::string(o.name) + "': expected a decimal integer in " + range +
+                         ", got '" + text + "'"),
+                std::string::npos)
+          << text << ": " << msg;
+    }
+  }
+}
+
+TEST(Cli, RepetitionsAndSeedKeepTheirValue) {
+  // Before: --iters 4294967296 was narrowed to int (0 timed runs, a read past an empty vector) and --warmup
+  // 4294967295 printed "-1 warm-up".
+  EXPECT_NE(error_of({"--iters", "4294967296"}).find("'--iters': expected a decimal integer in [1, 100000], got '4294967296'"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--warmup", "4294967295"}).find("'--warmup': expected a decimal integer in [0, 100000], got '4294967295'"),
+            std::string::npos);
+  const Options o = parse_options({"--iters", "100000", "--warmup", "0", "--seed", "9223372036854775807"}, false);
+  EXPECT_EQ(o.iters, 100000);
+  EXPECT_EQ(o.warmup, 0);
+  EXPECT_EQ(o.seed, std::uint64_t{9223372036854775807u});
+  EXPECT_NE(error_of({"--seed", "-1"}).find("'--seed'"), std::string::npos);
+  EXPECT_NE(error_of({"--seed", "18446744073709551615"}).find("beyond the 64-bit range"), std::string::npos);
+}
+
+TEST(Cli, SizesBeyondTheLibraryLimitsNameTheOption) {
+  EXPECT_NE(error_of({"--d", "1048577"}).find("'--d': expected a decimal integer in [1, 1048576]"), std::string::npos);
+  EXPECT_NE(error_of({"--E", "65537"}).find("'--E': expected a decimal integer in [1, 65536]"), std::string::npos);
+  EXPECT_NE(error_of({"--T", "2147483648"}).find("'--T': expected a decimal integer in [1, 2147483647]"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--T", "0"}).find("'--T'"), std::string::npos);
+  // In range alone but not together: the problem's own check names the combination.
+  EXPECT_NE(error_of({"--T", "2147483647", "--K", "2"}).find("'problem.T*K'"), std::string::npos);
+}
+
+TEST(Cli, OptionsThatWouldBeIgnoredAreErrors) {
+  EXPECT_NE(error_of({"--T", "64", "--T", "32"}).find("'--T': expected the option once, got it twice ('64', then '32')"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--activation", "gelu", "--activation", "relu"}).find("'--activation': expected the option once"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--tile", "64"}).find("'--tile': expected --routing token_rounding with it"), std::string::npos);
+  EXPECT_NE(error_of({"--rounding", "up"}).find("'--rounding': expected --routing token_rounding"), std::string::npos);
+  EXPECT_NE(error_of({"--tile", "12", "--routing", "token_rounding"}).find("'--tile': expected a multiple of 8"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--json", ""}).find("'--json': expected a file path, got ''"), std::string::npos);
+  auto gpu_error = [](const std::vector<std::string>& args) {
+    try {
+      parse_options(args, true);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(gpu_error({"--all-configs", "--T", "4096"}).find("'--T': expected no configuration or size option with "
+                                                            "--all-configs"),
+            std::string::npos);
+  EXPECT_NE(gpu_error({"--config", "30B-256", "--all-configs"}).find("'--config'"), std::string::npos);
+  const Options tr = parse_options({"--routing", "token_rounding", "--tile", "64", "--rounding", "up"}, false);
+  EXPECT_EQ(tr.problem.tile_m, 64);
+  EXPECT_EQ(tr.problem.rounding, RoundingRule::kUp);
 }
 
 }  // namespace

@@ -2,7 +2,9 @@
 // given; no output is written when a call is rejected.
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 
@@ -115,6 +117,102 @@ TEST(Validation, ProblemFields) {
   expect_error(with([](MoEProblem& p) { p.activation = Activation::kReLU, p.weight_layout = WeightLayout::kConcatenated; }),
                {"'problem.weight_layout'", "'interleaved'", "'concatenated'"});
   expect_error(with([](MoEProblem& p) { p.T = 1 << 30, p.K = 4; }), {"'problem.T*K'", "int32"});
+}
+
+// Option fields hold enum values; a MoEProblem filled from an unchecked integer (as the PyTorch binding did) can
+// hold any int. Every public entry point must reject it by name, listing the valid names and values.
+template <class Enum>
+Enum bad_enum(int v) {
+  return static_cast<Enum>(v);  // well defined: the enums have the fixed underlying type int
+}
+
+const int kBadCodes[] = {-1, 7, 77, 99, 1 << 16, INT_MAX, INT_MIN};
+
+TEST(Validation, EveryOptionFieldOutOfRangeIsNamed) {
+  struct Field {
+    const char* name;
+    int first_invalid;  // the enum's count: codes [0, count) are valid
+    const char* listing;
+    std::function<void(MoEProblem&, int)> set;
+  };
+  const Field fields[] = {
+      {"problem.activation", 7,
+       "one of {swiglu = 0, geglu = 1, reglu = 2, relu_squared = 3, relu = 4, gelu = 5, silu = 6}",
+       [](MoEProblem& p, int v) { p.activation = bad_enum<Activation>(v); }},
+      {"problem.weight_layout", 2, "one of {interleaved = 0, concatenated = 1}",
+       [](MoEProblem& p, int v) { p.weight_layout = bad_enum<WeightLayout>(v); }},
+      {"problem.score", 3, "one of {softmax_topk = 0, topk_softmax = 1, topk_softmax_renorm = 2}",
+       [](MoEProblem& p, int v) { p.score = bad_enum<ScoreVariant>(v); }},
+      {"problem.routing", 3, "one of {topk = 0, token_rounding = 1, caller = 2}",
+       [](MoEProblem& p, int v) { p.routing = bad_enum<RoutingMode>(v); }},
+      {"problem.rounding", 3, "one of {nearest = 0, up = 1, down = 2}",
+       [](MoEProblem& p, int v) { p.rounding = bad_enum<RoundingRule>(v); }},
+      {"problem.cache", 2, "one of {preact = 0, input_only = 1}",
+       [](MoEProblem& p, int v) { p.cache = bad_enum<CacheMode>(v); }},
+  };
+  for (const Field& f : fields) {
+    std::vector<int> codes(std::begin(kBadCodes), std::end(kBadCodes));
+    codes.push_back(f.first_invalid);
+    for (int v : codes) {
+      if (v >= 0 && v < f.first_invalid) continue;
+      SCOPED_TRACE(std::string(f.name) + " = " + std::to_string(v));
+      const std::string got = "got " + std::to_string(v);
+      MoEProblem p = Call().p;
+      f.set(p, v);
+      expect_error([&] { validate_problem(p); }, {f.name, f.listing, got.c_str()});
+      // Every entry point, before it reads a tensor; and the rejected call writes nothing.
+      Call c;
+      f.set(c.p, v);
+      for (double& o : c.out) o = 7.0;
+      expect_error([&] { c.forward_call(); }, {"machmoe::forward: argument '", f.name, got.c_str()});
+      for (double o : c.out) EXPECT_EQ(o, 7.0);
+      expect_error([&] { c.backward_call(); }, {"machmoe::backward: argument '", f.name, got.c_str()});
+    }
+  }
+}
+
+TEST(Validation, AnInvalidActivationIsNotReportedAsAShape) {
+  // With code 99 the activation is not GLU, so W1 would be checked against (E, n, d): before the option check that
+  // was the error reported. It must name the activation instead.
+  Call c;
+  c.p.activation = bad_enum<Activation>(99);
+  try {
+    c.forward_call();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("'problem.activation'"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("shape"), std::string::npos) << msg;
+  }
+  // Nor as the layout rule it would trip (a concatenated layout needs a GLU activation, which 99 is not).
+  c = Call();
+  c.p.activation = bad_enum<Activation>(99);
+  c.p.weight_layout = WeightLayout::kConcatenated;
+  expect_error([&] { c.forward_call(); }, {"'problem.activation'", "got 99"});
+}
+
+TEST(Validation, OptionCodesConvertOnlyTheirValues) {
+  EXPECT_EQ(activation_from_code(5, "op", "activation"), Activation::kGELU);
+  EXPECT_EQ(weight_layout_from_code(1, "op", "weight_layout"), WeightLayout::kConcatenated);
+  EXPECT_EQ(score_variant_from_code(2, "op", "score"), ScoreVariant::kTopKOfSoftmaxRenorm);
+  EXPECT_EQ(routing_mode_from_code(2, "op", "routing"), RoutingMode::kCallerSupplied);
+  EXPECT_EQ(rounding_rule_from_code(0, "op", "rounding"), RoundingRule::kNearest);
+  EXPECT_EQ(cache_mode_from_code(1, "op", "cache"), CacheMode::kInputOnly);
+  // 2^32 + c narrowed to int is c, a valid code: the 64-bit value itself must be rejected.
+  const std::int64_t wide[] = {-1, 7, std::int64_t{1} << 32, (std::int64_t{1} << 32) + 1, (std::int64_t{1} << 32) + 2,
+                               std::int64_t{INT_MAX} + 1, INT64_MAX, INT64_MIN};
+  for (std::int64_t v : wide) {
+    const std::string got = "got " + std::to_string(v);
+    expect_error([&] { activation_from_code(v, "layer_forward", "activation"); },
+                 {"machmoe::layer_forward: argument 'activation'", "swiglu = 0", got.c_str()});
+    if (v >= 0 && v < 2) continue;
+    expect_error([&] { cache_mode_from_code(v, "op", "cache"); }, {"'cache'", "input_only = 1", got.c_str()});
+    expect_error([&] { weight_layout_from_code(v, "op", "weight_layout"); }, {"'weight_layout'", got.c_str()});
+    if (v >= 0 && v < 3) continue;
+    expect_error([&] { routing_mode_from_code(v, "op", "routing"); }, {"'routing'", "caller = 2", got.c_str()});
+    expect_error([&] { score_variant_from_code(v, "op", "score"); }, {"'score'", got.c_str()});
+    expect_error([&] { rounding_rule_from_code(v, "op", "rounding"); }, {"'rounding'", got.c_str()});
+  }
 }
 
 TEST(Validation, TensorShapesDtypesStridesPointersDevices) {

@@ -76,6 +76,33 @@ Tp* at(const void* base, const BufferRegion& r) {
   return r.present() ? reinterpret_cast<Tp*>(static_cast<char*>(const_cast<void*>(base)) + r.offset) : nullptr;
 }
 
+/// Writes zeros over a view (row-major, unit inner stride, rows possibly padded: what the public checks accept)
+/// with memsets only; nothing for an absent or empty view.
+void zero_view(const TensorView& t, cudaStream_t stream) {
+  if (t.empty() || t.numel() == 0) return;
+  const std::size_t el = dtype_size(t.dtype);
+  if (t.is_contiguous()) {
+    MACHMOE_CUDA_CHECK(cudaMemsetAsync(t.data, 0, el * static_cast<std::size_t>(t.numel()), stream));
+    return;
+  }
+  // Padded rows: 2D memsets of `rows` rows of `width` bytes, one per index of the outer dimensions.
+  const int r = t.rank;  // >= 2: a rank-1 view with unit stride is contiguous
+  const std::size_t width = el * static_cast<std::size_t>(t.shape[r - 1]);
+  const std::int64_t rows = t.shape[r - 2];
+  const std::size_t pitch = rows > 1 ? el * static_cast<std::size_t>(t.stride[r - 2]) : width;
+  std::int64_t outer = 1;
+  for (int i = 0; i < r - 2; ++i) outer *= t.shape[i];
+  for (std::int64_t o = 0; o < outer; ++o) {
+    std::int64_t offset = 0, rest = o;
+    for (int i = r - 3; i >= 0; --i) {
+      offset += (rest % t.shape[i]) * t.stride[i];
+      rest /= t.shape[i];
+    }
+    MACHMOE_CUDA_CHECK(cudaMemset2DAsync(static_cast<char*>(t.data) + el * static_cast<std::size_t>(offset), pitch,
+                                          0, width, static_cast<std::size_t>(rows), stream));
+  }
+}
+
 /// The up-projection: H = gather(X) W1^T + b1 (stored when h_out), A = act(H) (stored when a_out).
 VarlenMArgs up_projection_args(const MoEProblem& p, DType dt, const TensorView& x, const LayerWeights& w,
                                const std::int32_t* offsets, const std::int32_t* tiles, const std::int32_t* gather,
@@ -106,6 +133,17 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   const std::int64_t P = p.max_pairs();
   const SavedLayout sl = saved_layout(p, dt);
   const ForwardWorkspaceLayout wl = forward_workspace_layout(p, dt);
+  if (P == 0) {
+    // No routed pairs: T = 0, or caller routing with no triples. Experts contribute nothing, so the output is zero;
+    // the counts and the offsets the backward reads are zero too. Memsets only: no kernel runs on empty data.
+    // (Top-K and token rounding produce pairs whenever T > 0, so their logits here are (0, E): nothing to write.)
+    zero_view(out.out, stream);
+    zero_view(out.expert_counts, stream);
+    MACHMOE_CUDA_CHECK(cudaMemsetAsync(at(buf.saved, sl.expert_offsets), 0, sl.expert_offsets.bytes, stream));
+    if (sl.token_offsets.present())
+      MACHMOE_CUDA_CHECK(cudaMemsetAsync(at(buf.saved, sl.token_offsets), 0, sl.token_offsets.bytes, stream));
+    return;
+  }
   float* scores = at<float>(buf.saved, sl.scores);
   std::int32_t* pair_expert = at<std::int32_t>(buf.workspace, wl.pair_expert);
   std::int32_t* pair_token = at<std::int32_t>(buf.workspace, wl.pair_token);
@@ -199,6 +237,13 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
                           const BackwardWorkspaceLayout& wl, void* dh, void* a_prime, cudaStream_t stream) {
   const DType dt = x.dtype;
   const std::int64_t P = p.max_pairs(), rows = p.w1_rows();
+  if (P == 0) {
+    // No routed pairs (T = 0, or caller routing with no triples): nothing reaches x through the experts, and with
+    // T = 0 nothing reaches the router either. grad_scores has no element.
+    zero_view(out.grad_x, stream);
+    zero_view(out.grad_weights.router_weight, stream);
+    return;
+  }
   const SavedLayout sl = saved_layout(p, dt);
   const float* scores = at<float>(saved, sl.scores);
   const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);
@@ -301,6 +346,13 @@ void backward_weight_phase(const MoEProblem& p, const TensorView& x, const Tenso
                            cudaStream_t stream) {
   const DType dt = x.dtype;
   const std::int64_t rows = p.w1_rows();
+  if (p.max_pairs() == 0) {
+    // No routed pairs: every expert's weight gradient is zero (the caller's buffers may hold anything).
+    for (const TensorView* g : {&out.grad_weights.w1, &out.grad_weights.b1, &out.grad_weights.w2,
+                                &out.grad_weights.b2})
+      zero_view(*g, stream);
+    return;
+  }
   const SavedLayout sl = saved_layout(p, dt);
   const float* scores = at<float>(saved, sl.scores);
   const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);

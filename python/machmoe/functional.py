@@ -117,7 +117,8 @@ def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, exp
     """The layer from caller-supplied (token, expert, score) triples, token indices ascending and at most
     max_experts_per_token per token. Returns (out (T, d), expert_counts (E,) int32). Differentiable w.r.t. x, w1, w2,
     b1, b2 and scores (in the caller's order). On the GPU, pairs whose expert or token is out of range are skipped
-    (expert-parallel sentinels); on the CPU they raise. No pairs (or no tokens) give a zero output."""
+    (expert-parallel sentinels); on the CPU they raise, and so do they on the GPU, at the next call or
+    check_device_errors(), with set_index_checking(True). No pairs (or no tokens) give a zero output."""
     act, layout = _check_common(x, w1, w2, b1, b2, activation, weight_layout, max_experts_per_token)
     P = token_index.shape[0] if isinstance(token_index, Tensor) else None
     for name, t in (("token_index", token_index), ("expert_index", expert_index)):
@@ -144,17 +145,27 @@ def grouped_experts(x_grouped: Tensor, expert_counts: Tensor, w1: Tensor, w2: Te
                     b2: Optional[Tensor] = None, *, activation: str = "swiglu", weight_layout: str = "interleaved",
                     activation_memory: str = "preact") -> Tensor:
     """The expert computation on pre-dispatched tokens: rows of x_grouped (P, d) already grouped by expert, with
-    expert_counts (E,) on the device (sum = P). Returns (P, d), row i = expert(i)'s MLP of row i. This is
+    expert_counts (E,) int32/int64 on the device (sum = P). Returns (P, d), row i = expert(i)'s MLP of row i. This is
     the seam of expert-parallel dispatchers (torchtitan GroupedExperts, DeepEP): no host synchronisation. P = 0 (a rank
-    that received no tokens) returns a (0, d) output and zero weight gradients."""
+    that received no tokens) returns a (0, d) output and zero weight gradients. On the CPU, counts that are negative
+    or do not sum to P raise; on the GPU they cannot be checked without a synchronisation: rows past the counts'
+    total get zero output, and with machmoe.set_index_checking(True) the counts are validated on the device and
+    the error is raised at the next layer call or machmoe.check_device_errors()."""
+    if not isinstance(x_grouped, Tensor):
+        raise TypeError(f"machmoe: argument 'x_grouped': expected a torch.Tensor, got {type(x_grouped).__name__}")
     if not isinstance(expert_counts, Tensor) or expert_counts.dim() != 1 or expert_counts.shape[0] != w1.shape[0]:
         _fail("expert_counts", f"a ({w1.shape[0]},) tensor", getattr(expert_counts, "shape", expert_counts))
+    if expert_counts.dtype not in (torch.int32, torch.int64):
+        _fail("expert_counts", "dtype int32 or int64", expert_counts.dtype)
+    if expert_counts.device != x_grouped.device:
+        _fail("expert_counts", f"a tensor on {x_grouped.device} (the device of x_grouped)",
+              f"a tensor on {expert_counts.device}")
     P = x_grouped.shape[0]
     idx_dtype = torch.int32 if P < 2**31 else torch.int64
     token_index = torch.arange(P, device=x_grouped.device, dtype=idx_dtype)
-    expert_index = torch.repeat_interleave(
-        torch.arange(w1.shape[0], device=x_grouped.device, dtype=idx_dtype), expert_counts.to(torch.int64),
-        output_size=P)
+    # Our operator rather than repeat_interleave(output_size=P), which writes past its output when the counts sum to
+    # more than P: it reads only the E counts and writes exactly P experts.
+    expert_index = torch.ops.machmoe.grouped_expert_index(expert_counts.contiguous(), P)
     scores = torch.ones(P, device=x_grouped.device,
                         dtype=torch.float64 if x_grouped.dtype == torch.float64 else torch.float32)
     out, _ = moe_from_routing(x_grouped, w1, w2, token_index, expert_index, scores, b1, b2, max_experts_per_token=1,
@@ -188,3 +199,36 @@ def router_z_loss(router_logits: Tensor) -> Tensor:
         return _loss_precision(router_logits).sum()
     return torch.logsumexp(_loss_precision(router_logits), dim=-1).square().mean()
 
+
+# ---- index checking (docs/ARCHITECTURE.md, "Index checking") -------------------------------------------------------
+
+def set_index_checking(enabled: bool) -> None:
+    """Switches device-side validation of caller indices on or off for the process (default: off, or on when the
+    environment sets MACHMOE_CHECK_INDICES=1). While on, the GPU kernels that read caller indices (moe_from_routing's
+    token and expert indices, grouped_experts' counts) record the first out-of-range or misordered entry without a
+    host synchronisation; the next machmoe call on that device, or check_device_errors(), raises ValueError naming
+    the argument, the position and the value. Out-of-range entries are never read out of bounds either way."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"machmoe: argument 'enabled': expected a bool, got {type(enabled).__name__}")
+    torch.ops.machmoe.set_index_checking(enabled)
+
+
+def index_checking_enabled() -> bool:
+    """Whether device-side index checking is on (set_index_checking)."""
+    return torch.ops.machmoe.index_checking_enabled()
+
+
+def check_device_errors(device=None) -> None:
+    """Waits for the current stream of a CUDA device (default: the current device) and raises ValueError for an index
+    violation that a checked kernel recorded there (set_index_checking); returns None when there is none. A no-op
+    for the CPU (CPU calls validate their indices up front) and without CUDA."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        _fail("device", "a cuda or cpu device", device)
+    torch.ops.machmoe.check_device_errors(device.index if device.index is not None else torch.cuda.current_device())

@@ -1,9 +1,10 @@
 // Empty work is normal work: T = 0 (an expert-parallel rank that received no tokens, a data loader's last empty shard)
 // and caller routing with no pairs run through the public API like any other call, on every routing mode, and give
-// empty or zero outputs and zero weight gradients.
+// empty or zero outputs and zero weight gradients. Also the host side of index checking and grouped_expert_index.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <ostream>
 #include <string>
@@ -303,6 +304,63 @@ TEST(EmptyWork, TokenRoundingOnABatchSmallerThanATile) {
   for (std::int64_t e : topk) ++chose[e];
   for (std::int64_t e = 0; e < 5; ++e)
     EXPECT_EQ(f.expert_counts[e], chose[e] > 8 ? 16 : 0) << "expert " << e << " chosen by " << chose[e];
+}
+
+// ---- index checking and grouped_expert_index on the host --------------------------------------------------------
+
+TEST(IndexChecking, SwitchRoundTripsAndCpuHasNothingToRaise) {
+  const bool initial = index_checking_enabled();
+  set_index_checking(true);
+  EXPECT_TRUE(index_checking_enabled());
+  EXPECT_NO_THROW(check_device_errors(Device::cpu()));
+  set_index_checking(false);
+  EXPECT_FALSE(index_checking_enabled());
+  set_index_checking(initial);
+}
+
+void expect_error(const std::function<void()>& f, std::initializer_list<const char*> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "no error thrown; expected one mentioning '" << *fragments.begin() << "'";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const char* frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "message: " << msg;
+  }
+}
+
+TEST(GroupedExpertIndex, ExpandsCountsOnTheHost) {
+  std::vector<std::int64_t> counts = {3, 0, 2, 0, 1};
+  std::vector<std::int32_t> index(6, -7);
+  grouped_expert_index(TensorView::contiguous(counts.data(), DType::kInt64, {5}),
+                       TensorView::contiguous(index.data(), DType::kInt32, {6}));
+  EXPECT_EQ(index, (std::vector<std::int32_t>{0, 0, 0, 2, 2, 4}));
+  std::vector<std::int32_t> counts32 = {0, 2};
+  std::vector<std::int64_t> index64(2, -7);
+  grouped_expert_index(TensorView::contiguous(counts32.data(), DType::kInt32, {2}),
+                       TensorView::contiguous(index64.data(), DType::kInt64, {2}));
+  EXPECT_EQ(index64, (std::vector<std::int64_t>{1, 1}));
+  // No rows: all-zero counts are valid, and the (null) output is not touched.
+  std::vector<std::int32_t> zeros = {0, 0, 0};
+  EXPECT_NO_THROW(grouped_expert_index(TensorView::contiguous(zeros.data(), DType::kInt32, {3}),
+                                       TensorView::contiguous(nullptr, DType::kInt32, {0})));
+}
+
+TEST(GroupedExpertIndex, RejectsBadCountsWithoutWriting) {
+  std::vector<std::int32_t> index(4, -7);
+  const TensorView iv = TensorView::contiguous(index.data(), DType::kInt32, {4});
+  std::vector<std::int64_t> negative = {3, -1, 2};
+  expect_error([&] { grouped_expert_index(TensorView::contiguous(negative.data(), DType::kInt64, {3}), iv); },
+               {"grouped_expert_index", "'expert_counts[1]'", "a count >= 0", "got -1"});
+  std::vector<std::int64_t> short_sum = {1, 2, 0};
+  expect_error([&] { grouped_expert_index(TensorView::contiguous(short_sum.data(), DType::kInt64, {3}), iv); },
+               {"'expert_counts'", "summing to the 4 grouped rows", "got a sum of 3"});
+  std::vector<std::int64_t> long_sum = {3, 2, 0};
+  expect_error([&] { grouped_expert_index(TensorView::contiguous(long_sum.data(), DType::kInt64, {3}), iv); },
+               {"'expert_counts'", "summing to the 4 grouped rows", "got a sum above 4"});
+  std::vector<double> wrong_dtype = {1, 3};
+  expect_error([&] { grouped_expert_index(TensorView::contiguous(wrong_dtype.data(), DType::kFP64, {2}), iv); },
+               {"'expert_counts'", "int32 or int64", "got fp64"});
+  EXPECT_EQ(index, std::vector<std::int32_t>(4, -7)) << "a rejected call wrote its output";
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 """Empty work is normal work: no tokens ((0, d), (B, 0, d)), no routed pairs and no grouped rows give empty or zero
 outputs, zero parameter gradients and finite (zero) aux losses, on the CPU and (marked gpu) on the GPU. Also the
-small-batch token-rounding warning (docs/ROUTING.md, "Small batches")."""
+small-batch token-rounding warning and device-side index checking (docs/ARCHITECTURE.md, "Index checking")."""
 import math
 import warnings
 
@@ -106,6 +106,29 @@ def test_grouped_experts_with_no_rows():
         assert torch.count_nonzero(g) == 0
 
 
+def test_grouped_experts_rejects_bad_counts_on_cpu():
+    _, w1, w2, _, _ = weights()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"'expert_counts\[1\]'.*count >= 0, got -1"):
+        machmoe.grouped_experts(x, torch.tensor([4, -1, 2, 1]), w1, w2)
+    with pytest.raises(ValueError, match=r"'expert_counts'.*summing to the 6 grouped rows, got a sum of 5"):
+        machmoe.grouped_experts(x, torch.tensor([4, 0, 1, 0]), w1, w2)
+    with pytest.raises(ValueError, match=r"'expert_counts'.*summing to the 6 grouped rows, got a sum above 6"):
+        machmoe.grouped_experts(x, torch.tensor([4, 0, 1, 9]), w1, w2)
+    with pytest.raises(ValueError, match=r"'expert_counts'.*int32 or int64"):
+        machmoe.grouped_experts(x, torch.tensor([4.0, 0, 1, 1]), w1, w2)
+
+
+def test_grouped_experts_compiles_fullgraph():
+    _, w1, w2, b1, b2 = weights()
+    x = torch.randn(9, 8, dtype=torch.float64)
+    counts = torch.tensor([3, 0, 4, 2], dtype=torch.int32)
+    f = lambda inp, c: machmoe.grouped_experts(inp, c, w1, w2, b1, b2)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, counts), f(x, counts))
+
+
 def test_losses_with_no_tokens_are_zero_with_zero_gradient():
     z = torch.zeros(0, 4, dtype=torch.float64, requires_grad=True)
     counts = torch.zeros(4, dtype=torch.int32)
@@ -156,6 +179,20 @@ def test_small_batch_rounding_compiles_fullgraph_without_the_warning():
         m(x)
 
 
+def test_index_checking_switch():
+    before = machmoe.index_checking_enabled()
+    try:
+        machmoe.set_index_checking(True)
+        assert machmoe.index_checking_enabled() is True
+        machmoe.set_index_checking(False)
+        assert machmoe.index_checking_enabled() is False
+        with pytest.raises(TypeError, match="'enabled'.*bool"):
+            machmoe.set_index_checking(1)
+        machmoe.check_device_errors("cpu")  # CPU calls validate up front: nothing to raise
+    finally:
+        machmoe.set_index_checking(before)
+
+
 # ---- GPU ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -188,3 +225,61 @@ def test_gpu_moe_from_routing_and_grouped_experts_with_nothing_routed(cuda):
     y = machmoe.grouped_experts(xg, torch.zeros(8, dtype=torch.int64, device=cuda), w1, w2, b1, b2)
     assert y.shape == (0, 128)
     assert all(torch.count_nonzero(g) == 0 for g in torch.autograd.grad(y.float().sum(), [w1, w2, b1, b2]))
+
+
+@pytest.fixture
+def checking():
+    before = machmoe.index_checking_enabled()
+    machmoe.set_index_checking(True)
+    yield
+    machmoe.set_index_checking(before)
+
+
+@pytest.mark.gpu
+def test_gpu_index_checking_raises_for_caller_indices(cuda, checking):
+    _, w1, w2, _, _ = weights(E=4, d=64, n=32, dtype=torch.bfloat16, device=cuda)
+    x = torch.randn(6, 64, device=cuda, dtype=torch.bfloat16)
+    sc = torch.full((6,), 0.5, device=cuda)
+    call = lambda tok, exp: machmoe.moe_from_routing(x, w1, w2, torch.tensor(tok, device=cuda),
+                                                      torch.tensor(exp, device=cuda), sc, max_experts_per_token=2)
+    call([0, 0, 1, 3, 3, 5], [1, 2, 0, 9, 1, 2])  # recorded on the device; the call itself does not wait
+    with pytest.raises(ValueError, match=r"'routing.expert_index\[3\]'.*\[0, 4\), got 9"):
+        machmoe.check_device_errors()
+    machmoe.check_device_errors()  # cleared once raised
+    call([0, 0, 1, 3, 3, 6], [1, 2, 0, 3, 1, 2])
+    with pytest.raises(ValueError, match=r"'routing.token_index\[5\]'.*\[0, 6\), got 6"):
+        machmoe.check_device_errors(cuda)
+    call([0, 0, 2, 1, 3, 5], [1, 2, 0, 3, 1, 2])
+    torch.cuda.synchronize()
+    # The next machmoe call on the device raises what the completed launch recorded.
+    with pytest.raises(ValueError, match=r"'routing.token_index\[3\]'.*ascending.*got 1"):
+        call([0, 0, 1, 3, 3, 5], [1, 2, 0, 3, 1, 2])
+    call([0, 0, 1, 3, 3, 5], [1, 2, 0, 3, 1, 2])
+    machmoe.check_device_errors()
+
+
+@pytest.mark.gpu
+def test_gpu_index_checking_raises_for_grouped_counts(cuda, checking):
+    _, w1, w2, _, _ = weights(E=4, d=64, n=32, dtype=torch.bfloat16, device=cuda)
+    x = torch.randn(6, 64, device=cuda, dtype=torch.bfloat16)
+    machmoe.grouped_experts(x, torch.tensor([4, -1, 2, 1], device=cuda), w1, w2)
+    with pytest.raises(ValueError, match=r"'expert_counts\[1\]'.*count >= 0, got -1"):
+        machmoe.check_device_errors()
+    machmoe.grouped_experts(x, torch.tensor([4, 0, 1, 9], device=cuda), w1, w2)
+    with pytest.raises(ValueError, match=r"'expert_counts'.*summing to the 6 grouped rows, got a sum of 14"):
+        machmoe.check_device_errors()
+
+
+@pytest.mark.gpu
+def test_gpu_default_mode_skips_bad_indices_silently(cuda):
+    before = machmoe.index_checking_enabled()
+    machmoe.set_index_checking(False)
+    try:
+        _, w1, w2, _, _ = weights(E=4, d=64, n=32, dtype=torch.bfloat16, device=cuda)
+        x = torch.randn(6, 64, device=cuda, dtype=torch.bfloat16)
+        # Counts summing to 3 of 6 rows: the last 3 rows belong to no expert and come out zero.
+        y = machmoe.grouped_experts(x, torch.tensor([2, 0, 1, 0], device=cuda), w1, w2)
+        assert torch.count_nonzero(y[3:]) == 0 and torch.count_nonzero(y[:3]) > 0
+        machmoe.check_device_errors()
+    finally:
+        machmoe.set_index_checking(before)

@@ -205,8 +205,9 @@ def router_z_loss(router_logits: Tensor) -> Tensor:
 def set_index_checking(enabled: bool) -> None:
     """Switches device-side validation of caller indices on or off for the process (default: off, or on when the
     environment sets MACHMOE_CHECK_INDICES=1). While on, the GPU kernels that read caller indices (moe_from_routing's
-    token and expert indices, grouped_experts' counts) record the first out-of-range or misordered entry without a
-    host synchronisation; the next machmoe call on that device, or check_device_errors(), raises ValueError naming
+    token and expert indices, grouped_experts' counts) record the first entry that breaks the CPU's rules (out of
+    range, tokens not ascending, more than max_experts_per_token pairs of a token, bad counts) without a host
+    synchronisation; the next machmoe call on that device, or check_device_errors(), raises ValueError naming
     the argument, the position and the value. Out-of-range entries are never read out of bounds either way."""
     if not isinstance(enabled, bool):
         raise TypeError(f"machmoe: argument 'enabled': expected a bool, got {type(enabled).__name__}")

@@ -160,6 +160,7 @@ enum class IndexViolation : std::int32_t {
   kTokenOrder = 3,     // routing.token_index[position] = value < bound, the token of the pair before it
   kCountNegative = 4,  // expert_counts[position] = value < 0
   kCountTotal = 5,     // expert_counts sum to value instead of bound rows (each count clamped to +-2^40 first)
+  kTokenRun = 6,       // routing.token_index[position] = value is the (bound + 1)-th pair of its token, K = bound
 };
 
 /// The record a checked kernel writes for the host: in pinned, mapped host memory, so the host reads it without a
@@ -178,11 +179,11 @@ struct IndexCheck {
 
 /// Caller-supplied triples -> int32 pair arrays. Pairs whose expert is outside [0, E) or whose token is outside
 /// [0, T) get expert -1 and are skipped by every kernel (no host round trip to raise an error on the GPU). With
-/// `check` set, such a pair, or a token smaller than its predecessor, is also recorded (the first to claim the
-/// status; which of several concurrent threads that is, is not specified).
+/// `check` set, such a pair, a token smaller than its predecessor, or more than K pairs of one token, is also
+/// recorded (the first to claim the status; which of several concurrent threads that is, is not specified).
 void launch_convert_pairs(const void* token, DType token_dt, const void* expert, DType expert_dt, std::int64_t P,
-                          std::int64_t T, std::int64_t E, std::int32_t* pair_token, std::int32_t* pair_expert,
-                          const IndexCheck& check, cudaStream_t stream);
+                          std::int64_t T, std::int64_t E, std::int64_t K, std::int32_t* pair_token,
+                          std::int32_t* pair_expert, const IndexCheck& check, cudaStream_t stream);
 
 /// expert_index[r] (rows, int32 or int64) = the expert of grouped row r from per-expert row counts (E, int32 or int64):
 /// the e with sum(counts[0..e)) <= r < sum(counts[0..e]), or E when r is past the total. Every row is written, and

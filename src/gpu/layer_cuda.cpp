@@ -175,6 +175,10 @@ IndexCheck index_check_for(int ordinal, cudaStream_t stream) {
                            "token indices in ascending order (the pairs of a token contiguous), so >= " +
                                std::to_string(r.bound),
                            value + found);
+    case IndexViolation::kTokenRun:
+      throw_argument_error(where, "routing.token_index" + pos,
+                           "at most K = " + std::to_string(r.bound) + " pairs per token",
+                           "at least " + std::to_string(r.bound + 1) + " pairs for token " + value + found);
     case IndexViolation::kCountNegative:
       throw_argument_error(where, "expert_counts" + pos, "a count >= 0", value + found);
     case IndexViolation::kCountTotal:
@@ -260,7 +264,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   } else {
     mark_stage("forward/caller_routing", stream);
     launch_convert_pairs(routing->token_index.data, routing->token_index.dtype, routing->expert_index.data,
-                         routing->expert_index.dtype, P, p.T, p.E, pair_token, pair_expert,
+                         routing->expert_index.dtype, P, p.T, p.E, p.K, pair_token, pair_expert,
                          index_check_for(x.device.index, stream), stream);
     if (P > 0)
       MACHMOE_CUDA_CHECK(cudaMemcpyAsync(scores, routing->score.data, sizeof(float) * P, cudaMemcpyDeviceToDevice,

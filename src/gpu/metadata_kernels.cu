@@ -182,8 +182,9 @@ __device__ void record_violation(const IndexCheck& check, IndexViolation violati
 
 template <class I, class J>
 __global__ void convert_pairs_kernel(const I* __restrict__ token, const J* __restrict__ expert, std::int64_t P,
-                                     std::int64_t T, std::int64_t E, std::int32_t* __restrict__ pair_token,
-                                     std::int32_t* __restrict__ pair_expert, const IndexCheck check) {
+                                     std::int64_t T, std::int64_t E, std::int64_t K,
+                                     std::int32_t* __restrict__ pair_token, std::int32_t* __restrict__ pair_expert,
+                                     const IndexCheck check) {
   const std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (p >= P) return;
   const std::int64_t t = static_cast<std::int64_t>(token[p]), e = static_cast<std::int64_t>(expert[p]);
@@ -198,7 +199,12 @@ __global__ void convert_pairs_kernel(const I* __restrict__ token, const J* __res
   } else if (p > 0) {
     // The per-token offsets are a binary search over the pair tokens, which assumes them ascending.
     const std::int64_t before = static_cast<std::int64_t>(token[p - 1]);
-    if (before > t) record_violation(check, IndexViolation::kTokenOrder, p, t, before);
+    if (before > t) {
+      record_violation(check, IndexViolation::kTokenOrder, p, t, before);
+    } else if (p >= K && static_cast<std::int64_t>(token[p - K]) == t) {
+      // Ascending up to here, so pairs p - K .. p all belong to token t: one more than K (the CPU's rule).
+      record_violation(check, IndexViolation::kTokenRun, p, t, K);
+    }
   }
 }
 
@@ -260,15 +266,15 @@ __global__ void __launch_bounds__(kGroupedThreads)
 }  // namespace
 
 void launch_convert_pairs(const void* token, DType token_dt, const void* expert, DType expert_dt, std::int64_t P,
-                          std::int64_t T, std::int64_t E, std::int32_t* pair_token, std::int32_t* pair_expert,
-                          const IndexCheck& check, cudaStream_t stream) {
+                          std::int64_t T, std::int64_t E, std::int64_t K, std::int32_t* pair_token,
+                          std::int32_t* pair_expert, const IndexCheck& check, cudaStream_t stream) {
   if (P == 0) return;
   const unsigned grid = ceil_div(P, 256);
   auto run = [&](auto tok_tag, auto exp_tag) {
     using I = decltype(tok_tag);
     using J = decltype(exp_tag);
     convert_pairs_kernel<I, J><<<grid, 256, 0, stream>>>(static_cast<const I*>(token), static_cast<const J*>(expert),
-                                                         P, T, E, pair_token, pair_expert, check);
+                                                         P, T, E, K, pair_token, pair_expert, check);
   };
   const bool t64 = token_dt == DType::kInt64, e64 = expert_dt == DType::kInt64;
   if (t64 && e64) run(std::int64_t{}, std::int64_t{});

@@ -163,6 +163,8 @@ TEST(GpuIndexChecking, OutOfRangeAndMisorderedCallerIndicesRaiseAtCheckDeviceErr
       {{0, 0, 1, 3, 3, 5}, {1, 2, -1, 3, 1, 2}, {"'routing.expert_index[2]'", "[0, 4)", "got -1"}},
       {{0, 0, 1, 3, 3, 6}, {1, 2, 0, 3, 1, 2}, {"'routing.token_index[5]'", "[0, 6)", "got 6"}},
       {{0, 0, 2, 1, 3, 5}, {1, 2, 0, 3, 1, 2}, {"'routing.token_index[3]'", "ascending", ">= 2", "got 1"}},
+      {{0, 0, 0, 3, 3, 5}, {1, 2, 0, 3, 1, 2},
+       {"'routing.token_index[2]'", "at most K = 2 pairs per token", "at least 3 pairs for token 0"}},
   };
   for (const Bad& b : cases) {
     CallerForward f(b.token, b.expert);

@@ -249,6 +249,9 @@ def test_gpu_index_checking_raises_for_caller_indices(cuda, checking):
     call([0, 0, 1, 3, 3, 6], [1, 2, 0, 3, 1, 2])
     with pytest.raises(ValueError, match=r"'routing.token_index\[5\]'.*\[0, 6\), got 6"):
         machmoe.check_device_errors(cuda)
+    call([0, 0, 0, 3, 3, 5], [1, 2, 0, 3, 1, 2])  # three pairs for token 0, max_experts_per_token=2
+    with pytest.raises(ValueError, match=r"'routing.token_index\[2\]'.*at most K = 2.*at least 3 pairs for token 0"):
+        machmoe.check_device_errors()
     call([0, 0, 2, 1, 3, 5], [1, 2, 0, 3, 1, 2])
     torch.cuda.synchronize()
     # The next machmoe call on the device raises what the completed launch recorded.

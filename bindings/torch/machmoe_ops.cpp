@@ -374,6 +374,28 @@ int64_t saved_nbytes(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, int6
   return static_cast<int64_t>(machmoe::saved_layout(p, dt).total_bytes);
 }
 
+// ---- index checking (machmoe/index_checking.hpp) -----------------------------------------------------------------
+
+void set_index_checking(bool enabled) { machmoe::set_index_checking(enabled); }
+
+bool index_checking_enabled() { return machmoe::index_checking_enabled(); }
+
+/// Waits for the current stream of CUDA device `device` and raises a recorded index violation (ValueError).
+void check_device_errors(int64_t device) {
+  const auto ordinal = static_cast<c10::DeviceIndex>(device);
+  machmoe::check_device_errors(machmoe::Device::cuda(static_cast<int>(device)),
+                                static_cast<void*>(c10::cuda::getCurrentCUDAStream(ordinal).stream()));
+}
+
+/// The expert of each of `rows` pre-dispatched rows from per-expert counts (int32 when rows fit, else int64).
+Tensor grouped_expert_index(const Tensor& counts, int64_t rows) {
+  if (rows < 0) machmoe::throw_argument_error("grouped_expert_index", "rows", "a count >= 0", std::to_string(rows));
+  const at::ScalarType type = rows <= machmoe::Limits::kMaxPairs ? at::kInt : at::kLong;
+  Tensor index = at::empty({rows}, counts.options().dtype(type));
+  machmoe::grouped_expert_index(view(counts), view(index), stream_for(counts));
+  return index;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(machmoe, m) {
@@ -400,9 +422,17 @@ TORCH_LIBRARY(machmoe, m) {
       "saved_nbytes(int T, int d, int n, int E, int K, int num_pairs, int activation, int score, int routing, "
       "int tile, int cache, int elem_size) -> int");
   m.impl("saved_nbytes", &saved_nbytes);
+  m.def("set_index_checking(bool enabled) -> ()");
+  m.impl("set_index_checking", &set_index_checking);
+  m.def("index_checking_enabled() -> bool");
+  m.impl("index_checking_enabled", &index_checking_enabled);
+  m.def("check_device_errors(int device) -> ()");
+  m.impl("check_device_errors", &check_device_errors);
+  m.def("grouped_expert_index(Tensor counts, int rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CPU, m) {
+  m.impl("grouped_expert_index", &grouped_expert_index);
   m.impl("layer_forward", &layer_forward);
   m.impl("layer_backward", &layer_backward);
   m.impl("layer_backward_input", &layer_backward_input);
@@ -410,6 +440,7 @@ TORCH_LIBRARY_IMPL(machmoe, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
+  m.impl("grouped_expert_index", &grouped_expert_index);
   m.impl("layer_forward", &layer_forward);
   m.impl("layer_backward", &layer_backward);
   m.impl("layer_backward_input", &layer_backward_input);

@@ -64,7 +64,7 @@ struct Limits {
 };
 
 struct MoEProblem {
-  std::int64_t T = 0;  // tokens
+  std::int64_t T = 0;  // tokens; 0 is valid (empty outputs, zero weight gradients, no kernel launched)
   std::int64_t d = 0;  // hidden size
   std::int64_t n = 0;  // expert intermediate size (per half for GLU)
   std::int64_t E = 0;  // experts
@@ -78,7 +78,7 @@ struct MoEProblem {
   RoundingRule rounding = RoundingRule::kNearest;  // token rounding only
   std::int64_t tile_m = 128;                       // token rounding only: M, a positive multiple of 8
   CacheMode cache = CacheMode::kPreActivation;
-  std::int64_t num_pairs = 0;  // caller-supplied routing only: number of (token, expert, score) triples
+  std::int64_t num_pairs = 0;  // caller-supplied routing only: number of (token, expert, score) triples (0: out = 0)
 
   /// Rows of W1 per expert: 2n for GLU activations, n otherwise.
   std::int64_t w1_rows() const;

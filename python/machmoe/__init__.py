@@ -5,9 +5,11 @@ _load_library()
 
 from . import _ops  # noqa: E402,F401  (fake implementations and autograd of the operators)
 from ._ops import defer_weight_grads  # noqa: E402
-from .functional import (grouped_experts, load_balancing_loss, moe, moe_from_routing,  # noqa: E402
-                         router_z_loss)
+from .functional import (check_device_errors, grouped_experts, index_checking_enabled,  # noqa: E402
+                         load_balancing_loss, moe, moe_from_routing, router_z_loss, set_index_checking)
 from .module import MoE, MoEOutput  # noqa: E402
 
-__all__ = ["MoE", "MoEOutput", "defer_weight_grads", "moe", "moe_from_routing", "grouped_experts", "load_balancing_loss", "router_z_loss"]
+__all__ = ["MoE", "MoEOutput", "defer_weight_grads", "moe", "moe_from_routing", "grouped_experts",
+           "load_balancing_loss", "router_z_loss", "set_index_checking", "index_checking_enabled",
+           "check_device_errors"]
 __version__ = "0.1.0"

@@ -31,6 +31,11 @@ def _layer_forward_fake(x, router_weight, w1, b1, w2, b2, token_index, expert_in
     return out, logits, counts, saved
 
 
+@torch.library.register_fake("machmoe::grouped_expert_index")
+def _grouped_expert_index_fake(counts, rows):
+    return counts.new_empty((rows,), dtype=torch.int32 if rows < 2**31 else torch.int64)
+
+
 @torch.library.register_fake("machmoe::layer_backward")
 def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores,
                          saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache):

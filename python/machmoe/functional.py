@@ -5,6 +5,7 @@ Shapes: x (T, d); router_weight (E, d); w1 (E, 2n, d) for GLU activations, (E, n
 gate, up, gate, up...; with "concatenated" rows [0, n) are gate and [n, 2n) up (HF gate_up_proj). No host
 synchronisation: expert counts stay on the device.
 """
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -66,6 +67,28 @@ def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, we
     return act, layout
 
 
+_warned_small_batch_rounding = False
+
+
+def _warn_if_rounding_empties_experts(tokens: int, tile: int, rounding: str) -> None:
+    """Token rounding on a batch of fewer tokens than one tile: no expert can reach a tile (a token picks an expert at
+    most once), so 'down' rounds every expert to zero and the output is zero, and 'nearest' keeps only experts chosen
+    by more than half of the tokens. Decided from the shapes alone (the counts stay on the device); said once per
+    process, in eager mode (a warning inside torch.compile(fullgraph=True) would break the graph). docs/ROUTING.md,
+    "Small batches"."""
+    global _warned_small_batch_rounding
+    if torch.compiler.is_compiling():
+        return
+    if _warned_small_batch_rounding or not 0 < tokens < tile or rounding not in ("down", "nearest"):
+        return
+    _warned_small_batch_rounding = True
+    warnings.warn(
+        f"machmoe: token rounding with tile={tile} on a batch of {tokens} tokens (fewer than one tile): rounding "
+        f"'down' drops every pair, so the output is zero; 'nearest' keeps only the experts chosen by more than half "
+        f"of the tokens and drops the rest. Use routing='topk' or a smaller tile for small batches (said once).",
+        RuntimeWarning, stacklevel=3)
+
+
 def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,
         b2: Optional[Tensor] = None, *, top_k: int, activation: str = "swiglu", score: str = "softmax_topk",
         routing: str = "topk", rounding: str = "nearest", tile: int = 128, weight_layout: str = "interleaved",
@@ -78,6 +101,8 @@ def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[T
     _check_tensor("router_weight", router_weight, (w1.shape[0], x.shape[1]), x)
     if not isinstance(tile, int) or tile <= 0 or tile % 8:
         _fail("tile", "a positive multiple of 8", tile)
+    if routing == "token_rounding":
+        _warn_if_rounding_empties_experts(x.shape[0], tile, rounding)
     out, logits, counts, _ = torch.ops.machmoe.layer_forward(
         x, router_weight, w1, b1, w2, b2, None, None, None, top_k, act, layout, code(SCORES, score, "score"),
         code(ROUTINGS, routing, "routing"), code(ROUNDINGS, rounding, "rounding"), tile,
@@ -92,7 +117,8 @@ def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, exp
     """The layer from caller-supplied (token, expert, score) triples, token indices ascending and at most
     max_experts_per_token per token. Returns (out (T, d), expert_counts (E,) int32). Differentiable w.r.t. x, w1, w2,
     b1, b2 and scores (in the caller's order). On the GPU, pairs whose expert or token is out of range are skipped
-    (expert-parallel sentinels); on the CPU they raise."""
+    (expert-parallel sentinels); on the CPU they raise, and so do they on the GPU, at the next call or
+    check_device_errors(), with set_index_checking(True). No pairs (or no tokens) give a zero output."""
     act, layout = _check_common(x, w1, w2, b1, b2, activation, weight_layout, max_experts_per_token)
     P = token_index.shape[0] if isinstance(token_index, Tensor) else None
     for name, t in (("token_index", token_index), ("expert_index", expert_index)):
@@ -119,16 +145,27 @@ def grouped_experts(x_grouped: Tensor, expert_counts: Tensor, w1: Tensor, w2: Te
                     b2: Optional[Tensor] = None, *, activation: str = "swiglu", weight_layout: str = "interleaved",
                     activation_memory: str = "preact") -> Tensor:
     """The expert computation on pre-dispatched tokens: rows of x_grouped (P, d) already grouped by expert, with
-    expert_counts (E,) on the device (sum = P). Returns (P, d), row i = expert(i)'s MLP of row i. This is the seam of
-    expert-parallel dispatchers (torchtitan GroupedExperts, DeepEP): no host synchronisation."""
+    expert_counts (E,) int32/int64 on the device (sum = P). Returns (P, d), row i = expert(i)'s MLP of row i. This is
+    the seam of expert-parallel dispatchers (torchtitan GroupedExperts, DeepEP): no host synchronisation. P = 0 (a rank
+    that received no tokens) returns a (0, d) output and zero weight gradients. On the CPU, counts that are negative
+    or do not sum to P raise; on the GPU they cannot be checked without a synchronisation: rows past the counts'
+    total get zero output, and with machmoe.set_index_checking(True) the counts are validated on the device and
+    the error is raised at the next layer call or machmoe.check_device_errors()."""
+    if not isinstance(x_grouped, Tensor):
+        raise TypeError(f"machmoe: argument 'x_grouped': expected a torch.Tensor, got {type(x_grouped).__name__}")
     if not isinstance(expert_counts, Tensor) or expert_counts.dim() != 1 or expert_counts.shape[0] != w1.shape[0]:
         _fail("expert_counts", f"a ({w1.shape[0]},) tensor", getattr(expert_counts, "shape", expert_counts))
+    if expert_counts.dtype not in (torch.int32, torch.int64):
+        _fail("expert_counts", "dtype int32 or int64", expert_counts.dtype)
+    if expert_counts.device != x_grouped.device:
+        _fail("expert_counts", f"a tensor on {x_grouped.device} (the device of x_grouped)",
+              f"a tensor on {expert_counts.device}")
     P = x_grouped.shape[0]
     idx_dtype = torch.int32 if P < 2**31 else torch.int64
     token_index = torch.arange(P, device=x_grouped.device, dtype=idx_dtype)
-    expert_index = torch.repeat_interleave(
-        torch.arange(w1.shape[0], device=x_grouped.device, dtype=idx_dtype), expert_counts.to(torch.int64),
-        output_size=P)
+    # Our operator rather than repeat_interleave(output_size=P), which writes past its output when the counts sum to
+    # more than P: it reads only the E counts and writes exactly P experts.
+    expert_index = torch.ops.machmoe.grouped_expert_index(expert_counts.contiguous(), P)
     scores = torch.ones(P, device=x_grouped.device,
                         dtype=torch.float64 if x_grouped.dtype == torch.float64 else torch.float32)
     out, _ = moe_from_routing(x_grouped, w1, w2, token_index, expert_index, scores, b1, b2, max_experts_per_token=1,
@@ -144,8 +181,11 @@ def _loss_precision(router_logits: Tensor) -> Tensor:
 
 def load_balancing_loss(router_logits: Tensor, expert_counts: Tensor) -> Tensor:
     """Switch load-balancing loss E * sum_e (P_e / sum P) (f_e / sum f), P_e = sum_t softmax(z_t)_e, from the
-    device-side counts (not differentiated). Differentiable w.r.t. the logits."""
+    device-side counts (not differentiated). Differentiable w.r.t. the logits. No tokens (T = 0): 0, with a zero
+    gradient (there is no load to balance; the formula would divide 0 by 0)."""
     z = _loss_precision(router_logits)
+    if z.shape[0] == 0:
+        return z.sum()  # 0, still attached to the logits
     E = z.shape[-1]
     P = torch.softmax(z, dim=-1).sum(0)
     f = expert_counts.to(z.dtype)
@@ -153,5 +193,43 @@ def load_balancing_loss(router_logits: Tensor, expert_counts: Tensor) -> Tensor:
 
 
 def router_z_loss(router_logits: Tensor) -> Tensor:
-    """Router z-loss: mean over tokens of logsumexp(z_t)^2."""
+    """Router z-loss: mean over tokens of logsumexp(z_t)^2; 0 (zero gradient) with no tokens, where the mean of
+    nothing would be NaN."""
+    if router_logits.shape[0] == 0:
+        return _loss_precision(router_logits).sum()
     return torch.logsumexp(_loss_precision(router_logits), dim=-1).square().mean()
+
+
+# ---- index checking (docs/ARCHITECTURE.md, "Index checking") -------------------------------------------------------
+
+def set_index_checking(enabled: bool) -> None:
+    """Switches device-side validation of caller indices on or off for the process (default: off, or on when the
+    environment sets MACHMOE_CHECK_INDICES=1). While on, the GPU kernels that read caller indices (moe_from_routing's
+    token and expert indices, grouped_experts' counts) record the first entry that breaks the CPU's rules (out of
+    range, tokens not ascending, more than max_experts_per_token pairs of a token, bad counts) without a host
+    synchronisation; the next machmoe call on that device, or check_device_errors(), raises ValueError naming
+    the argument, the position and the value. Out-of-range entries are never read out of bounds either way."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"machmoe: argument 'enabled': expected a bool, got {type(enabled).__name__}")
+    torch.ops.machmoe.set_index_checking(enabled)
+
+
+def index_checking_enabled() -> bool:
+    """Whether device-side index checking is on (set_index_checking)."""
+    return torch.ops.machmoe.index_checking_enabled()
+
+
+def check_device_errors(device=None) -> None:
+    """Waits for the current stream of a CUDA device (default: the current device) and raises ValueError for an index
+    violation that a checked kernel recorded there (set_index_checking); returns None when there is none. A no-op
+    for the CPU (CPU calls validate their indices up front) and without CUDA."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        _fail("device", "a cuda or cpu device", device)
+    torch.ops.machmoe.check_device_errors(device.index if device.index is not None else torch.cuda.current_device())

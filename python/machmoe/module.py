@@ -15,8 +15,8 @@ class MoEOutput:
     output: Tensor                      # same shape as the input
     router_logits: Tensor               # (tokens, experts)
     expert_counts: Tensor               # (experts,) int32, on the device
-    aux_loss: Optional[Tensor] = None   # Switch load-balancing loss, when aux_loss_coef > 0 (already scaled)
-    z_loss: Optional[Tensor] = None     # router z-loss, when z_loss_coef > 0 (already scaled)
+    aux_loss: Optional[Tensor] = None   # Switch load-balancing loss, when aux_loss_coef > 0 (scaled; 0 for no tokens)
+    z_loss: Optional[Tensor] = None     # router z-loss, when z_loss_coef > 0 (scaled; 0 for no tokens)
 
 
 class MoE(nn.Module):
@@ -24,7 +24,8 @@ class MoE(nn.Module):
 
     Parameters are plain nn.Parameters (FSDP2's fully_shard shards them like any other): router_weight (E, d),
     w1 (E, 2n | n, d), w2 (E, d, n), and b1 (E, 2n | n), b2 (E, d) when bias=True.
-    forward(x) takes (..., hidden_size) and returns MoEOutput.
+    forward(x) takes (..., hidden_size) and returns MoEOutput. An input with no tokens ((0, d), (B, 0, d), ...) is
+    ordinary: an empty output, zero parameter gradients, and aux_loss / z_loss defined as 0 (not NaN).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,

@@ -24,7 +24,8 @@ void ArgChecker::layout(const TensorView& t, const std::string& name, std::initi
   if (!same) fail(name, "shape " + shape_string(shape), t.shape_string());
   if (t.device != device)
     fail(name, "a tensor on " + device_name(device) + " (the device of x)", "a tensor on " + device_name(t.device));
-  if (t.data == nullptr && t.numel() > 0) fail(name, "a non-null data pointer", "nullptr");
+  if (t.numel() == 0) return;  // addresses nothing: any pointer and strides (autograd's (0, 0) expands) will do
+  if (t.data == nullptr) fail(name, "a non-null data pointer", "nullptr");
   // Row-major, unit inner stride, rows may be padded but never overlap.
   for (int d = t.rank - 1; d >= 0; --d) {
     const std::int64_t need = d == t.rank - 1 ? 1 : t.stride[d + 1] * t.shape[d + 1];

@@ -18,7 +18,7 @@ class ArgChecker {
   explicit ArgChecker(std::string where) : where_(std::move(where)) {}
 
   /// A present tensor of exactly this shape and dtype, on `device`, row-major with unit inner stride (outer
-  /// strides may pad rows), and a non-null pointer unless it has no elements.
+  /// strides may pad rows), and a non-null pointer; a tensor with no elements may have any pointer and strides.
   void tensor(const TensorView& t, const std::string& name, std::initializer_list<std::int64_t> shape, DType dtype,
               const Device& device) const;
   /// Same, but the dtype may be int32 or int64.

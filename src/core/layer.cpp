@@ -333,7 +333,9 @@ void forward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, co
   if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
 #ifdef MACHMOE_WITH_CUDA
   if (x.device.type == DeviceType::kCUDA) {
-    // Index values stay on the device (checking them here would synchronise); out-of-range pairs are skipped.
+    // Index values stay on the device (checking them here would synchronise); out-of-range pairs are skipped, and
+    // with index checking on, recorded and raised at the next entry (include/machmoe/index_checking.hpp).
+    gpu::raise_recorded_index_violation(x.device.index, "forward", stream);
     gpu::forward_cuda(p, x, w, routing, out, buffers, stream);
     return;
   }
@@ -359,6 +361,7 @@ void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, c
   if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
+    gpu::raise_recorded_index_violation(dev.index, "backward", stream);
     gpu::backward_cuda(p, x, w, routing, bin, out, buffers, stream);
     return;
   }
@@ -390,6 +393,7 @@ void backward_input(const MoEProblem& p, const TensorView& x, const LayerWeights
   check_deferred(c, p, dt, deferred);
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
+    gpu::raise_recorded_index_violation(dev.index, "backward_input", stream);
     gpu::backward_input_cuda(p, x, w, bin, out, buffers, deferred, stream);
     return;
   }
@@ -415,6 +419,7 @@ void backward_weight(const MoEProblem& p, const TensorView& x, const LayerWeight
   check_deferred(c, p, dt, deferred);
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
+    gpu::raise_recorded_index_violation(dev.index, "backward_weight", stream);
     gpu::backward_weight_cuda(p, x, grad_out, out, saved, deferred, stream);
     return;
   }

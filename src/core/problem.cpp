@@ -169,7 +169,9 @@ static void validate_options(const MoEProblem& p, const char* where) {
 }
 
 void validate_problem(const MoEProblem& p, const char* where) {
-  check_range(where, "problem.T", p.T, 1, Limits::kMaxTokens);
+  // T = 0 is ordinary work (an expert-parallel rank that received no tokens, a loader's last empty shard): the layer
+  // returns empty outputs and zero weight gradients.
+  check_range(where, "problem.T", p.T, 0, Limits::kMaxTokens);
   check_range(where, "problem.d", p.d, 1, Limits::kMaxDim);
   check_range(where, "problem.n", p.n, 1, Limits::kMaxDim);
   check_range(where, "problem.E", p.E, 1, Limits::kMaxExperts, " (expert ids are 16-bit in the metadata build)");

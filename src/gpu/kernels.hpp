@@ -151,11 +151,46 @@ void launch_varlen_k_gemm(const VarlenKArgs& a, cudaStream_t stream);
 
 namespace machmoe::gpu {
 
+// ---- index checking (include/machmoe/index_checking.hpp) ---------------------------------------------------------
+
+/// What a checked kernel found wrong; the host turns it into the argument name and the expectation.
+enum class IndexViolation : std::int32_t {
+  kTokenRange = 1,     // routing.token_index[position] = value outside [0, bound)
+  kExpertRange = 2,    // routing.expert_index[position] = value outside [0, bound)
+  kTokenOrder = 3,     // routing.token_index[position] = value < bound, the token of the pair before it
+  kCountNegative = 4,  // expert_counts[position] = value < 0
+  kCountTotal = 5,     // expert_counts sum to value instead of bound rows (each count clamped to +-2^40 first)
+  kTokenRun = 6,       // routing.token_index[position] = value is the (bound + 1)-th pair of its token, K = bound
+};
+
+/// The record a checked kernel writes for the host: in pinned, mapped host memory, so the host reads it without a
+/// synchronisation. The winning thread writes the fields, fences (system scope), then sets `ready`.
+struct IndexViolationRecord {
+  volatile std::int32_t ready;  // 1 once the fields below are complete
+  std::int32_t violation;       // IndexViolation
+  std::int64_t position, value, bound;
+};
+
+/// Per-device status handed to checked kernels; both null (checking off) means the kernels record nothing.
+struct IndexCheck {
+  std::int32_t* claim = nullptr;             // device memory: 0 until the first violation claims the record
+  IndexViolationRecord* record = nullptr;    // device address of the mapped host record
+};
+
 /// Caller-supplied triples -> int32 pair arrays. Pairs whose expert is outside [0, E) or whose token is outside
-/// [0, T) get expert -1 and are skipped by every kernel (no host round trip to raise an error on the GPU).
+/// [0, T) get expert -1 and are skipped by every kernel (no host round trip to raise an error on the GPU). With
+/// `check` set, such a pair, a token smaller than its predecessor, or more than K pairs of one token, is also
+/// recorded (the first to claim the status; which of several concurrent threads that is, is not specified).
 void launch_convert_pairs(const void* token, DType token_dt, const void* expert, DType expert_dt, std::int64_t P,
-                          std::int64_t T, std::int64_t E, std::int32_t* pair_token, std::int32_t* pair_expert,
-                          cudaStream_t stream);
+                          std::int64_t T, std::int64_t E, std::int64_t K, std::int32_t* pair_token,
+                          std::int32_t* pair_expert, const IndexCheck& check, cudaStream_t stream);
+
+/// expert_index[r] (rows, int32 or int64) = the expert of grouped row r from per-expert row counts (E, int32 or int64):
+/// the e with sum(counts[0..e)) <= r < sum(counts[0..e]), or E when r is past the total. Every row is written, and
+/// only counts[0..E) are read, whatever the counts hold (negative counts give unspecified experts in [0, E]). With
+/// `check` set, a negative count or a total other than rows is recorded.
+void launch_grouped_expert_index(const void* counts, DType counts_dt, std::int64_t E, void* expert_index,
+                                 DType index_dt, std::int64_t rows, const IndexCheck& check, cudaStream_t stream);
 
 }  // namespace machmoe::gpu
 

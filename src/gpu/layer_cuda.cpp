@@ -3,12 +3,16 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <map>
+#include <mutex>
+#include <string>
 
 #include "gpu/cuda_check.hpp"
 #include "gpu/hopper/dispatch.hpp"
 #include "gpu/kernels.hpp"
 #include "gpu/stage_timing.hpp"
+#include "machmoe/index_checking.hpp"
 #include "machmoe/memory.hpp"
 
 namespace machmoe::gpu {
@@ -76,6 +80,115 @@ Tp* at(const void* base, const BufferRegion& r) {
   return r.present() ? reinterpret_cast<Tp*>(static_cast<char*>(const_cast<void*>(base)) + r.offset) : nullptr;
 }
 
+/// Writes zeros over a view (row-major, unit inner stride, rows possibly padded: what the public checks accept)
+/// with memsets only; nothing for an absent or empty view.
+void zero_view(const TensorView& t, cudaStream_t stream) {
+  if (t.empty() || t.numel() == 0) return;
+  const std::size_t el = dtype_size(t.dtype);
+  if (t.is_contiguous()) {
+    MACHMOE_CUDA_CHECK(cudaMemsetAsync(t.data, 0, el * static_cast<std::size_t>(t.numel()), stream));
+    return;
+  }
+  // Padded rows: 2D memsets of `rows` rows of `width` bytes, one per index of the outer dimensions.
+  const int r = t.rank;  // >= 2: a rank-1 view with unit stride is contiguous
+  const std::size_t width = el * static_cast<std::size_t>(t.shape[r - 1]);
+  const std::int64_t rows = t.shape[r - 2];
+  const std::size_t pitch = rows > 1 ? el * static_cast<std::size_t>(t.stride[r - 2]) : width;
+  std::int64_t outer = 1;
+  for (int i = 0; i < r - 2; ++i) outer *= t.shape[i];
+  for (std::int64_t o = 0; o < outer; ++o) {
+    std::int64_t offset = 0, rest = o;
+    for (int i = r - 3; i >= 0; --i) {
+      offset += (rest % t.shape[i]) * t.stride[i];
+      rest /= t.shape[i];
+    }
+    MACHMOE_CUDA_CHECK(cudaMemset2DAsync(static_cast<char*>(t.data) + el * static_cast<std::size_t>(offset), pitch,
+                                          0, width, static_cast<std::size_t>(rows), stream));
+  }
+}
+
+// ---- index checking --------------------------------------------------------------------------------------------
+
+/// One device's status: a claim word in device memory (the kernels' atomicCAS target) and the record in pinned,
+/// mapped host memory (read by the host without a synchronisation). Allocated once per device and kept for the
+/// process's life (freeing it at exit could race the CUDA runtime's own teardown).
+struct IndexStatus {
+  std::int32_t* claim = nullptr;
+  IndexViolationRecord* host = nullptr;
+  IndexViolationRecord* device = nullptr;
+};
+
+std::mutex& index_status_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<int, IndexStatus>& index_statuses() {
+  static std::map<int, IndexStatus> m;
+  return m;
+}
+
+/// What checked kernels get on `ordinal` (the current device): nothing when checking is off (the default, so the
+/// default path allocates nothing and reads nothing), else the device's status, allocated on its first use.
+IndexCheck index_check_for(int ordinal, cudaStream_t stream) {
+  if (!index_checking_enabled()) return {};
+  const std::lock_guard<std::mutex> lock(index_status_mutex());
+  auto it = index_statuses().find(ordinal);
+  if (it == index_statuses().end()) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+      cudaGetLastError();
+      throw RuntimeError("machmoe: index checking allocates its status on the first checked call on cuda:" +
+                         std::to_string(ordinal) +
+                         ", which cannot happen during a CUDA graph capture: make one checked call on that device "
+                         "before capturing");
+    }
+    IndexStatus st;
+    MACHMOE_CUDA_CHECK(cudaMalloc(&st.claim, sizeof(std::int32_t)));
+    MACHMOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st.host), sizeof(IndexViolationRecord),
+                                      cudaHostAllocMapped));
+    st.host->ready = 0;
+    MACHMOE_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.device), st.host, 0));
+    // The claim must read 0 before any kernel on any stream looks at it: the one wait of checking mode, once per
+    // device.
+    MACHMOE_CUDA_CHECK(cudaMemsetAsync(st.claim, 0, sizeof(std::int32_t), stream));
+    MACHMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    it = index_statuses().emplace(ordinal, st).first;
+  }
+  return {it->second.claim, it->second.device};
+}
+
+/// The public message for a record: the argument, what was expected and the value, from `where`.
+[[noreturn]] void throw_violation(const IndexViolationRecord& r, int ordinal, const char* where) {
+  const std::string pos = "[" + std::to_string(r.position) + "]";
+  const std::string found =
+      " (recorded on cuda:" + std::to_string(ordinal) + " by device-side index checking in an earlier launch)";
+  const std::string value = std::to_string(r.value);
+  switch (static_cast<IndexViolation>(r.violation)) {
+    case IndexViolation::kTokenRange:
+      throw_argument_error(where, "routing.token_index" + pos, "a token in [0, " + std::to_string(r.bound) + ")",
+                           value + found);
+    case IndexViolation::kExpertRange:
+      throw_argument_error(where, "routing.expert_index" + pos, "an expert in [0, " + std::to_string(r.bound) + ")",
+                           value + found);
+    case IndexViolation::kTokenOrder:
+      throw_argument_error(where, "routing.token_index" + pos,
+                           "token indices in ascending order (the pairs of a token contiguous), so >= " +
+                               std::to_string(r.bound),
+                           value + found);
+    case IndexViolation::kTokenRun:
+      throw_argument_error(where, "routing.token_index" + pos,
+                           "at most K = " + std::to_string(r.bound) + " pairs per token",
+                           "at least " + std::to_string(r.bound + 1) + " pairs for token " + value + found);
+    case IndexViolation::kCountNegative:
+      throw_argument_error(where, "expert_counts" + pos, "a count >= 0", value + found);
+    case IndexViolation::kCountTotal:
+      throw_argument_error(where, "expert_counts", "counts summing to the " + std::to_string(r.bound) + " grouped rows",
+                           "a sum of " + value + found);
+  }
+  throw_argument_error(where, "indices", "valid caller indices",
+                       "violation code " + std::to_string(r.violation) + found);
+}
+
 /// The up-projection: H = gather(X) W1^T + b1 (stored when h_out), A = act(H) (stored when a_out).
 VarlenMArgs up_projection_args(const MoEProblem& p, DType dt, const TensorView& x, const LayerWeights& w,
                                const std::int32_t* offsets, const std::int32_t* tiles, const std::int32_t* gather,
@@ -106,6 +219,17 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   const std::int64_t P = p.max_pairs();
   const SavedLayout sl = saved_layout(p, dt);
   const ForwardWorkspaceLayout wl = forward_workspace_layout(p, dt);
+  if (P == 0) {
+    // No routed pairs: T = 0, or caller routing with no triples. Experts contribute nothing, so the output is zero;
+    // the counts and the offsets the backward reads are zero too. Memsets only: no kernel runs on empty data.
+    // (Top-K and token rounding produce pairs whenever T > 0, so their logits here are (0, E): nothing to write.)
+    zero_view(out.out, stream);
+    zero_view(out.expert_counts, stream);
+    MACHMOE_CUDA_CHECK(cudaMemsetAsync(at(buf.saved, sl.expert_offsets), 0, sl.expert_offsets.bytes, stream));
+    if (sl.token_offsets.present())
+      MACHMOE_CUDA_CHECK(cudaMemsetAsync(at(buf.saved, sl.token_offsets), 0, sl.token_offsets.bytes, stream));
+    return;
+  }
   float* scores = at<float>(buf.saved, sl.scores);
   std::int32_t* pair_expert = at<std::int32_t>(buf.workspace, wl.pair_expert);
   std::int32_t* pair_token = at<std::int32_t>(buf.workspace, wl.pair_token);
@@ -140,7 +264,8 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   } else {
     mark_stage("forward/caller_routing", stream);
     launch_convert_pairs(routing->token_index.data, routing->token_index.dtype, routing->expert_index.data,
-                         routing->expert_index.dtype, P, p.T, p.E, pair_token, pair_expert, stream);
+                         routing->expert_index.dtype, P, p.T, p.E, p.K, pair_token, pair_expert,
+                         index_check_for(x.device.index, stream), stream);
     if (P > 0)
       MACHMOE_CUDA_CHECK(cudaMemcpyAsync(scores, routing->score.data, sizeof(float) * P, cudaMemcpyDeviceToDevice,
                                           stream));
@@ -199,6 +324,13 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
                           const BackwardWorkspaceLayout& wl, void* dh, void* a_prime, cudaStream_t stream) {
   const DType dt = x.dtype;
   const std::int64_t P = p.max_pairs(), rows = p.w1_rows();
+  if (P == 0) {
+    // No routed pairs (T = 0, or caller routing with no triples): nothing reaches x through the experts, and with
+    // T = 0 nothing reaches the router either. grad_scores has no element.
+    zero_view(out.grad_x, stream);
+    zero_view(out.grad_weights.router_weight, stream);
+    return;
+  }
   const SavedLayout sl = saved_layout(p, dt);
   const float* scores = at<float>(saved, sl.scores);
   const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);
@@ -301,6 +433,13 @@ void backward_weight_phase(const MoEProblem& p, const TensorView& x, const Tenso
                            cudaStream_t stream) {
   const DType dt = x.dtype;
   const std::int64_t rows = p.w1_rows();
+  if (p.max_pairs() == 0) {
+    // No routed pairs: every expert's weight gradient is zero (the caller's buffers may hold anything).
+    for (const TensorView* g : {&out.grad_weights.w1, &out.grad_weights.b1, &out.grad_weights.w2,
+                                &out.grad_weights.b2})
+      zero_view(*g, stream);
+    return;
+  }
   const SavedLayout sl = saved_layout(p, dt);
   const float* scores = at<float>(saved, sl.scores);
   const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);
@@ -369,6 +508,46 @@ void backward_weight_cuda(const MoEProblem& p, const TensorView& x, const Tensor
   const DeferredLayout dl = deferred_layout(p, x.dtype);
   backward_weight_phase(p, x, grad_out, out, saved, at(deferred.data, dl.dh), at(deferred.data, dl.a_prime),
                         static_cast<cudaStream_t>(stream_ptr));
+}
+
+// ---- index checking: public entry points ------------------------------------------------------------------------
+
+void raise_recorded_index_violation(int ordinal, const char* where, void* stream_ptr) {
+  IndexViolationRecord found{};
+  {
+    const std::lock_guard<std::mutex> lock(index_status_mutex());
+    const auto it = index_statuses().find(ordinal);
+    if (it == index_statuses().end() || it->second.host->ready == 0) return;
+    std::atomic_thread_fence(std::memory_order_acquire);  // the fields were published before `ready`
+    const IndexViolationRecord& r = *it->second.host;
+    found.violation = r.violation, found.position = r.position, found.value = r.value, found.bound = r.bound;
+    it->second.host->ready = 0;
+    // Re-arm in stream order: launches still in flight cannot record any more (the claim is taken), later ones can.
+    const DeviceGuard guard(ordinal);
+    MACHMOE_CUDA_CHECK(cudaMemsetAsync(it->second.claim, 0, sizeof(std::int32_t),
+                                        static_cast<cudaStream_t>(stream_ptr)));
+  }
+  throw_violation(found, ordinal, where);
+}
+
+void check_device_errors_cuda(int ordinal, void* stream_ptr) {
+  {
+    const std::lock_guard<std::mutex> lock(index_status_mutex());
+    if (index_statuses().count(ordinal) == 0) return;  // no checked call ever ran on this device
+  }
+  {
+    const DeviceGuard guard(ordinal);
+    MACHMOE_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_ptr)));
+  }
+  raise_recorded_index_violation(ordinal, "check_device_errors", stream_ptr);
+}
+
+void grouped_expert_index_cuda(const TensorView& counts, const TensorView& expert_index, void* stream_ptr) {
+  const DeviceGuard guard(counts.device.index);
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  raise_recorded_index_violation(counts.device.index, "grouped_expert_index", stream_ptr);
+  launch_grouped_expert_index(counts.data, counts.dtype, counts.shape[0], expert_index.data, expert_index.dtype,
+                              expert_index.shape[0], index_check_for(counts.device.index, stream), stream);
 }
 
 }  // namespace machmoe::gpu

@@ -22,4 +22,16 @@ void backward_weight_cuda(const MoEProblem& problem, const TensorView& x, const 
                           const BackwardOutputs& outputs, const void* saved, const DeferredBuffer& deferred,
                           void* stream);
 
+// ---- index checking (include/machmoe/index_checking.hpp) ---------------------------------------------------------
+
+/// At the entry of a public call on `ordinal`: throws machmoe::Error (from `where`) for a violation that an earlier,
+/// already completed checked launch recorded, and clears it. Reads pinned host memory only: never waits.
+void raise_recorded_index_violation(int ordinal, const char* where, void* stream);
+
+/// check_device_errors() on a CUDA device: synchronises the stream, then raise_recorded_index_violation.
+void check_device_errors_cuda(int ordinal, void* stream);
+
+/// grouped_expert_index() on CUDA views (validated by the caller).
+void grouped_expert_index_cuda(const TensorView& counts, const TensorView& expert_index, void* stream);
+
 }  // namespace machmoe::gpu

@@ -166,30 +166,115 @@ void launch_expert_tiles(const std::int32_t* expert_offsets, std::int64_t E, std
 namespace machmoe::gpu {
 namespace {
 
+/// Claims the status of index checking for this violation unless an earlier one holds it, then fills the host
+/// record and publishes it (fields first, system-scope fence, then `ready`), so the host never reads a torn record.
+__device__ void record_violation(const IndexCheck& check, IndexViolation violation, std::int64_t position,
+                                 std::int64_t value, std::int64_t bound) {
+  if (atomicCAS(check.claim, 0, 1) != 0) return;
+  IndexViolationRecord* r = check.record;
+  r->violation = static_cast<std::int32_t>(violation);
+  r->position = position;
+  r->value = value;
+  r->bound = bound;
+  __threadfence_system();
+  r->ready = 1;
+}
+
 template <class I, class J>
 __global__ void convert_pairs_kernel(const I* __restrict__ token, const J* __restrict__ expert, std::int64_t P,
-                                     std::int64_t T, std::int64_t E, std::int32_t* __restrict__ pair_token,
-                                     std::int32_t* __restrict__ pair_expert) {
+                                     std::int64_t T, std::int64_t E, std::int64_t K,
+                                     std::int32_t* __restrict__ pair_token, std::int32_t* __restrict__ pair_expert,
+                                     const IndexCheck check) {
   const std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (p >= P) return;
   const std::int64_t t = static_cast<std::int64_t>(token[p]), e = static_cast<std::int64_t>(expert[p]);
-  const bool ok = t >= 0 && t < T && e >= 0 && e < E;
-  pair_token[p] = static_cast<std::int32_t>(t >= 0 && t < T ? t : 0);
-  pair_expert[p] = ok ? static_cast<std::int32_t>(e) : -1;
+  const bool token_ok = t >= 0 && t < T, expert_ok = e >= 0 && e < E;
+  pair_token[p] = static_cast<std::int32_t>(token_ok ? t : 0);
+  pair_expert[p] = token_ok && expert_ok ? static_cast<std::int32_t>(e) : -1;
+  if (check.claim == nullptr) return;
+  if (!token_ok) {
+    record_violation(check, IndexViolation::kTokenRange, p, t, T);
+  } else if (!expert_ok) {
+    record_violation(check, IndexViolation::kExpertRange, p, e, E);
+  } else if (p > 0) {
+    // The per-token offsets are a binary search over the pair tokens, which assumes them ascending.
+    const std::int64_t before = static_cast<std::int64_t>(token[p - 1]);
+    if (before > t) {
+      record_violation(check, IndexViolation::kTokenOrder, p, t, before);
+    } else if (p >= K && static_cast<std::int64_t>(token[p - K]) == t) {
+      // Ascending up to here, so pairs p - K .. p all belong to token t: one more than K (the CPU's rule).
+      record_violation(check, IndexViolation::kTokenRun, p, t, K);
+    }
+  }
+}
+
+constexpr int kGroupedThreads = 256;
+constexpr std::int64_t kGroupedRowsPerBlock = 2048;
+// Counts are clamped to this magnitude before they are summed: no valid count (rows < 2^31) changes, and the sum of
+// up to 65536 of them cannot overflow.
+constexpr std::int64_t kCountClamp = std::int64_t{1} << 40;
+
+/// Each block writes the experts of its kGroupedRowsPerBlock rows: it scans the counts in chunks of kGroupedThreads
+/// experts and finds each of its rows that a chunk covers by a binary search over the chunk's running ends (shared
+/// memory). Rows no chunk covers keep expert E. Block 0 scans every count and, with checking on, validates them.
+template <class C, class O>
+__global__ void __launch_bounds__(kGroupedThreads)
+    grouped_expert_index_kernel(const C* __restrict__ counts, int E, O* __restrict__ expert_index, std::int64_t rows,
+                                const IndexCheck check) {
+  using Scan = cub::BlockScan<std::int64_t, kGroupedThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  __shared__ std::int64_t ends[kGroupedThreads];
+  __shared__ std::int64_t carry_s;
+  const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.x) * kGroupedRowsPerBlock;
+  const std::int64_t r1 = min(rows, r0 + kGroupedRowsPerBlock);
+  for (std::int64_t r = r0 + threadIdx.x; r < r1; r += kGroupedThreads) expert_index[r] = static_cast<O>(E);
+  if (threadIdx.x == 0) carry_s = 0;
+  __syncthreads();
+  const bool validate = blockIdx.x == 0 && check.claim != nullptr;
+  for (int base = 0; base < E; base += kGroupedThreads) {
+    const std::int64_t carry = carry_s;
+    if (!validate && carry >= r1) break;  // carry is uniform across the block: every thread leaves together
+    const int e = base + static_cast<int>(threadIdx.x);
+    const int n = min(kGroupedThreads, E - base);
+    std::int64_t c = 0;
+    if (e < E) {
+      const std::int64_t raw = static_cast<std::int64_t>(counts[e]);
+      if (validate && raw < 0) record_violation(check, IndexViolation::kCountNegative, e, raw, 0);
+      c = max(-kCountClamp, min(kCountClamp, raw));
+    }
+    std::int64_t inclusive, total;
+    Scan(temp).InclusiveSum(c, inclusive, total);
+    ends[threadIdx.x] = carry + inclusive;
+    __syncthreads();
+    for (std::int64_t r = max(r0, carry) + threadIdx.x; r < min(r1, carry + total); r += kGroupedThreads) {
+      int lo = 0, hi = n - 1;  // first i with ends[i] > r; clamped to the chunk when negative counts break the order
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (ends[mid] > r) hi = mid;
+        else lo = mid + 1;
+      }
+      expert_index[r] = static_cast<O>(base + lo);
+    }
+    __syncthreads();  // ends and temp are reused by the next chunk
+    if (threadIdx.x == 0) carry_s = carry + total;
+    __syncthreads();
+  }
+  if (validate && threadIdx.x == 0 && carry_s != rows)
+    record_violation(check, IndexViolation::kCountTotal, -1, carry_s, rows);
 }
 
 }  // namespace
 
 void launch_convert_pairs(const void* token, DType token_dt, const void* expert, DType expert_dt, std::int64_t P,
-                          std::int64_t T, std::int64_t E, std::int32_t* pair_token, std::int32_t* pair_expert,
-                          cudaStream_t stream) {
+                          std::int64_t T, std::int64_t E, std::int64_t K, std::int32_t* pair_token,
+                          std::int32_t* pair_expert, const IndexCheck& check, cudaStream_t stream) {
   if (P == 0) return;
   const unsigned grid = ceil_div(P, 256);
   auto run = [&](auto tok_tag, auto exp_tag) {
     using I = decltype(tok_tag);
     using J = decltype(exp_tag);
     convert_pairs_kernel<I, J><<<grid, 256, 0, stream>>>(static_cast<const I*>(token), static_cast<const J*>(expert),
-                                                         P, T, E, pair_token, pair_expert);
+                                                         P, T, E, K, pair_token, pair_expert, check);
   };
   const bool t64 = token_dt == DType::kInt64, e64 = expert_dt == DType::kInt64;
   if (t64 && e64) run(std::int64_t{}, std::int64_t{});
@@ -197,6 +282,26 @@ void launch_convert_pairs(const void* token, DType token_dt, const void* expert,
   else if (e64) run(std::int32_t{}, std::int64_t{});
   else run(std::int32_t{}, std::int32_t{});
   MACHMOE_CUDA_CHECK_LAUNCH("convert_pairs");
+}
+
+void launch_grouped_expert_index(const void* counts, DType counts_dt, std::int64_t E, void* expert_index,
+                                 DType index_dt, std::int64_t rows, const IndexCheck& check, cudaStream_t stream) {
+  // No rows and nothing to validate: no launch. With checking on, one block still validates the counts.
+  const std::int64_t blocks = (rows + kGroupedRowsPerBlock - 1) / kGroupedRowsPerBlock;
+  if (blocks == 0 && check.claim == nullptr) return;
+  const unsigned grid = static_cast<unsigned>(blocks > 0 ? blocks : 1);
+  auto run = [&](auto count_tag, auto index_tag) {
+    using C = decltype(count_tag);
+    using O = decltype(index_tag);
+    grouped_expert_index_kernel<C, O><<<grid, kGroupedThreads, 0, stream>>>(
+        static_cast<const C*>(counts), static_cast<int>(E), static_cast<O*>(expert_index), rows, check);
+  };
+  const bool c64 = counts_dt == DType::kInt64, o64 = index_dt == DType::kInt64;
+  if (c64 && o64) run(std::int64_t{}, std::int64_t{});
+  else if (c64) run(std::int64_t{}, std::int32_t{});
+  else if (o64) run(std::int32_t{}, std::int64_t{});
+  else run(std::int32_t{}, std::int32_t{});
+  MACHMOE_CUDA_CHECK_LAUNCH("grouped_expert_index");
 }
 
 }  // namespace machmoe::gpu

@@ -104,7 +104,7 @@ TEST(Validation, ProblemFields) {
       c.forward_call();
     };
   };
-  expect_error(with([](MoEProblem& p) { p.T = 0; }), {"'problem.T'", "[1, ", "got 0"});
+  expect_error(with([](MoEProblem& p) { p.T = -1; }), {"'problem.T'", "[0, ", "got -1"});  // T = 0 is valid
   expect_error(with([](MoEProblem& p) { p.K = 0; }), {"'problem.K'", "1 <= K <= E", "got 0"});
   expect_error(with([](MoEProblem& p) { p.K = 5; }), {"'problem.K'", "[1, 4]", "got 5"});
   expect_error(with([](MoEProblem& p) { p.E = 70000; }), {"'problem.E'", "65536", "got 70000"});

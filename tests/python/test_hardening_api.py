@@ -1,14 +1,17 @@
 """The Python API refuses what it cannot do, and says so: autograd beyond first-order reverse mode, deferred weight
-gradients (per thread, version-checked, hooks after run()). CPU tests in float64 unless the case is about something
-else; the GPU part is marked gpu."""
+gradients (per thread, version-checked, hooks after run()), explicit checkpoint layouts, and argument messages that
+name the argument and the bad value. CPU tests in float64 unless the case is about something else; the GPU part is
+marked gpu."""
 import math
 import threading
 
+import numpy as np
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import machmoe
-from reference import GLU
+from reference import GLU, experts
 
 
 def rel(a, b):
@@ -45,6 +48,7 @@ def plain_grads(m, x, loss_fn):
 # ---- 2. autograd that silently lies ----------------------------------------------------------------------------------
 
 DOUBLE_BACKWARD = "machmoe: double backward is not supported"
+FORWARD_AD = "machmoe: forward-mode AD .* is not supported"
 
 
 def test_double_backward_raises_instead_of_returning_zeros():
@@ -82,6 +86,27 @@ def test_create_graph_first_order_gradients_unchanged():
     graph = torch.autograd.grad(loss(), [x, m.w1, m.router_weight], create_graph=True)
     for a, b in zip(graph, plain):
         assert a.requires_grad and torch.equal(a.detach(), b)
+
+
+def test_forward_mode_ad_raises_instead_of_a_zero_tangent():
+    m = module()
+    x = torch.randn(5, 16, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match=FORWARD_AD):
+        torch.func.jvp(lambda a: m(a).output, (x,), (torch.ones_like(x),))
+    # A tangent on a weight only (the input is a plain tensor) is refused too.
+    rw, w1, w2 = (t.detach() for t in (m.router_weight, m.w1, m.w2))
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match=FORWARD_AD):
+        machmoe.moe(x, rw, fwAD.make_dual(w1, torch.ones_like(w1)), w2, top_k=2)
+    # ... and on caller-supplied scores.
+    x6, _, w1, w2, _, _ = (t.detach() if t is not None else None for t in make(T=6))
+    tok, exp = torch.tensor([0, 2, 3]), torch.tensor([1, 0, 2])
+    sc = torch.rand(3, dtype=torch.float64)
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match=FORWARD_AD):
+        machmoe.moe_from_routing(x6, w1, w2, tok, exp, fwAD.make_dual(sc, torch.ones_like(sc)),
+                                 max_experts_per_token=1)
+    # Inside a dual level, tensors without tangents run as usual.
+    with fwAD.dual_level():
+        assert torch.equal(m(x).output, module()(x).output)
 
 
 # ---- 3. defer_weight_grads ------------------------------------------------------------------------------------------
@@ -279,6 +304,283 @@ def test_compile_inside_deferral_raises_our_error():
     torch._dynamo.reset()
 
 
+# ---- 4. loading and state -------------------------------------------------------------------------------------------
+
+def _hf_experts(E, n, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    return [r(n, d) for _ in range(E)], [r(n, d) for _ in range(E)], [r(d, n) for _ in range(E)], r(E, d)
+
+
+@pytest.mark.parametrize("module_layout", ["interleaved", "concatenated"])
+@pytest.mark.parametrize("gate_up_layout", ["concatenated", "interleaved"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fused_gate_up_read_as_told_when_d_equals_2n(module_layout, gate_up_layout, transposed):
+    d, n, E = 16, 8, 4  # d == 2n: (E, 2n, d) and (E, d, 2n) have the same shape, so the layout cannot be guessed
+    gate, up, down, router = _hf_experts(E, n, d)
+    expected = machmoe.MoE(d, n, E, 2, dtype=torch.float64, weight_layout=module_layout).load_hf_experts(
+        gate, up, down, router=router)
+    G, U = torch.stack(gate), torch.stack(up)
+    fused = torch.cat([G, U], 1) if gate_up_layout == "concatenated" else torch.stack([G, U], 2).reshape(E, 2 * n, d)
+    downs = torch.stack(down)
+    if transposed:  # stored (in, out) for x @ W, as gpt-oss and Llama 4 do
+        fused, downs = fused.transpose(1, 2).contiguous(), downs.transpose(1, 2).contiguous()
+    m = machmoe.MoE(d, n, E, 2, dtype=torch.float64, weight_layout=module_layout).load_hf_experts(
+        gate_up_proj=fused, down_proj=downs, router=router, gate_up_layout=gate_up_layout, transposed=transposed)
+    assert torch.equal(m.w1, expected.w1) and torch.equal(m.w2, expected.w2)
+    assert torch.equal(m.router_weight, expected.router_weight)
+
+
+def test_per_expert_lists_transposed():
+    d, n, E = 16, 8, 4
+    gate, up, down, router = _hf_experts(E, n, d)
+    expected = machmoe.MoE(d, n, E, 2, dtype=torch.float64).load_hf_experts(gate, up, down, router=router)
+    m = machmoe.MoE(d, n, E, 2, dtype=torch.float64).load_hf_experts(
+        [g.T for g in gate], [u.T for u in up], [w.T for w in down], router=router, transposed=True)
+    assert torch.equal(m.w1, expected.w1) and torch.equal(m.w2, expected.w2)
+
+
+@pytest.mark.parametrize("case", ["gate_proj", "up_proj", "down_proj", "router", "gate_up_proj", "count", "both",
+                                  "layout", "only gate"])
+def test_load_hf_experts_checks_every_shape_before_writing(case):
+    d, n, E = 16, 8, 4
+    gate, up, down, router = _hf_experts(E, n, d)
+    kwargs = dict(gate_proj=gate, up_proj=up, down_proj=down, router=router)
+    expect = {
+        # Each of these broadcasts into every row with copy_ and used to load without complaint.
+        "gate_proj": (ValueError, "argument 'gate_proj\\[1\\]': expected shape \\(8, 16\\), got shape \\(1, 16\\)"),
+        "up_proj": (ValueError, "argument 'up_proj\\[3\\]': expected shape \\(8, 16\\), got shape \\(16,\\)"),
+        "down_proj": (ValueError, "argument 'down_proj\\[0\\]': expected shape \\(16, 8\\), got shape \\(16, 1\\)"),
+        "router": (ValueError, "argument 'router': expected shape \\(4, 16\\), got shape \\(1, 16\\)"),
+        "gate_up_proj": (ValueError, "argument 'gate_up_proj': expected shape \\(4, 16, 16\\), got shape "
+                                     "\\(4, 16, 1\\)"),
+        "count": (ValueError, "argument 'down_proj': expected 4 weights \\(one per expert\\), got 3"),
+        "both": (ValueError, "either gate_up_proj or gate_proj and up_proj, got both"),
+        "layout": (ValueError, "argument 'gate_up_layout': expected one of \\['concatenated', 'interleaved'\\], "
+                               "got 'gate_up'"),
+        "only gate": (ValueError, "expected gate_proj and up_proj .* or gate_up_proj, got only gate_proj"),
+    }[case]
+    if case == "gate_proj":
+        kwargs["gate_proj"] = gate[:1] + [torch.ones(1, d, dtype=torch.float64)] + gate[2:]
+    elif case == "up_proj":
+        kwargs["up_proj"] = up[:3] + [torch.ones(d, dtype=torch.float64)]
+    elif case == "down_proj":
+        kwargs["down_proj"] = [torch.ones(d, 1, dtype=torch.float64)] + down[1:]
+    elif case == "router":
+        kwargs["router"] = torch.ones(1, d, dtype=torch.float64)
+    elif case == "gate_up_proj":
+        kwargs = dict(gate_up_proj=torch.ones(E, 2 * n, 1, dtype=torch.float64), down_proj=down)
+    elif case == "count":
+        kwargs["down_proj"] = down[:3]
+    elif case == "both":
+        kwargs["gate_up_proj"] = torch.ones(E, 2 * n, d, dtype=torch.float64)
+    elif case == "layout":
+        kwargs = dict(gate_up_proj=torch.ones(E, 2 * n, d, dtype=torch.float64), gate_up_layout="gate_up")
+    else:
+        del kwargs["up_proj"]
+    m = machmoe.MoE(d, n, E, 2, dtype=torch.float64)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(expect[0], match=expect[1]):
+        m.load_hf_experts(**kwargs)
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items()), "a failed load changed the module"
+
+
+def test_load_hf_experts_non_tensor_and_non_glu():
+    d, n, E = 16, 8, 4
+    gate, up, down, _ = _hf_experts(E, n, d)
+    with pytest.raises(TypeError, match="argument 'gate_proj\\[0\\]': expected a torch.Tensor, got numpy.ndarray"):
+        machmoe.MoE(d, n, E, 2, dtype=torch.float64).load_hf_experts([g.numpy() for g in gate], up)
+    with pytest.raises(ValueError, match="load_hf_experts: expected a MoE with a gated activation .* got "
+                                         "activation='relu'"):
+        machmoe.MoE(d, n, E, 2, dtype=torch.float64, activation="relu").load_hf_experts(gate, up, down)
+
+
+def test_state_dict_records_layout_and_refuses_another():
+    saved = module(weight_layout="interleaved")
+    state = saved.state_dict()
+    target = module(seed=1, weight_layout="concatenated")
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(RuntimeError, match="machmoe: state dict entry '_extra_state': the weights were saved by a MoE "
+                                           "with weight_layout='interleaved', activation='swiglu'; this module has "
+                                           "weight_layout='concatenated'"):
+        target.load_state_dict(state)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items()), "a refused load changed weights"
+    with pytest.raises(RuntimeError, match="saved by a MoE with weight_layout='interleaved', activation='swiglu'; "
+                                           "this module has weight_layout='interleaved', activation='geglu'"):
+        module(seed=1, activation="geglu").load_state_dict(state)
+    # Nested modules report their own key.
+    wrapper = torch.nn.Sequential(module(seed=1, weight_layout="concatenated"))
+    with pytest.raises(RuntimeError, match="entry '0._extra_state'"):
+        wrapper.load_state_dict({"0." + k: v for k, v in state.items()})
+    # Same options: loads, strict.
+    same = module(seed=1)
+    same.load_state_dict(state)
+    assert torch.equal(same.w1, saved.w1)
+
+
+def test_state_dict_without_layout_record_still_loads():
+    saved = module(weight_layout="concatenated")
+    old = {k: v for k, v in saved.state_dict().items() if k != "_extra_state"}  # as saved before the record existed
+    target = module(seed=1, weight_layout="concatenated")
+    result = target.load_state_dict(old, strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert torch.equal(target.w1, saved.w1) and torch.equal(target.b2, saved.b2)
+
+
+def test_layout_record_is_a_tensor():
+    # Tensor-only checkpoint formats (safetensors) can hold it.
+    record = module().state_dict()["_extra_state"]
+    assert isinstance(record, torch.Tensor) and record.dtype == torch.int64
+
+
+# ---- 5. messages that name the argument and the bad value ---------------------------------------------------------
+
+def test_grouped_experts_counts_messages():
+    x, _, w1, w2, b1, b2 = make(T=9)
+    with pytest.raises(ValueError, match="argument 'expert_counts': expected counts summing to 9 \\(the rows of "
+                                         "x_grouped\\), got a sum of 8"):
+        machmoe.grouped_experts(x, torch.tensor([3, 0, 3, 2]), w1, w2)
+    with pytest.raises(ValueError, match="argument 'expert_counts': expected counts summing to 9 .* got a sum of 10"):
+        machmoe.grouped_experts(x, torch.tensor([3, 1, 4, 2]), w1, w2)
+    with pytest.raises(ValueError, match="argument 'expert_counts': expected non-negative counts, got "
+                                         "expert_counts\\[1\\] = -1"):
+        machmoe.grouped_experts(x, torch.tensor([5, -1, 3, 2]), w1, w2)
+    with pytest.raises(ValueError, match="argument 'expert_counts': expected integer counts .* got torch.float32"):
+        machmoe.grouped_experts(x, torch.tensor([3.5, 0.0, 3.5, 2.0]), w1, w2)
+    with pytest.raises(ValueError, match="argument 'expert_counts': expected shape \\(4,\\)"):
+        machmoe.grouped_experts(x, torch.tensor([9]), w1, w2)
+
+
+def test_grouped_experts_non_tensor_arguments():
+    x, _, w1, w2, _, _ = make(T=9)
+    counts = torch.tensor([3, 0, 4, 2])
+    with pytest.raises(TypeError, match="argument 'x_grouped': expected a torch.Tensor, got list"):
+        machmoe.grouped_experts(x.tolist(), counts, w1, w2)
+    with pytest.raises(TypeError, match="argument 'expert_counts': expected a torch.Tensor, got list"):
+        machmoe.grouped_experts(x, [3, 0, 4, 2], w1, w2)
+    with pytest.raises(TypeError, match="argument 'w2': expected a torch.Tensor, got numpy.ndarray"):
+        machmoe.grouped_experts(x, counts, w1, w2.detach().numpy())
+    with pytest.raises(ValueError, match="argument 'w1': expected dtype torch.float64 \\(the dtype of x_grouped\\)"):
+        machmoe.grouped_experts(x, counts, w1.float(), w2)
+
+
+def test_grouped_experts_unchanged_for_valid_counts():
+    x, _, w1, w2, b1, b2 = make(T=9)
+    counts = torch.tensor([3, 0, 4, 2], dtype=torch.int32)
+    y = machmoe.grouped_experts(x, counts, w1, w2, b1, b2)
+    exp = torch.repeat_interleave(torch.arange(4), counts.long())
+    ref = experts(x, torch.arange(9), exp, torch.ones(9, dtype=torch.float64), w1, w2, b1, b2, "swiglu",
+                  "interleaved")
+    assert rel(y, ref) < 1e-12
+
+
+@pytest.mark.parametrize("args,name,message", [
+    ((16, 0, 2, 1), "intermediate_size", "expected an integer >= 1, got 0"),
+    ((16, 8, 0, 1), "num_experts", "expected an integer >= 1, got 0"),
+    ((0, 8, 4, 1), "hidden_size", "expected an integer >= 1, got 0"),
+    ((16, 8, 4, 5), "top_k", "expected an integer in \\[1, 4\\] \\(the number of experts\\), got 5"),
+    ((16, 8, 4, 0), "top_k", "expected an integer in \\[1, 4\\] \\(the number of experts\\), got 0"),
+])
+def test_module_sizes_named(args, name, message):
+    with pytest.raises(ValueError, match=f"machmoe: argument '{name}': {message}"):
+        machmoe.MoE(*args)
+
+
+@pytest.mark.parametrize("value,shown", [(True, "True \\(bool\\)"), (2.0, "2.0 \\(float\\)"), ("2", "'2' \\(str\\)"),
+                                         (torch.tensor(2.0), "tensor\\(2.\\) \\(torch.Tensor\\)")])
+def test_top_k_wrong_types(value, shown):
+    with pytest.raises(TypeError, match=f"argument 'top_k': expected an integer, got {shown}"):
+        machmoe.MoE(16, 8, 4, value)
+    x, rw, w1, w2, _, _ = make()
+    with pytest.raises(TypeError, match=f"argument 'top_k': expected an integer, got {shown}"):
+        machmoe.moe(x, rw, w1, w2, top_k=value)
+
+
+@pytest.mark.parametrize("top_k", [torch.tensor(2), np.int64(2), np.int32(2)])
+def test_integer_like_top_k_accepted(top_k):
+    torch.manual_seed(0)
+    m = machmoe.MoE(16, 8, 4, top_k, dtype=torch.float64)
+    assert type(m.top_k) is int and m.top_k == 2
+    x = torch.randn(5, 16, dtype=torch.float64)
+    torch.manual_seed(0)
+    assert torch.equal(m(x).output, machmoe.MoE(16, 8, 4, 2, dtype=torch.float64)(x).output)
+    xs, rw, w1, w2, b1, b2 = make()
+    assert torch.equal(machmoe.moe(xs, rw, w1, w2, b1, b2, top_k=top_k, tile=np.int64(16))[0],
+                       machmoe.moe(xs, rw, w1, w2, b1, b2, top_k=2, tile=16)[0])
+    with pytest.raises(ValueError, match="argument 'top_k': expected an integer in \\[1, 4\\] .*, got 7$"):
+        machmoe.moe(xs, rw, w1, w2, top_k=type(top_k)(7) if not isinstance(top_k, torch.Tensor) else torch.tensor(7))
+
+
+def test_module_input_messages():
+    m = module()
+    with pytest.raises(ValueError, match="argument 'x': expected a tensor of shape \\(..., 16\\), got shape \\(\\)"):
+        m(torch.tensor(1.0, dtype=torch.float64))
+    with pytest.raises(TypeError, match="argument 'x': expected a torch.Tensor, got numpy.ndarray"):
+        m(np.zeros((3, 16)))
+    with pytest.raises(ValueError, match="argument 'x': expected dtype torch.float64 \\(the dtype of this MoE's "
+                                         "parameters\\), got torch.float32"):
+        m(torch.randn(3, 16))
+
+
+def test_numpy_weight_reported_as_a_type_problem():
+    x, rw, w1, w2, _, _ = make()
+    with pytest.raises(TypeError, match="argument 'w1': expected a torch.Tensor, got numpy.ndarray"):
+        machmoe.moe(x, rw, w1.detach().numpy(), w2, top_k=2)
+    with pytest.raises(TypeError, match="argument 'router_weight': expected a torch.Tensor, got numpy.ndarray"):
+        machmoe.moe(x, rw.detach().numpy(), w1, w2, top_k=2)
+    with pytest.raises(TypeError, match="argument 'b2': expected a torch.Tensor or None, got list"):
+        machmoe.moe(x, rw, w1, w2, None, [0.0], top_k=2)
+
+
+def test_moe_from_routing_names_max_experts_per_token():
+    x, _, w1, w2, _, _ = make(T=6)
+    tok, exp, sc = torch.tensor([0, 2]), torch.tensor([1, 0]), torch.ones(2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="argument 'max_experts_per_token': expected an integer in \\[1, 4\\] .*, "
+                                         "got 0"):
+        machmoe.moe_from_routing(x, w1, w2, tok, exp, sc, max_experts_per_token=0)
+    with pytest.raises(TypeError, match="argument 'token_index': expected a torch.Tensor, got list"):
+        machmoe.moe_from_routing(x, w1, w2, [0, 2], exp, sc, max_experts_per_token=1)
+    with pytest.raises(ValueError, match="argument 'expert_index': expected shape \\(2,\\) \\(one entry per pair, "
+                                         "as token_index\\), got shape \\(3,\\)"):
+        machmoe.moe_from_routing(x, w1, w2, tok, torch.tensor([1, 0, 2]), sc, max_experts_per_token=1)
+
+
+@pytest.mark.parametrize("name", ["aux_loss_coef", "z_loss_coef"])
+def test_loss_coefficients_checked(name):
+    with pytest.raises(ValueError, match=f"argument '{name}': expected a finite real number >= 0 .*, got -0.01"):
+        machmoe.MoE(16, 8, 4, 2, **{name: -0.01})
+    with pytest.raises(ValueError, match=f"argument '{name}': expected a finite real number >= 0 .*, got nan"):
+        machmoe.MoE(16, 8, 4, 2, **{name: float("nan")})
+    with pytest.raises(TypeError, match=f"argument '{name}': expected a real number >= 0, got '0.1' \\(str\\)"):
+        machmoe.MoE(16, 8, 4, 2, **{name: "0.1"})
+    m = machmoe.MoE(16, 8, 4, 2, **{name: np.float32(0.5)})
+    assert getattr(m, name) == 0.5
+    with pytest.raises(ValueError, match=f"argument '{name}'.*got -1"):
+        setattr(m, name, -1)  # set later: checked too, where forward would have skipped the loss
+    assert getattr(m, name) == 0.5
+
+
+def test_option_strings_checked_before_lookup():
+    x, rw, w1, w2, _, _ = make()
+    with pytest.raises(ValueError, match="argument 'activation': expected one of .*, got \\['swiglu'\\]"):
+        machmoe.moe(x, rw, w1, w2, top_k=2, activation=["swiglu"])  # unhashable: not a TypeError from dict lookup
+    with pytest.raises(ValueError, match="argument 'weight_layout': expected 'interleaved' for the non-GLU "
+                                         "activation 'relu'"):
+        machmoe.MoE(16, 8, 4, 2, activation="relu", weight_layout="concatenated")
+    with pytest.raises(ValueError, match="argument 'tile': expected a positive multiple of 8, got 12"):
+        machmoe.MoE(16, 8, 4, 2, routing="token_rounding", tile=12)
+
+
+def test_loss_functions_check_their_arguments():
+    logits = torch.randn(6, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="argument 'expert_counts': expected shape \\(4,\\) .*, got shape \\(1,\\)"):
+        machmoe.load_balancing_loss(logits, torch.tensor([12]))  # would broadcast into a wrong loss
+    with pytest.raises(TypeError, match="argument 'router_logits': expected a torch.Tensor, got list"):
+        machmoe.router_z_loss(logits.tolist())
+    with pytest.raises(ValueError, match="argument 'router_logits': expected a floating-point \\(tokens, experts\\)"):
+        machmoe.load_balancing_loss(logits[0], torch.tensor([1, 2, 1, 2]))
+
+
 # ---- GPU (compiled here, run on the GPU machine) ---------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -325,3 +627,18 @@ def test_gpu_deferral_refuses_cuda_graph_capture(cuda):
                                            "being captured"):
         with machmoe.defer_weight_grads(), torch.cuda.graph(graph):
             m(x).output.float().sum().backward()
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_experts_rows_past_the_counts_are_padding(cuda):
+    """On the GPU the counts stay on the device: rows past their sum are skipped (zero output), where
+    repeat_interleave used to trip a device-side assert."""
+    host = [t.detach().to(torch.bfloat16).double() for t in make(T=64, d=64, n=32, E=4, bias=False)[:4]]
+    x, _, w1, w2 = (t.to(cuda, torch.bfloat16) for t in host)
+    counts = torch.tensor([10, 0, 20, 14], device=cuda)  # 44 of 64 rows
+    y = machmoe.grouped_experts(x, counts, w1, w2)
+    exp = torch.repeat_interleave(torch.arange(4), counts.cpu())
+    ref = experts(host[0][:44], torch.arange(44), exp, torch.ones(44, dtype=torch.float64), host[2], host[3], None,
+                  None, "swiglu", "interleaved")
+    assert rel(y[:44].double().cpu(), ref) < 1e-2
+    assert not y[44:].any()

@@ -4,8 +4,17 @@ torch.ops.machmoe.layer_forward(...) -> (out, router_logits, expert_counts, save
 the uint8 buffer of what the backward needs (X is the input, kept by reference). Its autograd calls
 torch.ops.machmoe.layer_backward. Both have fake implementations, so torch.compile(fullgraph=True) traces through
 the layer without graph breaks.
+
+The backward is first-order only: its results are wrapped so that differentiating them again (double backward)
+raises instead of contributing zeros. `defer_weight_grads` splits the backward (input gradients now, expert weight
+gradients later).
 """
+import ctypes
+import functools
+import threading
+
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 _CALLER = 2
 
@@ -52,49 +61,268 @@ def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2
     )
 
 
+_WEIGHTS = ("w1", "b1", "w2", "b2")
+
+_DOUBLE_BACKWARD = (
+    "machmoe: double backward is not supported: a gradient computed by the backward of a machmoe layer (with "
+    "create_graph=True) is being differentiated again, e.g. a gradient penalty, a Hessian-vector product or "
+    "torch.autograd.functional.jvp. The layer's backward has no derivative of its own (differentiating through it "
+    "would otherwise give zero); use first-order gradients only.")
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Computes a machmoe backward under create_graph=True. The resulting gradients depend on the layer's inputs and
+    upstream gradient (`depends_on`), so autograd connects them to those; their own backward raises, where an
+    unconnected result would have been silently treated as a constant (a zero second derivative)."""
+
+    @staticmethod
+    def forward(ctx, compute, *depends_on):
+        return compute()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(_DOUBLE_BACKWARD)
+
+
+# ---- defer_weight_grads -------------------------------------------------------------------------------------------
+
+# The stack of active defer_weight_grads contexts is per thread, and kept in torch's thread-local Python objects
+# rather than a threading.local: autograd copies those into the worker threads that run a backward for the thread
+# that started it (CUDA work runs on one engine thread per device, shared by every caller), so a backward sees the
+# contexts of its own caller and no other thread's. Each thread stashes one list, once, and pushes onto it.
+_STACK_KEY = "machmoe.defer_weight_grads"
+
+
+def _deferral_stack() -> list:
+    """The contexts active in the thread that started the running backward (or in this thread), innermost last."""
+    return torch._C._get_obj_in_tls(_STACK_KEY) if torch._C._is_key_in_tls(_STACK_KEY) else []
+
+
+def _this_threads_stack() -> list:
+    if torch._C._is_key_in_tls(_STACK_KEY):
+        return torch._C._get_obj_in_tls(_STACK_KEY)
+    stack = []
+    # The stash takes over a reference without adding one (c10::SafePyObject steals it) and drops it when the
+    # thread ends; give it one of its own.
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(stack))
+    torch._C._stash_obj_in_tls(_STACK_KEY, stack)
+    return stack
+
+
+def _tracing() -> bool:
+    """Whether this code runs under a tracer (Dynamo, or AOTAutograd tracing the backward ahead of time) rather than
+    eagerly."""
+    return torch.compiler.is_compiling() or get_proxy_mode() is not None
+
+
+_OPERAND_DESCRIPTIONS = {"grad_out": "the gradient of its output (grad_out)", "saved": "the buffer its forward saved"}
+
+
+class _DeferredLayer:
+    """One layer's queued weight-gradient work: the operands of layer_backward_weight, their versions when the
+    backward queued it, and the leaf weights whose .grad receives the result."""
+
+    _OPERANDS = ("grad_out", "x", "router_weight", "w1", "b1", "w2", "b2", "token_index", "expert_index", "scores",
+                 "saved")
+
+    def __init__(self, operands, deferred, options, targets):
+        grad_out, _grad_logits, *rest = operands
+        self.operands = (grad_out, *rest)
+        self.deferred, self.options, self.targets = deferred, options, targets
+        self.versions = [(name, t, t._version) for name, t in zip(self._OPERANDS, self.operands) if t is not None]
+
+    def check(self) -> None:
+        for name, t, version in self.versions:
+            if t._version != version:
+                what = _OPERAND_DESCRIPTIONS.get(name, f"argument '{name}'")
+                raise RuntimeError(
+                    f"machmoe: defer_weight_grads.run(): a deferred machmoe layer reads {what}, which was modified "
+                    f"in place after backward() queued the layer's weight gradients (tensor version {version}, now "
+                    f"{t._version}); they would be computed from the modified values. Call run() before changing it "
+                    f"(e.g. before optimizer.step()), or change a copy.")
+
+    def run(self) -> None:
+        with torch.no_grad():
+            grads = dict(zip(_WEIGHTS, torch.ops.machmoe.layer_backward_weight(*self.operands, self.deferred,
+                                                                                *self.options)))
+        # Through autograd, so that accumulation into .grad, the weights' tensor hooks, post-accumulate-grad hooks
+        # and hooks on their AccumulateGrad nodes (DDP/FSDP-style reducers) behave as in an ordinary backward.
+        torch.autograd.backward([w for _, w, _ in self.targets], [grads[name] for name, _, _ in self.targets])
+
+
+class _MutedHooks:
+    """A deferred weight's tensor hooks and post-accumulate-grad hooks, held back while the backward that deferred
+    its gradient reaches its AccumulateGrad node with no gradient (which would call them with grad=None); they are
+    put back right after that node, and run() later calls them with the real gradient."""
+
+    _ATTRS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+    def __init__(self, weight, node, owner):
+        self.weight, self.owner = weight, owner
+        self.held = []
+        for attr in self._ATTRS:
+            hooks = getattr(weight, attr, None)
+            if hooks:
+                self.held.append((hooks, list(hooks.items())))
+                hooks.clear()
+        self.handle = node.register_hook(self._after_accumulate)
+
+    def _after_accumulate(self, grad_inputs, grad_outputs):
+        _unmute(self)
+
+    def restore(self) -> None:
+        self.handle.remove()
+        for hooks, items in self.held:
+            added = list(hooks.items())  # registered meanwhile: they keep coming after the earlier ones
+            hooks.clear()
+            hooks.update(items)
+            hooks.update(added)
+
+
+_muted_lock = threading.Lock()
+_muted = {}  # id(weight) -> _MutedHooks, while its AccumulateGrad node is still to run
+
+
+def _mute(weight, node, owner) -> None:
+    with _muted_lock:
+        if id(weight) not in _muted:  # a weight shared by several layers is held back once
+            _muted[id(weight)] = _MutedHooks(weight, node, owner)
+
+
+def _unmute(muted: _MutedHooks) -> None:
+    with _muted_lock:
+        if _muted.get(id(muted.weight)) is not muted:
+            return
+        del _muted[id(muted.weight)]
+    muted.restore()
+
+
+def _unmute_owned_by(owner) -> None:
+    """Puts back hooks that a backward held back but never released (it failed before reaching the weight)."""
+    with _muted_lock:
+        mine = [m for m in _muted.values() if m.owner is owner]
+    for muted in mine:
+        _unmute(muted)
+
+
 class defer_weight_grads:
     """Split backward for zero-bubble / deferred weight-gradient schedules.
 
     Inside ``with machmoe.defer_weight_grads() as deferred:``, the backward of machmoe layers computes the input
     gradient (and the router's and the scores' gradients) now and queues the expert weight-gradient work;
-    ``deferred.run()`` does it later and accumulates into the parameters' ``.grad``. The results equal a plain
-    backward bitwise. Between the two, each layer keeps dH and A' (memory.hpp's deferred layout) and dO alive.
-    Eager mode only (not inside torch.compile or a captured CUDA graph).
+    ``deferred.run()`` does it later and accumulates into the weights' ``.grad`` through autograd, so the weights'
+    hooks (``register_hook``, ``register_post_accumulate_grad_hook``, AccumulateGrad node hooks) run then, with the
+    gradient, and not during the backward. The results equal a plain backward bitwise. Between the two, each layer
+    keeps dH and A' (memory.hpp's deferred layout) and dO alive, and ``run()`` refuses to run if anything the work
+    reads (x, the weights, dO, the routing) was modified in place meanwhile.
+
+    The context is per thread: a backward started by another thread is not deferred. Only gradients that the
+    backward would accumulate into ``.grad`` are deferred: those of weights it does not reach
+    (``backward(inputs=...)``) are not computed, and ``torch.autograd.grad`` asking for a weight gets it at once.
+    The expert weights must be leaf tensors (parameters), since a non-leaf weight's gradient would have to flow on
+    to the tensors it was computed from during this backward. Eager mode only: tracing a machmoe backward with
+    torch.compile or capturing a CUDA graph inside the context raises (a graph compiled outside the context computes
+    its weight gradients in its own backward, undeferred).
     """
 
-    _active = []
-
     def __init__(self):
-        self.jobs = []
+        self._jobs = []
+        self._jobs_lock = threading.Lock()  # the backward may queue from autograd's device threads
 
     def __enter__(self):
-        defer_weight_grads._active.append(self)
+        _this_threads_stack().append(self)
         return self
 
     def __exit__(self, *exc):
-        defer_weight_grads._active.remove(self)
+        stack = _this_threads_stack()
+        del stack[len(stack) - 1 - stack[::-1].index(self)]  # the innermost entry of this context
+        _unmute_owned_by(self)
         return False
 
+    def _queue(self, job: _DeferredLayer) -> None:
+        with self._jobs_lock:
+            self._jobs.append(job)
+
     def run(self):
-        """Computes every queued weight gradient, in the order the backward met the layers."""
-        jobs, self.jobs = self.jobs, []
-        for job in jobs:
-            job()
+        """Computes every queued weight gradient, in the order the backward met the layers, and accumulates it into
+        the weights' .grad. Checks first that nothing the work reads was modified in place since the backward (then
+        it raises and keeps the queue as it was)."""
+        _unmute_owned_by(self)
+        with self._jobs_lock:
+            jobs, self._jobs = self._jobs, []
+        try:
+            for job in jobs:
+                job.check()
+        except BaseException:
+            with self._jobs_lock:
+                self._jobs = jobs + self._jobs
+            raise
+        for i, job in enumerate(jobs):
+            try:
+                job.run()
+            except BaseException:  # the failing layer is dropped; the ones after it stay queued
+                with self._jobs_lock:
+                    self._jobs = jobs[i + 1:] + self._jobs
+                raise
 
     def __len__(self):
-        return len(self.jobs)
+        return len(self._jobs)
 
 
-def _accumulate(param, grad):
-    if param is None or not param.requires_grad:
-        return
-    param.grad = grad if param.grad is None else param.grad + grad
+def _plan_deferral(ctx, x):
+    """The weights whose gradient this backward defers, as (name, weight, AccumulateGrad node); None when the layer's
+    backward must compute its weight gradients now (torch.autograd.grad asked for one of them)."""
+    if _tracing():
+        raise RuntimeError(
+            "machmoe: defer_weight_grads cannot defer the weight gradients of a graph that torch.compile is tracing: "
+            "AOTAutograd traces the backward when it compiles the forward, so the deferral cannot be decided at "
+            "backward time. Compile outside defer_weight_grads (the compiled backward then computes the weight "
+            "gradients itself, undeferred) or run the machmoe layers eagerly to defer them.")
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "machmoe: defer_weight_grads cannot defer weight gradients while a CUDA graph is being captured: run() "
+            "would launch the deferred work outside the graph, on memory the graph owns. Capture the backward "
+            "outside defer_weight_grads.")
+    targets = []
+    for name, w in zip(_WEIGHTS, ctx.weights):
+        if w is None or not w.requires_grad:
+            continue
+        node = torch.autograd.graph.get_gradient_edge(w).node
+        try:
+            needed = torch._C._will_engine_execute_node(node)
+        except RuntimeError:
+            # torch.autograd.grad asked for this leaf's gradient: it returns gradients rather than accumulating
+            # them, so there is no .grad to fill later. Follow autograd: compute them now.
+            return None
+        if not needed:  # backward(inputs=...) or autograd.grad without this weight: its gradient is not wanted
+            continue
+        if w.grad_fn is not None:
+            raise RuntimeError(
+                f"machmoe: defer_weight_grads: argument '{name}' of a machmoe layer is not a leaf tensor (it was "
+                f"computed from other tensors, e.g. a cast or a view of a parameter), so its gradient has to flow on "
+                f"to those tensors during this backward and cannot be deferred. Pass the parameter itself, or run "
+                f"this backward outside defer_weight_grads.")
+        targets.append((name, w, node))
+    return targets
+
+
+def _full_backward(operands, options):
+    return torch.ops.machmoe.layer_backward(*operands, *options)
+
+
+def _split_backward(operands, options, owner, targets):
+    dx, dwr, dscores, deferred = torch.ops.machmoe.layer_backward_input(*operands, *options)
+    if targets:
+        owner._queue(_DeferredLayer(operands, deferred, options, targets))
+        for _, w, node in targets:
+            _mute(w, node, owner)
+    return dx, dwr, None, None, None, None, dscores
 
 
 def _setup_context(ctx, inputs, output):
     x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores = inputs[:9]
     ctx.options = inputs[9:]
-    ctx.weights = (w1, b1, w2, b2)  # for deferred accumulation into .grad
+    ctx.weights = (w1, b1, w2, b2)  # the tensors themselves, for deferred accumulation into .grad
     ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, output[3])
 
 
@@ -105,25 +333,18 @@ def _backward(ctx, grad_out, grad_logits, grad_counts, grad_saved):
         grad_out = torch.zeros_like(x)
     if caller or (grad_logits is not None and grad_logits.numel() == 0):
         grad_logits = None
-    if defer_weight_grads._active:
-        dx, dwr, dscores, deferred = torch.ops.machmoe.layer_backward_input(
-            grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved,
-            *ctx.options)
-        weights, options = ctx.weights, ctx.options
-
-        def weight_job():
-            dw1, db1_, dw2, db2_ = torch.ops.machmoe.layer_backward_weight(
-                grad_out, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved, deferred,
-                *options)
-            for param, grad in zip(weights, (dw1, db1_, dw2, db2_)):
-                _accumulate(param, grad)
-
-        defer_weight_grads._active[-1].jobs.append(weight_job)
-        return (dx, None if caller or router_weight is None else dwr, None, None, None, None, None, None,
-                dscores if caller else None) + (None,) * len(ctx.options)
-    dx, dwr, dw1, db1, dw2, db2, dscores = torch.ops.machmoe.layer_backward(
-        grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved,
-        *ctx.options)
+    operands = (grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved)
+    stack = _deferral_stack()
+    targets = _plan_deferral(ctx, x) if stack else None
+    if targets is None:
+        compute = functools.partial(_full_backward, operands, ctx.options)
+    else:
+        compute = functools.partial(_split_backward, operands, ctx.options, stack[-1], targets)
+    if torch.is_grad_enabled():  # create_graph=True
+        depends_on = [t for t in (grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, scores) if t is not None]
+        dx, dwr, dw1, db1, dw2, db2, dscores = _FirstOrderOnly.apply(compute, *depends_on)
+    else:
+        dx, dwr, dw1, db1, dw2, db2, dscores = compute()
     return (
         dx,
         None if caller or router_weight is None else dwr,

@@ -10,6 +10,11 @@ ACTIVATION_MEMORY = {"preact": 0, "input_only": 1}
 
 
 def code(table: dict, name: str, argument: str) -> int:
-    if name not in table:
+    if not isinstance(name, str) or name not in table:  # (an unhashable value would fail the lookup itself)
         raise ValueError(f"machmoe: argument '{argument}': expected one of {sorted(table)}, got {name!r}")
     return table[name]
+
+
+def name_of(table: dict, value: int) -> str:
+    """The option name of an integer code (for messages)."""
+    return next((name for name, c in table.items() if c == value), f"<unknown code {value}>")

@@ -7,7 +7,8 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F
-from ._options import GLU_ACTIVATIONS, ACTIVATIONS, ACTIVATION_MEMORY, ROUNDINGS, SCORES, WEIGHT_LAYOUTS, code
+from ._options import GLU_ACTIVATIONS, ACTIVATIONS, ACTIVATION_MEMORY, ROUNDINGS, SCORES, WEIGHT_LAYOUTS, code, name_of
+from ._validation import as_int, as_nonnegative_real, fail, require_tensor, type_name
 
 
 @dataclass
@@ -19,6 +20,9 @@ class MoEOutput:
     z_loss: Optional[Tensor] = None     # router z-loss, when z_loss_coef > 0 (scaled; 0 for no tokens)
 
 
+_LAYOUT_RECORD_FORMAT = 1  # first entry of the state-dict record of the weight layout (get_extra_state)
+
+
 class MoE(nn.Module):
     """Token-choice MoE layer with gated (or plain) expert MLPs.
 
@@ -26,6 +30,10 @@ class MoE(nn.Module):
     w1 (E, 2n | n, d), w2 (E, d, n), and b1 (E, 2n | n), b2 (E, d) when bias=True.
     forward(x) takes (..., hidden_size) and returns MoEOutput. An input with no tokens ((0, d), (B, 0, d), ...) is
     ordinary: an empty output, zero parameter gradients, and aux_loss / z_loss defined as 0 (not NaN).
+
+    The state dict records the layout of w1 and the activation (entry `_extra_state`, a small int64 tensor), so that
+    weights saved by a module of another layout or activation, which have the same shapes, are refused on loading
+    rather than silently misread. State dicts saved before this record existed load as before.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -34,14 +42,21 @@ class MoE(nn.Module):
                  weight_layout: str = "interleaved", activation_memory: str = "preact",
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, device=None, dtype=None):
         super().__init__()
+        hidden_size = as_int("hidden_size", hidden_size, low=1)
+        intermediate_size = as_int("intermediate_size", intermediate_size, low=1)
+        num_experts = as_int("num_experts", num_experts, low=1)
+        top_k = as_int("top_k", top_k, low=1, high=num_experts, what="(the number of experts)")
         for table, value, name in ((ACTIVATIONS, activation, "activation"), (SCORES, score, "score"),
                                    (ROUNDINGS, rounding, "rounding"), (WEIGHT_LAYOUTS, weight_layout, "weight_layout"),
                                    (ACTIVATION_MEMORY, activation_memory, "activation_memory")):
             code(table, value, name)
         if routing not in ("topk", "token_rounding"):
-            raise ValueError(f"machmoe: argument 'routing': expected 'topk' or 'token_rounding', got {routing!r}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"machmoe: argument 'top_k': expected an integer in [1, {num_experts}], got {top_k}")
+            fail("routing", "'topk' or 'token_rounding'", repr(routing))
+        if weight_layout == "concatenated" and activation not in GLU_ACTIVATIONS:
+            fail("weight_layout", f"'interleaved' for the non-GLU activation {activation!r}", repr(weight_layout))
+        tile = as_int("tile", tile, low=8)
+        if tile % 8:
+            fail("tile", "a positive multiple of 8", tile)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.activation, self.score, self.routing, self.rounding, self.tile = activation, score, routing, rounding, tile
@@ -56,6 +71,29 @@ class MoE(nn.Module):
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size, **kw)) if bias else None
         self.reset_parameters()
 
+    def __setstate__(self, state):
+        for name in ("aux_loss_coef", "z_loss_coef"):  # modules pickled when these were plain attributes
+            if name in state:
+                state["_" + name] = state.pop(name)
+        super().__setstate__(state)
+
+    # The loss coefficients are checked whenever they are set: a negative one would otherwise be skipped by forward.
+    @property
+    def aux_loss_coef(self) -> float:
+        return self._aux_loss_coef
+
+    @aux_loss_coef.setter
+    def aux_loss_coef(self, value) -> None:
+        self._aux_loss_coef = as_nonnegative_real("aux_loss_coef", value)
+
+    @property
+    def z_loss_coef(self) -> float:
+        return self._z_loss_coef
+
+    @z_loss_coef.setter
+    def z_loss_coef(self, value) -> None:
+        self._z_loss_coef = as_nonnegative_real("z_loss_coef", value)
+
     def reset_parameters(self) -> None:
         with torch.no_grad():
             self.router_weight.normal_(0.0, 1.0 / math.sqrt(self.hidden_size))
@@ -66,9 +104,15 @@ class MoE(nn.Module):
                 self.b2.zero_()
 
     def forward(self, x: Tensor) -> MoEOutput:
+        require_tensor("x", x)
         shape = x.shape
-        if shape[-1] != self.hidden_size:
-            raise ValueError(f"machmoe: argument 'x': expected (..., {self.hidden_size}), got {tuple(shape)}")
+        if x.dim() == 0 or shape[-1] != self.hidden_size:
+            fail("x", f"a tensor of shape (..., {self.hidden_size})", f"shape {tuple(shape)}")
+        # Named after x, which the caller passed, rather than after the parameters the functional API compares it to.
+        if x.device != self.w1.device:
+            fail("x", f"a tensor on {self.w1.device} (the device of this MoE's parameters)", f"a tensor on {x.device}")
+        if x.dtype != self.w1.dtype:
+            fail("x", f"dtype {self.w1.dtype} (the dtype of this MoE's parameters)", x.dtype)
         flat = x.reshape(-1, self.hidden_size)
         out, logits, counts = F.moe(flat, self.router_weight, self.w1, self.w2, self.b1, self.b2, top_k=self.top_k,
                                     activation=self.activation, score=self.score, routing=self.routing,
@@ -81,36 +125,130 @@ class MoE(nn.Module):
             result.z_loss = self.z_loss_coef * F.router_z_loss(logits)
         return result
 
+    # ---- state dict: the weight layout and activation travel with the weights ----------------------------------
+
+    def get_extra_state(self) -> Tensor:
+        # A tensor rather than a dict, so that tensor-only formats (safetensors) can store the state dict.
+        return torch.tensor([_LAYOUT_RECORD_FORMAT, WEIGHT_LAYOUTS[self.weight_layout], ACTIVATIONS[self.activation]],
+                            dtype=torch.int64)
+
+    def _layout_mismatch(self, record) -> Optional[str]:
+        """Why weights saved with `record` cannot be loaded into this module, or None when they can."""
+        if not isinstance(record, Tensor) or record.dtype != torch.int64 or tuple(record.shape) != (3,) or \
+                int(record[0]) != _LAYOUT_RECORD_FORMAT:
+            return (f"expected the weight-layout record of a machmoe.MoE (an int64 tensor [{_LAYOUT_RECORD_FORMAT}, "
+                    f"layout, activation]), got {record!r}")
+        layout, activation = name_of(WEIGHT_LAYOUTS, int(record[1])), name_of(ACTIVATIONS, int(record[2]))
+        if (layout, activation) == (self.weight_layout, self.activation):
+            return None
+        return (f"the weights were saved by a MoE with weight_layout={layout!r}, activation={activation!r}; this "
+                f"module has weight_layout={self.weight_layout!r}, activation={self.activation!r}. The tensors "
+                f"have the same shapes but mean different things: build the module with the saved options (or "
+                f"convert the w1/b1 rows between layouts before loading).")
+
+    def set_extra_state(self, state) -> None:
+        problem = self._layout_mismatch(state)
+        if problem is not None:
+            raise ValueError(f"machmoe: MoE.set_extra_state: {problem}")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "_extra_state"
+        if key in state_dict:
+            problem = self._layout_mismatch(state_dict[key])
+            if problem is not None:  # reported before anything is copied: the module keeps its weights
+                error_msgs.append(f"machmoe: state dict entry '{key}': {problem}")
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if key not in state_dict and key in missing_keys:
+            missing_keys.remove(key)  # saved before the record existed: load it as before
+
+    # ---- checkpoints in other layouts ---------------------------------------------------------------------------
+
     @torch.no_grad()
     def load_hf_experts(self, gate_proj: Sequence[Tensor] = None, up_proj: Sequence[Tensor] = None,
                         down_proj: Sequence[Tensor] = None, gate_up_proj: Optional[Tensor] = None,
-                        router: Optional[Tensor] = None) -> "MoE":
-        """Loads expert weights from the usual checkpoint layouts: per-expert gate_proj/up_proj (n, d) and down_proj
-        (d, n) lists, or a fused gate_up_proj (E, 2n, d) ([gate; up] rows, or (E, d, 2n) which is transposed), plus
-        the router (E, d). Writes into this module's layout (interleaved or concatenated) without keeping copies."""
-        if self.activation not in GLU_ACTIVATIONS:
-            raise ValueError("machmoe: load_hf_experts expects a gated (GLU) activation")
+                        router: Optional[Tensor] = None, *, gate_up_layout: str = "concatenated",
+                        transposed: bool = False) -> "MoE":
+        """Loads expert weights from the usual checkpoint layouts into this module's layout (interleaved or
+        concatenated), without keeping copies. Every tensor's shape is checked before anything is written.
+
+        Experts: either gate_proj and up_proj, E tensors (n, d) each (a list, or one stacked (E, n, d) tensor), or
+        gate_up_proj, one fused (E, 2n, d) tensor whose rows are [gate; up] (gate_up_layout="concatenated": rows
+        [0, n) gate, [n, 2n) up, as HF's fused Mixtral/Qwen-MoE experts) or alternate gate, up
+        (gate_up_layout="interleaved"). down_proj: E tensors (d, n) (or (E, d, n)). router: (E, d).
+        transposed=True: the expert tensors are stored (in, out) for x @ W (gate/up (d, n), fused (E, d, 2n) with the
+        gate/up order along the last dimension, down (n, d)), as gpt-oss ("interleaved") and Llama 4
+        ("concatenated") store them. The layout is never guessed from the shapes (they agree when d == 2n).
+        """
         n, d, E = self.intermediate_size, self.hidden_size, self.num_experts
+        if self.activation not in GLU_ACTIVATIONS:
+            raise ValueError(f"machmoe: load_hf_experts: expected a MoE with a gated activation "
+                             f"({sorted(GLU_ACTIVATIONS)}), got activation={self.activation!r}")
+        if gate_up_layout not in WEIGHT_LAYOUTS:
+            fail("gate_up_layout", f"one of {sorted(WEIGHT_LAYOUTS)}", repr(gate_up_layout))
+        if not isinstance(transposed, bool):
+            raise TypeError(f"machmoe: argument 'transposed': expected a bool, got {transposed!r}")
+        def linear(out_features, in_features):  # the stored shape of one expert's (out, in) weight
+            return (in_features, out_features) if transposed else (out_features, in_features)
+
         if gate_up_proj is not None:
-            g = gate_up_proj if tuple(gate_up_proj.shape) == (E, 2 * n, d) else gate_up_proj.transpose(1, 2)
-            if tuple(g.shape) != (E, 2 * n, d):
-                raise ValueError(f"machmoe: argument 'gate_up_proj': expected ({E}, {2 * n}, {d}) or "
-                                 f"({E}, {d}, {2 * n}), got {tuple(gate_up_proj.shape)}")
-            gate, up = g[:, :n], g[:, n:]
+            if gate_proj is not None or up_proj is not None:
+                raise ValueError("machmoe: load_hf_experts: expected either gate_up_proj or gate_proj and up_proj, "
+                                 "got both")
+            _check_weight("gate_up_proj", gate_up_proj, (E, *linear(2 * n, d)))
+            fused = gate_up_proj.transpose(1, 2) if transposed else gate_up_proj  # (E, 2n, d)
+            if gate_up_layout == "concatenated":
+                gate, up = fused[:, :n], fused[:, n:]
+            else:
+                gate, up = fused[:, 0::2], fused[:, 1::2]
         else:
-            if gate_proj is None or up_proj is None or len(gate_proj) != E or len(up_proj) != E:
-                raise ValueError(f"machmoe: expected {E} gate_proj and up_proj weights, or gate_up_proj")
-            gate, up = torch.stack(list(gate_proj)), torch.stack(list(up_proj))
+            if gate_proj is None or up_proj is None:
+                given = "only gate_proj" if gate_proj is not None else "only up_proj" if up_proj is not None else \
+                    "none of them"
+                raise ValueError(f"machmoe: load_hf_experts: expected gate_proj and up_proj ({E} weights each) or "
+                                 f"gate_up_proj, got {given}")
+            gate = _stack_experts("gate_proj", gate_proj, E, linear(n, d), transposed)
+            up = _stack_experts("up_proj", up_proj, E, linear(n, d), transposed)
+        down = _stack_experts("down_proj", down_proj, E, linear(d, n), transposed) if down_proj is not None else None
+        if router is not None:
+            _check_weight("router", router, (E, d))
+        # Everything checked: now write.
         if self.weight_layout == "interleaved":
             self.w1.view(E, n, 2, d)[:, :, 0].copy_(gate)
             self.w1.view(E, n, 2, d)[:, :, 1].copy_(up)
         else:
             self.w1[:, :n].copy_(gate)
             self.w1[:, n:].copy_(up)
-        if down_proj is not None:
-            if len(down_proj) != E:
-                raise ValueError(f"machmoe: argument 'down_proj': expected {E} weights, got {len(down_proj)}")
-            self.w2.copy_(torch.stack(list(down_proj)))
+        if down is not None:
+            self.w2.copy_(down)
         if router is not None:
             self.router_weight.copy_(router)
         return self
+
+
+def _check_weight(name: str, t, shape) -> None:
+    """An exact shape (copy_ would broadcast a smaller tensor into every row) and a floating-point dtype."""
+    require_tensor(name, t)
+    if tuple(t.shape) != tuple(shape):
+        fail(name, f"shape {tuple(shape)}", f"shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        fail(name, "a floating-point tensor", t.dtype)
+
+
+def _stack_experts(name: str, weights, E: int, shape, transposed: bool) -> Tensor:
+    """E per-expert tensors of `shape` (a list/tuple, or one stacked tensor) as one (E, out, in) view or stack."""
+    if isinstance(weights, Tensor):
+        _check_weight(name, weights, (E, *shape))
+        stacked = weights
+    else:
+        if not isinstance(weights, (list, tuple)):
+            raise TypeError(f"machmoe: argument '{name}': expected a list or tuple of {E} tensors or a stacked tensor, "
+                            f"got {type_name(weights)}")
+        if len(weights) != E:
+            fail(name, f"{E} weights (one per expert)", len(weights))
+        for e, w in enumerate(weights):
+            _check_weight(f"{name}[{e}]", w, shape)
+        stacked = torch.stack(list(weights))
+    return stacked.transpose(1, 2) if transposed else stacked

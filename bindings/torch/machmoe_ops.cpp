@@ -392,7 +392,8 @@ Tensor grouped_expert_index(const Tensor& counts, int64_t rows) {
   if (rows < 0) machmoe::throw_argument_error("grouped_expert_index", "rows", "a count >= 0", std::to_string(rows));
   const at::ScalarType type = rows <= machmoe::Limits::kMaxPairs ? at::kInt : at::kLong;
   Tensor index = at::empty({rows}, counts.options().dtype(type));
-  machmoe::grouped_expert_index(view(counts), view(index), stream_for(counts));
+  machmoe::grouped_expert_index(view("grouped_expert_index", "counts", counts),
+                                view("grouped_expert_index", "index", index), stream_for(counts));
   return index;
 }
 

@@ -434,7 +434,6 @@ TEST(HopperDxExpanded, MatchesFloat64AndTheReferenceGemm) {
         EXPECT_EQ(run_dx(d, K, concatenated, kEdgeLengths, 41).raw, fast.raw) << "not deterministic";
       });
     }
-  gpu::set_hopper_backward_enabled(false);
 }
 
 TEST(HopperDxExpanded, ManyExpertsAndSingleRows) {
@@ -447,10 +446,9 @@ TEST(HopperDxExpanded, ManyExpertsAndSingleRows) {
     EXPECT_TRUE(r.tails_untouched);
     EXPECT_LT(rel_error(r.y, r.y_ref), 4e-3);
   });
-  gpu::set_hopper_backward_enabled(false);
 }
 
-TEST(HopperDxExpanded, OptInUntilRunOnAGpu) {
+TEST(HopperDxExpanded, SwitchSendsItToTheReferenceGemm) {
   REQUIRE_GPU();
   VarlenMArgs a;
   a.dt = DType::kBF16;
@@ -464,7 +462,6 @@ TEST(HopperDxExpanded, OptInUntilRunOnAGpu) {
   EXPECT_NE(gpu::hopper_unsupported_reason(a).find("MACHMOE_HOPPER_BACKWARD"), std::string::npos);
   gpu::set_hopper_backward_enabled(true);
   EXPECT_EQ(gpu::hopper_unsupported_reason(a), "");
-  gpu::set_hopper_backward_enabled(false);
 }
 
 TEST(HopperDispatch, NamesWhyAShapeFallsBack) {

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import machmoe
-from reference import GLU, experts, reference_moe
+from reference import GLU, experts, route
 
 ACTIVATIONS = ["swiglu", "geglu", "reglu", "relu_squared", "relu", "gelu", "silu"]
 SCORES = ["softmax_topk", "topk_softmax", "topk_softmax_renorm"]
@@ -26,7 +26,9 @@ def draw_case(rng: random.Random, gpu: bool) -> dict:
     E = rng.choice([1, 2, 3, 4, 5, 8, 16])
     routing = rng.choice(["topk", "topk", "token_rounding", "caller"])
     case = dict(
-        T=rng.choice([0, 1, 2, 7, 13, 32, 57]) if not gpu else rng.choice([0, 1, 33, 257, 1000]),
+        # On the GPU no T = 1: with one pair, dS is a single bf16-noisy dot product whose relative error says nothing
+        # (the GPU suite covers T = 1 on its own).
+        T=rng.choice([0, 1, 2, 7, 13, 32, 57]) if not gpu else rng.choice([0, 2, 33, 257, 1000]),
         d=rng.choice([8, 16, 24, 40]) if not gpu else rng.choice([64, 128, 192, 256]),
         n=rng.choice([4, 8, 12, 16]) if not gpu else rng.choice([64, 128, 256]),
         E=E,
@@ -101,7 +103,16 @@ def run_case(c: dict, device: str) -> list:
     else:
         ropts = dict(top_k=K, score=c["score"], routing=c["routing"], rounding=c["rounding"], tile=c["tile"], **opts)
         out, logits, counts = machmoe.moe(*lib_in, activation_memory=c["cache"], **ropts)
-        ref_out, ref_logits, ref_counts = reference_moe(*ref_in, **ropts)
+        xr, rwr, w1r, w2r, b1r, b2r = ref_in
+        ref_logits = xr @ rwr.T
+        # The selection is discontinuous: in bf16 the library's logits are rounded, and near-ties pick other experts
+        # than float64 logits would. So the reference routes with the library's logits (their values; the gradient
+        # still flows through the float64 logits), and the logits themselves are compared on their own below.
+        sel_logits = ref_logits + (logits.detach().double().cpu() - ref_logits).detach() if c["dtype"] == "bfloat16" \
+            else ref_logits
+        tok, exp, sc = route(sel_logits, K, c["score"], c["routing"], c["rounding"], c["tile"])
+        ref_out = experts(xr, tok, exp, sc, w1r, w2r, b1r, b2r, c["activation"], c["weight_layout"])
+        ref_counts = torch.bincount(exp, minlength=E)
         gl64 = torch.randn(T, E, generator=g, dtype=torch.float64)
         lib_params = [v for v in lib_in if v is not None]
         ref_params = [v for v in ref_in if v is not None]

@@ -134,10 +134,13 @@ void set_hopper_raster_m(int raster_m) { forced_raster_m().store(raster_m > 0 ? 
 void set_hopper_kernels_enabled(bool enabled) { enabled_flag().store(enabled ? 1 : 0); }
 
 namespace {
-/// The backward's Hopper kernels are opt-in until the GPU suite has run on them (MACHMOE_HOPPER_BACKWARD=1 or
-/// set_hopper_backward_enabled): they were written and compiled on a machine without a GPU.
+/// The backward's Hopper kernels (on by default; MACHMOE_HOPPER_BACKWARD=0 or set_hopper_backward_enabled(false)
+/// sends the backward's GEMMs to the reference kernels, e.g. to compare the two paths).
 std::atomic<int>& backward_flag() {
-  static std::atomic<int> flag{env_int("MACHMOE_HOPPER_BACKWARD") != 0 ? 1 : 0};
+  static std::atomic<int> flag{[] {
+    const char* v = std::getenv("MACHMOE_HOPPER_BACKWARD");
+    return (v != nullptr && v[0] == '0') ? 0 : 1;
+  }()};
   return flag;
 }
 }  // namespace
@@ -167,7 +170,7 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
     if (a.epilogue != Epilogue::kStore || a.a_gather != nullptr || a.bias != nullptr)
       return "MN-major weights outside the dX~ GEMM (contiguous A, no bias)";
     if (!hopper_backward_enabled())
-      return "the Hopper dX~ kernel is opt-in until it has run on a GPU (MACHMOE_HOPPER_BACKWARD=1)";
+      return "the Hopper backward kernels are switched off (MACHMOE_HOPPER_BACKWARD=0 or the test switch)";
     if (b.permute == 1) return "MN-major weights permuted along N";
     if (b.permute == 2 && a.K != 2 * b.glu_n) return "concatenated layout with K != 2n";
     if (!aligned16(b.ptr) || b.stride_k % 8 != 0 || b.expert_stride % 8 != 0)

@@ -31,8 +31,8 @@ void set_hopper_tile_n(int tile_n);
 /// Also set from the environment by MACHMOE_HOPPER_RASTER_M. The results are bitwise the same for every value.
 void set_hopper_raster_m(int raster_m);
 bool hopper_kernels_enabled();
-/// The backward's Hopper kernels (dX~ today) are opt-in until they have run on a GPU: off by default, on with
-/// MACHMOE_HOPPER_BACKWARD=1 or this switch (tests).
+/// The backward's Hopper kernels (dX~ today): on by default; off with MACHMOE_HOPPER_BACKWARD=0 or this switch
+/// (tests compare both paths).
 void set_hopper_backward_enabled(bool enabled);
 bool hopper_backward_enabled();
 

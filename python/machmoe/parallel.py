@@ -24,7 +24,7 @@ summed per token in a fixed order.
 """
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
@@ -36,8 +36,9 @@ from ._options import (ACTIVATION_MEMORY, ACTIVATIONS, GLU_ACTIVATIONS, ROUNDING
 from .functional import _check_tensor, _fail, grouped_experts, load_balancing_loss, router_z_loss
 from .module import MoE, MoEOutput
 
-__all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "GroupedExperts", "TorchTitanGroupedExperts",
-           "expert_parallel_moe", "check_capacity", "route"]
+__all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "ExpertParallelDispatch", "GroupedExperts",
+           "TorchTitanGroupedExperts", "expert_parallel_moe", "expert_parallel_dispatch", "expert_parallel_combine",
+           "check_capacity", "route", "shard_experts_fsdp2"]
 
 _CPU_DTYPES = (torch.float32, torch.float64)
 _CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -516,21 +517,62 @@ def _inverse_of(perm: Tensor) -> Tensor:
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.shape[0], device=perm.device))
 
 
-def _dispatch_and_combine(x: Tensor, rt: _Routing, experts_fn, *, E: int, ep_size: int, capacity: Optional[int],
-                          group, anchor: Optional[Tensor], top_k: int, tile: int):
-    T = x.shape[0]
-    plan = _plan(rt, T, E, ep_size, capacity, group, top_k, tile)
+@dataclass
+class ExpertParallelDispatch:
+    """The dispatch stage's result on this rank: the rows this rank's experts must process, grouped by local expert
+    (x_grouped, tokens_per_expert: what GroupedExperts / torchtitan's GroupedExperts take), and what the combine
+    stage needs. In capacity mode x_grouped ends with padding rows (zeros) beyond sum(tokens_per_expert)."""
+    x_grouped: Tensor
+    tokens_per_expert: Tensor            # (E_local,) int64, on the device
+    router_logits: Tensor                # (T, E)
+    expert_counts: Tensor                # (E,) int32: pairs of this rank's tokens per expert
+    dropped_rows: Optional[Tensor]       # capacity mode: this rank's pairs not sent (0-d int64)
+    plan: _Plan = field(repr=False)
+    group: object = field(default=None, repr=False)
+    anchor: Optional[Tensor] = field(default=None, repr=False)
+    input_shape: Optional[torch.Size] = field(default=None, repr=False)
+
+
+def _dispatch(x: Tensor, router_weight: Tensor, *, ep_size: int, top_k: int, group, capacity: Optional[int],
+              score: str, routing: str, rounding: str, tile: int) -> ExpertParallelDispatch:
+    """Route this rank's tokens, exchange the counts (and, by default, read the split sizes: the host sync), send
+    the rows to their experts' ranks and group the received rows by local expert."""
+    E = router_weight.shape[0]
+    _check_capacity_arg(capacity)
+    _check_routing_options(top_k, E, score, routing, rounding, tile)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    logits = x @ router_weight.t()
+    rt = _route_dense(logits, top_k, score, routing, rounding, tile)
+    plan = _plan(rt, x.shape[0], E, ep_size, capacity, group, top_k, tile)
     pairs = plan.pairs
     send = _DispatchRows.apply(x, plan.slot_token, plan.slot_valid, plan.pair_slot, plan.pair_valid, pairs.top_k,
                                pairs.per_token)
-    received = _exchange(send, anchor, plan.recv_splits, plan.send_splits, group)
+    received = _exchange(send, router_weight, plan.recv_splits, plan.send_splits, group)
     x_grouped = _RowPermute.apply(received, plan.grouped_to_recv, None, plan.recv_to_grouped, None)
-    y_grouped = experts_fn(x_grouped, plan.tokens_per_expert)
+    return ExpertParallelDispatch(x_grouped, plan.tokens_per_expert, logits, rt.counts.to(torch.int32),
+                                  plan.dropped_rows, plan, group, router_weight)
+
+
+def expert_parallel_combine(dispatched: ExpertParallelDispatch, y_grouped: Tensor) -> Tensor:
+    """The combine stage: y_grouped (rows of dispatched.x_grouped through their experts) back to the tokens' ranks,
+    summed per token with the routing scores. Returns (T, d)."""
+    if not isinstance(dispatched, ExpertParallelDispatch):
+        raise TypeError("machmoe: argument 'dispatched': expected the ExpertParallelDispatch of the dispatch stage, "
+                        f"got {type(dispatched).__name__}")
+    expected = tuple(dispatched.x_grouped.shape)
+    if not isinstance(y_grouped, Tensor) or tuple(y_grouped.shape) != expected:
+        _fail("y_grouped", f"a tensor shaped like dispatched.x_grouped {expected}",
+              getattr(y_grouped, "shape", type(y_grouped).__name__))
+    if y_grouped.dtype != dispatched.x_grouped.dtype or y_grouped.device != dispatched.x_grouped.device:
+        _fail("y_grouped", f"dtype {dispatched.x_grouped.dtype} on {dispatched.x_grouped.device}",
+              f"{y_grouped.dtype} on {y_grouped.device}")
+    plan, pairs = dispatched.plan, dispatched.plan.pairs
     y_received = _RowPermute.apply(y_grouped, plan.recv_to_grouped, None, plan.grouped_to_recv, None)
-    y_sent = _exchange(y_received, anchor, plan.send_splits, plan.recv_splits, group)
+    y_sent = _exchange(y_received, dispatched.anchor, plan.send_splits, plan.recv_splits, dispatched.group)
     y_pairs = _RowPermute.apply(y_sent, plan.pair_slot, plan.pair_valid, plan.slot_pair, plan.slot_valid)
-    out = _Combine.apply(y_pairs, pairs.score, pairs.token, pairs.top_k, pairs.per_token, T)
-    return out, plan.dropped_rows
+    T = dispatched.router_logits.shape[0]
+    return _Combine.apply(y_pairs, pairs.score, pairs.token, pairs.top_k, pairs.per_token, T)
 
 
 def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,
@@ -563,12 +605,25 @@ def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor
     if b2 is not None:
         _check_tensor("b2", b2, (El, d), x)
 
-    def experts(x_grouped, tokens_per_expert):
-        return _run_grouped(x_grouped, tokens_per_expert, w1, w2, b1, b2, activation=activation,
-                            weight_layout=weight_layout, activation_memory=activation_memory, zero_padding=False)
+    dispatched = _dispatch(x, router_weight, ep_size=ep_size, top_k=top_k, group=group, capacity=capacity,
+                           score=score, routing=routing, rounding=rounding, tile=tile)
+    y = _run_grouped(dispatched.x_grouped, dispatched.tokens_per_expert, w1, w2, b1, b2, activation=activation,
+                     weight_layout=weight_layout, activation_memory=activation_memory, zero_padding=False)
+    return (expert_parallel_combine(dispatched, y), dispatched.router_logits, dispatched.expert_counts,
+            dispatched.dropped_rows)
 
-    return _expert_parallel(x, router_weight, experts, ep_size=ep_size, top_k=top_k, group=group,
-                            capacity=capacity, score=score, routing=routing, rounding=rounding, tile=tile)
+
+def expert_parallel_dispatch(x: Tensor, router_weight: Tensor, *, top_k: int, group=None,
+                             capacity: Optional[int] = None, score: str = "softmax_topk", routing: str = "topk",
+                             rounding: str = "nearest", tile: int = 128) -> ExpertParallelDispatch:
+    """The first stage of expert_parallel_moe (route, exchange, group by local expert); run the local experts on
+    its x_grouped, then expert_parallel_combine. The stages let a schedule interleave micro-batches, e.g. one
+    micro-batch's exchange with another's experts (docs/PARALLEL.md, "Overlap")."""
+    ep_size, _ = _group_size_rank(group)
+    _check_x(x)
+    _check_router(x, router_weight, ep_size)
+    return _dispatch(x, router_weight, ep_size=ep_size, top_k=top_k, group=group, capacity=capacity, score=score,
+                     routing=routing, rounding=rounding, tile=tile)
 
 
 def _check_x(x):
@@ -590,19 +645,32 @@ def _check_router(x, router_weight, ep_size) -> int:
     return E
 
 
-def _expert_parallel(x, router_weight, experts_fn, *, ep_size, top_k, group, capacity, score, routing, rounding,
-                     tile):
-    """Route, dispatch, experts_fn(x_grouped, tokens_per_expert) on this rank's experts, combine."""
-    E = router_weight.shape[0]
-    _check_capacity_arg(capacity)
-    _check_routing_options(top_k, E, score, routing, rounding, tile)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    logits = x @ router_weight.t()
-    rt = _route_dense(logits, top_k, score, routing, rounding, tile)
-    out, dropped = _dispatch_and_combine(x, rt, experts_fn, E=E, ep_size=ep_size, capacity=capacity, group=group,
-                                         anchor=router_weight, top_k=top_k, tile=tile)
-    return out, logits, rt.counts.to(torch.int32), dropped
+# ---- FSDP2 composition ------------------------------------------------------------------------------------------
+
+def shard_experts_fsdp2(layer: "ExpertParallelMoE", expert_mesh=None, **fully_shard_kwargs) -> set:
+    """Prepares an ExpertParallelMoE for FSDP2 (docs/PARALLEL.md): call it before the fully_shard that encloses
+    the layer (its block, or the root), which then shards the router with the other non-expert parameters.
+
+    Gradient convention: data-parallel training averages gradients over the data-parallel ranks (FSDP2 divides its
+    reduce-scatter by the mesh size). An expert's gradient already sums the contributions of the ep_size ranks
+    whose tokens it served, so it needs one more division by ep_size:
+      * expert_mesh (a 1-D DeviceMesh of the ranks holding the same experts, one per EP group) of size F > 1: the
+        experts are sharded over it with fully_shard (extra keyword arguments go to that call) and divide by
+        F * ep_size. Returns an empty set.
+      * expert_mesh None or of size 1 (EP spans the data-parallel group): the experts stay whole; a gradient hook
+        divides by ep_size (FSDP2 applies no divide factor on a 1-rank mesh). Returns the experts' parameters:
+        pass them as ignored_params to the enclosing fully_shard, which must not shard them over the EP ranks."""
+    from torch.distributed.fsdp import fully_shard
+    if not isinstance(layer, ExpertParallelMoE):
+        raise TypeError(f"machmoe: argument 'layer': expected an ExpertParallelMoE, got {type(layer).__name__}")
+    if expert_mesh is not None and expert_mesh.size() > 1:
+        fully_shard(layer.experts, mesh=expert_mesh, **fully_shard_kwargs)
+        layer.experts.set_gradient_divide_factor(float(expert_mesh.size() * layer.ep_size))
+        return set()
+    params = set(layer.experts.parameters())
+    for p in params:
+        p.register_hook(lambda g, ep_size=layer.ep_size: g / ep_size)
+    return params
 
 
 # ---- capacity overflow ------------------------------------------------------------------------------------------
@@ -636,11 +704,15 @@ def check_capacity(dropped_rows: Union[Tensor, "ExpertParallelOutput", None], *,
 @dataclass
 class ExpertParallelOutput(MoEOutput):
     dropped_rows: Optional[Tensor] = None  # capacity mode: this rank's pairs not sent (0-d int64, on the device)
-    group: object = None                   # the expert-parallel group (for check_capacity(all_ranks=True))
 
-    def check_capacity(self, action: str = "raise", all_ranks: bool = False) -> int:
-        """check_capacity(self.dropped_rows, ...) over this layer's group."""
-        return check_capacity(self.dropped_rows, action=action, all_ranks=all_ranks, group=self.group)
+    def check_capacity(self, action: str = "raise", all_ranks: bool = False, group=None) -> int:
+        """check_capacity(self.dropped_rows, ...); with all_ranks, pass the layer's group (None: default group)."""
+        return check_capacity(self.dropped_rows, action=action, all_ranks=all_ranks, group=group)
+
+
+# A pytree node, so that what walks a module's outputs finds the tensors inside: FSDP2 hooks the backward of the
+# root module's outputs to reduce-scatter its gradients afterwards, and a plain dataclass would hide them.
+torch.utils._pytree.register_dataclass(ExpertParallelOutput)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -708,7 +780,8 @@ class ExpertParallelMoE(nn.Module):
                     getattr(ep.experts, name).copy_(src[local])
         return ep
 
-    def forward(self, x: Tensor) -> ExpertParallelOutput:
+    def dispatch(self, x: Tensor) -> ExpertParallelDispatch:
+        """Stage 1 of forward: route x (..., hidden_size), send its rows to their experts' ranks."""
         shape = x.shape
         if shape[-1] != self.hidden_size:
             _fail("x", f"(..., {self.hidden_size})", tuple(shape))
@@ -716,18 +789,27 @@ class ExpertParallelMoE(nn.Module):
         _check_x(flat)
         router_weight = _local(self.router_weight)
         _check_router(flat, router_weight, self.ep_size)
+        dispatched = _dispatch(flat, router_weight, ep_size=self.ep_size, top_k=self.top_k, group=self.group,
+                               capacity=self.capacity, score=self.score, routing=self.routing,
+                               rounding=self.rounding, tile=self.tile)
+        dispatched.input_shape = shape
+        return dispatched
 
-        def experts(x_grouped, tokens_per_expert):
-            # Called as a module, so that hooks on it run (FSDP2 gathers the experts' shards here). The capacity
-            # mode's padding rows are discarded by their sender: no need to zero them.
-            return self.experts(x_grouped, tokens_per_expert, zero_padding=False)
-
-        out, logits, counts, dropped = _expert_parallel(
-            flat, router_weight, experts, ep_size=self.ep_size, top_k=self.top_k, group=self.group,
-            capacity=self.capacity, score=self.score, routing=self.routing, rounding=self.rounding, tile=self.tile)
-        result = ExpertParallelOutput(out.reshape(shape), logits, counts, dropped_rows=dropped, group=self.group)
+    def combine(self, dispatched: ExpertParallelDispatch, y_grouped: Tensor) -> ExpertParallelOutput:
+        """Stage 3 of forward (stage 2: y_grouped = self.experts(d.x_grouped, d.tokens_per_expert))."""
+        out = expert_parallel_combine(dispatched, y_grouped)
+        logits, counts = dispatched.router_logits, dispatched.expert_counts
+        result = ExpertParallelOutput(out.reshape(dispatched.input_shape), logits, counts,
+                                      dropped_rows=dispatched.dropped_rows)
         if self.aux_loss_coef > 0:
             result.aux_loss = self.aux_loss_coef * load_balancing_loss(logits, counts)
         if self.z_loss_coef > 0:
             result.z_loss = self.z_loss_coef * router_z_loss(logits)
         return result
+
+    def forward(self, x: Tensor) -> ExpertParallelOutput:
+        dispatched = self.dispatch(x)
+        # The experts are called as a module, so that hooks on it run (FSDP2 gathers their shards here). The
+        # capacity mode's padding rows are discarded by their sender: no need to zero them.
+        y = self.experts(dispatched.x_grouped, dispatched.tokens_per_expert, zero_padding=False)
+        return self.combine(dispatched, y)

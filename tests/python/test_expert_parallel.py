@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 import machmoe
 from machmoe.parallel import (ExpertParallelMoE, GroupedExperts, TorchTitanGroupedExperts, check_capacity,
-                              expert_parallel_moe, route)
+                              expert_parallel_moe, route, shard_experts_fsdp2)
 from reference import GLU, experts as reference_experts, route as reference_route
 
 D, N = 8, 4
@@ -413,6 +413,32 @@ def scenario_input_requires_grad_on_one_rank_only(rank, world):
     assert_close("grad w1", ep.experts.w1.grad, m.w1.grad[local], 1e-12)
 
 
+def scenario_staged_micro_batches_interleaved(rank, world):
+    """The overlap schedule's order (docs/PARALLEL.md): dispatch A, experts A, dispatch B, combine A, experts B,
+    combine B — equals two plain forwards bitwise, gradients included; and combine rejects a wrong y_grouped."""
+    for capacity in (None, 24):
+        m = make_layer(18, E=2 * world)
+        xa, xb = (make_inputs(s, [9, 7, 8, 6][:world])[rank].requires_grad_() for s in (18, 19))
+        ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
+        plain = [ep(xa).output, ep(xb).output]
+        g_plain = torch.autograd.grad(plain[0].square().sum() + plain[1].sum(), [xa, xb] + list(ep.parameters()))
+        da = ep.dispatch(xa)
+        ya = ep.experts(da.x_grouped, da.tokens_per_expert)
+        db = ep.dispatch(xb)
+        oa = ep.combine(da, ya)
+        yb = ep.experts(db.x_grouped, db.tokens_per_expert)
+        ob = ep.combine(db, yb)
+        g = torch.autograd.grad(oa.output.square().sum() + ob.output.sum(), [xa, xb] + list(ep.parameters()))
+        assert torch.equal(oa.output, plain[0]) and torch.equal(ob.output, plain[1])
+        assert all(torch.equal(u, v) for u, v in zip(g, g_plain))
+    try:
+        ep.combine(da, ya[:-1])
+    except ValueError as e:
+        assert "argument 'y_grouped': expected a tensor shaped like dispatched.x_grouped" in str(e)
+    else:
+        raise AssertionError("combine accepted a wrong y_grouped")
+
+
 class Block(torch.nn.Module):
     """A residual block around the EP layer, as torch.compile would see it in a model."""
 
@@ -448,21 +474,15 @@ def scenario_torch_compile(rank, world):
     torch._dynamo.reset()
 
 
-def scenario_fsdp2_two_dimensional_mesh(rank, world):
-    """docs/PARALLEL.md's recipe on 4 ranks: EP groups of 2 ({0,1}, {2,3}), the experts sharded by FSDP2 across
-    the two EP groups ({0,2}, {1,3}), the router across all 4; gradient divide factor 4 on the experts. Three SGD
-    steps equal the single-process layer's on all ranks' tokens (loss: the mean over ranks)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def check_fsdp2_training(rank, world, ep_mesh, expert_mesh, dp_mesh, sizes):
+    """Three SGD steps of the EP layer under FSDP2 (shard_experts_fsdp2, then fully_shard over the data-parallel
+    ranks) equal those of the single-process layer on all ranks' tokens with the mean of the ranks' losses."""
     from torch.distributed.fsdp import fully_shard
-    assert world == 4
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("expert_fsdp", "ep"))
-    dp = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     m = make_layer(17, E=4, aux_loss_coef=0.1)
-    xs = make_inputs(17, [8, 6, 7, 9])
-    ep = ExpertParallelMoE.from_moe(m, group=mesh["ep"].get_group())
-    fully_shard(ep.experts, mesh=mesh["expert_fsdp"])
-    ep.experts.set_gradient_divide_factor(4.0)  # as FSDP2 divides the router's: expert gradients already sum 2 ranks
-    fully_shard(ep, mesh=dp)
+    xs = make_inputs(17, sizes)
+    ep = ExpertParallelMoE.from_moe(m, group=ep_mesh.get_group())
+    ignored = shard_experts_fsdp2(ep, expert_mesh)
+    fully_shard(ep, mesh=dp_mesh, ignored_params=ignored)
     opt = torch.optim.SGD(ep.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(m.parameters(), lr=0.5)
     for step in range(3):
@@ -476,14 +496,32 @@ def scenario_fsdp2_two_dimensional_mesh(rank, world):
         for x in xs:
             r = m(x)
             ref_losses.append(r.output.square().mean() + r.aux_loss)
-        (sum(ref_losses) / 4).backward()
+        (sum(ref_losses) / world).backward()
         ref_opt.step()
         assert_close(f"step {step} loss", loss.detach(), ref_losses[rank].detach(), 1e-12)
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
     local = slice(ep.expert_offset, ep.expert_offset + ep.num_local_experts)
-    assert_close("router after 3 steps", ep.router_weight.full_tensor(), m.router_weight.detach(), 1e-12)
+    assert_close("router after 3 steps", full(ep.router_weight), m.router_weight.detach(), 1e-12)
     for name in ("w1", "w2", "b1", "b2"):
-        assert_close(f"{name} after 3 steps", getattr(ep.experts, name).full_tensor(),
-                     getattr(m, name).detach()[local], 1e-12)
+        assert_close(f"{name} after 3 steps", full(getattr(ep.experts, name)), getattr(m, name).detach()[local],
+                     1e-12)
+
+
+def scenario_fsdp2_two_dimensional_mesh(rank, world):
+    """4 ranks: EP groups {0,1}, {2,3}; experts sharded by FSDP2 across the EP groups ({0,2}, {1,3}); the router
+    over all 4."""
+    from torch.distributed.device_mesh import init_device_mesh
+    assert world == 4
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("expert_fsdp", "ep"))
+    dp = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    check_fsdp2_training(rank, world, mesh["ep"], mesh["expert_fsdp"], dp, [8, 6, 7, 9])
+
+
+def scenario_fsdp2_experts_outside_fsdp(rank, world):
+    """EP over the whole data-parallel group: FSDP2 shards the router over it, the experts stay whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    check_fsdp2_training(rank, world, mesh, None, mesh, [8, 6, 7, 9][:world])
 
 
 SCENARIOS_2 = [
@@ -491,6 +529,7 @@ SCENARIOS_2 = [
     "skewed_routing", "rank_without_tokens", "rank_receives_nothing", "num_experts_not_divisible",
     "argument_errors", "functional_equals_module", "bitwise_reruns", "capacity_without_overflow",
     "capacity_overflow", "host_synchronisations", "input_requires_grad_on_one_rank_only", "torch_compile",
+    "staged_micro_batches_interleaved", "fsdp2_experts_outside_fsdp",
 ]
 SCENARIOS_4 = ["topk_float64", "token_rounding_float64", "rank_without_tokens", "capacity_overflow",
                "fsdp2_two_dimensional_mesh"]
@@ -498,10 +537,16 @@ SCENARIOS_4 = ["topk_float64", "token_rounding_float64", "rank_without_tokens", 
 
 # ---- the process harness ------------------------------------------------------------------------------------------
 
-def _worker(rank, world, port, names, out_dir):
+def _worker(rank, world, port, module_name, names, out_dir, backend):
+    """One rank: runs module_name's scenario_<name>(rank, world) for every name, recording each outcome."""
+    import importlib
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
+                            device_id=torch.device("cuda", rank) if backend == "nccl" else None)
+    module = importlib.import_module(module_name)
     results, failed = {}, None
     path = os.path.join(out_dir, f"rank{rank}.json")
     for name in names:
@@ -509,7 +554,7 @@ def _worker(rank, world, port, names, out_dir):
             results[name] = f"not run: scenario {failed!r} failed before it on rank {rank}"
         else:
             try:
-                globals()["scenario_" + name](rank, world)
+                getattr(module, "scenario_" + name)(rank, world)
                 results[name] = "ok"
             except BaseException:  # noqa: B902 — recorded and reported by the parent
                 results[name] = traceback.format_exc()
@@ -527,11 +572,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _spawn(world, names, tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp(f"ep{world}"))
+def spawn_scenarios(world, module_name, names, out_dir, backend="gloo"):
+    """Runs the scenarios on `world` processes; returns ({rank: {name: "ok" | traceback}}, error or None)."""
     error = None
     try:
-        mp.spawn(_worker, args=(world, _free_port(), names, out_dir), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), module_name, names, out_dir, backend), nprocs=world, join=True)
     except Exception as e:  # a crashed worker: its scenarios show up as missing
         error = f"worker processes failed: {e}"
     results = {}
@@ -541,31 +586,31 @@ def _spawn(world, names, tmp_path_factory):
     return results, error
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return _spawn(2, SCENARIOS_2, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return _spawn(4, SCENARIOS_4, tmp_path_factory)
-
-
-def _assert_scenario(results_and_error, name):
+def assert_scenario(results_and_error, name):
     results, error = results_and_error
     problems = [f"rank {r}: {res.get(name, 'no result (worker died?)')}" for r, res in results.items()
                 if res.get(name) != "ok"]
     assert not problems, "\n".join(problems + ([error] if error else []))
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return spawn_scenarios(2, __name__, SCENARIOS_2, str(tmp_path_factory.mktemp("ep2")))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return spawn_scenarios(4, __name__, SCENARIOS_4, str(tmp_path_factory.mktemp("ep4")))
+
+
 @pytest.mark.parametrize("name", SCENARIOS_2)
 def test_two_ranks(two_ranks, name):
-    _assert_scenario(two_ranks, name)
+    assert_scenario(two_ranks, name)
 
 
 @pytest.mark.parametrize("name", SCENARIOS_4)
 def test_four_ranks(four_ranks, name):
-    _assert_scenario(four_ranks, name)
+    assert_scenario(four_ranks, name)
 
 
 # ---- in one process ----------------------------------------------------------------------------------------------

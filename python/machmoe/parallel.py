@@ -12,7 +12,7 @@ Two exchange modes:
     once per forward (the split sizes of the row all-to-all must be host integers). That copy is the layer's only
     host synchronisation; the reverse exchange and the whole backward reuse the split sizes.
   * capacity=C: a static bound of C rows per (source rank, destination rank) pair. Every shape is static and nothing
-    is copied to the host (CUDA-graph capturable). Rows beyond the bound are not sent: they contribute nothing to
+    is copied to the host (meant for CUDA-graph capture). Rows beyond the bound are not sent: they contribute nothing to
     the output (like a capacity-factor token drop), and the number of dropped rows is reported on the device
     (ExpertParallelOutput.dropped_rows, check_capacity()).
 
@@ -106,11 +106,10 @@ def _route_dense(logits: Tensor, top_k: int, score: str, routing: str, rounding:
 
 @dataclass
 class _Pairs:
-    """The routed pairs in pair (token-major) order; `valid` is None when every entry is a real pair."""
-    token: Tensor     # (P,) int64
-    expert: Tensor    # (P,) int64; E for padding entries
-    score: Tensor     # (P,) score dtype
-    valid: Optional[Tensor]
+    """The routed pairs in pair (token-major) order."""
+    token: Tensor     # (P,) int64 (0 for padding entries)
+    expert: Tensor    # (P,) int64; E for padding entries (they sort last and go to no rank)
+    score: Tensor     # (P,) score dtype (0 for padding entries)
     top_k: int        # > 0: exactly top_k pairs per token (p = t*K + k); 0: `per_token` segments
     per_token: Optional[Tensor] = None  # (T + 1,): pairs per token, then the padding entries
 
@@ -122,18 +121,18 @@ def _pairs(rt: _Routing, T: int, E: int, num_pairs: Optional[int], exact: bool =
     if rt.top_k_order is not None:
         K = rt.top_k_order.shape[1]
         token = torch.arange(T, device=device).repeat_interleave(K, output_size=T * K)
-        return _Pairs(token, rt.top_k_order.reshape(-1), rt.top_k_scores.reshape(-1), None, K)
+        return _Pairs(token, rt.top_k_order.reshape(-1), rt.top_k_scores.reshape(-1), K)
     nz = torch.nonzero_static(rt.keep, size=num_pairs, fill_value=-1)  # row-major: (token, expert) ascending
     padding = (num_pairs - rt.per_token.sum()).reshape(1)
     per_token = torch.cat([rt.per_token, padding])
     if exact:
         token, expert = nz[:, 0].contiguous(), nz[:, 1].contiguous()
-        return _Pairs(token, expert, rt.dense_scores[token, expert], None, 0, per_token)
+        return _Pairs(token, expert, rt.dense_scores[token, expert], 0, per_token)
     valid = nz[:, 0] >= 0
     token = torch.where(valid, nz[:, 0], 0)
     expert_in_range = torch.where(valid, nz[:, 1], 0)
     score = torch.where(valid, rt.dense_scores[token, expert_in_range], 0)
-    return _Pairs(token, torch.where(valid, nz[:, 1], E), score, valid, 0, per_token)
+    return _Pairs(token, torch.where(valid, nz[:, 1], E), score, 0, per_token)
 
 
 def route(logits: Tensor, *, top_k: int, score: str = "softmax_topk", routing: str = "topk",
@@ -214,13 +213,13 @@ class _DispatchRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, slot_token, slot_valid, pair_slot, pair_valid, top_k, per_token):
         ctx.save_for_backward(pair_slot, pair_valid, per_token)
-        ctx.flags = (slot_valid is not None, pair_valid is not None, top_k, x.shape[0], x.dtype)
+        ctx.flags = (pair_valid is not None, top_k, x.shape[0], x.dtype)
         return _gather_rows(x, slot_token, slot_valid)
 
     @staticmethod
     def backward(ctx, grad):
         pair_slot, pair_valid, per_token = ctx.saved_tensors
-        _, has_pair_valid, top_k, T, dtype = ctx.flags
+        has_pair_valid, top_k, T, dtype = ctx.flags
         g = _gather_rows(grad.contiguous(), pair_slot, pair_valid if has_pair_valid else None)
         dx = _cast(_segment_sum(g, top_k, per_token, T, _acc_dtype(dtype)), dtype)
         return dx, None, None, None, None, None, None
@@ -233,7 +232,6 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, y, score, token, top_k, per_token, T):
         acc = score.dtype
         ctx.save_for_backward(y, score, token)
-        ctx.top_k, ctx.T = top_k, T
         return _cast(_segment_sum(_cast(y, acc) * score.unsqueeze(1), top_k, per_token, T, acc), y.dtype)
 
     @staticmethod
@@ -323,7 +321,8 @@ def _local(t: Optional[Tensor]) -> Optional[Tensor]:
 class GroupedExperts(nn.Module):
     """E experts in machmoe's layout (w1 (E, 2n | n, d), w2 (E, d, n), b1, b2 — as machmoe.MoE), called like
     torchtitan's GroupedExperts: forward(x, num_tokens_per_expert) with rows of x grouped by expert. Rows beyond
-    sum(num_tokens_per_expert) are padding and return zeros. No host synchronisation."""
+    sum(num_tokens_per_expert) are padding and return zeros; the sum must not exceed the rows (not checked: that
+    would need a host synchronisation). No host synchronisation."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, activation: str = "swiglu",
                  bias: bool = False, weight_layout: str = "interleaved", activation_memory: str = "preact",

@@ -8,6 +8,7 @@ from ._ops import defer_weight_grads  # noqa: E402
 from .functional import (check_device_errors, grouped_experts, index_checking_enabled,  # noqa: E402
                          load_balancing_loss, moe, moe_from_routing, router_z_loss, set_index_checking)
 from .module import MoE, MoEOutput  # noqa: E402
+from . import parallel  # noqa: E402,F401  (machmoe.parallel: expert parallelism, docs/PARALLEL.md)
 
 __all__ = ["MoE", "MoEOutput", "defer_weight_grads", "moe", "moe_from_routing", "grouped_experts",
            "load_balancing_loss", "router_z_loss", "set_index_checking", "index_checking_enabled",

@@ -1,0 +1,814 @@
+"""Expert parallelism over torch.distributed: machmoe.parallel.
+
+Each rank of an expert-parallel (EP) process group routes its own tokens with the replicated router, sends every
+routed (token, expert) row to the rank that owns the expert (all-to-all), runs its E / ep_size local experts on the
+rows it received with machmoe.grouped_experts (rows grouped by local expert, the pre-dispatched seam), sends the
+results back (the reverse all-to-all) and combines them with the routing scores. Every row movement is an autograd
+Function whose backward is the reverse movement, so gradients reach x, the router and the experts. docs/PARALLEL.md
+describes the design; the same code runs over gloo (CPU tensors, the CPU reference) and NCCL (CUDA tensors).
+
+Two exchange modes:
+  * capacity=None (default): the per-destination row counts are exchanged on the device, then copied to the host
+    once per forward (the split sizes of the row all-to-all must be host integers). That copy is the layer's only
+    host synchronisation; the reverse exchange and the whole backward reuse the split sizes.
+  * capacity=C: a static bound of C rows per (source rank, destination rank) pair. Every shape is static and nothing
+    is copied to the host (meant for CUDA-graph capture). Rows beyond the bound are not sent: they contribute nothing to
+    the output (like a capacity-factor token drop), and the number of dropped rows is reported on the device
+    (ExpertParallelOutput.dropped_rows, check_capacity()).
+
+Row order conventions (docs/SPEC.md §1): *pair order* is token-major (top-K: p = t*K + k; token rounding: (token,
+expert) ascending); *expert order* is the pairs stably sorted by global expert, which also groups them by
+destination rank because rank r owns experts [r*E_local, (r+1)*E_local). No floating-point atomics: every gather
+has an explicit inverse for its backward, and rows that meet (a token's K results, a token's K input gradients) are
+summed per token in a fixed order.
+"""
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+
+from ._options import (ACTIVATION_MEMORY, ACTIVATIONS, GLU_ACTIVATIONS, ROUNDINGS, SCORES, WEIGHT_LAYOUTS, code)
+from .functional import _check_tensor, _fail, grouped_experts, load_balancing_loss, router_z_loss
+from .module import MoE, MoEOutput
+
+__all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "ExpertParallelDispatch", "GroupedExperts",
+           "TorchTitanGroupedExperts", "expert_parallel_moe", "expert_parallel_dispatch", "expert_parallel_combine",
+           "check_capacity", "route", "shard_experts_fsdp2"]
+
+_CPU_DTYPES = (torch.float32, torch.float64)
+_CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores and row sums: float64 for float64 data, float32 otherwise (the library's score dtype)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- routing (the library's rules, docs/ROUTING.md) ------------------------------------------------------------
+
+@dataclass
+class _Routing:
+    """One rank's routing in dense form, before the pair list is built (its length may need the host sync)."""
+    counts: Tensor                        # (E,) int64: pairs per expert
+    top_k_order: Optional[Tensor] = None  # top-K: (T, K) chosen experts, best first
+    top_k_scores: Optional[Tensor] = None  # top-K: (T, K) scores (differentiable)
+    keep: Optional[Tensor] = None         # token rounding: (T, E) bool, the kept pairs
+    dense_scores: Optional[Tensor] = None  # token rounding: (T, E) scores of every (token, expert) (differentiable)
+    per_token: Optional[Tensor] = None    # token rounding: (T,) pairs per token
+
+
+def _rounded_counts(f: Tensor, T: int, tile: int, rounding: str) -> Tensor:
+    down = torch.div(f, tile, rounding_mode="floor") * tile
+    up = torch.clamp(torch.div(f + tile - 1, tile, rounding_mode="floor") * tile, max=T)
+    if rounding == "down":
+        return down
+    if rounding == "up":
+        return up
+    return torch.where(up - f < f - down, up, down)  # nearest; ties round down (docs/ROUTING.md)
+
+
+def _route_dense(logits: Tensor, top_k: int, score: str, routing: str, rounding: str, tile: int) -> _Routing:
+    T, E = logits.shape
+    z = logits.to(_acc_dtype(logits.dtype))
+    # Selection: descending, equal logits rank the lower expert first (stable sort), NaN ranks last.
+    ranked = torch.nan_to_num(z.detach(), nan=float("-inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    if score == "topk_softmax":
+        probs = torch.softmax(z, dim=-1)
+        s = probs.gather(1, order)
+    else:  # softmax_topk, and topk_softmax_renorm computed as the same function (docs/ROUTING.md)
+        probs = None
+        s = torch.softmax(z.gather(1, order), dim=-1)
+    if routing == "topk":
+        # Counting by scatter_add of int64 ones: exact and deterministic, and unlike bincount no host sync.
+        counts = torch.zeros(E, dtype=torch.int64, device=logits.device)
+        counts.scatter_add_(0, order.reshape(-1), torch.ones(T * top_k, dtype=torch.int64, device=logits.device))
+        return _Routing(counts=counts, top_k_order=order, top_k_scores=s)
+    # Token rounding (docs/SPEC.md §5): keep the top r_e tokens of each expert by preference S'.
+    if probs is None:
+        probs = torch.softmax(z, dim=-1)
+    chosen = torch.zeros(T, E, dtype=torch.bool, device=logits.device).scatter_(1, order, True)
+    tc_dense = torch.zeros(T, E, dtype=s.dtype, device=logits.device).scatter(1, order, s)
+    preference = torch.where(chosen, tc_dense, probs - 1).detach()
+    r = _rounded_counts(chosen.sum(0), T, tile, rounding)
+    by_preference = torch.sort(preference, dim=0, descending=True, stable=True).indices  # ties: lower token first
+    rank = torch.empty_like(by_preference).scatter_(
+        0, by_preference, torch.arange(T, device=logits.device).unsqueeze(1).expand(T, E).contiguous())
+    keep = rank < r.unsqueeze(0)
+    return _Routing(counts=keep.sum(0), keep=keep, dense_scores=torch.where(chosen, tc_dense, probs),
+                    per_token=keep.sum(1))
+
+
+@dataclass
+class _Pairs:
+    """The routed pairs in pair (token-major) order."""
+    token: Tensor     # (P,) int64 (0 for padding entries)
+    expert: Tensor    # (P,) int64; E for padding entries (they sort last and go to no rank)
+    score: Tensor     # (P,) score dtype (0 for padding entries)
+    top_k: int        # > 0: exactly top_k pairs per token (p = t*K + k); 0: `per_token` segments
+    per_token: Optional[Tensor] = None  # (T + 1,): pairs per token, then the padding entries
+
+
+def _pairs(rt: _Routing, T: int, E: int, num_pairs: Optional[int], exact: bool = True) -> _Pairs:
+    """The pair list. Token rounding: `num_pairs` entries, the exact count (exact=True) or a static bound whose
+    unused entries come last (expert E, score 0, their own final segment)."""
+    device = rt.counts.device
+    if rt.top_k_order is not None:
+        K = rt.top_k_order.shape[1]
+        token = torch.arange(T, device=device).repeat_interleave(K, output_size=T * K)
+        return _Pairs(token, rt.top_k_order.reshape(-1), rt.top_k_scores.reshape(-1), K)
+    nz = torch.nonzero_static(rt.keep, size=num_pairs, fill_value=-1)  # row-major: (token, expert) ascending
+    padding = (num_pairs - rt.per_token.sum()).reshape(1)
+    per_token = torch.cat([rt.per_token, padding])
+    if exact:
+        token, expert = nz[:, 0].contiguous(), nz[:, 1].contiguous()
+        return _Pairs(token, expert, rt.dense_scores[token, expert], 0, per_token)
+    valid = nz[:, 0] >= 0
+    token = torch.where(valid, nz[:, 0], 0)
+    expert_in_range = torch.where(valid, nz[:, 1], 0)
+    score = torch.where(valid, rt.dense_scores[token, expert_in_range], 0)
+    return _Pairs(token, torch.where(valid, nz[:, 1], E), score, 0, per_token)
+
+
+def route(logits: Tensor, *, top_k: int, score: str = "softmax_topk", routing: str = "topk",
+          rounding: str = "nearest", tile: int = 128):
+    """The library's routing (docs/ROUTING.md) in PyTorch: returns (token_index, expert_index, scores, counts) in
+    pair order, scores differentiable w.r.t. the logits; machmoe.moe_from_routing on them computes what machmoe.moe
+    computes. Top-K needs no host synchronisation; token rounding synchronises once for its pair count."""
+    if not isinstance(logits, Tensor) or logits.dim() != 2:
+        _fail("logits", "a (tokens, experts) tensor", getattr(logits, "shape", logits))
+    _check_routing_options(top_k, logits.shape[1], score, routing, rounding, tile)
+    rt = _route_dense(logits, top_k, score, routing, rounding, tile)
+    num_pairs = None if routing == "topk" else int(rt.counts.sum())
+    pairs = _pairs(rt, logits.shape[0], logits.shape[1], num_pairs, exact=True)
+    return pairs.token, pairs.expert, pairs.score, rt.counts
+
+
+def _check_routing_options(top_k, E, score, routing, rounding, tile):
+    code(SCORES, score, "score")
+    code(ROUNDINGS, rounding, "rounding")
+    if routing not in ("topk", "token_rounding"):
+        _fail("routing", "'topk' or 'token_rounding'", repr(routing))
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= E:
+        _fail("top_k", f"an integer in [1, {E}] (the number of experts)", top_k)
+    if not isinstance(tile, int) or tile <= 0 or tile % 8:
+        _fail("tile", "a positive multiple of 8", tile)
+
+
+# ---- row movements with explicit backward ----------------------------------------------------------------------
+
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t.to(dtype), but t itself when it already has that dtype. Returning the no-op t.to(t.dtype) from an
+    autograd.Function's forward makes torch.compile (dynamo, torch 2.11) drop the Function's gradients."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _select(src: Tensor, index: Tensor) -> Tensor:
+    """src[index]; from an empty src (a rank without pairs, whose empty slots still hold index 0) all zeros."""
+    if src.shape[0] == 0:
+        return src.new_zeros((index.shape[0],) + tuple(src.shape[1:]))
+    return src.index_select(0, index)
+
+
+def _gather_rows(src: Tensor, index: Tensor, valid: Optional[Tensor]) -> Tensor:
+    rows = _select(src, index)
+    return rows if valid is None else torch.where(valid.unsqueeze(1), rows, rows.new_zeros(()))
+
+
+def _segment_sum(values: Tensor, top_k: int, per_token: Optional[Tensor], T: int, acc: torch.dtype) -> Tensor:
+    """Sum of each token's pair rows in ascending pair order (a fixed order: bitwise reproducible)."""
+    if top_k:
+        return values.reshape(T, top_k, values.shape[1]).sum(1, dtype=acc)
+    # Token rounding: a variable number of pairs per token; the last segment holds the padding entries.
+    summed = torch.segment_reduce(_cast(values, acc), "sum", lengths=per_token, axis=0, unsafe=True)
+    return summed[:T]
+
+
+class _RowPermute(torch.autograd.Function):
+    """out[i] = src[index[i]] (0 where not valid). `index` must be injective on the valid rows and `inverse` its
+    inverse (inverse[j] = i with index[i] = j; invalid where no i reads row j): the backward is then a gather too."""
+
+    @staticmethod
+    def forward(ctx, src, index, valid, inverse, inverse_valid):
+        ctx.save_for_backward(inverse, inverse_valid)
+        ctx.has_inverse_valid = inverse_valid is not None
+        return _gather_rows(src, index, valid)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, inverse_valid = ctx.saved_tensors
+        return _gather_rows(grad.contiguous(), inverse, inverse_valid if ctx.has_inverse_valid else None), \
+            None, None, None, None
+
+
+class _DispatchRows(torch.autograd.Function):
+    """The send buffer: row j = x[slot_token[j]] (0 for empty slots). A token fills up to K slots, so the backward
+    gathers each pair's slot gradient in pair order and sums per token (no scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, x, slot_token, slot_valid, pair_slot, pair_valid, top_k, per_token):
+        ctx.save_for_backward(pair_slot, pair_valid, per_token)
+        ctx.flags = (pair_valid is not None, top_k, x.shape[0], x.dtype)
+        return _gather_rows(x, slot_token, slot_valid)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pair_slot, pair_valid, per_token = ctx.saved_tensors
+        has_pair_valid, top_k, T, dtype = ctx.flags
+        g = _gather_rows(grad.contiguous(), pair_slot, pair_valid if has_pair_valid else None)
+        dx = _cast(_segment_sum(g, top_k, per_token, T, _acc_dtype(dtype)), dtype)
+        return dx, None, None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """out[t] = sum over t's pairs of score_p * y_p, accumulated in the score dtype. Saves y and the scores only."""
+
+    @staticmethod
+    def forward(ctx, y, score, token, top_k, per_token, T):
+        acc = score.dtype
+        ctx.save_for_backward(y, score, token)
+        return _cast(_segment_sum(_cast(y, acc) * score.unsqueeze(1), top_k, per_token, T, acc), y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y, score, token = ctx.saved_tensors
+        acc = score.dtype
+        g = _cast(grad_out, acc).index_select(0, token)   # each pair's output gradient (pair order)
+        grad_y = _cast(g * score.unsqueeze(1), y.dtype) if ctx.needs_input_grad[0] else None
+        grad_score = (g * _cast(y, acc)).sum(1) if ctx.needs_input_grad[1] else None
+        return grad_y, grad_score, None, None, None, None
+
+
+def _all_to_all(rows: Tensor, out_splits, in_splits, group) -> Tensor:
+    """all_to_all_single as a functional collective: a new tensor, not a write into a buffer. torch.compile traces
+    it in forward and backward alike (it mis-traces the in-place dist.all_to_all_single inside an autograd.Function
+    backward: the write is lost, torch 2.11). Gloo and NCCL both run it; the wait makes it ordinary for what
+    follows (on CUDA the wait is a stream dependency, not a host synchronisation)."""
+    out = funcol.all_to_all_single(rows.contiguous(), out_splits, in_splits, group if group is not None
+                                   else dist.group.WORLD)
+    return funcol.wait_tensor(out)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to the ranks that own them; the backward sends the gradients back along the same splits, reversed.
+
+    `anchor` is a tensor every rank of the group passes with the same requires_grad (the replicated router weight):
+    it puts this node in every rank's graph, so every rank runs the backward collective even where its own rows
+    need no gradient (a rank with no tokens), and no rank waits for a partner that skipped it."""
+
+    @staticmethod
+    def forward(ctx, rows, anchor, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(rows, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None, None
+
+
+def _exchange(rows: Tensor, anchor: Optional[Tensor], out_splits, in_splits, group) -> Tensor:
+    if anchor is not None and torch.is_grad_enabled() and anchor.requires_grad:
+        return _AllToAll.apply(rows, anchor, out_splits, in_splits, group)
+    return _AllToAll.apply(rows, None, out_splits, in_splits, group)
+
+
+# ---- the grouped experts (the pre-dispatched seam) -------------------------------------------------------------
+
+def _empty_rows_linked(x: Tensor, params: Sequence[Optional[Tensor]]) -> Tensor:
+    """The expert output for zero rows: (0, d), linked to every parameter so that they get a zero gradient (not
+    None, which optimizers and FSDP would treat as 'no gradient this step')."""
+    out = x.new_zeros((0, x.shape[1]))
+    for p in params:
+        if p is not None and p.requires_grad:
+            out = out + p.sum() * 0
+    if x.requires_grad:
+        out = out + x.sum() * 0
+    return out
+
+
+def _run_grouped(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor], b2: Optional[Tensor],
+                 *, activation: str, weight_layout: str, activation_memory: str, zero_padding: bool) -> Tensor:
+    """machmoe.grouped_experts on rows grouped by expert, where rows beyond sum(counts) are padding (torchtitan's
+    aligned dispatch, the capacity mode's empty slots). The padding rows are computed by the last expert (no host
+    sync to find where they start) and, with zero_padding, their output is set to zero."""
+    P = x.shape[0]
+    if P == 0:
+        # grouped_experts may not accept P = 0 yet; nothing to compute, but keep the parameters in the graph.
+        return _empty_rows_linked(x, (w1, w2, b1, b2))
+    counts = counts.to(device=x.device, dtype=torch.int64)
+    real = counts.sum()
+    padded = counts.clone()
+    padded[-1] += P - real
+    y = grouped_experts(x, padded, w1, w2, b1, b2, activation=activation, weight_layout=weight_layout,
+                        activation_memory=activation_memory)
+    if zero_padding:
+        y = torch.where((torch.arange(P, device=x.device) < real).unsqueeze(1), y, y.new_zeros(()))
+    return y
+
+
+def _local(t: Optional[Tensor]) -> Optional[Tensor]:
+    """Plain tensors from DTensor parameters (FSDP2 gathers them before forward; torchtitan's EP plan leaves them
+    as DTensors sharded on the expert dimension)."""
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
+class GroupedExperts(nn.Module):
+    """E experts in machmoe's layout (w1 (E, 2n | n, d), w2 (E, d, n), b1, b2 — as machmoe.MoE), called like
+    torchtitan's GroupedExperts: forward(x, num_tokens_per_expert) with rows of x grouped by expert. Rows beyond
+    sum(num_tokens_per_expert) are padding and return zeros; the sum must not exceed the rows (not checked: that
+    would need a host synchronisation). No host synchronisation."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, activation: str = "swiglu",
+                 bias: bool = False, weight_layout: str = "interleaved", activation_memory: str = "preact",
+                 device=None, dtype=None):
+        super().__init__()
+        code(ACTIVATIONS, activation, "activation")
+        code(WEIGHT_LAYOUTS, weight_layout, "weight_layout")
+        code(ACTIVATION_MEMORY, activation_memory, "activation_memory")
+        if weight_layout == "concatenated" and activation not in GLU_ACTIVATIONS:
+            _fail("weight_layout", f"'interleaved' for the non-GLU activation {activation!r}", repr(weight_layout))
+        self.hidden_size, self.intermediate_size, self.num_experts = hidden_size, intermediate_size, num_experts
+        self.activation, self.weight_layout, self.activation_memory = activation, weight_layout, activation_memory
+        rows = 2 * intermediate_size if activation in GLU_ACTIVATIONS else intermediate_size
+        kw = dict(device=device, dtype=dtype)
+        self.w1 = nn.Parameter(torch.empty(num_experts, rows, hidden_size, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
+        self.b1 = nn.Parameter(torch.empty(num_experts, rows, **kw)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size, **kw)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self, seed: Optional[int] = None, first_expert: int = 0) -> None:
+        """machmoe.MoE's initialisation. With `seed`, expert i is drawn from its own generator seeded with
+        seed + first_expert + i, so an expert's initial weights do not depend on how experts are split over ranks."""
+        if self.w1.device.type == "meta":
+            return
+        with torch.no_grad():
+            if self.b1 is not None:
+                self.b1.zero_()
+                self.b2.zero_()
+            if seed is None:
+                self.w1.normal_(0.0, 1.0 / math.sqrt(self.hidden_size))
+                self.w2.normal_(0.0, 1.0 / math.sqrt(self.intermediate_size))
+                return
+            for i in range(self.num_experts):
+                g = torch.Generator(device=self.w1.device).manual_seed(seed + first_expert + i)
+                self.w1[i].normal_(0.0, 1.0 / math.sqrt(self.hidden_size), generator=g)
+                self.w2[i].normal_(0.0, 1.0 / math.sqrt(self.intermediate_size), generator=g)
+
+    def forward(self, x: Tensor, num_tokens_per_expert: Tensor, *, zero_padding: bool = True) -> Tensor:
+        """zero_padding=False leaves the padding rows' output unspecified (finite), for callers that discard it."""
+        _check_grouped_call(x, num_tokens_per_expert, self.num_experts, self.hidden_size)
+        return _run_grouped(x, num_tokens_per_expert, _local(self.w1), _local(self.w2), _local(self.b1),
+                            _local(self.b2), activation=self.activation, weight_layout=self.weight_layout,
+                            activation_memory=self.activation_memory, zero_padding=zero_padding)
+
+
+def _check_grouped_call(x, counts, num_experts, hidden):
+    if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != hidden:
+        _fail("x", f"a (rows, {hidden}) tensor grouped by expert", getattr(x, "shape", type(x).__name__))
+    if not isinstance(counts, Tensor) or tuple(counts.shape) != (num_experts,):
+        _fail("num_tokens_per_expert", f"a ({num_experts},) tensor", getattr(counts, "shape", type(counts).__name__))
+    if counts.device != x.device:
+        _fail("num_tokens_per_expert", f"a tensor on {x.device} (the device of x)", f"a tensor on {counts.device}")
+
+
+class TorchTitanGroupedExperts(nn.Module):
+    """Drop-in for torchtitan's GroupedExperts (torchtitan/models/moe/moe.py): the same constructor, parameters
+    w1 (E, hidden_dim, dim) (gate), w2 (E, dim, hidden_dim) (down), w3 (E, hidden_dim, dim) (up), the same
+    forward(x, num_tokens_per_expert) (rows grouped by expert, padding rows beyond the counts return zeros, counts
+    may be float as torchtitan's histc gives them) and init_weights(init_std). SwiGLU experts on machmoe's kernels.
+
+    machmoe's up-projection takes one (E, 2n, d) weight, so each forward concatenates [w1; w3] (a copy of the
+    gate/up weights, 2*E*hidden_dim*dim elements, whose gradient is split back by autograd)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True, device=None,
+                 dtype=None):
+        super().__init__()
+        self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
+        self.use_grouped_mm = use_grouped_mm  # accepted for signature compatibility; machmoe always groups
+        kw = dict(device=device, dtype=dtype)
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
+        nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
+
+    def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
+        _check_grouped_call(x, num_tokens_per_expert, self.num_experts, self.dim)
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        gate_up = torch.cat([w1, w3], dim=1)  # rows [0, h) gate, [h, 2h) up: machmoe's "concatenated" layout
+        return _run_grouped(x, num_tokens_per_expert, gate_up, w2, None, None, activation="swiglu",
+                            weight_layout="concatenated", activation_memory="preact", zero_padding=True)
+
+
+# ---- the expert-parallel layer ---------------------------------------------------------------------------------
+
+def _group_size_rank(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("machmoe: expert parallelism needs an initialised torch.distributed process group "
+                           "(call torch.distributed.init_process_group first)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_divisible(num_experts: int, ep_size: int) -> None:
+    if num_experts % ep_size:
+        _fail("num_experts", f"a multiple of the expert-parallel group size {ep_size} (each rank owns "
+              "num_experts / ep_size experts)", num_experts)
+
+
+def _check_capacity_arg(capacity) -> None:
+    if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0):
+        _fail("capacity", "None or a positive int (rows per source/destination rank pair)", repr(capacity))
+
+
+@dataclass
+class _Plan:
+    """Everything the exchange needs after routing. A *slot* is a row of the send buffer: in the default mode the
+    pairs in expert order; in capacity mode ep_size blocks of `capacity` rows, block r for rank r."""
+    pairs: _Pairs
+    slot_token: Tensor                  # slot -> token (dispatch gather)
+    slot_pair: Tensor                   # slot -> pair (the inverse of pair_slot)
+    slot_valid: Optional[Tensor]        # capacity mode: slots that hold a row
+    pair_slot: Tensor                   # pair -> slot
+    pair_valid: Optional[Tensor]        # capacity mode: pairs that were sent
+    send_splits: Optional[list]         # rows to each rank (host ints); None in capacity mode (equal blocks)
+    recv_splits: Optional[list]
+    recv_to_grouped: Tensor             # received row -> row in expert-grouped order
+    grouped_to_recv: Tensor
+    tokens_per_expert: Tensor           # (E_local,) rows received per local expert
+    dropped_rows: Optional[Tensor]      # capacity mode: this rank's pairs that were not sent (0-d int64)
+
+
+def _plan(rt: _Routing, T: int, E: int, ep_size: int, capacity: Optional[int], group, top_k: int,
+          tile: int) -> _Plan:
+    device = rt.counts.device
+    W, El = ep_size, E // ep_size
+    per_dest_expert = rt.counts.view(W, El)
+    if capacity is None:
+        sent = rt.counts
+        dropped = None
+    else:
+        # A destination takes the first `capacity` of its rows in expert order; the rest are not sent.
+        before = per_dest_expert.cumsum(1) - per_dest_expert
+        sent = torch.minimum(torch.clamp(capacity - before, min=0), per_dest_expert).reshape(E)
+        dropped = rt.counts.sum() - sent.sum()
+    # Rows each source rank sends to each of my local experts: recv[s, e].
+    recv = _all_to_all(sent, None, None, group).view(W, El)
+    if capacity is None:
+        # THE host synchronisation of the layer: the row all-to-all takes its split sizes as host integers.
+        sizes = torch.cat([per_dest_expert.sum(1), recv.sum(1)]).tolist()
+        send_splits, recv_splits = sizes[:W], sizes[W:]
+        pairs = _pairs(rt, T, E, sum(send_splits), exact=True)
+        received = sum(recv_splits)
+    else:
+        send_splits = recv_splits = None
+        # Static bound on the pairs of token rounding: each expert adds at most tile - 1 padded pairs.
+        pairs = _pairs(rt, T, E, min(T * E, T * top_k + E * (tile - 1)), exact=False)
+        received = W * capacity
+    P = pairs.token.shape[0]
+    pair = torch.arange(P, device=device)
+
+    # Pairs in expert order; within an expert, ascending pair order (stable sort).
+    by_expert = torch.sort(pairs.expert, stable=True).indices
+    if capacity is None:
+        slot_pair, slot_valid, pair_valid = by_expert, None, None
+        pair_slot = _inverse_of(by_expert)
+    else:
+        dest = torch.div(pairs.expert.index_select(0, by_expert), El, rounding_mode="floor")  # W: padding entry
+        dest_rows = torch.cat([per_dest_expert.sum(1), (P - rt.counts.sum()).reshape(1)])
+        position = pair - (dest_rows.cumsum(0) - dest_rows).index_select(0, dest)
+        sent_sorted = (dest < W) & (position < capacity)
+        slots = W * capacity
+        slot = torch.where(sent_sorted, dest * capacity + position, slots)  # index `slots`: not sent, discarded
+        # Written with a trailing discard row; duplicate writes go only there.
+        slot_pair = torch.zeros(slots + 1, dtype=torch.int64, device=device).scatter_(0, slot, by_expert)[:slots]
+        slot_valid = torch.zeros(slots + 1, dtype=torch.bool, device=device).scatter_(0, slot, sent_sorted)[:slots]
+        pair_slot = torch.empty_like(by_expert).scatter_(0, by_expert, torch.clamp(slot, max=slots - 1))
+        pair_valid = torch.empty_like(sent_sorted).scatter_(0, by_expert, sent_sorted)
+    slot_token = _select(pairs.token, slot_pair)
+
+    # Received rows arrive source-major (source s, then local expert e); the experts want them expert-major.
+    # In capacity mode each source block ends with its empty slots; they are grouped last (padding rows).
+    padding = (capacity - recv.sum(1)) if capacity is not None else torch.zeros_like(recv[:, 0])
+    segments = torch.cat([recv, padding.unsqueeze(1)], dim=1)                  # (W, El + 1), source-major
+    seg_sizes = segments.reshape(-1)
+    seg_start = seg_sizes.cumsum(0) - seg_sizes
+    grouped_sizes = segments.t().reshape(-1)                                   # expert-major
+    grouped_start = (grouped_sizes.cumsum(0) - grouped_sizes).view(El + 1, W).t().reshape(-1)
+    seg_of_row = torch.repeat_interleave(torch.arange(W * (El + 1), device=device), seg_sizes,
+                                         output_size=received)
+    row = torch.arange(received, device=device)
+    recv_to_grouped = grouped_start.index_select(0, seg_of_row) + row - seg_start.index_select(0, seg_of_row)
+    return _Plan(pairs, slot_token, slot_pair, slot_valid, pair_slot, pair_valid, send_splits, recv_splits,
+                 recv_to_grouped, _inverse_of(recv_to_grouped), recv.sum(0), dropped)
+
+
+def _inverse_of(perm: Tensor) -> Tensor:
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.shape[0], device=perm.device))
+
+
+@dataclass
+class ExpertParallelDispatch:
+    """The dispatch stage's result on this rank: the rows this rank's experts must process, grouped by local expert
+    (x_grouped, tokens_per_expert: what GroupedExperts / torchtitan's GroupedExperts take), and what the combine
+    stage needs. In capacity mode x_grouped ends with padding rows (zeros) beyond sum(tokens_per_expert)."""
+    x_grouped: Tensor
+    tokens_per_expert: Tensor            # (E_local,) int64, on the device
+    router_logits: Tensor                # (T, E)
+    expert_counts: Tensor                # (E,) int32: pairs of this rank's tokens per expert
+    dropped_rows: Optional[Tensor]       # capacity mode: this rank's pairs not sent (0-d int64)
+    plan: _Plan = field(repr=False)
+    group: object = field(default=None, repr=False)
+    anchor: Optional[Tensor] = field(default=None, repr=False)
+    input_shape: Optional[torch.Size] = field(default=None, repr=False)
+
+
+def _dispatch(x: Tensor, router_weight: Tensor, *, ep_size: int, top_k: int, group, capacity: Optional[int],
+              score: str, routing: str, rounding: str, tile: int) -> ExpertParallelDispatch:
+    """Route this rank's tokens, exchange the counts (and, by default, read the split sizes: the host sync), send
+    the rows to their experts' ranks and group the received rows by local expert."""
+    E = router_weight.shape[0]
+    _check_capacity_arg(capacity)
+    _check_routing_options(top_k, E, score, routing, rounding, tile)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    logits = x @ router_weight.t()
+    rt = _route_dense(logits, top_k, score, routing, rounding, tile)
+    plan = _plan(rt, x.shape[0], E, ep_size, capacity, group, top_k, tile)
+    pairs = plan.pairs
+    send = _DispatchRows.apply(x, plan.slot_token, plan.slot_valid, plan.pair_slot, plan.pair_valid, pairs.top_k,
+                               pairs.per_token)
+    received = _exchange(send, router_weight, plan.recv_splits, plan.send_splits, group)
+    x_grouped = _RowPermute.apply(received, plan.grouped_to_recv, None, plan.recv_to_grouped, None)
+    return ExpertParallelDispatch(x_grouped, plan.tokens_per_expert, logits, rt.counts.to(torch.int32),
+                                  plan.dropped_rows, plan, group, router_weight)
+
+
+def expert_parallel_combine(dispatched: ExpertParallelDispatch, y_grouped: Tensor) -> Tensor:
+    """The combine stage: y_grouped (rows of dispatched.x_grouped through their experts) back to the tokens' ranks,
+    summed per token with the routing scores. Returns (T, d)."""
+    if not isinstance(dispatched, ExpertParallelDispatch):
+        raise TypeError("machmoe: argument 'dispatched': expected the ExpertParallelDispatch of the dispatch stage, "
+                        f"got {type(dispatched).__name__}")
+    expected = tuple(dispatched.x_grouped.shape)
+    if not isinstance(y_grouped, Tensor) or tuple(y_grouped.shape) != expected:
+        _fail("y_grouped", f"a tensor shaped like dispatched.x_grouped {expected}",
+              getattr(y_grouped, "shape", type(y_grouped).__name__))
+    if y_grouped.dtype != dispatched.x_grouped.dtype or y_grouped.device != dispatched.x_grouped.device:
+        _fail("y_grouped", f"dtype {dispatched.x_grouped.dtype} on {dispatched.x_grouped.device}",
+              f"{y_grouped.dtype} on {y_grouped.device}")
+    plan, pairs = dispatched.plan, dispatched.plan.pairs
+    y_received = _RowPermute.apply(y_grouped, plan.recv_to_grouped, None, plan.grouped_to_recv, None)
+    y_sent = _exchange(y_received, dispatched.anchor, plan.send_splits, plan.recv_splits, dispatched.group)
+    y_pairs = _RowPermute.apply(y_sent, plan.pair_slot, plan.pair_valid, plan.slot_pair, plan.slot_valid)
+    T = dispatched.router_logits.shape[0]
+    return _Combine.apply(y_pairs, pairs.score, pairs.token, pairs.top_k, pairs.per_token, T)
+
+
+def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,
+                        b2: Optional[Tensor] = None, *, top_k: int, group=None, capacity: Optional[int] = None,
+                        activation: str = "swiglu", score: str = "softmax_topk", routing: str = "topk",
+                        rounding: str = "nearest", tile: int = 128, weight_layout: str = "interleaved",
+                        activation_memory: str = "preact"):
+    """The expert-parallel layer on this rank. x (T, d) are this rank's tokens (T may differ between ranks, and be
+    0); router_weight (E, d) is replicated; w1, w2, b1, b2 hold this rank's E / ep_size experts (global experts
+    [rank * E_local, (rank + 1) * E_local)), in machmoe.moe's layout. Returns (out (T, d), router_logits (T, E),
+    expert_counts (E,) int32: pairs of this rank's tokens per expert, dropped_rows: None, or in capacity mode a
+    0-d int64 device tensor). Differentiable w.r.t. x, router_weight and the local experts; the router weight's
+    gradient is this rank's part (sum it over the group, as for any replicated parameter)."""
+    ep_size, ep_rank = _group_size_rank(group)
+    _check_x(x)
+    E = _check_router(x, router_weight, ep_size)
+    El, d = E // ep_size, x.shape[1]
+    code(ACTIVATIONS, activation, "activation")
+    code(WEIGHT_LAYOUTS, weight_layout, "weight_layout")
+    if not isinstance(w2, Tensor) or w2.dim() != 3:
+        _fail("w2", "an (E_local, d, n) tensor", getattr(w2, "shape", type(w2).__name__))
+    rows = 2 * w2.shape[2] if activation in GLU_ACTIVATIONS else w2.shape[2]
+    if not isinstance(w1, Tensor) or w1.dim() != 3 or w1.shape[0] != El:
+        _fail("w1", f"the {El} local experts of rank {ep_rank} (E / ep_size = {E} / {ep_size}) as an "
+              f"({El}, {rows}, {d}) tensor", getattr(w1, "shape", type(w1).__name__))
+    _check_tensor("w1", w1, (El, rows, d), x)
+    _check_tensor("w2", w2, (El, d, w2.shape[2]), x)
+    if b1 is not None:
+        _check_tensor("b1", b1, (El, rows), x)
+    if b2 is not None:
+        _check_tensor("b2", b2, (El, d), x)
+
+    dispatched = _dispatch(x, router_weight, ep_size=ep_size, top_k=top_k, group=group, capacity=capacity,
+                           score=score, routing=routing, rounding=rounding, tile=tile)
+    y = _run_grouped(dispatched.x_grouped, dispatched.tokens_per_expert, w1, w2, b1, b2, activation=activation,
+                     weight_layout=weight_layout, activation_memory=activation_memory, zero_padding=False)
+    return (expert_parallel_combine(dispatched, y), dispatched.router_logits, dispatched.expert_counts,
+            dispatched.dropped_rows)
+
+
+def expert_parallel_dispatch(x: Tensor, router_weight: Tensor, *, top_k: int, group=None,
+                             capacity: Optional[int] = None, score: str = "softmax_topk", routing: str = "topk",
+                             rounding: str = "nearest", tile: int = 128) -> ExpertParallelDispatch:
+    """The first stage of expert_parallel_moe (route, exchange, group by local expert); run the local experts on
+    its x_grouped, then expert_parallel_combine. The stages let a schedule interleave micro-batches, e.g. one
+    micro-batch's exchange with another's experts (docs/PARALLEL.md, "Overlap")."""
+    ep_size, _ = _group_size_rank(group)
+    _check_x(x)
+    _check_router(x, router_weight, ep_size)
+    return _dispatch(x, router_weight, ep_size=ep_size, top_k=top_k, group=group, capacity=capacity, score=score,
+                     routing=routing, rounding=rounding, tile=tile)
+
+
+def _check_x(x):
+    if not isinstance(x, Tensor):
+        raise TypeError(f"machmoe: argument 'x': expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        _fail("x", "a (tokens, hidden) tensor", f"shape {tuple(x.shape)}")
+    allowed = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
+    if x.dtype not in allowed:
+        _fail("x", f"one of {allowed} on {x.device.type}", x.dtype)
+
+
+def _check_router(x, router_weight, ep_size) -> int:
+    if not isinstance(router_weight, Tensor) or router_weight.dim() != 2:
+        _fail("router_weight", "an (E, d) tensor", getattr(router_weight, "shape", type(router_weight).__name__))
+    E = router_weight.shape[0]
+    _check_divisible(E, ep_size)
+    _check_tensor("router_weight", router_weight, (E, x.shape[1]), x)
+    return E
+
+
+# ---- FSDP2 composition ------------------------------------------------------------------------------------------
+
+def shard_experts_fsdp2(layer: "ExpertParallelMoE", expert_mesh=None, **fully_shard_kwargs) -> set:
+    """Prepares an ExpertParallelMoE for FSDP2 (docs/PARALLEL.md): call it before the fully_shard that encloses
+    the layer (its block, or the root), which then shards the router with the other non-expert parameters.
+
+    Gradient convention: data-parallel training averages gradients over the data-parallel ranks (FSDP2 divides its
+    reduce-scatter by the mesh size). An expert's gradient already sums the contributions of the ep_size ranks
+    whose tokens it served, so it needs one more division by ep_size:
+      * expert_mesh (a 1-D DeviceMesh of the ranks holding the same experts, one per EP group) of size F > 1: the
+        experts are sharded over it with fully_shard (extra keyword arguments go to that call) and divide by
+        F * ep_size. Returns an empty set.
+      * expert_mesh None or of size 1 (EP spans the data-parallel group): the experts stay whole; a gradient hook
+        divides by ep_size (FSDP2 applies no divide factor on a 1-rank mesh). Returns the experts' parameters:
+        pass them as ignored_params to the enclosing fully_shard, which must not shard them over the EP ranks."""
+    from torch.distributed.fsdp import fully_shard
+    if not isinstance(layer, ExpertParallelMoE):
+        raise TypeError(f"machmoe: argument 'layer': expected an ExpertParallelMoE, got {type(layer).__name__}")
+    if expert_mesh is not None and expert_mesh.size() > 1:
+        fully_shard(layer.experts, mesh=expert_mesh, **fully_shard_kwargs)
+        layer.experts.set_gradient_divide_factor(float(expert_mesh.size() * layer.ep_size))
+        return set()
+    params = set(layer.experts.parameters())
+    for p in params:
+        p.register_hook(lambda g, ep_size=layer.ep_size: g / ep_size)
+    return params
+
+
+# ---- capacity overflow ------------------------------------------------------------------------------------------
+
+def check_capacity(dropped_rows: Union[Tensor, "ExpertParallelOutput", None], *, action: str = "raise",
+                   all_ranks: bool = False, group=None) -> int:
+    """Reads the capacity mode's overflow report (a host synchronisation: call it outside captured graphs, e.g.
+    once per step). Returns the number of dropped rows: this rank's, or with all_ranks=True the total over `group`
+    (None: the default group, as in torch.distributed; a collective, so call it on every rank). action="raise"
+    raises RuntimeError when rows were dropped, "warn" warns, "ignore" only returns the count."""
+    if action not in ("raise", "warn", "ignore"):
+        _fail("action", "'raise', 'warn' or 'ignore'", repr(action))
+    if isinstance(dropped_rows, ExpertParallelOutput):
+        dropped_rows = dropped_rows.dropped_rows
+    if dropped_rows is None:  # the default mode sends every row
+        return 0
+    total = dropped_rows.detach().to(torch.int64).clone()
+    if all_ranks:
+        dist.all_reduce(total, group=group)
+    n = int(total)
+    if n and action != "ignore":
+        where = "in the expert-parallel group" if all_ranks else "on this rank"
+        msg = (f"machmoe: expert-parallel capacity overflow: {n} routed rows were not sent {where} (their experts' "
+               "contributions are missing from the output); raise `capacity` or use capacity=None")
+        if action == "raise":
+            raise RuntimeError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return n
+
+
+@dataclass
+class ExpertParallelOutput(MoEOutput):
+    dropped_rows: Optional[Tensor] = None  # capacity mode: this rank's pairs not sent (0-d int64, on the device)
+
+    def check_capacity(self, action: str = "raise", all_ranks: bool = False, group=None) -> int:
+        """check_capacity(self.dropped_rows, ...); with all_ranks, pass the layer's group (None: default group)."""
+        return check_capacity(self.dropped_rows, action=action, all_ranks=all_ranks, group=group)
+
+
+# A pytree node, so that what walks a module's outputs finds the tensors inside: FSDP2 hooks the backward of the
+# root module's outputs to reduce-scatter its gradients afterwards, and a plain dataclass would hide them.
+torch.utils._pytree.register_dataclass(ExpertParallelOutput)
+
+
+class ExpertParallelMoE(nn.Module):
+    """machmoe.MoE with its experts spread over an expert-parallel process group.
+
+    Parameters: router_weight (E, d), replicated on every rank (data-parallel over the group: reduce its gradient
+    over the group, as FSDP2/DDP do), and `experts` (a GroupedExperts holding this rank's E / ep_size experts, w1,
+    w2, b1, b2 in machmoe.MoE's layout; global experts [ep_rank * E_local, (ep_rank + 1) * E_local)). Keeping the
+    experts in a submodule lets FSDP2 shard them on a different mesh than the router (docs/PARALLEL.md).
+    capacity=None: one host synchronisation per forward; capacity=C: none, at most C rows per rank pair.
+    forward(x) takes (..., hidden_size) and returns ExpertParallelOutput.
+
+    Initialisation: the router as machmoe.MoE's, from the default generator (seed every rank identically, as
+    data-parallel training requires, or load the weights); each expert from its own generator seeded from the
+    default generator plus its global index, so ranks sharing a seed get distinct experts and the initial
+    weights do not depend on ep_size."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *, group=None,
+                 capacity: Optional[int] = None, activation: str = "swiglu", bias: bool = False,
+                 score: str = "softmax_topk", routing: str = "topk", rounding: str = "nearest", tile: int = 128,
+                 weight_layout: str = "interleaved", activation_memory: str = "preact", aux_loss_coef: float = 0.0,
+                 z_loss_coef: float = 0.0, device=None, dtype=None):
+        super().__init__()
+        self.ep_size, self.ep_rank = _group_size_rank(group)
+        _check_divisible(num_experts, self.ep_size)
+        _check_capacity_arg(capacity)
+        _check_routing_options(top_k, num_experts, score, routing, rounding, tile)
+        self.group, self.capacity = group, capacity
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.num_local_experts = num_experts // self.ep_size
+        self.expert_offset = self.ep_rank * self.num_local_experts
+        self.activation, self.score, self.routing, self.rounding, self.tile = activation, score, routing, rounding, tile
+        self.weight_layout, self.activation_memory = weight_layout, activation_memory
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        self.experts = GroupedExperts(hidden_size, intermediate_size, self.num_local_experts, activation, bias,
+                                      weight_layout, activation_memory, device=device, dtype=dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.router_weight.device.type == "meta":
+            return
+        with torch.no_grad():
+            self.router_weight.normal_(0.0, 1.0 / math.sqrt(self.hidden_size))
+        seed = int(torch.randint(0, 2**62, (1,)))  # the default (CPU) generator: the same on equally seeded ranks
+        self.experts.reset_parameters(seed=seed, first_expert=self.expert_offset)
+
+    @classmethod
+    def from_moe(cls, moe: MoE, *, group=None, capacity: Optional[int] = None) -> "ExpertParallelMoE":
+        """This rank's share of a machmoe.MoE: the same options, the router copied, the local experts sliced."""
+        if not isinstance(moe, MoE):
+            raise TypeError(f"machmoe: argument 'moe': expected a machmoe.MoE, got {type(moe).__name__}")
+        ep = cls(moe.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, group=group, capacity=capacity,
+                 activation=moe.activation, bias=moe.b1 is not None, score=moe.score, routing=moe.routing,
+                 rounding=moe.rounding, tile=moe.tile, weight_layout=moe.weight_layout,
+                 activation_memory=moe.activation_memory, aux_loss_coef=moe.aux_loss_coef,
+                 z_loss_coef=moe.z_loss_coef, device=moe.w1.device, dtype=moe.w1.dtype)
+        local = slice(ep.expert_offset, ep.expert_offset + ep.num_local_experts)
+        with torch.no_grad():
+            ep.router_weight.copy_(moe.router_weight)
+            for name in ("w1", "w2", "b1", "b2"):
+                src = getattr(moe, name)
+                if src is not None:
+                    getattr(ep.experts, name).copy_(src[local])
+        return ep
+
+    def dispatch(self, x: Tensor) -> ExpertParallelDispatch:
+        """Stage 1 of forward: route x (..., hidden_size), send its rows to their experts' ranks."""
+        shape = x.shape
+        if shape[-1] != self.hidden_size:
+            _fail("x", f"(..., {self.hidden_size})", tuple(shape))
+        flat = x.reshape(-1, self.hidden_size)
+        _check_x(flat)
+        router_weight = _local(self.router_weight)
+        _check_router(flat, router_weight, self.ep_size)
+        dispatched = _dispatch(flat, router_weight, ep_size=self.ep_size, top_k=self.top_k, group=self.group,
+                               capacity=self.capacity, score=self.score, routing=self.routing,
+                               rounding=self.rounding, tile=self.tile)
+        dispatched.input_shape = shape
+        return dispatched
+
+    def combine(self, dispatched: ExpertParallelDispatch, y_grouped: Tensor) -> ExpertParallelOutput:
+        """Stage 3 of forward (stage 2: y_grouped = self.experts(d.x_grouped, d.tokens_per_expert))."""
+        out = expert_parallel_combine(dispatched, y_grouped)
+        logits, counts = dispatched.router_logits, dispatched.expert_counts
+        result = ExpertParallelOutput(out.reshape(dispatched.input_shape), logits, counts,
+                                      dropped_rows=dispatched.dropped_rows)
+        if self.aux_loss_coef > 0:
+            result.aux_loss = self.aux_loss_coef * load_balancing_loss(logits, counts)
+        if self.z_loss_coef > 0:
+            result.z_loss = self.z_loss_coef * router_z_loss(logits)
+        return result
+
+    def forward(self, x: Tensor) -> ExpertParallelOutput:
+        dispatched = self.dispatch(x)
+        # The experts are called as a module, so that hooks on it run (FSDP2 gathers their shards here). The
+        # capacity mode's padding rows are discarded by their sender: no need to zero them.
+        y = self.experts(dispatched.x_grouped, dispatched.tokens_per_expert, zero_padding=False)
+        return self.combine(dispatched, y)

@@ -1,0 +1,759 @@
+"""machmoe.parallel on the CPU: expert parallelism over gloo with 2 and 4 processes, against the single-process
+machmoe.MoE with the same weights (float64 reference path), plus the grouped-experts adapters in one process.
+
+The multi-process scenarios run in one spawn per group size (spawning costs seconds; CI has 2 cores): every
+worker runs every scenario in order, records "ok" or the traceback per scenario, and each scenario is reported as
+its own test below. A failure stops that worker's later scenarios (their collectives would no longer pair up with
+the other ranks'), which then fail as "not run".
+"""
+import datetime
+import json
+import math
+import os
+import socket
+import traceback
+import warnings
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import machmoe
+from machmoe.parallel import (ExpertParallelMoE, GroupedExperts, TorchTitanGroupedExperts, check_capacity,
+                              expert_parallel_moe, route, shard_experts_fsdp2)
+from reference import GLU, experts as reference_experts, route as reference_route
+
+D, N = 8, 4
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def assert_close(name, a, b, tol):
+    assert a is not None, f"{name}: no gradient"
+    assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    if b.norm() == 0:
+        assert a.abs().max() == 0 if a.numel() else True, f"{name}: expected exact zeros"
+    else:
+        err = rel(a, b)
+        assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"
+
+
+def gen(*seed):
+    # crc32, not hash(): string hashing is randomised per process, and every rank must draw the same data.
+    return torch.Generator().manual_seed(zlib.crc32(repr(seed).encode()))
+
+
+def make_layer(seed, dtype=torch.float64, *, E=4, K=2, bias=True, **opts):
+    torch.manual_seed(seed)
+    m = machmoe.MoE(D, N, E, K, bias=bias, dtype=dtype, **opts)
+    if bias:  # non-zero biases, so that their gradients mean something
+        with torch.no_grad():
+            m.b1.normal_(0, 0.5, generator=gen(seed, "b1"))
+            m.b2.normal_(0, 0.5, generator=gen(seed, "b2"))
+    return m
+
+
+def make_inputs(seed, sizes, dtype=torch.float64):
+    return [torch.randn(T, D, generator=gen(seed, "x", r), dtype=torch.float64).to(dtype)
+            for r, T in enumerate(sizes)]
+
+
+def upstream(seed, r, T, E, dtype):
+    return (torch.randn(T, D, generator=gen(seed, "go", r), dtype=torch.float64).to(dtype),
+            torch.randn(T, E, generator=gen(seed, "gl", r), dtype=torch.float64).to(dtype))
+
+
+def run_ep(ep, x, seed, rank):
+    """One EP forward and backward; the router gradient summed over the group (it is replicated)."""
+    x = x.clone().requires_grad_()
+    ep.zero_grad(set_to_none=True)
+    o = ep(x)
+    go, gl = upstream(seed, rank, x.shape[0], ep.num_experts, x.dtype)
+    ((o.output * go).sum() + (o.router_logits * gl).sum()).backward()
+    dist.all_reduce(ep.router_weight.grad, group=ep.group)
+    return o, x.grad
+
+
+def run_reference(moe, xs, seed):
+    """The single-process layer on each rank's tokens (routing is per rank, as in EP); gradients summed."""
+    moe.zero_grad(set_to_none=True)
+    outs = []
+    for r, x in enumerate(xs):
+        if x.shape[0] == 0:
+            outs.append(None)
+            continue
+        x = x.clone().requires_grad_()
+        o = moe(x)
+        go, gl = upstream(seed, r, x.shape[0], moe.num_experts, x.dtype)
+        ((o.output * go).sum() + (o.router_logits * gl).sum()).backward()
+        outs.append((o, x.grad))
+    return outs
+
+
+def check_against_single_process(rank, world, *, seed, sizes, dtype=torch.float64, tol=1e-12, capacity=None,
+                                 group=None, layer=None, **opts):
+    moe = layer if layer is not None else make_layer(seed, dtype, **opts)
+    xs = make_inputs(seed, sizes, dtype)
+    ep = ExpertParallelMoE.from_moe(moe, capacity=capacity, group=group)
+    o, dx = run_ep(ep, xs[rank], seed, rank)
+    refs = run_reference(moe, xs, seed)
+    if refs[rank] is not None:
+        ref, ref_dx = refs[rank]
+        assert_close("output", o.output, ref.output, tol)
+        assert_close("router_logits", o.router_logits, ref.router_logits, tol)
+        assert torch.equal(o.expert_counts, ref.expert_counts), (o.expert_counts, ref.expert_counts)
+        assert_close("grad x", dx, ref_dx, tol)
+    else:
+        assert o.output.shape == (0, D) and dx.shape == (0, D)
+    assert_close("grad router_weight", ep.router_weight.grad, moe.router_weight.grad, tol)
+    local = slice(ep.expert_offset, ep.expert_offset + ep.num_local_experts)
+    for name in ("w1", "w2", "b1", "b2"):
+        if getattr(moe, name) is not None:
+            assert_close(f"grad {name}", getattr(ep.experts, name).grad, getattr(moe, name).grad[local], tol)
+    return ep, o, moe, xs
+
+
+def global_counts(o, group=None):
+    c = o.expert_counts.to(torch.int64).clone()
+    dist.all_reduce(c, group=group)
+    return c
+
+
+# ---- scenarios (run inside the workers) -------------------------------------------------------------------------
+
+def scenario_topk_float64(rank, world):
+    _, o, moe, _ = check_against_single_process(rank, world, seed=1, sizes=[12, 7, 9, 5][:world],
+                                                E=2 * world, aux_loss_coef=0.1, z_loss_coef=0.01)
+    assert o.aux_loss is not None and o.z_loss is not None and o.dropped_rows is None
+
+
+def scenario_topk_float32_geglu_concatenated(rank, world):
+    check_against_single_process(rank, world, seed=2, sizes=[10, 13, 6, 8][:world], dtype=torch.float32, tol=2e-6,
+                                 E=2 * world, activation="geglu", weight_layout="concatenated", bias=False,
+                                 score="topk_softmax")
+
+
+def scenario_token_rounding_float64(rank, world):
+    check_against_single_process(rank, world, seed=3, sizes=[20, 16, 24, 9][:world], E=2 * world,
+                                 routing="token_rounding", tile=8)
+
+
+def scenario_token_rounding_up_relu(rank, world):
+    check_against_single_process(rank, world, seed=4, sizes=[18, 11][:world] + [7, 3][:max(0, world - 2)],
+                                 E=2 * world, routing="token_rounding", rounding="up", tile=8, activation="relu",
+                                 score="topk_softmax_renorm")
+
+
+def skewed_layer(seed, E, world, strength, **opts):
+    """A router under which tokens (built with a shared direction u) prefer rank 0's experts by `strength`."""
+    m = make_layer(seed, E=E, **opts)
+    u = torch.ones(D, dtype=torch.float64) / math.sqrt(D)
+    El = E // world
+    with torch.no_grad():
+        m.router_weight[:El] += strength * u
+        m.router_weight[El:] -= strength * u
+    return m
+
+
+def skewed_inputs(seed, sizes, spread=1.0):
+    """Tokens spread * N(0, 1) around 2u: with a small spread every token's component along u is positive."""
+    u = torch.ones(D, dtype=torch.float64) / math.sqrt(D)
+    return [spread * x + 2.0 * u for x in make_inputs(seed, sizes)]
+
+
+def scenario_skewed_routing(rank, world):
+    # Strengths chosen so that rank 0's experts get 96% (top-K) and 80% (token rounding, whose tile-8 rounding
+    # makes the split coarse) of the rows, and the other rank still some.
+    for routing, strength in (("topk", 0.5), ("token_rounding", 0.3)):
+        seed, sizes, E = 5, [24, 16, 12, 20][:world], 2 * world
+        layer = skewed_layer(seed, E, world, strength, routing=routing, tile=8)
+        _, o, _, _ = check_against_single_process_inputs(rank, world, layer, skewed_inputs(seed, sizes), seed)
+        counts = global_counts(o)
+        rank0 = int(counts[:E // world].sum())
+        assert 0.75 * int(counts.sum()) <= rank0 < int(counts.sum()), (routing, counts)  # skewed, not all
+
+
+def check_against_single_process_inputs(rank, world, moe, xs, seed, tol=1e-12, capacity=None):
+    ep = ExpertParallelMoE.from_moe(moe, capacity=capacity)
+    o, dx = run_ep(ep, xs[rank], seed, rank)
+    refs = run_reference(moe, xs, seed)
+    if refs[rank] is not None:
+        assert_close("output", o.output, refs[rank][0].output, tol)
+        assert_close("grad x", dx, refs[rank][1], tol)
+    assert_close("grad router_weight", ep.router_weight.grad, moe.router_weight.grad, tol)
+    local = slice(ep.expert_offset, ep.expert_offset + ep.num_local_experts)
+    for name in ("w1", "w2", "b1", "b2"):
+        if getattr(moe, name) is not None:
+            assert_close(f"grad {name}", getattr(ep.experts, name).grad, getattr(moe, name).grad[local], tol)
+    return ep, o, moe, xs
+
+
+def scenario_rank_without_tokens(rank, world):
+    for routing in ("topk", "token_rounding"):
+        sizes = [14, 0, 9, 0][:world]
+        for capacity in (None, 64):
+            check_against_single_process(rank, world, seed=6, sizes=sizes, E=2 * world, routing=routing, tile=8,
+                                         capacity=capacity)
+
+
+def scenario_rank_receives_nothing(rank, world):
+    for routing, capacity in (("topk", None), ("token_rounding", None), ("topk", 32)):
+        seed, sizes, E = 7, [10, 12, 8, 6][:world], 2 * world
+        layer = skewed_layer(seed, E, world, 8.0, routing=routing, tile=8)
+        ep, o, _, _ = check_against_single_process_inputs(rank, world, layer, skewed_inputs(seed, sizes, 0.2), seed,
+                                                          capacity=capacity)
+        counts = global_counts(o)
+        assert int(counts[E // world:].sum()) == 0, counts  # no row for any other rank's experts
+        assert o.dropped_rows is None or int(o.dropped_rows) == 0
+        if rank > 0:  # its experts received nothing: zero gradients, not missing ones
+            for p in ep.experts.parameters():
+                assert p.grad is not None and p.grad.abs().max() == 0
+
+
+def scenario_num_experts_not_divisible(rank, world):
+    E = 2 * world + 1
+    try:
+        ExpertParallelMoE(D, N, E, 2)
+    except ValueError as e:
+        assert f"argument 'num_experts': expected a multiple of the expert-parallel group size {world}" in str(e)
+        assert f"got {E}" in str(e)
+    else:
+        raise AssertionError("no error for num_experts not divisible by the group size")
+    m = make_layer(8, E=E)
+    x = make_inputs(8, [5])[0]
+    before = [t.clone() for t in (x, m.router_weight, m.w1, m.w2)]
+    try:
+        expert_parallel_moe(x, m.router_weight, m.w1, m.w2, top_k=2)
+    except ValueError as e:
+        assert "'num_experts'" in str(e) and f"group size {world}" in str(e), str(e)
+    else:
+        raise AssertionError("no error from the functional form")
+    assert all(torch.equal(a, b) for a, b in zip(before, (x, m.router_weight, m.w1, m.w2)))
+
+
+def scenario_argument_errors(rank, world):
+    m = make_layer(9, E=2 * world)
+    x = make_inputs(9, [6])[0]
+    El = 2
+    try:  # all experts passed where this rank's share is expected
+        expert_parallel_moe(x, m.router_weight, m.w1, m.w2, top_k=2)
+    except ValueError as e:
+        assert f"'w1': expected the {El} local experts of rank {rank}" in str(e), str(e)
+    else:
+        raise AssertionError("no error for the full expert weights")
+    for bad in (0, -3, 2.5, True):
+        try:
+            ExpertParallelMoE(D, N, 2 * world, 2, capacity=bad)
+        except ValueError as e:
+            assert "argument 'capacity'" in str(e)
+        else:
+            raise AssertionError(f"capacity={bad!r} accepted")
+    try:
+        ExpertParallelMoE.from_moe(m)(torch.randn(3, D + 1, dtype=torch.float64))
+    except ValueError as e:
+        assert "argument 'x'" in str(e) and f"(..., {D})" in str(e)
+    else:
+        raise AssertionError("wrong hidden size accepted")
+
+
+def scenario_functional_equals_module(rank, world):
+    m = make_layer(10, E=2 * world)
+    x = make_inputs(10, [9, 11, 4, 7][:world])[rank]
+    ep = ExpertParallelMoE.from_moe(m)
+    o = ep(x)
+    out, logits, counts, dropped = expert_parallel_moe(
+        x, ep.router_weight, ep.experts.w1, ep.experts.w2, ep.experts.b1, ep.experts.b2, top_k=2)
+    assert torch.equal(out, o.output) and torch.equal(logits, o.router_logits)
+    assert torch.equal(counts, o.expert_counts) and dropped is None
+
+
+def scenario_bitwise_reruns(rank, world):
+    for routing, capacity in (("topk", None), ("token_rounding", None), ("topk", 8), ("token_rounding", 8)):
+        m = make_layer(11, E=2 * world, routing=routing, tile=8)
+        x = make_inputs(11, [16, 13, 10, 12][:world])[rank]
+        ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
+        runs = []
+        for _ in range(2):
+            o, dx = run_ep(ep, x, 11, rank)
+            runs.append([o.output, o.router_logits, dx] + [p.grad.clone() for p in ep.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), (routing, capacity)
+
+
+def scenario_capacity_without_overflow(rank, world):
+    for routing in ("topk", "token_rounding"):
+        m = make_layer(12, E=2 * world, routing=routing, tile=8)
+        x = make_inputs(12, [16, 13, 10, 12][:world])[rank]
+        plain, dx_plain = run_ep(ExpertParallelMoE.from_moe(m), x, 12, rank)
+        ep = ExpertParallelMoE.from_moe(m, capacity=64)
+        capped, dx_capped = run_ep(ep, x, 12, rank)
+        assert_close("output", capped.output, plain.output, 1e-13)
+        assert_close("grad x", dx_capped, dx_plain, 1e-13)
+        assert capped.dropped_rows.dtype == torch.int64 and capped.dropped_rows.dim() == 0
+        assert capped.check_capacity() == 0 and check_capacity(capped, all_ranks=True, group=ep.group) == 0
+
+
+def dropped_by_capacity(expert, El, world, capacity):
+    """The capacity rule, written out: to each destination rank, the first `capacity` pairs in (expert, pair)
+    order are sent."""
+    kept = torch.zeros(expert.shape[0], dtype=torch.bool)
+    order = torch.sort(expert, stable=True).indices.tolist()
+    for dest in range(world):
+        mine = [i for i in order if int(expert[i]) // El == dest]
+        kept[mine[:capacity]] = True
+    return kept
+
+
+def scenario_capacity_overflow(rank, world):
+    capacity = 3
+    for routing in ("topk", "token_rounding"):
+        seed, sizes, E = 13, [12, 9, 10, 7][:world], 2 * world
+        m = make_layer(seed, E=E, routing=routing, tile=8)
+        xs = make_inputs(seed, sizes)
+        ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
+        o, dx = run_ep(ep, xs[rank], seed, rank)
+        # Reference: the pure-PyTorch layer without the pairs the capacity rule drops, on every rank's tokens.
+        params = [p.detach().clone().requires_grad_() for p in (m.router_weight, m.w1, m.w2, m.b1, m.b2)]
+        rw, w1, w2, b1, b2 = params
+        loss, ref_out, ref_x, dropped_total = 0, None, None, 0
+        for r, x in enumerate(xs):
+            x = x.clone().requires_grad_()
+            logits = x @ rw.T
+            tok, exp, s = reference_route(logits, 2, "softmax_topk", routing, "nearest", 8)
+            kept = dropped_by_capacity(exp, E // world, world, capacity)
+            dropped_total += int((~kept).sum())
+            out = reference_experts(x, tok[kept], exp[kept], s[kept], w1, w2, b1, b2, "swiglu", "interleaved")
+            go, gl = upstream(seed, r, x.shape[0], E, x.dtype)
+            loss = loss + (out * go).sum() + (logits * gl).sum()
+            if r == rank:
+                ref_out, ref_x, ref_dropped = out, x, int((~kept).sum())
+        grads = torch.autograd.grad(loss, [ref_x] + params)
+        assert dropped_total > 0, "the scenario must overflow"
+        assert int(o.dropped_rows) == ref_dropped, (int(o.dropped_rows), ref_dropped)
+        assert_close("output", o.output, ref_out.detach(), 1e-12)
+        assert_close("grad x", dx, grads[0], 1e-12)
+        assert_close("grad router_weight", ep.router_weight.grad, grads[1], 1e-12)
+        local = slice(ep.expert_offset, ep.expert_offset + ep.num_local_experts)
+        for name, g in zip(("w1", "w2", "b1", "b2"), grads[2:]):
+            assert_close(f"grad {name}", getattr(ep.experts, name).grad, g[local], 1e-12)
+        # The report: this rank's count, the group's total, raise / warn / ignore.
+        assert check_capacity(o.dropped_rows, action="ignore", all_ranks=True) == dropped_total
+        assert o.check_capacity(action="ignore", all_ranks=True) == dropped_total
+        if ref_dropped:
+            try:
+                o.check_capacity()
+            except RuntimeError as e:
+                assert f"capacity overflow: {ref_dropped} routed rows were not sent on this rank" in str(e)
+            else:
+                raise AssertionError("check_capacity did not raise")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert o.check_capacity(action="warn") == ref_dropped
+            assert any("capacity overflow" in str(w.message) for w in caught)
+        else:
+            assert o.check_capacity() == 0
+
+
+class HostReads:
+    """Counts host reads of tensor values (tolist, item, bool, int, float) while active."""
+    names = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+    def __enter__(self):
+        self.calls = {}
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.names}
+        for n, f in self.saved.items():
+            def counted(*a, _n=n, _f=f, **k):
+                self.calls[_n] = self.calls.get(_n, 0) + 1
+                return _f(*a, **k)
+            setattr(torch.Tensor, n, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def scenario_host_synchronisations(rank, world):
+    """The default mode reads the split sizes once per forward (one tolist) and nothing in backward; capacity mode
+    reads nothing at all (docs/PARALLEL.md)."""
+    for routing in ("topk", "token_rounding"):
+        m = make_layer(14, E=2 * world, routing=routing, tile=8)
+        x = make_inputs(14, [10, 12, 9, 8][:world])[rank].requires_grad_()
+        for capacity, expected in ((None, {"tolist": 1}), (16, {})):
+            ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
+            with HostReads() as fwd:
+                o = ep(x)
+            with HostReads() as bwd:
+                o.output.square().sum().backward()
+            assert fwd.calls == expected and bwd.calls == {}, (routing, capacity, fwd.calls, bwd.calls)
+
+
+def scenario_input_requires_grad_on_one_rank_only(rank, world):
+    """Rank 0's input needs a gradient, the others' do not: every rank must still run both backward exchanges,
+    or rank 0 would wait for partners that skipped them."""
+    m = make_layer(15, E=2 * world)
+    xs = make_inputs(15, [9, 7, 8, 6][:world])
+    ep = ExpertParallelMoE.from_moe(m)
+    x = xs[rank].clone().requires_grad_(rank == 0)
+    o = ep(x)
+    go, _ = upstream(15, rank, x.shape[0], 2 * world, x.dtype)
+    (o.output * go).sum().backward()
+    m.zero_grad(set_to_none=True)
+    ref_x = xs[0].clone().requires_grad_()
+    loss = (m(ref_x).output * upstream(15, 0, xs[0].shape[0], 2 * world, x.dtype)[0]).sum()
+    for r in range(1, world):
+        loss = loss + (m(xs[r]).output * upstream(15, r, xs[r].shape[0], 2 * world, x.dtype)[0]).sum()
+    loss.backward()
+    if rank == 0:
+        assert_close("grad x", x.grad, ref_x.grad, 1e-12)
+    local = slice(ep.expert_offset, ep.expert_offset + ep.num_local_experts)
+    assert_close("grad w1", ep.experts.w1.grad, m.w1.grad[local], 1e-12)
+
+
+def scenario_staged_micro_batches_interleaved(rank, world):
+    """The overlap schedule's order (docs/PARALLEL.md): dispatch A, experts A, dispatch B, combine A, experts B,
+    combine B — equals two plain forwards bitwise, gradients included; and combine rejects a wrong y_grouped."""
+    for capacity in (None, 24):
+        m = make_layer(18, E=2 * world)
+        xa, xb = (make_inputs(s, [9, 7, 8, 6][:world])[rank].requires_grad_() for s in (18, 19))
+        ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
+        plain = [ep(xa).output, ep(xb).output]
+        g_plain = torch.autograd.grad(plain[0].square().sum() + plain[1].sum(), [xa, xb] + list(ep.parameters()))
+        da = ep.dispatch(xa)
+        ya = ep.experts(da.x_grouped, da.tokens_per_expert)
+        db = ep.dispatch(xb)
+        oa = ep.combine(da, ya)
+        yb = ep.experts(db.x_grouped, db.tokens_per_expert)
+        ob = ep.combine(db, yb)
+        g = torch.autograd.grad(oa.output.square().sum() + ob.output.sum(), [xa, xb] + list(ep.parameters()))
+        assert torch.equal(oa.output, plain[0]) and torch.equal(ob.output, plain[1])
+        assert all(torch.equal(u, v) for u, v in zip(g, g_plain))
+    try:
+        ep.combine(da, ya[:-1])
+    except ValueError as e:
+        assert "argument 'y_grouped': expected a tensor shaped like dispatched.x_grouped" in str(e)
+    else:
+        raise AssertionError("combine accepted a wrong y_grouped")
+
+
+class Block(torch.nn.Module):
+    """A residual block around the EP layer, as torch.compile would see it in a model."""
+
+    def __init__(self, ep):
+        super().__init__()
+        self.proj = torch.nn.Linear(D, D, dtype=torch.float64)
+        self.moe = ep
+
+    def forward(self, x):
+        return x + self.moe(torch.tanh(self.proj(x))).output
+
+
+def scenario_torch_compile(rank, world):
+    """The block compiled (aot_eager: the same autograd graphs inductor gets, without its CPU compile time) equals
+    the eager block; capacity mode compiles as one graph (fullgraph=True), the default mode breaks the graph at
+    its split-size read."""
+    for routing, capacity in (("topk", None), ("topk", 32), ("token_rounding", 32)):
+        torch._dynamo.reset()
+        m = make_layer(16, E=2 * world, routing=routing, tile=8)
+        torch.manual_seed(16)
+        block = Block(ExpertParallelMoE.from_moe(m, capacity=capacity))
+        x = make_inputs(16, [10, 9, 8, 7][:world])[rank].requires_grad_()
+        params = [x, block.proj.weight, block.moe.router_weight, block.moe.experts.w1, block.moe.experts.b2]
+        eager = block(x)
+        g_eager = torch.autograd.grad(eager.square().sum(), params)
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=capacity is not None)
+        for _ in range(2):  # the second call runs the cached graphs
+            out = compiled(x)
+            g = torch.autograd.grad(out.square().sum(), params)
+            assert_close("compiled output", out, eager, 1e-13)
+            for name, a, b in zip(["x", "proj", "router", "w1", "b2"], g, g_eager):
+                assert_close(f"compiled grad {name}", a, b, 1e-13)
+    torch._dynamo.reset()
+
+
+def check_fsdp2_training(rank, world, ep_mesh, expert_mesh, dp_mesh, sizes):
+    """Three SGD steps of the EP layer under FSDP2 (shard_experts_fsdp2, then fully_shard over the data-parallel
+    ranks) equal those of the single-process layer on all ranks' tokens with the mean of the ranks' losses."""
+    from torch.distributed.fsdp import fully_shard
+    m = make_layer(17, E=4, aux_loss_coef=0.1)
+    xs = make_inputs(17, sizes)
+    ep = ExpertParallelMoE.from_moe(m, group=ep_mesh.get_group())
+    ignored = shard_experts_fsdp2(ep, expert_mesh)
+    fully_shard(ep, mesh=dp_mesh, ignored_params=ignored)
+    opt = torch.optim.SGD(ep.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    for step in range(3):
+        o = ep(xs[rank])
+        loss = o.output.square().mean() + o.aux_loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref_losses = []
+        for x in xs:
+            r = m(x)
+            ref_losses.append(r.output.square().mean() + r.aux_loss)
+        (sum(ref_losses) / world).backward()
+        ref_opt.step()
+        assert_close(f"step {step} loss", loss.detach(), ref_losses[rank].detach(), 1e-12)
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+    local = slice(ep.expert_offset, ep.expert_offset + ep.num_local_experts)
+    assert_close("router after 3 steps", full(ep.router_weight), m.router_weight.detach(), 1e-12)
+    for name in ("w1", "w2", "b1", "b2"):
+        assert_close(f"{name} after 3 steps", full(getattr(ep.experts, name)), getattr(m, name).detach()[local],
+                     1e-12)
+
+
+def scenario_fsdp2_two_dimensional_mesh(rank, world):
+    """4 ranks: EP groups {0,1}, {2,3}; experts sharded by FSDP2 across the EP groups ({0,2}, {1,3}); the router
+    over all 4."""
+    from torch.distributed.device_mesh import init_device_mesh
+    assert world == 4
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("expert_fsdp", "ep"))
+    dp = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    check_fsdp2_training(rank, world, mesh["ep"], mesh["expert_fsdp"], dp, [8, 6, 7, 9])
+
+
+def scenario_fsdp2_experts_outside_fsdp(rank, world):
+    """EP over the whole data-parallel group: FSDP2 shards the router over it, the experts stay whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    check_fsdp2_training(rank, world, mesh, None, mesh, [8, 6, 7, 9][:world])
+
+
+SCENARIOS_2 = [
+    "topk_float64", "topk_float32_geglu_concatenated", "token_rounding_float64", "token_rounding_up_relu",
+    "skewed_routing", "rank_without_tokens", "rank_receives_nothing", "num_experts_not_divisible",
+    "argument_errors", "functional_equals_module", "bitwise_reruns", "capacity_without_overflow",
+    "capacity_overflow", "host_synchronisations", "input_requires_grad_on_one_rank_only", "torch_compile",
+    "staged_micro_batches_interleaved", "fsdp2_experts_outside_fsdp",
+]
+SCENARIOS_4 = ["topk_float64", "token_rounding_float64", "rank_without_tokens", "capacity_overflow",
+               "fsdp2_two_dimensional_mesh"]
+
+
+# ---- the process harness ------------------------------------------------------------------------------------------
+
+def _worker(rank, world, port, module_name, names, out_dir, backend):
+    """One rank: runs module_name's scenario_<name>(rank, world) for every name, recording each outcome."""
+    import importlib
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
+                            device_id=torch.device("cuda", rank) if backend == "nccl" else None)
+    module = importlib.import_module(module_name)
+    results, failed = {}, None
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    for name in names:
+        if failed is not None:
+            results[name] = f"not run: scenario {failed!r} failed before it on rank {rank}"
+        else:
+            try:
+                getattr(module, "scenario_" + name)(rank, world)
+                results[name] = "ok"
+            except BaseException:  # noqa: B902 — recorded and reported by the parent
+                results[name] = traceback.format_exc()
+                failed = name
+        with open(path, "w") as f:
+            json.dump(results, f)
+    if failed is None:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_scenarios(world, module_name, names, out_dir, backend="gloo"):
+    """Runs the scenarios on `world` processes; returns ({rank: {name: "ok" | traceback}}, error or None)."""
+    error = None
+    try:
+        mp.spawn(_worker, args=(world, _free_port(), module_name, names, out_dir, backend), nprocs=world, join=True)
+    except Exception as e:  # a crashed worker: its scenarios show up as missing
+        error = f"worker processes failed: {e}"
+    results = {}
+    for rank in range(world):
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        results[rank] = json.load(open(path)) if os.path.exists(path) else {}
+    return results, error
+
+
+def assert_scenario(results_and_error, name):
+    results, error = results_and_error
+    problems = [f"rank {r}: {res.get(name, 'no result (worker died?)')}" for r, res in results.items()
+                if res.get(name) != "ok"]
+    assert not problems, "\n".join(problems + ([error] if error else []))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return spawn_scenarios(2, __name__, SCENARIOS_2, str(tmp_path_factory.mktemp("ep2")))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return spawn_scenarios(4, __name__, SCENARIOS_4, str(tmp_path_factory.mktemp("ep4")))
+
+
+@pytest.mark.parametrize("name", SCENARIOS_2)
+def test_two_ranks(two_ranks, name):
+    assert_scenario(two_ranks, name)
+
+
+@pytest.mark.parametrize("name", SCENARIOS_4)
+def test_four_ranks(four_ranks, name):
+    assert_scenario(four_ranks, name)
+
+
+# ---- in one process ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("score", ["softmax_topk", "topk_softmax", "topk_softmax_renorm"])
+@pytest.mark.parametrize("routing,rounding", [("topk", "nearest"), ("token_rounding", "nearest"),
+                                              ("token_rounding", "up"), ("token_rounding", "down")])
+def test_route_is_the_library_routing(score, routing, rounding):
+    """EP routes in PyTorch on each rank; moe_from_routing on those triples must be machmoe.moe (values, counts,
+    and the router gradient through the scores)."""
+    m = make_layer(15, E=6, K=2)
+    x = make_inputs(15, [40])[0].requires_grad_()
+    opts = dict(top_k=2, score=score, routing=routing, rounding=rounding, tile=8)
+    out, logits, counts = machmoe.moe(x, m.router_weight, m.w1, m.w2, m.b1, m.b2, **opts)
+    tok, exp, s, c = route(x @ m.router_weight.T, **opts)
+    out2, _ = machmoe.moe_from_routing(x, m.w1, m.w2, tok, exp, s, m.b1, m.b2, max_experts_per_token=6)
+    assert torch.equal(c, counts.long())
+    assert_close("output", out2, out, 1e-13)
+    go = torch.randn_like(out)
+    params = [x, m.router_weight, m.w1, m.b2]
+    for name, a, b in zip(["x", "router", "w1", "b2"], torch.autograd.grad((out2 * go).sum(), params),
+                          torch.autograd.grad((out * go).sum(), params)):
+        assert_close(name, a, b, 1e-12)
+
+
+def test_route_breaks_ties_to_the_lower_expert_and_ranks_nan_last():
+    logits = torch.tensor([[1.0, 3.0, 3.0, float("nan")], [2.0, 2.0, 2.0, 2.0]], dtype=torch.float64)
+    tok, exp, _, counts = route(logits, top_k=2)
+    assert exp.tolist() == [1, 2, 0, 1] and tok.tolist() == [0, 0, 1, 1] and counts.tolist() == [1, 2, 1, 0]
+
+
+def grouped_reference(x, counts, w1, w2, b1, b2, activation, layout):
+    """Row i through expert(i)'s MLP, rows beyond sum(counts) zero."""
+    counts = [int(c) for c in counts]
+    exp = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    real = sum(counts)
+    ones = torch.ones(real, dtype=x.dtype)
+    y = reference_experts(x[:real], torch.arange(real), exp, ones, w1, w2, b1, b2, activation, layout)
+    return torch.cat([y, x.new_zeros(x.shape[0] - real, x.shape[1])])
+
+
+@pytest.mark.parametrize("activation,layout", [("swiglu", "interleaved"), ("geglu", "concatenated"),
+                                               ("relu", "interleaved")])
+def test_grouped_experts_module_with_padding_rows(activation, layout):
+    torch.manual_seed(16)
+    ge = GroupedExperts(D, N, 3, activation, bias=True, weight_layout=layout, dtype=torch.float64)
+    with torch.no_grad():
+        ge.b1.normal_()
+        ge.b2.normal_()
+    counts = torch.tensor([4, 0, 3])
+    x = torch.randn(10, D, dtype=torch.float64, requires_grad=True)  # 3 padding rows at the end
+    y = ge(x, counts)
+    ref = grouped_reference(x, counts, ge.w1, ge.w2, ge.b1, ge.b2, activation, layout)
+    assert_close("output", y, ref, 1e-13)
+    assert y[7:].abs().max() == 0
+    go = torch.randn_like(y)
+    params = [x] + list(ge.parameters())
+    for a, b in zip(torch.autograd.grad((y * go).sum(), params), torch.autograd.grad((ref * go).sum(), params)):
+        assert_close("grad", a, b, 1e-12)
+
+
+def test_grouped_experts_module_zero_rows():
+    ge = GroupedExperts(D, N, 2, bias=True, dtype=torch.float64)
+    x = torch.zeros(0, D, dtype=torch.float64, requires_grad=True)
+    y = ge(x, torch.zeros(2, dtype=torch.int64))
+    assert y.shape == (0, D)
+    y.sum().backward()
+    for p in ge.parameters():  # zero gradients, not None: the optimizer and FSDP see a gradient every step
+        assert p.grad is not None and p.grad.abs().max() == 0
+    assert x.grad is not None and x.grad.shape == (0, D)
+
+
+def test_grouped_experts_module_errors():
+    ge = GroupedExperts(D, N, 2, dtype=torch.float64)
+    x = torch.randn(4, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match="'num_tokens_per_expert': expected a \\(2,\\) tensor"):
+        ge(x, torch.tensor([1, 2, 1]))
+    with pytest.raises(ValueError, match=f"'x': expected a \\(rows, {D}\\) tensor"):
+        ge(x[:, :3], torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="'weight_layout'"):
+        GroupedExperts(D, N, 2, "relu", weight_layout="concatenated")
+
+
+def titan_reference(x, num_tokens_per_expert, w1, w2, w3):
+    """torchtitan's GroupedExperts semantics in plain PyTorch: per expert, w2(silu(w1 x) * w3 x); padding rows 0."""
+    counts = [int(c) for c in num_tokens_per_expert]
+    outs, start = [], 0
+    for e, c in enumerate(counts):
+        xe = x[start:start + c]
+        outs.append((torch.nn.functional.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
+        start += c
+    outs.append(x.new_zeros(x.shape[0] - start, x.shape[1]))
+    return torch.cat(outs)
+
+
+def test_torchtitan_adapter_matches_pure_pytorch_grouped_experts():
+    torch.manual_seed(17)
+    tt = TorchTitanGroupedExperts(D, N, 4, use_grouped_mm=True, dtype=torch.float64)
+    tt.init_weights(0.3)
+    assert [name for name, _ in tt.named_parameters()] == ["w1", "w2", "w3"]
+    assert tt.w1.shape == (4, N, D) and tt.w2.shape == (4, D, N) and tt.w3.shape == (4, N, D)
+    counts = torch.tensor([3.0, 0.0, 5.0, 2.0])  # float, as torchtitan's histc gives them
+    x = torch.randn(12, D, dtype=torch.float64, requires_grad=True)  # 2 alignment-padding rows
+    y = tt(x, counts)
+    ref = titan_reference(x, counts, tt.w1, tt.w2, tt.w3)
+    assert_close("output", y, ref, 1e-13)
+    go = torch.randn_like(y)
+    params = [x, tt.w1, tt.w2, tt.w3]
+    for name, a, b in zip(["x", "w1", "w2", "w3"], torch.autograd.grad((y * go).sum(), params),
+                          torch.autograd.grad((ref * go).sum(), params)):
+        assert_close(name, a, b, 1e-12)
+
+
+def test_torchtitan_adapter_matches_torchtitan():
+    moe_module = pytest.importorskip("torchtitan.models.moe.moe", reason="torchtitan is not installed")
+    torch.manual_seed(18)
+    theirs = moe_module.GroupedExperts(D, N, 4, use_grouped_mm=False).to(torch.float64)
+    ours = TorchTitanGroupedExperts(D, N, 4, dtype=torch.float64)
+    theirs.init_weights(0.3)
+    ours.load_state_dict(theirs.state_dict())
+    counts = torch.tensor([3, 0, 5, 2])
+    x = torch.randn(10, D, dtype=torch.float64, requires_grad=True)
+    y, ref = ours(x, counts), theirs(x, counts)
+    assert_close("output", y, ref, 1e-12)
+    go = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad((y * go).sum(), [x, ours.w1, ours.w2, ours.w3]),
+                    torch.autograd.grad((ref * go).sum(), [x, theirs.w1, theirs.w2, theirs.w3])):
+        assert_close("grad", a, b, 1e-12)
+
+
+def test_expert_parallel_needs_a_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="initialised torch.distributed process group"):
+        ExpertParallelMoE(D, N, 4, 2)
+
+
+def test_check_capacity_reports():
+    assert check_capacity(None) == 0
+    assert check_capacity(torch.tensor(0)) == 0
+    with pytest.raises(RuntimeError, match="5 routed rows were not sent on this rank"):
+        check_capacity(torch.tensor(5))
+    with pytest.warns(RuntimeWarning, match="capacity overflow"):
+        assert check_capacity(torch.tensor(2), action="warn") == 2
+    assert check_capacity(torch.tensor(2), action="ignore") == 2
+    with pytest.raises(ValueError, match="argument 'action'"):
+        check_capacity(torch.tensor(0), action="log")

@@ -28,7 +28,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if [ -f build/lib/libmachmoe_torch.so ]; then
     MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY="$root/build/lib/libmachmoe_torch.so" python3 -m pytest -q -p no:cacheprovider \
-      tests/python 2>&1 | tee "$logs/pytest.log" | tail -n 15
+      tests/python -m "not multigpu" 2>&1 | tee "$logs/pytest.log" | tail -n 15
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
 fi

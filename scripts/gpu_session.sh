@@ -9,6 +9,6 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 MACHMOE_JOBS="$(nproc)" bash scripts/build.sh 2>&1 | tail -n 1
 timeout 200 ./build/tests/machmoe_gpu_tests --gtest_brief=1 2>&1 | tee "$logs/gpu_tests.log" | grep -vE "reference GEMM" | tail -n 4
 MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY="$root/build/lib/libmachmoe_torch.so" timeout 120 python3 -m pytest -q \
-  -p no:cacheprovider tests/python 2>&1 | tee "$logs/pytest.log" | tail -n 2
+  -p no:cacheprovider -m "not multigpu" tests/python 2>&1 | tee "$logs/pytest.log" | tail -n 2
 timeout 150 ./build/bin/machmoe-bench --all-configs --iters 3 --warmup 1 --json "$logs/bench.json" 2>&1 |
   tee "$logs/bench.log" | tail -n 16

@@ -13,6 +13,9 @@ if os.environ.get("MACHMOE_IN_TREE") == "1":
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; fails (does not skip) without one")
+    config.addinivalue_line("markers", "multigpu: needs 2 CUDA GPUs (also marked gpu); fails (does not skip) with "
+                            "fewer. Single-GPU runs deselect it (-m 'not multigpu'); run it on the 2-GPU machine "
+                            "with -m multigpu")
 
 
 @pytest.fixture

@@ -471,6 +471,7 @@ def test_one_gpu(one_gpu, name):
     assert_scenario(one_gpu, name)
 
 
+@pytest.mark.multigpu
 @pytest.mark.parametrize("name", TWO_GPUS)
 def test_two_gpus(two_gpus, name):
     assert_scenario(two_gpus, name)

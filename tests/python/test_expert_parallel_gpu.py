@@ -141,7 +141,7 @@ def check_against_float64(rank, world, layer, xs, seed, routing="topk", capacity
         assert_close("single-GPU output", single.output, ref1)
         assert_close("single-GPU grad x", x1.grad, ref1_grads[0])
         if routing == "topk":
-            pick = lambda z: torch.sort(torch.sort(z.float(), -1, descending=True, stable=True).indices[:, :K]).values
+            pick = lambda z: torch.sort(torch.sort(z.float(), dim=-1, descending=True, stable=True).indices[:, :K]).values
             same = (pick(o.router_logits) == pick(single.router_logits)).all(1)
             assert same.float().mean() >= 0.9, f"only {same.float().mean():.2f} of the selections agree"
             assert_close("EP vs single-GPU output", o.output[same], single.output[same], 2 * TOL)
@@ -442,8 +442,10 @@ def scenario_training_ep2_fsdp2_50_steps(rank, world):
     assert worst <= 5e-2, (worst, losses, base_losses)
 
 
-ONE_GPU = ["topk", "token_rounding", "capacity_mode", "bitwise_reruns", "host_synchronisations",
-           "capacity_mode_cuda_graph", "overflow_reported", "torch_compile"]
+# host_synchronisations last: a scenario that fails stops the ones after it in the same processes, and on the first
+# GPU run (H200, 2026-11-23) this one failed (two synchronising calls in the default mode's forward, not one).
+ONE_GPU = ["topk", "token_rounding", "capacity_mode", "bitwise_reruns", "capacity_mode_cuda_graph",
+           "overflow_reported", "torch_compile", "host_synchronisations"]
 TWO_GPUS = ["topk", "token_rounding", "capacity_mode", "skewed", "rank_without_tokens", "rank_receives_nothing",
             "bitwise_reruns", "host_synchronisations", "capacity_mode_cuda_graph", "overflow_reported",
             "torch_compile", "staged_overlap_measured", "training_ep2_fsdp2_50_steps"]

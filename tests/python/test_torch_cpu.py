@@ -1,31 +1,14 @@
 """machmoe's PyTorch operators on the CPU (float64 reference path) against a pure-PyTorch reference."""
 import itertools
-import math
 
 import pytest
 import torch
 
 import machmoe
+from layer_inputs import make, rel
 from reference import GLU, experts, reference_moe
 
 ACTIVATIONS = ["swiglu", "geglu", "reglu", "relu_squared", "relu", "gelu", "silu"]
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
-def make(T=12, d=8, n=4, E=4, activation="swiglu", bias=True, dtype=torch.float64, seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    rows = 2 * n if activation in GLU else n
-    t = lambda *s, std=1.0: (torch.randn(*s, generator=g, dtype=torch.float64) * std).to(dtype=dtype, device=device)
-    x = t(T, d)
-    rw = t(E, d, std=1 / math.sqrt(d))
-    w1 = t(E, rows, d, std=1 / math.sqrt(d))
-    w2 = t(E, d, n, std=1 / math.sqrt(n))
-    b1 = t(E, rows, std=0.5) if bias else None
-    b2 = t(E, d, std=0.5) if bias else None
-    return [v.requires_grad_() if v is not None else None for v in (x, rw, w1, w2, b1, b2)]
 
 
 CASES = [

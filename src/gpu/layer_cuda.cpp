@@ -369,7 +369,7 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
   dha.h_in = h, dha.ld_h = rows;
   dha.scores = scores, dha.scatter = scatter, dha.ds_partial = ds_partial;
   mark_stage("backward/dh_kernel", stream);
-  launch_varlen_m_gemm(dha, stream);
+  launch_expert_gemm(dha, "backward/dh_kernel", stream);
 
   // dS (pair order), with the b2 term.
   const bool caller = p.routing == RoutingMode::kCallerSupplied;

@@ -30,6 +30,8 @@ TILES = {
            ("Tile128x256CooperativeCluster2", "up_128x256_cooperative_cluster2")],
     "down": [("Tile128x128PingPong", "down_128x128_pingpong"),
              ("Tile128x256Cooperative", "down_128x256_cooperative")],
+    "dh": [("Tile128x128PingPong", "bwd_dh_128x128_pingpong"),
+           ("Tile128x256Cooperative", "bwd_dh_128x256_cooperative")],
     "dx": [("Tile128x128PingPong", "bwd_dx_128x128_pingpong"),
            ("Tile128x256Cooperative", "bwd_dx_128x256_cooperative")],
 }
@@ -44,6 +46,10 @@ def kernels():
                    f"cudaStream_t)")
     for tile, stem in TILES["down"]:
         yield stem, f"void launch_down_projection<{tile}>(const DownProjectionParams&, int, cudaStream_t)"
+    for tile, stem in TILES["dh"]:
+        for act, suffix in ACTIVATIONS.items():
+            yield (f"{stem}_{suffix}",
+                   f"void launch_dh_kernel<{tile}, Activation::{act}>(const DhKernelParams&, int, cudaStream_t)")
     for tile, stem in TILES["dx"]:
         yield stem, f"void launch_dx_expanded<{tile}>(const DownProjectionParams&, int, cudaStream_t)"
 

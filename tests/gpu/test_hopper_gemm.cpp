@@ -505,7 +505,7 @@ struct DhResult {
 /// The dH kernel over `lengths` segments: T tokens of dO (T x d), W2 (E, d, n) read in place (stride 1 along n),
 /// H (P x w1_rows, interleaved) ~ N(0, 1), a random score per pair and a random pair order (scatter).
 DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, const std::vector<int>& lengths,
-                std::uint32_t seed, bool reference = false) {
+                std::uint32_t seed, bool reference = false, bool with_expectation = true) {
   std::mt19937 rng(seed);
   const std::int64_t E = static_cast<std::int64_t>(lengths.size());
   const bool glu = is_glu(act);
@@ -563,6 +563,7 @@ DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, 
   r.ds.assign(static_cast<std::size_t>(P), 0.0);
   for (std::int64_t p = 0; p < P; ++p)
     for (std::int64_t t = 0; t < ds_tiles; ++t) r.ds[p] += parts[p * ds_tiles + t];
+  if (!with_expectation) return r;
   // float64 expectation from the same bf16 inputs.
   r.dh_ref.assign(static_cast<std::size_t>(P * rows), 0.0);
   r.ap_ref.assign(static_cast<std::size_t>(P * n), 0.0);
@@ -604,9 +605,9 @@ class HopperDhKernel : public testing::TestWithParam<Activation> {
 
 TEST_P(HopperDhKernel, MatchesFloat64AndTheReferenceGemm) {
   const Activation act = GetParam();
-  for (auto [d, n] : {std::pair<std::int64_t, std::int64_t>{320, 256}, {64, 128}, {1536, 384}}) {
+  for (auto [d, n] : {std::pair<std::int64_t, std::int64_t>{320, 256}, {64, 128}, {1024, 384}}) {
     SCOPED_TRACE("d " + std::to_string(d) + " n " + std::to_string(n));
-    const DhResult ref = run_dh(act, 300, d, n, kEdgeLengths, 51, true);
+    const DhResult ref = run_dh(act, 300, d, n, kEdgeLengths, 51, true, /*with_expectation=*/false);
     for_each_tile([&, d = d, n = n] {
       const DhResult fast = run_dh(act, 300, d, n, kEdgeLengths, 51);
       for (double v : fast.dh) ASSERT_FALSE(std::isnan(v)) << "a dH element was not written";
@@ -620,7 +621,7 @@ TEST_P(HopperDhKernel, MatchesFloat64AndTheReferenceGemm) {
       EXPECT_LT(rel_error(fast.dh, ref.dh), 1e-2);
       EXPECT_LT(rel_error(fast.ap, ref.ap), 1e-2);
       EXPECT_LT(rel_error(fast.ds, ref.ds), 1e-2);
-      const DhResult again = run_dh(act, 300, d, n, kEdgeLengths, 51);
+      const DhResult again = run_dh(act, 300, d, n, kEdgeLengths, 51, false, /*with_expectation=*/false);
       EXPECT_EQ(again.raw_dh, fast.raw_dh) << "not deterministic";
       EXPECT_EQ(again.raw_ap, fast.raw_ap) << "not deterministic";
       EXPECT_EQ(again.raw_ds, fast.raw_ds) << "not deterministic";

@@ -143,8 +143,11 @@ struct VarlenKArgs {
   // out[e * out_expert_stride + map(m) * ld_out + n]; map = concatenated-GLU row map when glu_concat_n > 0.
   void* out = nullptr;
   std::int64_t out_expert_stride = 0, ld_out = 0, glu_concat_n = 0;
+  DType out_dt = DType::kBF16;  // dtype of `out` (bf16, fp16 or fp32; the Hopper kernel: bf16 or fp32)
+  bool accumulate = false;      // out += C (read-modify-write, fp32 sum rounded once) instead of out = C
 };
-/// Weight-gradient GEMM, reduction over each expert's rows; experts with no rows get zeros.
+/// Weight-gradient GEMM, reduction over each expert's rows; experts with no rows get zeros (accumulating: their
+/// output is left bitwise as it was).
 void launch_varlen_k_gemm(const VarlenKArgs& a, cudaStream_t stream);
 
 }  // namespace machmoe::gpu

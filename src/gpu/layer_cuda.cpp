@@ -458,8 +458,9 @@ void backward_weight_phase(const MoEProblem& p, const TensorView& x, const Tenso
   dw2.b = a_prime, dw2.ldb = p.n;
   dw2.out = out.grad_weights.w2.data, dw2.out_expert_stride = out.grad_weights.w2.stride[0];
   dw2.ld_out = out.grad_weights.w2.stride[1];
+  dw2.out_dt = out.grad_weights.w2.dtype;
   mark_stage("backward/dw2", stream);
-  launch_varlen_k_gemm(dw2, stream);
+  launch_weight_gemm(dw2, "backward/dw2", stream);
   VarlenKArgs dw1;
   dw1.dt = dt;
   dw1.E = p.E, dw1.M = rows, dw1.N = p.d;
@@ -468,8 +469,9 @@ void backward_weight_phase(const MoEProblem& p, const TensorView& x, const Tenso
   dw1.b = x.data, dw1.ldb = x.stride[0], dw1.b_gather = gather;
   dw1.out = out.grad_weights.w1.data, dw1.out_expert_stride = out.grad_weights.w1.stride[0];
   dw1.ld_out = out.grad_weights.w1.stride[1], dw1.glu_concat_n = concat ? p.n : 0;
+  dw1.out_dt = out.grad_weights.w1.dtype;
   mark_stage("backward/dw1", stream);
-  launch_varlen_k_gemm(dw1, stream);
+  launch_weight_gemm(dw1, "backward/dw1", stream);
   mark_stage("backward/db1", stream);
   if (p.has_b1)
     launch_segment_column_sum(dt, dh, rows, nullptr, nullptr, nullptr, offsets, p.E, rows, concat ? p.n : 0,

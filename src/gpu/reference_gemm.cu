@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(THREADS) varlen_m_gemm_kernel(const VarlenMArg
   }
 }
 
-template <class T>
+template <class T, class To>
 __global__ void __launch_bounds__(THREADS) varlen_k_gemm_kernel(const VarlenKArgs a, unsigned m_tiles) {
   __shared__ float As[BK][BM + 4];
   __shared__ float Bs[BK][BN + 4];
@@ -193,7 +193,9 @@ __global__ void __launch_bounds__(THREADS) varlen_k_gemm_kernel(const VarlenKArg
     tile_product(As, Bs, tx, ty, acc);
     __syncthreads();
   }
-  T* out = static_cast<T*>(a.out) + static_cast<std::int64_t>(e) * a.out_expert_stride;
+  // Accumulating into the gradient of an expert without rows adds nothing: its output stays bitwise as it was.
+  if (a.accumulate && seg_end <= seg_begin) return;
+  To* out = static_cast<To*>(a.out) + static_cast<std::int64_t>(e) * a.out_expert_stride;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const std::int64_t m = m0 + ty * 4 + i;
@@ -202,7 +204,9 @@ __global__ void __launch_bounds__(THREADS) varlen_k_gemm_kernel(const VarlenKArg
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const std::int64_t n = n0 + tx * 4 + j;
-      if (n < a.N) out[row * a.ld_out + n] = from_float<T>(acc[i][j]);
+      if (n >= a.N) continue;
+      To& o = out[row * a.ld_out + n];
+      o = from_float<To>(a.accumulate ? to_float(o) + acc[i][j] : acc[i][j]);
     }
   }
 }
@@ -234,7 +238,10 @@ void launch_varlen_k_gemm(const VarlenKArgs& a, cudaStream_t stream) {
   const dim3 grid(m_tiles * static_cast<unsigned>(a.E), ceil_div(a.N, BN));
   dispatch_data_type(a.dt, [&](auto tag) {
     using Tp = decltype(tag);
-    varlen_k_gemm_kernel<Tp><<<grid, THREADS, 0, stream>>>(a, m_tiles);
+    dispatch_data_type(a.out_dt, [&](auto out_tag) {
+      using To = decltype(out_tag);
+      varlen_k_gemm_kernel<Tp, To><<<grid, THREADS, 0, stream>>>(a, m_tiles);
+    });
   });
   MACHMOE_CUDA_CHECK_LAUNCH("varlen_k_gemm");
 }

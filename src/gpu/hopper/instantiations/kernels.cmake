@@ -18,4 +18,8 @@ set(MACHMOE_HOPPER_KERNEL_SOURCES
   src/gpu/hopper/instantiations/down_128x256_cooperative.cu
   src/gpu/hopper/instantiations/bwd_dx_128x128_pingpong.cu
   src/gpu/hopper/instantiations/bwd_dx_128x256_cooperative.cu
+  src/gpu/hopper/instantiations/bwd_dw2_128x128_pingpong.cu
+  src/gpu/hopper/instantiations/bwd_dw2_128x256_cooperative.cu
+  src/gpu/hopper/instantiations/bwd_dw1_128x128_pingpong.cu
+  src/gpu/hopper/instantiations/bwd_dw1_128x256_cooperative.cu
 )

@@ -376,7 +376,7 @@ TEST(HopperWeightGradDispatch, NamesWhyAShapeFallsBack) {
   REQUIRE_GPU();
   gpu::set_hopper_kernels_enabled(true);
   gpu::set_hopper_backward_enabled(true);
-  static std::int32_t dummy[64];
+  alignas(16) static std::int32_t dummy[64];  // never dereferenced: only the reason is asked for
   VarlenKArgs a;
   a.E = 4, a.M = 256, a.N = 256;
   a.expert_offsets = dummy;

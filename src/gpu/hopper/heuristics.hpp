@@ -7,7 +7,7 @@
 
 namespace machmoe::gpu::hopper {
 
-enum class KernelFamily : int { kUpProjection, kDownProjection, kDxExpanded, kWeightGradDw2, kWeightGradDw1 };
+enum class KernelFamily : int { kUpProjection, kDownProjection, kDxExpanded };
 
 struct GemmShape {
   KernelFamily family = KernelFamily::kUpProjection;

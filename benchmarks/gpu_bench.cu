@@ -128,8 +128,17 @@ double batched_gemm_ms(cublasHandle_t h, DType dt, std::int64_t E, std::int64_t 
   });
 }
 
+/// The cuBLAS bound: one strided-batched GEMM per expert GEMM of the layer (balanced routing, T K / E rows per
+/// expert), plus the aggregations at copy bandwidth. Each GEMM's time is also the per-stage yardstick of the
+/// matching kernel (stage name -> ms).
 struct Bound {
   double fwd_ms, bwd_ms;
+  std::vector<std::pair<std::string, double>> stage_ms;
+  double stage(const std::string& name) const {
+    for (const auto& [n, ms] : stage_ms)
+      if (n == name) return ms;
+    return 0.0;
+  }
 };
 
 Bound cublas_bound(cublasHandle_t h, const MoEProblem& p, DType dt, double copy_bw, cudaStream_t s) {
@@ -141,7 +150,14 @@ Bound cublas_bound(cublasHandle_t h, const MoEProblem& p, DType dt, double copy_
   const double dw2 = batched_gemm_ms(h, dt, E, p.d, p.n, Te, s);
   const double dxe = batched_gemm_ms(h, dt, E, Te, p.d, r, s);
   const double dw1 = batched_gemm_ms(h, dt, E, r, p.d, Te, s);
-  return {up + down + agg_ms, da + dw2 + dxe + dw1 + agg_ms};
+  return {up + down + agg_ms,
+          da + dw2 + dxe + dw1 + agg_ms,
+          {{"forward/up_projection", up},
+           {"forward/down_projection", down},
+           {"backward/dh_kernel", da},
+           {"backward/dx_expanded", dxe},
+           {"backward/dw2", dw2},
+           {"backward/dw1", dw1}}};
 }
 
 double mib(double b) { return b / (1024.0 * 1024.0); }
@@ -151,6 +167,7 @@ struct Result {
   double fwd_ms = 0, bwd_ms = 0, fwd_tflops = 0, bwd_tflops = 0, bound_fwd = 0, bound_bwd = 0;
   double act_accounted = 0, act_measured = 0, peak_total = 0, peak_transient = 0;
   std::vector<StageTime> stages;
+  Bound bound;
 };
 
 Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t s) {
@@ -279,6 +296,7 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   std::fprintf(stderr, "  [%s] cuBLAS bound...\n", o.config_name.c_str());
   const Bound b = cublas_bound(h, p, dt, copy_bw, s);
   r.bound_fwd = b.fwd_ms, r.bound_bwd = b.bwd_ms;
+  r.bound = b;
   return r;
 }
 
@@ -297,17 +315,23 @@ std::string json_of(const Result& r, const Options& o, const std::string& gpu, d
     << ",\"peak_bytes\":" << r.peak_total << ",\"stages_ms\":{";
   for (std::size_t i = 0; i < r.stages.size(); ++i)
     j << (i ? "," : "") << "\"" << r.stages[i].stage << "\":" << r.stages[i].ms;
+  j << "},\"cublas_stage_ms\":{";
+  for (std::size_t i = 0; i < r.bound.stage_ms.size(); ++i)
+    j << (i ? "," : "") << "\"" << r.bound.stage_ms[i].first << "\":" << r.bound.stage_ms[i].second;
   j << "}}";
   return j.str();
 }
 
 }  // namespace
 
-/// Model FLOPs of a forward expert-GEMM stage (0 for other stages): up 2 TK d w1_rows, down 2 TK n d.
+/// Model FLOPs of an expert-GEMM stage (0 for other stages): up, dX~ and dW1 2 TK d w1_rows; down, dH (dA') and
+/// dW2 2 TK n d.
 double stage_gemm_flops(const std::string& stage, const MoEProblem& p) {
   const double pairs = static_cast<double>(p.T) * static_cast<double>(p.K);
-  if (stage == "forward/up_projection") return 2.0 * pairs * p.d * p.w1_rows();
-  if (stage == "forward/down_projection") return 2.0 * pairs * p.n * p.d;
+  if (stage == "forward/up_projection" || stage == "backward/dx_expanded" || stage == "backward/dw1")
+    return 2.0 * pairs * p.d * p.w1_rows();
+  if (stage == "forward/down_projection" || stage == "backward/dh_kernel" || stage == "backward/dw2")
+    return 2.0 * pairs * p.n * p.d;
   return 0.0;
 }
 
@@ -351,6 +375,8 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
         std::printf("   %6.0f GB/s = %.2f of copy bandwidth", agg_bytes / (st.ms * 1e6), agg_bytes / (st.ms * 1e-3) / bw);
       const double gemm_flops = stage_gemm_flops(st.stage, p);
       if (gemm_flops > 0 && st.ms > 0) std::printf("   %6.1f TFLOP/s", gemm_flops / (st.ms * 1e9));
+      const double cublas = r.bound.stage(st.stage);
+      if (cublas > 0 && st.ms > 0) std::printf("   cuBLAS %.3f ms = %.2f of it", cublas, cublas / st.ms);
       std::printf("\n");
     }
     std::printf("  activation memory: accounted %.1f MiB, measured %.1f MiB; peak %.1f MiB (%.1f MiB above "
@@ -363,6 +389,7 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
     std::printf("| config | fwd ms | fwd TFLOP/s | fwd eff | up-proj TFLOP/s | down-proj TFLOP/s | bwd ms | bwd TFLOP/s | "
                 "bwd eff | act MiB (acct/meas) | peak MiB |\n");
     std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    std::vector<std::string> backward_rows;
     for (std::size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
       double up = 0, down = 0;
@@ -374,7 +401,23 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
       std::printf("| %s | %.3f | %.1f | %.3f | %.1f | %.1f | %.3f | %.1f | %.3f | %.1f / %.1f | %.1f |\n",
                   r.config.c_str(), r.fwd_ms, r.fwd_tflops, r.bound_fwd / r.fwd_ms, up, down, r.bwd_ms, r.bwd_tflops,
                   r.bound_bwd / r.bwd_ms, mib(r.act_accounted), mib(r.act_measured), mib(r.peak_total));
+      // Backward stages: ms, TFLOP/s and the ratio to the matching cuBLAS GEMM.
+      std::string row = "| " + r.config + " |";
+      for (const char* stage : {"backward/dh_kernel", "backward/dx_expanded", "backward/dw2", "backward/dw1"}) {
+        double ms = 0;
+        for (const StageTime& st : r.stages)
+          if (st.stage == stage) ms = st.ms;
+        const double f = stage_gemm_flops(stage, runs[i].problem), cublas = r.bound.stage(stage);
+        char cell[96];
+        std::snprintf(cell, sizeof cell, " %.3f / %.0f / %.2f |", ms, ms > 0 ? f / (ms * 1e9) : 0.0,
+                      ms > 0 ? cublas / ms : 0.0);
+        row += cell;
+      }
+      backward_rows.push_back(row);
     }
+    std::printf("\nbackward GEMM stages: ms / TFLOP/s / cuBLAS-GEMM time over stage time\n");
+    std::printf("| config | dH (dA') | dX~ | dW2 | dW1 |\n|---|---|---|---|---|\n");
+    for (const std::string& row : backward_rows) std::printf("%s\n", row.c_str());
   }
   cublasDestroy(h);
   cudaStreamDestroy(s);

@@ -3,7 +3,8 @@
 # nothing and needs no network.
 #   Debian: cmake (>= 3.25), ninja, g++, GoogleTest.
 #   PyPI:   nvidia-cutlass==4.2.0.0 (CUTLASS/CuTe C++ headers) into third_party/cutlass (git-ignored);
-#           torch==2.11.0, pytest, numpy for the PyTorch front end (into the python3 found, unless already there).
+#           torch==2.11.0, pytest, numpy for the PyTorch front end, matplotlib, rich, tqdm for python -m
+#           machmoe.benchmark's plots and progress (into the python3 found, unless already there).
 # The CUDA toolkit (nvcc) is not installed here: the build compiles the CUDA sources for sm_90a when nvcc is present
 # (/usr/local/cuda on the development, CI and GPU machines) and builds the CPU library alone otherwise.
 set -euo pipefail
@@ -53,6 +54,9 @@ if [ "${MACHMOE_NO_TORCH:-0}" != 1 ]; then
   fi
   python3 -c "import pytest, numpy, scikit_build_core" >/dev/null 2>&1 ||
     python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore pytest numpy scikit-build-core
+  # python -m machmoe.benchmark's optional extras: plots (matplotlib) and progress bars (rich, tqdm).
+  python3 -c "import matplotlib, rich, tqdm" >/dev/null 2>&1 ||
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore matplotlib rich tqdm
 fi
 echo "setup: ok (cmake $(cmake --version | head -n1 | awk '{print $3}'), CUTLASS $cutlass_version," \
      "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo "not found: CPU-only build"))"

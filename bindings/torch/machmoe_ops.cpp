@@ -204,11 +204,14 @@ struct LayerArgs {
   const machmoe::RoutingTriples* routing() const { return caller ? &triples : nullptr; }
 };
 
+/// The forward. The into_* buffers are not read here: they are the forward's operands only so that autograd (and
+/// torch.compile's traced backward) hands them to the backward, which adds the weight gradients into them.
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
     const Tensor& x, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
     const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index, const OptTensor& scores,
     int64_t top_k, int64_t activation, int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding,
-    int64_t tile, int64_t cache) {
+    int64_t tile, int64_t cache, const OptTensor& /*into_router_weight*/, const OptTensor& /*into_w1*/,
+    const OptTensor& /*into_b1*/, const OptTensor& /*into_w2*/, const OptTensor& /*into_b2*/) {
   const char* op = "layer_forward";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
                     weight_layout, score, routing, rounding, tile, cache);
@@ -229,14 +232,55 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
   return {out, logits, counts, saved};
 }
 
+/// Where one weight's gradient goes. Given `into` (accumulation mode), the library adds the gradient into it and the
+/// operator returns an empty tensor in its place. Otherwise the operator returns a new tensor; in a call that
+/// accumulates (the library adds into every weight gradient of the call), that tensor starts at zero.
+struct GradTarget {
+  Tensor buffer;    // what the library writes (adds) into
+  Tensor returned;  // what the operator returns for this gradient
+
+  GradTarget() = default;
+  GradTarget(const char* op, const char* arg, const OptTensor& into, bool present_weight, const char* absent_why,
+             bool accumulate, at::IntArrayRef sizes, const Tensor& x) {
+    if (present(into) && !present_weight)
+      fail(op, arg, std::string("None (") + absent_why + ")", "a tensor of shape " + shape_of(*into));
+    if (!present_weight) {
+      returned = at::empty({0}, x.options());
+    } else if (present(into)) {
+      const Tensor& t = *into;
+      if (t.device() != x.device())
+        fail(op, arg, "a tensor on " + x.device().str() + " (the device of x)", "a tensor on " + t.device().str());
+      if (t.scalar_type() != x.scalar_type() && t.scalar_type() != at::kFloat)
+        fail(op, arg,
+             std::string("dtype ") + c10::toString(x.scalar_type()) + " (the dtype of x) or Float (fp32 gradients)",
+             c10::toString(t.scalar_type()));
+      if (t.sizes() != sizes)
+        fail(op, arg, "shape " + shape_of(at::empty(sizes, at::TensorOptions().device(at::kMeta))) +
+                          " (the weight's shape)", "shape " + shape_of(t));
+      buffer = t;
+      returned = at::empty({0}, x.options());
+    } else {
+      buffer = accumulate ? at::zeros(sizes, x.options()) : at::empty(sizes, x.options());
+      returned = buffer;
+    }
+  }
+};
+
+bool any_present(std::initializer_list<const OptTensor*> ts) {
+  for (const OptTensor* t : ts)
+    if (present(*t)) return true;
+  return false;
+}
+
 /// Upstream gradients and the input-gradient outputs of a backward (kept alive while the views are used).
 struct InputGrads {
-  Tensor go, dx, dwr, dscores;
+  Tensor go, dx, dscores;
+  GradTarget dwr;
   OptTensor gl;
   machmoe::BackwardInputs inputs;
 
   InputGrads(const char* op, const machmoe::MoEProblem& p, const Tensor& x, const Tensor& grad_out,
-             const OptTensor& grad_logits) {
+             const OptTensor& grad_logits, const OptTensor& into_router_weight, bool accumulate) {
     const bool caller = p.routing == machmoe::RoutingMode::kCallerSupplied;
     check_defined(op, "grad_out", grad_out);
     // Routing 'caller' has no router logits: the forward returned an empty tensor for them, whose gradient
@@ -247,7 +291,8 @@ struct InputGrads {
     go = grad_out.contiguous();
     if (present(grad_logits) && !caller) gl = grad_logits->contiguous();
     dx = at::empty({p.T, p.d}, x.options());
-    dwr = caller ? at::empty({0}, x.options()) : at::empty({p.E, p.d}, x.options());
+    dwr = GradTarget(op, "into_router_weight", into_router_weight, !caller, "routing 'caller' has no router",
+                     accumulate, {p.E, p.d}, x);
     dscores = caller ? at::empty({p.num_pairs}, x.options().dtype(score_type(x))) : at::empty({0}, x.options());
     inputs.grad_out = view(op, "grad_out", go);
     inputs.grad_router_logits = view(op, "grad_logits", gl);
@@ -255,24 +300,28 @@ struct InputGrads {
   void attach(const char* op, const machmoe::MoEProblem& p, machmoe::BackwardOutputs& bo) const {
     bo.grad_x = view(op, "grad_x", dx);
     if (p.routing == machmoe::RoutingMode::kCallerSupplied) bo.grad_scores = view(op, "grad_scores", dscores);
-    else bo.grad_weights.router_weight = view(op, "grad_router_weight", dwr);
+    else bo.grad_weights.router_weight = view(op, "into_router_weight", dwr.buffer);
   }
 };
 
 /// The expert weight-gradient outputs of a backward.
 struct WeightGrads {
-  Tensor dw1, db1, dw2, db2;
+  GradTarget dw1, db1, dw2, db2;
 
-  WeightGrads(const machmoe::MoEProblem& p, const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
-              const OptTensor& b2) {
-    dw1 = at::empty(w1.sizes(), x.options()), dw2 = at::empty(w2.sizes(), x.options());
-    db1 = p.has_b1 ? at::empty(b1->sizes(), x.options()) : at::empty({0}, x.options());
-    db2 = p.has_b2 ? at::empty(b2->sizes(), x.options()) : at::empty({0}, x.options());
+  WeightGrads(const char* op, const machmoe::MoEProblem& p, const Tensor& x, const Tensor& w1, const OptTensor& b1,
+              const Tensor& w2, const OptTensor& b2, const OptTensor& into_w1, const OptTensor& into_b1,
+              const OptTensor& into_w2, const OptTensor& into_b2, bool accumulate) {
+    dw1 = GradTarget(op, "into_w1", into_w1, true, "", accumulate, w1.sizes(), x);
+    dw2 = GradTarget(op, "into_w2", into_w2, true, "", accumulate, w2.sizes(), x);
+    db1 = GradTarget(op, "into_b1", into_b1, p.has_b1, "the layer has no b1", accumulate,
+                     p.has_b1 ? b1->sizes() : at::IntArrayRef{}, x);
+    db2 = GradTarget(op, "into_b2", into_b2, p.has_b2, "the layer has no b2", accumulate,
+                     p.has_b2 ? b2->sizes() : at::IntArrayRef{}, x);
   }
   void attach(const char* op, const machmoe::MoEProblem& p, machmoe::BackwardOutputs& bo) const {
-    bo.grad_weights.w1 = view(op, "grad_w1", dw1), bo.grad_weights.w2 = view(op, "grad_w2", dw2);
-    if (p.has_b1) bo.grad_weights.b1 = view(op, "grad_b1", db1);
-    if (p.has_b2) bo.grad_weights.b2 = view(op, "grad_b2", db2);
+    bo.grad_weights.w1 = view(op, "into_w1", dw1.buffer), bo.grad_weights.w2 = view(op, "into_w2", dw2.buffer);
+    if (p.has_b1) bo.grad_weights.b1 = view(op, "into_b1", db1.buffer);
+    if (p.has_b2) bo.grad_weights.b2 = view(op, "into_b2", db2.buffer);
   }
 };
 
@@ -280,23 +329,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
     const Tensor& grad_out, const OptTensor& grad_logits, const Tensor& x, const OptTensor& router_weight,
     const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2, const OptTensor& token_index,
     const OptTensor& expert_index, const OptTensor& scores, const Tensor& saved, int64_t top_k, int64_t activation,
-    int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache) {
+    int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache,
+    const OptTensor& into_router_weight, const OptTensor& into_w1, const OptTensor& into_b1,
+    const OptTensor& into_w2, const OptTensor& into_b2) {
   const char* op = "layer_backward";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
                     weight_layout, score, routing, rounding, tile, cache);
   check_byte_buffer(op, "saved", saved, x, "layer_forward");
   const machmoe::MoEProblem& p = a.p;
-  const InputGrads ig(op, p, x, grad_out, grad_logits);
+  const bool accumulate = any_present({&into_router_weight, &into_w1, &into_b1, &into_w2, &into_b2});
+  const InputGrads ig(op, p, x, grad_out, grad_logits, into_router_weight, accumulate);
   Tensor workspace = byte_buffer(x, machmoe::backward_workspace_bytes(p, a.dtype, library_device(x)));
-  const WeightGrads wg(p, x, w1, b1, w2, b2);
+  const WeightGrads wg(op, p, x, w1, b1, w2, b2, into_w1, into_b1, into_w2, into_b2, accumulate);
   machmoe::BackwardOutputs bo;
   ig.attach(op, p, bo);
   wg.attach(op, p, bo);
+  bo.grad_weights.accumulate = accumulate;
   machmoe::backward(p, a.x, a.weights, a.routing(), ig.inputs, bo,
                      {saved.data_ptr(), static_cast<std::size_t>(saved.numel()), workspace.data_ptr(),
                       static_cast<std::size_t>(workspace.numel())},
                      stream_for(x));
-  return {ig.dx, ig.dwr, wg.dw1, wg.db1, wg.dw2, wg.db2, ig.dscores};
+  return {ig.dx, ig.dwr.returned, wg.dw1.returned, wg.db1.returned, wg.dw2.returned, wg.db2.returned, ig.dscores};
 }
 
 /// The split backward's input half: (grad_x, grad_router_weight, grad_scores, deferred).
@@ -304,22 +357,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_input(
     const Tensor& grad_out, const OptTensor& grad_logits, const Tensor& x, const OptTensor& router_weight,
     const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2, const OptTensor& token_index,
     const OptTensor& expert_index, const OptTensor& scores, const Tensor& saved, int64_t top_k, int64_t activation,
-    int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache) {
+    int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache,
+    const OptTensor& into_router_weight) {
   const char* op = "layer_backward_input";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
                     weight_layout, score, routing, rounding, tile, cache);
   check_byte_buffer(op, "saved", saved, x, "layer_forward");
   const machmoe::MoEProblem& p = a.p;
-  const InputGrads ig(op, p, x, grad_out, grad_logits);
+  const bool accumulate = present(into_router_weight);
+  const InputGrads ig(op, p, x, grad_out, grad_logits, into_router_weight, accumulate);
   Tensor workspace = byte_buffer(x, machmoe::backward_input_workspace_bytes(p, a.dtype, library_device(x)));
   Tensor deferred = byte_buffer(x, machmoe::deferred_layout(p, a.dtype).total_bytes);
   machmoe::BackwardOutputs bo;
   ig.attach(op, p, bo);
+  bo.grad_weights.accumulate = accumulate;
   machmoe::backward_input(p, a.x, a.weights, a.routing(), ig.inputs, bo,
                            {saved.data_ptr(), static_cast<std::size_t>(saved.numel()), workspace.data_ptr(),
                             static_cast<std::size_t>(workspace.numel())},
                            {deferred.data_ptr(), static_cast<std::size_t>(deferred.numel())}, stream_for(x));
-  return {ig.dx, ig.dwr, ig.dscores, deferred};
+  return {ig.dx, ig.dwr.returned, ig.dscores, deferred};
 }
 
 /// The split backward's weight half: (grad_w1, grad_b1, grad_w2, grad_b2).
@@ -327,7 +383,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
     const Tensor& grad_out, const Tensor& x, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1,
     const Tensor& w2, const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index,
     const OptTensor& scores, const Tensor& saved, const Tensor& deferred, int64_t top_k, int64_t activation,
-    int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache) {
+    int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache,
+    const OptTensor& into_w1, const OptTensor& into_b1, const OptTensor& into_w2, const OptTensor& into_b2) {
   const char* op = "layer_backward_weight";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
                     weight_layout, score, routing, rounding, tile, cache);
@@ -337,13 +394,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
   const machmoe::MoEProblem& p = a.p;
   const Tensor go = grad_out.contiguous();
   const machmoe::TensorView gov = view(op, "grad_out", go);
-  const WeightGrads wg(p, x, w1, b1, w2, b2);
+  const bool accumulate = any_present({&into_w1, &into_b1, &into_w2, &into_b2});
+  const WeightGrads wg(op, p, x, w1, b1, w2, b2, into_w1, into_b1, into_w2, into_b2, accumulate);
   machmoe::BackwardOutputs bo;
   wg.attach(op, p, bo);
+  bo.grad_weights.accumulate = accumulate;
   machmoe::backward_weight(p, a.x, a.weights, a.routing(), gov, bo, saved.data_ptr(),
                             static_cast<std::size_t>(saved.numel()),
                             {deferred.data_ptr(), static_cast<std::size_t>(deferred.numel())}, stream_for(x));
-  return {wg.dw1, wg.db1, wg.dw2, wg.db2};
+  return {wg.dw1.returned, wg.db1.returned, wg.dw2.returned, wg.db2.returned};
 }
 
 /// Size of the saved buffer, for the fake (meta) implementation used by torch.compile. Every argument is checked
@@ -403,21 +462,26 @@ TORCH_LIBRARY(machmoe, m) {
   m.def(
       "layer_forward(Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
       "Tensor? token_index, Tensor? expert_index, Tensor? scores, int top_k, int activation, int weight_layout, "
-      "int score, int routing, int rounding, int tile, int cache) -> (Tensor, Tensor, Tensor, Tensor)");
+      "int score, int routing, int rounding, int tile, int cache, Tensor? into_router_weight=None, "
+      "Tensor? into_w1=None, Tensor? into_b1=None, Tensor? into_w2=None, Tensor? into_b2=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layer_backward(Tensor grad_out, Tensor? grad_logits, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, "
       "Tensor w2, Tensor? b2, Tensor? token_index, Tensor? expert_index, Tensor? scores, Tensor saved, int top_k, "
-      "int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache) "
+      "int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, "
+      "Tensor(a!)? into_router_weight=None, Tensor(b!)? into_w1=None, Tensor(c!)? into_b1=None, "
+      "Tensor(d!)? into_w2=None, Tensor(e!)? into_b2=None) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layer_backward_input(Tensor grad_out, Tensor? grad_logits, Tensor x, Tensor? router_weight, Tensor w1, "
       "Tensor? b1, Tensor w2, Tensor? b2, Tensor? token_index, Tensor? expert_index, Tensor? scores, Tensor saved, "
-      "int top_k, int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
+      "int top_k, int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, "
+      "Tensor(a!)? into_router_weight=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layer_backward_weight(Tensor grad_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, "
       "Tensor? b2, Tensor? token_index, Tensor? expert_index, Tensor? scores, Tensor saved, Tensor deferred, "
-      "int top_k, int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache) "
+      "int top_k, int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, "
+      "Tensor(a!)? into_w1=None, Tensor(b!)? into_b1=None, Tensor(c!)? into_w2=None, Tensor(d!)? into_b2=None) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "saved_nbytes(int T, int d, int n, int E, int K, int num_pairs, int activation, int score, int routing, "

@@ -25,9 +25,20 @@ struct LayerWeights {
   TensorView b2;             // (E, d) or empty
 };
 
-/// Gradients, same shapes and dtype as LayerWeights; every present weight needs its gradient.
+/// Gradients, same shapes as LayerWeights; every present weight needs its gradient. Each gradient's dtype is the
+/// layer's data dtype or fp32 (e.g. fp32 gradients of bf16 weights: the GEMMs accumulate in fp32 and round once,
+/// to the gradient's dtype).
+///
+/// `accumulate` (default false: overwrite) adds the weight gradients into the buffers instead, for gradient
+/// accumulation across micro-batches (Megatron-style fp32 `main_grad`): grad = grad + dL/dW, the sum taken in fp32
+/// (fp64 for fp64 data) and rounded once to the buffer's dtype, with no extra kernel, copy or workspace. It covers
+/// every weight gradient of the call (router_weight, w1, b1, w2, b2); grad_x and the score gradients are always
+/// overwritten. Experts that receive no pair leave their buffers unchanged, and so does a call with no pairs
+/// (T = 0); with caller-supplied routing the router's gradient, which is zero, leaves it unchanged too. In the
+/// split backward, backward_input() honours it for router_weight and backward_weight() for w1, b1, w2, b2.
 struct LayerWeightGrads {
   TensorView router_weight, w1, b1, w2, b2;
+  bool accumulate = false;
 };
 
 /// Caller-supplied routing: num_pairs triples, token indices ascending (pairs of one token are contiguous),

@@ -29,7 +29,8 @@ def _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, til
 
 @torch.library.register_fake("machmoe::layer_forward")
 def _layer_forward_fake(x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
-                        weight_layout, score, routing, rounding, tile, cache):
+                        weight_layout, score, routing, rounding, tile, cache, into_router_weight=None, into_w1=None,
+                        into_b1=None, into_w2=None, into_b2=None):
     T, d = x.shape
     E = w1.shape[0]
     out = x.new_empty((T, d))
@@ -47,21 +48,27 @@ def _grouped_expert_index_fake(counts, rows):
 
 @torch.library.register_fake("machmoe::layer_backward")
 def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores,
-                         saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache):
+                         saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
+                         into_router_weight=None, into_w1=None, into_b1=None, into_w2=None, into_b2=None):
     caller = routing == _CALLER
-    empty = x.new_empty((0,))
+
+    def grad(weight, into):  # a gradient added into a caller buffer is returned as an empty tensor
+        return x.new_empty((0,)) if weight is None or into is not None else torch.empty_like(weight)
+
     return (
         torch.empty_like(x),
-        empty if caller else torch.empty_like(router_weight),
-        torch.empty_like(w1),
-        torch.empty_like(b1) if b1 is not None else empty,
-        torch.empty_like(w2),
-        torch.empty_like(b2) if b2 is not None else empty,
-        scores.new_empty(scores.shape) if caller else empty,
+        grad(None if caller else router_weight, into_router_weight),
+        grad(w1, into_w1),
+        grad(b1, into_b1),
+        grad(w2, into_w2),
+        grad(b2, into_b2),
+        scores.new_empty(scores.shape) if caller else x.new_empty((0,)),
     )
 
 
 _WEIGHTS = ("w1", "b1", "w2", "b2")
+_ALL_WEIGHTS = ("router_weight",) + _WEIGHTS
+_NUM_OPTIONS = 8  # top_k, activation, weight_layout, score, routing, rounding, tile, cache
 
 _DOUBLE_BACKWARD = (
     "machmoe: double backward is not supported: a gradient computed by the backward of a machmoe layer (with "
@@ -120,15 +127,16 @@ _OPERAND_DESCRIPTIONS = {"grad_out": "the gradient of its output (grad_out)", "s
 
 class _DeferredLayer:
     """One layer's queued weight-gradient work: the operands of layer_backward_weight, their versions when the
-    backward queued it, and the leaf weights whose .grad receives the result."""
+    backward queued it, the leaf weights whose .grad receives the result, and the buffers (w1, b1, w2, b2; None
+    where not accumulating) that the other weights' gradients are added into."""
 
     _OPERANDS = ("grad_out", "x", "router_weight", "w1", "b1", "w2", "b2", "token_index", "expert_index", "scores",
                  "saved")
 
-    def __init__(self, operands, deferred, options, targets):
+    def __init__(self, operands, deferred, options, targets, into):
         grad_out, _grad_logits, *rest = operands
         self.operands = (grad_out, *rest)
-        self.deferred, self.options, self.targets = deferred, options, targets
+        self.deferred, self.options, self.targets, self.into = deferred, options, targets, into
         self.versions = [(name, t, t._version) for name, t in zip(self._OPERANDS, self.operands) if t is not None]
 
     def check(self) -> None:
@@ -144,10 +152,12 @@ class _DeferredLayer:
     def run(self) -> None:
         with torch.no_grad():
             grads = dict(zip(_WEIGHTS, torch.ops.machmoe.layer_backward_weight(*self.operands, self.deferred,
-                                                                                *self.options)))
+                                                                                *self.options, *self.into)))
         # Through autograd, so that accumulation into .grad, the weights' tensor hooks, post-accumulate-grad hooks
         # and hooks on their AccumulateGrad nodes (DDP/FSDP-style reducers) behave as in an ordinary backward.
-        torch.autograd.backward([w for _, w, _ in self.targets], [grads[name] for name, _, _ in self.targets])
+        # (Gradients added into caller buffers have been delivered by the operator itself.)
+        if self.targets:
+            torch.autograd.backward([w for _, w, _ in self.targets], [grads[name] for name, _, _ in self.targets])
 
 
 class _MutedHooks:
@@ -269,9 +279,11 @@ class defer_weight_grads:
         return len(self._jobs)
 
 
-def _plan_deferral(ctx, x):
-    """The weights whose gradient this backward defers, as (name, weight, AccumulateGrad node); None when the layer's
-    backward must compute its weight gradients now (torch.autograd.grad asked for one of them)."""
+def _plan_deferral(ctx, x, into):
+    """The weights whose gradient this backward defers into their .grad, as (name, weight, AccumulateGrad node); None
+    when the layer's backward must compute its weight gradients now (torch.autograd.grad asked for one of them).
+    Weights whose gradient is added into a caller buffer (`into`, by name) are deferred too, but produce no .grad:
+    they are not targets."""
     if _tracing():
         raise RuntimeError(
             "machmoe: defer_weight_grads cannot defer the weight gradients of a graph that torch.compile is tracing: "
@@ -285,7 +297,7 @@ def _plan_deferral(ctx, x):
             "outside defer_weight_grads.")
     targets = []
     for name, w in zip(_WEIGHTS, ctx.weights):
-        if w is None or not w.requires_grad:
+        if w is None or not w.requires_grad or into.get(name) is not None:
             continue
         node = torch.autograd.graph.get_gradient_edge(w).node
         try:
@@ -306,14 +318,16 @@ def _plan_deferral(ctx, x):
     return targets
 
 
-def _full_backward(operands, options):
-    return torch.ops.machmoe.layer_backward(*operands, *options)
+def _full_backward(operands, options, into):
+    return torch.ops.machmoe.layer_backward(*operands, *options, *(into.get(n) for n in _ALL_WEIGHTS))
 
 
-def _split_backward(operands, options, owner, targets):
-    dx, dwr, dscores, deferred = torch.ops.machmoe.layer_backward_input(*operands, *options)
-    if targets:
-        owner._queue(_DeferredLayer(operands, deferred, options, targets))
+def _split_backward(operands, options, into, owner, targets):
+    dx, dwr, dscores, deferred = torch.ops.machmoe.layer_backward_input(*operands, *options,
+                                                                        into.get("router_weight"))
+    weight_into = tuple(into.get(name) for name in _WEIGHTS)
+    if targets or any(t is not None for t in weight_into):
+        owner._queue(_DeferredLayer(operands, deferred, options, targets, weight_into))
         for _, w, node in targets:
             _mute(w, node, owner)
     return dx, dwr, None, None, None, None, dscores
@@ -321,8 +335,12 @@ def _split_backward(operands, options, owner, targets):
 
 def _setup_context(ctx, inputs, output):
     x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores = inputs[:9]
-    ctx.options = inputs[9:]
+    ctx.options = inputs[9:9 + _NUM_OPTIONS]
     ctx.weights = (w1, b1, w2, b2)  # the tensors themselves, for deferred accumulation into .grad
+    # Buffers the backward adds weight gradients into (accumulation mode). Kept as references rather than saved
+    # tensors: they are meant to change between this forward and its backward (another micro-batch's backward adds
+    # into them first in a pipeline schedule), which saved tensors' version checks would refuse.
+    ctx.into = dict(zip(_ALL_WEIGHTS, inputs[9 + _NUM_OPTIONS:9 + _NUM_OPTIONS + len(_ALL_WEIGHTS)]))
     ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, output[3])
 
 
@@ -334,28 +352,32 @@ def _backward(ctx, grad_out, grad_logits, grad_counts, grad_saved):
     if caller or (grad_logits is not None and grad_logits.numel() == 0):
         grad_logits = None
     operands = (grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved)
+    # A buffer receives its weight's gradient only when autograd wants that gradient (inputs 1..5 of the forward).
+    into = {name: t for i, (name, t) in enumerate(ctx.into.items(), start=1)
+            if t is not None and ctx.needs_input_grad[i]}
     stack = _deferral_stack()
-    targets = _plan_deferral(ctx, x) if stack else None
+    targets = _plan_deferral(ctx, x, into) if stack else None
     if targets is None:
-        compute = functools.partial(_full_backward, operands, ctx.options)
+        compute = functools.partial(_full_backward, operands, ctx.options, into)
     else:
-        compute = functools.partial(_split_backward, operands, ctx.options, stack[-1], targets)
+        compute = functools.partial(_split_backward, operands, ctx.options, into, stack[-1], targets)
     if torch.is_grad_enabled():  # create_graph=True
         depends_on = [t for t in (grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, scores) if t is not None]
         dx, dwr, dw1, db1, dw2, db2, dscores = _FirstOrderOnly.apply(compute, *depends_on)
     else:
         dx, dwr, dw1, db1, dw2, db2, dscores = compute()
+    # Gradients added into caller buffers are not returned: those weights' .grad stays as it was.
     return (
         dx,
-        None if caller or router_weight is None else dwr,
-        dw1,
-        db1 if b1 is not None else None,
-        dw2,
-        db2 if b2 is not None else None,
+        None if caller or router_weight is None or "router_weight" in into else dwr,
+        None if "w1" in into else dw1,
+        db1 if b1 is not None and "b1" not in into else None,
+        None if "w2" in into else dw2,
+        db2 if b2 is not None and "b2" not in into else None,
         None,
         None,
         dscores if caller else None,
-    ) + (None,) * len(ctx.options)
+    ) + (None,) * (_NUM_OPTIONS + len(_ALL_WEIGHTS))
 
 
 torch.library.register_autograd("machmoe::layer_forward", _backward, setup_context=_setup_context)

@@ -6,7 +6,8 @@ gate, up, gate, up...; with "concatenated" rows [0, n) are gate and [n, 2n) up (
 synchronisation: expert counts stay on the device.
 """
 import warnings
-from typing import Optional, Tuple
+from collections.abc import Mapping
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -72,6 +73,41 @@ def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, we
     return act, layout, top_k
 
 
+_INTO_NAMES = ("router_weight", "w1", "b1", "w2", "b2")
+_INTO_ARG = "accumulate_grads_into"
+
+
+def _check_into(into, weights: Dict[str, Optional[Tensor]],
+                arg_format: str = _INTO_ARG + "['{}']") -> Tuple[Optional[Tensor], ...]:
+    """The gradient-accumulation buffers (accumulate_grads_into: weight name -> buffer), checked against the weights
+    of this call; returns them in the operator's order (router_weight, w1, b1, w2, b2), None where absent. A buffer
+    is named in messages by arg_format.format(weight name)."""
+    if into is None:
+        return (None,) * len(_INTO_NAMES)
+    if not isinstance(into, Mapping):
+        raise TypeError(f"machmoe: argument '{_INTO_ARG}': expected a dict mapping weight names to gradient buffers "
+                        f"or None, got {type(into).__name__}")
+    present = [name for name in _INTO_NAMES if weights.get(name) is not None]
+    for name, buf in into.items():
+        if name not in present:
+            _fail(_INTO_ARG, f"keys among {present} (the weights of this call)", repr(name))
+        arg = arg_format.format(name)
+        require_tensor(arg, buf)
+        w = weights[name]
+        if buf.device != w.device:
+            _fail(arg, f"a tensor on {w.device} (the device of {name})", f"a tensor on {buf.device}")
+        if buf.dtype not in (w.dtype, torch.float32):
+            _fail(arg, f"dtype {w.dtype} (the dtype of {name}) or torch.float32", buf.dtype)
+        if tuple(buf.shape) != tuple(w.shape):
+            _fail(arg, f"shape {tuple(w.shape)} (the shape of {name})", f"shape {tuple(buf.shape)}")
+        if not buf.is_contiguous():
+            _fail(arg, "a contiguous tensor", f"strides {buf.stride()}")
+        if buf.requires_grad:
+            _fail(arg, "a buffer that does not require grad (gradients are added into it, not through it)",
+                  "a tensor with requires_grad=True")
+    return tuple(into.get(name) for name in _INTO_NAMES)
+
+
 def _reject_forward_ad(*tensors) -> None:
     """Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) has no rule for the layer: without this check a
     dual input would come out with a zero or missing tangent."""
@@ -110,11 +146,18 @@ def _warn_if_rounding_empties_experts(tokens: int, tile: int, rounding: str) -> 
 def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,
         b2: Optional[Tensor] = None, *, top_k: int, activation: str = "swiglu", score: str = "softmax_topk",
         routing: str = "topk", rounding: str = "nearest", tile: int = 128, weight_layout: str = "interleaved",
-        activation_memory: str = "preact") -> Tuple[Tensor, Tensor, Tensor]:
+        activation_memory: str = "preact",
+        accumulate_grads_into: Optional[Dict[str, Tensor]] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The whole MoE layer: router, routing, experts, aggregation. Returns (out (T, d), router_logits (T, E),
     expert_counts (E,) int32 on the device). Differentiable w.r.t. x, router_weight, w1, w2, b1, b2 (first-order
     reverse mode only: double backward and forward-mode AD raise). Integer options accept Python and numpy integers
-    and 0-d integer tensors."""
+    and 0-d integer tensors.
+
+    accumulate_grads_into: gradient accumulation (Megatron-style main_grad), a dict mapping weight names
+    ('router_weight', 'w1', 'b1', 'w2', 'b2') to buffers of the weight's shape, of its dtype or torch.float32,
+    contiguous, on its device. The backward adds those weights' gradients into the buffers (inside the weight-gradient
+    kernels: the sum in fp32, rounded once to the buffer's dtype, no extra kernel or copy) instead of returning them,
+    so their .grad is left as it was. Experts that receive no token leave their part of the buffers unchanged."""
     act, layout, top_k = _check_common(x, w1, w2, b1, b2, activation, weight_layout, top_k)
     if routing not in ("topk", "token_rounding"):
         _fail("routing", "'topk' or 'token_rounding' (use moe_from_routing for caller-supplied routing)", repr(routing))
@@ -126,9 +169,10 @@ def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[T
         _warn_if_rounding_empties_experts(x.shape[0], tile, rounding)
     codes = (code(SCORES, score, "score"), code(ROUTINGS, routing, "routing"), code(ROUNDINGS, rounding, "rounding"),
              tile, code(ACTIVATION_MEMORY, activation_memory, "activation_memory"))
+    into = _check_into(accumulate_grads_into, dict(router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2))
     _reject_forward_ad(x, router_weight, w1, w2, b1, b2)
     out, logits, counts, _ = torch.ops.machmoe.layer_forward(
-        x, router_weight, w1, b1, w2, b2, None, None, None, top_k, act, layout, *codes)
+        x, router_weight, w1, b1, w2, b2, None, None, None, top_k, act, layout, *codes, *into)
     return out, logits, counts
 
 
@@ -159,20 +203,23 @@ def _check_routing(x: Tensor, token_index, expert_index, scores) -> None:
 def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, expert_index: Tensor, scores: Tensor,
                      b1: Optional[Tensor] = None, b2: Optional[Tensor] = None, *, max_experts_per_token: int,
                      activation: str = "swiglu", weight_layout: str = "interleaved",
-                     activation_memory: str = "preact") -> Tuple[Tensor, Tensor]:
+                     activation_memory: str = "preact",
+                     accumulate_grads_into: Optional[Dict[str, Tensor]] = None) -> Tuple[Tensor, Tensor]:
     """The layer from caller-supplied (token, expert, score) triples, token indices ascending and at most
     max_experts_per_token per token. Returns (out (T, d), expert_counts (E,) int32). Differentiable w.r.t. x, w1, w2,
     b1, b2 and scores (in the caller's order). On the GPU, pairs whose expert or token is out of range are skipped
     (expert-parallel sentinels); on the CPU they raise, and so do they on the GPU, at the next call or
-    check_device_errors(), with set_index_checking(True). No pairs (or no tokens) give a zero output."""
+    check_device_errors(), with set_index_checking(True). No pairs (or no tokens) give a zero output.
+    accumulate_grads_into: as for moe() (keys 'w1', 'b1', 'w2', 'b2')."""
     act, layout, top_k = _check_common(x, w1, w2, b1, b2, activation, weight_layout, max_experts_per_token,
                                        top_k_name="max_experts_per_token")
     _check_routing(x, token_index, expert_index, scores)
     cache = code(ACTIVATION_MEMORY, activation_memory, "activation_memory")
+    into = _check_into(accumulate_grads_into, dict(w1=w1, b1=b1, w2=w2, b2=b2))
     _reject_forward_ad(x, w1, w2, b1, b2, scores)
     out, _, counts, _ = torch.ops.machmoe.layer_forward(
         x, None, w1, b1, w2, b2, token_index, expert_index, scores, top_k, act, layout, 0, ROUTINGS["caller"], 0, 128,
-        cache)
+        cache, *into)
     return out, counts
 
 
@@ -206,17 +253,20 @@ def _check_expert_counts(x_grouped: Tensor, expert_counts, w1) -> None:
 
 def grouped_experts(x_grouped: Tensor, expert_counts: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,
                     b2: Optional[Tensor] = None, *, activation: str = "swiglu", weight_layout: str = "interleaved",
-                    activation_memory: str = "preact") -> Tensor:
+                    activation_memory: str = "preact",
+                    accumulate_grads_into: Optional[Dict[str, Tensor]] = None) -> Tensor:
     """The expert computation on pre-dispatched tokens: rows of x_grouped (P, d) already grouped by expert, with
     expert_counts (E,) int32/int64 on the device (sum = P). Returns (P, d), row i = expert(i)'s MLP of row i. This is
     the seam of expert-parallel dispatchers (torchtitan GroupedExperts, DeepEP): no host synchronisation. P = 0 (a rank
     that received no tokens) returns a (0, d) output and zero weight gradients. On the CPU, counts that are negative
     or do not sum to P raise; on the GPU they cannot be checked without a synchronisation: rows past the counts'
     total get zero output, and with machmoe.set_index_checking(True) the counts are validated on the device and
-    the error is raised at the next layer call or machmoe.check_device_errors()."""
+    the error is raised at the next layer call or machmoe.check_device_errors(). accumulate_grads_into: as for moe()
+    (keys 'w1', 'b1', 'w2', 'b2')."""
     _check_expert_counts(x_grouped, expert_counts, w1)
     act, layout, _ = _check_common(x_grouped, w1, w2, b1, b2, activation, weight_layout, 1, x_name="x_grouped")
     cache = code(ACTIVATION_MEMORY, activation_memory, "activation_memory")
+    into = _check_into(accumulate_grads_into, dict(w1=w1, b1=b1, w2=w2, b2=b2))
     _reject_forward_ad(x_grouped, w1, w2, b1, b2)
     P = x_grouped.shape[0]
     idx_dtype = torch.int32 if P < 2**31 else torch.int64
@@ -229,7 +279,7 @@ def grouped_experts(x_grouped: Tensor, expert_counts: Tensor, w1: Tensor, w2: Te
                         dtype=torch.float64 if x_grouped.dtype == torch.float64 else torch.float32)
     out, _, _, _ = torch.ops.machmoe.layer_forward(
         x_grouped, None, w1, b1, w2, b2, token_index, expert_index, scores, 1, act, layout, 0, ROUTINGS["caller"], 0,
-        128, cache)
+        128, cache, *into)
     return out
 
 

@@ -1,7 +1,7 @@
 """machmoe.MoE: a drop-in Mixture-of-Experts layer."""
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -34,13 +34,29 @@ class MoE(nn.Module):
     The state dict records the layout of w1 and the activation (entry `_extra_state`, a small int64 tensor), so that
     weights saved by a module of another layout or activation, which have the same shapes, are refused on loading
     rather than silently misread. State dicts saved before this record existed load as before.
+
+    Gradient accumulation into main_grad (``accumulate_into_main_grad=True``, or set the attribute later): Megatron's
+    fp32 ``main_grad`` scheme (its ``gradient_accumulation_fusion``). The backward adds the gradient of every parameter
+    that requires grad (router_weight, w1, w2, b1, b2) into that parameter's ``main_grad`` attribute instead of
+    producing ``.grad``: inside the weight-gradient kernels (the sum in fp32, rounded once to the buffer's dtype), with
+    no extra kernel, copy or gradient-sized temporary. ``.grad`` is left as it was (None), so Megatron's DDP hooks,
+    which add a non-None ``.grad`` into ``main_grad``, count nothing twice. A parameter without ``main_grad`` gets one
+    on first use: zeros of ``main_grad_dtype`` (torch.float32 by default, or the parameters' dtype), or call
+    ``main_grads()`` to create them ahead of time (needed before torch.compile traces the module, which cannot add
+    attributes to parameters). A ``main_grad`` set by the caller (e.g. Megatron's DDP, a view into its contiguous
+    gradient buffer) is used as it is: the parameter's shape, its dtype or fp32, contiguous, same device. Zeroing the
+    buffers between optimizer steps is the caller's (``main_grad.zero_()``, as Megatron's DDP does). Works with
+    torch.compile (the buffers are operands of the traced backward, updated in place), CUDA graphs (no host sync) and
+    defer_weight_grads (the expert weights' share is added by ``run()``). Not for FSDP2, which reduces ``.grad``
+    itself (its parameters are re-created each step and carry no ``main_grad``).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  activation: str = "swiglu", bias: bool = False, score: str = "softmax_topk",
                  routing: str = "topk", rounding: str = "nearest", tile: int = 128,
                  weight_layout: str = "interleaved", activation_memory: str = "preact",
-                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, device=None, dtype=None):
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, device=None, dtype=None,
+                 accumulate_into_main_grad: bool = False, main_grad_dtype: torch.dtype = torch.float32):
         super().__init__()
         hidden_size = as_int("hidden_size", hidden_size, low=1)
         intermediate_size = as_int("intermediate_size", intermediate_size, low=1)
@@ -62,6 +78,13 @@ class MoE(nn.Module):
         self.activation, self.score, self.routing, self.rounding, self.tile = activation, score, routing, rounding, tile
         self.weight_layout, self.activation_memory = weight_layout, activation_memory
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        if not isinstance(accumulate_into_main_grad, bool):
+            raise TypeError(f"machmoe: argument 'accumulate_into_main_grad': expected a bool, got "
+                            f"{type_name(accumulate_into_main_grad)}")
+        if not isinstance(main_grad_dtype, torch.dtype) or not main_grad_dtype.is_floating_point:
+            raise TypeError(f"machmoe: argument 'main_grad_dtype': expected a floating-point torch.dtype "
+                            f"(torch.float32, or the parameters' dtype), got {main_grad_dtype!r}")
+        self.accumulate_into_main_grad, self.main_grad_dtype = accumulate_into_main_grad, main_grad_dtype
         rows = 2 * intermediate_size if activation in GLU_ACTIVATIONS else intermediate_size
         kw = dict(device=device, dtype=dtype)
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
@@ -70,6 +93,28 @@ class MoE(nn.Module):
         self.b1 = nn.Parameter(torch.empty(num_experts, rows, **kw)) if bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size, **kw)) if bias else None
         self.reset_parameters()
+
+    def main_grads(self, create: bool = True) -> Dict[str, Tensor]:
+        """The ``main_grad`` buffer of every parameter that requires grad, by name ('router_weight', 'w1', 'w2', 'b1',
+        'b2'). With ``create``, a parameter without one gets zeros of ``main_grad_dtype`` (on its device, its
+        shape) as its ``main_grad``; otherwise it is left out."""
+        grads = {}
+        for name, p in self.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            buf = getattr(p, "main_grad", None)
+            if buf is None and create:
+                if torch.compiler.is_compiling():
+                    raise RuntimeError(
+                        f"machmoe: MoE with accumulate_into_main_grad=True: parameter '{name}' has no main_grad, and "
+                        f"one cannot be created while torch.compile traces the module. Create them before compiling "
+                        f"(moe.main_grads()) or let the first step run eagerly.")
+                with torch.no_grad():
+                    buf = torch.zeros(p.shape, dtype=self.main_grad_dtype, device=p.device)
+                p.main_grad = buf
+            if buf is not None:
+                grads[name] = buf
+        return grads
 
     def __setstate__(self, state):
         for name in ("aux_loss_coef", "z_loss_coef"):  # modules pickled when these were plain attributes
@@ -114,10 +159,14 @@ class MoE(nn.Module):
         if x.dtype != self.w1.dtype:
             fail("x", f"dtype {self.w1.dtype} (the dtype of this MoE's parameters)", x.dtype)
         flat = x.reshape(-1, self.hidden_size)
+        into = None
+        if getattr(self, "accumulate_into_main_grad", False):  # (modules pickled before the option: off)
+            into = self.main_grads()
+            F._check_into(into, dict(self.named_parameters(recurse=False)), "{}.main_grad")
         out, logits, counts = F.moe(flat, self.router_weight, self.w1, self.w2, self.b1, self.b2, top_k=self.top_k,
                                     activation=self.activation, score=self.score, routing=self.routing,
                                     rounding=self.rounding, tile=self.tile, weight_layout=self.weight_layout,
-                                    activation_memory=self.activation_memory)
+                                    activation_memory=self.activation_memory, accumulate_grads_into=into)
         result = MoEOutput(out.reshape(shape), logits, counts)
         if self.aux_loss_coef > 0:
             result.aux_loss = self.aux_loss_coef * F.load_balancing_loss(logits, counts)

@@ -44,6 +44,15 @@ void ArgChecker::tensor(const TensorView& t, const std::string& name, std::initi
   if (t.dtype != dtype) fail(name, std::string("dtype ") + dtype_name(dtype), dtype_name(t.dtype));
 }
 
+void ArgChecker::grad_tensor(const TensorView& t, const std::string& name, std::initializer_list<std::int64_t> shape,
+                             DType data_dtype, const Device& device) const {
+  layout(t, name, shape, device);
+  if (t.dtype == data_dtype || t.dtype == DType::kFP32) return;
+  std::string expected = std::string("dtype ") + dtype_name(data_dtype) + " (the data dtype of x)";
+  if (data_dtype != DType::kFP32) expected += " or fp32 (fp32 gradients, e.g. an fp32 main_grad to accumulate into)";
+  fail(name, expected, dtype_name(t.dtype));
+}
+
 void ArgChecker::index_tensor(const TensorView& t, const std::string& name, std::initializer_list<std::int64_t> shape,
                               const Device& device) const {
   layout(t, name, shape, device);

@@ -21,6 +21,9 @@ class ArgChecker {
   /// strides may pad rows), and a non-null pointer; a tensor with no elements may have any pointer and strides.
   void tensor(const TensorView& t, const std::string& name, std::initializer_list<std::int64_t> shape, DType dtype,
               const Device& device) const;
+  /// A gradient of a weight: as tensor(), but its dtype may be the layer's data dtype `data_dtype` or fp32.
+  void grad_tensor(const TensorView& t, const std::string& name, std::initializer_list<std::int64_t> shape,
+                   DType data_dtype, const Device& device) const;
   /// Same, but the dtype may be int32 or int64.
   void index_tensor(const TensorView& t, const std::string& name, std::initializer_list<std::int64_t> shape,
                     const Device& device) const;

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "machmoe/tensor.hpp"
@@ -38,6 +39,23 @@ template <class R>
 void write_real(const TensorView& t, const R* values) {
   R* dst = static_cast<R*>(t.data);
   for_each_element(t, [&](std::int64_t off, std::int64_t i) { dst[off] = values[i]; });
+}
+
+/// A weight gradient into a view of dtype fp32 or fp64 (the data dtype, or fp32 gradients of fp64 data):
+/// dst = values, or with `accumulate` dst = dst + values, the sum in the wider of the two types, rounded once to the
+/// view's dtype.
+template <class R>
+void write_grad(const TensorView& t, const R* values, bool accumulate) {
+  auto put = [&](auto* dst) {
+    using O = std::remove_pointer_t<decltype(dst)>;
+    using S = decltype(R{} + O{});
+    for_each_element(t, [&](std::int64_t off, std::int64_t i) {
+      dst[off] = static_cast<O>(accumulate ? static_cast<S>(dst[off]) + static_cast<S>(values[i])
+                                           : static_cast<S>(values[i]));
+    });
+  };
+  if (t.dtype == DType::kFP64) put(static_cast<double*>(t.data));
+  else put(static_cast<float*>(t.data));
 }
 
 inline std::vector<std::int64_t> read_index(const TensorView& t) {

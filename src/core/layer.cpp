@@ -208,25 +208,28 @@ ref::BackwardResult<R> reference_backward(const ArgChecker& c, const MoEProblem&
 /// grad_x, and the router's gradient (zero without a router) or the caller's score gradients.
 template <class R>
 void write_input_grads(const MoEProblem& p, const BackwardOutputs& out, const ref::BackwardResult<R>& g) {
+  const bool acc = out.grad_weights.accumulate;
   detail::write_real(out.grad_x, g.dx.data());
   if (p.routing == RoutingMode::kCallerSupplied) {
     detail::write_real(out.grad_scores, g.dscores.data());
-    if (!out.grad_weights.router_weight.empty()) {  // no router in the layer: its gradient is zero
+    // No router in the layer: its gradient is zero (accumulating it leaves the buffer as it is).
+    if (!out.grad_weights.router_weight.empty() && !acc) {
       const std::vector<R> zeros(static_cast<std::size_t>(p.E * p.d), R(0));
-      detail::write_real(out.grad_weights.router_weight, zeros.data());
+      detail::write_grad(out.grad_weights.router_weight, zeros.data(), false);
     }
   } else {
-    detail::write_real(out.grad_weights.router_weight, g.drouter_weight.data());
+    detail::write_grad(out.grad_weights.router_weight, g.drouter_weight.data(), acc);
   }
 }
 
 template <class R>
 void write_weight_grads(const MoEProblem& p, const BackwardOutputs& out, const std::vector<R>& dw1,
                         const std::vector<R>& db1, const std::vector<R>& dw2, const std::vector<R>& db2) {
-  detail::write_real(out.grad_weights.w1, dw1.data());
-  detail::write_real(out.grad_weights.w2, dw2.data());
-  if (p.has_b1) detail::write_real(out.grad_weights.b1, db1.data());
-  if (p.has_b2) detail::write_real(out.grad_weights.b2, db2.data());
+  const bool acc = out.grad_weights.accumulate;
+  detail::write_grad(out.grad_weights.w1, dw1.data(), acc);
+  detail::write_grad(out.grad_weights.w2, dw2.data(), acc);
+  if (p.has_b1) detail::write_grad(out.grad_weights.b1, db1.data(), acc);
+  if (p.has_b2) detail::write_grad(out.grad_weights.b2, db2.data(), acc);
 }
 
 template <class R>
@@ -284,11 +287,11 @@ void check_saved(const ArgChecker& c, const MoEProblem& p, DType dt, const void*
 
 void check_weight_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const Device& dev,
                         const LayerWeightGrads& gw) {
-  c.tensor(gw.w1, "outputs.grad_weights.w1", {p.E, p.w1_rows(), p.d}, dt, dev);
-  c.tensor(gw.w2, "outputs.grad_weights.w2", {p.E, p.d, p.n}, dt, dev);
-  if (p.has_b1) c.tensor(gw.b1, "outputs.grad_weights.b1", {p.E, p.w1_rows()}, dt, dev);
+  c.grad_tensor(gw.w1, "outputs.grad_weights.w1", {p.E, p.w1_rows(), p.d}, dt, dev);
+  c.grad_tensor(gw.w2, "outputs.grad_weights.w2", {p.E, p.d, p.n}, dt, dev);
+  if (p.has_b1) c.grad_tensor(gw.b1, "outputs.grad_weights.b1", {p.E, p.w1_rows()}, dt, dev);
   else c.absent(gw.b1, "outputs.grad_weights.b1", "problem.has_b1 is false");
-  if (p.has_b2) c.tensor(gw.b2, "outputs.grad_weights.b2", {p.E, p.d}, dt, dev);
+  if (p.has_b2) c.grad_tensor(gw.b2, "outputs.grad_weights.b2", {p.E, p.d}, dt, dev);
   else c.absent(gw.b2, "outputs.grad_weights.b2", "problem.has_b2 is false");
 }
 
@@ -302,7 +305,7 @@ void check_input_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const
   c.tensor(out.grad_x, "outputs.grad_x", {p.T, p.d}, dt, dev);
   const LayerWeightGrads& gw = out.grad_weights;
   if (p.routing != RoutingMode::kCallerSupplied || !gw.router_weight.empty())
-    c.tensor(gw.router_weight, "outputs.grad_weights.router_weight", {p.E, p.d}, dt, dev);
+    c.grad_tensor(gw.router_weight, "outputs.grad_weights.router_weight", {p.E, p.d}, dt, dev);
   if (p.routing == RoutingMode::kCallerSupplied)
     c.tensor(out.grad_scores, "outputs.grad_scores", {p.num_pairs}, score_dtype(dt), dev);
   else

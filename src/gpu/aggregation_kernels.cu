@@ -78,24 +78,29 @@ __global__ void ds_reduce_kernel(const float* __restrict__ partial, std::int64_t
   if (lane == 0) ds[p] = s;
 }
 
-template <class T>
+/// O: the gradient's element type (T or float). accumulate: out += sum (fp32, rounded once); an expert with no rows
+/// then leaves its row of out untouched.
+template <class T, class O>
 __global__ void segment_column_sum_kernel(const T* __restrict__ m, std::int64_t ld_m,
                                           const std::int32_t* __restrict__ gather, const float* __restrict__ scores,
                                           const std::int32_t* __restrict__ scatter,
                                           const std::int32_t* __restrict__ offsets, std::int64_t cols,
-                                          std::int64_t glu_n, T* __restrict__ out, std::int64_t ld_out_expert,
-                                          unsigned col_blocks) {
+                                          std::int64_t glu_n, O* __restrict__ out, std::int64_t ld_out_expert,
+                                          bool accumulate, unsigned col_blocks) {
   const int e = static_cast<int>(blockIdx.x / col_blocks);
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.x % col_blocks) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
+  const std::int64_t g_begin = offsets[e], g_end = offsets[e + 1];
+  if (accumulate && g_begin == g_end) return;
   float acc = 0.0f;
-  for (std::int64_t g = offsets[e]; g < offsets[e + 1]; ++g) {
+  for (std::int64_t g = g_begin; g < g_end; ++g) {
     const std::int64_t row = gather ? gather[g] : g;
     const float w = scores ? scores[scatter[g]] : 1.0f;
     acc += w * to_float(m[row * ld_m + c]);
   }
   const std::int64_t oc = glu_n > 0 ? glu_concat_row(c, glu_n) : c;
-  out[static_cast<std::int64_t>(e) * ld_out_expert + oc] = from_float<T>(acc);
+  O& dst = out[static_cast<std::int64_t>(e) * ld_out_expert + oc];
+  dst = from_float<O>(accumulate ? to_float(dst) + acc : acc);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
@@ -140,14 +145,15 @@ void launch_ds_reduce(DType dt, const float* partial, std::int64_t n_tiles, cons
 void launch_segment_column_sum(DType dt, const void* m, std::int64_t ld_m, const std::int32_t* gather,
                                const float* scores, const std::int32_t* scatter, const std::int32_t* offsets,
                                std::int64_t E, std::int64_t cols, std::int64_t glu_n, void* out,
-                               std::int64_t ld_out_expert, cudaStream_t stream) {
+                               std::int64_t ld_out_expert, DType out_dt, bool accumulate, cudaStream_t stream) {
   if (E == 0 || cols == 0) return;
   const unsigned col_blocks = ceil_div(cols, 256);
-  dispatch_data_type(dt, [&](auto tag) {
+  dispatch_data_and_grad_type(dt, out_dt, [&](auto tag, auto out_tag) {
     using Tp = decltype(tag);
-    segment_column_sum_kernel<Tp><<<col_blocks * static_cast<unsigned>(E), 256, 0, stream>>>(
-        static_cast<const Tp*>(m), ld_m, gather, scores, scatter, offsets, cols, glu_n, static_cast<Tp*>(out),
-        ld_out_expert, col_blocks);
+    using Op = decltype(out_tag);
+    segment_column_sum_kernel<Tp, Op><<<col_blocks * static_cast<unsigned>(E), 256, 0, stream>>>(
+        static_cast<const Tp*>(m), ld_m, gather, scores, scatter, offsets, cols, glu_n, static_cast<Op*>(out),
+        ld_out_expert, accumulate, col_blocks);
   });
   MACHMOE_CUDA_CHECK_LAUNCH("segment_column_sum");
 }

@@ -106,6 +106,19 @@ void dispatch_data_type(DType dt, F&& f) {
   }
 }
 
+/// Calls f(T{}, O{}) with the element type T of a data dtype and O of a weight gradient's dtype, which is the data
+/// dtype or fp32 (the public entry points validate it).
+template <class F>
+void dispatch_data_and_grad_type(DType dt, DType grad_dt, F&& f) {
+  dispatch_data_type(dt, [&](auto tag) {
+    if (grad_dt == DType::kFP32) f(tag, float{});
+    else if (grad_dt == dt) f(tag, tag);
+    else
+      throw Error(std::string("machmoe: a weight gradient of ") + dtype_name(dt) + " data is " + dtype_name(dt) +
+                  " or fp32, got " + dtype_name(grad_dt));
+  });
+}
+
 inline unsigned int ceil_div(std::int64_t a, std::int64_t b) { return static_cast<unsigned int>((a + b - 1) / b); }
 
 }  // namespace machmoe::gpu

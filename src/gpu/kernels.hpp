@@ -75,12 +75,13 @@ void launch_ds_reduce(DType dt, const float* ds_partial, std::int64_t n_tiles, c
 
 /// out[e, col_map(c)] = sum over grouped rows g of expert e of w_g * M[row(g), c], fp32, sequential in g.
 /// row(g) = gather ? gather[g] : g; w_g = scores ? scores[scatter[g]] : 1; col_map = concatenated-GLU map when
-/// glu_concat_n > 0 (c -> (c % 2) * n + c / 2), identity otherwise.
+/// glu_concat_n > 0 (c -> (c % 2) * n + c / 2), identity otherwise. out is of out_dt (dt or fp32); with
+/// `accumulate` the sum is added to it (in fp32, rounded once) and experts with no rows leave it unchanged.
 void launch_segment_column_sum(DType dt, const void* m, std::int64_t ld_m, const std::int32_t* gather,
                                const float* scores, const std::int32_t* scatter,
                                const std::int32_t* expert_offsets, std::int64_t E, std::int64_t cols,
-                               std::int64_t glu_concat_n, void* out, std::int64_t ld_out_expert,
-                               cudaStream_t stream);
+                               std::int64_t glu_concat_n, void* out, std::int64_t ld_out_expert, DType out_dt,
+                               bool accumulate, cudaStream_t stream);
 
 // ---- reference grouped GEMMs -----------------------------------------------------------------------------------
 
@@ -143,11 +144,11 @@ struct VarlenKArgs {
   // out[e * out_expert_stride + map(m) * ld_out + n]; map = concatenated-GLU row map when glu_concat_n > 0.
   void* out = nullptr;
   std::int64_t out_expert_stride = 0, ld_out = 0, glu_concat_n = 0;
-  DType out_dt = DType::kBF16;  // dtype of `out` (bf16, fp16 or fp32; the Hopper kernel: bf16 or fp32)
-  bool accumulate = false;      // out += C (read-modify-write, fp32 sum rounded once) instead of out = C
+  DType out_dt = DType::kBF16;
+  bool accumulate = false;
 };
-/// Weight-gradient GEMM, reduction over each expert's rows; experts with no rows get zeros (accumulating: their
-/// output is left bitwise as it was).
+/// Weight-gradient GEMM, reduction over each expert's rows: out (of out_dt: dt or fp32) = (accumulate ? out : 0) +
+/// C_e, the sum in fp32 and rounded once. Experts with no rows get zeros, or keep out unchanged when accumulating.
 void launch_varlen_k_gemm(const VarlenKArgs& a, cudaStream_t stream);
 
 }  // namespace machmoe::gpu

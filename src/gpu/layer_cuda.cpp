@@ -56,16 +56,17 @@ cudaDataType_t cuda_type(DType dt) {
   }
 }
 
-/// Column-major C (m x n) = alpha op(A) op(B) + beta C in the data dtype, fp32 accumulation. Row-major callers
-/// pass their transposed problem.
+/// Column-major C (m x n) = alpha op(A) op(B) + beta C, A and B in the data dtype, C in c_dt (the data dtype, or fp32
+/// for fp32 weight gradients), fp32 accumulation. Row-major callers pass their transposed problem.
 void gemm(cublasHandle_t h, DType dt, cublasOperation_t opa, cublasOperation_t opb, std::int64_t m, std::int64_t n,
           std::int64_t k, const void* A, std::int64_t lda, const void* B, std::int64_t ldb, float beta, void* C,
-          std::int64_t ldc) {
+          std::int64_t ldc, DType c_dt) {
   const float alpha = 1.0f;
   const cudaDataType_t t = cuda_type(dt);
   MACHMOE_CUBLAS_CHECK(cublasGemmEx(h, opa, opb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                                     &alpha, A, t, static_cast<int>(lda), B, t, static_cast<int>(ldb), &beta, C, t,
-                                     static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                     &alpha, A, t, static_cast<int>(lda), B, t, static_cast<int>(ldb), &beta, C,
+                                     cuda_type(c_dt), static_cast<int>(ldc), CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
 }
 
 cublasHandle_t prepared_cublas(int ordinal, cudaStream_t stream, void* workspace) {
@@ -240,7 +241,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
     // logits (T x E, row-major) = x W_r^T: column-major E x T = W_r (op T of d x E) * x^T (d x T).
     cublasHandle_t h = prepared_cublas(x.device.index, stream, at(buf.workspace, wl.cublas));
     gemm(h, dt, CUBLAS_OP_T, CUBLAS_OP_N, p.E, p.T, p.d, w.router_weight.data, w.router_weight.stride[0], x.data,
-         x.stride[0], 0.0f, out.router_logits.data, out.router_logits.stride[0]);
+         x.stride[0], 0.0f, out.router_logits.data, out.router_logits.stride[0], dt);
   }
   if (p.routing == RoutingMode::kTopK) {
     mark_stage("forward/topk_scores", stream);
@@ -324,11 +325,13 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
                           const BackwardWorkspaceLayout& wl, void* dh, void* a_prime, cudaStream_t stream) {
   const DType dt = x.dtype;
   const std::int64_t P = p.max_pairs(), rows = p.w1_rows();
+  const bool accumulate = out.grad_weights.accumulate;
   if (P == 0) {
     // No routed pairs (T = 0, or caller routing with no triples): nothing reaches x through the experts, and with
-    // T = 0 nothing reaches the router either. grad_scores has no element.
+    // T = 0 nothing reaches the router either (accumulating zero leaves its gradient as it is). grad_scores has no
+    // element.
     zero_view(out.grad_x, stream);
-    zero_view(out.grad_weights.router_weight, stream);
+    if (!accumulate) zero_view(out.grad_weights.router_weight, stream);
     return;
   }
   const SavedLayout sl = saved_layout(p, dt);
@@ -369,7 +372,7 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
   dha.h_in = h, dha.ld_h = rows;
   dha.scores = scores, dha.scatter = scatter, dha.ds_partial = ds_partial;
   mark_stage("backward/dh_kernel", stream);
-  launch_varlen_m_gemm(dha, stream);
+  launch_expert_gemm(dha, "backward/dh_kernel", stream);
 
   // dS (pair order), with the b2 term.
   const bool caller = p.routing == RoutingMode::kCallerSupplied;
@@ -400,10 +403,8 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
   // Router: dlogits from dS (+ the caller's gradient of the logits), then dx += dlogits W_r, dW_r = dlogits^T x.
   if (caller) {
     mark_stage(nullptr, stream);
-    const TensorView& gr = out.grad_weights.router_weight;
-    if (!gr.empty())
-      MACHMOE_CUDA_CHECK(cudaMemset2DAsync(gr.data, dtype_size(dt) * gr.stride[0], 0, dtype_size(dt) * p.d, p.E,
-                                            stream));
+    // No router in the layer: its gradient is zero, and accumulating zero leaves the buffer as it is.
+    if (!accumulate) zero_view(out.grad_weights.router_weight, stream);
     return;
   }
   void* dlogits = at(workspace, wl.dlogits);
@@ -420,10 +421,11 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
   cublasHandle_t hd = prepared_cublas(x.device.index, stream, at(workspace, wl.cublas));
   // dx (T x d row-major = col-major d x T) += W_r^T-view: col-major (d x E) * dlogits^T-view (E x T).
   gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_N, p.d, p.T, p.E, w.router_weight.data, w.router_weight.stride[0], dlogits,
-       p.E, 1.0f, out.grad_x.data, out.grad_x.stride[0]);
-  // dW_r (E x d row-major = col-major d x E) = x^T-view (d x T) * dlogits (T x E).
-  gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_T, p.d, p.E, p.T, x.data, x.stride[0], dlogits, p.E, 0.0f,
-       out.grad_weights.router_weight.data, out.grad_weights.router_weight.stride[0]);
+       p.E, 1.0f, out.grad_x.data, out.grad_x.stride[0], dt);
+  // dW_r (E x d row-major = col-major d x E) = x^T-view (d x T) * dlogits (T x E), (+ dW_r when accumulating).
+  const TensorView& gr = out.grad_weights.router_weight;
+  gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_T, p.d, p.E, p.T, x.data, x.stride[0], dlogits, p.E, accumulate ? 1.0f : 0.0f,
+       gr.data, gr.stride[0], gr.dtype);
   mark_stage(nullptr, stream);
 }
 
@@ -433,11 +435,13 @@ void backward_weight_phase(const MoEProblem& p, const TensorView& x, const Tenso
                            cudaStream_t stream) {
   const DType dt = x.dtype;
   const std::int64_t rows = p.w1_rows();
+  const LayerWeightGrads& gw = out.grad_weights;
+  const bool accumulate = gw.accumulate;
   if (p.max_pairs() == 0) {
-    // No routed pairs: every expert's weight gradient is zero (the caller's buffers may hold anything).
-    for (const TensorView* g : {&out.grad_weights.w1, &out.grad_weights.b1, &out.grad_weights.w2,
-                                &out.grad_weights.b2})
-      zero_view(*g, stream);
+    // No routed pairs: every expert's weight gradient is zero (the caller's buffers may hold anything), and
+    // accumulating it leaves them as they are.
+    if (!accumulate)
+      for (const TensorView* g : {&gw.w1, &gw.b1, &gw.w2, &gw.b2}) zero_view(*g, stream);
     return;
   }
   const SavedLayout sl = saved_layout(p, dt);
@@ -449,16 +453,16 @@ void backward_weight_phase(const MoEProblem& p, const TensorView& x, const Tenso
   mark_stage("backward/db2", stream);
   if (p.has_b2)
     launch_segment_column_sum(dt, grad_out.data, grad_out.stride[0], gather, scores, scatter, offsets, p.E, p.d, 0,
-                              out.grad_weights.b2.data, out.grad_weights.b2.stride[0], stream);
+                              gw.b2.data, gw.b2.stride[0], gw.b2.dtype, accumulate, stream);
   VarlenKArgs dw2;
   dw2.dt = dt;
   dw2.E = p.E, dw2.M = p.d, dw2.N = p.n;
   dw2.expert_offsets = offsets;
   dw2.a = grad_out.data, dw2.lda = grad_out.stride[0], dw2.a_gather = gather;
   dw2.b = a_prime, dw2.ldb = p.n;
-  dw2.out = out.grad_weights.w2.data, dw2.out_expert_stride = out.grad_weights.w2.stride[0];
-  dw2.ld_out = out.grad_weights.w2.stride[1];
-  dw2.out_dt = out.grad_weights.w2.dtype;
+  dw2.out = gw.w2.data, dw2.out_expert_stride = gw.w2.stride[0];
+  dw2.ld_out = gw.w2.stride[1];
+  dw2.out_dt = gw.w2.dtype, dw2.accumulate = accumulate;
   mark_stage("backward/dw2", stream);
   launch_weight_gemm(dw2, "backward/dw2", stream);
   VarlenKArgs dw1;
@@ -467,15 +471,15 @@ void backward_weight_phase(const MoEProblem& p, const TensorView& x, const Tenso
   dw1.expert_offsets = offsets;
   dw1.a = dh, dw1.lda = rows;
   dw1.b = x.data, dw1.ldb = x.stride[0], dw1.b_gather = gather;
-  dw1.out = out.grad_weights.w1.data, dw1.out_expert_stride = out.grad_weights.w1.stride[0];
-  dw1.ld_out = out.grad_weights.w1.stride[1], dw1.glu_concat_n = concat ? p.n : 0;
-  dw1.out_dt = out.grad_weights.w1.dtype;
+  dw1.out = gw.w1.data, dw1.out_expert_stride = gw.w1.stride[0];
+  dw1.ld_out = gw.w1.stride[1], dw1.glu_concat_n = concat ? p.n : 0;
+  dw1.out_dt = gw.w1.dtype, dw1.accumulate = accumulate;
   mark_stage("backward/dw1", stream);
   launch_weight_gemm(dw1, "backward/dw1", stream);
   mark_stage("backward/db1", stream);
   if (p.has_b1)
     launch_segment_column_sum(dt, dh, rows, nullptr, nullptr, nullptr, offsets, p.E, rows, concat ? p.n : 0,
-                              out.grad_weights.b1.data, out.grad_weights.b1.stride[0], stream);
+                              gw.b1.data, gw.b1.stride[0], gw.b1.dtype, accumulate, stream);
   mark_stage(nullptr, stream);
 }
 

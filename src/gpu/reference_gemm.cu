@@ -156,7 +156,9 @@ __global__ void __launch_bounds__(THREADS) varlen_m_gemm_kernel(const VarlenMArg
   }
 }
 
-template <class T, class To>
+/// T: the operands' element type; O: the output's (a.out_dt: T or float). out = (a.accumulate ? out : 0) + C, in
+/// fp32, rounded once; an expert with no rows writes zeros, or nothing when accumulating.
+template <class T, class O>
 __global__ void __launch_bounds__(THREADS) varlen_k_gemm_kernel(const VarlenKArgs a, unsigned m_tiles) {
   __shared__ float As[BK][BM + 4];
   __shared__ float Bs[BK][BN + 4];
@@ -164,6 +166,7 @@ __global__ void __launch_bounds__(THREADS) varlen_k_gemm_kernel(const VarlenKArg
   const std::int64_t m0 = static_cast<std::int64_t>(blockIdx.x % m_tiles) * BM;
   const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.y) * BN;
   const std::int64_t seg_begin = a.expert_offsets[e], seg_end = a.expert_offsets[e + 1];
+  if (a.accumulate && seg_begin == seg_end) return;  // adds nothing: the buffer stays bitwise as it was
   const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
   float acc[4][4] = {};
   for (std::int64_t g0 = seg_begin; g0 < seg_end; g0 += BK) {
@@ -193,9 +196,7 @@ __global__ void __launch_bounds__(THREADS) varlen_k_gemm_kernel(const VarlenKArg
     tile_product(As, Bs, tx, ty, acc);
     __syncthreads();
   }
-  // Accumulating into the gradient of an expert without rows adds nothing: its output stays bitwise as it was.
-  if (a.accumulate && seg_end <= seg_begin) return;
-  To* out = static_cast<To*>(a.out) + static_cast<std::int64_t>(e) * a.out_expert_stride;
+  O* out = static_cast<O*>(a.out) + static_cast<std::int64_t>(e) * a.out_expert_stride;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const std::int64_t m = m0 + ty * 4 + i;
@@ -205,8 +206,8 @@ __global__ void __launch_bounds__(THREADS) varlen_k_gemm_kernel(const VarlenKArg
     for (int j = 0; j < 4; ++j) {
       const std::int64_t n = n0 + tx * 4 + j;
       if (n >= a.N) continue;
-      To& o = out[row * a.ld_out + n];
-      o = from_float<To>(a.accumulate ? to_float(o) + acc[i][j] : acc[i][j]);
+      O& dst = out[row * a.ld_out + n];
+      dst = from_float<O>(a.accumulate ? to_float(dst) + acc[i][j] : acc[i][j]);
     }
   }
 }
@@ -236,12 +237,8 @@ void launch_varlen_k_gemm(const VarlenKArgs& a, cudaStream_t stream) {
   if (a.E == 0 || a.M == 0 || a.N == 0) return;
   const unsigned m_tiles = ceil_div(a.M, BM);
   const dim3 grid(m_tiles * static_cast<unsigned>(a.E), ceil_div(a.N, BN));
-  dispatch_data_type(a.dt, [&](auto tag) {
-    using Tp = decltype(tag);
-    dispatch_data_type(a.out_dt, [&](auto out_tag) {
-      using To = decltype(out_tag);
-      varlen_k_gemm_kernel<Tp, To><<<grid, THREADS, 0, stream>>>(a, m_tiles);
-    });
+  dispatch_data_and_grad_type(a.dt, a.out_dt, [&](auto tag, auto out_tag) {
+    varlen_k_gemm_kernel<decltype(tag), decltype(out_tag)><<<grid, THREADS, 0, stream>>>(a, m_tiles);
   });
   MACHMOE_CUDA_CHECK_LAUNCH("varlen_k_gemm");
 }

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <stdexcept>
 #include <vector>
 
 #include "machmoe/machmoe.hpp"
@@ -128,17 +130,37 @@ struct GpuRun {
   MoEProblem problem;
 };
 
+/// The weight-gradient buffers of a run: their dtype (the data dtype or fp32) and, with `accumulate`, what they hold
+/// before the backward (host values, encoded to `dtype`; the layer's shapes, router_weight empty for caller routing).
+/// GpuRun's dwr, dw1, db1, dw2, db2 are then the buffers after the backward, decoded from `dtype`.
+struct WeightGradMode {
+  DType dtype = DType::kFP32;
+  bool accumulate = false;
+  std::vector<double> wr, w1, b1, w2, b2;
+};
+
 /// Runs the case on the GPU in `dt`. row_pad > 0 gives x padded rows (ld = d + row_pad). With `graph`, forward and
 /// backward are captured into a CUDA graph in global capture mode (any allocation or host synchronisation inside
 /// them fails the capture) and the graph is replayed twice.
-/// With `split`, the backward runs as backward_input() then backward_weight() through a deferred buffer.
+/// With `split`, the backward runs as backward_input() then backward_weight() through a deferred buffer. `grads`
+/// (optional) sets the weight gradients' dtype and accumulation mode; by default they are overwritten in `dt`.
 inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_pad = 0, bool graph = false,
-                         bool split = false) {
+                         bool split = false, const WeightGradMode* grads = nullptr) {
   const MoEProblem& p = c.problem;
   GpuRun r;
   r.problem = p;
   const Device dev = Device::cuda(0);
   const std::size_t el = dtype_size(dt);
+  const DType gt = grads ? grads->dtype : dt;
+  const std::size_t gel = dtype_size(gt);
+  // A weight-gradient buffer: its initial contents when accumulating, else poisoned.
+  auto grad_buffer = [&](const std::vector<double>* init, std::size_t count) {
+    if (grads && grads->accumulate) {
+      if (init->size() != count) throw std::runtime_error("WeightGradMode: initial values of the wrong size");
+      return std::make_unique<DeviceBuffer>(encode(*init, gt));
+    }
+    return std::make_unique<DeviceBuffer>(count * gel);
+  };
   // x with padded rows.
   std::vector<double> xpad(static_cast<std::size_t>(p.T * (p.d + row_pad)), 0.0);
   for (std::int64_t t = 0; t < p.T; ++t)
@@ -176,8 +198,14 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   fo.out = TensorView::contiguous(out.get(), dt, {p.T, p.d}, dev);
   if (!caller) fo.router_logits = TensorView::contiguous(logits.get(), dt, {p.T, p.E}, dev);
   fo.expert_counts = TensorView::contiguous(counts.get(), DType::kInt32, {p.E}, dev);
-  DeviceBuffer dx(p.T * p.d * el), dwr(p.E * p.d * el), dw1(c.w1.size() * el), dw2(c.w2.size() * el);
-  DeviceBuffer db1(c.b1.size() * el), db2(c.b2.size() * el), dsc(std::max<std::int64_t>(p.num_pairs, 0) * 4);
+  DeviceBuffer dx(p.T * p.d * el), dsc(std::max<std::int64_t>(p.num_pairs, 0) * 4);
+  const std::size_t wr_count = caller ? 0 : static_cast<std::size_t>(p.E * p.d);
+  const auto dwr_p = grad_buffer(grads ? &grads->wr : nullptr, wr_count);
+  const auto dw1_p = grad_buffer(grads ? &grads->w1 : nullptr, c.w1.size());
+  const auto dw2_p = grad_buffer(grads ? &grads->w2 : nullptr, c.w2.size());
+  const auto db1_p = grad_buffer(grads ? &grads->b1 : nullptr, c.b1.size());
+  const auto db2_p = grad_buffer(grads ? &grads->b2 : nullptr, c.b2.size());
+  DeviceBuffer &dwr = *dwr_p, &dw1 = *dw1_p, &dw2 = *dw2_p, &db1 = *db1_p, &db2 = *db2_p;
   DeviceBuffer bws(split ? backward_input_workspace_bytes(p, dt, dev) : backward_workspace_bytes(p, dt, dev));
   DeviceBuffer deferred(split ? deferred_layout(p, dt).total_bytes : 0);
   // Every buffer exists before the layer runs: nothing may be allocated while a graph is being captured.
@@ -208,11 +236,12 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   if (!caller) bi.grad_router_logits = TensorView::contiguous(glog.get(), dt, {p.T, p.E}, dev);
   BackwardOutputs bo;
   bo.grad_x = TensorView::contiguous(dx.get(), dt, {p.T, p.d}, dev);
-  if (!caller) bo.grad_weights.router_weight = TensorView::contiguous(dwr.get(), dt, {p.E, p.d}, dev);
-  bo.grad_weights.w1 = TensorView::contiguous(dw1.get(), dt, {p.E, p.w1_rows(), p.d}, dev);
-  bo.grad_weights.w2 = TensorView::contiguous(dw2.get(), dt, {p.E, p.d, p.n}, dev);
-  if (p.has_b1) bo.grad_weights.b1 = TensorView::contiguous(db1.get(), dt, {p.E, p.w1_rows()}, dev);
-  if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.get(), dt, {p.E, p.d}, dev);
+  if (!caller) bo.grad_weights.router_weight = TensorView::contiguous(dwr.get(), gt, {p.E, p.d}, dev);
+  bo.grad_weights.w1 = TensorView::contiguous(dw1.get(), gt, {p.E, p.w1_rows(), p.d}, dev);
+  bo.grad_weights.w2 = TensorView::contiguous(dw2.get(), gt, {p.E, p.d, p.n}, dev);
+  if (p.has_b1) bo.grad_weights.b1 = TensorView::contiguous(db1.get(), gt, {p.E, p.w1_rows()}, dev);
+  if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.get(), gt, {p.E, p.d}, dev);
+  bo.grad_weights.accumulate = grads && grads->accumulate;
   if (caller) bo.grad_scores = TensorView::contiguous(dsc.get(), DType::kFP32, {p.num_pairs}, dev);
   if (split) {
     BackwardOutputs in_half = bo, weight_half;
@@ -240,18 +269,18 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   if (cudaStreamSynchronize(stream) != cudaSuccess) throw std::runtime_error("stream failed");
   if (cudaGetLastError() != cudaSuccess) throw std::runtime_error("CUDA error after the layer");
 
-  auto dec = [&](const DeviceBuffer& b, std::size_t n) {
+  auto dec = [&](const DeviceBuffer& b, std::size_t n, DType t) {
     const std::vector<unsigned char> h = b.download();
-    return decode(h.data(), n, dt);
+    return decode(h.data(), n, t);
   };
   r.raw_out = out.download(), r.raw_dx = dx.download(), r.raw_dw1 = dw1.download(), r.raw_dw2 = dw2.download();
   r.out = decode(r.raw_out.data(), p.T * p.d, dt);
-  if (!caller) r.logits = dec(logits, p.T * p.E), r.dwr = dec(dwr, p.E * p.d);
+  if (!caller) r.logits = dec(logits, p.T * p.E, dt), r.dwr = dec(dwr, p.E * p.d, gt);
   r.dx = decode(r.raw_dx.data(), p.T * p.d, dt);
-  r.dw1 = decode(r.raw_dw1.data(), c.w1.size(), dt);
-  r.dw2 = decode(r.raw_dw2.data(), c.w2.size(), dt);
-  if (p.has_b1) r.db1 = dec(db1, c.b1.size());
-  if (p.has_b2) r.db2 = dec(db2, c.b2.size());
+  r.dw1 = decode(r.raw_dw1.data(), c.w1.size(), gt);
+  r.dw2 = decode(r.raw_dw2.data(), c.w2.size(), gt);
+  if (p.has_b1) r.db1 = dec(db1, c.b1.size(), gt);
+  if (p.has_b2) r.db2 = dec(db2, c.b2.size(), gt);
   if (caller) {
     std::vector<unsigned char> h = dsc.download();
     r.dscores.resize(p.num_pairs);

@@ -137,12 +137,12 @@ std::vector<GpuCase> gpu_cases() {
   return out;
 }
 
-// The same options at a shape the Hopper kernels take in bf16 (d and n multiples of 64, N = 2n or n a multiple
-// of 128; T and the segments are not tile multiples), so the whole layer runs on them.
+// The same options at a shape the Hopper kernels take in bf16 (d a multiple of 64 and of 128 for dX~, n a multiple
+// of 128 for the dH kernel; T and the segments are not tile multiples), so the whole layer runs on them.
 TEST_P(GpuLayer, HopperShapesMatchFloat64Reference) {
   const GpuCase& gc = GetParam();
   MoEProblem p;
-  p.T = 333, p.d = 192, p.n = is_glu(gc.activation) ? 64 : 128, p.E = 8, p.K = 2;
+  p.T = 333, p.d = 256, p.n = 128, p.E = 8, p.K = 2;
   p.activation = gc.activation, p.weight_layout = gc.layout, p.has_b1 = p.has_b2 = gc.bias;
   p.routing = gc.routing, p.score = gc.score, p.cache = gc.cache;
   p.rounding = gc.rounding, p.tile_m = 16;
@@ -397,6 +397,140 @@ TEST(GpuLayerProperties, OutOfRangeCallerPairsAreSkipped) {
       EXPECT_NEAR(g.dscores[i], r.g.dscores[j++], 1e-4);
     }
   }
+}
+
+// ---- gradient accumulation (LayerWeightGrads::accumulate) ----------------------------------------------------------
+
+/// Initial accumulation buffers: random, each tensor at the scale of the reference's gradient (so an error in the
+/// added gradient is not hidden under a large buffer), rounded to the buffer dtype.
+WeightGradMode accumulation_buffers(const ReferenceRun& r, const MoEProblem& p, DType gt, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto like = [&](const std::vector<double>& g) {
+    double ss = 0;
+    for (double v : g) ss += v * v;
+    const double rms = g.empty() ? 1.0 : std::sqrt(ss / static_cast<double>(g.size())) + 1e-3;
+    return quantize(normal<double>(rng, g.size(), rms), gt);
+  };
+  WeightGradMode m;
+  m.dtype = gt, m.accumulate = true;
+  if (p.routing != RoutingMode::kCallerSupplied) m.wr = like(r.g.drouter_weight);
+  m.w1 = like(r.g.dw1), m.w2 = like(r.g.dw2), m.b1 = like(r.g.db1), m.b2 = like(r.g.db2);
+  return m;
+}
+
+std::vector<double> plus(std::vector<double> a, const std::vector<double>& b, double scale = 1.0) {
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] += scale * b[i];
+  return a;
+}
+
+class GpuAccumulate : public testing::TestWithParam<std::tuple<DType, RoutingMode, bool>> {
+ protected:
+  void SetUp() override { REQUIRE_GPU(); }
+};
+
+// bf16 data, fp32 or bf16 buffers: accumulating two micro-batches (same weights, other tokens) gives the float64 sum
+// buffer + dW(a) + dW(b), for the full and the split backward, at a shape the Hopper kernels take.
+TEST_P(GpuAccumulate, TwoMicroBatchesMatchTheFloat64Sum) {
+  const auto [gt, routing, split] = GetParam();
+  MoEProblem p;
+  p.T = 333, p.d = 192, p.n = 64, p.E = 8, p.K = 2, p.has_b1 = p.has_b2 = true;
+  p.weight_layout = WeightLayout::kConcatenated, p.routing = routing, p.tile_m = 16;
+  const LayerCase<double> a(p, 31);
+  LayerCase<double> b(p, 32);
+  b.router_weight = a.router_weight, b.w1 = a.w1, b.b1 = a.b1, b.w2 = a.w2, b.b2 = a.b2;
+  const DType dt = DType::kBF16;
+  // Plain runs first: their logits pin the reference's routing.
+  const GpuRun plain_a = run_on_gpu(a, dt), plain_b = run_on_gpu(b, dt);
+  const ReferenceRun ra = reference_for(quantized_case(a, dt), plain_a.logits);
+  const ReferenceRun rb = reference_for(quantized_case(b, dt), plain_b.logits);
+  const WeightGradMode init = accumulation_buffers(ra, a.problem, gt, 5);
+  const GpuRun first = run_on_gpu(a, dt, 0, false, split, &init);
+  WeightGradMode after_first = init;
+  after_first.wr = first.dwr, after_first.w1 = first.dw1, after_first.b1 = first.db1, after_first.w2 = first.dw2;
+  after_first.b2 = first.db2;
+  const GpuRun second = run_on_gpu(b, dt, 0, false, split, &after_first);
+  EXPECT_TRUE(first.canaries_intact && second.canaries_intact);
+  const double tol = tolerance(dt);
+  expect_close("accumulated dW1", second.dw1, plus(plus(init.w1, ra.g.dw1), rb.g.dw1), tol);
+  expect_close("accumulated dW2", second.dw2, plus(plus(init.w2, ra.g.dw2), rb.g.dw2), tol);
+  expect_close("accumulated db1", second.db1, plus(plus(init.b1, ra.g.db1), rb.g.db1), tol);
+  expect_close("accumulated db2", second.db2, plus(plus(init.b2, ra.g.db2), rb.g.db2), tol);
+  if (routing != RoutingMode::kCallerSupplied)
+    expect_close("accumulated dW_router", second.dwr,
+                 plus(plus(init.wr, ra.g.drouter_weight), rb.g.drouter_weight), tol);
+  // The input gradient is never accumulated.
+  expect_close("dx (accumulating run)", second.dx, rb.g.dx, tol);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    BufferDtypes, GpuAccumulate,
+    testing::Combine(testing::Values(DType::kFP32, DType::kBF16),
+                     testing::Values(RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied),
+                     testing::Bool()),
+    [](const testing::TestParamInfo<std::tuple<DType, RoutingMode, bool>>& i) {
+      return std::string(dtype_name(std::get<0>(i.param))) + "_" + routing_mode_name(std::get<1>(i.param)) +
+             (std::get<2>(i.param) ? "_split" : "_full");
+    });
+
+// Experts that receive no token keep their part of every buffer bitwise, as does a call with no tokens; fp32 and
+// bf16 buffers, full and split backward.
+TEST(GpuAccumulateEdges, ZeroTokenExpertsAndEmptyCallsLeaveTheBufferUnchanged) {
+  REQUIRE_GPU();
+  for (DType gt : {DType::kFP32, DType::kBF16})
+    for (bool split : {false, true}) {
+      MoEProblem p;
+      p.T = 5, p.d = 128, p.n = 64, p.E = 16, p.K = 1, p.has_b1 = p.has_b2 = true;
+      const LayerCase<double> c(p, 77);
+      const GpuRun plain = run_on_gpu(c, DType::kBF16);
+      const ReferenceRun r = reference_for(quantized_case(c, DType::kBF16), plain.logits);
+      const WeightGradMode init = accumulation_buffers(r, p, gt, 8);
+      const GpuRun g = run_on_gpu(c, DType::kBF16, 0, false, split, &init);
+      const std::string where = std::string(dtype_name(gt)) + (split ? " split" : " full");
+      int empty = 0;
+      for (std::int64_t e = 0; e < p.E; ++e) {
+        const bool none = g.counts[e] == 0;
+        empty += none;
+        auto same = [&](const std::vector<double>& now, const std::vector<double>& was, std::int64_t per) {
+          return std::equal(now.begin() + e * per, now.begin() + (e + 1) * per, was.begin() + e * per);
+        };
+        EXPECT_EQ(same(g.dw1, init.w1, p.w1_rows() * p.d), none) << where << " expert " << e;
+        EXPECT_EQ(same(g.dw2, init.w2, p.d * p.n), none) << where << " expert " << e;
+        EXPECT_EQ(same(g.db1, init.b1, p.w1_rows()), none) << where << " expert " << e;
+        EXPECT_EQ(same(g.db2, init.b2, p.d), none) << where << " expert " << e;
+      }
+      EXPECT_GE(empty, 11) << where;
+      expect_close("dW1 with empty experts", g.dw1, plus(init.w1, r.g.dw1), tolerance(DType::kBF16));
+
+      MoEProblem q = p;
+      q.T = 0;
+      const LayerCase<double> nothing(q, 78);
+      const GpuRun z = run_on_gpu(nothing, DType::kBF16, 0, false, split, &init);
+      EXPECT_EQ(z.dwr, init.wr) << where;
+      EXPECT_EQ(z.dw1, init.w1) << where;
+      EXPECT_EQ(z.dw2, init.w2) << where;
+      EXPECT_EQ(z.db1, init.b1) << where;
+      EXPECT_EQ(z.db2, init.b2) << where;
+    }
+}
+
+// Accumulation needs no host synchronisation: captured into a CUDA graph and replayed twice, the buffers hold
+// buffer + 2 dW.
+TEST(GpuAccumulateEdges, CapturedIntoACudaGraphEachReplayAddsOnce) {
+  REQUIRE_GPU();
+  MoEProblem p;
+  p.T = 1024, p.d = 256, p.n = 128, p.E = 16, p.K = 4, p.has_b1 = p.has_b2 = true;
+  const LayerCase<double> c(p, 12);
+  const GpuRun plain = run_on_gpu(c, DType::kBF16);
+  const ReferenceRun r = reference_for(quantized_case(c, DType::kBF16), plain.logits);
+  const WeightGradMode init = accumulation_buffers(r, p, DType::kFP32, 9);
+  GpuRun replayed;
+  ASSERT_NO_THROW(replayed = run_on_gpu(c, DType::kBF16, 0, /*graph=*/true, false, &init));
+  const double tol = tolerance(DType::kBF16);
+  expect_close("dW1 after two replays", replayed.dw1, plus(init.w1, r.g.dw1, 2.0), tol);
+  expect_close("dW2 after two replays", replayed.dw2, plus(init.w2, r.g.dw2, 2.0), tol);
+  expect_close("db1 after two replays", replayed.db1, plus(init.b1, r.g.db1, 2.0), tol);
+  expect_close("db2 after two replays", replayed.db2, plus(init.b2, r.g.db2, 2.0), tol);
+  expect_close("dW_router after two replays", replayed.dwr, plus(init.wr, r.g.drouter_weight, 2.0), tol);
 }
 
 // ---- 64-bit offsets ----------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 // the routed ones left untouched, determinism; and the dispatcher's fallback reasons.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -485,11 +486,200 @@ TEST(HopperDispatch, NamesWhyAShapeFallsBack) {
   EXPECT_NE(reason([](VarlenMArgs& b) { b.dt = DType::kFP16; }).find("dtype"), std::string::npos);
   EXPECT_NE(reason([](VarlenMArgs& b) { b.b.stride_k = 2; }).find("K-major"), std::string::npos);
   EXPECT_NE(reason([](VarlenMArgs& b) { b.lda = 129; }).find("aligned"), std::string::npos);
-  EXPECT_NE(reason([](VarlenMArgs& b) { b.epilogue = Epilogue::kActivationGrad; }).find("backward"),
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.epilogue = Epilogue::kActivationGrad; }).find("dH GEMM"),
             std::string::npos);
   gpu::set_hopper_kernels_enabled(false);
   EXPECT_NE(gpu::hopper_unsupported_reason(a).find("disabled"), std::string::npos);
   gpu::set_hopper_kernels_enabled(true);
+}
+
+
+// ---- backward dH kernel: dA' = gather(dO) W2_e^T, dH = act'(H) (s dA'), A' = s A, dS partials ---------------------
+
+struct DhResult {
+  std::vector<double> dh, ap, ds, dh_ref, ap_ref, ds_ref;  // ds: per pair, the sum of its partials
+  std::vector<unsigned char> raw_dh, raw_ap, raw_ds;
+  bool tails_untouched = true, canaries = true;
+};
+
+/// The dH kernel over `lengths` segments: T tokens of dO (T x d), W2 (E, d, n) read in place (stride 1 along n),
+/// H (P x w1_rows, interleaved) ~ N(0, 1), a random score per pair and a random pair order (scatter).
+DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, const std::vector<int>& lengths,
+                std::uint32_t seed, bool reference = false, bool with_expectation = true) {
+  std::mt19937 rng(seed);
+  const std::int64_t E = static_cast<std::int64_t>(lengths.size());
+  const bool glu = is_glu(act);
+  const std::int64_t rows = glu ? 2 * n : n, ds_tiles = n / gpu::kDsTileN;
+  const Segments s = make_segments(lengths, T, rng);
+  const std::int64_t P = s.rows(), P_cap = P + 19;
+  const std::vector<double> dout = normal(static_cast<std::size_t>(T * d), 1.0, rng);
+  const std::vector<double> w2 = normal(static_cast<std::size_t>(E * d * n), 1.0 / std::sqrt(double(n)), rng);
+  const std::vector<double> h = normal(static_cast<std::size_t>(P_cap * rows), 1.0, rng);
+  std::vector<float> scores(static_cast<std::size_t>(P));
+  std::uniform_real_distribution<float> u(0.05f, 1.0f);
+  for (auto& x : scores) x = u(rng);
+  std::vector<std::int32_t> scatter(static_cast<std::size_t>(P));
+  for (std::int64_t g = 0; g < P; ++g) scatter[g] = static_cast<std::int32_t>(g);
+  std::shuffle(scatter.begin(), scatter.end(), rng);
+  auto bytes = [](const auto& v) {
+    std::vector<unsigned char> b(v.size() * sizeof(v[0]) + 4);
+    if (!v.empty()) std::memcpy(b.data(), v.data(), v.size() * sizeof(v[0]));
+    return b;
+  };
+  DeviceBuffer ddo(encode(dout, DType::kBF16)), dw(encode(w2, DType::kBF16)), dhin(encode(h, DType::kBF16));
+  DeviceBuffer doff(bytes(s.offsets)), dtil(bytes(s.tiles64)), dgat(bytes(s.gather)), dsc(bytes(scores)),
+      dscat(bytes(scatter));
+  DeviceBuffer ddh(static_cast<std::size_t>(P_cap * rows * 2)), dapr(static_cast<std::size_t>(P_cap * n * 2)),
+      dpart(static_cast<std::size_t>(P * ds_tiles * 4));
+  VarlenMArgs a;
+  a.dt = DType::kBF16;
+  a.E = E, a.N = n, a.K = d, a.P_max = P_cap;
+  a.expert_offsets = static_cast<const std::int32_t*>(doff.get());
+  a.expert_tiles = static_cast<const std::int32_t*>(dtil.get());
+  a.a = ddo.get(), a.lda = d, a.a_gather = static_cast<const std::int32_t*>(dgat.get());
+  a.b.ptr = dw.get(), a.b.expert_stride = d * n, a.b.stride_col = 1, a.b.stride_k = n;
+  a.epilogue = Epilogue::kActivationGrad;
+  a.activation = act;
+  a.out = ddh.get(), a.ld_out = rows;
+  a.act_out = dapr.get(), a.ld_act = n;
+  a.h_in = dhin.get(), a.ld_h = rows;
+  a.scores = static_cast<const float*>(dsc.get()), a.scatter = static_cast<const std::int32_t*>(dscat.get());
+  a.ds_partial = static_cast<float*>(dpart.get());
+  if (reference) {
+    gpu::launch_varlen_m_gemm(a, nullptr);
+  } else {
+    EXPECT_EQ(gpu::hopper_unsupported_reason(a), "") << "the case must take the Hopper kernel";
+    gpu::launch_expert_gemm(a, "test/dh_kernel", nullptr);
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  DhResult r;
+  r.raw_dh = ddh.download(), r.raw_ap = dapr.download(), r.raw_ds = dpart.download();
+  r.canaries = ddh.canary_intact() && dapr.canary_intact() && dpart.canary_intact();
+  r.tails_untouched = all_bytes(r.raw_dh, static_cast<std::size_t>(P * rows * 2), r.raw_dh.size(), 0xFF) &&
+                      all_bytes(r.raw_ap, static_cast<std::size_t>(P * n * 2), r.raw_ap.size(), 0xFF);
+  r.dh = decode(r.raw_dh.data(), static_cast<std::size_t>(P * rows), DType::kBF16);
+  r.ap = decode(r.raw_ap.data(), static_cast<std::size_t>(P * n), DType::kBF16);
+  const std::vector<double> parts = decode(r.raw_ds.data(), static_cast<std::size_t>(P * ds_tiles), DType::kFP32);
+  r.ds.assign(static_cast<std::size_t>(P), 0.0);
+  for (std::int64_t p = 0; p < P; ++p)
+    for (std::int64_t t = 0; t < ds_tiles; ++t) r.ds[p] += parts[p * ds_tiles + t];
+  if (!with_expectation) return r;
+  // float64 expectation from the same bf16 inputs.
+  r.dh_ref.assign(static_cast<std::size_t>(P * rows), 0.0);
+  r.ap_ref.assign(static_cast<std::size_t>(P * n), 0.0);
+  r.ds_ref.assign(static_cast<std::size_t>(P), 0.0);
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g) {
+      const double* dor = &dout[static_cast<std::size_t>(s.gather[g] * d)];
+      const std::int64_t pr = scatter[g];
+      const double sc = scores[pr];
+      for (std::int64_t j = 0; j < n; ++j) {
+        double dap = 0.0;
+        for (std::int64_t k = 0; k < d; ++k) dap += dor[k] * w2[(e * d + k) * n + j];
+        const double* hr = &h[static_cast<std::size_t>(g * rows)];
+        double a_val;
+        if (glu) {
+          const auto f = math::act_value_and_derivative(act, hr[2 * j]);
+          a_val = f.value * hr[2 * j + 1];
+          r.dh_ref[g * rows + 2 * j] = sc * dap * hr[2 * j + 1] * f.derivative;
+          r.dh_ref[g * rows + 2 * j + 1] = sc * dap * f.value;
+        } else {
+          const auto f = math::act_value_and_derivative(act, hr[j]);
+          a_val = f.value;
+          r.dh_ref[g * rows + j] = sc * dap * f.derivative;
+        }
+        r.ap_ref[g * n + j] = sc * a_val;
+        r.ds_ref[pr] += dap * a_val;
+      }
+    }
+  return r;
+}
+
+class HopperDhKernel : public testing::TestWithParam<Activation> {
+ protected:
+  void SetUp() override {
+    REQUIRE_GPU();
+    gpu::set_hopper_backward_enabled(true);
+  }
+};
+
+TEST_P(HopperDhKernel, MatchesFloat64AndTheReferenceGemm) {
+  const Activation act = GetParam();
+  for (auto [d, n] : {std::pair<std::int64_t, std::int64_t>{320, 256}, {64, 128}, {1024, 384}}) {
+    SCOPED_TRACE("d " + std::to_string(d) + " n " + std::to_string(n));
+    const DhResult ref = run_dh(act, 300, d, n, kEdgeLengths, 51, true, /*with_expectation=*/false);
+    for_each_tile([&, d = d, n = n] {
+      const DhResult fast = run_dh(act, 300, d, n, kEdgeLengths, 51);
+      for (double v : fast.dh) ASSERT_FALSE(std::isnan(v)) << "a dH element was not written";
+      for (double v : fast.ap) ASSERT_FALSE(std::isnan(v)) << "an A' element was not written";
+      for (double v : fast.ds) ASSERT_FALSE(std::isnan(v)) << "a dS partial was not written";
+      EXPECT_TRUE(fast.canaries);
+      EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones were written";
+      EXPECT_LT(rel_error(fast.dh, fast.dh_ref), 1e-2);
+      EXPECT_LT(rel_error(fast.ap, fast.ap_ref), 1e-2);
+      EXPECT_LT(rel_error(fast.ds, fast.ds_ref), 1e-2);
+      EXPECT_LT(rel_error(fast.dh, ref.dh), 1e-2);
+      EXPECT_LT(rel_error(fast.ap, ref.ap), 1e-2);
+      EXPECT_LT(rel_error(fast.ds, ref.ds), 1e-2);
+      const DhResult again = run_dh(act, 300, d, n, kEdgeLengths, 51, false, /*with_expectation=*/false);
+      EXPECT_EQ(again.raw_dh, fast.raw_dh) << "not deterministic";
+      EXPECT_EQ(again.raw_ap, fast.raw_ap) << "not deterministic";
+      EXPECT_EQ(again.raw_ds, fast.raw_ds) << "not deterministic";
+    });
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllActivations, HopperDhKernel,
+                         testing::Values(Activation::kSwiGLU, Activation::kGeGLU, Activation::kReGLU,
+                                         Activation::kReLUSquared, Activation::kReLU, Activation::kGELU,
+                                         Activation::kSiLU),
+                         [](const testing::TestParamInfo<Activation>& i) {
+                           return std::string(activation_name(i.param));
+                         });
+
+TEST(HopperDhKernelProperties, ManyExpertsSingleRowsAndOneToken) {
+  REQUIRE_GPU();
+  gpu::set_hopper_backward_enabled(true);
+  std::vector<int> many(100, 0);
+  for (std::size_t e = 0; e < many.size(); ++e) many[e] = static_cast<int>((e * 37) % 5);  // 0..4 rows
+  for_each_tile([&] {
+    const DhResult r = run_dh(Activation::kSwiGLU, 64, 256, 256, many, 7);
+    EXPECT_TRUE(r.tails_untouched);
+    EXPECT_LT(rel_error(r.dh, r.dh_ref), 1e-2);
+    EXPECT_LT(rel_error(r.ds, r.ds_ref), 1e-2);
+    const DhResult one = run_dh(Activation::kGELU, 1, 128, 256, {0, 1, 0}, 8);  // T = 1, one routed row
+    EXPECT_TRUE(one.tails_untouched);
+    EXPECT_LT(rel_error(one.dh, one.dh_ref), 1e-2);
+    EXPECT_LT(rel_error(one.ap, one.ap_ref), 1e-2);
+    EXPECT_LT(rel_error(one.ds, one.ds_ref), 1e-2);
+  });
+}
+
+TEST(HopperDhKernelProperties, FallsBackWhereTheKernelDoesNotApply) {
+  REQUIRE_GPU();
+  VarlenMArgs a;
+  a.dt = DType::kBF16;
+  a.E = 4, a.N = 256, a.K = 128, a.P_max = 100;
+  static std::int32_t dummy[64];
+  a.a = dummy, a.lda = 128, a.a_gather = dummy;
+  a.b.ptr = dummy, a.b.expert_stride = 256 * 128, a.b.stride_col = 1, a.b.stride_k = 256;
+  a.epilogue = Epilogue::kActivationGrad;
+  a.out = dummy, a.ld_out = 512, a.act_out = dummy, a.ld_act = 256, a.h_in = dummy, a.ld_h = 512;
+  a.scores = reinterpret_cast<const float*>(dummy), a.scatter = dummy, a.ds_partial = reinterpret_cast<float*>(dummy);
+  gpu::set_hopper_backward_enabled(true);
+  EXPECT_EQ(gpu::hopper_unsupported_reason(a), "");
+  auto reason = [&](auto change) {
+    VarlenMArgs b = a;
+    change(b);
+    return gpu::hopper_unsupported_reason(b);
+  };
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.a_gather = nullptr; }).find("gather"), std::string::npos);
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.ld_h = 511; }).find("H rows"), std::string::npos);
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.N = 192; }).find("N = 192"), std::string::npos);
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.ds_partial = nullptr; }).find("dS-partial"), std::string::npos);
+  gpu::set_hopper_backward_enabled(false);
+  EXPECT_NE(gpu::hopper_unsupported_reason(a).find("MACHMOE_HOPPER_BACKWARD"), std::string::npos);
+  gpu::set_hopper_backward_enabled(true);
 }
 
 }  // namespace

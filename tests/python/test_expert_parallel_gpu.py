@@ -36,6 +36,7 @@ pytestmark = pytest.mark.gpu
 D, N, E, K, TILE = 256, 128, 16, 4, 16
 SIZES = [512, 384]   # tokens per rank (uneven on purpose)
 TOL = 1e-2           # relative Frobenius error against float64, bf16 data
+SYNC_WARNING = "called a synchronizing CUDA operation"  # c10::cuda::warn_or_error_on_sync
 
 
 def rel(a, b):
@@ -209,7 +210,9 @@ def scenario_bitwise_reruns(rank, world):
 
 def scenario_host_synchronisations(rank, world):
     """Default mode: one synchronising call per forward (the split sizes), none in backward. Capacity mode: none
-    (CUDA sync debug mode set to raise)."""
+    (CUDA sync debug mode set to raise). Only CUDA's own report of a synchronising call is counted (SYNC_WARNING):
+    the first set_sync_debug_mode call of a process also warns, once, that the mode "does not yet detect all
+    synchronizing operations" (torch/csrc/cuda/Module.cpp), which is no synchronisation."""
     x = gpu_inputs(8, SIZES[:world], rank)[rank].requires_grad_()
     for routing in ("topk", "token_rounding"):
         layer = gpu_layer(8, rank, routing)
@@ -223,9 +226,9 @@ def scenario_host_synchronisations(rank, world):
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 o = plain(x)
-                fwd_syncs = sum("synchronizing" in str(w.message) for w in caught)
+                fwd_syncs = sum(SYNC_WARNING in str(w.message) for w in caught)
                 o.output.float().sum().backward()
-                bwd_syncs = sum("synchronizing" in str(w.message) for w in caught) - fwd_syncs
+                bwd_syncs = sum(SYNC_WARNING in str(w.message) for w in caught) - fwd_syncs
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         assert fwd.calls == {"tolist": 1}, fwd.calls
@@ -443,7 +446,8 @@ def scenario_training_ep2_fsdp2_50_steps(rank, world):
 
 
 # host_synchronisations last: a scenario that fails stops the ones after it in the same processes, and on the first
-# GPU run (H200, 2026-11-23) this one failed (two synchronising calls in the default mode's forward, not one).
+# GPU run (H200, 2026-11-23) this one failed (it counted two synchronising calls in the default mode's forward; the
+# second was torch's one-time "prototype feature" notice of set_sync_debug_mode, now not counted).
 ONE_GPU = ["topk", "token_rounding", "capacity_mode", "bitwise_reruns", "capacity_mode_cuda_graph",
            "overflow_reported", "torch_compile", "host_synchronisations"]
 TWO_GPUS = ["topk", "token_rounding", "capacity_mode", "skewed", "rank_without_tokens", "rank_receives_nothing",

@@ -186,3 +186,97 @@ def test_split_backward_on_gpu_matches_full(cuda):
     deferred.run()
     for name, p in m.named_parameters():
         assert torch.equal(p.grad, full[name]), name
+
+
+# ---- gradient accumulation into main_grad buffers ------------------------------------------------------------------
+
+NAMES = ("router_weight", "w1", "w2", "b1", "b2")
+
+
+def _reference_weight_grads(ref, x_ref, logits, go, top_k=4, act="swiglu"):
+    """float64 weight gradients of <out, go> for the GPU's routing (pinned to its logits)."""
+    _, rw, w1, w2, b1, b2 = ref
+    z = logits.detach().double().cpu()
+    z = z + (x_ref @ rw.T - (x_ref @ rw.T).detach())
+    tok, exp, s = route(z, top_k, "softmax_topk")
+    out = experts(x_ref, tok, exp, s, w1, w2, b1, b2, act, "interleaved")
+    return dict(zip(NAMES, torch.autograd.grad((out * go).sum(), [rw, w1, w2, b1, b2])))
+
+
+@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_grads_into_matches_float64_sum(cuda, buffer_dtype, defer):
+    """bf16 layer, two micro-batches accumulated into fp32 or bf16 buffers: buffer + dW(a) + dW(b) against float64."""
+    dev, ref = gpu_case(cuda)
+    _, rw, w1, w2, b1, b2 = dev
+    weights = dict(zip(NAMES, (rw, w1, w2, b1, b2)))
+    g = torch.Generator().manual_seed(21)
+    batches = []
+    for _ in range(2):
+        x = torch.randn(512, 256, generator=g, dtype=torch.float64)
+        go = torch.randn(512, 256, generator=g, dtype=torch.float64)
+        x_dev = x.to(cuda, torch.bfloat16)
+        with torch.no_grad():
+            logits = machmoe.moe(x_dev, rw, w1, w2, b1, b2, top_k=4)[1]
+        batches.append((x_dev, go, _reference_weight_grads(ref, x_dev.double().cpu(), logits, go)))
+    init = {n: (torch.randn(w.shape, generator=g, dtype=torch.float64) * batches[0][2][n].square().mean().sqrt())
+            .to(buffer_dtype) for n, w in weights.items()}
+    into = {n: t.to(cuda) for n, t in init.items()}
+    for x_dev, go, _ in batches:
+        out = machmoe.moe(x_dev.requires_grad_(), rw, w1, w2, b1, b2, top_k=4, accumulate_grads_into=into)[0]
+        loss = (out.double() * go.to(cuda)).sum()
+        if defer:
+            with machmoe.defer_weight_grads() as deferred:
+                loss.backward()
+            deferred.run()
+        else:
+            loss.backward()
+        assert x_dev.grad is not None
+    for n, w in weights.items():
+        assert w.grad is None, n
+        expected = init[n].double() + batches[0][2][n] + batches[1][2][n]
+        assert into[n].dtype == buffer_dtype
+        assert rel(into[n], expected) < 1e-2, n
+
+
+def test_main_grad_zero_token_experts_unchanged_and_graph_safe(cuda):
+    """MoE(accumulate_into_main_grad=True) on bf16: experts that get no token keep their main_grad rows bitwise; the
+    step captures into a CUDA graph (no host sync) and each replay adds once."""
+    torch.manual_seed(3)
+    m = machmoe.MoE(256, 128, 16, 1, bias=True, device=cuda, dtype=torch.bfloat16, accumulate_into_main_grad=True)
+    bufs = m.main_grads()
+    for b in bufs.values():
+        b.normal_()
+    before = {n: b.clone() for n, b in bufs.items()}
+    x = torch.randn(5, 256, device=cuda, dtype=torch.bfloat16)
+    o = m(x)
+    o.output.float().square().sum().backward()
+    counts = o.expert_counts.cpu()
+    assert int((counts == 0).sum()) >= 11
+    for e in range(16):
+        for n in ("w1", "w2", "b1", "b2"):
+            assert torch.equal(bufs[n][e], before[n][e]) == bool(counts[e] == 0), (n, e)
+    assert all(p.grad is None for p in m.parameters())
+
+    x = torch.randn(1024, 256, device=cuda, dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graph requires
+        m(x).output.float().square().sum().backward()
+    torch.cuda.current_stream().wait_stream(s)
+    for b in bufs.values():
+        b.zero_()
+    m(x).output.float().square().sum().backward()
+    once = {n: b.clone() for n, b in bufs.items()}
+    for b in bufs.values():
+        b.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        m(x).output.float().square().sum().backward()
+    for b in bufs.values():
+        b.zero_()
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    for n, b in bufs.items():
+        assert rel(b, 2 * once[n]) < 1e-5, n

@@ -126,6 +126,20 @@ void launch_up(Activation act, const hopper::UpProjectionParams& p, int sms, cud
   }
 }
 
+template <class Tile>
+void launch_dh(Activation act, const hopper::DhKernelParams& p, int sms, cudaStream_t stream) {
+  using hopper::launch_dh_kernel;
+  switch (act) {
+    case Activation::kSwiGLU: return launch_dh_kernel<Tile, Activation::kSwiGLU>(p, sms, stream);
+    case Activation::kGeGLU: return launch_dh_kernel<Tile, Activation::kGeGLU>(p, sms, stream);
+    case Activation::kReGLU: return launch_dh_kernel<Tile, Activation::kReGLU>(p, sms, stream);
+    case Activation::kReLUSquared: return launch_dh_kernel<Tile, Activation::kReLUSquared>(p, sms, stream);
+    case Activation::kReLU: return launch_dh_kernel<Tile, Activation::kReLU>(p, sms, stream);
+    case Activation::kGELU: return launch_dh_kernel<Tile, Activation::kGELU>(p, sms, stream);
+    case Activation::kSiLU: return launch_dh_kernel<Tile, Activation::kSiLU>(p, sms, stream);
+  }
+}
+
 }  // namespace
 
 void set_hopper_tile_n(int tile_n) { forced_tile_n().store(tile_n); }
@@ -155,7 +169,6 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
   if (a.dt != DType::kBF16) return std::string("dtype ") + dtype_name(a.dt) + " (the Hopper kernels are bf16)";
   if (dev.major != 9 || dev.minor != 0)
     return "compute capability " + std::to_string(dev.major) + "." + std::to_string(dev.minor) + " (needs 9.0)";
-  if (a.epilogue != Epilogue::kStore && a.epilogue != Epilogue::kUpActivation) return "backward epilogue";
   if (a.K <= 0 || a.K % 64 != 0) return "K = " + std::to_string(a.K) + " is not a positive multiple of 64";
   if (a.N <= 0 || a.N % kMinTileN != 0) return "N = " + std::to_string(a.N) + " is not a multiple of 128";
   if (a.E <= 0 || a.E > (1 << 30)) return "E out of range";
@@ -166,16 +179,19 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
   const bool mn_major = b.stride_col == 1 && b.stride_k != 1;
   if (b.stride_k != 1 && !mn_major)
     return "weights neither K-major (stride 1 along K) nor MN-major (stride 1 along N)";
+  const bool dh_kernel = a.epilogue == Epilogue::kActivationGrad;
   if (mn_major) {
-    if (a.epilogue != Epilogue::kStore || a.a_gather != nullptr || a.bias != nullptr)
-      return "MN-major weights outside the dX~ GEMM (contiguous A, no bias)";
+    // The backward reads W1 (dX~) and W2 (dH) in place: dX~ has a contiguous A and no bias; dH gathers dO.
+    const bool dx = a.epilogue == Epilogue::kStore && a.a_gather == nullptr && a.bias == nullptr;
+    if (!dx && !dh_kernel) return "MN-major weights outside the backward's dX~ and dH GEMMs";
     if (!hopper_backward_enabled())
       return "the Hopper backward kernels are switched off (MACHMOE_HOPPER_BACKWARD=0 or the test switch)";
     if (b.permute == 1) return "MN-major weights permuted along N";
-    if (b.permute == 2 && a.K != 2 * b.glu_n) return "concatenated layout with K != 2n";
+    if (b.permute == 2 && (dh_kernel || a.K != 2 * b.glu_n)) return "concatenated layout with K != 2n";
     if (!aligned16(b.ptr) || b.stride_k % 8 != 0 || b.expert_stride % 8 != 0)
       return "weight rows not 16-byte aligned";
   } else {
+    if (dh_kernel) return "dH GEMM with weights that are not MN-major (stride 1 along n)";
     if (b.permute == 2) return "weights permuted along K";
     if (b.permute == 1 && (a.epilogue != Epilogue::kUpActivation || !is_glu(a.activation)))
       return "concatenated layout outside a GLU up-projection";
@@ -184,7 +200,14 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
   }
   if (!aligned16(a.a) || a.lda % 8 != 0) return "A rows not 16-byte aligned";
   if (a.out && (!aligned16(a.out) || a.ld_out % 8 != 0)) return "output rows not 16-byte aligned";
-  if (a.epilogue == Epilogue::kUpActivation) {
+  if (dh_kernel) {
+    if (a.a_gather == nullptr) return "dH GEMM without a gather index";
+    if (a.out == nullptr || a.act_out == nullptr || a.h_in == nullptr || a.ds_partial == nullptr ||
+        a.scores == nullptr || a.scatter == nullptr)
+      return "dH GEMM without dH, A', H, scores, scatter or dS-partial buffers";
+    if (!aligned16(a.act_out) || a.ld_act % 8 != 0) return "A' rows not 16-byte aligned";
+    if (!aligned16(a.h_in) || a.ld_h % 8 != 0) return "H rows not 16-byte aligned";
+  } else if (a.epilogue == Epilogue::kUpActivation) {
     if (a.act_out && (!aligned16(a.act_out) || a.ld_act % 8 != 0)) return "A-output rows not 16-byte aligned";
     if (a.act_out == nullptr && a.out == nullptr) return "nothing to store";
     if (a.a_gather == nullptr) return "up-projection without a gather index";
@@ -209,10 +232,13 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
   }
   if (a.P_max == 0) return;  // no routed rows: nothing to write
   const bool up = a.epilogue == Epilogue::kUpActivation;
-  const bool mn_major = a.b.stride_col == 1 && a.b.stride_k != 1;  // the backward's dX~ (unsupported_reason)
+  const bool dh_kernel = a.epilogue == Epilogue::kActivationGrad;
+  const bool mn_major = a.b.stride_col == 1 && a.b.stride_k != 1;  // the backward's dX~ and dH (unsupported_reason)
   hopper::GemmShape shape;
-  shape.family = up ? hopper::KernelFamily::kUpProjection
-                     : (mn_major ? hopper::KernelFamily::kDxExpanded : hopper::KernelFamily::kDownProjection);
+  shape.family = up          ? hopper::KernelFamily::kUpProjection
+                 : dh_kernel ? hopper::KernelFamily::kDhKernel
+                 : mn_major  ? hopper::KernelFamily::kDxExpanded
+                             : hopper::KernelFamily::kDownProjection;
   shape.N = a.N, shape.K = a.K;
   const hopper::TileChoice tiles = hopper::choose_tiles(shape, tile_overrides());
 
@@ -274,6 +300,20 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
       launch_up<hopper::Tile128x256CooperativeCluster2>(a.activation, p, sm_count, stream);
     else
       launch_up<hopper::Tile128x128PingPong>(a.activation, p, sm_count, stream);
+  } else if (dh_kernel) {
+    hopper::DhKernelParams p;
+    p.mainloop = main, p.scheduler = sched;
+    const std::int64_t dh_cols = is_glu(a.activation) ? 2 * a.N : a.N;
+    p.epilogue.dh = output(a.out, dh_cols, a.ld_out);
+    p.epilogue.a_prime = output(a.act_out, a.N, a.ld_act);
+    p.epilogue.h = a.h_in, p.epilogue.ld_h = a.ld_h;
+    p.epilogue.scores = a.scores, p.epilogue.scatter = a.scatter;
+    p.epilogue.ds_partial = a.ds_partial;
+    p.epilogue.ds_tiles = static_cast<int>(a.N / kDsTileN);  // the reference's layout: one per 64 columns of A
+    if (tiles.tile_n == 256)
+      launch_dh<hopper::Tile128x256Cooperative>(a.activation, p, sm_count, stream);
+    else
+      launch_dh<hopper::Tile128x128PingPong>(a.activation, p, sm_count, stream);
   } else {
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(a.P_max)};
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(a.lda) * 2};

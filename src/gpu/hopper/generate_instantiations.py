@@ -30,6 +30,8 @@ TILES = {
            ("Tile128x256CooperativeCluster2", "up_128x256_cooperative_cluster2")],
     "down": [("Tile128x128PingPong", "down_128x128_pingpong"),
              ("Tile128x256Cooperative", "down_128x256_cooperative")],
+    "dh": [("Tile128x128PingPong", "bwd_dh_128x128_pingpong"),
+           ("Tile128x256Cooperative", "bwd_dh_128x256_cooperative")],
     "dx": [("Tile128x128PingPong", "bwd_dx_128x128_pingpong"),
            ("Tile128x256Cooperative", "bwd_dx_128x256_cooperative")],
     # Weight gradients (varlen-K): the same two tiles for dW2 and dW1 (heuristics.hpp, choose_wgrad_tiles).
@@ -49,6 +51,10 @@ def kernels():
                    f"cudaStream_t)")
     for tile, stem in TILES["down"]:
         yield stem, f"void launch_down_projection<{tile}>(const DownProjectionParams&, int, cudaStream_t)"
+    for tile, stem in TILES["dh"]:
+        for act, suffix in ACTIVATIONS.items():
+            yield (f"{stem}_{suffix}",
+                   f"void launch_dh_kernel<{tile}, Activation::{act}>(const DhKernelParams&, int, cudaStream_t)")
     for tile, stem in TILES["dx"]:
         yield stem, f"void launch_dx_expanded<{tile}>(const DownProjectionParams&, int, cudaStream_t)"
     for family in ("dw2", "dw1"):

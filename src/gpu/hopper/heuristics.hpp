@@ -7,7 +7,7 @@
 
 namespace machmoe::gpu::hopper {
 
-enum class KernelFamily : int { kUpProjection, kDownProjection, kDxExpanded };
+enum class KernelFamily : int { kUpProjection, kDownProjection, kDxExpanded, kDhKernel };
 
 struct GemmShape {
   KernelFamily family = KernelFamily::kUpProjection;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "gpu/hopper/epilogue_activation.cuh"
+#include "gpu/hopper/epilogue_activation_grad.cuh"
 #include "gpu/hopper/epilogue_store.cuh"
 #include "gpu/hopper/epilogue_wgrad.cuh"
 #include "gpu/hopper/kernel.cuh"
@@ -33,6 +34,10 @@ using WeightGradKernel =
     PersistentKernel<Tile, MainloopVarlenK<Tile, kA, kB>, EpilogueWgrad<Tile>, VarlenKTiles<Tile>>;
 
 template <class Tile, Activation kAct>
+using DhKernel = PersistentKernel<Tile, MainloopVarlenM<Tile, OperandA::kGathered, Major::kMN>,
+                                  EpilogueActivationGrad<Tile, kAct>, ClusterTiles<Tile>>;
+
+template <class Tile, Activation kAct>
 void launch_up_projection(const UpProjectionParams& p, int sm_count, cudaStream_t stream) {
   launch_kernel<UpProjectionKernel<Tile, kAct>>(p, sm_count, stream);
 }
@@ -45,6 +50,11 @@ void launch_down_projection(const DownProjectionParams& p, int sm_count, cudaStr
 template <class Tile>
 void launch_dx_expanded(const DownProjectionParams& p, int sm_count, cudaStream_t stream) {
   launch_kernel<DxExpandedKernel<Tile>>(p, sm_count, stream);
+}
+
+template <class Tile, Activation kAct>
+void launch_dh_kernel(const DhKernelParams& p, int sm_count, cudaStream_t stream) {
+  launch_kernel<DhKernel<Tile, kAct>>(p, sm_count, stream);
 }
 
 template <class Tile>

@@ -26,6 +26,12 @@ void launch_down_projection(const DownProjectionParams& p, int sm_count, cudaStr
 template <class Tile>
 void launch_dx_expanded(const DownProjectionParams& p, int sm_count, cudaStream_t stream);
 
+/// dH kernel (backward): dA' = gather(dO) W2_e^T with dO rows gathered by cp.async and W2 read in place as an
+/// MN-major B; activation-gradient epilogue (dH, A', dS partials).
+using DhKernelParams = KernelParams<MainloopVarlenMParams, EpilogueActivationGradParams>;
+template <class Tile, Activation kAct>
+void launch_dh_kernel(const DhKernelParams& p, int sm_count, cudaStream_t stream);
+
 /// Weight gradients (varlen-K over each expert's grouped rows, both operands MN-major, cp.async with the rows past
 /// the segment zero-filled), weight-gradient epilogue (bf16 or fp32, overwrite or accumulate, concatenated row map).
 /// dW2: A = dO gathered by the routing index, B = A' contiguous. dW1: A = dH contiguous, B = X gathered.

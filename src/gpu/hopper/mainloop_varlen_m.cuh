@@ -109,10 +109,12 @@ struct MainloopVarlenM {
 
   // ---- producer ------------------------------------------------------------------------------------------------
 
-  /// Fills the ring for every tile of this CTA, in the order the consumers take them. `ptid` in [0, 128).
-  template <class Scheduler>
+  /// Fills the ring for every tile of this CTA, in the order the consumers take them. `ptid` in [0, 128) (with a
+  /// contiguous A only the first warp runs this). `on_tile(c, ptid)` runs on every producer thread as the tile's
+  /// first loads are issued, about one tile ahead of its epilogue (the epilogue prefetches its inputs there).
+  template <class Scheduler, class OnTile>
   __device__ __forceinline__ static void produce(const Params& p, const typename Scheduler::Params& sp, Storage s,
-                                                 int ptid) {
+                                                 int ptid, OnTile&& on_tile) {
     Scheduler sched(sp);
     const int k_tiles = p.K / kTileK;
     std::uint32_t iter = 0;
@@ -123,6 +125,7 @@ struct MainloopVarlenM {
     for (int i = 0;; ++i) {
       const TileCoord c = sched.get(i);
       if (!c.valid()) break;
+      on_tile(c, ptid);
       const int half_rows = kTileN / 2;
       int b_row_first, b_row_second;
       if (p.b_concatenated) {

@@ -68,6 +68,18 @@ struct EpilogueActivationParams {
   int glu_n = 0;
 };
 
+/// dH = act'(H) (s dA'), A' = s act(H), dS partials (epilogue_activation_grad.cuh): the backward's dH kernel.
+struct EpilogueActivationGradParams {
+  EpilogueOutput dh;       // (rows, w1_rows), gate/up-interleaved like H
+  EpilogueOutput a_prime;  // (rows, n)
+  const void* h = nullptr;  // H (bf16, interleaved), row stride ld_h elements; read in grouped row order
+  std::int64_t ld_h = 0;
+  const float* scores = nullptr;          // pair order
+  const std::int32_t* scatter = nullptr;  // grouped row -> pair
+  float* ds_partial = nullptr;            // (pairs, ds_tiles): <dA', A> over each 64-column block of A
+  int ds_tiles = 0;                       // n / 64
+};
+
 // ---- varlen-K (weight gradients) ------------------------------------------------------------------------------
 //
 // A varlen-K kernel computes, for every expert e, the whole (M, N) output

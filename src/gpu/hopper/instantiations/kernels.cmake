@@ -16,6 +16,20 @@ set(MACHMOE_HOPPER_KERNEL_SOURCES
   src/gpu/hopper/instantiations/up_128x256_cooperative_cluster2_silu.cu
   src/gpu/hopper/instantiations/down_128x128_pingpong.cu
   src/gpu/hopper/instantiations/down_128x256_cooperative.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x128_pingpong_swiglu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x128_pingpong_geglu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x128_pingpong_reglu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x128_pingpong_relu_squared.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x128_pingpong_relu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x128_pingpong_gelu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x128_pingpong_silu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_swiglu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_geglu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_reglu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_relu_squared.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_relu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_gelu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_silu.cu
   src/gpu/hopper/instantiations/bwd_dx_128x128_pingpong.cu
   src/gpu/hopper/instantiations/bwd_dx_128x256_cooperative.cu
   src/gpu/hopper/instantiations/bwd_dw2_128x128_pingpong.cu

@@ -1,0 +1,170 @@
+"""python -m machmoe.benchmark: machmoe against what users run today, on one device, with JSON, PNG plots and
+Markdown tables. `--help` lists the options; docs/BENCHMARKS.md says how the published figures were produced."""
+import argparse
+import datetime
+import os
+import shlex
+import sys
+from typing import List, Optional
+
+import torch
+
+from . import configs as C
+from . import impls as I
+from .peers import PEERS, available
+from .plots import make_plots
+from .progress import Progress
+from .report import add_speedups, markdown, verdict, write_json
+from .runner import Settings, _versions, device_info, run_config
+from .baselines import copy_bandwidth
+
+EXIT_MACHMOE_FAILED = 1
+EXIT_USAGE = 2
+EXIT_T10 = 3
+
+ALL_IMPLS = list(I.IN_PROCESS) + [I.BOUND]
+
+
+def parser() -> argparse.ArgumentParser:
+    names = ", ".join(C.ALL)
+    p = argparse.ArgumentParser(
+        prog="python -m machmoe.benchmark", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Benchmarks machmoe (default, recompute mode, token rounding) against a torch._grouped_mm MoE, a "
+                    "per-expert loop MoE, the cuBLAS bound and any installed peer (sonicmoe, scattermoe, megablocks) "
+                    "on the same weights: forward, backward and forward+backward ms and TFLOP/s, allocator memory, "
+                    "speed-ups, and agreement with a float64 reference (exit status 3 if machmoe exceeds T10).",
+        epilog=f"configurations: {names}\ngroups: {', '.join(C.GROUPS)}\n"
+               f"implementations: {', '.join(ALL_IMPLS)}; peers: {', '.join(PEERS)}\n"
+               "exit status: 0 ok (baseline/peer failures are reported, not fatal); 1 a machmoe row failed; "
+               "2 usage error; 3 machmoe disagrees with the float64 reference beyond T10")
+    p.add_argument("--configs", default="", help="comma-separated names or groups (default: the 12 main "
+                   "configurations, both token-rounding sweeps and the odd-shape rows; on the CPU the tiny ones)")
+    p.add_argument("--quick", action="store_true", help="a small subset and fewer repetitions")
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32", "fp64"],
+                   help="data type (default bf16 on CUDA, fp32 on the CPU)")
+    p.add_argument("--impls", default=",".join(ALL_IMPLS), help="in-process implementations to run")
+    p.add_argument("--peers", default="auto", help="auto (every installed peer), none, or a comma-separated list")
+    p.add_argument("--warmup", type=int, default=None, help="untimed repetitions (default 3; --quick 2; CPU 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed repetitions, median (default 10; --quick 5; CPU 3)")
+    p.add_argument("--check-tokens", type=int, default=4096, help="tokens in the float64 check (0: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds per peer and configuration")
+    p.add_argument("--out-dir", default="machmoe-benchmark", help="where the JSON, plots and Markdown go")
+    p.add_argument("--json", default=None, help="JSON path (default OUT_DIR/results.json); plots go next to it")
+    p.add_argument("--markdown", default=None, help="Markdown path (default next to the JSON, results.md)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--list", action="store_true", help="list the configurations and exit")
+    return p
+
+
+def _split(text: str) -> List[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parser().parse_args(argv)
+    if a.list:
+        for c in C.ALL.values():
+            print(f"{c.name:16s} group={c.group:14s} T={c.T} d={c.d} n={c.n} E={c.E} K={c.K}")
+        return 0
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("machmoe.benchmark: --device cuda but no CUDA device is available", file=sys.stderr)
+        return EXIT_USAGE
+    cpu = device == "cpu"
+    dtype = a.dtype or ("fp32" if cpu else "bf16")
+    if cpu and dtype not in ("fp32", "fp64"):
+        print("machmoe.benchmark: on the CPU the dtype is fp32 or fp64 (machmoe's CPU reference)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        cfgs = C.select(a.configs, quick=a.quick, device="cpu" if cpu else "cuda")
+    except ValueError as e:
+        print(f"machmoe.benchmark: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    impls = _split(a.impls)
+    unknown = [i for i in impls if i not in ALL_IMPLS]
+    if unknown:
+        print(f"machmoe.benchmark: unknown implementation(s) {unknown}; known: {ALL_IMPLS}", file=sys.stderr)
+        return EXIT_USAGE
+    installed = available()
+    if a.peers == "auto":
+        peers = installed
+    elif a.peers == "none":
+        peers = []
+    else:
+        peers = _split(a.peers)
+        missing = [q for q in peers if q not in PEERS or q not in installed]
+        if missing:
+            print(f"machmoe.benchmark: peer(s) {missing} not installed or unknown (installed: {installed or 'none'})",
+                  file=sys.stderr)
+            return EXIT_USAGE
+    if cpu and peers:
+        print(f"machmoe.benchmark: peers {peers} run on CUDA only; skipped on the CPU", file=sys.stderr)
+        peers = []
+    warmup = a.warmup if a.warmup is not None else (1 if cpu else 2 if a.quick else 3)
+    iters = a.iters if a.iters is not None else (3 if cpu else 5 if a.quick else 10)
+    s = Settings(device=device, dtype=dtype, warmup=warmup, iters=iters, check_tokens=a.check_tokens, seed=a.seed,
+                 impls=impls, peers=peers, peer_timeout=a.peer_timeout)
+
+    json_path = a.json or os.path.join(a.out_dir, "results.json")
+    out_dir = os.path.dirname(os.path.abspath(json_path))
+    os.makedirs(out_dir, exist_ok=True)
+    md_path = a.markdown or os.path.join(out_dir, "results.md")
+    doc = {"schema": 1, "command": "python -m machmoe.benchmark " + " ".join(shlex.quote(x) for x in argv),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": device_info(s), "versions": _versions(), "settings": {
+               "device": device, "dtype": dtype, "warmup": warmup, "iters": iters, "check_tokens": a.check_tokens,
+               "seed": a.seed, "impls": impls, "peers": peers, "peers_installed": installed},
+           "definitions": {
+               "flops": "model FLOPs (GLU): forward 6*P*n*d, backward 12*P*n*d, P = routed pairs (docs/TARGETS.md)",
+               "activation_bytes": "allocator bytes left allocated by the forward, minus the output, plus the input "
+                                   "X (docs/TARGETS.md); forward_retained_bytes includes the output",
+               "peak_bytes": "max_memory_allocated over forward+backward minus what was allocated before (inputs, "
+                             "parameters); gradients allocated by the backward included",
+               "speedup_over": "other row's time / machmoe row's time (>1: machmoe faster)",
+               "cublas_bound": "benchmarks/gpu_bench.cu's bound: batched cuBLAS GEMMs at T_e = TK/E rows, plus "
+                               "(2TKd + 2Td) bytes at the measured copy bandwidth"},
+           "configs": []}
+    progress = Progress(len(cfgs) * (len(impls) + len(peers)), enabled=not a.no_progress)
+    copy_bw = None
+    try:
+        if I.BOUND in impls:
+            copy_bw = copy_bandwidth(s.torch_device)
+            doc["device"]["copy_bandwidth_GBps"] = copy_bw * 1e-9
+        for cfg in cfgs:
+            entry = run_config(cfg, s, progress, copy_bw)
+            add_speedups(entry)
+            doc["configs"].append(entry)
+            write_json(doc, json_path)  # after every configuration: a crash loses at most the one in flight
+    finally:
+        progress.close()
+    v = verdict(doc["configs"])
+    doc["verdict"] = v
+    doc["plots"] = {"skipped": "--no-plots"} if a.no_plots else make_plots(doc, out_dir)
+    write_json(doc, json_path)
+    with open(md_path, "w") as f:
+        f.write(markdown(doc) + "\n")
+    print(markdown(doc))
+    print(f"\nmachmoe.benchmark: JSON {json_path}; Markdown {md_path}")
+    if "skipped" in doc["plots"]:
+        print(f"machmoe.benchmark: plots skipped: {doc['plots']['skipped']}")
+    else:
+        print("machmoe.benchmark: plots " + ", ".join(doc["plots"]["files"]))
+    for line in v["other_failures"]:
+        print(f"machmoe.benchmark: (not fatal) {line}", file=sys.stderr)
+    if v["machmoe_agreement_failures"]:
+        print("\n" + "=" * 100 + "\nmachmoe.benchmark: FAILED: machmoe disagrees with the float64 reference beyond "
+              "T10 (docs/TARGETS.md):", file=sys.stderr)
+        for line in v["machmoe_agreement_failures"]:
+            print("  " + line, file=sys.stderr)
+        print("=" * 100, file=sys.stderr)
+        return EXIT_T10
+    if v["machmoe_failures"]:
+        print("machmoe.benchmark: FAILED: machmoe rows did not run:", file=sys.stderr)
+        for line in v["machmoe_failures"]:
+            print("  " + line, file=sys.stderr)
+        return EXIT_MACHMOE_FAILED
+    return 0

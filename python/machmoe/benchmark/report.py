@@ -1,0 +1,116 @@
+"""Derived figures (speed-ups, the T10 verdict), the JSON document and the Markdown tables."""
+import json
+import math
+from typing import List, Optional
+
+from .impls import MACHMOE
+
+MIB = 1024.0 * 1024.0
+
+
+def add_speedups(entry: dict) -> None:
+    """results[m]['speedup_over'][b] = b's time / m's time (forward, backward, forward+backward) for every machmoe
+    variant m and every other row b that was measured (> 1: machmoe is faster)."""
+    res = entry["results"]
+    for m in MACHMOE:
+        rm = res.get(m)
+        if not rm or rm.get("status") != "ok":
+            continue
+        over = {}
+        for b, rb in res.items():
+            if b == m or rb.get("status") != "ok":
+                continue
+            over[b] = {k: rb[f"{k}_ms"] / rm[f"{k}_ms"] for k in ("forward", "backward", "fwdbwd")
+                       if rb.get(f"{k}_ms") and rm.get(f"{k}_ms")}
+        rm["speedup_over"] = over
+        bound = res.get("cublas-bound")
+        if bound and bound.get("status") == "ok":
+            rm["efficiency"] = {k: bound[f"{k}_ms"] / rm[f"{k}_ms"] for k in ("forward", "backward", "fwdbwd")}
+
+
+def verdict(configs: List[dict]) -> dict:
+    """machmoe rows beyond T10, machmoe rows that failed, and other rows that failed."""
+    bad_agreement, machmoe_failed, others_failed = [], [], []
+    for entry in configs:
+        name = entry["config"]["name"]
+        if entry.get("status") != "ok":
+            machmoe_failed.append(f"{name}: {entry.get('error')}")
+            continue
+        for impl, r in entry["results"].items():
+            if r.get("status") not in ("ok", "skipped"):
+                (machmoe_failed if impl in MACHMOE else others_failed).append(f"{name}/{impl}: {r.get('error')}")
+            elif impl in MACHMOE and r.get("status") == "ok" and not r["agreement"]["ok"]:
+                errs = ", ".join(f"{k} {v:.2e}" for k, v in r["agreement"]["errors"].items())
+                bad_agreement.append(f"{name}/{impl}: {errs} (tolerance {r['agreement']['tolerance']:.0e})")
+    return {"machmoe_agreement_failures": bad_agreement, "machmoe_failures": machmoe_failed,
+            "other_failures": others_failed}
+
+
+def write_json(doc: dict, path: str) -> None:
+    def clean(o):
+        if isinstance(o, float) and not math.isfinite(o):
+            return None if math.isnan(o) else ("inf" if o > 0 else "-inf")
+        if isinstance(o, dict):
+            return {k: clean(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [clean(v) for v in o]
+        return o
+    with open(path, "w") as f:
+        json.dump(clean(doc), f, indent=1)
+
+
+def _f(v: Optional[float], fmt: str) -> str:
+    return "–" if v is None else format(v, fmt)
+
+
+def _shape(c: dict) -> str:
+    return f"{c['name']} ({c['T']},{c['d']},{c['n']},{c['E']},{c['K']})"
+
+
+def markdown(doc: dict) -> str:
+    """One table per configuration plus a summary of machmoe's forward+backward speed-ups."""
+    dev, v = doc["device"], doc["versions"]
+    lines = [f"Device: {dev.get('name')} ({dev['type']}); torch {v.get('torch')}, CUDA {v.get('cuda')}, machmoe "
+             f"{v.get('machmoe')}; dtype {doc['settings']['dtype']}; median of {doc['settings']['iters']} after "
+             f"{doc['settings']['warmup']} warm-up; {doc['date']}.", f"Command: `{doc['command']}`", ""]
+    impls = []
+    for e in doc["configs"]:
+        for k in e.get("results", {}):
+            if k not in impls:
+                impls.append(k)
+    # Summary: forward+backward ms per configuration and implementation.
+    lines.append("| config | " + " | ".join(impls) + " |")
+    lines.append("|---|" + "---|" * len(impls))
+    for e in doc["configs"]:
+        row = [_shape(e["config"])]
+        for k in impls:
+            r = e.get("results", {}).get(k)
+            row.append("–" if r is None else (_f(r.get("fwdbwd_ms"), ".3f") if r.get("status") == "ok"
+                                                else r.get("status", "failed")))
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "(forward+backward ms; the cuBLAS bound is an idealised time, docs/TARGETS.md)", ""]
+    for e in doc["configs"]:
+        c = e["config"]
+        lines.append(f"### {_shape(c)}")
+        if e.get("status") != "ok":
+            lines += [f"failed: {e.get('error')}", ""]
+            continue
+        lines.append("| implementation | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | bwd TFLOP/s | activation MiB | "
+                     "peak MiB | first call s | max rel. error | machmoe speed-up over it |")
+        lines.append("|---|" + "---|" * 10)
+        base = e["results"].get("machmoe", {})
+        for k, r in e["results"].items():
+            if r.get("status") != "ok":
+                lines.append(f"| {k} | {r.get('status')}: {str(r.get('error'))[:120]} |" + " |" * 9)
+                continue
+            act = r.get("activation_bytes")
+            peak = r.get("peak_bytes")
+            err = r.get("agreement", {}).get("max")
+            sp = base.get("speedup_over", {}).get(k, {}).get("fwdbwd") if k != "machmoe" else None
+            lines.append("| " + " | ".join([
+                k, _f(r.get("forward_ms"), ".3f"), _f(r.get("backward_ms"), ".3f"), _f(r.get("fwdbwd_ms"), ".3f"),
+                _f(r.get("forward_tflops"), ".4g"), _f(r.get("backward_tflops"), ".4g"),
+                _f(act / MIB if act is not None else None, ".0f"), _f(peak / MIB if peak is not None else None, ".0f"),
+                _f(r.get("first_call_s"), ".2f"), _f(err, ".1e"), _f(sp, ".2f") + ("×" if sp else "")]) + " |")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,179 @@
+// The activation-gradient epilogue of the backward's dH kernel (docs/SPEC.md §3.2), run by the consumer warpgroup
+// that computed the tile. The accumulator holds dA' = gather(dO) W2_e^T for kTileN columns j of A; with H (the
+// forward's pre-activation, gate/up-interleaved) and the pair's score s it writes, from the same fp32 values:
+//   dH  = act'(H) (s dA')     (GLU: d gate = s dA' up f'(gate), d up = s dA' f(gate)); bf16, interleaved like H
+//   A'  = s A, A = act(H)     (the dW2 GEMM's operand; bf16)
+//   dS partials: <dA', A> over each 64-column block of the tile, one fp32 per (pair, block), reduced later in a
+//   fixed order (launch_ds_reduce), so dS is deterministic without atomics.
+//
+// H: the producer warpgroup prefetches the tile's H rows into L2 (bulk prefetch) as it starts loading the tile's
+// operands, about one mainloop ahead; the epilogue then reads H from L2 into registers, one pass of staged columns
+// at a time (8 bytes per thread and row for a GLU, the gate/up pairs of its two accumulator columns; 4 bytes
+// otherwise): a quad of lanes covers 32 contiguous bytes of a row, so every sector is used whole. The loads of a
+// pass are issued together before any is used. Under the ping-pong schedule the other consumer warpgroup's
+// mainloop keeps the tensor cores busy meanwhile.
+#pragma once
+
+#include "gpu/hopper/epilogue_staging.cuh"
+#include "gpu/hopper/fast_math.cuh"
+
+namespace machmoe::gpu::hopper {
+
+template <class Tile, Activation kAct>
+struct EpilogueActivationGrad {
+  using Params = EpilogueActivationGradParams;
+  using Staging = EpilogueStaging<Tile>;
+  using Storage = typename Staging::Storage;
+  static constexpr int kTileN = Tile::kTileN;
+  static constexpr bool kGlu = math::is_glu_activation(kAct);
+  static constexpr int kDhCols = kGlu ? 2 * kTileN : kTileN;  // dH (and H) columns of a tile
+  static constexpr int kPasses = kDhCols / Staging::kStageCols;
+  static constexpr int kV2PerPass = (kTileN / 8) / kPasses;   // accumulator column blocks of 8 per pass
+  static constexpr int kDsBlocks = kTileN / 64;               // dS partials per row and tile
+  static_assert(kDhCols % Staging::kStageCols == 0 && kTileN % 64 == 0, "tile columns");
+
+  /// Called by the producer warpgroup as it starts loading the tile (`threads` producer threads): the tile's H rows
+  /// go to L2 by bulk prefetch, so the epilogue, about one mainloop later, reads them from L2 rather than HBM.
+  __device__ __forceinline__ static void prefetch(const Params& p, const TileCoord& c, int ptid, int threads) {
+    const std::int64_t col0 = (kGlu ? 2 : 1) * static_cast<std::int64_t>(c.n_tile) * kTileN;
+    const __nv_bfloat16* h = static_cast<const __nv_bfloat16*>(p.h);
+    for (int r = ptid; r < Tile::kTileM; r += threads)
+      if (r < c.rows) bulk_prefetch_l2(h + (c.row0 + r) * p.ld_h + col0, kDhCols * 2);
+  }
+
+  /// One variant: the epilogue has no bias (b1 is already in H; the b2 term of dS is added by the reduction).
+  template <class F>
+  __device__ __forceinline__ static void with_variant(const Params&, F&& f) {
+    f(EpilogueVariant<false, false>{});
+  }
+
+  /// row_base: the warpgroup's first row in the tile (cooperative: 0 or 64).
+  template <class Variant, class Accumulator>
+  __device__ __forceinline__ static void apply(const Params& p, Storage& st, Accumulator& acc, const TileCoord& c,
+                                               int row_base, int wg_thread, int barrier_id) {
+    using namespace cute;
+    const int warp = wg_thread / 32, lane = wg_thread % 32;
+    const int quad = lane % 4, row_in_warp = lane / 4;
+    const std::int64_t j0 = static_cast<std::int64_t>(c.n_tile) * kTileN;  // first A column of the tile
+    const std::int64_t dh_col0 = kGlu ? 2 * j0 : j0;
+    const __nv_bfloat16* h_base = static_cast<const __nv_bfloat16*>(p.h);
+
+    CUTE_UNROLL
+    for (int m = 0; m < Staging::kRowAtoms; ++m) {
+      const int rows = min(Staging::kRows, c.rows - row_base - m * Staging::kRows);
+      if (rows <= 0) break;  // uniform across the warpgroup
+      const std::int64_t g0 = c.row0 + row_base + m * Staging::kRows;
+      auto value = [&](int v0, int v1, int v2) __attribute__((always_inline)) -> float& {
+        return acc(make_coord(make_coord(v0, v1, v2), m, 0));
+      };
+      // The thread's two rows of this atom (v1 = 0, 1): their pair, score and H row.
+      std::int32_t pair[2];
+      float score[2];
+      const __nv_bfloat16* h_row[2];
+      float ds[2][kDsBlocks];
+      CUTE_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int r = warp * 16 + v1 * 8 + row_in_warp;
+        const bool ok = r < rows;
+        pair[v1] = ok ? p.scatter[g0 + r] : -1;
+        score[v1] = ok ? p.scores[pair[v1]] : 0.0f;
+        h_row[v1] = ok ? h_base + (g0 + r) * p.ld_h + dh_col0 : nullptr;
+        CUTE_UNROLL
+        for (int b = 0; b < kDsBlocks; ++b) ds[v1][b] = 0.0f;
+      }
+
+      // dH, in passes of kStageCols columns; A' = s A replaces dA' in the accumulator for the pass after.
+      CUTE_UNROLL
+      for (int pass = 0; pass < kPasses; ++pass) {
+        // H of the pass, all loads issued before the first use.
+        std::uint32_t hv[2][kV2PerPass][kGlu ? 2 : 1];
+        CUTE_UNROLL
+        for (int v1 = 0; v1 < 2; ++v1) {
+          CUTE_UNROLL
+          for (int i = 0; i < kV2PerPass; ++i) {
+            const int col = (pass * kV2PerPass + i) * 8 + quad * 2;  // accumulator (A) column in the tile
+            if constexpr (kGlu) {
+              uint2 v = make_uint2(0u, 0u);
+              if (h_row[v1] != nullptr) v = __ldg(reinterpret_cast<const uint2*>(h_row[v1] + 2 * col));
+              hv[v1][i][0] = v.x, hv[v1][i][1] = v.y;
+            } else {
+              hv[v1][i][0] = h_row[v1] != nullptr ? __ldg(reinterpret_cast<const unsigned int*>(h_row[v1] + col)) : 0u;
+            }
+          }
+        }
+        Staging::acquire(wg_thread, barrier_id);
+        CUTE_UNROLL
+        for (int v1 = 0; v1 < 2; ++v1) {
+          const int r = warp * 16 + v1 * 8 + row_in_warp;
+          const float s = score[v1];
+          CUTE_UNROLL
+          for (int i = 0; i < kV2PerPass; ++i) {
+            const int v2 = pass * kV2PerPass + i;
+            const int col = v2 * 8 + quad * 2;
+            float a_val[2], d_hi[2][2];  // per accumulator column v0: A, and dH (gate, up) or (h, -)
+            CUTE_UNROLL
+            for (int v0 = 0; v0 < 2; ++v0) {
+              const float dap = value(v0, v1, v2), da = s * dap;
+              if constexpr (kGlu) {
+                const __nv_bfloat162 gu = *reinterpret_cast<const __nv_bfloat162*>(&hv[v1][i][v0]);
+                const float gate = __low2float(gu), up = __high2float(gu);
+                const math::ActValue<float> f = math::act_value_and_derivative<kAct, FastMath>(gate);
+                a_val[v0] = f.value * up;
+                d_hi[v0][0] = da * up * f.derivative;
+                d_hi[v0][1] = da * f.value;
+              } else {
+                const __nv_bfloat162 hh = *reinterpret_cast<const __nv_bfloat162*>(&hv[v1][i][0]);
+                const float h = v0 == 0 ? __low2float(hh) : __high2float(hh);
+                const math::ActValue<float> f = math::act_value_and_derivative<kAct, FastMath>(h);
+                a_val[v0] = f.value;
+                d_hi[v0][0] = da * f.derivative;
+              }
+              ds[v1][v2 / 8] += dap * a_val[v0];
+              value(v0, v1, v2) = s * a_val[v0];
+            }
+            if constexpr (kGlu) {  // dH columns 2 col .. 2 col + 3 of the tile
+              const int hc = 2 * col - pass * Staging::kStageCols;
+              Staging::put2(st, r, hc, d_hi[0][0], d_hi[0][1]);
+              Staging::put2(st, r, hc + 2, d_hi[1][0], d_hi[1][1]);
+            } else {
+              Staging::put2(st, r, col - pass * Staging::kStageCols, d_hi[0][0], d_hi[1][0]);
+            }
+          }
+        }
+        Staging::release(st, p.dh, Staging::kStageCols, rows, g0, dh_col0 + pass * Staging::kStageCols, wg_thread,
+                         barrier_id);
+      }
+
+      // A' (kTileN columns) from the accumulator.
+      CUTE_UNROLL
+      for (int pass = 0; pass < kTileN / Staging::kStageCols; ++pass) {
+        Staging::acquire(wg_thread, barrier_id);
+        CUTE_UNROLL
+        for (int v2 = pass * (Staging::kStageCols / 8); v2 < (pass + 1) * (Staging::kStageCols / 8); ++v2) {
+          CUTE_UNROLL
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int r = warp * 16 + v1 * 8 + row_in_warp;
+            Staging::put2(st, r, v2 * 8 + quad * 2 - pass * Staging::kStageCols, value(0, v1, v2), value(1, v1, v2));
+          }
+        }
+        Staging::release(st, p.a_prime, Staging::kStageCols, rows, g0, j0 + pass * Staging::kStageCols, wg_thread,
+                         barrier_id);
+      }
+
+      // dS partials: the quad's four lanes hold the row's columns; a fixed butterfly sums them (deterministic).
+      CUTE_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1) {
+        CUTE_UNROLL
+        for (int b = 0; b < kDsBlocks; ++b) {
+          float x = ds[v1][b];
+          x += __shfl_xor_sync(0xffffffffu, x, 1);
+          x += __shfl_xor_sync(0xffffffffu, x, 2);
+          if (quad == 0 && pair[v1] >= 0)
+            p.ds_partial[static_cast<std::int64_t>(pair[v1]) * p.ds_tiles + j0 / 64 + b] = x;
+        }
+      }
+    }
+  }
+};
+
+}  // namespace machmoe::gpu::hopper

@@ -1,0 +1,223 @@
+"""python -m machmoe.benchmark (python/machmoe/benchmark/): the CPU path end to end on tiny configurations (runner,
+JSON, Markdown, plots or their announced skip, exit statuses), the baselines against the machmoe CPU layer, the
+float64 check, the configuration table; and (marked gpu) the --quick run on CUDA."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import machmoe
+from machmoe.benchmark import baselines, cli, configs, reference
+from machmoe.benchmark.baselines import GroupedMMMoE, LoopMoE
+
+ROOT = Path(__file__).resolve().parents[2]
+IMPLS = ["machmoe", "machmoe-recompute", "machmoe-token-rounding", "torch-grouped-mm", "torch-loop", "cublas-bound"]
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def run_module(args, timeout=600):
+    """The benchmark as a user runs it: a new interpreter, `python -m machmoe.benchmark`."""
+    env = dict(os.environ)
+    if env.get("MACHMOE_IN_TREE") == "1":  # the checkout's sources, as conftest.py arranges for this process
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    return subprocess.run([sys.executable, "-m", "machmoe.benchmark", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_cpu_quick_end_to_end(tmp_path):
+    p = run_module(["--device", "cpu", "--quick", "--iters", "1", "--warmup", "0", "--out-dir", str(tmp_path)])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["device"]["type"] == "cpu" and doc["settings"]["dtype"] == "fp32"
+    assert [e["config"]["name"] for e in doc["configs"]] == configs.QUICK_CPU
+    for entry in doc["configs"]:
+        assert entry["status"] == "ok"
+        assert list(entry["results"]) == IMPLS
+        for name, r in entry["results"].items():
+            assert r["status"] == "ok", (entry["config"]["name"], name, r)
+            for key in ("forward_ms", "backward_ms", "fwdbwd_ms", "forward_tflops", "backward_tflops"):
+                assert r[key] > 0, (name, key)
+            if name == "cublas-bound":
+                continue
+            assert r["first_call_s"] > 0 and r["pairs"] > 0
+            assert r["activation_bytes"] is None and r["peak_bytes"] is None  # allocator figures: CUDA only
+            a = r["agreement"]
+            assert a["ok"] and a["max"] < 1e-5, (name, a)  # fp32 against float64
+            assert set(a["errors"]) == {"output", "grad_x", "grad_router_weight", "grad_w1", "grad_w2"}
+            if name.startswith("machmoe"):
+                assert a["routing_matches_counts"] is True
+                assert set(r["speedup_over"]) == set(IMPLS) - {name}
+        c = entry["config"]
+        assert entry["results"]["torch-loop"]["pairs"] == c["T"] * c["K"]
+    assert doc["verdict"] == {"machmoe_agreement_failures": [], "machmoe_failures": [], "other_failures": []}
+    md = (tmp_path / "results.md").read_text()
+    assert "| config |" in md and "cpu-tiny-32" in md and "torch-grouped-mm" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        # Not silent: the JSON and the output both say that the plots were skipped and why.
+        assert "matplotlib" in doc["plots"]["skipped"]
+        assert "plots skipped" in p.stdout and "matplotlib" in p.stdout
+        assert not list(tmp_path.glob("*.png"))
+    else:
+        files = [Path(f) for f in doc["plots"]["files"]]
+        assert {f.name for f in files} >= {"tflops.png", "token_rounding.png"}
+        for f in files:
+            assert f.parent == tmp_path and f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("cls", [GroupedMMMoE, LoopMoE])
+def test_baselines_match_machmoe_cpu_layer(cls):
+    torch.manual_seed(0)
+    m = machmoe.MoE(64, 32, 8, 2, dtype=torch.float32)
+    b = cls.from_machmoe(m, share=False)
+    assert all(torch.equal(getattr(b, k), getattr(m, k)) for k in ("router_weight", "w1", "w2"))
+    x = torch.randn(200, 64)
+    xm, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    om = m(xm)
+    ob, logits, idx = b(xb)
+    assert rel(logits, om.router_logits) < 1e-6  # the same router GEMM up to fp32 summation order
+    assert torch.equal(torch.bincount(idx.reshape(-1), minlength=8).int(), om.expert_counts)
+    assert rel(ob, om.output) < 1e-5
+    go = torch.randn_like(ob)
+    om.output.backward(go)
+    ob.backward(go)
+    for name in ("router_weight", "w1", "w2"):
+        assert rel(getattr(b, name).grad, getattr(m, name).grad) < 1e-5, name
+    assert rel(xb.grad, xm.grad) < 1e-5
+    # Shared weights: the same Parameter objects.
+    assert cls.from_machmoe(m).w1 is m.w1
+
+
+def test_baselines_refuse_other_layers():
+    with pytest.raises(ValueError, match="default layer"):
+        GroupedMMMoE.from_machmoe(machmoe.MoE(64, 32, 8, 2, activation="geglu"))
+
+
+def test_reference_check_passes_exact_and_flags_wrong_gradients():
+    torch.manual_seed(1)
+    m = machmoe.MoE(32, 16, 4, 2, dtype=torch.float64)
+    x = torch.randn(50, 32, dtype=torch.float64, requires_grad=True)
+    S = torch.tensor([0, 3, 7, 20, 49])
+    go = torch.zeros(50, 32, dtype=torch.float64)
+    go[S] = torch.randn(5, 32, dtype=torch.float64)
+    o = m(x)
+    o.output.backward(go)
+    weights = {k: getattr(m, k) for k in ("router_weight", "w1", "w2")}
+    grads = {k: v.grad for k, v in weights.items()}
+    r = reference.check(x.detach(), x.grad, go, S, weights, o.output, o.router_logits, grads, K=2,
+                        counts=o.expert_counts)
+    assert r["ok"] and r["max"] < 1e-12 and r["routing_matches_counts"], r
+    bad = dict(grads, w1=grads["w1"] * 1.05)
+    r = reference.check(x.detach(), x.grad, go, S, weights, o.output, o.router_logits, bad, K=2)
+    assert not r["ok"] and 0.04 < r["errors"]["grad_w1"] < 0.06 and r["errors"]["grad_w2"] < 1e-12
+
+
+def _main(args, capsys):
+    rc = cli.main(["--device", "cpu", "--iters", "1", "--warmup", "0", "--no-progress", *args])
+    return rc, capsys.readouterr()
+
+
+def test_machmoe_beyond_t10_fails_loudly(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(reference, "T10", 0.0)  # nothing can pass: the failure path
+    rc, out = _main(["--configs", "cpu-tiny-32", "--impls", "machmoe,torch-loop", "--no-plots",
+                     "--out-dir", str(tmp_path)], capsys)
+    assert rc == cli.EXIT_T10
+    assert "FAILED: machmoe disagrees with the float64 reference beyond T10" in out.err
+    assert "cpu-tiny-32/machmoe" in out.err and "torch-loop" not in out.err  # only machmoe is held to it
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["verdict"]["machmoe_agreement_failures"]
+
+
+def test_a_failing_baseline_is_reported_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    def boom(self, x):
+        raise RuntimeError("boom: baseline crashed")
+    monkeypatch.setattr(GroupedMMMoE, "forward", boom)
+    rc, out = _main(["--configs", "cpu-tiny-32,cpu-tiny-16", "--impls", "machmoe,torch-grouped-mm,torch-loop",
+                     "--no-plots", "--out-dir", str(tmp_path)], capsys)
+    assert rc == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert len(doc["configs"]) == 2
+    for e in doc["configs"]:
+        r = e["results"]
+        assert r["torch-grouped-mm"]["status"] == "failed" and "boom" in r["torch-grouped-mm"]["error"]
+        assert r["machmoe"]["status"] == "ok" and r["torch-loop"]["status"] == "ok"
+        assert "torch-grouped-mm" not in r["machmoe"]["speedup_over"]
+    assert len(doc["verdict"]["other_failures"]) == 2
+    assert "(not fatal)" in out.err and "failed: RuntimeError: boom" in (tmp_path / "results.md").read_text()
+
+
+def test_usage_errors(capsys):
+    assert cli.main(["--device", "cpu", "--configs", "7B-999"]) == cli.EXIT_USAGE
+    assert "unknown configuration '7B-999'" in capsys.readouterr().err
+    assert cli.main(["--device", "cpu", "--impls", "nope"]) == cli.EXIT_USAGE
+    assert cli.main(["--device", "cpu", "--dtype", "bf16"]) == cli.EXIT_USAGE
+
+
+def test_configuration_table():
+    # The 12 main configurations carry machmoe-bench's names and sizes (benchmarks/cli_options.cpp).
+    cpp = (ROOT / "benchmarks" / "cli_options.cpp").read_text()
+    named = {m[0]: tuple(int(v) for v in m[1:]) for m in
+             re.findall(r'\{"([0-9.]+B-\d+)", (\d+), (\d+), (\d+), (\d+), (\d+), ""\}', cpp)}
+    assert len(named) == 12
+    assert {c.name: (c.T, c.d, c.n, c.E, c.K) for c in configs.MAIN} == named
+    assert len(configs.DEFAULT) == 12 + 8 + 4
+    tr = [c for c in configs.SWEEPS]
+    assert {(c.T, c.d, c.n, c.K) for c in tr} == {(16384, 1536, 256, 8), (16384, 4096, 1024, 4)}
+    assert sorted(c.E for c in tr if c.d == 1536) == [64, 128, 256, 512]
+    assert sorted(c.E for c in tr if c.d == 4096) == [32, 64, 128, 256]
+    assert {c.d for c in configs.ODD} == {2880, 2944} and all(c.d == c.n for c in configs.ODD)
+    assert [c.name for c in configs.select("7B-256,sweeps")][:2] == ["7B-256", "TR1536-E64"]
+    assert [c.name for c in configs.select("", quick=True, device="cuda")] == configs.QUICK_GPU
+    with pytest.raises(ValueError):
+        configs.select("nope")
+
+
+def test_cublas_bound_follows_the_cpp_definition(monkeypatch):
+    calls = []
+    monkeypatch.setattr(baselines, "batched_gemm_ms", lambda E, M, N, K, *a: calls.append((E, M, N, K)) or 1.0)
+    b = baselines.cublas_bound(T=64, d=16, n=8, E=4, K=2, dtype=torch.float32, device=torch.device("cpu"),
+                               copy_bw=1e9)
+    Te, r = 64 * 2 // 4, 16
+    assert calls == [(4, Te, r, 16), (4, Te, 16, 8), (4, Te, 8, 16), (4, 16, 8, Te), (4, Te, 16, r), (4, r, 16, Te)]
+    agg = (2 * 64 * 2 * 16 + 2 * 64 * 16) / 1e9 * 1e3
+    assert b["forward_ms"] == pytest.approx(2 + agg) and b["backward_ms"] == pytest.approx(4 + agg)
+
+
+@pytest.mark.gpu
+def test_gpu_quick_run(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.fail("GPU test run on a machine without a CUDA device")
+    p = run_module(["--quick", "--out-dir", str(tmp_path), "--no-progress"], timeout=3000)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["device"]["type"] == "cuda" and doc["settings"]["dtype"] == "bf16"
+    assert doc["device"]["copy_bandwidth_GBps"] > 100
+    assert [e["config"]["name"] for e in doc["configs"]] == configs.QUICK_GPU
+    for e in doc["configs"]:
+        res = e["results"]
+        assert list(res)[:6] == IMPLS
+        for name in IMPLS:
+            r = res[name]
+            assert r["status"] == "ok", (name, r)
+            assert r["forward_ms"] > 0 and r["backward_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["forward_tflops"] > 0
+            if name == "cublas-bound":
+                continue
+            assert r["activation_bytes"] > 0 and r["peak_bytes"] >= r["forward_retained_bytes"] > 0
+            assert r["agreement"]["errors"]["output"] < 1e-2
+        for name in ("machmoe", "machmoe-recompute", "machmoe-token-rounding"):
+            assert res[name]["agreement"]["ok"], (name, res[name]["agreement"])
+            assert set(res[name]["speedup_over"]) >= {"torch-grouped-mm", "torch-loop", "cublas-bound"}
+            assert 0 < res[name]["efficiency"]["forward"] < 2
+        # Recompute mode keeps less for the backward than the default (docs/TARGETS.md T7).
+        assert res["machmoe-recompute"]["activation_bytes"] < res["machmoe"]["activation_bytes"]
+    assert doc["verdict"]["machmoe_agreement_failures"] == [] and doc["verdict"]["machmoe_failures"] == []

@@ -464,7 +464,7 @@ void backward_weight_phase(const MoEProblem& p, const TensorView& x, const Tenso
   dw2.ld_out = gw.w2.stride[1];
   dw2.out_dt = gw.w2.dtype, dw2.accumulate = accumulate;
   mark_stage("backward/dw2", stream);
-  launch_varlen_k_gemm(dw2, stream);
+  launch_weight_gemm(dw2, "backward/dw2", stream);
   VarlenKArgs dw1;
   dw1.dt = dt;
   dw1.E = p.E, dw1.M = rows, dw1.N = p.d;
@@ -475,7 +475,7 @@ void backward_weight_phase(const MoEProblem& p, const TensorView& x, const Tenso
   dw1.ld_out = gw.w1.stride[1], dw1.glu_concat_n = concat ? p.n : 0;
   dw1.out_dt = gw.w1.dtype, dw1.accumulate = accumulate;
   mark_stage("backward/dw1", stream);
-  launch_varlen_k_gemm(dw1, stream);
+  launch_weight_gemm(dw1, "backward/dw1", stream);
   mark_stage("backward/db1", stream);
   if (p.has_b1)
     launch_segment_column_sum(dt, dh, rows, nullptr, nullptr, nullptr, offsets, p.E, rows, concat ? p.n : 0,

@@ -45,5 +45,35 @@ TEST(HopperHeuristics, RasterisationAlongNUnlessForced) {
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 1536, 256), o).raster_m, 1);
 }
 
+// ---- weight gradients (varlen-K) ----------------------------------------------------------------------------------
+
+gpu::hopper::WgradShape wgrad(std::int64_t E, std::int64_t M, std::int64_t N, int sms = 132) {
+  gpu::hopper::WgradShape s;
+  s.E = E, s.M = M, s.N = N, s.sm_count = sms;
+  return s;
+}
+
+TEST(HopperHeuristics, WeightGradWideTileWhereNAndTheGridAllowIt) {
+  using gpu::hopper::choose_wgrad_tiles;
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 1536, 256), {}).tile_n, 256);  // 7B dW2: M = d, N = n
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 512, 1536), {}).tile_n, 256);  // 7B dW1: M = 2n, N = d
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 512, 384), {}).tile_n, 128);   // N a multiple of 128, not of 256
+  // 8 experts x 1 x 1 wide tiles cannot fill 132 SMs: the square tile gives twice as many.
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(8, 128, 256), {}).tile_n, 128);
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(132, 128, 256), {}).tile_n, 256);
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(132, 128, 256, 133), {}).tile_n, 128);
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 1536, 256), {}).raster_m, 1);
+}
+
+TEST(HopperHeuristics, WeightGradOverridesAreHonouredWhereTheShapeAllows) {
+  using gpu::hopper::choose_wgrad_tiles;
+  TileOverrides o;
+  o.tile_n = 128;
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 1536, 256), o).tile_n, 128);
+  o.tile_n = 256;
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(8, 128, 256), o).tile_n, 256);    // forced past the grid rule
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 512, 384), o).tile_n, 128);  // not possible for N = 384
+}
+
 }  // namespace
 }  // namespace machmoe::test

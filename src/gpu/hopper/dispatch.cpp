@@ -334,4 +334,79 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
   }
 }
 
+// ---- weight gradients (varlen-K) ----------------------------------------------------------------------------------
+
+namespace {
+
+std::string wgrad_unsupported_reason(const VarlenKArgs& a, const DeviceTraits& dev) {
+  if (!hopper_kernels_enabled()) return "Hopper kernels disabled (MACHMOE_DISABLE_HOPPER_KERNELS or the test switch)";
+  if (!hopper_backward_enabled())
+    return "the Hopper backward kernels are switched off (MACHMOE_HOPPER_BACKWARD=0 or the test switch)";
+  if (a.dt != DType::kBF16) return std::string("dtype ") + dtype_name(a.dt) + " (the Hopper kernels are bf16)";
+  if (a.out_dt != DType::kBF16 && a.out_dt != DType::kFP32)
+    return std::string("output dtype ") + dtype_name(a.out_dt) + " (the Hopper weight gradients are bf16 or fp32)";
+  if (dev.major != 9 || dev.minor != 0)
+    return "compute capability " + std::to_string(dev.major) + "." + std::to_string(dev.minor) + " (needs 9.0)";
+  if (a.M <= 0 || a.M % kMinTileN != 0) return "M = " + std::to_string(a.M) + " is not a multiple of 128";
+  if (a.N <= 0 || a.N % kMinTileN != 0) return "N = " + std::to_string(a.N) + " is not a multiple of 128";
+  if (a.E <= 0 || a.E * (a.M / 128) * (a.N / 128) >= (std::int64_t{1} << 31)) return "E out of range";
+  if (a.expert_offsets == nullptr || a.out == nullptr) return "no expert offsets or no output";
+  // The two families instantiated: dW2 (A gathered, B contiguous) and dW1 (A contiguous, B gathered). The other
+  // combinations are one table line each (generate_instantiations.py) when something needs them.
+  if ((a.a_gather != nullptr) == (a.b_gather != nullptr))
+    return "gather on both or neither operand (no such Hopper kernel instantiated)";
+  if (!aligned16(a.a) || a.lda % 8 != 0) return "A rows not 16-byte aligned";
+  if (!aligned16(a.b) || a.ldb % 8 != 0) return "B rows not 16-byte aligned";
+  if (!aligned16(a.out) || a.ld_out % 8 != 0 || a.out_expert_stride % 8 != 0)
+    return "output rows not 16-byte aligned";
+  if (a.glu_concat_n < 0 || (a.glu_concat_n > 0 && a.M != 2 * a.glu_concat_n))
+    return "concatenated row map with M != 2n";
+  return "";
+}
+
+}  // namespace
+
+std::string hopper_wgrad_unsupported_reason(const VarlenKArgs& a) {
+  return wgrad_unsupported_reason(a, current_device());
+}
+
+void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t stream) {
+  if (a.E == 0 || a.M == 0 || a.N == 0) return;  // nothing to write
+  const DeviceTraits dev = current_device();
+  const std::string reason = wgrad_unsupported_reason(a, dev);
+  if (!reason.empty()) {
+    log_fallback_once(stage, reason);
+    launch_varlen_k_gemm(a, stream);
+    return;
+  }
+  hopper::WgradShape shape;
+  shape.E = a.E, shape.M = a.M, shape.N = a.N, shape.sm_count = dev.sm_count;
+  const hopper::TileChoice tiles = hopper::choose_wgrad_tiles(shape, tile_overrides());
+
+  hopper::WeightGradParams p;
+  p.scheduler.E = static_cast<int>(a.E);
+  p.scheduler.m_tiles = static_cast<int>(a.M / 128);
+  p.scheduler.n_tiles = static_cast<int>(a.N / tiles.tile_n);
+  p.scheduler.expert_offsets = a.expert_offsets;
+  p.mainloop.M = static_cast<int>(a.M), p.mainloop.N = static_cast<int>(a.N);
+  p.mainloop.a = a.a, p.mainloop.lda = a.lda, p.mainloop.a_gather = a.a_gather;
+  p.mainloop.b = a.b, p.mainloop.ldb = a.ldb, p.mainloop.b_gather = a.b_gather;
+  p.epilogue.out = a.out;
+  p.epilogue.out_expert_stride = a.out_expert_stride, p.epilogue.ld_out = a.ld_out;
+  p.epilogue.glu_concat_n = a.glu_concat_n;
+  p.epilogue.M = static_cast<int>(a.M), p.epilogue.N = static_cast<int>(a.N);
+  p.epilogue.out_fp32 = a.out_dt == DType::kFP32;
+  p.epilogue.accumulate = a.accumulate;
+  const bool dw2 = a.a_gather != nullptr;  // else dW1 (wgrad_unsupported_reason: exactly one operand gathered)
+  const int sms = dev.sm_count;
+  if (dw2 && tiles.tile_n == 256)
+    hopper::launch_weight_grad_dw2<hopper::Tile128x256Cooperative>(p, sms, stream);
+  else if (dw2)
+    hopper::launch_weight_grad_dw2<hopper::Tile128x128PingPong>(p, sms, stream);
+  else if (tiles.tile_n == 256)
+    hopper::launch_weight_grad_dw1<hopper::Tile128x256Cooperative>(p, sms, stream);
+  else
+    hopper::launch_weight_grad_dw1<hopper::Tile128x128PingPong>(p, sms, stream);
+}
+
 }  // namespace machmoe::gpu

@@ -21,6 +21,17 @@ std::string hopper_unsupported_reason(const VarlenMArgs& a);
 /// way up to rounding (fp32 accumulation in a different order).
 void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t stream);
 
+/// Why the Hopper weight-gradient kernels cannot run `a` ("" when they can). Limits: bf16 inputs, output bf16 or
+/// fp32; an sm_90 device; the backward's Hopper kernels switched on; M and N multiples of 128; operand rows and
+/// the output 16-byte aligned (row strides multiples of 8 elements); exactly one operand gathered (dW2: A, dW1: B);
+/// a concatenated row map only with M = 2n. The N tile follows set_hopper_tile_n / MACHMOE_HOPPER_TILE_N too.
+std::string hopper_wgrad_unsupported_reason(const VarlenKArgs& a);
+
+/// Runs a weight-gradient GEMM (backward dW1, dW2) on the Hopper varlen-K kernel when it takes the shape, else on
+/// the GPU reference GEMM, printing once per (stage, reason) to stderr why. Same results either way up to rounding
+/// (fp32 accumulation in a different order); experts without rows get exact zeros (accumulating: untouched).
+void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t stream);
+
 /// Process-wide switch (default on; off when the environment sets MACHMOE_DISABLE_HOPPER_KERNELS=1). Tests use
 /// it to run the same layer through both paths.
 void set_hopper_kernels_enabled(bool enabled);
@@ -31,7 +42,7 @@ void set_hopper_tile_n(int tile_n);
 /// Also set from the environment by MACHMOE_HOPPER_RASTER_M. The results are bitwise the same for every value.
 void set_hopper_raster_m(int raster_m);
 bool hopper_kernels_enabled();
-/// The backward's Hopper kernels (dX~ today): on by default; off with MACHMOE_HOPPER_BACKWARD=0 or this switch
+/// The backward's Hopper kernels (dX~, dW1, dW2): on by default; off with MACHMOE_HOPPER_BACKWARD=0 or this switch
 /// (tests compare both paths).
 void set_hopper_backward_enabled(bool enabled);
 bool hopper_backward_enabled();

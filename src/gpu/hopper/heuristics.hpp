@@ -37,4 +37,20 @@ inline constexpr int kMinTileN = 128;
 /// 2-8 M-tiles measured no better than running along N.
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
 
+/// A weight-gradient GEMM (varlen-K): per expert an M x N output, the reduction over the expert's grouped rows.
+struct WgradShape {
+  std::int64_t E = 0, M = 0, N = 0;  // M, N: multiples of kMinTileN (the kernels take no other)
+  int sm_count = 132;                // CTAs of the persistent grid
+};
+
+/// The tile of a weight-gradient GEMM: 128 x 256 cooperative (tile_n 256) when N is a multiple of 256 and that tile
+/// still gives every SM a tile, else 128 x 128 ping-pong. Why (to be measured against cuBLAS on the H200, issue #13):
+/// both operands come from shared memory and every k-block of 64 rows brings (128 + kTileN) x 64 bf16, so the wide
+/// tile needs 85 FLOP per byte of L2 and shared-memory traffic against 64 for the square one (the forward measured
+/// the same trade: 614 against 515 TFLOP/s gathered). Its cost is an epilogue that no other warpgroup hides, small
+/// next to the 24 k-blocks of a 7B tile (1536 rows per expert). The square tile, ping-pong, serves N = 128 mod 256
+/// and shapes with fewer wide tiles than SMs (more, smaller tiles fill the grid). overrides.tile_n = 128 forces the
+/// square tile; 256 the wide one where N allows it.
+TileChoice choose_wgrad_tiles(const WgradShape& shape, const TileOverrides& overrides);
+
 }  // namespace machmoe::gpu::hopper

@@ -63,12 +63,11 @@ struct PersistentKernel {
     Scheduler sched(p.scheduler);
     typename Mainloop::TiledMma mma;
     auto acc = cute::partition_fragment_C(mma, cute::Shape<cute::Int<Tile::kTileM>, cute::Int<Tile::kTileN>>{});
-    const std::uint32_t k_tiles = static_cast<std::uint32_t>(p.mainloop.K / Tile::kTileK);
     constexpr int kStep = Traits::kCooperative ? 1 : Traits::kConsumerWarpgroups;
     const int mma_thread = Traits::kCooperative ? consumer * 128 + wg_thread : wg_thread;
     const int row_base = Traits::kCooperative ? consumer * 64 : 0;
     for (int i = Traits::kCooperative ? 0 : consumer;; i += kStep) {  // i: position in this CTA's tile sequence
-      const TileCoord c = sched.get(i);
+      const auto c = sched.get(i);  // the scheduler's coordinate type (varlen-M: TileCoord)
       if (!c.valid()) break;
       if constexpr (!Traits::kCooperative) {
         if (i > 0) {  // wait until the previous tile's consumer has seen all of that tile's stages
@@ -76,7 +75,9 @@ struct PersistentKernel {
           mbar_wait(&s.tile_done[other], static_cast<std::uint32_t>(other_tile) & 1u);
         }
       }
-      Mainloop::consume(p.mainloop, ring, acc, static_cast<std::uint32_t>(i) * k_tiles, mma_thread, [&] {
+      // The mainloop places tile i of the sequence on the ring (fixed K: i k-blocks per tile; varlen-K: the k-blocks
+      // of the tiles before it, which the scheduler's coordinate carries).
+      Mainloop::consume(p.mainloop, ring, acc, c, i, mma_thread, [&] {
         if (!Traits::kCooperative && wg_thread == 0) mbar_arrive(&s.tile_done[consumer]);
       });
       Epilogue::template apply<Variant>(p.epilogue, s.epilogue[consumer], acc, c, row_base, wg_thread,
@@ -94,8 +95,7 @@ struct PersistentKernel {
       Mainloop::init_barriers(s.barriers);
       for (int w = 0; w < Traits::kConsumerWarpgroups; ++w) mbar_init(&s.tile_done[w], 1);
       mbar_init_fence();
-      tma_prefetch_descriptor(&p.mainloop.tma_b);
-      if constexpr (!Mainloop::kGatherA) tma_prefetch_descriptor(&p.mainloop.tma_a);
+      Mainloop::prefetch_descriptors(p.mainloop);
     }
     // With a cluster, the peer's barriers must be initialised before any multicast or remote arrival reaches them.
     if constexpr (kClusterM > 1)
@@ -109,7 +109,7 @@ struct PersistentKernel {
       if (Mainloop::kGatherA || wg_thread < 32)
         Mainloop::template produce<Scheduler>(
             p.mainloop, p.scheduler, typename Mainloop::Storage{s.tiles, s.barriers}, wg_thread,
-            [&](const TileCoord& c, int ptid) __attribute__((always_inline)) {
+            [&](const auto& c, int ptid) __attribute__((always_inline)) {  // the scheduler's coordinate type
               Epilogue::prefetch(p.epilogue, c, ptid, Mainloop::kGatherA ? 128 : 32);
             });
     } else {

@@ -5,10 +5,13 @@
 #include "gpu/hopper/epilogue_activation.cuh"
 #include "gpu/hopper/epilogue_activation_grad.cuh"
 #include "gpu/hopper/epilogue_store.cuh"
+#include "gpu/hopper/epilogue_wgrad.cuh"
 #include "gpu/hopper/kernel.cuh"
 #include "gpu/hopper/kernel_families.hpp"
+#include "gpu/hopper/mainloop_varlen_k.cuh"
 #include "gpu/hopper/mainloop_varlen_m.cuh"
 #include "gpu/hopper/tile_scheduler.cuh"
+#include "gpu/hopper/tile_scheduler_varlen_k.cuh"
 
 namespace machmoe::gpu::hopper {
 
@@ -23,6 +26,12 @@ using DownProjectionKernel =
 template <class Tile>
 using DxExpandedKernel = PersistentKernel<Tile, MainloopVarlenM<Tile, OperandA::kContiguous, Major::kMN>,
                                           EpilogueStore<Tile>, ClusterTiles<Tile>>;
+
+/// Weight gradients (varlen-K): dW2 = dO^T A' (A = dO gathered, B = A' contiguous), dW1 = dH^T X (A = dH
+/// contiguous, B = X gathered).
+template <class Tile, OperandK kA, OperandK kB>
+using WeightGradKernel =
+    PersistentKernel<Tile, MainloopVarlenK<Tile, kA, kB>, EpilogueWgrad<Tile>, VarlenKTiles<Tile>>;
 
 template <class Tile, Activation kAct>
 using DhKernel = PersistentKernel<Tile, MainloopVarlenM<Tile, OperandA::kGathered, Major::kMN>,
@@ -46,6 +55,16 @@ void launch_dx_expanded(const DownProjectionParams& p, int sm_count, cudaStream_
 template <class Tile, Activation kAct>
 void launch_dh_kernel(const DhKernelParams& p, int sm_count, cudaStream_t stream) {
   launch_kernel<DhKernel<Tile, kAct>>(p, sm_count, stream);
+}
+
+template <class Tile>
+void launch_weight_grad_dw2(const WeightGradParams& p, int sm_count, cudaStream_t stream) {
+  launch_kernel<WeightGradKernel<Tile, OperandK::kGathered, OperandK::kContiguous>>(p, sm_count, stream);
+}
+
+template <class Tile>
+void launch_weight_grad_dw1(const WeightGradParams& p, int sm_count, cudaStream_t stream) {
+  launch_kernel<WeightGradKernel<Tile, OperandK::kContiguous, OperandK::kGathered>>(p, sm_count, stream);
 }
 
 }  // namespace machmoe::gpu::hopper

@@ -32,6 +32,15 @@ using DhKernelParams = KernelParams<MainloopVarlenMParams, EpilogueActivationGra
 template <class Tile, Activation kAct>
 void launch_dh_kernel(const DhKernelParams& p, int sm_count, cudaStream_t stream);
 
+/// Weight gradients (varlen-K over each expert's grouped rows, both operands MN-major, cp.async with the rows past
+/// the segment zero-filled), weight-gradient epilogue (bf16 or fp32, overwrite or accumulate, concatenated row map).
+/// dW2: A = dO gathered by the routing index, B = A' contiguous. dW1: A = dH contiguous, B = X gathered.
+using WeightGradParams = KernelParams<MainloopVarlenKParams, EpilogueWgradParams, VarlenKSchedulerParams>;
+template <class Tile>
+void launch_weight_grad_dw2(const WeightGradParams& p, int sm_count, cudaStream_t stream);
+template <class Tile>
+void launch_weight_grad_dw1(const WeightGradParams& p, int sm_count, cudaStream_t stream);
+
 }  // namespace machmoe::gpu::hopper
 
 #include "gpu/hopper/instantiations/kernel_list.inc"

@@ -101,6 +101,12 @@ struct MainloopVarlenM {
     }
   }
 
+  /// The TMA descriptors this mainloop reads (one thread, at kernel entry).
+  __device__ __forceinline__ static void prefetch_descriptors(const Params& p) {
+    tma_prefetch_descriptor(&p.tma_b);
+    if constexpr (!kGatherA) tma_prefetch_descriptor(&p.tma_a);
+  }
+
   // ---- producer ------------------------------------------------------------------------------------------------
 
   /// Fills the ring for every tile of this CTA, in the order the consumers take them. `ptid` in [0, 128) (with a
@@ -179,11 +185,13 @@ struct MainloopVarlenM {
 
   // ---- consumer ------------------------------------------------------------------------------------------------
 
-  /// Accumulates one tile into `acc` (zeroed by the first WGMMA). `iter` is the ring position of the tile's first
-  /// k-block. `on_last_wait` runs (on every thread) once this warpgroup has seen its last stage arrive.
+  /// Accumulates tile `tile_index` of this CTA's sequence into `acc` (zeroed by the first WGMMA); every tile has
+  /// K / kTileK k-blocks, so its first one sits at ring position tile_index * K / kTileK. `on_last_wait` runs (on
+  /// every thread) once this warpgroup has seen its last stage arrive.
   template <class Accumulator, class OnLastWait>
-  __device__ __forceinline__ static void consume(const Params& p, Storage s, Accumulator& acc, std::uint32_t iter,
-                                 int mma_thread, OnLastWait&& on_last_wait) {
+  __device__ __forceinline__ static void consume(const Params& p, Storage s, Accumulator& acc, const TileCoord&,
+                                                 int tile_index, int mma_thread, OnLastWait&& on_last_wait) {
+    std::uint32_t iter = static_cast<std::uint32_t>(tile_index) * static_cast<std::uint32_t>(p.K / kTileK);
     const int wg_thread = mma_thread % 128;
     using namespace cute;
     TiledMma mma;

@@ -80,6 +80,44 @@ struct EpilogueActivationGradParams {
   int ds_tiles = 0;                       // n / 64
 };
 
+// ---- varlen-K (weight gradients) ------------------------------------------------------------------------------
+//
+// A varlen-K kernel computes, for every expert e, the whole (M, N) output
+//   C_e[m, n] = sum over grouped rows g in [off[e], off[e+1]) of A[rowA(g), m] * B[rowB(g), n]
+// (fp32 accumulation), rowA(g) = a_gather ? a_gather[g] : g and likewise for B: both operands are MN-major (a row g
+// holds the m or n index contiguously). The reduction length is each expert's segment, read on the device.
+
+/// The persistent tile scheduler over (expert, m-tile, n-tile) (tile_scheduler_varlen_k.cuh).
+struct VarlenKSchedulerParams {
+  int E = 0;
+  int m_tiles = 0;  // M / kTileM
+  int n_tiles = 0;  // N / kTileN
+  const std::int32_t* expert_offsets = nullptr;  // (E + 1), device
+};
+
+/// The varlen-K mainloop (mainloop_varlen_k.cuh): both operands copied by cp.async, rows past the segment
+/// zero-filled.
+struct MainloopVarlenKParams {
+  int M = 0, N = 0;  // output extents (multiples of the tile today; kept for the edge predication to come)
+  const void* a = nullptr;  // bf16, row stride lda elements; row rowA(g) holds m = 0 .. M-1
+  std::int64_t lda = 0;
+  const std::int32_t* a_gather = nullptr;  // null: contiguous rows g
+  const void* b = nullptr;  // bf16, row stride ldb; row rowB(g) holds n = 0 .. N-1
+  std::int64_t ldb = 0;
+  const std::int32_t* b_gather = nullptr;
+};
+
+/// The weight-gradient epilogue (epilogue_wgrad.cuh): out[e * out_expert_stride + map(m) * ld_out + n] = C (or
+/// += C), map(m) = (m % 2) * glu_concat_n + m / 2 when glu_concat_n > 0 (the concatenated GLU W1), else m.
+struct EpilogueWgradParams {
+  void* out = nullptr;  // bf16 or fp32 (out_fp32)
+  std::int64_t out_expert_stride = 0, ld_out = 0;  // elements
+  std::int64_t glu_concat_n = 0;
+  int M = 0, N = 0;
+  bool out_fp32 = false;
+  bool accumulate = false;  // read-modify-write out = out + C; an expert with no rows leaves its tiles untouched
+};
+
 template <class MainloopParams, class EpilogueParams, class SchedulerParams = VarlenMSchedulerParams>
 struct KernelParams {
   MainloopParams mainloop;

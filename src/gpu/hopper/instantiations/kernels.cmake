@@ -32,4 +32,8 @@ set(MACHMOE_HOPPER_KERNEL_SOURCES
   src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_silu.cu
   src/gpu/hopper/instantiations/bwd_dx_128x128_pingpong.cu
   src/gpu/hopper/instantiations/bwd_dx_128x256_cooperative.cu
+  src/gpu/hopper/instantiations/bwd_dw2_128x128_pingpong.cu
+  src/gpu/hopper/instantiations/bwd_dw2_128x256_cooperative.cu
+  src/gpu/hopper/instantiations/bwd_dw1_128x128_pingpong.cu
+  src/gpu/hopper/instantiations/bwd_dw1_128x256_cooperative.cu
 )

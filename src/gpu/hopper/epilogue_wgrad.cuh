@@ -1,0 +1,162 @@
+// The weight-gradient epilogue (dW1, dW2), run by the consumer warpgroup(s) that computed the tile: the fp32 tile
+// leaves as bf16 or fp32, overwriting the gradient or added into it (out = out + C, read-modify-write; each output
+// element belongs to exactly one tile and one thread, so the result is deterministic), with the concatenated GLU
+// row map for dW1 (glu_concat_n > 0: tile row m is gradient row (m % 2) n + m / 2).
+//
+// Path: the accumulator fragments go to a per-warpgroup fp32 staging buffer (64 rows x 64 columns, 16-byte chunks
+// XOR-swizzled by row so that both the fragment writes and the row reads are free of bank conflicts), then every
+// thread moves whole 16-byte chunks (4 columns) of rows to global memory: a warp writes 2 rows x 64 columns, whole
+// 128-byte (bf16) or 256-byte (fp32) runs. Accumulating, the destination chunks are loaded before the fragments are
+// staged, so their latency hides behind the staging and the barrier. A row map or an edge predicate (M or N not a
+// tile multiple, later) is a per-row / per-chunk condition of that pass, no more. TMA stores are not used: the row
+// map scatters a 64-row block over two row ranges, and the accumulate mode has to read the destination anyway.
+//
+// WGMMA accumulator fragment (per 64-row atom): value (v0, v1, v2) of a thread holds row 8 v1 + lane / 4 (+16 per
+// warp) and column 8 v2 + 2 (lane % 4) + v0 (epilogue_staging.cuh).
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cuda_bf16.h>
+
+#include "gpu/hopper/async_primitives.cuh"
+#include "gpu/hopper/params.hpp"
+#include "gpu/hopper/tile_config.hpp"
+#include "gpu/hopper/tile_scheduler_varlen_k.cuh"
+
+namespace machmoe::gpu::hopper {
+
+/// Compile-time variant of the weight-gradient epilogue, chosen once per kernel outside the persistent loop.
+template <bool kFp32_, bool kAccumulate_>
+struct EpilogueWgradVariant {
+  static constexpr bool kFp32 = kFp32_;          // fp32 output (else bf16)
+  static constexpr bool kAccumulate = kAccumulate_;  // out += C
+};
+
+template <class Tile>
+struct EpilogueWgrad {
+  using Params = EpilogueWgradParams;
+  static constexpr int kTileM = Tile::kTileM, kTileN = Tile::kTileN;
+  static constexpr int kRows = 64;  // one WGMMA atom of rows
+  // Row atoms of one warpgroup: ping-pong, the whole 128-row tile; cooperative, its own 64-row half.
+  static constexpr int kRowAtoms = TileTraits<Tile>::kCooperative ? 1 : kTileM / kRows;
+  static constexpr int kPassCols = 64;                            // columns staged per pass
+  static constexpr int kChunksPerRow = kPassCols / 4;             // 16-byte fp32 chunks
+  static constexpr int kChunksPerThread = kRows * kChunksPerRow / 128;  // 8
+  static_assert(kTileN % kPassCols == 0, "whole passes");
+
+  struct Storage {  // per consumer warpgroup: 64 x 64 fp32 (16 KiB)
+    alignas(128) float staged[kRows * kPassCols];
+  };
+
+  /// Float index of (row, column) in the staging buffer: 16-byte chunk (column / 4) XOR row % 8.
+  __device__ __forceinline__ static int staged_index(int r, int col) {
+    return r * kPassCols + ((((col >> 2) ^ (r & 7))) << 2) + (col & 3);
+  }
+
+  /// Nothing to prefetch yet (the producer's per-tile hook). Accumulating, the destination tile could be brought
+  /// to L2 here, one mainloop ahead of its read-modify-write: a measured question.
+  __device__ __forceinline__ static void prefetch(const Params&, const VarlenKTileCoord&, int, int) {}
+
+  template <class F>
+  __device__ __forceinline__ static void with_variant(const Params& p, F&& f) {
+    if (p.out_fp32) {
+      if (p.accumulate)
+        f(EpilogueWgradVariant<true, true>{});
+      else
+        f(EpilogueWgradVariant<true, false>{});
+    } else {
+      if (p.accumulate)
+        f(EpilogueWgradVariant<false, true>{});
+      else
+        f(EpilogueWgradVariant<false, false>{});
+    }
+  }
+
+  /// Four consecutive output values at `dst` (16-byte aligned for fp32, 8-byte for bf16).
+  template <bool kFp32>
+  __device__ __forceinline__ static float4 load4(const void* dst) {
+    if constexpr (kFp32) {
+      return *static_cast<const float4*>(dst);
+    } else {
+      const uint2 raw = *static_cast<const uint2*>(dst);
+      const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+      const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+      const float2 l = __bfloat1622float2(lo), h = __bfloat1622float2(hi);
+      return make_float4(l.x, l.y, h.x, h.y);
+    }
+  }
+  template <bool kFp32>
+  __device__ __forceinline__ static void store4(void* dst, float4 v) {
+    if constexpr (kFp32) {
+      *static_cast<float4*>(dst) = v;
+    } else {
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+      uint2 raw;
+      raw.x = *reinterpret_cast<const std::uint32_t*>(&lo);
+      raw.y = *reinterpret_cast<const std::uint32_t*>(&hi);
+      *static_cast<uint2*>(dst) = raw;
+    }
+  }
+
+  /// row_base: the warpgroup's first row in the tile (cooperative: 0 or 64).
+  template <class Variant, class Accumulator>
+  __device__ __forceinline__ static void apply(const Params& p, Storage& st, Accumulator& acc,
+                                               const VarlenKTileCoord& c, int row_base, int wg_thread,
+                                               int barrier_id) {
+    using namespace cute;
+    constexpr bool kFp32 = Variant::kFp32;
+    using Out = std::conditional_t<kFp32, float, __nv_bfloat16>;
+    // Accumulating a tile without rows adds nothing: its output stays bitwise as it was (also -0 and NaN payloads).
+    if (Variant::kAccumulate && c.k_tiles == 0) return;  // uniform across the warpgroup
+    // No k-block: the accumulator holds the previous tile's values (the mainloop leaves it alone), zeros are stored.
+    const bool empty = c.k_tiles == 0;
+    const int warp = wg_thread / 32, lane = wg_thread % 32;
+    const int quad = lane % 4, row_in_warp = lane / 4;
+    const int chunk = wg_thread % kChunksPerRow, row0 = wg_thread / kChunksPerRow;  // rows row0 + 8 j
+    Out* out = static_cast<Out*>(p.out) + static_cast<std::int64_t>(c.expert) * p.out_expert_stride;
+    CUTE_UNROLL
+    for (int m = 0; m < kRowAtoms; ++m) {
+      // This thread's destination rows of the atom (the row map applied once per atom).
+      Out* dst_row[kChunksPerThread];
+      CUTE_UNROLL
+      for (int j = 0; j < kChunksPerThread; ++j) {
+        const std::int64_t tile_row =
+            static_cast<std::int64_t>(c.m_tile) * kTileM + row_base + m * kRows + row0 + 8 * j;
+        const std::int64_t grad_row =
+            p.glu_concat_n > 0 ? (tile_row & 1) * p.glu_concat_n + (tile_row >> 1) : tile_row;
+        dst_row[j] = out + grad_row * p.ld_out + static_cast<std::int64_t>(c.n_tile) * kTileN + chunk * 4;
+      }
+      CUTE_UNROLL
+      for (int pass = 0; pass < kTileN / kPassCols; ++pass) {
+        float4 old[kChunksPerThread];
+        if constexpr (Variant::kAccumulate) {
+          CUTE_UNROLL
+          for (int j = 0; j < kChunksPerThread; ++j) old[j] = load4<kFp32>(dst_row[j] + pass * kPassCols);
+        }
+        // Fragments of columns [pass 64, pass 64 + 64) -> staging.
+        CUTE_UNROLL
+        for (int v2 = pass * (kPassCols / 8); v2 < (pass + 1) * (kPassCols / 8); ++v2) {
+          CUTE_UNROLL
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int r = warp * 16 + v1 * 8 + row_in_warp, col = (v2 - pass * (kPassCols / 8)) * 8 + quad * 2;
+            const float x0 = acc(make_coord(make_coord(0, v1, v2), m, 0));
+            const float x1 = acc(make_coord(make_coord(1, v1, v2), m, 0));
+            *reinterpret_cast<float2*>(&st.staged[staged_index(r, col)]) =
+                empty ? make_float2(0.0f, 0.0f) : make_float2(x0, x1);
+          }
+        }
+        named_barrier_sync(barrier_id, 128);
+        CUTE_UNROLL
+        for (int j = 0; j < kChunksPerThread; ++j) {
+          float4 v = *reinterpret_cast<const float4*>(&st.staged[staged_index(row0 + 8 * j, chunk * 4)]);
+          if constexpr (Variant::kAccumulate) v.x += old[j].x, v.y += old[j].y, v.z += old[j].z, v.w += old[j].w;
+          store4<kFp32>(dst_row[j] + pass * kPassCols, v);
+        }
+        named_barrier_sync(barrier_id, 128);  // the staging buffer is free for the next pass
+      }
+    }
+  }
+};
+
+}  // namespace machmoe::gpu::hopper

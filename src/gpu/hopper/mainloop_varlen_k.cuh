@@ -1,0 +1,242 @@
+// The varlen-K mainloop of the Hopper weight-gradient kernels (dW1, dW2; docs/SPEC.md §3.4, §3.6): for a work
+// tile (expert e, m-tile, n-tile) the reduction runs over the expert's grouped rows g in [off[e], off[e+1]) in
+// k-blocks of 64 rows,
+//   C[m, n] += sum_g A[rowA(g), m] * B[rowB(g), n],
+// with both operands MN-major in memory (row g holds the m or n index contiguously) and in shared memory
+// (GMMA::Major::MN for A and B: the transposed-operand HGMMA reads them in place, no transpose pass).
+//
+// Producer (128 threads): both operands arrive by 16-byte cp.async into the 128-byte-swizzled MN-major layout.
+// A gathered operand (dW2's dO rows, dW1's X rows, picked by the routing index) reads its row indices one k-block
+// ahead into registers, so their latency hides behind the copies of the block before; a contiguous operand (A' or
+// dH) reads rows g. Rows past the segment are zero-filled (src-size 0) for BOTH operands: the rows after an expert's
+// segment belong to the next expert, and past the last routed row the workspace may hold uninitialised bits
+// (NaN x 0 = NaN), so neither may reach the tensor cores. (TMA could carry the contiguous operand's whole k-blocks;
+// the last, partial block would still need the zero-filling copies. Not done: see docs/ARCHITECTURE.md.)
+// A stage's "full" barrier counts one cp.async arrival per producer thread (noinc).
+//
+// Consumers: as in the varlen-M mainloop, one WGMMA batch in flight, each stage released behind it. A tile of an
+// expert with no rows has no k-block: the epilogue writes exact zeros for it (or leaves the output, accumulating).
+//
+// Template parameters: the tile configuration, how A and B arrive (gathered or contiguous), the element type.
+// Edge predication for M/N that are not tile multiples slots in where the cp.async source size is formed
+// (copy_rows: columns past M or N get src-size 0) and in the epilogue's store predicate; only tile multiples are
+// dispatched today.
+#pragma once
+
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cutlass/bfloat16.h>
+
+#include "gpu/hopper/async_primitives.cuh"
+#include "gpu/hopper/params.hpp"
+#include "gpu/hopper/tile_config.hpp"
+#include "gpu/hopper/tile_scheduler_varlen_k.cuh"
+
+namespace machmoe::gpu::hopper {
+
+/// How an operand of the varlen-K mainloop reaches shared memory (both by cp.async).
+enum class OperandK : int {
+  kGathered,    // rows picked by an index array (dO for dW2, X for dW1)
+  kContiguous,  // grouped rows g themselves (A' for dW2, dH for dW1)
+};
+
+template <class Tile, OperandK kOperandA, OperandK kOperandB, class Element_ = cutlass::bfloat16_t>
+struct MainloopVarlenK {
+  using Params = MainloopVarlenKParams;
+  using Element = Element_;
+  using Traits = TileTraits<Tile>;
+  static constexpr int kTileM = Tile::kTileM, kTileN = Tile::kTileN, kTileK = Tile::kTileK;
+  static constexpr int kStages = Tile::kStages;
+  static_assert(sizeof(Element) == 2, "16-bit operands (bf16)");
+  static_assert(Tile::kClusterM == 1, "varlen-K: no clusters yet");
+  static_assert(kTileK == 64, "k-blocks of 64 grouped rows");
+  static_assert(kTileM % 64 == 0 && kTileN % 64 == 0, "64-column blocks of 128 bytes");
+  // All 128 producer threads copy (PersistentKernel: every producer thread runs produce; the gather register split).
+  static constexpr bool kGatherA = true;
+  // Registers of the producer: 4 row indices per operand, and the next block's 4 (the split of kernel.cuh:
+  // 128 (56 + 2 x 224) = 64512).
+  static constexpr int kProducerRegs = 56;
+
+  // MN-major tiles, 128-byte swizzle: atoms of 64 (M or N) x 8 (K) ordered K first, so each 64-column block of a
+  // stage holds its 64 k rows contiguously (8 KiB, 128 bytes per row, the 16-byte chunk c of row k at c ^ (k % 8)),
+  // the layout a (64, 64) 128B-swizzled TMA box would write, and the one the dX~ kernel's MN-major B uses.
+  using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+                                                   cute::Shape<cute::Int<kTileM>, cute::Int<kTileK>,
+                                                               cute::Int<kStages>>{},
+                                                   cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using SmemLayoutB = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+                                                   cute::Shape<cute::Int<kTileN>, cute::Int<kTileK>,
+                                                               cute::Int<kStages>>{},
+                                                   cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
+                                                      cute::Shape<cute::_64, cute::Int<kTileN>, cute::Int<kTileK>>,
+                                                      cute::GMMA::Major::MN, cute::GMMA::Major::MN>());
+  // Ping-pong: one warpgroup covers the 128-row tile with two 64-row atoms. Cooperative: two warpgroups side by
+  // side along M, 64 rows each.
+  using TiledMma = decltype(cute::make_tiled_mma(
+      MmaAtom{}, cute::Layout<cute::Shape<cute::Int<Traits::kCooperative ? 2 : 1>, cute::_1, cute::_1>>{}));
+
+  static constexpr int kBlockBytes = 64 * kTileK * 2;  // one 64-column block of a stage: 8 KiB
+
+  struct Tiles {  // 1024-byte aligned (128-byte swizzle atoms); sizes are multiples of 1024
+    alignas(1024) Element a[kStages][kTileM * kTileK];
+    alignas(1024) Element b[kStages][kTileN * kTileK];
+  };
+  struct Barriers {
+    std::uint64_t full[kStages];
+    std::uint64_t empty[kStages];
+  };
+  struct Storage {
+    Tiles& t;
+    Barriers& bar;
+  };
+
+  __device__ __forceinline__ static void init_barriers(Barriers& b) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(&b.full[i], 128);                                  // one cp.async arrival per producer thread
+      mbar_init(&b.empty[i], Traits::kCooperative ? 2 : 1);        // one per consuming warpgroup
+    }
+  }
+
+  /// No tensor maps: both operands are copied by cp.async.
+  __device__ __forceinline__ static void prefetch_descriptors(const Params&) {}
+
+  // ---- producer ------------------------------------------------------------------------------------------------
+  //
+  // Thread mapping of a k-block (64 rows): 8 threads cover the 128 bytes of one row inside one 64-column block
+  // (16 B each, one 128-byte line per 8 threads: every warp-wide cp.async reads 4 whole lines), 16 rows per pass,
+  // 4 passes; each thread copies the same chunk of every 64-column block of its 4 rows, so it needs 4 row indices
+  // per operand and k-block, whatever the tile width.
+
+  static constexpr int kRowsPerThread = kTileK / 16;
+
+  /// Source rows of this thread's rows r = row_in_pass + 16 j of k-block kb (-1: past the segment, zero-filled).
+  template <OperandK kOperand>
+  __device__ __forceinline__ static void source_rows(const std::int32_t* gather, const VarlenKTileCoord& c, int kb,
+                                                     int row_in_pass, int (&rows)[kRowsPerThread]) {
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int r = kb * kTileK + row_in_pass + 16 * j;  // row of the segment
+      const std::int64_t g = c.k_begin + r;
+      if constexpr (kOperand == OperandK::kGathered)
+        rows[j] = r < c.k_rows ? __ldg(gather + g) : -1;
+      else
+        rows[j] = r < c.k_rows ? static_cast<int>(g) : -1;
+    }
+  }
+
+  /// Copies this thread's chunks of one operand's k-block: kWidth / 64 blocks x 4 rows.
+  template <int kWidth>
+  __device__ __forceinline__ static void copy_rows(std::uint32_t dst_stage, const Element* base, std::int64_t ld,
+                                                   std::int64_t col0, const int (&rows)[kRowsPerThread],
+                                                   int row_in_pass, std::uint32_t swizzled_chunk, int chunk) {
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int r = row_in_pass + 16 * j;
+      const bool ok = rows[j] >= 0;
+      const Element* src_row = base + (ok ? static_cast<std::int64_t>(rows[j]) * ld + col0 + chunk * 8 : 0);
+#pragma unroll
+      for (int blk = 0; blk < kWidth / 64; ++blk)
+        cp_async_16(dst_stage + blk * kBlockBytes + r * 128 + swizzled_chunk, ok ? src_row + blk * 64 : base,
+                    ok ? 16u : 0u);
+    }
+  }
+
+  /// Fills the ring for every tile of this CTA, in the order the consumers take them. `ptid` in [0, 128).
+  /// `on_tile(c, ptid)` runs on every producer thread as the tile's first copies are issued (the epilogue's
+  /// prefetch hook), also for a tile without k-blocks.
+  template <class Scheduler, class OnTile>
+  __device__ __forceinline__ static void produce(const Params& p, const typename Scheduler::Params& sp, Storage s,
+                                                 int ptid, OnTile&& on_tile) {
+    Scheduler sched(sp);
+    const int chunk = ptid & 7, row_in_pass = ptid >> 3;
+    // Row r = row_in_pass + 16 j has r % 8 = row_in_pass % 8 for every j: one swizzled chunk offset per thread.
+    const std::uint32_t swizzled_chunk = static_cast<std::uint32_t>((chunk ^ (row_in_pass & 7)) << 4);
+    const Element* a_base = static_cast<const Element*>(p.a);
+    const Element* b_base = static_cast<const Element*>(p.b);
+    for (int i = 0;; ++i) {
+      const VarlenKTileCoord c = sched.get(i);
+      if (!c.valid()) break;
+      on_tile(c, ptid);
+      if (c.k_tiles == 0) continue;  // an expert without rows: nothing on the ring
+      const std::int64_t a_col0 = static_cast<std::int64_t>(c.m_tile) * kTileM;
+      const std::int64_t b_col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
+      int rows_a[kRowsPerThread], rows_b[kRowsPerThread];
+      source_rows<kOperandA>(p.a_gather, c, 0, row_in_pass, rows_a);
+      source_rows<kOperandB>(p.b_gather, c, 0, row_in_pass, rows_b);
+      std::uint32_t iter = c.ring;
+      for (int kb = 0; kb < c.k_tiles; ++kb, ++iter) {
+        // The next block's row indices: loads in flight while this block waits for its stage and is copied.
+        int next_a[kRowsPerThread], next_b[kRowsPerThread];
+        source_rows<kOperandA>(p.a_gather, c, kb + 1, row_in_pass, next_a);
+        source_rows<kOperandB>(p.b_gather, c, kb + 1, row_in_pass, next_b);
+        const int stage = static_cast<int>(iter % kStages);
+        const std::uint32_t phase = (iter / kStages) & 1u;
+        mbar_wait(&s.bar.empty[stage], phase ^ 1u);
+        copy_rows<kTileM>(smem_u32(&s.t.a[stage][0]), a_base, p.lda, a_col0, rows_a, row_in_pass, swizzled_chunk,
+                          chunk);
+        copy_rows<kTileN>(smem_u32(&s.t.b[stage][0]), b_base, p.ldb, b_col0, rows_b, row_in_pass, swizzled_chunk,
+                          chunk);
+        cp_async_arrive_noinc(&s.bar.full[stage]);
+#pragma unroll
+        for (int j = 0; j < kRowsPerThread; ++j) rows_a[j] = next_a[j], rows_b[j] = next_b[j];
+      }
+    }
+    cp_async_wait_all();
+  }
+
+  // ---- consumer ------------------------------------------------------------------------------------------------
+
+  /// Accumulates tile `c` into `acc` (zeroed by the first WGMMA). A tile without k-blocks leaves `acc` untouched:
+  /// the epilogue stores zeros for it (clearing the registers here, with non-WGMMA instructions, made ptxas
+  /// serialise every WGMMA of the kernel, warning C7515).
+  /// `on_last_wait` runs (on every thread) once this warpgroup has seen the tile's last stage arrive (at once for a
+  /// tile without k-blocks).
+  template <class Accumulator, class OnLastWait>
+  __device__ __forceinline__ static void consume(const Params&, Storage s, Accumulator& acc,
+                                                 const VarlenKTileCoord& c, int /*tile_index*/, int mma_thread,
+                                                 OnLastWait&& on_last_wait) {
+    using namespace cute;
+    const int wg_thread = mma_thread % 128;
+    if (c.k_tiles == 0) {  // the accumulator is left as it is; the epilogue writes zeros for such a tile
+      on_last_wait();
+      return;
+    }
+    TiledMma mma;
+    Tensor sA = make_tensor(make_smem_ptr(&s.t.a[0][0]), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(&s.t.b[0][0]), SmemLayoutB{});
+    auto thr = mma.get_thread_slice(mma_thread);
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage) descriptors
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    std::uint32_t iter = c.ring;
+    int previous_stage = -1;
+    for (int kb = 0; kb < c.k_tiles; ++kb, ++iter) {
+      const int stage = static_cast<int>(iter % kStages);
+      mbar_wait(&s.bar.full[stage], (iter / kStages) & 1u);
+      // No proxy fence for the cp.async-written operands: the mbarrier completion orders the copies before the
+      // WGMMA reads (as in the varlen-M mainloop's gathered A, and CUTLASS's SM90 cp.async + GMMA mainloops).
+      if (kb == c.k_tiles - 1) on_last_wait();
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tCrA); ++k) {
+        cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // the previous k-block's WGMMAs are done: its stage can be refilled
+      warpgroup_fence_operand(acc);
+      if (previous_stage >= 0 && wg_thread == 0) mbar_arrive(&s.bar.empty[previous_stage]);
+      previous_stage = stage;
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (wg_thread == 0) mbar_arrive(&s.bar.empty[previous_stage]);
+  }
+};
+
+}  // namespace machmoe::gpu::hopper

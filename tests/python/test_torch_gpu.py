@@ -258,35 +258,53 @@ def test_main_grad_zero_token_experts_unchanged(cuda):
     assert all(p.grad is None for p in m.parameters())
 
 
-@pytest.mark.xfail(strict=True, raises=torch.AcceleratorError,
-                   reason="known gap (H200, 2026-11-23): capturing the accumulate-mode backward through torch.cuda.graph "
-                          "fails with cudaErrorStreamCaptureIsolation ('dependency created on uncaptured work in "
-                          "another stream'); the C++ API's accumulate mode captures and replays correctly (gtest "
-                          "GpuAccumulateEdges.CapturedIntoACudaGraphEachReplayAddsOnce)")
-def test_main_grad_step_captures_into_a_cuda_graph(cuda):
-    """MoE(accumulate_into_main_grad=True): the step captures into a CUDA graph and each replay adds once."""
-    torch.manual_seed(3)
-    m = machmoe.MoE(256, 128, 16, 1, bias=True, device=cuda, dtype=torch.bfloat16, accumulate_into_main_grad=True)
-    bufs = m.main_grads()
-    x = torch.randn(1024, 256, device=cuda, dtype=torch.bfloat16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graph requires
-        m(x).output.float().square().sum().backward()
-    torch.cuda.current_stream().wait_stream(s)
-    for b in bufs.values():
-        b.zero_()
+_MAIN_GRAD_GRAPH_STEP = """
+import torch, machmoe
+torch.manual_seed(3)
+m = machmoe.MoE(256, 128, 16, 1, bias=True, device="cuda", dtype=torch.bfloat16, accumulate_into_main_grad=True)
+bufs = m.main_grads()
+x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graph requires
     m(x).output.float().square().sum().backward()
-    once = {n: b.clone() for n, b in bufs.items()}
-    for b in bufs.values():
-        b.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        m(x).output.float().square().sum().backward()
-    for b in bufs.values():
-        b.zero_()
-    graph.replay()
-    graph.replay()
-    torch.cuda.synchronize()
-    for n, b in bufs.items():
-        assert rel(b, 2 * once[n]) < 1e-5, n
+torch.cuda.current_stream().wait_stream(s)
+for b in bufs.values():
+    b.zero_()
+m(x).output.float().square().sum().backward()
+once = {n: b.clone() for n, b in bufs.items()}
+for b in bufs.values():
+    b.zero_()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    m(x).output.float().square().sum().backward()
+for b in bufs.values():
+    b.zero_()
+graph.replay()
+graph.replay()
+torch.cuda.synchronize()
+for n, b in bufs.items():
+    err = ((b.double() - 2 * once[n].double()).norm() / (2 * once[n].double()).norm()).item()
+    assert err < 1e-5, (n, err)
+print("main_grad graph step: ok")
+"""
+
+
+def test_main_grad_step_captures_into_a_cuda_graph(cuda):
+    """MoE(accumulate_into_main_grad=True): the step captures into a CUDA graph and each replay adds once.
+
+    Runs in a fresh interpreter. In the whole GPU pytest session on an H200 (2026-11-23) the capture failed with
+    cudaErrorStreamCaptureIsolation ("dependency created on uncaptured work in another stream") after the other
+    GPU test files had run in the same process; alone, with this file, or after any of test_benchmark_module,
+    test_differential, test_empty_work, test_hardening_api and test_hardening_ops it passes, so some state an earlier
+    test leaves behind (suspect: test_expert_parallel_gpu's process spawning) is the trigger, not this layer. Which
+    one is not yet isolated; this test checks the layer itself, in a clean process, as a training script runs it."""
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    if env.get("MACHMOE_IN_TREE") == "1":  # the checkout's sources, as conftest.py arranges for this process
+        tree = os.path.dirname(os.path.dirname(machmoe.__file__))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, "-c", _MAIN_GRAD_GRAPH_STEP], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0 and "main_grad graph step: ok" in r.stdout, r.stdout + r.stderr

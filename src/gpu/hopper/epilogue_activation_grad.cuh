@@ -11,7 +11,8 @@
 // at a time (8 bytes per thread and row for a GLU, the gate/up pairs of its two accumulator columns; 4 bytes
 // otherwise): a quad of lanes covers 32 contiguous bytes of a row, so every sector is used whole. The loads of a
 // pass are issued together before any is used. Under the ping-pong schedule the other consumer warpgroup's
-// mainloop keeps the tensor cores busy meanwhile.
+// mainloop keeps the tensor cores busy meanwhile; under the cooperative one (the default where n is a multiple of
+// 256) nothing does, and the epilogue is exposed (docs/BENCHMARKS.md: 0.4-0.75 of cuBLAS's plain GEMM).
 #pragma once
 
 #include "gpu/hopper/epilogue_staging.cuh"
@@ -144,7 +145,7 @@ struct EpilogueActivationGrad {
                          barrier_id);
       }
 
-      // A' (kTileN columns) from the accumulator.
+      // A' (kTileN columns) from the accumulator, after dH: the dH passes left s A in place of dA', so H is read once.
       CUTE_UNROLL
       for (int pass = 0; pass < kTileN / Staging::kStageCols; ++pass) {
         Staging::acquire(wg_thread, barrier_id);

@@ -34,7 +34,9 @@ inline constexpr int kMinTileN = 128;
 /// operand bytes per FLOP through L2 and shared memory, which the gathered up-projection needs (7B-256: 614 TFLOP/s
 /// against 515 with 128 x 128 ping-pong); for the down-projection it measured equal (n >= 512) or 2-4 % faster
 /// (n = 256). 128 x 128 ping-pong serves N that is a multiple of 128 but not of 256 (and a forced 128). Groups of
-/// 2-8 M-tiles measured no better than running along N.
+/// 2-8 M-tiles measured no better than running along N. The dH kernel takes the same rule today; measured on an
+/// H200 (docs/BENCHMARKS.md, 2026-11-23 evening) 128 x 128 ping-pong is 4-7 % faster for it where d <= 1536 and
+/// 128 x 256 is 15-25 % faster where d = 4096, so choosing by K for that family is the next step.
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
 
 /// A weight-gradient GEMM (varlen-K): per expert an M x N output, the reduction over the expert's grouped rows.
@@ -44,7 +46,8 @@ struct WgradShape {
 };
 
 /// The tile of a weight-gradient GEMM: 128 x 256 cooperative (tile_n 256) when N is a multiple of 256 and that tile
-/// still gives every SM a tile, else 128 x 128 ping-pong. Why (to be measured against cuBLAS on the H200, issue #13):
+/// still gives every SM a tile, else 128 x 128 ping-pong. Why (measured on the H200, docs/BENCHMARKS.md: 128 x 128 is 30-45 % slower on every
+/// main configuration):
 /// both operands come from shared memory and every k-block of 64 rows brings (128 + kTileN) x 64 bf16, so the wide
 /// tile needs 85 FLOP per byte of L2 and shared-memory traffic against 64 for the square one (the forward measured
 /// the same trade: 614 against 515 TFLOP/s gathered). Its cost is an epilogue that no other warpgroup hides, small

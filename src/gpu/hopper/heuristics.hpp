@@ -46,13 +46,13 @@ struct WgradShape {
 };
 
 /// The tile of a weight-gradient GEMM: 128 x 256 cooperative (tile_n 256) when N is a multiple of 256 and that tile
-/// still gives every SM a tile, else 128 x 128 ping-pong. Why (measured on the H200, docs/BENCHMARKS.md: 128 x 128
-/// is 30-45 % slower on every main configuration): both operands come from shared memory and every k-block of 64 rows brings (128 + kTileN) x 64 bf16, so the wide
-/// tile needs 85 FLOP per byte of L2 and shared-memory traffic against 64 for the square one (the forward measured
-/// the same trade: 614 against 515 TFLOP/s gathered). Its cost is an epilogue that no other warpgroup hides, small
-/// next to the 24 k-blocks of a 7B tile (1536 rows per expert). The square tile, ping-pong, serves N = 128 mod 256
-/// and shapes with fewer wide tiles than SMs (more, smaller tiles fill the grid). overrides.tile_n = 128 forces the
-/// square tile; 256 the wide one where N allows it.
+/// still gives every SM a tile, else 128 x 128 ping-pong. Why (measured on the H200, docs/BENCHMARKS.md: 128 x 128 is
+/// 30-45 % slower on every main configuration): both operands come from shared memory and every k-block of 64 rows
+/// brings (128 + kTileN) x 64 bf16, so the wide tile needs 85 FLOP per byte of L2 and shared-memory traffic against 64
+/// for the square one (the forward measured the same trade: 614 against 515 TFLOP/s gathered). Its cost is an epilogue
+/// that no other warpgroup hides, small next to the 24 k-blocks of a 7B tile (1536 rows per expert). The square tile,
+/// ping-pong, serves N = 128 mod 256 and shapes with fewer wide tiles than SMs (more, smaller tiles fill the grid).
+/// overrides.tile_n = 128 forces the square tile; 256 the wide one where N allows it.
 TileChoice choose_wgrad_tiles(const WgradShape& shape, const TileOverrides& overrides);
 
 }  // namespace machmoe::gpu::hopper

@@ -132,7 +132,6 @@ std::pair<LayerCase<double>, LayerCase<double>> two_micro_batches(const MoEProbl
 }
 
 std::vector<double> up(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
-const std::vector<double>& up(const std::vector<double>& v) { return v; }
 
 class Accumulate : public testing::TestWithParam<std::tuple<RoutingMode, bool>> {};
 

@@ -312,7 +312,8 @@ std::string json_of(const Result& r, const Options& o, const std::string& gpu, d
     << ",\"cublas_bound_backward_ms\":" << r.bound_bwd << ",\"efficiency_forward\":" << r.bound_fwd / r.fwd_ms
     << ",\"efficiency_backward\":" << r.bound_bwd / r.bwd_ms
     << ",\"activation_bytes_accounted\":" << r.act_accounted << ",\"activation_bytes_measured\":" << r.act_measured
-    << ",\"peak_bytes\":" << r.peak_total << ",\"stages_ms\":{";
+    << ",\"peak_bytes\":" << r.peak_total << ",\"peak_transient_bytes\":" << r.peak_transient
+    << ",\"stages_ms\":{";
   for (std::size_t i = 0; i < r.stages.size(); ++i)
     j << (i ? "," : "") << "\"" << r.stages[i].stage << "\":" << r.stages[i].ms;
   j << "},\"cublas_stage_ms\":{";

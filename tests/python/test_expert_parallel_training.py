@@ -182,7 +182,10 @@ CPU_CONFIG = TinyConfig()
 #   AdamW is invariant to a constant factor on a gradient, so the curve alone barely sees a wrong gradient
 # convention: without the experts' 1/ep_size the curve moved by only 1e-5 relative (measured). The first step's
 # gradients are compared directly for that reason (that mistake makes them differ by 100%).
-#   bf16 on GPUs cannot be held to these: see CURVE_* in test_expert_parallel_gpu.py.
+#   bf16 on GPUs cannot be held to these: its rounding (unit roundoff 3.9e-3) differs between the runs by a few
+# 1e-3 of each first-step gradient, and AdamW lets the trajectories drift apart chaotically; a bf16 stand-in
+# measured up to 0.04 nats (15%) on single steps, 2% on the last-5 means. test_expert_parallel_gpu.py's TRAINING_*
+# bounds: 5e-2 on the first-step gradients, 0.1 + 0.1 * loss per step, 10% on the last-10 mean.
 CPU_FALL = 0.25        # last-5 mean < CPU_FALL * first-5 mean (measured 0.054)
 CPU_CURVE_RTOL = 1e-5  # per step, |ep - ref| <= rtol * ref
 CPU_GRAD_RTOL = 1e-5   # the first step's gradients, every parameter, relative Frobenius

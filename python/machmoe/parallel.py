@@ -665,6 +665,11 @@ def shard_experts_fsdp2(layer: "ExpertParallelMoE", expert_mesh=None, **fully_sh
     if expert_mesh is not None and expert_mesh.size() > 1:
         fully_shard(layer.experts, mesh=expert_mesh, **fully_shard_kwargs)
         layer.experts.set_gradient_divide_factor(float(expert_mesh.size() * layer.ep_size))
+        if expert_mesh.device_type != "cuda":
+            # With a divide factor other than the mesh size, FSDP2 reduces fp32/bf16 gradients with NCCL's
+            # PREMUL_SUM, which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo", torch 2.11): sum, then
+            # divide. (float64 and float16 gradients take that path anyway.)
+            layer.experts.set_force_sum_reduction_for_comms(True)
         return set()
     params = set(layer.experts.parameters())
     for p in params:

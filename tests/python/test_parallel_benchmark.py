@@ -1,0 +1,76 @@
+"""python -m machmoe.parallel_benchmark on the CPU (gloo), end to end as a user launches it: torchrun with 2
+processes and a plain `python -m` (EP = 1) whose JSON is then the baseline of the scaling efficiency. The figures
+themselves mean nothing on a CPU; the test checks the launch paths, the JSON and that every field is filled."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["tiny-64", "tiny-128"]
+
+
+def _env():
+    env = dict(os.environ)
+    if env.get("MACHMOE_IN_TREE") == "1":  # the checkout's sources, as conftest.py arranges for this process
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run(cmd, timeout=300):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p
+
+
+def _check(doc, ep_size, configs=TINY):
+    assert doc["benchmark"] == "machmoe.parallel_benchmark" and doc["ep_size"] == ep_size
+    assert doc["environment"]["backend"] == "gloo" and doc["settings"]["dtype"] == "fp32"
+    assert [e["config"]["name"] for e in doc["configs"]] == configs
+    for e in doc["configs"]:
+        assert e["status"] == "ok", e
+        c = e["config"]
+        assert e["ep_size"] == ep_size and e["tokens_per_gpu"] == c["T"] and e["experts_per_gpu"] == c["E"] // ep_size
+        assert e["step_ms"] > 0 and len(e["step_ms_per_rank"]) == ep_size and e["tokens_per_s_per_gpu"] > 0
+        a = e["all_to_all"]
+        for key in ("in_layer_ms", "instrumented_step_ms", "alone_ms", "alone_algbw_GBps"):
+            assert a[key] > 0, (key, a)
+        assert 0 < a["in_layer_share"] < 1, a
+        r = e["received_rows"]
+        assert r["mean"] == r["balanced"] == c["T"] * c["K"] and r["min"] <= r["mean"] <= r["max"]
+    return doc
+
+
+def test_torchrun_two_processes_with_an_ep1_baseline(tmp_path):
+    ep1, ep2 = tmp_path / "ep1.json", tmp_path / "ep2.json"
+    common = ["--device", "cpu", "--tiny", "--warmup", "1", "--iters", "2"]
+    p = _run([sys.executable, "-m", "machmoe.parallel_benchmark", *common, "--json", str(ep1)])
+    doc1 = _check(json.loads(ep1.read_text()), 1)
+    assert all(e["scaling_efficiency"] == 1.0 for e in doc1["configs"])
+    assert "tiny-64 (T=256/GPU" in p.stdout
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+          "machmoe.parallel_benchmark", *common, "--baseline", str(ep1), "--json", str(ep2)])
+    doc2 = _check(json.loads(ep2.read_text()), 2)
+    for e, b in zip(doc2["configs"], doc1["configs"]):
+        assert e["baseline_tokens_per_s_per_gpu"] == b["tokens_per_s_per_gpu"]
+        assert e["scaling_efficiency"] == pytest.approx(e["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"])
+
+
+def test_capacity_mode_and_refusals(tmp_path):
+    out = tmp_path / "cap.json"
+    _run([sys.executable, "-m", "machmoe.parallel_benchmark", "--device", "cpu", "--configs", "tiny-64",
+          "--warmup", "0", "--iters", "1", "--capacity-factor", "2", "--json", str(out)])
+    e = _check(json.loads(out.read_text()), 1, ["tiny-64"])["configs"][0]
+    assert e["capacity"] == 2 * 256 * 2 and e["dropped_rows"] == 0
+    p = subprocess.run([sys.executable, "-m", "machmoe.parallel_benchmark", "--device", "cpu", "--configs", "7B-999"],
+                       capture_output=True, text=True, timeout=120, env=_env())
+    assert p.returncode != 0 and "unknown configuration '7B-999'" in p.stderr
+    not_ep1 = tmp_path / "ep2.json"
+    not_ep1.write_text(json.dumps({"ep_size": 2, "configs": []}))
+    p = subprocess.run([sys.executable, "-m", "machmoe.parallel_benchmark", "--device", "cpu", "--configs", "tiny-64",
+                        "--baseline", str(not_ep1)], capture_output=True, text=True, timeout=120, env=_env())
+    assert p.returncode != 0 and "expected an EP = 1 run of this benchmark" in p.stderr

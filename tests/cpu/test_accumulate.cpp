@@ -269,16 +269,6 @@ TEST(AccumulateEdges, ZeroTokenExpertsAndEmptyCallsLeaveTheBufferUnchanged) {
 
 // ---- validation ------------------------------------------------------------------------------------------------
 
-void expect_error(const std::function<void()>& f, std::initializer_list<const char*> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error thrown; expected one mentioning '" << *fragments.begin() << "'";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const char* frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "message: " << msg;
-  }
-}
-
 TEST(AccumulateValidation, BuffersOfAnotherDtypeOrShapeAreRefusedByName) {
   MoEProblem p;
   p.T = 6, p.d = 8, p.n = 3, p.E = 4, p.K = 2, p.has_b1 = true;

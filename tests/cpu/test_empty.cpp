@@ -318,16 +318,6 @@ TEST(IndexChecking, SwitchRoundTripsAndCpuHasNothingToRaise) {
   set_index_checking(initial);
 }
 
-void expect_error(const std::function<void()>& f, std::initializer_list<const char*> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error thrown; expected one mentioning '" << *fragments.begin() << "'";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const char* frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "message: " << msg;
-  }
-}
-
 TEST(GroupedExpertIndex, ExpandsCountsOnTheHost) {
   std::vector<std::int64_t> counts = {3, 0, 2, 0, 1};
   std::vector<std::int32_t> index(6, -7);

@@ -1,19 +1,35 @@
 // Shared helpers of the CPU tests: random problems with realistic magnitudes, a scalar loss over the layer's
-// outputs, and relative (Frobenius) error.
+// outputs, relative (Frobenius) error, and the check that a call fails with a given message.
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "reference/layer.hpp"
 #include "reference/router.hpp"
+#include "machmoe/error.hpp"
 #include "machmoe/problem.hpp"
 
 namespace machmoe::test {
+
+/// Expects `f` to throw machmoe::Error whose message contains every fragment.
+inline void expect_error(const std::function<void()>& f, std::initializer_list<const char*> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "no error thrown; expected one mentioning '" << *fragments.begin() << "'";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const char* frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "message: " << msg;
+  }
+}
 
 inline double rel_error(const std::vector<double>& a, const std::vector<double>& ref) {
   double num = 0, den = 0;

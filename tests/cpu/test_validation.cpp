@@ -9,9 +9,12 @@
 #include <functional>
 
 #include "machmoe/machmoe.hpp"
+#include "test_support.hpp"
 
 namespace machmoe {
 namespace {
+
+using test::expect_error;
 
 /// A valid fp64 call (T=6, d=8, n=3 so w1 is (E, 6, 8), E=4, K=2) that each test breaks in one place.
 struct Call {
@@ -77,16 +80,6 @@ struct Call {
   void backward_call() { backward(p, xv, w, routing(), bi, bo, bb); }
 };
 
-/// Expects machmoe::Error whose message contains every fragment.
-void expect_error(const std::function<void()>& f, std::initializer_list<const char*> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error thrown; expected one mentioning '" << *fragments.begin() << "'";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const char* frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "message: " << msg;
-  }
-}
 
 TEST(Validation, ValidCallsPass) {
   for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied}) {

@@ -74,16 +74,6 @@ struct CheckingOn {
   ~CheckingOn() { set_index_checking(before); }
 };
 
-void expect_error(const std::function<void()>& f, std::initializer_list<const char*> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error thrown; expected one mentioning '" << *fragments.begin() << "'";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const char* frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "message: " << msg;
-  }
-}
-
 /// A caller-routing forward on the device with the given int64 triples (fp32 data, T = 6, E = 4, K = 2).
 struct CallerForward {
   MoEProblem p;

@@ -47,24 +47,10 @@ void run_backward(const LayerCase<double>& c, GradBuffers<G>& grads, bool accumu
   const MoEProblem& p = c.problem;
   const bool caller = p.routing == RoutingMode::kCallerSupplied;
   const DType dt = dtype_of<R>(), gt = dtype_of<G>();
-  auto cast = [](const std::vector<double>& v) { return std::vector<R>(v.begin(), v.end()); };
-  std::vector<R> x = cast(c.x), wr = cast(c.router_weight), w1 = cast(c.w1), b1 = cast(c.b1), w2 = cast(c.w2),
-                 b2 = cast(c.b2), go = cast(c.grad_out), gl = cast(c.grad_logits), sc = cast(c.pair_score);
-  std::vector<std::int64_t> tok = c.pair_token, exp = c.pair_expert;
-  LayerWeights w;
-  if (!caller) w.router_weight = TensorView::contiguous(wr.data(), dt, {p.E, p.d});
-  w.w1 = TensorView::contiguous(w1.data(), dt, {p.E, p.w1_rows(), p.d});
-  w.w2 = TensorView::contiguous(w2.data(), dt, {p.E, p.d, p.n});
-  if (p.has_b1) w.b1 = TensorView::contiguous(b1.data(), dt, {p.E, p.w1_rows()});
-  if (p.has_b2) w.b2 = TensorView::contiguous(b2.data(), dt, {p.E, p.d});
-  RoutingTriples rt;
-  if (caller) {
-    rt.token_index = TensorView::contiguous(tok.data(), DType::kInt64, {p.num_pairs});
-    rt.expert_index = TensorView::contiguous(exp.data(), DType::kInt64, {p.num_pairs});
-    rt.score = TensorView::contiguous(sc.data(), dt, {p.num_pairs});
-  }
-  const RoutingTriples* routing = caller ? &rt : nullptr;
-  const TensorView xv = TensorView::contiguous(x.data(), dt, {p.T, p.d});
+  HostLayerInputs<R> in(c, dt);
+  const LayerWeights& w = in.weights;
+  const RoutingTriples* routing = in.routing();
+  const TensorView xv = TensorView::contiguous(in.x.data(), dt, {p.T, p.d});
   std::vector<R> out(p.T * p.d), logits(p.T * p.E), dx(p.T * p.d), dsc(p.num_pairs);
   std::vector<std::int32_t> counts(p.E);
   ForwardOutputs fo;
@@ -75,8 +61,8 @@ void run_backward(const LayerCase<double>& c, GradBuffers<G>& grads, bool accumu
   forward(p, xv, w, routing, fo, {saved.data(), saved.size(), nullptr, 0});
 
   BackwardInputs bi;
-  bi.grad_out = TensorView::contiguous(go.data(), dt, {p.T, p.d});
-  if (!caller) bi.grad_router_logits = TensorView::contiguous(gl.data(), dt, {p.T, p.E});
+  bi.grad_out = TensorView::contiguous(in.grad_out.data(), dt, {p.T, p.d});
+  if (!caller) bi.grad_router_logits = TensorView::contiguous(in.grad_logits.data(), dt, {p.T, p.E});
   BackwardOutputs bo;
   bo.grad_x = TensorView::contiguous(dx.data(), dt, {p.T, p.d});
   if (caller) bo.grad_scores = TensorView::contiguous(dsc.data(), dt, {p.num_pairs});

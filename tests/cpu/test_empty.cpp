@@ -35,27 +35,12 @@ struct EmptyRun {
     const MoEProblem& p = c.problem;
     const DType dt = std::is_same<R, double>::value ? DType::kFP64 : DType::kFP32;
     const R nan = std::numeric_limits<R>::quiet_NaN();
-    auto cast = [](const std::vector<double>& v) { return std::vector<R>(v.begin(), v.end()); };
-    std::vector<R> x = cast(c.x), wr = cast(c.router_weight), w1 = cast(c.w1), b1 = cast(c.b1), w2 = cast(c.w2),
-                   b2 = cast(c.b2), gout = cast(c.grad_out), glog = cast(c.grad_logits), score = cast(c.pair_score);
-    std::vector<std::int64_t> tok = c.pair_token, exp = c.pair_expert;
-    const bool caller = p.routing == RoutingMode::kCallerSupplied;
-    LayerWeights w;
-    if (!caller) w.router_weight = TensorView::contiguous(wr.data(), dt, {p.E, p.d});
-    w.w1 = TensorView::contiguous(w1.data(), dt, {p.E, p.w1_rows(), p.d});
-    w.w2 = TensorView::contiguous(w2.data(), dt, {p.E, p.d, p.n});
-    if (p.has_b1) w.b1 = TensorView::contiguous(b1.data(), dt, {p.E, p.w1_rows()});
-    if (p.has_b2) w.b2 = TensorView::contiguous(b2.data(), dt, {p.E, p.d});
-    RoutingTriples triples;
-    if (caller) {
-      // Empty index and score views: their data pointers are those of empty vectors (typically null).
-      triples.token_index = TensorView::contiguous(tok.data(), DType::kInt64, {p.num_pairs});
-      triples.expert_index = TensorView::contiguous(exp.data(), DType::kInt64, {p.num_pairs});
-      triples.score = TensorView::contiguous(score.data(), dt, {p.num_pairs});
-    }
-    const RoutingTriples* rt = caller ? &triples : nullptr;
+    HostLayerInputs<R> in(c, dt);
+    const bool caller = in.caller;
+    const LayerWeights& w = in.weights;
+    const RoutingTriples* rt = in.routing();
     const TensorView xv = expanded ? TensorView::strided(nullptr, dt, {p.T, p.d}, {0, 0})
-                                   : TensorView::contiguous(x.data(), dt, {p.T, p.d});
+                                   : TensorView::contiguous(in.x.data(), dt, {p.T, p.d});
 
     out.assign(static_cast<std::size_t>(p.T * p.d), nan);
     counts.assign(static_cast<std::size_t>(p.E), -1);
@@ -70,12 +55,12 @@ struct EmptyRun {
     forward(p, xv, w, rt, fo, ForwardBuffers{saved.data(), saved.size(), nullptr, 0});
 
     dx.assign(static_cast<std::size_t>(p.T * p.d), nan);
-    dwr.assign(wr.size(), nan), dw1.assign(w1.size(), nan), dw2.assign(w2.size(), nan);
-    db1.assign(b1.size(), nan), db2.assign(b2.size(), nan);
+    dwr.assign(in.router_weight.size(), nan), dw1.assign(in.w1.size(), nan), dw2.assign(in.w2.size(), nan);
+    db1.assign(in.b1.size(), nan), db2.assign(in.b2.size(), nan);
     BackwardInputs bi;
     bi.grad_out = expanded ? TensorView::strided(nullptr, dt, {p.T, p.d}, {0, 0})
-                           : TensorView::contiguous(gout.data(), dt, {p.T, p.d});
-    if (!caller) bi.grad_router_logits = TensorView::contiguous(glog.data(), dt, {p.T, p.E});
+                           : TensorView::contiguous(in.grad_out.data(), dt, {p.T, p.d});
+    if (!caller) bi.grad_router_logits = TensorView::contiguous(in.grad_logits.data(), dt, {p.T, p.E});
     BackwardOutputs input_half, weight_half;
     input_half.grad_x = TensorView::contiguous(dx.data(), dt, {p.T, p.d});
     if (!caller) input_half.grad_weights.router_weight = TensorView::contiguous(dwr.data(), dt, {p.E, p.d});

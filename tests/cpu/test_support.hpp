@@ -16,6 +16,8 @@
 #include "reference/layer.hpp"
 #include "reference/router.hpp"
 #include "machmoe/error.hpp"
+#include "machmoe/layer.hpp"
+#include "machmoe/tensor.hpp"
 #include "machmoe/problem.hpp"
 
 namespace machmoe::test {
@@ -128,5 +130,43 @@ inline std::vector<double> finite_difference(LayerCase<double>& c, std::vector<d
   }
   return g;
 }
+
+
+/// A case's inputs as host arrays of type R (dtype `dt`) with the public API's views over them: the weights and,
+/// for caller routing, the triples (empty index and score views when there are no pairs: their data pointers are
+/// those of empty vectors, typically null). Not copyable: the views point into the arrays.
+template <class R>
+struct HostLayerInputs {
+  std::vector<R> x, router_weight, w1, b1, w2, b2, grad_out, grad_logits, score;
+  std::vector<std::int64_t> token, expert;
+  bool caller;
+  LayerWeights weights;
+  RoutingTriples triples;
+
+  HostLayerInputs(const LayerCase<double>& c, DType dt)
+      : x(cast(c.x)), router_weight(cast(c.router_weight)), w1(cast(c.w1)), b1(cast(c.b1)), w2(cast(c.w2)),
+        b2(cast(c.b2)), grad_out(cast(c.grad_out)), grad_logits(cast(c.grad_logits)), score(cast(c.pair_score)),
+        token(c.pair_token), expert(c.pair_expert),
+        caller(c.problem.routing == RoutingMode::kCallerSupplied) {
+    const MoEProblem& p = c.problem;
+    if (!caller) weights.router_weight = TensorView::contiguous(router_weight.data(), dt, {p.E, p.d});
+    weights.w1 = TensorView::contiguous(w1.data(), dt, {p.E, p.w1_rows(), p.d});
+    weights.w2 = TensorView::contiguous(w2.data(), dt, {p.E, p.d, p.n});
+    if (p.has_b1) weights.b1 = TensorView::contiguous(b1.data(), dt, {p.E, p.w1_rows()});
+    if (p.has_b2) weights.b2 = TensorView::contiguous(b2.data(), dt, {p.E, p.d});
+    if (caller) {
+      triples.token_index = TensorView::contiguous(token.data(), DType::kInt64, {p.num_pairs});
+      triples.expert_index = TensorView::contiguous(expert.data(), DType::kInt64, {p.num_pairs});
+      triples.score = TensorView::contiguous(score.data(), dt, {p.num_pairs});
+    }
+  }
+  HostLayerInputs(const HostLayerInputs&) = delete;
+  HostLayerInputs& operator=(const HostLayerInputs&) = delete;
+
+  const RoutingTriples* routing() const { return caller ? &triples : nullptr; }
+
+ private:
+  static std::vector<R> cast(const std::vector<double>& v) { return std::vector<R>(v.begin(), v.end()); }
+};
 
 }  // namespace machmoe::test

@@ -3,6 +3,7 @@
 
 #include "machmoe/device.hpp"
 #include "machmoe/error.hpp"
+#include "machmoe/fallback.hpp"
 #include "machmoe/index_checking.hpp"
 #include "machmoe/layer.hpp"
 #include "machmoe/losses.hpp"

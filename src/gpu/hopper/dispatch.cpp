@@ -10,6 +10,7 @@
 #include <set>
 #include <utility>
 
+#include "core/fallback.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/hopper/heuristics.hpp"
 #include "gpu/hopper/kernel_families.hpp"
@@ -79,15 +80,17 @@ DeviceTraits current_device() {
   return t;
 }
 
-void log_fallback_once(const char* stage, const std::string& reason) {
-  static std::mutex mu;
-  static std::set<std::pair<std::string, std::string>> seen;
-  const std::lock_guard<std::mutex> lock(mu);
-  if (seen.emplace(stage, reason).second)
-    std::fprintf(stderr, "machmoe: %s runs on the GPU reference GEMM: %s\n", stage, reason.c_str());
+// The reasons that are a choice, not a limit: reported as notes, never an error (FallbackPolicy::kError).
+constexpr const char* kDisabledReason = "Hopper kernels disabled (MACHMOE_DISABLE_HOPPER_KERNELS or the test switch)";
+constexpr const char* kBackwardOffReason =
+    "the Hopper backward kernels are switched off (MACHMOE_HOPPER_BACKWARD=0 or the test switch)";
+
+/// Warns once per (stage, reason), or throws machmoe::Error under FallbackPolicy::kError (core/fallback.hpp).
+void report_fallback(const char* stage, const std::string& shape, const std::string& reason) {
+  detail::report_reference_fallback(stage, shape, reason, reason == kDisabledReason || reason == kBackwardOffReason);
 }
 
-using hopper::kMinTileN;
+using hopper::tiles_of;
 
 /// An integer from the environment, 0 when the variable is unset.
 int env_int(const char* name) {
@@ -165,12 +168,15 @@ bool hopper_kernels_enabled() { return enabled_flag().load() != 0; }
 namespace {
 
 std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
-  if (!hopper_kernels_enabled()) return "Hopper kernels disabled (MACHMOE_DISABLE_HOPPER_KERNELS or the test switch)";
+  if (!hopper_kernels_enabled()) return kDisabledReason;
   if (a.dt != DType::kBF16) return std::string("dtype ") + dtype_name(a.dt) + " (the Hopper kernels are bf16)";
   if (dev.major != 9 || dev.minor != 0)
     return "compute capability " + std::to_string(dev.major) + "." + std::to_string(dev.minor) + " (needs 9.0)";
-  if (a.K <= 0 || a.K % 64 != 0) return "K = " + std::to_string(a.K) + " is not a positive multiple of 64";
-  if (a.N <= 0 || a.N % kMinTileN != 0) return "N = " + std::to_string(a.N) + " is not a multiple of 128";
+  // Any multiple of 8 along N and K (edge tiles, a zero-filled partial last k-block): heuristics.hpp.
+  const std::string shape_reason = hopper::varlen_m_shape_unsupported_reason(
+      a.N, a.K, a.epilogue == Epilogue::kUpActivation && is_glu(a.activation));
+  if (!shape_reason.empty()) return shape_reason;
+  if (a.N > (std::int64_t{1} << 30) || a.K > (std::int64_t{1} << 30)) return "N or K of 2^30 or more";
   if (a.E <= 0 || a.E > (1 << 30)) return "E out of range";
   if (a.P_max >= (std::int64_t{1} << 31)) return "more than 2^31 - 1 routed rows";
   const ExpertOperand& b = a.b;
@@ -184,8 +190,7 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
     // The backward reads W1 (dX~) and W2 (dH) in place: dX~ has a contiguous A and no bias; dH gathers dO.
     const bool dx = a.epilogue == Epilogue::kStore && a.a_gather == nullptr && a.bias == nullptr;
     if (!dx && !dh_kernel) return "MN-major weights outside the backward's dX~ and dH GEMMs";
-    if (!hopper_backward_enabled())
-      return "the Hopper backward kernels are switched off (MACHMOE_HOPPER_BACKWARD=0 or the test switch)";
+    if (!hopper_backward_enabled()) return kBackwardOffReason;
     if (b.permute == 1) return "MN-major weights permuted along N";
     if (b.permute == 2 && (dh_kernel || a.K != 2 * b.glu_n)) return "concatenated layout with K != 2n";
     if (!aligned16(b.ptr) || b.stride_k % 8 != 0 || b.expert_stride % 8 != 0)
@@ -226,7 +231,10 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
   const DeviceTraits dev = current_device();
   const std::string reason = unsupported_reason(a, dev);
   if (!reason.empty()) {
-    log_fallback_once(stage, reason);
+    report_fallback(stage,
+                    "M = " + std::to_string(a.P_max) + " routed rows at most, N = " + std::to_string(a.N) +
+                        ", K = " + std::to_string(a.K) + ", " + std::to_string(a.E) + " experts",
+                    reason);
     launch_varlen_m_gemm(a, stream);
     return;
   }
@@ -244,7 +252,7 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
 
   hopper::VarlenMSchedulerParams sched;
   sched.E = static_cast<int>(a.E);
-  sched.n_tiles = static_cast<int>(a.N) / tiles.tile_n;
+  sched.n_tiles = static_cast<int>(tiles_of(a.N, tiles.tile_n));  // the last may be an edge tile
   sched.raster_m = tiles.raster_m;
   sched.expert_offsets = a.expert_offsets;
 
@@ -273,10 +281,11 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
   main.b_concatenated = b.permute == 1;
   main.glu_n = static_cast<int>(b.glu_n);
 
-  // Output tensor maps for the epilogue's TMA stores: (columns, rows), box 64 x 64, 128-byte swizzle.
+  // Output tensor maps for the epilogue's TMA stores: (columns, rows), box 64 x 64, 128-byte swizzle. The extent is
+  // the valid columns, so a TMA store of an edge tile clips there (and the predicated stores test o.cols).
   auto output = [&](void* ptr, std::int64_t cols, std::int64_t ld) {
     hopper::EpilogueOutput o;
-    o.ptr = ptr, o.ld = ld;
+    o.ptr = ptr, o.ld = ld, o.cols = cols;
     if (ptr != nullptr) {
       const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(a.P_max)};
       const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
@@ -296,6 +305,7 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
     p.epilogue.bias = bias;
     p.epilogue.concatenated = main.b_concatenated;
     p.epilogue.glu_n = main.glu_n;
+    p.epilogue.N = static_cast<int>(a.N);
     if (tiles.tile_n == 256)
       launch_up<hopper::Tile128x256CooperativeCluster2>(a.activation, p, sm_count, stream);
     else
@@ -309,7 +319,9 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
     p.epilogue.h = a.h_in, p.epilogue.ld_h = a.ld_h;
     p.epilogue.scores = a.scores, p.epilogue.scatter = a.scatter;
     p.epilogue.ds_partial = a.ds_partial;
-    p.epilogue.ds_tiles = static_cast<int>(a.N / kDsTileN);  // the reference's layout: one per 64 columns of A
+    // The reference's layout: one per 64 columns of A, ceil(n / 64) per pair (launch_ds_reduce reads that many).
+    p.epilogue.ds_tiles = static_cast<int>(tiles_of(a.N, kDsTileN));
+    p.epilogue.N = static_cast<int>(a.N);
     if (tiles.tile_n == 256)
       launch_dh<hopper::Tile128x256Cooperative>(a.activation, p, sm_count, stream);
     else
@@ -323,6 +335,7 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
     p.mainloop = main, p.scheduler = sched;
     p.epilogue.out = output(a.out, a.N, a.ld_out);
     p.epilogue.bias = bias;
+    p.epilogue.N = static_cast<int>(a.N);
     if (mn_major && tiles.tile_n == 256)
       hopper::launch_dx_expanded<hopper::Tile128x256Cooperative>(p, sm_count, stream);
     else if (mn_major)
@@ -339,17 +352,18 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
 namespace {
 
 std::string wgrad_unsupported_reason(const VarlenKArgs& a, const DeviceTraits& dev) {
-  if (!hopper_kernels_enabled()) return "Hopper kernels disabled (MACHMOE_DISABLE_HOPPER_KERNELS or the test switch)";
-  if (!hopper_backward_enabled())
-    return "the Hopper backward kernels are switched off (MACHMOE_HOPPER_BACKWARD=0 or the test switch)";
+  if (!hopper_kernels_enabled()) return kDisabledReason;
+  if (!hopper_backward_enabled()) return kBackwardOffReason;
   if (a.dt != DType::kBF16) return std::string("dtype ") + dtype_name(a.dt) + " (the Hopper kernels are bf16)";
   if (a.out_dt != DType::kBF16 && a.out_dt != DType::kFP32)
     return std::string("output dtype ") + dtype_name(a.out_dt) + " (the Hopper weight gradients are bf16 or fp32)";
   if (dev.major != 9 || dev.minor != 0)
     return "compute capability " + std::to_string(dev.major) + "." + std::to_string(dev.minor) + " (needs 9.0)";
-  if (a.M <= 0 || a.M % kMinTileN != 0) return "M = " + std::to_string(a.M) + " is not a multiple of 128";
-  if (a.N <= 0 || a.N % kMinTileN != 0) return "N = " + std::to_string(a.N) + " is not a multiple of 128";
-  if (a.E <= 0 || a.E * (a.M / 128) * (a.N / 128) >= (std::int64_t{1} << 31)) return "E out of range";
+  // Any multiple of 8 along M and N (edge tiles: zero-filled loads, clipped stores): heuristics.hpp.
+  const std::string shape_reason = hopper::wgrad_shape_unsupported_reason(a.M, a.N);
+  if (!shape_reason.empty()) return shape_reason;
+  if (a.M > (std::int64_t{1} << 30) || a.N > (std::int64_t{1} << 30)) return "M or N of 2^30 or more";
+  if (a.E <= 0 || a.E * tiles_of(a.M, 128) * tiles_of(a.N, 128) >= (std::int64_t{1} << 31)) return "E out of range";
   if (a.expert_offsets == nullptr || a.out == nullptr) return "no expert offsets or no output";
   // The two families instantiated: dW2 (A gathered, B contiguous) and dW1 (A contiguous, B gathered). The other
   // combinations are one table line each (generate_instantiations.py) when something needs them.
@@ -375,7 +389,10 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
   const DeviceTraits dev = current_device();
   const std::string reason = wgrad_unsupported_reason(a, dev);
   if (!reason.empty()) {
-    log_fallback_once(stage, reason);
+    report_fallback(stage,
+                    "M = " + std::to_string(a.M) + ", N = " + std::to_string(a.N) + " per expert, " +
+                        std::to_string(a.E) + " experts",
+                    reason);
     launch_varlen_k_gemm(a, stream);
     return;
   }
@@ -385,8 +402,8 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
 
   hopper::WeightGradParams p;
   p.scheduler.E = static_cast<int>(a.E);
-  p.scheduler.m_tiles = static_cast<int>(a.M / 128);
-  p.scheduler.n_tiles = static_cast<int>(a.N / tiles.tile_n);
+  p.scheduler.m_tiles = static_cast<int>(tiles_of(a.M, 128));  // the last m- and n-tiles may be edge tiles
+  p.scheduler.n_tiles = static_cast<int>(tiles_of(a.N, tiles.tile_n));
   p.scheduler.expert_offsets = a.expert_offsets;
   p.mainloop.M = static_cast<int>(a.M), p.mainloop.N = static_cast<int>(a.N);
   p.mainloop.a = a.a, p.mainloop.lda = a.lda, p.mainloop.a_gather = a.a_gather;

@@ -11,24 +11,25 @@
 namespace machmoe::gpu {
 
 /// Why the Hopper kernels cannot run `a` ("" when they can). Limits (docs/ARCHITECTURE.md): bf16; an sm_90 device;
-/// K a multiple of 64; N a multiple of 128 (GLU: n a multiple of 64; other activations: n a multiple of 128);
-/// K-major weights (stride 1 along K) with 16-byte-aligned rows and base; rows of A, H/Y and A-out 16-byte aligned;
+/// K and N positive multiples of 8 (a GLU up-projection: n = N / 2 too; edge tiles and a partial last k-block are
+/// predicated inside the kernels); K-major weights (stride 1 along K) with 16-byte-aligned rows and base; rows of A, H/Y and A-out 16-byte aligned;
 /// the store or up-projection epilogue.
 std::string hopper_unsupported_reason(const VarlenMArgs& a);
 
-/// Runs a varlen-M expert GEMM (forward up- or down-projection, backward dX~) on the Hopper kernel when it takes
-/// the shape, else on the GPU reference GEMM, printing once per (stage, reason) to stderr why. Same results either
-/// way up to rounding (fp32 accumulation in a different order).
+/// Runs a varlen-M expert GEMM (forward up- or down-projection, backward dX~ and dH) on the Hopper kernel when it
+/// takes the shape, else on the GPU reference GEMM, warning once per (stage, reason) on stderr with the shape and
+/// why, or throwing machmoe::Error under FallbackPolicy::kError (machmoe/fallback.hpp). Same results either way up
+/// to rounding (fp32 accumulation in a different order).
 void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t stream);
 
 /// Why the Hopper weight-gradient kernels cannot run `a` ("" when they can). Limits: bf16 inputs, output bf16 or
-/// fp32; an sm_90 device; the backward's Hopper kernels switched on; M and N multiples of 128; operand rows and
+/// fp32; an sm_90 device; the backward's Hopper kernels switched on; M and N positive multiples of 8; operand rows and
 /// the output 16-byte aligned (row strides multiples of 8 elements); exactly one operand gathered (dW2: A, dW1: B);
 /// a concatenated row map only with M = 2n. The N tile follows set_hopper_tile_n / MACHMOE_HOPPER_TILE_N too.
 std::string hopper_wgrad_unsupported_reason(const VarlenKArgs& a);
 
 /// Runs a weight-gradient GEMM (backward dW1, dW2) on the Hopper varlen-K kernel when it takes the shape, else on
-/// the GPU reference GEMM, printing once per (stage, reason) to stderr why. Same results either way up to rounding
+/// the GPU reference GEMM, reported as launch_expert_gemm does. Same results either way up to rounding
 /// (fp32 accumulation in a different order); experts without rows get exact zeros (accumulating: untouched).
 void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t stream);
 

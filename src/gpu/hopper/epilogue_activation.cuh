@@ -47,7 +47,7 @@ struct EpilogueActivation {
     // The tile's first output column: H column n_tile * kTileN; A column n_tile * kActCols.
     const std::int64_t col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
     const std::int64_t act_col0 = static_cast<std::int64_t>(c.n_tile) * kActCols;
-    if constexpr (Variant::kBias) Staging::template add_bias<concat>(p.bias, p.glu_n, acc, c, quad);
+    if constexpr (Variant::kBias) Staging::template add_bias<concat>(p.bias, p.glu_n, p.N, acc, c, quad);
 
     CUTE_UNROLL
     for (int m = 0; m < Staging::kRowAtoms; ++m) {
@@ -62,6 +62,7 @@ struct EpilogueActivation {
         constexpr int kPassCols = kActCols < Staging::kStageCols ? kActCols : Staging::kStageCols;
         CUTE_UNROLL
         for (int pass = 0; pass < kActCols / kPassCols; ++pass) {
+          if (act_col0 + pass * kPassCols >= p.a.cols) break;  // an edge tile's all-padding pass (uniform)
           Staging::acquire(wg_thread, barrier_id);
           CUTE_UNROLL
           for (int v2 = 0; v2 < kTileN / 8; ++v2) {

@@ -13,6 +13,13 @@
 // pass are issued together before any is used. Under the ping-pong schedule the other consumer warpgroup's
 // mainloop keeps the tensor cores busy meanwhile; under the cooperative one (the default where n is a multiple of
 // 256) nothing does, and the epilogue is exposed (docs/BENCHMARKS.md: 0.4-0.75 of cuBLAS's plain GEMM).
+//
+// Edge tiles (n not a multiple of kTileN): the accumulator's columns j >= n are exact zeros (W2's rows past n arrive
+// zero-filled by TMA, so dA' = sum_k dO[k] * 0), H is neither prefetched nor loaded past the row's valid columns
+// (the padded columns read H = 0, so A = act(0) * 0 or act(0), finite), and dH and A' are clipped by the stores
+// (epilogue_staging.cuh). A padded column thus adds dA' * A = 0 * finite = +0 exactly to its dS block; a 64-column
+// block wholly past n (j0 / 64 + b >= ds_tiles = ceil(n / 64)) is not written at all, since the partials of a pair
+// are ds_tiles wide and the next pair's follow (launch_ds_reduce reads exactly ds_tiles per pair).
 #pragma once
 
 #include "gpu/hopper/epilogue_staging.cuh"
@@ -36,10 +43,14 @@ struct EpilogueActivationGrad {
   /// Called by the producer warpgroup as it starts loading the tile (`threads` producer threads): the tile's H rows
   /// go to L2 by bulk prefetch, so the epilogue, about one mainloop later, reads them from L2 rather than HBM.
   __device__ __forceinline__ static void prefetch(const Params& p, const TileCoord& c, int ptid, int threads) {
-    const std::int64_t col0 = (kGlu ? 2 : 1) * static_cast<std::int64_t>(c.n_tile) * kTileN;
+    const std::int64_t j0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
+    const std::int64_t col0 = (kGlu ? 2 : 1) * j0;
+    // An edge tile prefetches only the row's valid H columns (a multiple of 8: whole 16-byte units).
+    const std::int64_t valid_j = p.N - j0 < kTileN ? p.N - j0 : kTileN;
+    const std::uint32_t bytes = static_cast<std::uint32_t>((kGlu ? 2 : 1) * valid_j * 2);
     const __nv_bfloat16* h = static_cast<const __nv_bfloat16*>(p.h);
     for (int r = ptid; r < Tile::kTileM; r += threads)
-      if (r < c.rows) bulk_prefetch_l2(h + (c.row0 + r) * p.ld_h + col0, kDhCols * 2);
+      if (r < c.rows) bulk_prefetch_l2(h + (c.row0 + r) * p.ld_h + col0, bytes);
   }
 
   /// One variant: the epilogue has no bias (b1 is already in H; the b2 term of dS is added by the reduction).
@@ -58,6 +69,9 @@ struct EpilogueActivationGrad {
     const std::int64_t j0 = static_cast<std::int64_t>(c.n_tile) * kTileN;  // first A column of the tile
     const std::int64_t dh_col0 = kGlu ? 2 * j0 : j0;
     const __nv_bfloat16* h_base = static_cast<const __nv_bfloat16*>(p.h);
+    // Valid A columns of the tile: kTileN for a whole tile (every per-column test below passes), fewer for the edge
+    // tile. The thread's columns col, col + 1 share validity (col even, n a multiple of 8).
+    const int valid_j = p.N - j0 < kTileN ? static_cast<int>(p.N - j0) : kTileN;
 
     CUTE_UNROLL
     for (int m = 0; m < Staging::kRowAtoms; ++m) {
@@ -86,19 +100,23 @@ struct EpilogueActivationGrad {
       // dH, in passes of kStageCols columns; A' = s A replaces dA' in the accumulator for the pass after.
       CUTE_UNROLL
       for (int pass = 0; pass < kPasses; ++pass) {
-        // H of the pass, all loads issued before the first use.
+        // An edge tile's pass whose A columns are all padding (uniform): nothing of it is stored, its dS blocks are
+        // not written, and the A' pass below clips its columns (they keep dA' = 0 in the accumulator).
+        if (pass * kV2PerPass * 8 >= valid_j) break;
+        // H of the pass, all loads issued before the first use; H = 0 for padded columns (never read past n).
         std::uint32_t hv[2][kV2PerPass][kGlu ? 2 : 1];
         CUTE_UNROLL
         for (int v1 = 0; v1 < 2; ++v1) {
           CUTE_UNROLL
           for (int i = 0; i < kV2PerPass; ++i) {
             const int col = (pass * kV2PerPass + i) * 8 + quad * 2;  // accumulator (A) column in the tile
+            const bool ok = h_row[v1] != nullptr && col < valid_j;
             if constexpr (kGlu) {
               uint2 v = make_uint2(0u, 0u);
-              if (h_row[v1] != nullptr) v = __ldg(reinterpret_cast<const uint2*>(h_row[v1] + 2 * col));
+              if (ok) v = __ldg(reinterpret_cast<const uint2*>(h_row[v1] + 2 * col));
               hv[v1][i][0] = v.x, hv[v1][i][1] = v.y;
             } else {
-              hv[v1][i][0] = h_row[v1] != nullptr ? __ldg(reinterpret_cast<const unsigned int*>(h_row[v1] + col)) : 0u;
+              hv[v1][i][0] = ok ? __ldg(reinterpret_cast<const unsigned int*>(h_row[v1] + col)) : 0u;
             }
           }
         }
@@ -148,6 +166,7 @@ struct EpilogueActivationGrad {
       // A' (kTileN columns) from the accumulator, after dH: the dH passes left s A in place of dA', so H is read once.
       CUTE_UNROLL
       for (int pass = 0; pass < kTileN / Staging::kStageCols; ++pass) {
+        if (pass * Staging::kStageCols >= valid_j) break;  // an edge tile's all-padding pass (uniform)
         Staging::acquire(wg_thread, barrier_id);
         CUTE_UNROLL
         for (int v2 = pass * (Staging::kStageCols / 8); v2 < (pass + 1) * (Staging::kStageCols / 8); ++v2) {
@@ -169,7 +188,8 @@ struct EpilogueActivationGrad {
           float x = ds[v1][b];
           x += __shfl_xor_sync(0xffffffffu, x, 1);
           x += __shfl_xor_sync(0xffffffffu, x, 2);
-          if (quad == 0 && pair[v1] >= 0)
+          // A block wholly past n is not written (it would land in the next pair's partials).
+          if (quad == 0 && pair[v1] >= 0 && j0 / 64 + b < p.ds_tiles)
             p.ds_partial[static_cast<std::int64_t>(pair[v1]) * p.ds_tiles + j0 / 64 + b] = x;
         }
       }

@@ -7,6 +7,13 @@
 // warp) and column 8 v2 + 2 (lane % 4) + v0. A gate/up pair is (v0 = 0, 1) of one v2 in the interleaved layout and
 // (v2, v2 + kTileN / 16) in the concatenated layout (whose tile holds kTileN / 2 gate rows then the matching up
 // rows), so a GLU never needs another thread's values.
+//
+// Edge tiles (N not a multiple of kTileN): the accumulator's columns at or past N are padding (zeros of B, see the
+// mainloop). They are never written: a staged pass that starts at or past the output's valid columns is skipped
+// whole, the TMA store clips at the tensor map's extent (the valid columns), and the predicated 16-byte stores skip
+// chunks past it (valid columns are a multiple of 8: a chunk is wholly valid or wholly padding). The bias is read
+// only for valid columns. Whole tiles meet no per-element test: only the per-pass and per-chunk comparisons, which
+// always pass for them.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -58,7 +65,9 @@ struct EpilogueStaging {
   }
 
   /// Sends `cols` staged columns of `rows` rows to (row g0, column c0) of `out`: TMA when the block is whole,
-  /// predicated 16-byte stores otherwise.
+  /// predicated 16-byte stores otherwise. Columns at or past out.cols (an edge tile's padding) are not written: the
+  /// TMA store clips at the map's extent (64-column blocks wholly past it are not issued), the predicated stores
+  /// skip those chunks.
   __device__ __forceinline__ static void release(const Storage& st, const EpilogueOutput& out, int cols, int rows,
                                                  std::int64_t g0, std::int64_t c0, int wg_thread, int barrier_id) {
     fence_proxy_async_shared();  // the fragments written with st.shared, made visible to the copy engine
@@ -66,17 +75,20 @@ struct EpilogueStaging {
     if (rows == kRows) {
       if (wg_thread == 0) {
         for (int b = 0; b < cols / 64; ++b)
-          tma_store_2d(&out.tma, st.staged + b * kBlockElems, static_cast<int>(c0) + 64 * b, static_cast<int>(g0));
+          if (c0 + 64 * b < out.cols)
+            tma_store_2d(&out.tma, st.staged + b * kBlockElems, static_cast<int>(c0) + 64 * b, static_cast<int>(g0));
         bulk_commit_group();
       }
       return;
     }
     const int chunks_per_row = cols / 8;
     const int total = kRows * chunks_per_row;
+    // Valid columns of this pass (cols for a whole tile): the per-chunk test below always passes there.
+    const std::int64_t valid = out.cols - c0;
     __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(out.ptr) + g0 * out.ld + c0;
     for (int i = wg_thread; i < total; i += 128) {
       const int r = i / chunks_per_row, ch = i - r * chunks_per_row;
-      if (r < rows) {
+      if (r < rows && ch * 8 < valid) {
         const uint4 v = *reinterpret_cast<const uint4*>(st.staged + staged_index(r, ch * 8));
         *reinterpret_cast<uint4*>(dst + static_cast<std::int64_t>(r) * out.ld + ch * 8) = v;
       }
@@ -89,13 +101,15 @@ struct EpilogueStaging {
 
   /// The bias, added once in place (a column's bias serves both rows of a fragment pair; the next tile's first
   /// WGMMA overwrites the accumulator). Tile column -> the weights' own row order (concatenated: gate j or up j).
+  /// N: the accumulator's valid columns (2n or n); an edge tile reads no bias past them (its padded columns get 0).
   template <bool kConcat, class Accumulator>
-  __device__ __forceinline__ static void add_bias(const EpilogueBias& bias, int glu_n, Accumulator& acc,
+  __device__ __forceinline__ static void add_bias(const EpilogueBias& bias, int glu_n, int N, Accumulator& acc,
                                                   const TileCoord& c, int quad) {
     using namespace cute;
     constexpr int kHalfBlocks = kTileN / 16;  // concatenated: the up of v2 is v2 + kHalfBlocks
     const std::int64_t col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
     const std::int64_t act_col0 = static_cast<std::int64_t>(c.n_tile) * (kTileN / 2);
+    const bool edge = col0 + kTileN > N;  // uniform: whole tiles skip the per-column test
     const __nv_bfloat16* b_row = static_cast<const __nv_bfloat16*>(bias.ptr);
     CUTE_UNROLL
     for (int v2 = 0; v2 < kTileN / 8; ++v2) {
@@ -103,9 +117,14 @@ struct EpilogueStaging {
       for (int v0 = 0; v0 < 2; ++v0) {
         const int tile_col = v2 * 8 + quad * 2 + v0;
         std::int64_t bcol = col0 + tile_col;
-        if constexpr (kConcat)
-          bcol = v2 < kHalfBlocks ? act_col0 + tile_col : glu_n + act_col0 + tile_col - kTileN / 2;
-        const float b = __bfloat162float(b_row[static_cast<std::int64_t>(c.expert) * bias.ld + bcol]);
+        // Concatenated: the column's A index j (gate or up of the same j) must be below n; else below N.
+        bool ok = !edge || bcol < N;
+        if constexpr (kConcat) {
+          const std::int64_t j = act_col0 + (v2 < kHalfBlocks ? tile_col : tile_col - kTileN / 2);
+          bcol = v2 < kHalfBlocks ? j : glu_n + j;
+          ok = !edge || j < glu_n;
+        }
+        const float b = ok ? __bfloat162float(b_row[static_cast<std::int64_t>(c.expert) * bias.ld + bcol]) : 0.0f;
         CUTE_UNROLL
         for (int m = 0; m < kRowAtoms; ++m) {
           acc(make_coord(make_coord(v0, 0, v2), m, 0)) += b;
@@ -130,6 +149,7 @@ struct EpilogueStaging {
     };
     CUTE_UNROLL
     for (int pass = 0; pass < kTileN / kStageCols; ++pass) {
+      if (col0 + pass * kStageCols >= out.cols) break;  // an edge tile's all-padding pass (uniform)
       acquire(wg_thread, barrier_id);
       CUTE_UNROLL
       for (int v2 = 0; v2 < kTileN / 8; ++v2) {

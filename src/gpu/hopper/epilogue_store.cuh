@@ -29,7 +29,7 @@ struct EpilogueStore {
   __device__ __forceinline__ static void apply(const Params& p, Storage& st, Accumulator& acc, const TileCoord& c,
                                                int row_base, int wg_thread, int barrier_id) {
     const int quad = (wg_thread % 32) % 4;
-    if constexpr (Variant::kBias) Staging::template add_bias<false>(p.bias, 0, acc, c, quad);
+    if constexpr (Variant::kBias) Staging::template add_bias<false>(p.bias, 0, p.N, acc, c, quad);
     const std::int64_t col0 = static_cast<std::int64_t>(c.n_tile) * Tile::kTileN;
     CUTE_UNROLL
     for (int m = 0; m < Staging::kRowAtoms; ++m) {

@@ -7,8 +7,10 @@
 // XOR-swizzled by row so that both the fragment writes and the row reads are free of bank conflicts), then every
 // thread moves whole 16-byte chunks (4 columns) of rows to global memory: a warp writes 2 rows x 64 columns, whole
 // 128-byte (bf16) or 256-byte (fp32) runs. Accumulating, the destination chunks are loaded before the fragments are
-// staged, so their latency hides behind the staging and the barrier. A row map or an edge predicate (M or N not a
-// tile multiple, later) is a per-row / per-chunk condition of that pass, no more. TMA stores are not used: the row
+// staged, so their latency hides behind the staging and the barrier. A row map or an edge predicate is a per-row /
+// per-chunk condition of that pass, no more: edge tiles (M or N not a tile multiple, both multiples of 8) store
+// only rows below M (tested before the row map, which would otherwise send a padded row onto a valid one) and
+// 4-column chunks below N, and skip a 64-column pass wholly past N; whole tiles pass every test. TMA stores are not used: the row
 // map scatters a 64-row block over two row ranges, and the accumulate mode has to read the destination anyway.
 //
 // WGMMA accumulator fragment (per 64-row atom): value (v0, v1, v2) of a thread holds row 8 v1 + lane / 4 (+16 per
@@ -115,9 +117,11 @@ struct EpilogueWgrad {
     const int quad = lane % 4, row_in_warp = lane / 4;
     const int chunk = wg_thread % kChunksPerRow, row0 = wg_thread / kChunksPerRow;  // rows row0 + 8 j
     Out* out = static_cast<Out*>(p.out) + static_cast<std::int64_t>(c.expert) * p.out_expert_stride;
+    // Valid columns of the tile past its first (>= kTileN for a whole tile): a pass or a chunk at or past it is padding.
+    const int n_valid = p.N - c.n_tile * kTileN;
     CUTE_UNROLL
     for (int m = 0; m < kRowAtoms; ++m) {
-      // This thread's destination rows of the atom (the row map applied once per atom).
+      // This thread's destination rows of the atom (the row map applied once per atom); null: a padded row (>= M).
       Out* dst_row[kChunksPerThread];
       CUTE_UNROLL
       for (int j = 0; j < kChunksPerThread; ++j) {
@@ -125,14 +129,20 @@ struct EpilogueWgrad {
             static_cast<std::int64_t>(c.m_tile) * kTileM + row_base + m * kRows + row0 + 8 * j;
         const std::int64_t grad_row =
             p.glu_concat_n > 0 ? (tile_row & 1) * p.glu_concat_n + (tile_row >> 1) : tile_row;
-        dst_row[j] = out + grad_row * p.ld_out + static_cast<std::int64_t>(c.n_tile) * kTileN + chunk * 4;
+        dst_row[j] = tile_row < p.M
+                         ? out + grad_row * p.ld_out + static_cast<std::int64_t>(c.n_tile) * kTileN + chunk * 4
+                         : nullptr;
       }
       CUTE_UNROLL
       for (int pass = 0; pass < kTileN / kPassCols; ++pass) {
+        if (pass * kPassCols >= n_valid) break;  // an edge tile's all-padding pass (uniform across the warpgroup)
+        const bool col_ok = pass * kPassCols + chunk * 4 < n_valid;
         float4 old[kChunksPerThread];
         if constexpr (Variant::kAccumulate) {
           CUTE_UNROLL
-          for (int j = 0; j < kChunksPerThread; ++j) old[j] = load4<kFp32>(dst_row[j] + pass * kPassCols);
+          for (int j = 0; j < kChunksPerThread; ++j)
+            old[j] = dst_row[j] != nullptr && col_ok ? load4<kFp32>(dst_row[j] + pass * kPassCols)
+                                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
         // Fragments of columns [pass 64, pass 64 + 64) -> staging.
         CUTE_UNROLL
@@ -151,7 +161,7 @@ struct EpilogueWgrad {
         for (int j = 0; j < kChunksPerThread; ++j) {
           float4 v = *reinterpret_cast<const float4*>(&st.staged[staged_index(row0 + 8 * j, chunk * 4)]);
           if constexpr (Variant::kAccumulate) v.x += old[j].x, v.y += old[j].y, v.z += old[j].z, v.w += old[j].w;
-          store4<kFp32>(dst_row[j] + pass * kPassCols, v);
+          if (dst_row[j] != nullptr && col_ok) store4<kFp32>(dst_row[j] + pass * kPassCols, v);
         }
         named_barrier_sync(barrier_id, 128);  // the staging buffer is free for the next pass
       }

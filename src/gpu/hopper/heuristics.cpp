@@ -2,9 +2,37 @@
 
 namespace machmoe::gpu::hopper {
 
+namespace {
+/// The wide (256) tile pads no more columns than the square (128) one: ceil(N / 128) is even.
+bool wide_tile_fits(std::int64_t N) { return padded_columns(N, 256) <= padded_columns(N, 128); }
+
+std::string extent_reason(const char* name, std::int64_t v) {
+  if (v > 0 && v % kExtentGranule == 0) return "";
+  return std::string(name) + " = " + std::to_string(v) + " is not a positive multiple of " +
+         std::to_string(kExtentGranule) + " (16-byte rows)";
+}
+}  // namespace
+
+std::string varlen_m_shape_unsupported_reason(std::int64_t N, std::int64_t K, bool glu_up) {
+  std::string r = extent_reason("K", K);
+  if (r.empty()) r = extent_reason("N", N);
+  if (r.empty() && glu_up && (N / 2) % kExtentGranule != 0)
+    r = "N = " + std::to_string(N) + " of a GLU up-projection: n = N / 2 is not a multiple of " +
+        std::to_string(kExtentGranule) + " (16-byte rows of A)";
+  return r;
+}
+
+std::string wgrad_shape_unsupported_reason(std::int64_t M, std::int64_t N) {
+  std::string r = extent_reason("M", M);
+  return r.empty() ? extent_reason("N", N) : r;
+}
+
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides) {
   TileChoice c;
-  c.tile_n = (overrides.tile_n == 128 || shape.N % 256 != 0) ? 128 : 256;
+  if (overrides.tile_n == 128 || overrides.tile_n == 256)
+    c.tile_n = overrides.tile_n;
+  else
+    c.tile_n = wide_tile_fits(shape.N) ? 256 : 128;
   c.raster_m = overrides.raster_m > 0 ? overrides.raster_m : 1;
   return c;
 }
@@ -13,12 +41,13 @@ TileChoice choose_wgrad_tiles(const WgradShape& shape, const TileOverrides& over
   TileChoice c;
   c.raster_m = 1;  // the varlen-K scheduler has one order (m-tiles fastest inside an expert)
   c.tile_n = 128;
-  if (shape.N % 256 != 0 || overrides.tile_n == 128) return c;
+  if (overrides.tile_n == 128) return c;
   if (overrides.tile_n == 256) {
     c.tile_n = 256;
     return c;
   }
-  const std::int64_t wide_tiles = shape.E * (shape.M / 128) * (shape.N / 256);
+  if (!wide_tile_fits(shape.N)) return c;
+  const std::int64_t wide_tiles = shape.E * tiles_of(shape.M, 128) * tiles_of(shape.N, 256);
   c.tile_n = wide_tiles >= shape.sm_count ? 256 : 128;
   return c;
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace machmoe::gpu::hopper {
 
@@ -26,10 +27,27 @@ struct TileChoice {
   int raster_m = 1;  // 1: along N
 };
 
-/// The narrowest N tile: every shape the kernels take has N a multiple of it.
+/// The narrowest N tile.
 inline constexpr int kMinTileN = 128;
+/// The granule of every extent the kernels take (N, K; M and N of the weight gradients): 8 bf16 = 16 bytes, the
+/// unit of cp.async, of TMA's global strides and of the predicated stores. Any multiple of it runs: tiles that hang
+/// past N are edge tiles (loads zero-filled, stores clipped), a partial last k-block is zero-filled past K.
+inline constexpr int kExtentGranule = 8;
 
-/// The tile and rasterisation for a shape the kernels take (N a multiple of kMinTileN). Measured on an H200
+/// Tiles of `extent` columns at `tile` per tile (ceil-division: the last may be an edge tile).
+constexpr std::int64_t tiles_of(std::int64_t extent, std::int64_t tile) { return (extent + tile - 1) / tile; }
+
+/// Why the varlen-M kernels cannot take a GEMM of N output columns and reduction length K ("" when they can):
+/// N and K positive multiples of kExtentGranule, and for a GLU up-projection (glu_up) N / 2 = n one as well (A's
+/// rows are n wide). Pure: the dispatcher adds the dtype, device, pointer and stride checks.
+std::string varlen_m_shape_unsupported_reason(std::int64_t N, std::int64_t K, bool glu_up);
+/// The same for a weight-gradient GEMM's output extents M x N.
+std::string wgrad_shape_unsupported_reason(std::int64_t M, std::int64_t N);
+
+/// Columns of padding when N is covered by tiles of `tile` columns.
+constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { return tiles_of(N, tile) * tile - N; }
+
+/// The tile and rasterisation for a shape the kernels take (N a multiple of kExtentGranule). Measured on an H200
 /// (docs/BENCHMARKS.md; docs/SPEC.md §6.2 was the starting point): the 128 x 256 cooperative tile halves the
 /// operand bytes per FLOP through L2 and shared memory, which the gathered up-projection needs (7B-256: 614 TFLOP/s
 /// against 515 with 128 x 128 ping-pong); for the down-projection it measured equal (n >= 512) or 2-4 % faster
@@ -37,11 +55,14 @@ inline constexpr int kMinTileN = 128;
 /// 2-8 M-tiles measured no better than running along N. The dH kernel takes the same rule today; measured on an
 /// H200 (docs/BENCHMARKS.md, 2026-11-23 evening) 128 x 128 ping-pong is 4-7 % faster for it where d <= 1536 and
 /// 128 x 256 is 15-25 % faster where d = 4096, so choosing by K for that family is the next step.
+/// N that is no multiple of 128 (edge tiles): the tile that pads the fewest columns, the wide one on a tie
+/// (N = 256 q + r: 256 iff r > 128, i.e. ceil(N / 128) even; N = 2880 = 11 x 256 + 64 takes 128, padding 64 columns
+/// of 2944 where 256 would pad 192 of 3072). A forced tile (overrides.tile_n = 128 or 256) is honoured for every N.
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
 
 /// A weight-gradient GEMM (varlen-K): per expert an M x N output, the reduction over the expert's grouped rows.
 struct WgradShape {
-  std::int64_t E = 0, M = 0, N = 0;  // M, N: multiples of kMinTileN (the kernels take no other)
+  std::int64_t E = 0, M = 0, N = 0;  // M, N: multiples of kExtentGranule (edge tiles past them)
   int sm_count = 132;                // CTAs of the persistent grid
 };
 
@@ -52,7 +73,9 @@ struct WgradShape {
 /// for the square one (the forward measured the same trade: 614 against 515 TFLOP/s gathered). Its cost is an epilogue
 /// that no other warpgroup hides, small next to the 24 k-blocks of a 7B tile (1536 rows per expert). The square tile,
 /// ping-pong, serves N = 128 mod 256 and shapes with fewer wide tiles than SMs (more, smaller tiles fill the grid).
-/// overrides.tile_n = 128 forces the square tile; 256 the wide one where N allows it.
+/// N that is no multiple of 256: as choose_tiles, the wide tile only where it pads no more columns than the square
+/// one (ceil(N / 128) even), and then only with enough wide tiles (ceil-divided) for the grid.
+/// overrides.tile_n = 128 forces the square tile; 256 the wide one (for every N).
 TileChoice choose_wgrad_tiles(const WgradShape& shape, const TileOverrides& overrides);
 
 }  // namespace machmoe::gpu::hopper

@@ -18,9 +18,9 @@
 // expert with no rows has no k-block: the epilogue writes exact zeros for it (or leaves the output, accumulating).
 //
 // Template parameters: the tile configuration, how A and B arrive (gathered or contiguous), the element type.
-// Edge predication for M/N that are not tile multiples slots in where the cp.async source size is formed
-// (copy_rows: columns past M or N get src-size 0) and in the epilogue's store predicate; only tile multiples are
-// dispatched today.
+// Edge tiles (M or N not a tile multiple, both multiples of 8): the 16-byte chunks at columns past M (A) or N (B)
+// get src-size 0 in copy_rows (never read past a row: the next bytes are the next row's), so the padded rows and
+// columns of the accumulator are zeros, and the epilogue does not store them.
 #pragma once
 
 #include <type_traits>
@@ -128,20 +128,27 @@ struct MainloopVarlenK {
     }
   }
 
-  /// Copies this thread's chunks of one operand's k-block: kWidth / 64 blocks x 4 rows.
+  /// Copies this thread's chunks of one operand's k-block: kWidth / 64 blocks x 4 rows. `valid`: the operand's
+  /// columns from col0 on (M or N minus col0; at least kWidth for a whole tile, where every column test passes):
+  /// chunks at or past it are zero-filled (the extents are multiples of 8, so a chunk is wholly in or out).
   template <int kWidth>
   __device__ __forceinline__ static void copy_rows(std::uint32_t dst_stage, const Element* base, std::int64_t ld,
-                                                   std::int64_t col0, const int (&rows)[kRowsPerThread],
+                                                   std::int64_t col0, int valid, const int (&rows)[kRowsPerThread],
                                                    int row_in_pass, std::uint32_t swizzled_chunk, int chunk) {
+    bool col_ok[kWidth / 64];
+#pragma unroll
+    for (int blk = 0; blk < kWidth / 64; ++blk) col_ok[blk] = blk * 64 + chunk * 8 < valid;
 #pragma unroll
     for (int j = 0; j < kRowsPerThread; ++j) {
       const int r = row_in_pass + 16 * j;
-      const bool ok = rows[j] >= 0;
-      const Element* src_row = base + (ok ? static_cast<std::int64_t>(rows[j]) * ld + col0 + chunk * 8 : 0);
+      const bool row_ok = rows[j] >= 0;
+      const Element* src_row = base + (row_ok ? static_cast<std::int64_t>(rows[j]) * ld + col0 + chunk * 8 : 0);
 #pragma unroll
-      for (int blk = 0; blk < kWidth / 64; ++blk)
+      for (int blk = 0; blk < kWidth / 64; ++blk) {
+        const bool ok = row_ok && col_ok[blk];
         cp_async_16(dst_stage + blk * kBlockBytes + r * 128 + swizzled_chunk, ok ? src_row + blk * 64 : base,
                     ok ? 16u : 0u);
+      }
     }
   }
 
@@ -164,6 +171,7 @@ struct MainloopVarlenK {
       if (c.k_tiles == 0) continue;  // an expert without rows: nothing on the ring
       const std::int64_t a_col0 = static_cast<std::int64_t>(c.m_tile) * kTileM;
       const std::int64_t b_col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
+      const int a_valid = p.M - static_cast<int>(a_col0), b_valid = p.N - static_cast<int>(b_col0);  // edge tiles
       int rows_a[kRowsPerThread], rows_b[kRowsPerThread];
       source_rows<kOperandA>(p.a_gather, c, 0, row_in_pass, rows_a);
       source_rows<kOperandB>(p.b_gather, c, 0, row_in_pass, rows_b);
@@ -176,10 +184,10 @@ struct MainloopVarlenK {
         const int stage = static_cast<int>(iter % kStages);
         const std::uint32_t phase = (iter / kStages) & 1u;
         mbar_wait(&s.bar.empty[stage], phase ^ 1u);
-        copy_rows<kTileM>(smem_u32(&s.t.a[stage][0]), a_base, p.lda, a_col0, rows_a, row_in_pass, swizzled_chunk,
-                          chunk);
-        copy_rows<kTileN>(smem_u32(&s.t.b[stage][0]), b_base, p.ldb, b_col0, rows_b, row_in_pass, swizzled_chunk,
-                          chunk);
+        copy_rows<kTileM>(smem_u32(&s.t.a[stage][0]), a_base, p.lda, a_col0, a_valid, rows_a, row_in_pass,
+                          swizzled_chunk, chunk);
+        copy_rows<kTileN>(smem_u32(&s.t.b[stage][0]), b_base, p.ldb, b_col0, b_valid, rows_b, row_in_pass,
+                          swizzled_chunk, chunk);
         cp_async_arrive_noinc(&s.bar.full[stage]);
 #pragma unroll
         for (int j = 0; j < kRowsPerThread; ++j) rows_a[j] = next_a[j], rows_b[j] = next_b[j];

@@ -10,7 +10,10 @@
 //
 // Template parameters: the tile configuration (tile_config.hpp), how A arrives (gathered rows or a contiguous
 // TMA tile), the majorness of B and the element type. Edge predication along N and K slots in where the TMA boxes
-// and the cp.async sizes are formed (produce), never deeper.
+// and the cp.async sizes are formed (produce), never deeper: the tensor maps carry the true N and K (TMA zero-fills
+// what lies past them), and the gather zero-fills the 16-byte chunks at k >= K (K is a multiple of 8, so a chunk is
+// wholly inside or wholly past the row). An edge tile's padded columns thus hold exact zeros of B (or, for the
+// concatenated layout's gate half, rows of the up half: finite values that no stored column depends on).
 #pragma once
 
 #include <type_traits>
@@ -116,7 +119,7 @@ struct MainloopVarlenM {
   __device__ __forceinline__ static void produce(const Params& p, const typename Scheduler::Params& sp, Storage s,
                                                  int ptid, OnTile&& on_tile) {
     Scheduler sched(sp);
-    const int k_tiles = p.K / kTileK;
+    const int k_tiles = (p.K + kTileK - 1) / kTileK;  // the last block may be partial (zero-filled past K)
     std::uint32_t iter = 0;
     // Gather mapping: 8 threads cover one 128-byte row slice (16 B each), 16 rows per pass, 8 passes.
     const int chunk = ptid & 7, row_in_pass = ptid >> 3;
@@ -169,10 +172,12 @@ struct MainloopVarlenM {
         if constexpr (kGatherA) {
           const std::uint32_t dst0 = smem_u32(&s.t.a[stage][0]) + swizzled_chunk;
           const std::int64_t k_off = static_cast<std::int64_t>(kb) * kTileK + chunk * 8;
+          // Chunks at k >= K (the partial last k-block) are zero-filled: reading them would run past the row.
+          const bool k_ok = k_off < p.K;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const int r = row_in_pass + 16 * i;
-            const bool ok = src_row[i] >= 0;
+            const bool ok = k_ok && src_row[i] >= 0;
             const Element* src = ok ? a_base + src_row[i] + k_off : a_base;
             cp_async_16(dst0 + r * 128, src, ok ? 16u : 0u);
           }
@@ -186,12 +191,13 @@ struct MainloopVarlenM {
   // ---- consumer ------------------------------------------------------------------------------------------------
 
   /// Accumulates tile `tile_index` of this CTA's sequence into `acc` (zeroed by the first WGMMA); every tile has
-  /// K / kTileK k-blocks, so its first one sits at ring position tile_index * K / kTileK. `on_last_wait` runs (on
+  /// ceil(K / kTileK) k-blocks, so its first one sits at ring position tile_index * ceil(K / kTileK). `on_last_wait` runs (on
   /// every thread) once this warpgroup has seen its last stage arrive.
   template <class Accumulator, class OnLastWait>
   __device__ __forceinline__ static void consume(const Params& p, Storage s, Accumulator& acc, const TileCoord&,
                                                  int tile_index, int mma_thread, OnLastWait&& on_last_wait) {
-    std::uint32_t iter = static_cast<std::uint32_t>(tile_index) * static_cast<std::uint32_t>(p.K / kTileK);
+    const int k_tiles = (p.K + kTileK - 1) / kTileK;
+    std::uint32_t iter = static_cast<std::uint32_t>(tile_index) * static_cast<std::uint32_t>(k_tiles);
     const int wg_thread = mma_thread % 128;
     using namespace cute;
     TiledMma mma;
@@ -200,7 +206,6 @@ struct MainloopVarlenM {
     auto thr = mma.get_thread_slice(mma_thread);
     Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage) descriptors
     Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-    const int k_tiles = p.K / kTileK;
     mma.accumulate_ = GMMA::ScaleOut::Zero;
     int previous_stage = -1;
     for (int kb = 0; kb < k_tiles; ++kb, ++iter) {

@@ -16,21 +16,24 @@ namespace machmoe::gpu::hopper {
 /// The persistent tile scheduler over variable-length expert segments (tile_scheduler.cuh).
 struct VarlenMSchedulerParams {
   int E = 0;         // experts
-  int n_tiles = 0;   // N / kTileN
+  int n_tiles = 0;   // ceil(N / kTileN): the last N-tile may hang past N (edge tile)
   int raster_m = 1;  // M-tiles per rasterisation group (1: along N)
   const std::int32_t* expert_offsets = nullptr;  // (E + 1), device
 };
 
 /// The varlen-M mainloop (mainloop_varlen_m.cuh).
 struct MainloopVarlenMParams {
-  int K = 0;  // reduction length, a multiple of 64
+  // Reduction length, a multiple of 8 (16-byte rows). The last k-block may be partial: the tensor maps carry the
+  // true K, so TMA zero-fills past it, and the gather's cp.async zero-fills the 16-byte chunks at k >= K.
+  int K = 0;
   // A operand. Gathered: rows of `a` (row stride lda elements) picked by `gather`. Contiguous: TMA through tma_a.
   const void* a = nullptr;
   std::int64_t lda = 0;
   const std::int32_t* gather = nullptr;
   CUtensorMap tma_a;  // 2D (K, rows), box (64, 128), 128-byte swizzle; unused when gathered
   // B operand (weights), K-major: 3D (K, rows per expert, E), box (64, kTileN / 2, 1). A tile's kTileN rows are
-  // loaded as two halves, so the concatenated GLU layout lands interleaved in shared memory without a copy.
+  // loaded as two halves, so the concatenated GLU layout lands interleaved in shared memory without a copy. The
+  // map's extents are the true K and N: rows past N and k past K arrive as zeros (an edge tile's padded columns).
   CUtensorMap tma_b;
   bool b_concatenated = false;
   int glu_n = 0;  // n: in the concatenated layout, the first up row of the weights
@@ -42,6 +45,9 @@ struct MainloopVarlenMParams {
 struct EpilogueOutput {
   void* ptr = nullptr;  // bf16, row stride ld; null: not stored
   std::int64_t ld = 0;
+  // Valid columns (a multiple of 8): an edge tile's columns at or past it are never written (the TMA store clips
+  // at the map's extent, which is `cols`; the predicated 16-byte stores skip those chunks).
+  std::int64_t cols = 0;
   CUtensorMap tma;
 };
 
@@ -55,6 +61,7 @@ struct EpilogueBias {
 struct EpilogueStoreParams {
   EpilogueOutput out;
   EpilogueBias bias;
+  int N = 0;  // output columns (bias columns read only below it)
 };
 
 /// H = acc (+ b1), A = act(H) from the same fp32 values (epilogue_activation.cuh): the up-projection.
@@ -66,6 +73,7 @@ struct EpilogueActivationParams {
   // loads them so); H is still stored interleaved. glu_n: the first up row of the weights and of the bias.
   bool concatenated = false;
   int glu_n = 0;
+  int N = 0;  // accumulator columns (2n or n): an edge tile reads the bias only below it
 };
 
 /// dH = act'(H) (s dA'), A' = s act(H), dS partials (epilogue_activation_grad.cuh): the backward's dH kernel.
@@ -77,7 +85,8 @@ struct EpilogueActivationGradParams {
   const float* scores = nullptr;          // pair order
   const std::int32_t* scatter = nullptr;  // grouped row -> pair
   float* ds_partial = nullptr;            // (pairs, ds_tiles): <dA', A> over each 64-column block of A
-  int ds_tiles = 0;                       // n / 64
+  int ds_tiles = 0;                       // ceil(n / 64): blocks at or past it (an edge tile's) are not written
+  int N = 0;                              // n: A columns; an edge tile reads H only below it
 };
 
 // ---- varlen-K (weight gradients) ------------------------------------------------------------------------------
@@ -90,15 +99,15 @@ struct EpilogueActivationGradParams {
 /// The persistent tile scheduler over (expert, m-tile, n-tile) (tile_scheduler_varlen_k.cuh).
 struct VarlenKSchedulerParams {
   int E = 0;
-  int m_tiles = 0;  // M / kTileM
-  int n_tiles = 0;  // N / kTileN
+  int m_tiles = 0;  // ceil(M / kTileM)
+  int n_tiles = 0;  // ceil(N / kTileN)
   const std::int32_t* expert_offsets = nullptr;  // (E + 1), device
 };
 
 /// The varlen-K mainloop (mainloop_varlen_k.cuh): both operands copied by cp.async, rows past the segment
 /// zero-filled.
 struct MainloopVarlenKParams {
-  int M = 0, N = 0;  // output extents (multiples of the tile today; kept for the edge predication to come)
+  int M = 0, N = 0;  // output extents (multiples of 8): columns of A past M and of B past N are zero-filled
   const void* a = nullptr;  // bf16, row stride lda elements; row rowA(g) holds m = 0 .. M-1
   std::int64_t lda = 0;
   const std::int32_t* a_gather = nullptr;  // null: contiguous rows g

@@ -26,8 +26,9 @@ TEST(Cli, DefaultsAndNamedConfigs) {
   EXPECT_EQ(gpu.problem.d, 1536);
   EXPECT_EQ(gpu.problem.E, 128);
   int main_configs = 0;
-  for (const NamedConfig& c : named_configs()) main_configs += std::string(c.name) != "cpu-small";
+  for (const NamedConfig& c : named_configs()) main_configs += *c.note == '\0';
   EXPECT_EQ(main_configs, 12);
+  EXPECT_EQ(main_config_runs(Options{}).size(), 12u);
   const Options o = parse_options({"--K", "2", "--config", "120B-2048", "--activation", "gelu", "--bias", "both"}, false);
   EXPECT_EQ(o.problem.n, 2048);
   EXPECT_EQ(o.problem.K, 2) << "size overrides apply on top of --config whatever the order";

@@ -27,13 +27,68 @@ TEST(HopperHeuristics, WideTileWhereNAllowsIt) {
   }
 }
 
-TEST(HopperHeuristics, OverridesAreHonouredWhereTheShapeAllows) {
+TEST(HopperHeuristics, OverridesAreHonouredForEveryN) {
   TileOverrides o;
   o.tile_n = 128;
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kUpProjection, 512, 1536), o).tile_n, 128);
-  o.tile_n = 256;  // not possible for N = 384: the heuristic's tile stays
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kUpProjection, 384, 1536), o).tile_n, 128);
+  o.tile_n = 256;  // every N takes either tile now (edge tiles): N = 384 runs as two wide tiles, the second half empty
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kUpProjection, 384, 1536), o).tile_n, 256);
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kUpProjection, 512, 1536), o).tile_n, 256);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 2880, 2880), o).tile_n, 256);
+  o.tile_n = 64;  // not a tile: the heuristic's
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 2880, 2880), o).tile_n, 128);
+}
+
+// N that is not a multiple of 128 (edge tiles): the tile that pads the fewest columns, the wide one on a tie.
+TEST(HopperHeuristics, OddNTakesTheTileWithTheLeastPadding) {
+  using gpu::hopper::padded_columns;
+  using gpu::hopper::tiles_of;
+  EXPECT_EQ(tiles_of(2880, 128), 23);
+  EXPECT_EQ(tiles_of(2880, 256), 12);
+  EXPECT_EQ(padded_columns(2880, 128), 64);   // 2944 - 2880
+  EXPECT_EQ(padded_columns(2880, 256), 192);  // 3072 - 2880
+  for (KernelFamily f : {KernelFamily::kUpProjection, KernelFamily::kDownProjection, KernelFamily::kDxExpanded,
+                         KernelFamily::kDhKernel}) {
+    EXPECT_EQ(choose_tiles(shape(f, 2880, 2880), {}).tile_n, 128);  // gpt-oss d = n = 2880 (down, dX~, dH: N = 2880)
+    EXPECT_EQ(choose_tiles(shape(f, 5760, 2880), {}).tile_n, 128);  // 5760 = 22 x 256 + 128: 128 pads 0, 256 pads 128
+    EXPECT_EQ(choose_tiles(shape(f, 200, 72), {}).tile_n, 256);     // both pad 56: the wide one
+    EXPECT_EQ(choose_tiles(shape(f, 72, 200), {}).tile_n, 128);     // 128 pads 56, 256 pads 184
+    EXPECT_EQ(choose_tiles(shape(f, 8, 8), {}).tile_n, 128);
+    EXPECT_EQ(choose_tiles(shape(f, 264, 136), {}).tile_n, 128);    // 128 pads 120, 256 pads 248
+    EXPECT_EQ(choose_tiles(shape(f, 400, 136), {}).tile_n, 256);    // both pad 112
+  }
+  // Whatever the tile, the tiles cover N with less than one tile of padding.
+  for (std::int64_t N = 8; N <= 4096; N += 8) {
+    const int t = choose_tiles(shape(KernelFamily::kUpProjection, N, 64), {}).tile_n;
+    EXPECT_LE(padded_columns(N, t), padded_columns(N, 128)) << N;
+    EXPECT_LE(padded_columns(N, t), padded_columns(N, 256)) << N;
+    EXPECT_GE(tiles_of(N, t) * t, N) << N;
+    EXPECT_LT(tiles_of(N, t) * t - N, t) << N;
+  }
+}
+
+TEST(HopperHeuristics, ShapeReasonsNameTheExtentThatBreaks16ByteRows) {
+  using gpu::hopper::varlen_m_shape_unsupported_reason;
+  using gpu::hopper::wgrad_shape_unsupported_reason;
+  for (std::int64_t v : {8, 72, 136, 200, 264, 2880, 4096}) {
+    EXPECT_EQ(varlen_m_shape_unsupported_reason(v, 2880, false), "") << v;
+    EXPECT_EQ(varlen_m_shape_unsupported_reason(2880, v, false), "") << v;
+    EXPECT_EQ(varlen_m_shape_unsupported_reason(2 * v, v, true), "") << v;  // GLU up: N = 2n
+    EXPECT_EQ(wgrad_shape_unsupported_reason(v, 2880), "") << v;
+    EXPECT_EQ(wgrad_shape_unsupported_reason(2880, v), "") << v;
+  }
+  EXPECT_EQ(varlen_m_shape_unsupported_reason(2880, 2884, false),
+            "K = 2884 is not a positive multiple of 8 (16-byte rows)");
+  EXPECT_EQ(varlen_m_shape_unsupported_reason(100, 64, false),
+            "N = 100 is not a positive multiple of 8 (16-byte rows)");
+  EXPECT_EQ(varlen_m_shape_unsupported_reason(0, 64, false), "N = 0 is not a positive multiple of 8 (16-byte rows)");
+  EXPECT_EQ(varlen_m_shape_unsupported_reason(128, 0, false), "K = 0 is not a positive multiple of 8 (16-byte rows)");
+  // A GLU up-projection with n = 12: N = 24 is a multiple of 8, A's rows (12 wide) are not 16-byte multiples.
+  EXPECT_NE(varlen_m_shape_unsupported_reason(24, 64, true).find("n = N / 2 is not a multiple of 8"),
+            std::string::npos);
+  EXPECT_EQ(varlen_m_shape_unsupported_reason(24, 64, false), "");
+  EXPECT_EQ(wgrad_shape_unsupported_reason(12, 64), "M = 12 is not a positive multiple of 8 (16-byte rows)");
+  EXPECT_EQ(wgrad_shape_unsupported_reason(64, 4), "N = 4 is not a positive multiple of 8 (16-byte rows)");
 }
 
 TEST(HopperHeuristics, RasterisationAlongNUnlessForced) {
@@ -63,16 +118,23 @@ TEST(HopperHeuristics, WeightGradWideTileWhereNAndTheGridAllowIt) {
   EXPECT_EQ(choose_wgrad_tiles(wgrad(132, 128, 256), {}).tile_n, 256);
   EXPECT_EQ(choose_wgrad_tiles(wgrad(132, 128, 256, 133), {}).tile_n, 128);
   EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 1536, 256), {}).raster_m, 1);
+  // Odd extents (edge tiles): the least padding, and the grid rule counts ceil-divided tiles.
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(32, 2880, 2880), {}).tile_n, 128);  // gpt-oss dW2 (M = d, N = n)
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(32, 5760, 2880), {}).tile_n, 128);  // gpt-oss dW1 (M = 2n, N = d)
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(132, 200, 200), {}).tile_n, 256);   // 132 x ceil(200/128) x 1 wide tiles
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(66, 136, 200), {}).tile_n, 256);    // 66 x 2 x 1 = 132
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(65, 136, 200), {}).tile_n, 128);    // 130 < 132
 }
 
-TEST(HopperHeuristics, WeightGradOverridesAreHonouredWhereTheShapeAllows) {
+TEST(HopperHeuristics, WeightGradOverridesAreHonouredForEveryN) {
   using gpu::hopper::choose_wgrad_tiles;
   TileOverrides o;
   o.tile_n = 128;
   EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 1536, 256), o).tile_n, 128);
   o.tile_n = 256;
   EXPECT_EQ(choose_wgrad_tiles(wgrad(8, 128, 256), o).tile_n, 256);    // forced past the grid rule
-  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 512, 384), o).tile_n, 128);  // not possible for N = 384
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 512, 384), o).tile_n, 256);  // every N takes it now (an edge tile)
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 200, 72), o).tile_n, 256);
 }
 
 }  // namespace

@@ -181,6 +181,47 @@ TEST(GpuLayerProperties, HopperKernelsAgreeWithTheReferenceGemmPath) {
   EXPECT_EQ(input_only.raw_dw2, fast.raw_dw2);
 }
 
+// d and n any multiple of 8 (issue #14, T13: edge tiles along N, partial last k-blocks, edge tiles of the weight
+// gradients): the whole layer, forward and backward, on the Hopper kernels against float64. The fallback policy is
+// "error" meanwhile, so a GEMM that fell back to the reference kernel would throw instead of passing quietly.
+TEST(GpuLayerOddShapes, EveryGemmOnTheHopperKernelsMatchesFloat64) {
+  REQUIRE_GPU();
+  struct PolicyGuard {
+    FallbackPolicy saved = fallback_policy();
+    ~PolicyGuard() { set_fallback_policy(saved); }
+  } guard;
+  set_fallback_policy(FallbackPolicy::kError);
+  gpu::set_hopper_kernels_enabled(true);
+  gpu::set_hopper_backward_enabled(true);
+  struct Shape {
+    std::int64_t T, d, n, E, K;
+    const char* name;
+  };
+  const Shape shapes[] = {{333, 200, 72, 8, 2, "d200_n72"},
+                          {257, 136, 264, 6, 3, "d136_n264"},
+                          {64, 8, 8, 4, 2, "d8_n8"},
+                          {5, 200, 72, 16, 1, "zero_token_experts"}};
+  for (const Shape& sh : shapes)
+    for (Activation act : {Activation::kSwiGLU, Activation::kGeGLU, Activation::kReGLU, Activation::kReLUSquared,
+                           Activation::kReLU, Activation::kGELU, Activation::kSiLU})
+      for (WeightLayout layout : {WeightLayout::kInterleaved, WeightLayout::kConcatenated}) {
+        if (!is_glu(act) && layout == WeightLayout::kConcatenated) continue;
+        for (bool bias : {false, true}) {
+          SCOPED_TRACE(std::string(sh.name) + " " + activation_name(act) + " " + weight_layout_name(layout) +
+                       (bias ? " bias" : ""));
+          MoEProblem p;
+          p.T = sh.T, p.d = sh.d, p.n = sh.n, p.E = sh.E, p.K = sh.K;
+          p.activation = act, p.weight_layout = layout, p.has_b1 = p.has_b2 = bias;
+          p.cache = bias ? CacheMode::kPreActivation : CacheMode::kInputOnly;  // both modes over the loop
+          const LayerCase<double> c(p, 4049);
+          GpuRun g;
+          ASSERT_NO_THROW(g = run_on_gpu(c, DType::kBF16)) << "a GEMM fell back to the reference kernel";
+          EXPECT_TRUE(g.canaries_intact);
+          compare_all(g, reference_for(quantized_case(c, DType::kBF16), g.logits), DType::kBF16);
+        }
+      }
+}
+
 // ---- edge shapes -----------------------------------------------------------------------------------------------
 
 struct EdgeShape {

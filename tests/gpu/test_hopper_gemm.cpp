@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "gpu/hopper/dispatch.hpp"
@@ -55,6 +56,41 @@ bool all_bytes(const std::vector<unsigned char>& v, std::size_t from, std::size_
   return true;
 }
 
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+/// rows x cols values (compact) laid out with row stride ld >= cols; the ld - cols guard columns of every row hold
+/// NaN: a kernel that read them (past a row's valid columns) would carry NaN into what it computes.
+std::vector<double> with_nan_guard(const std::vector<double>& v, std::int64_t rows, std::int64_t cols,
+                                   std::int64_t ld) {
+  if (ld == cols) return v;
+  std::vector<double> out(static_cast<std::size_t>(rows * ld), kNaN);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) out[r * ld + c] = v[r * cols + c];
+  return out;
+}
+
+/// The first `cols` bf16 values of each of `rows` rows of row stride ld, decoded compactly.
+std::vector<double> decode_rows(const std::vector<unsigned char>& raw, std::int64_t rows, std::int64_t cols,
+                                std::int64_t ld) {
+  std::vector<double> out(static_cast<std::size_t>(rows * cols));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::vector<double> row = decode(raw.data() + r * ld * 2, static_cast<std::size_t>(cols), DType::kBF16);
+    std::copy(row.begin(), row.end(), out.begin() + r * cols);
+  }
+  return out;
+}
+
+/// Columns [cols, ld) of every row of a bf16 buffer still hold the 0xFF fill: nothing was written past the valid
+/// columns (an edge tile's padding) on any row, routed or not.
+bool guard_untouched(const std::vector<unsigned char>& raw, std::int64_t cols, std::int64_t ld) {
+  const std::int64_t rows = static_cast<std::int64_t>(raw.size()) / (ld * 2);
+  for (std::int64_t r = 0; r < rows; ++r)
+    if (!all_bytes(raw, static_cast<std::size_t>((r * ld + cols) * 2), static_cast<std::size_t>((r + 1) * ld * 2),
+                   0xFF))
+      return false;
+  return true;
+}
+
 struct UpCase {
   Activation act;
   WeightLayout layout;
@@ -76,8 +112,10 @@ struct UpResult {
 
 /// Runs the up-projection over `lengths` on the Hopper kernel (or the reference GEMM when `reference`).
 /// w1 is given interleaved; for the concatenated layout it is uploaded permuted (the math is the same).
+/// guard > 0: X rows and the H and A rows get `guard` extra columns (NaN in X, checked untouched in H and A).
 UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n, const std::vector<int>& lengths,
-                std::uint32_t seed, bool reference = false, std::int64_t pad_rows = 0, std::int64_t pad_k = 0) {
+                std::uint32_t seed, bool reference = false, std::int64_t pad_rows = 0, std::int64_t pad_k = 0,
+                std::int64_t guard = 0) {
   std::mt19937 rng(seed);
   const std::int64_t E = static_cast<std::int64_t>(lengths.size());
   const bool glu = is_glu(uc.act);
@@ -87,9 +125,10 @@ UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n
   const std::vector<double> x = normal(static_cast<std::size_t>(T * d), 1.0, rng);
   const std::vector<double> w = normal(static_cast<std::size_t>(E * N * d), 1.0 / std::sqrt(double(d)), rng);
   const std::vector<double> b = normal(static_cast<std::size_t>(E * N), 0.5, rng);
-  // Device weights: (E, rows_per_expert, ld) with optional padding rows/columns (strided views).
+  // Device weights: (E, rows_per_expert, ld) with optional padding rows/columns (strided views), NaN in the padding:
+  // the tensor map's extents are d and N, so TMA never reads it (an edge tile's rows past N arrive as zeros).
   const std::int64_t ldw = d + pad_k, rows_e = N + pad_rows;
-  std::vector<double> w_dev(static_cast<std::size_t>(E * rows_e * ldw), 0.0), b_dev(static_cast<std::size_t>(E * N));
+  std::vector<double> w_dev(static_cast<std::size_t>(E * rows_e * ldw), kNaN), b_dev(static_cast<std::size_t>(E * N));
   const bool concat = uc.layout == WeightLayout::kConcatenated;
   for (std::int64_t e = 0; e < E; ++e)
     for (std::int64_t c = 0; c < N; ++c) {
@@ -97,27 +136,29 @@ UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n
       for (std::int64_t k = 0; k < d; ++k) w_dev[(e * rows_e + row) * ldw + k] = w[(e * N + c) * d + k];
       b_dev[e * N + row] = b[e * N + c];
     }
-  DeviceBuffer dx(encode(x, DType::kBF16)), dw(encode(w_dev, DType::kBF16)), db(encode(b_dev, DType::kBF16));
+  const std::int64_t ldx = d + guard, ld_h = N + guard, ld_a = act_cols + guard;
+  DeviceBuffer dx(encode(with_nan_guard(x, T, d, ldx), DType::kBF16)), dw(encode(w_dev, DType::kBF16)),
+      db(encode(b_dev, DType::kBF16));
   std::vector<unsigned char> off_b(s.offsets.size() * 4), til_b(s.tiles64.size() * 4), gat_b(s.gather.size() * 4 + 4);
   std::memcpy(off_b.data(), s.offsets.data(), off_b.size());
   std::memcpy(til_b.data(), s.tiles64.data(), til_b.size());
   if (!s.gather.empty()) std::memcpy(gat_b.data(), s.gather.data(), s.gather.size() * 4);
   DeviceBuffer doff(off_b), dtil(til_b), dgat(gat_b);
-  DeviceBuffer dh(static_cast<std::size_t>(P_cap * N * 2)), da(static_cast<std::size_t>(P_cap * act_cols * 2));
+  DeviceBuffer dh(static_cast<std::size_t>(P_cap * ld_h * 2)), da(static_cast<std::size_t>(P_cap * ld_a * 2));
 
   VarlenMArgs a;
   a.dt = DType::kBF16;
   a.E = E, a.N = N, a.K = d, a.P_max = P_cap;
   a.expert_offsets = static_cast<const std::int32_t*>(doff.get());
   a.expert_tiles = static_cast<const std::int32_t*>(dtil.get());
-  a.a = dx.get(), a.lda = d, a.a_gather = static_cast<const std::int32_t*>(dgat.get());
+  a.a = dx.get(), a.lda = ldx, a.a_gather = static_cast<const std::int32_t*>(dgat.get());
   a.b.ptr = dw.get(), a.b.expert_stride = rows_e * ldw, a.b.stride_col = ldw, a.b.stride_k = 1;
   a.b.permute = concat ? 1 : 0, a.b.glu_n = n;
   a.epilogue = Epilogue::kUpActivation;
-  a.out = uc.store_h ? dh.get() : nullptr, a.ld_out = N;
+  a.out = uc.store_h ? dh.get() : nullptr, a.ld_out = ld_h;
   if (uc.bias) a.bias = db.get(), a.ld_bias = N;
   a.activation = uc.act;
-  a.act_out = da.get(), a.ld_act = act_cols;
+  a.act_out = da.get(), a.ld_act = ld_a;
 
   UpResult r;
   if (reference) {
@@ -129,10 +170,11 @@ UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   r.raw_h = dh.download(), r.raw_a = da.download();
   r.canaries = dh.canary_intact() && da.canary_intact();
-  r.tails_untouched = all_bytes(r.raw_a, static_cast<std::size_t>(P * act_cols * 2), r.raw_a.size(), 0xFF) &&
-                      all_bytes(r.raw_h, static_cast<std::size_t>(uc.store_h ? P * N * 2 : 0), r.raw_h.size(), 0xFF);
-  r.h = decode(r.raw_h.data(), static_cast<std::size_t>(P * N), DType::kBF16);
-  r.a = decode(r.raw_a.data(), static_cast<std::size_t>(P * act_cols), DType::kBF16);
+  r.tails_untouched = all_bytes(r.raw_a, static_cast<std::size_t>(P * ld_a * 2), r.raw_a.size(), 0xFF) &&
+                      all_bytes(r.raw_h, static_cast<std::size_t>(uc.store_h ? P * ld_h * 2 : 0), r.raw_h.size(), 0xFF) &&
+                      guard_untouched(r.raw_a, act_cols, ld_a) && guard_untouched(r.raw_h, N, ld_h);
+  r.h = decode_rows(r.raw_h, P, N, ld_h);
+  r.a = decode_rows(r.raw_a, P, act_cols, ld_a);
   // float64 expectation (H interleaved whatever the layout).
   r.h_ref.assign(static_cast<std::size_t>(P * N), 0.0);
   r.a_ref.assign(static_cast<std::size_t>(P * act_cols), 0.0);
@@ -263,8 +305,9 @@ struct DownResult {
   bool tails_untouched = true, canaries = true;
 };
 
+/// guard > 0: `guard` extra columns after every row of the activations and W2 (NaN) and of Y (checked untouched).
 DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& lengths, bool bias, std::uint32_t seed,
-                    bool reference = false) {
+                    bool reference = false, std::int64_t guard = 0) {
   std::mt19937 rng(seed);
   const std::int64_t E = static_cast<std::int64_t>(lengths.size());
   const Segments s = make_segments(lengths, 1, rng);
@@ -272,20 +315,22 @@ DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& leng
   std::vector<double> act = normal(static_cast<std::size_t>(P_cap * n), 1.0, rng);
   const std::vector<double> w = normal(static_cast<std::size_t>(E * d * n), 1.0 / std::sqrt(double(n)), rng);
   const std::vector<double> b = normal(static_cast<std::size_t>(E * d), 0.5, rng);
-  DeviceBuffer da(encode(act, DType::kBF16)), dw(encode(w, DType::kBF16)), db(encode(b, DType::kBF16));
+  const std::int64_t lda = n + guard, ldy = d + guard;
+  DeviceBuffer da(encode(with_nan_guard(act, P_cap, n, lda), DType::kBF16)),
+      dw(encode(with_nan_guard(w, E * d, n, lda), DType::kBF16)), db(encode(b, DType::kBF16));
   std::vector<unsigned char> off_b(s.offsets.size() * 4), til_b(s.tiles64.size() * 4);
   std::memcpy(off_b.data(), s.offsets.data(), off_b.size());
   std::memcpy(til_b.data(), s.tiles64.data(), til_b.size());
-  DeviceBuffer doff(off_b), dtil(til_b), dy(static_cast<std::size_t>(P_cap * d * 2));
+  DeviceBuffer doff(off_b), dtil(til_b), dy(static_cast<std::size_t>(P_cap * ldy * 2));
   VarlenMArgs a;
   a.dt = DType::kBF16;
   a.E = E, a.N = d, a.K = n, a.P_max = P_cap;
   a.expert_offsets = static_cast<const std::int32_t*>(doff.get());
   a.expert_tiles = static_cast<const std::int32_t*>(dtil.get());
-  a.a = da.get(), a.lda = n;
-  a.b.ptr = dw.get(), a.b.expert_stride = d * n, a.b.stride_col = n, a.b.stride_k = 1;
+  a.a = da.get(), a.lda = lda;
+  a.b.ptr = dw.get(), a.b.expert_stride = d * lda, a.b.stride_col = lda, a.b.stride_k = 1;
   a.epilogue = Epilogue::kStore;
-  a.out = dy.get(), a.ld_out = d;
+  a.out = dy.get(), a.ld_out = ldy;
   if (bias) a.bias = db.get(), a.ld_bias = d;
   if (reference) {
     gpu::launch_varlen_m_gemm(a, nullptr);
@@ -297,8 +342,9 @@ DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& leng
   DownResult r;
   r.raw = dy.download();
   r.canaries = dy.canary_intact();
-  r.tails_untouched = all_bytes(r.raw, static_cast<std::size_t>(P * d * 2), r.raw.size(), 0xFF);
-  r.y = decode(r.raw.data(), static_cast<std::size_t>(P * d), DType::kBF16);
+  r.tails_untouched = all_bytes(r.raw, static_cast<std::size_t>(P * ldy * 2), r.raw.size(), 0xFF) &&
+                      guard_untouched(r.raw, d, ldy);
+  r.y = decode_rows(r.raw, P, d, ldy);
   r.y_ref.assign(static_cast<std::size_t>(P * d), 0.0);
   for (std::int64_t e = 0; e < E; ++e)
     for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g)
@@ -369,29 +415,32 @@ TEST(HopperDownProjection, ManyExpertsAndSingleRows) {
 // ---- backward dX~ = dH W1_e (MN-major W1 read in place) ------------------------------------------------------------
 
 /// dX~ of `lengths` segments: dH (P x K, K = 2n for GLU rows), W1 (E, K, d) in the given layout, d output columns.
+/// guard > 0: `guard` extra columns after every row of dH and W1 (NaN) and of dX~ (checked untouched).
 DownResult run_dx(std::int64_t d, std::int64_t K, bool concatenated, const std::vector<int>& lengths,
-                  std::uint32_t seed, bool reference = false) {
+                  std::uint32_t seed, bool reference = false, std::int64_t guard = 0) {
   std::mt19937 rng(seed);
   const std::int64_t E = static_cast<std::int64_t>(lengths.size()), n = K / 2;
   const Segments s = make_segments(lengths, 1, rng);
   const std::int64_t P = s.rows(), P_cap = P + 29;
   std::vector<double> dh = normal(static_cast<std::size_t>(P_cap * K), 1.0, rng);
   const std::vector<double> w1 = normal(static_cast<std::size_t>(E * K * d), 1.0 / std::sqrt(double(d)), rng);
-  DeviceBuffer ddh(encode(dh, DType::kBF16)), dw(encode(w1, DType::kBF16));
+  const std::int64_t lda = K + guard, ldw = d + guard;
+  DeviceBuffer ddh(encode(with_nan_guard(dh, P_cap, K, lda), DType::kBF16)),
+      dw(encode(with_nan_guard(w1, E * K, d, ldw), DType::kBF16));
   std::vector<unsigned char> off_b(s.offsets.size() * 4), til_b(s.tiles64.size() * 4);
   std::memcpy(off_b.data(), s.offsets.data(), off_b.size());
   std::memcpy(til_b.data(), s.tiles64.data(), til_b.size());
-  DeviceBuffer doff(off_b), dtil(til_b), dy(static_cast<std::size_t>(P_cap * d * 2));
+  DeviceBuffer doff(off_b), dtil(til_b), dy(static_cast<std::size_t>(P_cap * ldw * 2));
   VarlenMArgs a;
   a.dt = DType::kBF16;
   a.E = E, a.N = d, a.K = K, a.P_max = P_cap;
   a.expert_offsets = static_cast<const std::int32_t*>(doff.get());
   a.expert_tiles = static_cast<const std::int32_t*>(dtil.get());
-  a.a = ddh.get(), a.lda = K;
-  a.b.ptr = dw.get(), a.b.expert_stride = K * d, a.b.stride_col = 1, a.b.stride_k = d;
+  a.a = ddh.get(), a.lda = lda;
+  a.b.ptr = dw.get(), a.b.expert_stride = K * ldw, a.b.stride_col = 1, a.b.stride_k = ldw;
   a.b.permute = concatenated ? 2 : 0, a.b.glu_n = n;
   a.epilogue = Epilogue::kStore;
-  a.out = dy.get(), a.ld_out = d;
+  a.out = dy.get(), a.ld_out = ldw;
   if (reference) {
     gpu::launch_varlen_m_gemm(a, nullptr);
   } else {
@@ -402,8 +451,9 @@ DownResult run_dx(std::int64_t d, std::int64_t K, bool concatenated, const std::
   DownResult r;
   r.raw = dy.download();
   r.canaries = dy.canary_intact();
-  r.tails_untouched = all_bytes(r.raw, static_cast<std::size_t>(P * d * 2), r.raw.size(), 0xFF);
-  r.y = decode(r.raw.data(), static_cast<std::size_t>(P * d), DType::kBF16);
+  r.tails_untouched = all_bytes(r.raw, static_cast<std::size_t>(P * ldw * 2), r.raw.size(), 0xFF) &&
+                      guard_untouched(r.raw, d, ldw);
+  r.y = decode_rows(r.raw, P, d, ldw);
   r.y_ref.assign(static_cast<std::size_t>(P * d), 0.0);
   for (std::int64_t e = 0; e < E; ++e)
     for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g)
@@ -481,8 +531,13 @@ TEST(HopperDispatch, NamesWhyAShapeFallsBack) {
     change(b);
     return gpu::hopper_unsupported_reason(b);
   };
-  EXPECT_NE(reason([](VarlenMArgs& b) { b.K = 96; }).find("K = 96"), std::string::npos);
-  EXPECT_NE(reason([](VarlenMArgs& b) { b.N = 192; }).find("N = 192"), std::string::npos);
+  // Any multiple of 8 runs (edge tiles, a partial last k-block); what breaks 16-byte rows falls back.
+  EXPECT_EQ(reason([](VarlenMArgs& b) { b.K = 96; }), "");
+  EXPECT_EQ(reason([](VarlenMArgs& b) { b.N = 192; b.ld_act = 96; }), "");
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.K = 100; }).find("K = 100"), std::string::npos);
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.N = 196; }).find("N = 196"), std::string::npos);
+  // A GLU up-projection of n = 12 (N = 24): A's rows are 12 wide.
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.N = 24; }).find("n = N / 2"), std::string::npos);
   EXPECT_NE(reason([](VarlenMArgs& b) { b.dt = DType::kFP16; }).find("dtype"), std::string::npos);
   EXPECT_NE(reason([](VarlenMArgs& b) { b.b.stride_k = 2; }).find("K-major"), std::string::npos);
   EXPECT_NE(reason([](VarlenMArgs& b) { b.lda = 129; }).find("aligned"), std::string::npos);
@@ -504,12 +559,16 @@ struct DhResult {
 
 /// The dH kernel over `lengths` segments: T tokens of dO (T x d), W2 (E, d, n) read in place (stride 1 along n),
 /// H (P x w1_rows, interleaved) ~ N(0, 1), a random score per pair and a random pair order (scatter).
+/// guard > 0: `guard` extra columns after every row of dO, W2 and H (NaN: a padded column that read them would
+/// make its dS partial NaN) and of dH and A' (checked untouched). The dS partials are exactly ceil(n / 64) per pair,
+/// with the buffer's canary right after the last pair's.
 DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, const std::vector<int>& lengths,
-                std::uint32_t seed, bool reference = false, bool with_expectation = true) {
+                std::uint32_t seed, bool reference = false, bool with_expectation = true, std::int64_t guard = 0) {
   std::mt19937 rng(seed);
   const std::int64_t E = static_cast<std::int64_t>(lengths.size());
   const bool glu = is_glu(act);
-  const std::int64_t rows = glu ? 2 * n : n, ds_tiles = n / gpu::kDsTileN;
+  const std::int64_t rows = glu ? 2 * n : n, ds_tiles = (n + gpu::kDsTileN - 1) / gpu::kDsTileN;
+  const std::int64_t ldo = d + guard, ldw = n + guard, ldh = rows + guard;
   const Segments s = make_segments(lengths, T, rng);
   const std::int64_t P = s.rows(), P_cap = P + 19;
   const std::vector<double> dout = normal(static_cast<std::size_t>(T * d), 1.0, rng);
@@ -526,23 +585,25 @@ DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, 
     if (!v.empty()) std::memcpy(b.data(), v.data(), v.size() * sizeof(v[0]));
     return b;
   };
-  DeviceBuffer ddo(encode(dout, DType::kBF16)), dw(encode(w2, DType::kBF16)), dhin(encode(h, DType::kBF16));
+  DeviceBuffer ddo(encode(with_nan_guard(dout, T, d, ldo), DType::kBF16)),
+      dw(encode(with_nan_guard(w2, E * d, n, ldw), DType::kBF16)),
+      dhin(encode(with_nan_guard(h, P_cap, rows, ldh), DType::kBF16));
   DeviceBuffer doff(bytes(s.offsets)), dtil(bytes(s.tiles64)), dgat(bytes(s.gather)), dsc(bytes(scores)),
       dscat(bytes(scatter));
-  DeviceBuffer ddh(static_cast<std::size_t>(P_cap * rows * 2)), dapr(static_cast<std::size_t>(P_cap * n * 2)),
+  DeviceBuffer ddh(static_cast<std::size_t>(P_cap * ldh * 2)), dapr(static_cast<std::size_t>(P_cap * ldw * 2)),
       dpart(static_cast<std::size_t>(P * ds_tiles * 4));
   VarlenMArgs a;
   a.dt = DType::kBF16;
   a.E = E, a.N = n, a.K = d, a.P_max = P_cap;
   a.expert_offsets = static_cast<const std::int32_t*>(doff.get());
   a.expert_tiles = static_cast<const std::int32_t*>(dtil.get());
-  a.a = ddo.get(), a.lda = d, a.a_gather = static_cast<const std::int32_t*>(dgat.get());
-  a.b.ptr = dw.get(), a.b.expert_stride = d * n, a.b.stride_col = 1, a.b.stride_k = n;
+  a.a = ddo.get(), a.lda = ldo, a.a_gather = static_cast<const std::int32_t*>(dgat.get());
+  a.b.ptr = dw.get(), a.b.expert_stride = d * ldw, a.b.stride_col = 1, a.b.stride_k = ldw;
   a.epilogue = Epilogue::kActivationGrad;
   a.activation = act;
-  a.out = ddh.get(), a.ld_out = rows;
-  a.act_out = dapr.get(), a.ld_act = n;
-  a.h_in = dhin.get(), a.ld_h = rows;
+  a.out = ddh.get(), a.ld_out = ldh;
+  a.act_out = dapr.get(), a.ld_act = ldw;
+  a.h_in = dhin.get(), a.ld_h = ldh;
   a.scores = static_cast<const float*>(dsc.get()), a.scatter = static_cast<const std::int32_t*>(dscat.get());
   a.ds_partial = static_cast<float*>(dpart.get());
   if (reference) {
@@ -555,10 +616,11 @@ DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, 
   DhResult r;
   r.raw_dh = ddh.download(), r.raw_ap = dapr.download(), r.raw_ds = dpart.download();
   r.canaries = ddh.canary_intact() && dapr.canary_intact() && dpart.canary_intact();
-  r.tails_untouched = all_bytes(r.raw_dh, static_cast<std::size_t>(P * rows * 2), r.raw_dh.size(), 0xFF) &&
-                      all_bytes(r.raw_ap, static_cast<std::size_t>(P * n * 2), r.raw_ap.size(), 0xFF);
-  r.dh = decode(r.raw_dh.data(), static_cast<std::size_t>(P * rows), DType::kBF16);
-  r.ap = decode(r.raw_ap.data(), static_cast<std::size_t>(P * n), DType::kBF16);
+  r.tails_untouched = all_bytes(r.raw_dh, static_cast<std::size_t>(P * ldh * 2), r.raw_dh.size(), 0xFF) &&
+                      all_bytes(r.raw_ap, static_cast<std::size_t>(P * ldw * 2), r.raw_ap.size(), 0xFF) &&
+                      guard_untouched(r.raw_dh, rows, ldh) && guard_untouched(r.raw_ap, n, ldw);
+  r.dh = decode_rows(r.raw_dh, P, rows, ldh);
+  r.ap = decode_rows(r.raw_ap, P, n, ldw);
   const std::vector<double> parts = decode(r.raw_ds.data(), static_cast<std::size_t>(P * ds_tiles), DType::kFP32);
   r.ds.assign(static_cast<std::size_t>(P), 0.0);
   for (std::int64_t p = 0; p < P; ++p)
@@ -675,11 +737,168 @@ TEST(HopperDhKernelProperties, FallsBackWhereTheKernelDoesNotApply) {
   };
   EXPECT_NE(reason([](VarlenMArgs& b) { b.a_gather = nullptr; }).find("gather"), std::string::npos);
   EXPECT_NE(reason([](VarlenMArgs& b) { b.ld_h = 511; }).find("H rows"), std::string::npos);
-  EXPECT_NE(reason([](VarlenMArgs& b) { b.N = 192; }).find("N = 192"), std::string::npos);
+  EXPECT_EQ(reason([](VarlenMArgs& b) { b.N = 200; }), "");  // n = 200: edge tiles
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.N = 196; }).find("N = 196"), std::string::npos);
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.K = 100; }).find("K = 100"), std::string::npos);
   EXPECT_NE(reason([](VarlenMArgs& b) { b.ds_partial = nullptr; }).find("dS-partial"), std::string::npos);
   gpu::set_hopper_backward_enabled(false);
   EXPECT_NE(gpu::hopper_unsupported_reason(a).find("MACHMOE_HOPPER_BACKWARD"), std::string::npos);
   gpu::set_hopper_backward_enabled(true);
+}
+
+// ---- edge tiles: d and n any multiple of 8 (issue #14, T13) ---------------------------------------------------------
+//
+// Shapes whose N is no multiple of the tile (the last N-tile hangs past N) and whose K is no multiple of 64 (a
+// partial last k-block), on both tiles, with NaN guard columns after every input row (a load past a row's valid
+// columns would bring NaN into a stored element or a dS partial) and guard columns after every output row that must
+// keep their fill (stores clipped at the valid columns). Segments include empty experts and 1-row experts.
+
+struct OddShape {
+  std::int64_t T, d, n;
+  std::vector<int> lengths;
+  const char* name;
+};
+
+constexpr std::int64_t kGuard = 8;  // one 16-byte chunk of bf16 after every row
+
+/// K % 64 in {8, 56}, N % 128 in {8, ..., 120}: partial k-blocks and edge tiles of every kernel.
+std::vector<OddShape> odd_shapes() {
+  return {{300, 200, 72, kEdgeLengths, "d200_n72"},
+          {300, 136, 264, kEdgeLengths, "d136_n264"},
+          {300, 248, 120, kEdgeLengths, "d248_n120"},
+          {50, 8, 8, {0, 1, 5, 0, 130}, "d8_n8"}};
+}
+/// gpt-oss (d = n = 2880: N = 2880 or 5760, 64 columns past the last whole 128-tile) with few rows, so that the
+/// float64 expectation stays quick.
+const OddShape kGptOss{200, 2880, 2880, {0, 1, 37, 0, 130}, "gptoss_d2880_n2880"};
+
+const Activation kAllActivations[] = {Activation::kSwiGLU, Activation::kGeGLU, Activation::kReGLU,
+                                      Activation::kReLUSquared, Activation::kReLU, Activation::kGELU,
+                                      Activation::kSiLU};
+
+class HopperEdgeTiles : public testing::Test {
+ protected:
+  void SetUp() override {
+    REQUIRE_GPU();
+    gpu::set_hopper_kernels_enabled(true);
+    gpu::set_hopper_backward_enabled(true);
+  }
+};
+
+void check_up(const UpCase& uc, const OddShape& sh) {
+  SCOPED_TRACE(std::string(sh.name) + " " + activation_name(uc.act) + " " + weight_layout_name(uc.layout) +
+               (uc.bias ? " bias" : "") + (uc.store_h ? "" : " A only"));
+  const UpResult ref = run_up(uc, sh.T, sh.d, sh.n, sh.lengths, 61, /*reference=*/true, 0, 0, kGuard);
+  for_each_tile([&] {
+    const UpResult fast = run_up(uc, sh.T, sh.d, sh.n, sh.lengths, 61, false, 0, 0, kGuard);
+    EXPECT_TRUE(fast.canaries);
+    EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones or columns past the valid ones were written";
+    for (double v : fast.a) ASSERT_FALSE(std::isnan(v)) << "an A element is NaN (unwritten, or a guard read)";
+    EXPECT_LT(rel_error(fast.a, fast.a_ref), 1e-2);
+    EXPECT_LT(rel_error(fast.a, ref.a), 1e-2);
+    if (uc.store_h) {
+      for (double v : fast.h) ASSERT_FALSE(std::isnan(v)) << "an H element is NaN (unwritten, or a guard read)";
+      EXPECT_LT(rel_error(fast.h, fast.h_ref), 4e-3);
+      EXPECT_LT(rel_error(fast.h, ref.h), 4e-3);
+    }
+  });
+}
+
+TEST_F(HopperEdgeTiles, UpProjectionEveryActivationLayoutAndBias) {
+  for (const OddShape& sh : odd_shapes())
+    for (Activation act : kAllActivations)
+      for (WeightLayout l : {WeightLayout::kInterleaved, WeightLayout::kConcatenated}) {
+        if (!is_glu(act) && l == WeightLayout::kConcatenated) continue;
+        for (bool bias : {false, true}) check_up({act, l, bias, true}, sh);
+      }
+  check_up({Activation::kSwiGLU, WeightLayout::kConcatenated, true, false}, odd_shapes()[0]);  // inference: A only
+}
+
+TEST_F(HopperEdgeTiles, UpProjectionGptOss) {
+  for (WeightLayout l : {WeightLayout::kInterleaved, WeightLayout::kConcatenated})
+    check_up({Activation::kSwiGLU, l, true, true}, kGptOss);
+  check_up({Activation::kGELU, WeightLayout::kInterleaved, false, true}, kGptOss);  // N = n = 2880
+}
+
+TEST_F(HopperEdgeTiles, LayoutsStayBitwiseIdentical) {
+  const OddShape sh = odd_shapes()[0];
+  for_each_tile([&] {
+    const UpResult a = run_up({Activation::kSwiGLU, WeightLayout::kInterleaved, true, true}, sh.T, sh.d, sh.n,
+                              sh.lengths, 5, false, 0, 0, kGuard);
+    const UpResult b = run_up({Activation::kSwiGLU, WeightLayout::kConcatenated, true, true}, sh.T, sh.d, sh.n,
+                              sh.lengths, 5, false, 0, 0, kGuard);
+    EXPECT_EQ(a.raw_h, b.raw_h) << "H must not depend on the weight layout";
+    EXPECT_EQ(a.raw_a, b.raw_a);
+  });
+}
+
+void check_down(const OddShape& sh, bool bias) {
+  SCOPED_TRACE(std::string(sh.name) + (bias ? " bias" : ""));
+  const DownResult ref = run_down(sh.d, sh.n, sh.lengths, bias, 71, true, kGuard);
+  for_each_tile([&] {
+    const DownResult fast = run_down(sh.d, sh.n, sh.lengths, bias, 71, false, kGuard);
+    for (double v : fast.y) ASSERT_FALSE(std::isnan(v)) << "a Y element is NaN (unwritten, or a guard read)";
+    EXPECT_TRUE(fast.canaries);
+    EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones or columns past d were written";
+    EXPECT_LT(rel_error(fast.y, fast.y_ref), 4e-3);
+    EXPECT_LT(rel_error(fast.y, ref.y), 4e-3);
+    EXPECT_EQ(run_down(sh.d, sh.n, sh.lengths, bias, 71, false, kGuard).raw, fast.raw) << "not deterministic";
+  });
+}
+
+TEST_F(HopperEdgeTiles, DownProjection) {
+  for (const OddShape& sh : odd_shapes())
+    for (bool bias : {false, true}) check_down(sh, bias);
+  check_down(kGptOss, true);
+}
+
+void check_dx(const OddShape& sh, std::int64_t K, bool concatenated) {
+  SCOPED_TRACE(std::string(sh.name) + " K " + std::to_string(K) + (concatenated ? " concatenated" : ""));
+  const DownResult ref = run_dx(sh.d, K, concatenated, sh.lengths, 81, true, kGuard);
+  for_each_tile([&] {
+    const DownResult fast = run_dx(sh.d, K, concatenated, sh.lengths, 81, false, kGuard);
+    for (double v : fast.y) ASSERT_FALSE(std::isnan(v)) << "a dX~ element is NaN (unwritten, or a guard read)";
+    EXPECT_TRUE(fast.canaries);
+    EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones or columns past d were written";
+    EXPECT_LT(rel_error(fast.y, fast.y_ref), 4e-3);
+    EXPECT_LT(rel_error(fast.y, ref.y), 4e-3);
+  });
+}
+
+TEST_F(HopperEdgeTiles, DxExpandedBothLayoutsAndNonGlu) {
+  for (const OddShape& sh : odd_shapes()) {
+    for (bool concatenated : {false, true}) check_dx(sh, 2 * sh.n, concatenated);  // GLU: K = 2n
+    check_dx(sh, sh.n, false);                                                      // other activations: K = n
+  }
+  for (bool concatenated : {false, true}) check_dx(kGptOss, 2 * kGptOss.n, concatenated);
+}
+
+void check_dh(Activation act, const OddShape& sh) {
+  SCOPED_TRACE(std::string(sh.name) + " " + activation_name(act));
+  const DhResult ref = run_dh(act, sh.T, sh.d, sh.n, sh.lengths, 91, true, /*with_expectation=*/false, kGuard);
+  for_each_tile([&] {
+    const DhResult fast = run_dh(act, sh.T, sh.d, sh.n, sh.lengths, 91, false, true, kGuard);
+    for (double v : fast.dh) ASSERT_FALSE(std::isnan(v)) << "a dH element is NaN (unwritten, or a guard read)";
+    for (double v : fast.ap) ASSERT_FALSE(std::isnan(v)) << "an A' element is NaN (unwritten, or a guard read)";
+    for (double v : fast.ds) ASSERT_FALSE(std::isnan(v)) << "a dS partial is unwritten or took a padded column's NaN";
+    EXPECT_TRUE(fast.canaries) << "written past the dS partials, dH or A'";
+    EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones or columns past the valid ones were written";
+    EXPECT_LT(rel_error(fast.dh, fast.dh_ref), 1e-2);
+    EXPECT_LT(rel_error(fast.ap, fast.ap_ref), 1e-2);
+    EXPECT_LT(rel_error(fast.ds, fast.ds_ref), 1e-2);
+    EXPECT_LT(rel_error(fast.dh, ref.dh), 1e-2);
+    EXPECT_LT(rel_error(fast.ap, ref.ap), 1e-2);
+    EXPECT_LT(rel_error(fast.ds, ref.ds), 1e-2);
+    const DhResult again = run_dh(act, sh.T, sh.d, sh.n, sh.lengths, 91, false, false, kGuard);
+    EXPECT_EQ(again.raw_ds, fast.raw_ds) << "not deterministic";
+  });
+}
+
+TEST_F(HopperEdgeTiles, DhKernelEveryActivation) {
+  for (const OddShape& sh : odd_shapes())
+    for (Activation act : kAllActivations) check_dh(act, sh);
+  check_dh(Activation::kSwiGLU, kGptOss);
+  check_dh(Activation::kGELU, kGptOss);
 }
 
 }  // namespace

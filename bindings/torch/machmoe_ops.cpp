@@ -439,6 +439,20 @@ void set_index_checking(bool enabled) { machmoe::set_index_checking(enabled); }
 
 bool index_checking_enabled() { return machmoe::index_checking_enabled(); }
 
+// ---- fallback policy (machmoe/fallback.hpp) ----------------------------------------------------------------------
+
+/// "warn" or "error" (machmoe.set_fallback_policy checks the value first; this repeats it for direct op calls).
+void set_fallback_policy(const std::string& policy) {
+  if (policy == "warn")
+    machmoe::set_fallback_policy(machmoe::FallbackPolicy::kWarn);
+  else if (policy == "error")
+    machmoe::set_fallback_policy(machmoe::FallbackPolicy::kError);
+  else
+    machmoe::throw_argument_error("set_fallback_policy", "policy", "'warn' or 'error'", "'" + policy + "'");
+}
+
+std::string fallback_policy() { return machmoe::fallback_policy_name(machmoe::fallback_policy()); }
+
 /// Waits for the current stream of CUDA device `device` and raises a recorded index violation (ValueError).
 void check_device_errors(int64_t device) {
   const auto ordinal = static_cast<c10::DeviceIndex>(device);
@@ -491,6 +505,10 @@ TORCH_LIBRARY(machmoe, m) {
   m.impl("set_index_checking", &set_index_checking);
   m.def("index_checking_enabled() -> bool");
   m.impl("index_checking_enabled", &index_checking_enabled);
+  m.def("set_fallback_policy(str policy) -> ()");
+  m.impl("set_fallback_policy", &set_fallback_policy);
+  m.def("fallback_policy() -> str");
+  m.impl("fallback_policy", &fallback_policy);
   m.def("check_device_errors(int device) -> ()");
   m.impl("check_device_errors", &check_device_errors);
   m.def("grouped_expert_index(Tensor counts, int rows) -> Tensor");

@@ -346,6 +346,24 @@ def index_checking_enabled() -> bool:
     return torch.ops.machmoe.index_checking_enabled()
 
 
+# ---- fallback policy (docs/ARCHITECTURE.md, "What takes the fast path") -----------------------------------------
+
+def set_fallback_policy(policy: str) -> None:
+    """What a GPU expert GEMM does when the Hopper kernels cannot take it and it would run on the slow GPU reference
+    GEMM (hidden_size or intermediate_size not a multiple of 8, unaligned tensors, fp16/fp32 data, a non-Hopper GPU):
+    "warn" (the default) runs it and prints one warning per stage and reason to stderr; "error" raises ValueError
+    with the same message instead (the environment's MACHMOE_FALLBACK=error sets it at start-up). The reference path
+    chosen on purpose (MACHMOE_DISABLE_HOPPER_KERNELS=1, MACHMOE_HOPPER_BACKWARD=0) is never an error."""
+    if policy not in ("warn", "error"):
+        raise ValueError(f"machmoe: argument 'policy': expected 'warn' or 'error', got {policy!r}")
+    torch.ops.machmoe.set_fallback_policy(policy)
+
+
+def fallback_policy() -> str:
+    """The current fallback policy, "warn" or "error" (set_fallback_policy)."""
+    return torch.ops.machmoe.fallback_policy()
+
+
 def check_device_errors(device=None) -> None:
     """Waits for the current stream of a CUDA device (default: the current device) and raises ValueError for an index
     violation that a checked kernel recorded there (set_index_checking); returns None when there is none. A no-op

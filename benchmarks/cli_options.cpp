@@ -18,6 +18,12 @@ const std::vector<NamedConfig>& named_configs() {
       {"30B-1024", 32768, 4096, 1024, 64, 4, ""},    {"120B-512", 32768, 4096, 512, 256, 16, ""},
       {"120B-1024", 32768, 4096, 1024, 128, 8, ""},  {"120B-2048", 32768, 4096, 2048, 64, 4, ""},
       {"cpu-small", 1536, 384, 64, 32, 4, "7B-256 scaled down (T/16, d/4, n/4, E/4, K/2) for the CPU reference"},
+      // Odd shapes (target T13): gpt-oss experts, d = n = 2880 (edge tiles: not a multiple of 128), beside the nearest
+      // multiple of 128 (2944); the same rows as the Python benchmark's "odd" group.
+      {"gptoss20b-2880", 16384, 2880, 2880, 32, 4, "gpt-oss-20b experts: d = n = 2880, edge tiles (T13)"},
+      {"gptoss20b-2944", 16384, 2944, 2944, 32, 4, "gptoss20b-2880 at the nearest multiple of 128 (T13)"},
+      {"gptoss120b-2880", 16384, 2880, 2880, 128, 4, "gpt-oss-120b experts: d = n = 2880, edge tiles (T13)"},
+      {"gptoss120b-2944", 16384, 2944, 2944, 128, 4, "gptoss120b-2880 at the nearest multiple of 128 (T13)"},
   };
   return configs;
 }
@@ -264,7 +270,7 @@ namespace machmoe::bench {
 std::vector<Options> main_config_runs(const Options& base) {
   std::vector<Options> runs;
   for (const NamedConfig& c : named_configs()) {
-    if (std::string(c.name) == "cpu-small") continue;
+    if (*c.note) continue;  // the CPU default and the odd-shape rows are not main configurations
     Options o = base;
     o.config_name = c.name;
     o.problem.T = c.T, o.problem.d = c.d, o.problem.n = c.n, o.problem.E = c.E, o.problem.K = c.K;

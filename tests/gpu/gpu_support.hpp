@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "machmoe/machmoe.hpp"
@@ -25,6 +26,11 @@ inline void require_gpu() {
 }
 /// In a test body: stop the test when require_gpu() failed.
 #define REQUIRE_GPU() ASSERT_NO_FATAL_FAILURE(::machmoe::test::require_gpu())
+
+/// Records what the running test is doing now (e.g. the kernel configuration it is about to launch): the hang
+/// watchdog (gpu_watchdog.cpp) prints the last note when a test overruns MACHMOE_GPU_TEST_TIMEOUT_S (default 120 s)
+/// and exits with status 124. With MACHMOE_GPU_TEST_PROGRESS set, every note is also printed to stderr at once.
+void progress(const std::string& what);
 
 inline std::uint16_t to_bf16(float f) {
   std::uint32_t u;

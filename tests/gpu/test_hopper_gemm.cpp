@@ -23,6 +23,18 @@ using gpu::VarlenMArgs;
 
 double act_ref(Activation a, double x) { return math::act_value_and_derivative(a, x).value; }
 
+/// The tile for_each_tile forces now (0: the heuristic's), for the progress notes.
+int g_tile_n = 0;
+
+/// Leaves a progress note naming the GEMM about to run (the hang watchdog prints the last one).
+void note_launch(const char* what, const VarlenMArgs& a, bool reference) {
+  progress(std::string(what) + (reference ? " on the reference GEMM" : " on the Hopper kernel, tile N ") +
+           (reference ? std::string() : (g_tile_n > 0 ? std::to_string(g_tile_n) : std::string("(heuristic)"))) +
+           ": E " + std::to_string(a.E) + ", N " + std::to_string(a.N) + ", K " + std::to_string(a.K) + ", P_max " +
+           std::to_string(a.P_max) + ", " + activation_name(a.activation) + ", B permute " +
+           std::to_string(a.b.permute) + (a.bias ? ", bias" : ""));
+}
+
 /// Grouped rows: segment lengths per expert, a random token per row, X (T x d), and per-expert weights.
 struct Segments {
   std::vector<std::int32_t> offsets, tiles64, gather;
@@ -161,6 +173,7 @@ UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n
   a.act_out = da.get(), a.ld_act = ld_a;
 
   UpResult r;
+  note_launch("up_projection", a, reference);
   if (reference) {
     gpu::launch_varlen_m_gemm(a, nullptr);
   } else {
@@ -209,9 +222,11 @@ void for_each_tile(F&& body) {
   for (int tile : {128, 256}) {
     SCOPED_TRACE("tile N " + std::to_string(tile));
     gpu::set_hopper_tile_n(tile);
+    g_tile_n = tile;
     body();
   }
   gpu::set_hopper_tile_n(0);
+  g_tile_n = 0;
 }
 
 TEST_P(HopperUpProjection, MatchesFloat64AndTheReferenceGemm) {
@@ -332,6 +347,7 @@ DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& leng
   a.epilogue = Epilogue::kStore;
   a.out = dy.get(), a.ld_out = ldy;
   if (bias) a.bias = db.get(), a.ld_bias = d;
+  note_launch("down_projection", a, reference);
   if (reference) {
     gpu::launch_varlen_m_gemm(a, nullptr);
   } else {
@@ -441,6 +457,7 @@ DownResult run_dx(std::int64_t d, std::int64_t K, bool concatenated, const std::
   a.b.permute = concatenated ? 2 : 0, a.b.glu_n = n;
   a.epilogue = Epilogue::kStore;
   a.out = dy.get(), a.ld_out = ldw;
+  note_launch("dx_expanded", a, reference);
   if (reference) {
     gpu::launch_varlen_m_gemm(a, nullptr);
   } else {
@@ -606,6 +623,7 @@ DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, 
   a.h_in = dhin.get(), a.ld_h = ldh;
   a.scores = static_cast<const float*>(dsc.get()), a.scatter = static_cast<const std::int32_t*>(dscat.get());
   a.ds_partial = static_cast<float*>(dpart.get());
+  note_launch("dh_kernel", a, reference);
   if (reference) {
     gpu::launch_varlen_m_gemm(a, nullptr);
   } else {

@@ -42,6 +42,9 @@ struct WgradCase {
 
 enum class Path { kHopper, kReference };
 
+/// The tile for_each_tile forces now (0: the heuristic's), for the progress notes.
+int g_tile_n = 0;
+
 /// One problem: inputs on the device (NaN wherever the GEMM must not read), the output's prefill, and the float64
 /// expectation of every output element the GEMM writes.
 class WgradProblem {
@@ -123,6 +126,12 @@ class WgradProblem {
   std::vector<unsigned char> run(Path path, bool* canary = nullptr) const {
     DeviceBuffer out(prefill_);
     const VarlenKArgs a = args(out.get());
+    const std::string tile = g_tile_n > 0 ? std::to_string(g_tile_n) : std::string("(heuristic)");
+    progress(std::string(c_.dw1 ? "dW1" : "dW2") +
+             (path == Path::kHopper ? " on the Hopper kernel, tile N " + tile : std::string(" on the reference GEMM")) +
+             ": E " + std::to_string(E_) + ", M " + std::to_string(c_.M) + ", N " + std::to_string(c_.N) + ", rows " +
+             std::to_string(P_) + ", out " + dtype_name(c_.out_dt) + (c_.accumulate ? ", accumulate" : "") +
+             (c_.glu_n > 0 ? ", concatenated row map" : ""));
     if (path == Path::kHopper) {
       EXPECT_EQ(gpu::hopper_wgrad_unsupported_reason(a), "") << "the case must take the Hopper kernel";
       gpu::launch_weight_gemm(a, "test/weight_grad", nullptr);
@@ -235,9 +244,11 @@ void for_each_tile(std::int64_t /*N*/, F&& body) {
   for (int tile : {128, 256}) {
     SCOPED_TRACE("tile N " + std::to_string(tile));
     gpu::set_hopper_tile_n(tile);
+    g_tile_n = tile;
     body();
   }
   gpu::set_hopper_tile_n(0);
+  g_tile_n = 0;
 }
 
 class HopperWeightGrad : public testing::Test {

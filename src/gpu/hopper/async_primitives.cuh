@@ -5,6 +5,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <cstdio>
 
 namespace machmoe::gpu::hopper {
 
@@ -32,8 +33,60 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(std::uint64_t* bar, std::u
                : "memory");
 }
 
-/// Blocks until the phase of the given parity has completed.
-__device__ __forceinline__ void mbar_wait(std::uint64_t* bar, std::uint32_t parity) {
+/// Where a thread waits on an mbarrier (printed by the hang trap below).
+enum class WaitSite : int {
+  kUnknown = 0,
+  kProducerEmpty = 1,     // producer: a ring stage released by the consumers
+  kConsumerFull = 2,      // consumer: a ring stage filled (TMA bytes and/or cp.async arrivals)
+  kPingPongTileDone = 3,  // ping-pong consumer: the other consumer has seen its tile's last stage
+};
+
+#if defined(MACHMOE_DEVICE_HANG_TRAP)
+#ifndef MACHMOE_HANG_TRAP_NS
+#define MACHMOE_HANG_TRAP_NS 10000000000ull  // 10 s
+#endif
+__device__ __forceinline__ std::uint64_t global_timer_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ bool mbar_try_wait(std::uint64_t* bar, std::uint32_t parity) {
+  std::uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+#endif
+
+/// Blocks until the phase of the given parity has completed. With MACHMOE_DEVICE_HANG_TRAP (a diagnostic build:
+/// cmake -DMACHMOE_DEVICE_HANG_TRAP=ON), a wait still pending after MACHMOE_HANG_TRAP_NS prints the CTA, thread,
+/// wait site, the barrier's shared-memory address (its offset in the kernel's SharedStorage: ring tiles, epilogue
+/// staging, full[kStages], empty[kStages], tile_done[2]), the parity and the caller's ring iteration / tile index,
+/// then traps: a deadlock becomes a launch failure that says where it stuck, instead of a process that never returns.
+__device__ __forceinline__ void mbar_wait(std::uint64_t* bar, std::uint32_t parity,
+                                          WaitSite site = WaitSite::kUnknown, long long where = -1) {
+#if defined(MACHMOE_DEVICE_HANG_TRAP)
+  if (mbar_try_wait(bar, parity)) return;
+  const std::uint64_t t0 = global_timer_ns();
+  while (!mbar_try_wait(bar, parity)) {
+    if (global_timer_ns() - t0 > MACHMOE_HANG_TRAP_NS) {
+      printf("machmoe hang trap: block %d thread %d (warpgroup %d) site %d waits mbarrier at shared 0x%x parity %u "
+             "(ring iteration / tile %lld) for over %llu ns\n",
+             static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x), static_cast<int>(threadIdx.x / 128),
+             static_cast<int>(site), smem_u32(bar), parity, where,
+             static_cast<unsigned long long>(MACHMOE_HANG_TRAP_NS));
+      __trap();
+    }
+  }
+#else
+  (void)site, (void)where;
   const std::uint32_t addr = smem_u32(bar);
   asm volatile(
       "{\n"
@@ -44,6 +97,7 @@ __device__ __forceinline__ void mbar_wait(std::uint64_t* bar, std::uint32_t pari
       "}\n" ::"r"(addr),
       "r"(parity)
       : "memory");
+#endif
 }
 
 /// One arrival on `bar` once all of this thread's earlier cp.async copies have landed (counted in the barrier's

@@ -72,7 +72,7 @@ struct PersistentKernel {
       if constexpr (!Traits::kCooperative) {
         if (i > 0) {  // wait until the previous tile's consumer has seen all of that tile's stages
           const int other = 1 - consumer, other_tile = (i - 1) / Traits::kConsumerWarpgroups;
-          mbar_wait(&s.tile_done[other], static_cast<std::uint32_t>(other_tile) & 1u);
+          mbar_wait(&s.tile_done[other], static_cast<std::uint32_t>(other_tile) & 1u, WaitSite::kPingPongTileDone, i);
         }
       }
       // The mainloop places tile i of the sequence on the ring (fixed K: i k-blocks per tile; varlen-K: the k-blocks

@@ -183,7 +183,7 @@ struct MainloopVarlenK {
         source_rows<kOperandB>(p.b_gather, c, kb + 1, row_in_pass, next_b);
         const int stage = static_cast<int>(iter % kStages);
         const std::uint32_t phase = (iter / kStages) & 1u;
-        mbar_wait(&s.bar.empty[stage], phase ^ 1u);
+        mbar_wait(&s.bar.empty[stage], phase ^ 1u, WaitSite::kProducerEmpty, iter);
         copy_rows<kTileM>(smem_u32(&s.t.a[stage][0]), a_base, p.lda, a_col0, a_valid, rows_a, row_in_pass,
                           swizzled_chunk, chunk);
         copy_rows<kTileN>(smem_u32(&s.t.b[stage][0]), b_base, p.ldb, b_col0, b_valid, rows_b, row_in_pass,
@@ -224,7 +224,7 @@ struct MainloopVarlenK {
     int previous_stage = -1;
     for (int kb = 0; kb < c.k_tiles; ++kb, ++iter) {
       const int stage = static_cast<int>(iter % kStages);
-      mbar_wait(&s.bar.full[stage], (iter / kStages) & 1u);
+      mbar_wait(&s.bar.full[stage], (iter / kStages) & 1u, WaitSite::kConsumerFull, iter);
       // No proxy fence for the cp.async-written operands: the mbarrier completion orders the copies before the
       // WGMMA reads (as in the varlen-M mainloop's gathered A, and CUTLASS's SM90 cp.async + GMMA mainloops).
       if (kb == c.k_tiles - 1) on_last_wait();

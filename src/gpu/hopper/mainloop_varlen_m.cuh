@@ -149,7 +149,7 @@ struct MainloopVarlenM {
       for (int kb = 0; kb < k_tiles; ++kb, ++iter) {
         const int stage = iter % kStages;
         const std::uint32_t phase = (iter / kStages) & 1u;
-        mbar_wait(&s.bar.empty[stage], phase ^ 1u);
+        mbar_wait(&s.bar.empty[stage], phase ^ 1u, WaitSite::kProducerEmpty, iter);
         if (ptid == 0) {
           mbar_arrive_expect_tx(&s.bar.full[stage], kBytesB + (kGatherA ? 0 : kBytesA));
           if constexpr (!kMajorBK) {  // kTileN / 64 boxes of (64 columns) x (32 j) x (gate, up | k, k + 1)
@@ -210,7 +210,7 @@ struct MainloopVarlenM {
     int previous_stage = -1;
     for (int kb = 0; kb < k_tiles; ++kb, ++iter) {
       const int stage = iter % kStages;
-      mbar_wait(&s.bar.full[stage], (iter / kStages) & 1u);
+      mbar_wait(&s.bar.full[stage], (iter / kStages) & 1u, WaitSite::kConsumerFull, iter);
       // No proxy fence for the cp.async-written A: the mbarrier completion orders the copies before the WGMMA
       // reads (as CUTLASS's SM90 cp.async + GMMA warp-specialised mainloops rely on).
       if (kb == k_tiles - 1) on_last_wait();

@@ -838,6 +838,37 @@ TEST_F(HopperEdgeTiles, UpProjectionGptOss) {
   check_up({Activation::kGELU, WeightLayout::kInterleaved, false, true}, kGptOss);  // N = n = 2880
 }
 
+// The gpt-oss test above split into its factors at small cost (its float64 check is the slow part), so that a hang
+// or a failure there is traced to one of them: many tiles per CTA with edge tiles among them (the edge tests above
+// give every CTA one tile at most), K = 2880 (45 k-blocks) with an edge tile, and N = 5760 / 2880 (an edge tile whose
+// last 64 or 192 columns are padding, a 64-column half box wholly past N).
+std::vector<int> many_tile_lengths() {
+  std::vector<int> v;
+  for (int e = 0; e < 40; ++e) v.push_back(e % 7 == 3 ? 0 : 37 + (e * 53) % 290);  // empty experts among them
+  return v;
+}
+
+TEST_F(HopperEdgeTiles, UpProjectionManyTilesPerCta) {
+  const OddShape sh{3000, 136, 264, many_tile_lengths(), "many_tiles_d136_n264"};  // > 300 tiles per launch
+  for (WeightLayout l : {WeightLayout::kInterleaved, WeightLayout::kConcatenated})
+    check_up({Activation::kSwiGLU, l, true, true}, sh);
+  check_up({Activation::kGELU, WeightLayout::kInterleaved, true, true}, sh);
+}
+
+TEST_F(HopperEdgeTiles, UpProjectionGptOssK) {
+  const OddShape sh{200, 2880, 72, {0, 1, 37, 0, 130}, "d2880_n72"};  // K = 2880, N = 144 or 72
+  for (WeightLayout l : {WeightLayout::kInterleaved, WeightLayout::kConcatenated})
+    check_up({Activation::kSwiGLU, l, true, true}, sh);
+  check_up({Activation::kGELU, WeightLayout::kInterleaved, false, true}, sh);
+}
+
+TEST_F(HopperEdgeTiles, UpProjectionGptOssN) {
+  const OddShape sh{200, 64, 2880, {0, 1, 37, 0, 130}, "d64_n2880"};  // N = 5760 or 2880, K = 64
+  for (WeightLayout l : {WeightLayout::kInterleaved, WeightLayout::kConcatenated})
+    check_up({Activation::kSwiGLU, l, true, true}, sh);
+  check_up({Activation::kGELU, WeightLayout::kInterleaved, false, true}, sh);
+}
+
 TEST_F(HopperEdgeTiles, LayoutsStayBitwiseIdentical) {
   const OddShape sh = odd_shapes()[0];
   for_each_tile([&] {
@@ -917,6 +948,13 @@ TEST_F(HopperEdgeTiles, DhKernelEveryActivation) {
     for (Activation act : kAllActivations) check_dh(act, sh);
   check_dh(Activation::kSwiGLU, kGptOss);
   check_dh(Activation::kGELU, kGptOss);
+}
+
+TEST_F(HopperEdgeTiles, OtherFamiliesManyTilesPerCta) {
+  const OddShape sh{3000, 136, 264, many_tile_lengths(), "many_tiles_d136_n264"};
+  check_down(sh, true);
+  check_dx(sh, 2 * sh.n, true);
+  check_dh(Activation::kSwiGLU, sh);
 }
 
 }  // namespace

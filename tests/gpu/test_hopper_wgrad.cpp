@@ -428,6 +428,35 @@ TEST_F(HopperWeightGrad, GptOssShapesFewTokens) {
   }
 }
 
+// The gpt-oss test split into its factors at small cost: M = 2880 or N = 2880 (an edge tile of 64 valid columns)
+// against a small other extent, and many tiles per CTA with edge tiles among them (EdgeTilesAlongMAndN gives every
+// CTA one tile at most), on both tiles.
+TEST_F(HopperWeightGrad, GptOssFactorsAndManyTilesPerCta) {
+  std::vector<int> many;
+  for (int e = 0; e < 40; ++e) many.push_back(e % 7 == 3 ? 0 : 1 + (e * 53) % 200);
+  struct Shape {
+    bool dw1;
+    std::int64_t M, N, glu_n;
+    std::vector<int> lengths;
+    const char* name;
+  };
+  const std::vector<Shape> shapes = {
+      {false, 2880, 72, 0, {0, 1, 37, 0, 130}, "dW2_M2880_N72"},
+      {false, 72, 2880, 0, {0, 1, 37, 0, 130}, "dW2_M72_N2880"},
+      {true, 144, 2880, 72, {0, 1, 37, 0, 130}, "dW1_M144_N2880_concatenated"},
+      {false, 200, 264, 0, many, "dW2_M200_N264_40_experts"},
+      {true, 528, 136, 264, many, "dW1_M528_N136_concatenated_40_experts"},
+  };
+  for (const Shape& sh : shapes) {
+    SCOPED_TRACE(sh.name);
+    WgradCase wc;
+    wc.dw1 = sh.dw1, wc.M = sh.M, wc.N = sh.N, wc.glu_n = sh.glu_n, wc.pad = 8, wc.T = 900, wc.lengths = sh.lengths;
+    wc.out_dt = DType::kFP32;
+    const WgradProblem prob(wc, 14);
+    for_each_tile(wc.N, [&] { check_problem(prob); });
+  }
+}
+
 // ---- dispatch ---------------------------------------------------------------------------------------------------
 
 TEST(HopperWeightGradDispatch, NamesWhyAShapeFallsBack) {

@@ -82,9 +82,10 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& problem, DType
 
 /// Transient memory of the GPU backward:
 ///   h_recompute  P x w1_rows        data dtype   kInputOnly only
-///   dh           P x w1_rows        data dtype
+///   dh           P x w1_rows        data dtype   kInputOnly: the h_recompute region (dH overwrites H in place)
 ///   a_prime      P x n              data dtype   A' = s * A, left operand of dW2
-///   dx_expanded  P x d              data dtype   per-pair input gradient, grouped order
+///   dx_expanded  P x d              data dtype   per-pair input gradient, grouped order; in the full backward it
+///                                                shares its region with a_prime (dW2 runs before dX~)
 ///   ds_partial   P x ceil(n / 64)   fp32         per-N-tile partial sums of <dA', A>
 ///   ds           P                  score dtype  router-score gradient, pair order
 ///   dlogits      T x E              data dtype   gradient of the router logits (not for caller-supplied routing)

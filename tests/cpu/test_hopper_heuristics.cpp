@@ -27,6 +27,16 @@ TEST(HopperHeuristics, WideTileWhereNAllowsIt) {
   }
 }
 
+TEST(HopperHeuristics, DhKernelPingPongForSmallD) {
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 256, 1536), {}).tile_n, 128);   // 7B (256,128,8): K = d
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 512, 768), {}).tile_n, 128);    // 1.4B
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 1024, 4096), {}).tile_n, 256);  // 30B / 120B
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 384, 4096), {}).tile_n, 128);   // N not a multiple of 256
+  TileOverrides o;
+  o.tile_n = 256;  // forced: the wide tile where N allows it, whatever d is
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 256, 1536), o).tile_n, 256);
+}
+
 TEST(HopperHeuristics, OverridesAreHonouredWhereTheShapeAllows) {
   TileOverrides o;
   o.tile_n = 128;

@@ -114,8 +114,20 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_EQ(b.ds_partial.bytes, 4 * P * 8);
   EXPECT_EQ(b.dlogits.bytes, 2u * 4096 * 64);
   EXPECT_EQ(b.expert_tiles.bytes, 4u * 65);
+  // A' and dX~ share one region (the full backward runs dW2 before dX~); the split backward keeps dX~ apart.
+  EXPECT_EQ(b.a_prime.offset, b.dx_expanded.offset);
+  EXPECT_EQ(b.total_bytes, backward_workspace_bytes(p, DType::kBF16, Device::cuda(0)));
+  const BackwardWorkspaceLayout split = backward_workspace_layout(p, DType::kBF16, true);
+  EXPECT_FALSE(split.dh.present());
+  EXPECT_FALSE(split.a_prime.present());
+  EXPECT_EQ(split.dx_expanded.bytes, 2 * P * 1024);
   p.cache = CacheMode::kInputOnly;
-  EXPECT_EQ(backward_workspace_layout(p, DType::kBF16).h_recompute.bytes, 2 * P * 1024);
+  const BackwardWorkspaceLayout r = backward_workspace_layout(p, DType::kBF16);
+  EXPECT_EQ(r.h_recompute.bytes, 2 * P * 1024);
+  // dH overwrites the recomputed H in place: no region of its own.
+  EXPECT_EQ(r.dh.offset, r.h_recompute.offset);
+  EXPECT_EQ(r.dh.bytes, r.h_recompute.bytes);
+  EXPECT_EQ(r.total_bytes, b.total_bytes) << "recompute mode's backward workspace is the default's: H's region is dH's";
   p.routing = RoutingMode::kTokenRounding;
   const ForwardWorkspaceLayout tr = forward_workspace_layout(p, DType::kBF16);
   EXPECT_EQ(tr.tr_choice.bytes, 8u * 4096 * 4);

@@ -173,6 +173,10 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
   if (a.N <= 0 || a.N % kMinTileN != 0) return "N = " + std::to_string(a.N) + " is not a multiple of 128";
   if (a.E <= 0 || a.E > (1 << 30)) return "E out of range";
   if (a.P_max >= (std::int64_t{1} << 31)) return "more than 2^31 - 1 routed rows";
+  // The persistent schedulers number output tiles with int: every expert's partial last M-tile included, the count
+  // is at most (P_max / 128 + E) M-tiles times the N-tiles of the narrowest tile.
+  if ((a.P_max / 128 + a.E) * ((a.N + kMinTileN - 1) / kMinTileN) >= (std::int64_t{1} << 31))
+    return "more than 2^31 - 1 output tiles";
   const ExpertOperand& b = a.b;
   // K-major weights (stride 1 along K: the forward's W1 and W2) or MN-major (stride 1 along N: the backward reads
   // W1 for dX~ in place).

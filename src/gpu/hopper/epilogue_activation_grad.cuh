@@ -10,9 +10,12 @@
 // operands, about one mainloop ahead; the epilogue then reads H from L2 into registers, one pass of staged columns
 // at a time (8 bytes per thread and row for a GLU, the gate/up pairs of its two accumulator columns; 4 bytes
 // otherwise): a quad of lanes covers 32 contiguous bytes of a row, so every sector is used whole. The loads of a
-// pass are issued together before any is used. Under the ping-pong schedule the other consumer warpgroup's
-// mainloop keeps the tensor cores busy meanwhile; under the cooperative one (the default where n is a multiple of
-// 256) nothing does, and the epilogue is exposed (docs/BENCHMARKS.md: 0.4-0.75 of cuBLAS's plain GEMM).
+// pass are issued together before any is used. They are plain loads, not the read-only path (ld.global.nc): dH may
+// overwrite H in place (input-only mode, memory.hpp), which is safe because a pass reads exactly the H columns whose
+// dH it then stores, every element before its own store, and no other tile touches them. Under the ping-pong
+// schedule the other consumer warpgroup's mainloop keeps the tensor cores busy meanwhile; under the cooperative one
+// (used where d is large) nothing does, and the epilogue is exposed (docs/BENCHMARKS.md: 0.4-0.75 of cuBLAS's plain
+// GEMM).
 #pragma once
 
 #include "gpu/hopper/epilogue_staging.cuh"
@@ -95,10 +98,10 @@ struct EpilogueActivationGrad {
             const int col = (pass * kV2PerPass + i) * 8 + quad * 2;  // accumulator (A) column in the tile
             if constexpr (kGlu) {
               uint2 v = make_uint2(0u, 0u);
-              if (h_row[v1] != nullptr) v = __ldg(reinterpret_cast<const uint2*>(h_row[v1] + 2 * col));
+              if (h_row[v1] != nullptr) v = *reinterpret_cast<const uint2*>(h_row[v1] + 2 * col);
               hv[v1][i][0] = v.x, hv[v1][i][1] = v.y;
             } else {
-              hv[v1][i][0] = h_row[v1] != nullptr ? __ldg(reinterpret_cast<const unsigned int*>(h_row[v1] + col)) : 0u;
+              hv[v1][i][0] = h_row[v1] != nullptr ? *reinterpret_cast<const unsigned int*>(h_row[v1] + col) : 0u;
             }
           }
         }

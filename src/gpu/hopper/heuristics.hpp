@@ -34,10 +34,13 @@ inline constexpr int kMinTileN = 128;
 /// operand bytes per FLOP through L2 and shared memory, which the gathered up-projection needs (7B-256: 614 TFLOP/s
 /// against 515 with 128 x 128 ping-pong); for the down-projection it measured equal (n >= 512) or 2-4 % faster
 /// (n = 256). 128 x 128 ping-pong serves N that is a multiple of 128 but not of 256 (and a forced 128). Groups of
-/// 2-8 M-tiles measured no better than running along N. The dH kernel takes the same rule today; measured on an
+/// 2-8 M-tiles measured no better than running along N. The dH kernel chooses by K = d as well: measured on an
 /// H200 (docs/BENCHMARKS.md, 2026-11-23 evening) 128 x 128 ping-pong is 4-7 % faster for it where d <= 1536 and
-/// 128 x 256 is 15-25 % faster where d = 4096, so choosing by K for that family is the next step.
+/// 128 x 256 is 15-25 % faster where d = 4096; kDhPingPongMaxK sits between the measured sizes.
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
+
+/// The largest K (= d) for which the dH kernel takes the ping-pong tile.
+inline constexpr std::int64_t kDhPingPongMaxK = 2048;
 
 /// A weight-gradient GEMM (varlen-K): per expert an M x N output, the reduction over the expert's grouped rows.
 struct WgradShape {

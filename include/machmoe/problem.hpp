@@ -83,8 +83,9 @@ struct MoEProblem {
   /// Rows of W1 per expert: 2n for GLU activations, n otherwise.
   std::int64_t w1_rows() const;
   /// Routed (token, expert) pairs the layer can produce: T*K for top-K, the caller's count for caller-supplied
-  /// routing, and an upper bound for token rounding (rounding up adds < tile_m pairs per expert), which is what
-  /// buffers must be sized for since the exact count is only known on the device.
+  /// routing, and an upper bound for token rounding by its rule (down: T*K; nearest: each expert with a partial tile
+  /// adds at most tile_m/2 - 1 pairs; up: at most tile_m - 1; never more than T*E), which is what buffers must be
+  /// sized for since the exact count is only known on the device.
   std::int64_t max_pairs() const;
   /// Whether the router's logits must be kept for the backward: top-K of the full softmax without
   /// renormalisation, and token rounding, have a dense gradient over all E logits.

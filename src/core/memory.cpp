@@ -65,11 +65,11 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
   l.expert_tiles = b.add(u(p.E + 1) * 4);
   if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
   if (p.routing == RoutingMode::kTokenRounding) {
-    l.tr_choice = b.add(u(p.T) * u(p.K) * 8);
-    l.tr_token_stats = b.add(u(p.T) * 8);
-    l.tr_expert_count = b.add(u(p.E) * 4);
-    l.tr_keep = b.add(u(p.T) * u(p.E));
-    l.tr_token_count = b.add(u(p.T + 1) * 4);
+    l.tr_keys = b.add(u(p.T) * u(p.E) * 4);
+    l.tr_keys_by_expert = b.add(u(p.T) * u(p.E) * 4);
+    l.tr_thresholds = b.add(u(p.E) * 8);
+    const std::size_t emit_blocks = (u(p.T) + u(kTokenRoundingEmitTokens) - 1) / u(kTokenRoundingEmitTokens);
+    l.tr_counters = b.add((u(p.E) + 4) * 4 + emit_blocks * 8);
   }
   l.total_bytes = b.total();
   return l;

@@ -25,10 +25,18 @@ std::int64_t MoEProblem::max_pairs() const {
     case RoutingMode::kTopK: return T * K;
     case RoutingMode::kCallerSupplied: return num_pairs;
     case RoutingMode::kTokenRounding: {
-      // Rounding up adds fewer than tile_m pairs to each expert that has a partial tile; at most min(E, T*K)
-      // experts do. No expert can take more than T tokens.
+      // Only experts with a partial tile can grow, at most min(E, T*K) of them, and no expert can take more than
+      // T tokens. By rule, the pairs an expert with f token choices can add (down = floor_M(f), up = the capped
+      // upper count, both within one tile of f):
+      //   down:    none.
+      //   up:      up - f <= tile_m - 1.
+      //   nearest: it rounds up only when up - f < f - down, and (up - f) + (f - down) <= tile_m (= tile_m when up
+      //            is not capped at T; less when it is), so up - f < tile_m / 2: at most tile_m / 2 - 1 (tile_m is
+      //            even).
+      if (rounding == RoundingRule::kDown) return T * K;
+      const std::int64_t per_expert = rounding == RoundingRule::kUp ? tile_m - 1 : tile_m / 2 - 1;
       const std::int64_t partial = std::min(E, T * K);
-      return std::min(T * K + partial * (tile_m - 1), T * E);
+      return std::min(T * K + partial * per_expert, T * E);
     }
   }
   return 0;

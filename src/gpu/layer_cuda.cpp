@@ -248,19 +248,26 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
     launch_topk_scores(dt, out.router_logits.data, out.router_logits.stride[0], p.T, p.E, p.K, p.score, scores,
                        pair_expert, stream);
   } else if (p.routing == RoutingMode::kTokenRounding) {
+    // Selection and the whole routing metadata (no routing-metadata stage follows): this stage is all of token
+    // rounding's routing, to be compared with forward/topk_scores + forward/routing_metadata of top-K.
     mark_stage("forward/token_rounding", stream);
     TokenRoundingArgs tr;
     tr.dt = dt;
     tr.T = p.T, tr.E = p.E, tr.K = p.K, tr.tile_m = p.tile_m, tr.P_max = P;
     tr.variant = p.score, tr.rule = p.rounding;
     tr.logits = out.router_logits.data, tr.ld_logits = out.router_logits.stride[0];
-    tr.tc_expert = at<std::int32_t>(buf.workspace, wl.tr_choice);
-    tr.tc_score = reinterpret_cast<float*>(tr.tc_expert + p.T * p.K);
-    tr.token_stats = at<float>(buf.workspace, wl.tr_token_stats);
-    tr.expert_count = at<std::int32_t>(buf.workspace, wl.tr_expert_count);
-    tr.keep = at<std::uint8_t>(buf.workspace, wl.tr_keep);
-    tr.token_count = at<std::int32_t>(buf.workspace, wl.tr_token_count);
-    tr.pair_token = pair_token, tr.pair_expert = pair_expert, tr.pair_score = scores;
+    tr.keys = at<std::uint32_t>(buf.workspace, wl.tr_keys);
+    tr.keys_by_expert = at<std::uint32_t>(buf.workspace, wl.tr_keys_by_expert);
+    tr.thresholds = at<std::uint32_t>(buf.workspace, wl.tr_thresholds);
+    tr.counters = at(buf.workspace, wl.tr_counters), tr.counters_bytes = wl.tr_counters.bytes;
+    tr.expert_counts = static_cast<std::int32_t*>(out.expert_counts.data);
+    tr.expert_offsets = at<std::int32_t>(buf.saved, sl.expert_offsets);
+    tr.expert_tiles = at<std::int32_t>(buf.workspace, wl.expert_tiles);
+    tr.scatter = at<std::int32_t>(buf.saved, sl.scatter);
+    tr.inverse = at<std::int32_t>(buf.saved, sl.inverse);
+    tr.gather = at<std::int32_t>(buf.saved, sl.gather);
+    tr.token_offsets = at<std::int32_t>(buf.saved, sl.token_offsets);
+    tr.scores = scores;
     launch_token_rounding(tr, stream);
   } else {
     mark_stage("forward/caller_routing", stream);
@@ -271,7 +278,6 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
       MACHMOE_CUDA_CHECK(cudaMemcpyAsync(scores, routing->score.data, sizeof(float) * P, cudaMemcpyDeviceToDevice,
                                           stream));
   }
-  mark_stage("forward/routing_metadata", stream);
   MetadataArgs m;
   m.T = p.T, m.E = p.E, m.P = P, m.K = p.K;
   m.pair_expert = pair_expert, m.pair_token = pair_token;
@@ -283,7 +289,10 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   m.inverse = at<std::int32_t>(buf.saved, sl.inverse);
   m.gather = at<std::int32_t>(buf.saved, sl.gather);
   m.token_offsets = at<std::int32_t>(buf.saved, sl.token_offsets);
-  launch_routing_metadata(m, stream);
+  if (p.routing != RoutingMode::kTokenRounding) {  // token rounding built the metadata itself
+    mark_stage("forward/routing_metadata", stream);
+    launch_routing_metadata(m, stream);
+  }
   if (sl.router_logits.present()) {
     const std::size_t row = dtype_size(dt) * static_cast<std::size_t>(p.E);
     MACHMOE_CUDA_CHECK(cudaMemcpy2DAsync(at(buf.saved, sl.router_logits), row, out.router_logits.data,

@@ -103,8 +103,9 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_FALSE(f.pair_token.present());
   EXPECT_EQ(f.tile_hist.bytes, 4u * 64 * (P / 256));  // kMetadataTilePairs = 256 pairs per tile
   EXPECT_EQ(f.expert_tiles.bytes, 4u * 65);
-  EXPECT_FALSE(f.tr_choice.present());
-  EXPECT_FALSE(f.tr_keep.present());
+  EXPECT_FALSE(f.tr_keys.present());
+  EXPECT_FALSE(f.tr_keys_by_expert.present());
+  EXPECT_FALSE(f.tr_counters.present());
   EXPECT_EQ(f.cublas.bytes, kCublasWorkspaceBytes);
   const BackwardWorkspaceLayout b = backward_workspace_layout(p, DType::kBF16);
   EXPECT_FALSE(b.h_recompute.present());
@@ -130,9 +131,11 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_EQ(r.total_bytes, b.total_bytes) << "recompute mode's backward workspace is the default's: H's region is dH's";
   p.routing = RoutingMode::kTokenRounding;
   const ForwardWorkspaceLayout tr = forward_workspace_layout(p, DType::kBF16);
-  EXPECT_EQ(tr.tr_choice.bytes, 8u * 4096 * 4);
-  EXPECT_EQ(tr.tr_keep.bytes, 4096u * 64);
-  EXPECT_EQ(tr.tr_token_count.bytes, 4u * 4097);
+  EXPECT_EQ(tr.tr_keys.bytes, 4u * 4096 * 64);
+  EXPECT_EQ(tr.tr_keys_by_expert.bytes, 4u * 4096 * 64);
+  EXPECT_EQ(tr.tr_thresholds.bytes, 8u * 64);
+  // Look-back states (one uint64 per 32-token block), then E + 4 int32 counters.
+  EXPECT_EQ(tr.tr_counters.bytes, 8u * (4096 / 32) + 4u * (64 + 4));
   EXPECT_EQ(tr.pair_token.bytes, 4 * static_cast<std::size_t>(p.max_pairs()));
   EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cpu()), 0u) << "the CPU reference needs no workspace";
   EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cuda(0)), forward_workspace_layout(p, DType::kBF16).total_bytes);

@@ -103,8 +103,12 @@ TEST(GluActivation, GptOssGradientsMatchCentralDifferencesAwayFromTheLimits) {
         EXPECT_NEAR(gr.d_gate, fd_gate, 1e-7 * (1.0 + std::fabs(fd_gate))) << gate << " " << up;
         EXPECT_NEAR(gr.d_up, fd_up, 1e-7 * (1.0 + std::fabs(fd_up))) << gate << " " << up;
         // Clamped inputs get exactly zero gradient.
-        if (gate > limit) EXPECT_EQ(gr.d_gate, 0.0);
-        if (std::fabs(up) > limit) EXPECT_EQ(gr.d_up, 0.0);
+        if (gate > limit) {
+          EXPECT_EQ(gr.d_gate, 0.0);
+        }
+        if (std::fabs(up) > limit) {
+          EXPECT_EQ(gr.d_up, 0.0);
+        }
       }
   }
 }

@@ -112,7 +112,8 @@ machmoe::MoEProblem problem_of(const char* op, const Tensor& x, const Tensor& w1
                                 const OptTensor& b1, const OptTensor& b2, const OptTensor& token_index,
                                 const OptTensor& expert_index, const OptTensor& scores, int64_t top_k,
                                 int64_t activation, int64_t weight_layout, int64_t score, int64_t routing,
-                                int64_t rounding, int64_t tile, int64_t cache) {
+                                int64_t rounding, int64_t tile, int64_t cache, double swiglu_alpha,
+                                double swiglu_limit) {
   check_rank(op, "x", x, 2, "a (T, d) tensor");
   check_rank(op, "w1", w1, 3, "an (E, 2n or n, d) tensor");
   check_rank(op, "w2", w2, 3, "an (E, d, n) tensor");
@@ -123,6 +124,7 @@ machmoe::MoEProblem problem_of(const char* op, const Tensor& x, const Tensor& w1
   p.routing = machmoe::routing_mode_from_code(routing, op, "routing");
   p.rounding = machmoe::rounding_rule_from_code(rounding, op, "rounding");
   p.cache = machmoe::cache_mode_from_code(cache, op, "cache");
+  p.swiglu_alpha = swiglu_alpha, p.swiglu_limit = swiglu_limit;  // validate_problem checks them against the activation
   p.tile_m = tile_arg(op, tile);
   p.T = x.size(0), p.d = x.size(1), p.E = w1.size(0), p.n = w2.size(2);
   if (p.E < 1 || p.E > machmoe::Limits::kMaxExperts)
@@ -193,9 +195,9 @@ struct LayerArgs {
   LayerArgs(const char* op, const Tensor& x_, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1,
             const Tensor& w2, const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index,
             const OptTensor& scores, int64_t top_k, int64_t activation, int64_t weight_layout, int64_t score,
-            int64_t routing, int64_t rounding, int64_t tile, int64_t cache)
+            int64_t routing, int64_t rounding, int64_t tile, int64_t cache, double swiglu_alpha, double swiglu_limit)
       : p(problem_of(op, x_, w1, w2, b1, b2, token_index, expert_index, scores, top_k, activation, weight_layout,
-                     score, routing, rounding, tile, cache)),
+                     score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit)),
         dtype(to_dtype(op, "x", x_)),
         x(view(op, "x", x_)),
         weights(weights_of(op, router_weight, w1, b1, w2, b2)),
@@ -210,11 +212,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
     const Tensor& x, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
     const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index, const OptTensor& scores,
     int64_t top_k, int64_t activation, int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding,
-    int64_t tile, int64_t cache, const OptTensor& /*into_router_weight*/, const OptTensor& /*into_w1*/,
-    const OptTensor& /*into_b1*/, const OptTensor& /*into_w2*/, const OptTensor& /*into_b2*/) {
+    int64_t tile, int64_t cache, double swiglu_alpha, double swiglu_limit, const OptTensor& /*into_router_weight*/,
+    const OptTensor& /*into_w1*/, const OptTensor& /*into_b1*/, const OptTensor& /*into_w2*/,
+    const OptTensor& /*into_b2*/) {
   const char* op = "layer_forward";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
-                    weight_layout, score, routing, rounding, tile, cache);
+                    weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
   const machmoe::MoEProblem& p = a.p;
   Tensor out = at::empty({p.T, p.d}, x.options());
   Tensor logits = a.caller ? at::empty({0}, x.options()) : at::empty({p.T, p.E}, x.options());
@@ -330,11 +333,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
     const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2, const OptTensor& token_index,
     const OptTensor& expert_index, const OptTensor& scores, const Tensor& saved, int64_t top_k, int64_t activation,
     int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache,
+    double swiglu_alpha, double swiglu_limit,
     const OptTensor& into_router_weight, const OptTensor& into_w1, const OptTensor& into_b1,
     const OptTensor& into_w2, const OptTensor& into_b2) {
   const char* op = "layer_backward";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
-                    weight_layout, score, routing, rounding, tile, cache);
+                    weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
   check_byte_buffer(op, "saved", saved, x, "layer_forward");
   const machmoe::MoEProblem& p = a.p;
   const bool accumulate = any_present({&into_router_weight, &into_w1, &into_b1, &into_w2, &into_b2});
@@ -358,10 +362,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_input(
     const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2, const OptTensor& token_index,
     const OptTensor& expert_index, const OptTensor& scores, const Tensor& saved, int64_t top_k, int64_t activation,
     int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache,
+    double swiglu_alpha, double swiglu_limit,
     const OptTensor& into_router_weight) {
   const char* op = "layer_backward_input";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
-                    weight_layout, score, routing, rounding, tile, cache);
+                    weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
   check_byte_buffer(op, "saved", saved, x, "layer_forward");
   const machmoe::MoEProblem& p = a.p;
   const bool accumulate = present(into_router_weight);
@@ -384,10 +389,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
     const Tensor& w2, const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index,
     const OptTensor& scores, const Tensor& saved, const Tensor& deferred, int64_t top_k, int64_t activation,
     int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache,
+    double swiglu_alpha, double swiglu_limit,
     const OptTensor& into_w1, const OptTensor& into_b1, const OptTensor& into_w2, const OptTensor& into_b2) {
   const char* op = "layer_backward_weight";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
-                    weight_layout, score, routing, rounding, tile, cache);
+                    weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
   check_byte_buffer(op, "saved", saved, x, "layer_forward");
   check_byte_buffer(op, "deferred", deferred, x, "layer_backward_input");
   check_defined(op, "grad_out", grad_out);
@@ -462,26 +468,29 @@ TORCH_LIBRARY(machmoe, m) {
   m.def(
       "layer_forward(Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
       "Tensor? token_index, Tensor? expert_index, Tensor? scores, int top_k, int activation, int weight_layout, "
-      "int score, int routing, int rounding, int tile, int cache, Tensor? into_router_weight=None, "
-      "Tensor? into_w1=None, Tensor? into_b1=None, Tensor? into_w2=None, Tensor? into_b2=None) "
+      "int score, int routing, int rounding, int tile, int cache, float swiglu_alpha=1.702, float swiglu_limit=7.0, "
+      "Tensor? into_router_weight=None, Tensor? into_w1=None, Tensor? into_b1=None, Tensor? into_w2=None, "
+      "Tensor? into_b2=None) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layer_backward(Tensor grad_out, Tensor? grad_logits, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, "
       "Tensor w2, Tensor? b2, Tensor? token_index, Tensor? expert_index, Tensor? scores, Tensor saved, int top_k, "
       "int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, "
-      "Tensor(a!)? into_router_weight=None, Tensor(b!)? into_w1=None, Tensor(c!)? into_b1=None, "
-      "Tensor(d!)? into_w2=None, Tensor(e!)? into_b2=None) "
+      "float swiglu_alpha=1.702, float swiglu_limit=7.0, Tensor(a!)? into_router_weight=None, "
+      "Tensor(b!)? into_w1=None, Tensor(c!)? into_b1=None, Tensor(d!)? into_w2=None, Tensor(e!)? into_b2=None) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layer_backward_input(Tensor grad_out, Tensor? grad_logits, Tensor x, Tensor? router_weight, Tensor w1, "
       "Tensor? b1, Tensor w2, Tensor? b2, Tensor? token_index, Tensor? expert_index, Tensor? scores, Tensor saved, "
       "int top_k, int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, "
-      "Tensor(a!)? into_router_weight=None) -> (Tensor, Tensor, Tensor, Tensor)");
+      "float swiglu_alpha=1.702, float swiglu_limit=7.0, Tensor(a!)? into_router_weight=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layer_backward_weight(Tensor grad_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, "
       "Tensor? b2, Tensor? token_index, Tensor? expert_index, Tensor? scores, Tensor saved, Tensor deferred, "
       "int top_k, int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, "
-      "Tensor(a!)? into_w1=None, Tensor(b!)? into_b1=None, Tensor(c!)? into_w2=None, Tensor(d!)? into_b2=None) "
+      "float swiglu_alpha=1.702, float swiglu_limit=7.0, Tensor(a!)? into_w1=None, Tensor(b!)? into_b1=None, "
+      "Tensor(c!)? into_w2=None, Tensor(d!)? into_b2=None) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "saved_nbytes(int T, int d, int n, int E, int K, int num_pairs, int activation, int score, int routing, "

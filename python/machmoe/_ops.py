@@ -29,8 +29,8 @@ def _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, til
 
 @torch.library.register_fake("machmoe::layer_forward")
 def _layer_forward_fake(x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
-                        weight_layout, score, routing, rounding, tile, cache, into_router_weight=None, into_w1=None,
-                        into_b1=None, into_w2=None, into_b2=None):
+                        weight_layout, score, routing, rounding, tile, cache, swiglu_alpha=1.702, swiglu_limit=7.0,
+                        into_router_weight=None, into_w1=None, into_b1=None, into_w2=None, into_b2=None):
     T, d = x.shape
     E = w1.shape[0]
     out = x.new_empty((T, d))
@@ -49,7 +49,8 @@ def _grouped_expert_index_fake(counts, rows):
 @torch.library.register_fake("machmoe::layer_backward")
 def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores,
                          saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
-                         into_router_weight=None, into_w1=None, into_b1=None, into_w2=None, into_b2=None):
+                         swiglu_alpha=1.702, swiglu_limit=7.0, into_router_weight=None, into_w1=None, into_b1=None,
+                         into_w2=None, into_b2=None):
     caller = routing == _CALLER
 
     def grad(weight, into):  # a gradient added into a caller buffer is returned as an empty tensor
@@ -68,7 +69,8 @@ def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2
 
 _WEIGHTS = ("w1", "b1", "w2", "b2")
 _ALL_WEIGHTS = ("router_weight",) + _WEIGHTS
-_NUM_OPTIONS = 8  # top_k, activation, weight_layout, score, routing, rounding, tile, cache
+# top_k, activation, weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit
+_NUM_OPTIONS = 10
 
 _DOUBLE_BACKWARD = (
     "machmoe: double backward is not supported: a gradient computed by the backward of a machmoe layer (with "

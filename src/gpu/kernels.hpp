@@ -118,6 +118,7 @@ struct VarlenMArgs {
   std::int64_t ld_bias = 0;
   // kUpActivation: H -> out (may be null: not stored), A -> act_out (may be null).
   Activation activation = Activation::kSwiGLU;
+  float act_alpha = 1.702f, act_limit = 7.0f;  // gptoss_swiglu's parameters (kUpActivation, kActivationGrad)
   void* act_out = nullptr;
   std::int64_t ld_act = 0;
   // kActivationGrad: h_in (P, w1_rows), scores (pair order) via scatter; dH -> out, A' -> act_out.

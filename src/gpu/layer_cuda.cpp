@@ -206,6 +206,7 @@ VarlenMArgs up_projection_args(const MoEProblem& p, DType dt, const TensorView& 
   a.out = h_out, a.ld_out = p.w1_rows();
   if (p.has_b1) a.bias = w.b1.data, a.ld_bias = w.b1.stride[0];
   a.activation = p.activation;
+  a.act_alpha = static_cast<float>(p.swiglu_alpha), a.act_limit = static_cast<float>(p.swiglu_limit);
   a.act_out = a_out, a.ld_act = p.n;
   return a;
 }
@@ -381,6 +382,7 @@ bool backward_dh_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
   dha.b.stride_k = w.w2.stride[1];
   dha.epilogue = Epilogue::kActivationGrad;
   dha.activation = p.activation;
+  dha.act_alpha = static_cast<float>(p.swiglu_alpha), dha.act_limit = static_cast<float>(p.swiglu_limit);
   dha.out = dh, dha.ld_out = rows;
   dha.act_out = a_prime, dha.ld_act = p.n;
   dha.h_in = h, dha.ld_h = rows;

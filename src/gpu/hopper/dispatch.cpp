@@ -123,6 +123,7 @@ void launch_up(Activation act, const hopper::UpProjectionParams& p, int sms, cud
     case Activation::kReLU: return launch_up_projection<Tile, Activation::kReLU>(p, sms, stream);
     case Activation::kGELU: return launch_up_projection<Tile, Activation::kGELU>(p, sms, stream);
     case Activation::kSiLU: return launch_up_projection<Tile, Activation::kSiLU>(p, sms, stream);
+    case Activation::kGptOssSwiGLU: return launch_up_projection<Tile, Activation::kGptOssSwiGLU>(p, sms, stream);
   }
 }
 
@@ -137,6 +138,7 @@ void launch_dh(Activation act, const hopper::DhKernelParams& p, int sms, cudaStr
     case Activation::kReLU: return launch_dh_kernel<Tile, Activation::kReLU>(p, sms, stream);
     case Activation::kGELU: return launch_dh_kernel<Tile, Activation::kGELU>(p, sms, stream);
     case Activation::kSiLU: return launch_dh_kernel<Tile, Activation::kSiLU>(p, sms, stream);
+    case Activation::kGptOssSwiGLU: return launch_dh_kernel<Tile, Activation::kGptOssSwiGLU>(p, sms, stream);
   }
 }
 
@@ -300,6 +302,7 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
     p.epilogue.bias = bias;
     p.epilogue.concatenated = main.b_concatenated;
     p.epilogue.glu_n = main.glu_n;
+    p.epilogue.act_alpha = a.act_alpha, p.epilogue.act_limit = a.act_limit;
     if (tiles.tile_n == 256)
       launch_up<hopper::Tile128x256CooperativeCluster2>(a.activation, p, sm_count, stream);
     else
@@ -314,6 +317,7 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
     p.epilogue.scores = a.scores, p.epilogue.scatter = a.scatter;
     p.epilogue.ds_partial = a.ds_partial;
     p.epilogue.ds_tiles = static_cast<int>(a.N / kDsTileN);  // the reference's layout: one per 64 columns of A
+    p.epilogue.act_alpha = a.act_alpha, p.epilogue.act_limit = a.act_limit;
     if (tiles.tile_n == 256)
       launch_dh<hopper::Tile128x256Cooperative>(a.activation, p, sm_count, stream);
     else

@@ -1,7 +1,8 @@
 // The activation-gradient epilogue of the backward's dH kernel (docs/SPEC.md §3.2), run by the consumer warpgroup
 // that computed the tile. The accumulator holds dA' = gather(dO) W2_e^T for kTileN columns j of A; with H (the
 // forward's pre-activation, gate/up-interleaved) and the pair's score s it writes, from the same fp32 values:
-//   dH  = act'(H) (s dA')     (GLU: d gate = s dA' up f'(gate), d up = s dA' f(gate)); bf16, interleaved like H
+//   dH  = act'(H) (s dA')     (GLU: math::glu_backward, e.g. d gate = s dA' up f'(gate), d up = s dA' f(gate));
+//                             bf16, interleaved like H
 //   A'  = s A, A = act(H)     (the dW2 GEMM's operand; bf16)
 //   dS partials: <dA', A> over each 64-column block of the tile, one fp32 per (pair, block), reduced later in a
 //   fixed order (launch_ds_reduce), so dS is deterministic without atomics.
@@ -61,6 +62,7 @@ struct EpilogueActivationGrad {
     const std::int64_t j0 = static_cast<std::int64_t>(c.n_tile) * kTileN;  // first A column of the tile
     const std::int64_t dh_col0 = kGlu ? 2 * j0 : j0;
     const __nv_bfloat16* h_base = static_cast<const __nv_bfloat16*>(p.h);
+    const math::ActParams<float> ap{p.act_alpha, p.act_limit};  // read only by gptoss_swiglu
 
     CUTE_UNROLL
     for (int m = 0; m < Staging::kRowAtoms; ++m) {
@@ -120,11 +122,11 @@ struct EpilogueActivationGrad {
               const float dap = value(v0, v1, v2), da = s * dap;
               if constexpr (kGlu) {
                 const __nv_bfloat162 gu = *reinterpret_cast<const __nv_bfloat162*>(&hv[v1][i][v0]);
-                const float gate = __low2float(gu), up = __high2float(gu);
-                const math::ActValue<float> f = math::act_value_and_derivative<kAct, FastMath>(gate);
-                a_val[v0] = f.value * up;
-                d_hi[v0][0] = da * up * f.derivative;
-                d_hi[v0][1] = da * f.value;
+                const math::GluGrad<float> f =
+                    math::glu_backward<kAct, FastMath>(__low2float(gu), __high2float(gu), da, ap);
+                a_val[v0] = f.value;
+                d_hi[v0][0] = f.d_gate;
+                d_hi[v0][1] = f.d_up;
               } else {
                 const __nv_bfloat162 hh = *reinterpret_cast<const __nv_bfloat162*>(&hv[v1][i][0]);
                 const float h = v0 == 0 ? __low2float(hh) : __high2float(hh);

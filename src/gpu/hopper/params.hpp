@@ -66,6 +66,7 @@ struct EpilogueActivationParams {
   // loads them so); H is still stored interleaved. glu_n: the first up row of the weights and of the bias.
   bool concatenated = false;
   int glu_n = 0;
+  float act_alpha = 1.702f, act_limit = 7.0f;  // gptoss_swiglu's parameters; the other activations ignore them
 };
 
 /// dH = act'(H) (s dA'), A' = s act(H), dS partials (epilogue_activation_grad.cuh): the backward's dH kernel.
@@ -78,6 +79,7 @@ struct EpilogueActivationGradParams {
   const std::int32_t* scatter = nullptr;  // grouped row -> pair
   float* ds_partial = nullptr;            // (pairs, ds_tiles): <dA', A> over each 64-column block of A
   int ds_tiles = 0;                       // n / 64
+  float act_alpha = 1.702f, act_limit = 7.0f;  // gptoss_swiglu's parameters; the other activations ignore them
 };
 
 // ---- varlen-K (weight gradients) ------------------------------------------------------------------------------

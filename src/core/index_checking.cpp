@@ -8,6 +8,7 @@
 #include "core/checks.hpp"
 #include "core/host_io.hpp"
 #include "machmoe/error.hpp"
+#include "machmoe/problem.hpp"
 
 #ifdef MACHMOE_WITH_CUDA
 #include "gpu/layer_cuda.hpp"

@@ -7,6 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import machmoe
+from machmoe.benchmark import configs, overhead
 
 # ---- the module path itself --------------------------------------------------------------------------------------
 
@@ -80,3 +81,93 @@ def test_dropped_default_arguments_reach_setup_context():
     grads = m.main_grads()
     assert all(torch.count_nonzero(g) > 0 for g in grads.values())
     assert m.w1.grad is None
+
+
+def test_time_layer_refuses_cpu_tensors():
+    m = machmoe.MoE(64, 32, 8, 2)
+    x, go = torch.randn(16, 64), torch.randn(16, 64)
+    with pytest.raises(ValueError, match="'x'.*CUDA tensor"):
+        torch.ops.machmoe.time_layer(x, m.router_weight.detach(), m.w1.detach(), m.w2.detach(), go, 2, 0, 0, 0, 0, 0,
+                                     128, 0, 0, 1, True)
+
+
+# ---- python -m machmoe.benchmark.overhead: arguments ------------------------------------------------------------
+
+
+def test_parse_defaults_are_the_twelve_main_configurations_both_modes():
+    a = overhead.parse([])
+    assert [c.name for c in a.config_list] == configs.GROUPS["main"] and len(a.config_list) == 12
+    assert a.mode_list == ["isolated", "queued"] and a.target == overhead.TARGET
+    assert (a.warmup, a.iters, a.rounds) == (5, 20, 2)
+
+
+def test_parse_shapes_configs_and_modes():
+    a = overhead.parse(["--shape", "4096,512,256,16,4"])
+    assert [(c.T, c.d, c.n, c.E, c.K) for c in a.config_list] == [(4096, 512, 256, 16, 4)]
+    a = overhead.parse(["--configs", "7B-256", "--shape", "64,32,16,4,2", "--modes", "queued"])
+    assert [c.name for c in a.config_list] == ["7B-256", "custom-64-32-16-4-2"] and a.mode_list == ["queued"]
+    assert overhead.parse(["--modes", "both"]).mode_list == ["isolated", "queued"]
+
+
+@pytest.mark.parametrize("argv", [["--shape", "1,2,3"], ["--shape", "64,32,16,4,8"], ["--iters", "0"],
+                                  ["--warmup", "-1"], ["--iters", "x"]])
+def test_parse_rejects_bad_values_with_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        overhead.parse(argv)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,match", [(["--configs", "9B-1"], "unknown configuration"),
+                                        (["--modes", "fast"], "unknown mode"), (["--target", "0"], "ratio > 0")])
+def test_parse_rejects_unknown_names(argv, match):
+    with pytest.raises(ValueError, match=match):
+        overhead.parse(argv)
+
+
+def test_main_reports_usage_errors_with_status_2(capsys):
+    assert overhead.main(["--configs", "nope"]) == overhead.EXIT_USAGE
+    assert "unknown configuration" in capsys.readouterr().err
+
+
+# ---- report ---------------------------------------------------------------------------------------------------------
+
+
+def _entry(name, cpp_f, mod_f, cpp_s, mod_s):
+    r = {"cpp": {"forward_ms": cpp_f, "fwdbwd_ms": cpp_s},
+         "module": {"forward_ms": mod_f, "fwdbwd_ms": mod_s, "host_forward_ms": 0.05}, "samples": 4,
+         "ratio": {"forward": mod_f / cpp_f, "fwdbwd": mod_s / cpp_s}}
+    return {"config": {"name": name}, "status": "ok", "results": {"isolated": r, "queued": dict(r)}}
+
+
+def _doc(entries, target=1.03):
+    return {"device": {"name": "GPU"}, "versions": {"torch": "x"}, "date": "today", "command": "cmd",
+            "settings": {"dtype": "bf16", "iters": 4, "rounds": 1, "warmup": 1}, "configs": entries,
+            "verdict": overhead.verdict(entries, target)}
+
+
+def test_verdict_and_markdown_flag_isolated_ratios_over_the_target():
+    entries = [_entry("7B-256", 1.0, 1.02, 3.0, 3.0), _entry("120B-2048", 10.0, 10.5, 35.0, 35.7),
+               {"config": {"name": "30B-256"}, "status": "out_of_memory", "error": "OOM"}]
+    v = overhead.verdict(entries, 1.03)
+    assert v["over_target"] == ["120B-2048 forward 1.050"] and v["failed"] == ["30B-256: OOM"] and not v["met"]
+    md = overhead.markdown(_doc(entries))
+    assert "| 7B-256 | isolated | 1.000 | 1.020 | 1.020 | 3.000 | 3.000 | 1.000 | 0.050 |" in md
+    assert "| 120B-2048 | isolated | 10.000 | 10.500 | 1.050 ⚠ | 35.000 | 35.700 | 1.020 | 0.050 |" in md
+    assert "| 120B-2048 | queued | 10.000 | 10.500 | 1.050 |" in md  # queued rows are not the criterion
+    assert "T14 (isolated ratios <= 1.03): not met: 120B-2048 forward 1.050; 30B-256: OOM" in md
+    ok = [_entry("7B-256", 1.0, 1.02, 3.0, 3.0)]
+    assert overhead.verdict(ok, 1.03)["met"] and "T14 (isolated ratios <= 1.03): met" in overhead.markdown(_doc(ok))
+
+
+def test_profile_difference_lists_what_only_one_side_ran():
+    module = {"gemm": 3, "Memset (Device)": 2, "topk": 1}
+    cpp = {"gemm": 3, "Memset (Device)": 1, "gather": 1}
+    assert overhead.count_diff(module, cpp) == {"Memset (Device)": 1, "gather": -1, "topk": 1}
+    assert overhead.count_diff(cpp, cpp) == {}
+    doc = _doc([_entry("7B-256", 1.0, 1.0, 3.0, 3.0)])
+    doc["profile"] = {"config": "7B-256", "module": {"gpu": module, "api": {}}, "cpp": {"gpu": cpp, "api": {}},
+                      "diff": {"gpu": overhead.count_diff(module, cpp), "api": {}}}
+    md = overhead.markdown(doc)
+    assert "* GPU activities: Memset (Device): +1, gather: -1, topk: +1" in md
+    assert "* CUDA API calls: identical" in md

@@ -41,6 +41,7 @@ def test_module_step_runs_no_fill_or_copy_besides_the_layer():
     # Outputs, workspaces and gradients: 5 in the forward (out, logits, counts, saved, workspace), 8 in the
     # backward (grad_x, router, w1, w2 gradients, workspace, three empty placeholders); nothing else.
     assert ops["aten::empty"] == 13, ops
+    assert "aten::reshape" not in ops and "aten::view" not in ops, ops  # a 2-D input is passed as it is
 
 
 def test_logits_only_loss_gets_a_zero_output_gradient():

@@ -380,8 +380,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 doc["profile"] = prof
         except torch.OutOfMemoryError as e:
             entry.update(status="out_of_memory", error=str(e).splitlines()[0][:300])
-        except RuntimeError as e:
-            entry.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        except Exception as e:  # recorded in its row (machmoe's ValueError for an unsupported shape, a CUDA error)
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            entry.update(status="failed", error=f"{type(e).__name__}: {first}")
         finally:
             del case
             torch.cuda.empty_cache()

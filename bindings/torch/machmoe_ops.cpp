@@ -3,6 +3,7 @@
 // (bf16/fp16/fp32) the GPU runtime on the current stream. Workspaces come from torch's caching allocator; the forward
 // returns its `saved` buffer as a uint8 tensor that autograd keeps for the backward (python/machmoe/_ops.py).
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -10,6 +11,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "machmoe/machmoe.hpp"
 
@@ -462,6 +464,92 @@ Tensor grouped_expert_index(const Tensor& counts, int64_t rows) {
   return index;
 }
 
+// ---- benchmark helper: the C++ layer timed in the caller's process ------------------------------------------
+
+/// Times machmoe::forward and machmoe::backward themselves, as machmoe-bench does (benchmarks/gpu_bench.cu): every
+/// output, gradient, saved buffer and workspace allocated once before the loop, CUDA events on the current stream,
+/// no autograd, no Python. python -m machmoe.benchmark.overhead compares MoE.forward with it on the same weights.
+/// Each repetition first draws fresh x and grad_out in place (normal_, outside the timed region), then times one
+/// forward and, separately, one forward followed by one backward (a training step's layer work). `isolated`:
+/// the stream is synchronised before each timed region, so host latency before the first kernel counts, as in
+/// machmoe-bench's median_ms; otherwise the host queues every repetition ahead and only GPU time counts. Returns a
+/// (iters, 2) float64 CPU tensor of milliseconds: forward, forward + backward.
+Tensor time_layer(Tensor& x, const Tensor& router_weight, const Tensor& w1, const Tensor& w2, Tensor& grad_out,
+                  int64_t top_k, int64_t activation, int64_t weight_layout, int64_t score, int64_t routing,
+                  int64_t rounding, int64_t tile, int64_t cache, int64_t warmup, int64_t iters, bool isolated) {
+  const char* op = "time_layer";
+  check_defined(op, "x", x);
+  if (!x.is_cuda()) fail(op, "x", "a CUDA tensor (this op times the GPU layer)", "a tensor on " + x.device().str());
+  in_range(op, "warmup", warmup, 0, 100000);
+  in_range(op, "iters", iters, 1, 100000);
+  const OptTensor none;
+  const LayerArgs a(op, x, router_weight, w1, none, w2, none, none, none, none, top_k, activation, weight_layout,
+                    score, routing, rounding, tile, cache);
+  const machmoe::MoEProblem& p = a.p;
+  if (a.caller) fail(op, "routing", "topk or token_rounding (the router picks the pairs)", "caller");
+  check_defined(op, "grad_out", grad_out);
+  if (grad_out.sizes() != x.sizes() || grad_out.scalar_type() != x.scalar_type() || grad_out.device() != x.device())
+    fail(op, "grad_out", "a tensor of x's shape, dtype and device", "shape " + shape_of(grad_out));
+  // Both are refilled in place each repetition: plain contiguous storage the library reads as given.
+  if (!x.is_contiguous()) fail(op, "x", "a contiguous tensor", "a non-contiguous one");
+  if (!grad_out.is_contiguous()) fail(op, "grad_out", "a contiguous tensor", "a non-contiguous one");
+
+  const auto o = x.options();
+  Tensor out = at::empty({p.T, p.d}, o), logits = at::empty({p.T, p.E}, o), counts = at::empty({p.E}, o.dtype(at::kInt));
+  Tensor saved = byte_buffer(x, machmoe::saved_layout(p, a.dtype).total_bytes);
+  Tensor fws = byte_buffer(x, machmoe::forward_workspace_bytes(p, a.dtype, library_device(x)));
+  Tensor bws = byte_buffer(x, machmoe::backward_workspace_bytes(p, a.dtype, library_device(x)));
+  Tensor dx = at::empty_like(x), dwr = at::empty_like(router_weight), dw1 = at::empty_like(w1), dw2 = at::empty_like(w2);
+  machmoe::ForwardOutputs fo;
+  fo.out = view(op, "out", out), fo.router_logits = view(op, "router_logits", logits);
+  fo.expert_counts = view(op, "expert_counts", counts);
+  machmoe::BackwardInputs bi;
+  bi.grad_out = view(op, "grad_out", grad_out);
+  machmoe::BackwardOutputs bo;
+  bo.grad_x = view(op, "grad_x", dx);
+  bo.grad_weights.router_weight = view(op, "grad_router_weight", dwr);
+  bo.grad_weights.w1 = view(op, "grad_w1", dw1), bo.grad_weights.w2 = view(op, "grad_w2", dw2);
+  const machmoe::ForwardBuffers fb{saved.data_ptr(), static_cast<std::size_t>(saved.numel()), fws.data_ptr(),
+                                   static_cast<std::size_t>(fws.numel())};
+  const machmoe::BackwardBuffers bb{saved.data_ptr(), static_cast<std::size_t>(saved.numel()), bws.data_ptr(),
+                                    static_cast<std::size_t>(bws.numel())};
+  void* s = stream_for(x);
+  const c10::Stream stream = c10::cuda::getCurrentCUDAStream(x.get_device());
+  const auto forward = [&] { machmoe::forward(p, a.x, a.weights, nullptr, fo, fb, s); };
+  const auto backward = [&] { machmoe::backward(p, a.x, a.weights, nullptr, bi, bo, bb, s); };
+
+  // Four events per timed repetition (c10's device-generic events: no CUDA runtime symbol in this library).
+  std::vector<c10::Event> ev;
+  ev.reserve(static_cast<std::size_t>(4 * iters));
+  for (int64_t i = 0; i < 4 * iters; ++i) ev.emplace_back(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
+  for (int64_t i = -warmup; i < iters; ++i) {
+    {
+      const at::NoGradGuard no_grad;
+      x.normal_();
+      grad_out.normal_();
+    }
+    c10::Event* e = i >= 0 ? &ev[static_cast<std::size_t>(4 * i)] : nullptr;
+    if (isolated) stream.synchronize();
+    if (e) e[0].record(stream);
+    forward();
+    if (e) e[1].record(stream);
+    if (isolated) stream.synchronize();
+    if (e) e[2].record(stream);
+    forward();
+    backward();
+    if (e) e[3].record(stream);
+  }
+  stream.synchronize();
+  Tensor times = at::empty({iters, 2}, at::TensorOptions().dtype(at::kDouble));
+  double* t = times.data_ptr<double>();
+  for (int64_t i = 0; i < iters; ++i) {
+    const c10::Event* e = &ev[static_cast<std::size_t>(4 * i)];
+    t[2 * i] = e[0].elapsedTime(e[1]);
+    t[2 * i + 1] = e[2].elapsedTime(e[3]);
+  }
+  return times;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(machmoe, m) {
@@ -520,3 +608,15 @@ TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("layer_backward_input", &layer_backward_input);
   m.impl("layer_backward_weight", &layer_backward_weight);
 }
+
+// The benchmark helper, apart from the layer's operators (python/machmoe/benchmark/overhead.py uses it).
+TORCH_LIBRARY_FRAGMENT(machmoe, m) {
+  m.def(
+      "time_layer(Tensor(a!) x, Tensor router_weight, Tensor w1, Tensor w2, Tensor(b!) grad_out, int top_k, "
+      "int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, int warmup, "
+      "int iters, bool isolated) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(machmoe, CPU, m) { m.impl("time_layer", &time_layer); }  // (fails clearly: GPU only)
+
+TORCH_LIBRARY_IMPL(machmoe, CUDA, m) { m.impl("time_layer", &time_layer); }

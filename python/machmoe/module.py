@@ -163,22 +163,25 @@ class MoE(nn.Module):
         if x.dim() == 0 or shape[-1] != self.hidden_size:
             fail("x", f"a tensor of shape (..., {self.hidden_size})", f"shape {tuple(shape)}")
         # Named after x, which the caller passed, rather than after the parameters the functional API compares it to.
-        if x.device != self.w1.device:
-            fail("x", f"a tensor on {self.w1.device} (the device of this MoE's parameters)", f"a tensor on {x.device}")
-        if x.dtype != self.w1.dtype:
-            fail("x", f"dtype {self.w1.dtype} (the dtype of this MoE's parameters)", x.dtype)
-        flat = x.reshape(-1, self.hidden_size)
+        w1 = self.w1
+        if x.device != w1.device:
+            fail("x", f"a tensor on {w1.device} (the device of this MoE's parameters)", f"a tensor on {x.device}")
+        if x.dtype != w1.dtype:
+            fail("x", f"dtype {w1.dtype} (the dtype of this MoE's parameters)", x.dtype)
+        # A (tokens, hidden) input is passed as it is: reshape costs a view and an autograd node each way, a
+        # measurable share of the host time of a call (tests/python/test_overhead.py).
+        flat = x if x.dim() == 2 else x.reshape(-1, self.hidden_size)
         into = None
         if getattr(self, "accumulate_into_main_grad", False):  # (modules pickled before the option: off)
             into = self.main_grads()
             F._check_into(into, dict(self.named_parameters(recurse=False)), "{}.main_grad")
-        out, logits, counts = F.moe(flat, self.router_weight, self.w1, self.w2, self.b1, self.b2, top_k=self.top_k,
+        out, logits, counts = F.moe(flat, self.router_weight, w1, self.w2, self.b1, self.b2, top_k=self.top_k,
                                     activation=self.activation, score=self.score, routing=self.routing,
                                     rounding=self.rounding, tile=self.tile, weight_layout=self.weight_layout,
                                     activation_memory=self.activation_memory, accumulate_grads_into=into,
                                     swiglu_alpha=getattr(self, "swiglu_alpha", None),
                                     swiglu_limit=getattr(self, "swiglu_limit", None))
-        result = MoEOutput(out.reshape(shape), logits, counts)
+        result = MoEOutput(out if flat is x else out.reshape(shape), logits, counts)
         if self.aux_loss_coef > 0:
             result.aux_loss = self.aux_loss_coef * F.load_balancing_loss(logits, counts)
         if self.z_loss_coef > 0:

@@ -476,7 +476,8 @@ Tensor grouped_expert_index(const Tensor& counts, int64_t rows) {
 /// (iters, 2) float64 CPU tensor of milliseconds: forward, forward + backward.
 Tensor time_layer(Tensor& x, const Tensor& router_weight, const Tensor& w1, const Tensor& w2, Tensor& grad_out,
                   int64_t top_k, int64_t activation, int64_t weight_layout, int64_t score, int64_t routing,
-                  int64_t rounding, int64_t tile, int64_t cache, int64_t warmup, int64_t iters, bool isolated) {
+                  int64_t rounding, int64_t tile, int64_t cache, int64_t warmup, int64_t iters, bool isolated,
+                  double swiglu_alpha, double swiglu_limit) {
   const char* op = "time_layer";
   check_defined(op, "x", x);
   if (!x.is_cuda()) fail(op, "x", "a CUDA tensor (this op times the GPU layer)", "a tensor on " + x.device().str());
@@ -484,7 +485,7 @@ Tensor time_layer(Tensor& x, const Tensor& router_weight, const Tensor& w1, cons
   in_range(op, "iters", iters, 1, 100000);
   const OptTensor none;
   const LayerArgs a(op, x, router_weight, w1, none, w2, none, none, none, none, top_k, activation, weight_layout,
-                    score, routing, rounding, tile, cache);
+                    score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
   const machmoe::MoEProblem& p = a.p;
   if (a.caller) fail(op, "routing", "topk or token_rounding (the router picks the pairs)", "caller");
   check_defined(op, "grad_out", grad_out);
@@ -614,7 +615,7 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def(
       "time_layer(Tensor(a!) x, Tensor router_weight, Tensor w1, Tensor w2, Tensor(b!) grad_out, int top_k, "
       "int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, int warmup, "
-      "int iters, bool isolated) -> Tensor");
+      "int iters, bool isolated, float swiglu_alpha=1.702, float swiglu_limit=7.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CPU, m) { m.impl("time_layer", &time_layer); }  // (fails clearly: GPU only)

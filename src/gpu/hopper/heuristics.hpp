@@ -30,13 +30,13 @@ struct TileChoice {
 inline constexpr int kMinTileN = 128;
 
 /// The tile and rasterisation for a shape the kernels take (N a multiple of kMinTileN). Measured on an H200
-/// (docs/BENCHMARKS.md; docs/SPEC.md §6.2 was the starting point): the 128 x 256 cooperative tile halves the
+/// (docs/BENCHMARK_HISTORY.md; docs/SPEC.md §6.2 was the starting point): the 128 x 256 cooperative tile halves the
 /// operand bytes per FLOP through L2 and shared memory, which the gathered up-projection needs (7B-256: 614 TFLOP/s
 /// against 515 with 128 x 128 ping-pong); for the down-projection it measured equal (n >= 512) or 2-4 % faster
 /// (n = 256). 128 x 128 ping-pong serves N that is a multiple of 128 but not of 256 (and a forced 128). Groups of
 /// 2-8 M-tiles measured no better than running along N. The dH kernel chooses by K = d as well: measured on an
-/// H200 (docs/BENCHMARKS.md, 2026-11-23 evening) 128 x 128 ping-pong is 4-7 % faster for it where d <= 1536 and
-/// 128 x 256 is 15-25 % faster where d = 4096; kDhPingPongMaxK sits between the measured sizes.
+/// H200 (docs/BENCHMARK_HISTORY.md, 2026-11-23 evening) 128 x 128 ping-pong is 4-7 % faster for it where
+/// d <= 1536 and 128 x 256 is 15-25 % faster where d = 4096; kDhPingPongMaxK sits between the measured sizes.
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
 
 /// The largest K (= d) for which the dH kernel takes the ping-pong tile.
@@ -49,8 +49,8 @@ struct WgradShape {
 };
 
 /// The tile of a weight-gradient GEMM: 128 x 256 cooperative (tile_n 256) when N is a multiple of 256 and that tile
-/// still gives every SM a tile, else 128 x 128 ping-pong. Why (measured on the H200, docs/BENCHMARKS.md: 128 x 128 is
-/// 30-45 % slower on every main configuration): both operands come from shared memory and every k-block of 64 rows
+/// still gives every SM a tile, else 128 x 128 ping-pong. Why (measured on the H200, docs/BENCHMARK_HISTORY.md:
+/// 128 x 128 is 30-45 % slower on every main configuration): both operands come from shared memory and every k-block of 64 rows
 /// brings (128 + kTileN) x 64 bf16, so the wide tile needs 85 FLOP per byte of L2 and shared-memory traffic against 64
 /// for the square one (the forward measured the same trade: 614 against 515 TFLOP/s gathered). Its cost is an epilogue
 /// that no other warpgroup hides, small next to the 24 k-blocks of a 7B tile (1536 rows per expert). The square tile,

@@ -1,6 +1,7 @@
 #include "cli_options.hpp"
 
 #include <charconv>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <system_error>
@@ -34,6 +35,14 @@ namespace {
   throw_argument_error("machmoe-bench", option, expected, got);
 }
 
+/// A real number written in full (std::strtod over the whole text; "inf" is accepted, for --swiglu-limit).
+double parse_real(const std::string& option, const std::string& text) {
+  char* end = nullptr;
+  const double v = text.empty() ? 0.0 : std::strtod(text.c_str(), &end);
+  if (text.empty() || end != text.c_str() + text.size()) bad(option, "a real number", "'" + text + "'");
+  return v;
+}
+
 template <class F>
 auto parse_enum(const std::string& option, const std::string& text, F&& f) {
   try {
@@ -55,7 +64,8 @@ const IntegerOption* integer_option(const std::string& name) {
 
 const char* const kFlags[] = {"--help", "-h", "--all-configs", "--profile"};
 const char* const kTextOptions[] = {"--config", "--activation", "--bias", "--layout", "--score", "--routing",
-                                    "--rounding", "--cache", "--dtype", "--backend", "--json"};
+                                    "--rounding", "--cache", "--dtype", "--backend", "--json", "--swiglu-alpha",
+                                    "--swiglu-limit"};
 // Options that set one size of the problem, which --all-configs would overwrite.
 const char* const kSizeOptions[] = {"--config", "--T", "--d", "--n", "--E", "--K"};
 
@@ -120,7 +130,9 @@ std::string usage() {
   s +=
       "  --T N, --d N, --n N, --E N, --K N\n"
       "                       override one size of the configuration\n"
-      "  --activation NAME    swiglu (default), geglu, reglu, relu_squared, relu, gelu, silu\n"
+      "  --activation NAME    swiglu (default), geglu, reglu, relu_squared, relu, gelu, silu, gptoss_swiglu\n"
+      "  --swiglu-alpha X, --swiglu-limit X\n"
+      "                       gptoss_swiglu's alpha and clamp limit (default 1.702 and 7; inf: no clamp)\n"
       "  --bias WHICH         none (default), b1, b2, both\n"
       "  --layout NAME        interleaved (default) or concatenated gate/up rows of W1 (GLU only)\n"
       "  --score NAME         softmax_topk (default), topk_softmax, topk_softmax_renorm\n"
@@ -217,6 +229,14 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
     else if (name == "--seed") o.seed = static_cast<std::uint64_t>(v);
   }
   if (has("--activation")) p.activation = parse_enum("--activation", given.at("--activation"), parse_activation);
+  for (const char* param : {"--swiglu-alpha", "--swiglu-limit"}) {
+    if (!has(param)) continue;
+    // Like the library (validate_problem): parameters of gptoss_swiglu only, so a run never ignores one.
+    if (p.activation != Activation::kGptOssSwiGLU)
+      bad(param, "--activation gptoss_swiglu with it (it is a parameter of that activation only)",
+          "'" + given.at(param) + "' with activation '" + activation_name(p.activation) + "'");
+    (std::string(param) == "--swiglu-alpha" ? p.swiglu_alpha : p.swiglu_limit) = parse_real(param, given.at(param));
+  }
   if (has("--layout")) p.weight_layout = parse_enum("--layout", given.at("--layout"), parse_weight_layout);
   if (has("--score")) p.score = parse_enum("--score", given.at("--score"), parse_score_variant);
   if (has("--routing")) p.routing = parse_enum("--routing", given.at("--routing"), parse_routing_mode);

@@ -3,6 +3,7 @@
 // (bf16/fp16/fp32) the GPU runtime on the current stream. Workspaces come from torch's caching allocator; the forward
 // returns its `saved` buffer as a uint8 tensor that autograd keeps for the backward (python/machmoe/_ops.py).
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -10,6 +11,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "machmoe/machmoe.hpp"
 
@@ -112,7 +114,8 @@ machmoe::MoEProblem problem_of(const char* op, const Tensor& x, const Tensor& w1
                                 const OptTensor& b1, const OptTensor& b2, const OptTensor& token_index,
                                 const OptTensor& expert_index, const OptTensor& scores, int64_t top_k,
                                 int64_t activation, int64_t weight_layout, int64_t score, int64_t routing,
-                                int64_t rounding, int64_t tile, int64_t cache) {
+                                int64_t rounding, int64_t tile, int64_t cache, double swiglu_alpha,
+                                double swiglu_limit) {
   check_rank(op, "x", x, 2, "a (T, d) tensor");
   check_rank(op, "w1", w1, 3, "an (E, 2n or n, d) tensor");
   check_rank(op, "w2", w2, 3, "an (E, d, n) tensor");
@@ -123,6 +126,7 @@ machmoe::MoEProblem problem_of(const char* op, const Tensor& x, const Tensor& w1
   p.routing = machmoe::routing_mode_from_code(routing, op, "routing");
   p.rounding = machmoe::rounding_rule_from_code(rounding, op, "rounding");
   p.cache = machmoe::cache_mode_from_code(cache, op, "cache");
+  p.swiglu_alpha = swiglu_alpha, p.swiglu_limit = swiglu_limit;  // validate_problem checks them against the activation
   p.tile_m = tile_arg(op, tile);
   p.T = x.size(0), p.d = x.size(1), p.E = w1.size(0), p.n = w2.size(2);
   if (p.E < 1 || p.E > machmoe::Limits::kMaxExperts)
@@ -193,9 +197,9 @@ struct LayerArgs {
   LayerArgs(const char* op, const Tensor& x_, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1,
             const Tensor& w2, const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index,
             const OptTensor& scores, int64_t top_k, int64_t activation, int64_t weight_layout, int64_t score,
-            int64_t routing, int64_t rounding, int64_t tile, int64_t cache)
+            int64_t routing, int64_t rounding, int64_t tile, int64_t cache, double swiglu_alpha, double swiglu_limit)
       : p(problem_of(op, x_, w1, w2, b1, b2, token_index, expert_index, scores, top_k, activation, weight_layout,
-                     score, routing, rounding, tile, cache)),
+                     score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit)),
         dtype(to_dtype(op, "x", x_)),
         x(view(op, "x", x_)),
         weights(weights_of(op, router_weight, w1, b1, w2, b2)),
@@ -210,11 +214,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
     const Tensor& x, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
     const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index, const OptTensor& scores,
     int64_t top_k, int64_t activation, int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding,
-    int64_t tile, int64_t cache, const OptTensor& /*into_router_weight*/, const OptTensor& /*into_w1*/,
-    const OptTensor& /*into_b1*/, const OptTensor& /*into_w2*/, const OptTensor& /*into_b2*/) {
+    int64_t tile, int64_t cache, double swiglu_alpha, double swiglu_limit, const OptTensor& /*into_router_weight*/,
+    const OptTensor& /*into_w1*/, const OptTensor& /*into_b1*/, const OptTensor& /*into_w2*/,
+    const OptTensor& /*into_b2*/) {
   const char* op = "layer_forward";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
-                    weight_layout, score, routing, rounding, tile, cache);
+                    weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
   const machmoe::MoEProblem& p = a.p;
   Tensor out = at::empty({p.T, p.d}, x.options());
   Tensor logits = a.caller ? at::empty({0}, x.options()) : at::empty({p.T, p.E}, x.options());
@@ -330,11 +335,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
     const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2, const OptTensor& token_index,
     const OptTensor& expert_index, const OptTensor& scores, const Tensor& saved, int64_t top_k, int64_t activation,
     int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache,
+    double swiglu_alpha, double swiglu_limit,
     const OptTensor& into_router_weight, const OptTensor& into_w1, const OptTensor& into_b1,
     const OptTensor& into_w2, const OptTensor& into_b2) {
   const char* op = "layer_backward";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
-                    weight_layout, score, routing, rounding, tile, cache);
+                    weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
   check_byte_buffer(op, "saved", saved, x, "layer_forward");
   const machmoe::MoEProblem& p = a.p;
   const bool accumulate = any_present({&into_router_weight, &into_w1, &into_b1, &into_w2, &into_b2});
@@ -358,10 +364,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_input(
     const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2, const OptTensor& token_index,
     const OptTensor& expert_index, const OptTensor& scores, const Tensor& saved, int64_t top_k, int64_t activation,
     int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache,
+    double swiglu_alpha, double swiglu_limit,
     const OptTensor& into_router_weight) {
   const char* op = "layer_backward_input";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
-                    weight_layout, score, routing, rounding, tile, cache);
+                    weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
   check_byte_buffer(op, "saved", saved, x, "layer_forward");
   const machmoe::MoEProblem& p = a.p;
   const bool accumulate = present(into_router_weight);
@@ -384,10 +391,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
     const Tensor& w2, const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index,
     const OptTensor& scores, const Tensor& saved, const Tensor& deferred, int64_t top_k, int64_t activation,
     int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache,
+    double swiglu_alpha, double swiglu_limit,
     const OptTensor& into_w1, const OptTensor& into_b1, const OptTensor& into_w2, const OptTensor& into_b2) {
   const char* op = "layer_backward_weight";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
-                    weight_layout, score, routing, rounding, tile, cache);
+                    weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
   check_byte_buffer(op, "saved", saved, x, "layer_forward");
   check_byte_buffer(op, "deferred", deferred, x, "layer_backward_input");
   check_defined(op, "grad_out", grad_out);
@@ -470,32 +478,122 @@ Tensor grouped_expert_index(const Tensor& counts, int64_t rows) {
   return index;
 }
 
+// ---- benchmark helper: the C++ layer timed in the caller's process ------------------------------------------
+
+/// Times machmoe::forward and machmoe::backward themselves, as machmoe-bench does (benchmarks/gpu_bench.cu): every
+/// output, gradient, saved buffer and workspace allocated once before the loop, CUDA events on the current stream,
+/// no autograd, no Python. python -m machmoe.benchmark.overhead compares MoE.forward with it on the same weights.
+/// Each repetition first draws fresh x and grad_out in place (normal_, outside the timed region), then times one
+/// forward and, separately, one forward followed by one backward (a training step's layer work). `isolated`:
+/// the stream is synchronised before each timed region, so host latency before the first kernel counts, as in
+/// machmoe-bench's median_ms; otherwise the host queues every repetition ahead and only GPU time counts. Returns a
+/// (iters, 2) float64 CPU tensor of milliseconds: forward, forward + backward.
+Tensor time_layer(Tensor& x, const Tensor& router_weight, const Tensor& w1, const Tensor& w2, Tensor& grad_out,
+                  int64_t top_k, int64_t activation, int64_t weight_layout, int64_t score, int64_t routing,
+                  int64_t rounding, int64_t tile, int64_t cache, int64_t warmup, int64_t iters, bool isolated,
+                  double swiglu_alpha, double swiglu_limit) {
+  const char* op = "time_layer";
+  check_defined(op, "x", x);
+  if (!x.is_cuda()) fail(op, "x", "a CUDA tensor (this op times the GPU layer)", "a tensor on " + x.device().str());
+  in_range(op, "warmup", warmup, 0, 100000);
+  in_range(op, "iters", iters, 1, 100000);
+  const OptTensor none;
+  const LayerArgs a(op, x, router_weight, w1, none, w2, none, none, none, none, top_k, activation, weight_layout,
+                    score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
+  const machmoe::MoEProblem& p = a.p;
+  if (a.caller) fail(op, "routing", "topk or token_rounding (the router picks the pairs)", "caller");
+  check_defined(op, "grad_out", grad_out);
+  if (grad_out.sizes() != x.sizes() || grad_out.scalar_type() != x.scalar_type() || grad_out.device() != x.device())
+    fail(op, "grad_out", "a tensor of x's shape, dtype and device", "shape " + shape_of(grad_out));
+  // Both are refilled in place each repetition: plain contiguous storage the library reads as given.
+  if (!x.is_contiguous()) fail(op, "x", "a contiguous tensor", "a non-contiguous one");
+  if (!grad_out.is_contiguous()) fail(op, "grad_out", "a contiguous tensor", "a non-contiguous one");
+
+  const auto o = x.options();
+  Tensor out = at::empty({p.T, p.d}, o), logits = at::empty({p.T, p.E}, o), counts = at::empty({p.E}, o.dtype(at::kInt));
+  Tensor saved = byte_buffer(x, machmoe::saved_layout(p, a.dtype).total_bytes);
+  Tensor fws = byte_buffer(x, machmoe::forward_workspace_bytes(p, a.dtype, library_device(x)));
+  Tensor bws = byte_buffer(x, machmoe::backward_workspace_bytes(p, a.dtype, library_device(x)));
+  Tensor dx = at::empty_like(x), dwr = at::empty_like(router_weight), dw1 = at::empty_like(w1), dw2 = at::empty_like(w2);
+  machmoe::ForwardOutputs fo;
+  fo.out = view(op, "out", out), fo.router_logits = view(op, "router_logits", logits);
+  fo.expert_counts = view(op, "expert_counts", counts);
+  machmoe::BackwardInputs bi;
+  bi.grad_out = view(op, "grad_out", grad_out);
+  machmoe::BackwardOutputs bo;
+  bo.grad_x = view(op, "grad_x", dx);
+  bo.grad_weights.router_weight = view(op, "grad_router_weight", dwr);
+  bo.grad_weights.w1 = view(op, "grad_w1", dw1), bo.grad_weights.w2 = view(op, "grad_w2", dw2);
+  const machmoe::ForwardBuffers fb{saved.data_ptr(), static_cast<std::size_t>(saved.numel()), fws.data_ptr(),
+                                   static_cast<std::size_t>(fws.numel())};
+  const machmoe::BackwardBuffers bb{saved.data_ptr(), static_cast<std::size_t>(saved.numel()), bws.data_ptr(),
+                                    static_cast<std::size_t>(bws.numel())};
+  void* s = stream_for(x);
+  const c10::Stream stream = c10::cuda::getCurrentCUDAStream(x.get_device());
+  const auto forward = [&] { machmoe::forward(p, a.x, a.weights, nullptr, fo, fb, s); };
+  const auto backward = [&] { machmoe::backward(p, a.x, a.weights, nullptr, bi, bo, bb, s); };
+
+  // Four events per timed repetition (c10's device-generic events: no CUDA runtime symbol in this library).
+  std::vector<c10::Event> ev;
+  ev.reserve(static_cast<std::size_t>(4 * iters));
+  for (int64_t i = 0; i < 4 * iters; ++i) ev.emplace_back(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
+  for (int64_t i = -warmup; i < iters; ++i) {
+    {
+      const at::NoGradGuard no_grad;
+      x.normal_();
+      grad_out.normal_();
+    }
+    c10::Event* e = i >= 0 ? &ev[static_cast<std::size_t>(4 * i)] : nullptr;
+    if (isolated) stream.synchronize();
+    if (e) e[0].record(stream);
+    forward();
+    if (e) e[1].record(stream);
+    if (isolated) stream.synchronize();
+    if (e) e[2].record(stream);
+    forward();
+    backward();
+    if (e) e[3].record(stream);
+  }
+  stream.synchronize();
+  Tensor times = at::empty({iters, 2}, at::TensorOptions().dtype(at::kDouble));
+  double* t = times.data_ptr<double>();
+  for (int64_t i = 0; i < iters; ++i) {
+    const c10::Event* e = &ev[static_cast<std::size_t>(4 * i)];
+    t[2 * i] = e[0].elapsedTime(e[1]);
+    t[2 * i + 1] = e[2].elapsedTime(e[3]);
+  }
+  return times;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(machmoe, m) {
   m.def(
       "layer_forward(Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
       "Tensor? token_index, Tensor? expert_index, Tensor? scores, int top_k, int activation, int weight_layout, "
-      "int score, int routing, int rounding, int tile, int cache, Tensor? into_router_weight=None, "
-      "Tensor? into_w1=None, Tensor? into_b1=None, Tensor? into_w2=None, Tensor? into_b2=None) "
+      "int score, int routing, int rounding, int tile, int cache, float swiglu_alpha=1.702, float swiglu_limit=7.0, "
+      "Tensor? into_router_weight=None, Tensor? into_w1=None, Tensor? into_b1=None, Tensor? into_w2=None, "
+      "Tensor? into_b2=None) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layer_backward(Tensor grad_out, Tensor? grad_logits, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, "
       "Tensor w2, Tensor? b2, Tensor? token_index, Tensor? expert_index, Tensor? scores, Tensor saved, int top_k, "
       "int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, "
-      "Tensor(a!)? into_router_weight=None, Tensor(b!)? into_w1=None, Tensor(c!)? into_b1=None, "
-      "Tensor(d!)? into_w2=None, Tensor(e!)? into_b2=None) "
+      "float swiglu_alpha=1.702, float swiglu_limit=7.0, Tensor(a!)? into_router_weight=None, "
+      "Tensor(b!)? into_w1=None, Tensor(c!)? into_b1=None, Tensor(d!)? into_w2=None, Tensor(e!)? into_b2=None) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layer_backward_input(Tensor grad_out, Tensor? grad_logits, Tensor x, Tensor? router_weight, Tensor w1, "
       "Tensor? b1, Tensor w2, Tensor? b2, Tensor? token_index, Tensor? expert_index, Tensor? scores, Tensor saved, "
       "int top_k, int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, "
-      "Tensor(a!)? into_router_weight=None) -> (Tensor, Tensor, Tensor, Tensor)");
+      "float swiglu_alpha=1.702, float swiglu_limit=7.0, Tensor(a!)? into_router_weight=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layer_backward_weight(Tensor grad_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, "
       "Tensor? b2, Tensor? token_index, Tensor? expert_index, Tensor? scores, Tensor saved, Tensor deferred, "
       "int top_k, int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, "
-      "Tensor(a!)? into_w1=None, Tensor(b!)? into_b1=None, Tensor(c!)? into_w2=None, Tensor(d!)? into_b2=None) "
+      "float swiglu_alpha=1.702, float swiglu_limit=7.0, Tensor(a!)? into_w1=None, Tensor(b!)? into_b1=None, "
+      "Tensor(c!)? into_w2=None, Tensor(d!)? into_b2=None) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "saved_nbytes(int T, int d, int n, int E, int K, int num_pairs, int activation, int score, int routing, "
@@ -529,3 +627,15 @@ TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("layer_backward_input", &layer_backward_input);
   m.impl("layer_backward_weight", &layer_backward_weight);
 }
+
+// The benchmark helper, apart from the layer's operators (python/machmoe/benchmark/overhead.py uses it).
+TORCH_LIBRARY_FRAGMENT(machmoe, m) {
+  m.def(
+      "time_layer(Tensor(a!) x, Tensor router_weight, Tensor w1, Tensor w2, Tensor(b!) grad_out, int top_k, "
+      "int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, int warmup, "
+      "int iters, bool isolated, float swiglu_alpha=1.702, float swiglu_limit=7.0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(machmoe, CPU, m) { m.impl("time_layer", &time_layer); }  // (fails clearly: GPU only)
+
+TORCH_LIBRARY_IMPL(machmoe, CUDA, m) { m.impl("time_layer", &time_layer); }

@@ -56,6 +56,9 @@ ActivationMemory activation_memory(const MoEProblem& problem, DType data_dtype);
 /// Pairs per tile of the GPU routing-metadata build (its per-tile expert histograms are E x ceil(P / this)).
 inline constexpr std::int64_t kMetadataTilePairs = 256;
 
+/// Tokens per block of token rounding's emit pass (its look-back states are one uint64 per block).
+inline constexpr std::int64_t kTokenRoundingEmitTokens = 32;
+
 /// Workspace handed to cuBLAS for the router GEMMs (so it allocates nothing itself).
 inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 
@@ -67,24 +70,27 @@ inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 ///   tile_hist     E x ceil(P / 256)     int32       per-tile expert histograms of the metadata build
 ///   expert_tiles  E + 1                 int32       GEMM M-tiles per expert, scanned
 ///   cublas        kCublasWorkspaceBytes             cuBLAS workspace of the router GEMM (not for caller-supplied)
-/// Token rounding only:
-///   tr_choice     T x K x (4 + 4)       int32+fp32  the token-choice experts and their scores
-///   tr_token_stats T x 2                fp32        per-token softmax max and sum
-///   tr_expert_count E                   int32       token-choice count per expert
-///   tr_keep       T x E                 uint8       the selection mask
-///   tr_token_count T + 1                int32       kept pairs per token, scanned
+/// Token rounding only (src/gpu/token_rounding_kernels.cu; it builds the routing metadata itself, so pair_expert,
+/// pair_token and tile_hist are not used by it):
+///   tr_keys            T x E    uint32  each (token, expert)'s ranking key, token-major
+///   tr_keys_by_expert  E x T    uint32  the same keys expert-major; overwritten with the grouped row of kept pairs
+///   tr_thresholds      E x 2    uint32  per expert: the kept keys' threshold and the tie cut
+///   tr_counters        E + 4 int32 and ceil(T / kTokenRoundingEmitTokens) uint64: token-choice counts, a
+///                                       completion count, a block ticket and the emit pass's look-back states;
+///                                       zeroed at the start of every call
 struct ForwardWorkspaceLayout {
   BufferRegion a, y, pair_expert, pair_token, tile_hist, expert_tiles, cublas;
-  BufferRegion tr_choice, tr_token_stats, tr_expert_count, tr_keep, tr_token_count;
+  BufferRegion tr_keys, tr_keys_by_expert, tr_thresholds, tr_counters;
   std::size_t total_bytes = 0;
 };
 ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& problem, DType data_dtype);
 
 /// Transient memory of the GPU backward:
 ///   h_recompute  P x w1_rows        data dtype   kInputOnly only
-///   dh           P x w1_rows        data dtype
+///   dh           P x w1_rows        data dtype   kInputOnly: the h_recompute region (dH overwrites H in place)
 ///   a_prime      P x n              data dtype   A' = s * A, left operand of dW2
-///   dx_expanded  P x d              data dtype   per-pair input gradient, grouped order
+///   dx_expanded  P x d              data dtype   per-pair input gradient, grouped order; in the full backward it
+///                                                shares its region with a_prime (dW2 runs before dX~)
 ///   ds_partial   P x ceil(n / 64)   fp32         per-N-tile partial sums of <dA', A>
 ///   ds           P                  score dtype  router-score gradient, pair order
 ///   dlogits      T x E              data dtype   gradient of the router logits (not for caller-supplied routing)

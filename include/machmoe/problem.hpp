@@ -17,7 +17,15 @@ enum class Activation : int {
   kReLU,         // relu(h)
   kGELU,         // gelu with the tanh approximation
   kSiLU,         // h * sigmoid(h)
+  // gpt-oss's expert MLP (HF transformers GptOssExperts), a GLU with clamps and a shifted up:
+  //   g' = min(g, limit), u' = clamp(u, -limit, limit), a = g' sigmoid(alpha g') (u' + 1)
+  // with alpha = MoEProblem::swiglu_alpha, limit = MoEProblem::swiglu_limit (1.702 and 7 in gpt-oss).
+  kGptOssSwiGLU,
 };
+
+/// gpt-oss's defaults for the parameters of Activation::kGptOssSwiGLU (HF GptOssExperts.alpha, config.swiglu_limit).
+inline constexpr double kGptOssSwiGLUAlpha = 1.702;
+inline constexpr double kGptOssSwiGLULimit = 7.0;
 bool is_glu(Activation act);
 
 /// Where the gate and up rows of a GLU expert's W1 (2n x d) live.
@@ -70,6 +78,11 @@ struct MoEProblem {
   std::int64_t E = 0;  // experts
   std::int64_t K = 0;  // experts per token (top-K). For caller-supplied routing: the maximum per token.
   Activation activation = Activation::kSwiGLU;
+  // Parameters of Activation::kGptOssSwiGLU: sigmoid(alpha g) in the gate, the clamp limit (finite alpha, limit > 0;
+  // +inf turns the clamps off). Other activations have no parameters: these must then keep their defaults, so that
+  // a limit meant for gpt-oss is not silently ignored by a layer built with another activation.
+  double swiglu_alpha = kGptOssSwiGLUAlpha;
+  double swiglu_limit = kGptOssSwiGLULimit;
   bool has_b1 = false;  // expert bias of the up-projection, (E, 2n) or (E, n)
   bool has_b2 = false;  // expert bias of the down-projection, (E, d)
   WeightLayout weight_layout = WeightLayout::kInterleaved;
@@ -83,8 +96,9 @@ struct MoEProblem {
   /// Rows of W1 per expert: 2n for GLU activations, n otherwise.
   std::int64_t w1_rows() const;
   /// Routed (token, expert) pairs the layer can produce: T*K for top-K, the caller's count for caller-supplied
-  /// routing, and an upper bound for token rounding (rounding up adds < tile_m pairs per expert), which is what
-  /// buffers must be sized for since the exact count is only known on the device.
+  /// routing, and an upper bound for token rounding by its rule (down: T*K; nearest: each expert with a partial tile
+  /// adds at most tile_m/2 - 1 pairs; up: at most tile_m - 1; never more than T*E), which is what buffers must be
+  /// sized for since the exact count is only known on the device.
   std::int64_t max_pairs() const;
   /// Whether the router's logits must be kept for the backward: top-K of the full softmax without
   /// renormalisation, and token rounding, have a dense gradient over all E logits.

@@ -29,8 +29,8 @@ def _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, til
 
 @torch.library.register_fake("machmoe::layer_forward")
 def _layer_forward_fake(x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
-                        weight_layout, score, routing, rounding, tile, cache, into_router_weight=None, into_w1=None,
-                        into_b1=None, into_w2=None, into_b2=None):
+                        weight_layout, score, routing, rounding, tile, cache, swiglu_alpha=1.702, swiglu_limit=7.0,
+                        into_router_weight=None, into_w1=None, into_b1=None, into_w2=None, into_b2=None):
     T, d = x.shape
     E = w1.shape[0]
     out = x.new_empty((T, d))
@@ -49,7 +49,8 @@ def _grouped_expert_index_fake(counts, rows):
 @torch.library.register_fake("machmoe::layer_backward")
 def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores,
                          saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
-                         into_router_weight=None, into_w1=None, into_b1=None, into_w2=None, into_b2=None):
+                         swiglu_alpha=1.702, swiglu_limit=7.0, into_router_weight=None, into_w1=None, into_b1=None,
+                         into_w2=None, into_b2=None):
     caller = routing == _CALLER
 
     def grad(weight, into):  # a gradient added into a caller buffer is returned as an empty tensor
@@ -68,7 +69,8 @@ def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2
 
 _WEIGHTS = ("w1", "b1", "w2", "b2")
 _ALL_WEIGHTS = ("router_weight",) + _WEIGHTS
-_NUM_OPTIONS = 8  # top_k, activation, weight_layout, score, routing, rounding, tile, cache
+# top_k, activation, weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit
+_NUM_OPTIONS = 10
 
 _DOUBLE_BACKWARD = (
     "machmoe: double backward is not supported: a gradient computed by the backward of a machmoe layer (with "
@@ -347,7 +349,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_logits, grad_counts, grad_saved):
     x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved = ctx.saved_tensors
     caller = ctx.options[4] == _CALLER
-    if grad_out is None:
+    if grad_out is None:  # the loss uses only the logits (e.g. an aux loss alone): the output's gradient is zero
         grad_out = torch.zeros_like(x)
     if caller or (grad_logits is not None and grad_logits.numel() == 0):
         grad_logits = None
@@ -380,4 +382,58 @@ def _backward(ctx, grad_out, grad_logits, grad_counts, grad_saved):
     ) + (None,) * (_NUM_OPTIONS + len(_ALL_WEIGHTS))
 
 
-torch.library.register_autograd("machmoe::layer_forward", _backward, setup_context=_setup_context)
+def _make_autograd_kernel(op, backward, setup_context):
+    """The Autograd kernel of `op`: what torch.library.register_autograd(op, backward, setup_context=...) registers
+    (torch/_library/autograd.py, make_autograd_impl), less two per-call costs of that generic version.
+
+    * It fills the arguments the dispatcher dropped (trailing ones equal to their defaults: the into_* buffers) from
+      defaults read once here. The generic version calls torch._library.utils.fill_defaults on every call, which
+      reads `schema.arguments` (a fresh list of pybind Argument objects) once per argument: ~500 object
+      conversions for this 22-argument schema, more host time per forward than the rest of the Python path
+      together (measured on a loaded 2-core CPU host at T = 0: MoE.forward 372 -> 197 us per call; tested:
+      tests/python/test_overhead.py). With the stream idle, that time is GPU idle time before the first kernel.
+    * Gradients of outputs that the loss does not use are passed to `backward` as None rather than materialised
+      as zeros (ctx.set_materialize_grads(False)). autograd.Function materialises them by default, for integer
+      outputs too: every backward allocated and zero-filled the router logits (T x E), the counts and the whole
+      `saved` buffer (H included: 1 GiB on 120B (2048,64,4)), a transient buffer as large as the activation
+      memory and a memset the C++ layer does not run. `backward` handles None for each of them.
+    """
+    schema = op._schema
+    defaults = tuple(a.default_value for a in schema.arguments)
+    if any(a.kwarg_only for a in schema.arguments):  # (the padding below assumes positional arguments only)
+        raise AssertionError(f"machmoe: {op} has keyword-only arguments")
+
+    def forward(ctx, *args):
+        keyset = args[-1]
+        args = args[:-1]
+        with torch._C._AutoDispatchBelowAutograd():
+            result = op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        ctx.set_materialize_grads(False)
+        setup_context(ctx, args + defaults[len(args):], result)
+        return result
+
+    def backward_(ctx, *grads):
+        full = ctx.needs_input_grad
+        try:
+            ctx.needs_input_grad = full[:-1]  # (the key set argument has no gradient)
+            result = backward(ctx, *grads)
+        finally:
+            ctx.needs_input_grad = full
+        return (*result, None)
+
+    generated = type(f"GeneratedBackwardFor_{op._namespace}_{op._opname}_{op._overloadname}",
+                     (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                  "backward": staticmethod(backward_)})
+
+    def autograd_kernel(keyset, *args):
+        if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return generated.apply(*args, keyset)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+    return autograd_kernel
+
+
+_lib = torch.library.Library("machmoe", "FRAGMENT")  # kept alive by this module: the registration lives with it
+_lib.impl("layer_forward", _make_autograd_kernel(torch.ops.machmoe.layer_forward.default, _backward, _setup_context),
+          "Autograd", with_keyset=True)

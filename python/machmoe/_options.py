@@ -1,7 +1,15 @@
 """Names of the layer's options and their integer codes (the enum values of include/machmoe/problem.hpp)."""
 
-ACTIVATIONS = {"swiglu": 0, "geglu": 1, "reglu": 2, "relu_squared": 3, "relu": 4, "gelu": 5, "silu": 6}
-GLU_ACTIVATIONS = {"swiglu", "geglu", "reglu"}
+import math
+import numbers
+
+ACTIVATIONS = {"swiglu": 0, "geglu": 1, "reglu": 2, "relu_squared": 3, "relu": 4, "gelu": 5, "silu": 6,
+               "gptoss_swiglu": 7}
+GLU_ACTIVATIONS = {"swiglu", "geglu", "reglu", "gptoss_swiglu"}
+# gpt-oss's expert MLP (HF GptOssExperts): g = min(gate, limit), u = clamp(up, -limit, limit),
+# a = g sigmoid(alpha g) (u + 1). Its two parameters and gpt-oss's values for them (machmoe::kGptOssSwiGLU*).
+SWIGLU_ALPHA_DEFAULT = 1.702
+SWIGLU_LIMIT_DEFAULT = 7.0
 WEIGHT_LAYOUTS = {"interleaved": 0, "concatenated": 1}
 SCORES = {"softmax_topk": 0, "topk_softmax": 1, "topk_softmax_renorm": 2}
 ROUTINGS = {"topk": 0, "token_rounding": 1, "caller": 2}
@@ -18,3 +26,33 @@ def code(table: dict, name: str, argument: str) -> int:
 def name_of(table: dict, value: int) -> str:
     """The option name of an integer code (for messages)."""
     return next((name for name, c in table.items() if c == value), f"<unknown code {value}>")
+
+
+def activation_parameters(activation: str, swiglu_alpha, swiglu_limit):
+    """(alpha, limit) as floats for the operators. They are parameters of 'gptoss_swiglu' only: None there means
+    gpt-oss's default; with another activation they must be None (a limit given with activation='swiglu' would
+    otherwise be silently ignored). alpha: a finite real; limit: a real > 0 (float('inf') turns the clamps off)."""
+    if activation != "gptoss_swiglu":
+        for name, value in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
+            if value is not None:
+                raise ValueError(f"machmoe: argument '{name}': expected None for activation {activation!r} "
+                                 f"(swiglu_alpha and swiglu_limit are parameters of activation 'gptoss_swiglu' "
+                                 f"only), got {value!r}")
+        return SWIGLU_ALPHA_DEFAULT, SWIGLU_LIMIT_DEFAULT
+    values = []
+    for name, value, default in (("swiglu_alpha", swiglu_alpha, SWIGLU_ALPHA_DEFAULT),
+                                 ("swiglu_limit", swiglu_limit, SWIGLU_LIMIT_DEFAULT)):
+        if value is None:
+            values.append(default)
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"machmoe: argument '{name}': expected a real number or None, got {value!r} "
+                            f"({type(value).__name__})")
+        values.append(float(value))
+    alpha, limit = values
+    if not math.isfinite(alpha):
+        raise ValueError(f"machmoe: argument 'swiglu_alpha': expected a finite real number, got {swiglu_alpha!r}")
+    if not limit > 0:  # NaN fails too
+        raise ValueError(f"machmoe: argument 'swiglu_limit': expected a real number > 0 (float('inf'): no "
+                         f"clamping), got {swiglu_limit!r}")
+    return alpha, limit

@@ -4,6 +4,11 @@ Shapes: x (T, d); router_weight (E, d); w1 (E, 2n, d) for GLU activations, (E, n
 (E, 2n | n); b2 (E, d) — nn.Linear (out, in) per expert. With weight_layout="interleaved" the rows of w1 alternate
 gate, up, gate, up...; with "concatenated" rows [0, n) are gate and [n, 2n) up (HF gate_up_proj). No host
 synchronisation: expert counts stay on the device.
+
+Activations: "swiglu" (silu(gate) up), "geglu", "reglu", "relu_squared", "relu", "gelu", "silu", and "gptoss_swiglu",
+gpt-oss's expert MLP: g = min(gate, limit), u = clamp(up, -limit, limit), a = g sigmoid(alpha g) (u + 1), with
+swiglu_alpha (default 1.702) and swiglu_limit (default 7.0; float('inf') turns the clamps off). Its gradient follows
+torch.clamp's (passed where min <= x <= max, 0 outside). swiglu_alpha/swiglu_limit must be None for the others.
 """
 import warnings
 from collections.abc import Mapping
@@ -14,7 +19,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from ._options import (ACTIVATIONS, ACTIVATION_MEMORY, GLU_ACTIVATIONS, ROUNDINGS, ROUTINGS, SCORES, WEIGHT_LAYOUTS,
-                       code)
+                       activation_parameters, code)
 from ._validation import as_int, fail as _fail, require_tensor
 
 _CPU_DTYPES = (torch.float32, torch.float64)
@@ -38,9 +43,9 @@ def _check_tensor(name: str, t: Tensor, shape, ref: Tensor, *, ref_name: str = "
 
 
 def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, weight_layout: str, top_k,
-                  *, x_name: str = "x", top_k_name: str = "top_k"):
-    """Checks x, the expert weights and biases, the activation/layout and the per-token expert count; returns
-    (activation code, layout code, top_k as an int)."""
+                  *, x_name: str = "x", top_k_name: str = "top_k", swiglu_alpha=None, swiglu_limit=None):
+    """Checks x, the expert weights and biases, the activation/layout (and its parameters) and the per-token expert
+    count; returns (activation code, layout code, top_k as an int, (swiglu_alpha, swiglu_limit) as floats)."""
     for name, t, optional in ((x_name, x, False), ("w1", w1, False), ("w2", w2, False), ("b1", b1, True),
                               ("b2", b2, True)):
         require_tensor(name, t, optional=optional)
@@ -58,6 +63,7 @@ def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, we
     if E < 1:
         _fail("w2", "at least one expert (a first dimension >= 1)", f"shape {tuple(w2.shape)}")
     act = code(ACTIVATIONS, activation, "activation")
+    act_params = activation_parameters(activation, swiglu_alpha, swiglu_limit)
     layout = code(WEIGHT_LAYOUTS, weight_layout, "weight_layout")
     if weight_layout == "concatenated" and activation not in GLU_ACTIVATIONS:
         _fail("weight_layout", f"'interleaved' for the non-GLU activation {activation!r}", repr(weight_layout))
@@ -70,7 +76,7 @@ def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, we
     if b2 is not None:
         _check_tensor("b2", b2, (E, d), x, ref_name=x_name)
     top_k = as_int(top_k_name, top_k, low=1, high=E, what="(the number of experts)")
-    return act, layout, top_k
+    return act, layout, top_k, act_params
 
 
 _INTO_NAMES = ("router_weight", "w1", "b1", "w2", "b2")
@@ -146,8 +152,8 @@ def _warn_if_rounding_empties_experts(tokens: int, tile: int, rounding: str) -> 
 def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,
         b2: Optional[Tensor] = None, *, top_k: int, activation: str = "swiglu", score: str = "softmax_topk",
         routing: str = "topk", rounding: str = "nearest", tile: int = 128, weight_layout: str = "interleaved",
-        activation_memory: str = "preact",
-        accumulate_grads_into: Optional[Dict[str, Tensor]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        activation_memory: str = "preact", accumulate_grads_into: Optional[Dict[str, Tensor]] = None,
+        swiglu_alpha: Optional[float] = None, swiglu_limit: Optional[float] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The whole MoE layer: router, routing, experts, aggregation. Returns (out (T, d), router_logits (T, E),
     expert_counts (E,) int32 on the device). Differentiable w.r.t. x, router_weight, w1, w2, b1, b2 (first-order
     reverse mode only: double backward and forward-mode AD raise). Integer options accept Python and numpy integers
@@ -157,8 +163,12 @@ def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[T
     ('router_weight', 'w1', 'b1', 'w2', 'b2') to buffers of the weight's shape, of its dtype or torch.float32,
     contiguous, on its device. The backward adds those weights' gradients into the buffers (inside the weight-gradient
     kernels: the sum in fp32, rounded once to the buffer's dtype, no extra kernel or copy) instead of returning them,
-    so their .grad is left as it was. Experts that receive no token leave their part of the buffers unchanged."""
-    act, layout, top_k = _check_common(x, w1, w2, b1, b2, activation, weight_layout, top_k)
+    so their .grad is left as it was. Experts that receive no token leave their part of the buffers unchanged.
+
+    swiglu_alpha, swiglu_limit: the parameters of activation="gptoss_swiglu" (None: gpt-oss's 1.702 and 7.0); None
+    for every other activation."""
+    act, layout, top_k, act_params = _check_common(x, w1, w2, b1, b2, activation, weight_layout, top_k,
+                                                   swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     if routing not in ("topk", "token_rounding"):
         _fail("routing", "'topk' or 'token_rounding' (use moe_from_routing for caller-supplied routing)", repr(routing))
     _check_tensor("router_weight", router_weight, (w1.shape[0], x.shape[1]), x)
@@ -172,7 +182,7 @@ def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[T
     into = _check_into(accumulate_grads_into, dict(router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2))
     _reject_forward_ad(x, router_weight, w1, w2, b1, b2)
     out, logits, counts, _ = torch.ops.machmoe.layer_forward(
-        x, router_weight, w1, b1, w2, b2, None, None, None, top_k, act, layout, *codes, *into)
+        x, router_weight, w1, b1, w2, b2, None, None, None, top_k, act, layout, *codes, *act_params, *into)
     return out, logits, counts
 
 
@@ -204,22 +214,24 @@ def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, exp
                      b1: Optional[Tensor] = None, b2: Optional[Tensor] = None, *, max_experts_per_token: int,
                      activation: str = "swiglu", weight_layout: str = "interleaved",
                      activation_memory: str = "preact",
-                     accumulate_grads_into: Optional[Dict[str, Tensor]] = None) -> Tuple[Tensor, Tensor]:
+                     accumulate_grads_into: Optional[Dict[str, Tensor]] = None, swiglu_alpha: Optional[float] = None,
+                     swiglu_limit: Optional[float] = None) -> Tuple[Tensor, Tensor]:
     """The layer from caller-supplied (token, expert, score) triples, token indices ascending and at most
     max_experts_per_token per token. Returns (out (T, d), expert_counts (E,) int32). Differentiable w.r.t. x, w1, w2,
     b1, b2 and scores (in the caller's order). On the GPU, pairs whose expert or token is out of range are skipped
     (expert-parallel sentinels); on the CPU they raise, and so do they on the GPU, at the next call or
     check_device_errors(), with set_index_checking(True). No pairs (or no tokens) give a zero output.
-    accumulate_grads_into: as for moe() (keys 'w1', 'b1', 'w2', 'b2')."""
-    act, layout, top_k = _check_common(x, w1, w2, b1, b2, activation, weight_layout, max_experts_per_token,
-                                       top_k_name="max_experts_per_token")
+    accumulate_grads_into, swiglu_alpha, swiglu_limit: as for moe() (keys 'w1', 'b1', 'w2', 'b2')."""
+    act, layout, top_k, act_params = _check_common(x, w1, w2, b1, b2, activation, weight_layout,
+                                                   max_experts_per_token, top_k_name="max_experts_per_token",
+                                                   swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     _check_routing(x, token_index, expert_index, scores)
     cache = code(ACTIVATION_MEMORY, activation_memory, "activation_memory")
     into = _check_into(accumulate_grads_into, dict(w1=w1, b1=b1, w2=w2, b2=b2))
     _reject_forward_ad(x, w1, w2, b1, b2, scores)
     out, _, counts, _ = torch.ops.machmoe.layer_forward(
         x, None, w1, b1, w2, b2, token_index, expert_index, scores, top_k, act, layout, 0, ROUTINGS["caller"], 0, 128,
-        cache, *into)
+        cache, *act_params, *into)
     return out, counts
 
 
@@ -254,17 +266,20 @@ def _check_expert_counts(x_grouped: Tensor, expert_counts, w1) -> None:
 def grouped_experts(x_grouped: Tensor, expert_counts: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,
                     b2: Optional[Tensor] = None, *, activation: str = "swiglu", weight_layout: str = "interleaved",
                     activation_memory: str = "preact",
-                    accumulate_grads_into: Optional[Dict[str, Tensor]] = None) -> Tensor:
+                    accumulate_grads_into: Optional[Dict[str, Tensor]] = None, swiglu_alpha: Optional[float] = None,
+                    swiglu_limit: Optional[float] = None) -> Tensor:
     """The expert computation on pre-dispatched tokens: rows of x_grouped (P, d) already grouped by expert, with
     expert_counts (E,) int32/int64 on the device (sum = P). Returns (P, d), row i = expert(i)'s MLP of row i. This is
     the seam of expert-parallel dispatchers (torchtitan GroupedExperts, DeepEP): no host synchronisation. P = 0 (a rank
     that received no tokens) returns a (0, d) output and zero weight gradients. On the CPU, counts that are negative
     or do not sum to P raise; on the GPU they cannot be checked without a synchronisation: rows past the counts'
     total get zero output, and with machmoe.set_index_checking(True) the counts are validated on the device and
-    the error is raised at the next layer call or machmoe.check_device_errors(). accumulate_grads_into: as for moe()
-    (keys 'w1', 'b1', 'w2', 'b2')."""
+    the error is raised at the next layer call or machmoe.check_device_errors(). accumulate_grads_into,
+    swiglu_alpha, swiglu_limit: as for moe() (keys 'w1', 'b1', 'w2', 'b2')."""
     _check_expert_counts(x_grouped, expert_counts, w1)
-    act, layout, _ = _check_common(x_grouped, w1, w2, b1, b2, activation, weight_layout, 1, x_name="x_grouped")
+    act, layout, _, act_params = _check_common(x_grouped, w1, w2, b1, b2, activation, weight_layout, 1,
+                                               x_name="x_grouped", swiglu_alpha=swiglu_alpha,
+                                               swiglu_limit=swiglu_limit)
     cache = code(ACTIVATION_MEMORY, activation_memory, "activation_memory")
     into = _check_into(accumulate_grads_into, dict(w1=w1, b1=b1, w2=w2, b2=b2))
     _reject_forward_ad(x_grouped, w1, w2, b1, b2)
@@ -279,7 +294,7 @@ def grouped_experts(x_grouped: Tensor, expert_counts: Tensor, w1: Tensor, w2: Te
                         dtype=torch.float64 if x_grouped.dtype == torch.float64 else torch.float32)
     out, _, _, _ = torch.ops.machmoe.layer_forward(
         x_grouped, None, w1, b1, w2, b2, token_index, expert_index, scores, 1, act, layout, 0, ROUTINGS["caller"], 0,
-        128, cache, *into)
+        128, cache, *act_params, *into)
     return out
 
 

@@ -7,7 +7,8 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F
-from ._options import GLU_ACTIVATIONS, ACTIVATIONS, ACTIVATION_MEMORY, ROUNDINGS, SCORES, WEIGHT_LAYOUTS, code, name_of
+from ._options import (GLU_ACTIVATIONS, ACTIVATIONS, ACTIVATION_MEMORY, ROUNDINGS, SCORES, WEIGHT_LAYOUTS,
+                       activation_parameters, code, name_of)
 from ._validation import as_int, as_nonnegative_real, fail, require_tensor, type_name
 
 
@@ -30,6 +31,10 @@ class MoE(nn.Module):
     w1 (E, 2n | n, d), w2 (E, d, n), and b1 (E, 2n | n), b2 (E, d) when bias=True.
     forward(x) takes (..., hidden_size) and returns MoEOutput. An input with no tokens ((0, d), (B, 0, d), ...) is
     ordinary: an empty output, zero parameter gradients, and aux_loss / z_loss defined as 0 (not NaN).
+
+    activation="gptoss_swiglu" is gpt-oss's expert MLP (g = min(gate, limit), u = clamp(up, -limit, limit),
+    a = g sigmoid(alpha g) (u + 1)) with swiglu_alpha / swiglu_limit (None: gpt-oss's 1.702 and 7.0); they must be
+    None for other activations. MoE.from_gpt_oss / load_gpt_oss_experts read HF gpt-oss checkpoints.
 
     The state dict records the layout of w1 and the activation (entry `_extra_state`, a small int64 tensor), so that
     weights saved by a module of another layout or activation, which have the same shapes, are refused on loading
@@ -56,7 +61,8 @@ class MoE(nn.Module):
                  routing: str = "topk", rounding: str = "nearest", tile: int = 128,
                  weight_layout: str = "interleaved", activation_memory: str = "preact",
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, device=None, dtype=None,
-                 accumulate_into_main_grad: bool = False, main_grad_dtype: torch.dtype = torch.float32):
+                 accumulate_into_main_grad: bool = False, main_grad_dtype: torch.dtype = torch.float32,
+                 swiglu_alpha: Optional[float] = None, swiglu_limit: Optional[float] = None):
         super().__init__()
         hidden_size = as_int("hidden_size", hidden_size, low=1)
         intermediate_size = as_int("intermediate_size", intermediate_size, low=1)
@@ -68,6 +74,9 @@ class MoE(nn.Module):
             code(table, value, name)
         if routing not in ("topk", "token_rounding"):
             fail("routing", "'topk' or 'token_rounding'", repr(routing))
+        alpha_limit = activation_parameters(activation, swiglu_alpha, swiglu_limit)
+        # Floats for gptoss_swiglu (read by forward), None for activations without parameters.
+        self.swiglu_alpha, self.swiglu_limit = alpha_limit if activation == "gptoss_swiglu" else (None, None)
         if weight_layout == "concatenated" and activation not in GLU_ACTIVATIONS:
             fail("weight_layout", f"'interleaved' for the non-GLU activation {activation!r}", repr(weight_layout))
         tile = as_int("tile", tile, low=8)
@@ -154,20 +163,25 @@ class MoE(nn.Module):
         if x.dim() == 0 or shape[-1] != self.hidden_size:
             fail("x", f"a tensor of shape (..., {self.hidden_size})", f"shape {tuple(shape)}")
         # Named after x, which the caller passed, rather than after the parameters the functional API compares it to.
-        if x.device != self.w1.device:
-            fail("x", f"a tensor on {self.w1.device} (the device of this MoE's parameters)", f"a tensor on {x.device}")
-        if x.dtype != self.w1.dtype:
-            fail("x", f"dtype {self.w1.dtype} (the dtype of this MoE's parameters)", x.dtype)
-        flat = x.reshape(-1, self.hidden_size)
+        w1 = self.w1
+        if x.device != w1.device:
+            fail("x", f"a tensor on {w1.device} (the device of this MoE's parameters)", f"a tensor on {x.device}")
+        if x.dtype != w1.dtype:
+            fail("x", f"dtype {w1.dtype} (the dtype of this MoE's parameters)", x.dtype)
+        # A (tokens, hidden) input is passed as it is: reshape costs a view and an autograd node each way, a
+        # measurable share of the host time of a call (tests/python/test_overhead.py).
+        flat = x if x.dim() == 2 else x.reshape(-1, self.hidden_size)
         into = None
         if getattr(self, "accumulate_into_main_grad", False):  # (modules pickled before the option: off)
             into = self.main_grads()
             F._check_into(into, dict(self.named_parameters(recurse=False)), "{}.main_grad")
-        out, logits, counts = F.moe(flat, self.router_weight, self.w1, self.w2, self.b1, self.b2, top_k=self.top_k,
+        out, logits, counts = F.moe(flat, self.router_weight, w1, self.w2, self.b1, self.b2, top_k=self.top_k,
                                     activation=self.activation, score=self.score, routing=self.routing,
                                     rounding=self.rounding, tile=self.tile, weight_layout=self.weight_layout,
-                                    activation_memory=self.activation_memory, accumulate_grads_into=into)
-        result = MoEOutput(out.reshape(shape), logits, counts)
+                                    activation_memory=self.activation_memory, accumulate_grads_into=into,
+                                    swiglu_alpha=getattr(self, "swiglu_alpha", None),
+                                    swiglu_limit=getattr(self, "swiglu_limit", None))
+        result = MoEOutput(out if flat is x else out.reshape(shape), logits, counts)
         if self.aux_loss_coef > 0:
             result.aux_loss = self.aux_loss_coef * F.load_balancing_loss(logits, counts)
         if self.z_loss_coef > 0:
@@ -274,6 +288,85 @@ class MoE(nn.Module):
             self.w2.copy_(down)
         if router is not None:
             self.router_weight.copy_(router)
+        return self
+
+
+    # ---- gpt-oss (HF transformers GptOssExperts / GptOssTopKRouter) -----------------------------------------------
+
+    @classmethod
+    def from_gpt_oss(cls, gate_up_proj: Tensor, gate_up_proj_bias: Tensor, down_proj: Tensor,
+                     down_proj_bias: Tensor, router_weight: Tensor, *, top_k: int,
+                     router_bias: Optional[Tensor] = None, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                     device=None, dtype=None, **options) -> "MoE":
+        """A MoE computing gpt-oss's MoE block from its HF tensors (shapes as in ``load_gpt_oss_experts``): sizes
+        from the tensors, activation="gptoss_swiglu" with the given alpha and limit (gpt-oss: 1.702 and
+        config.swiglu_limit = 7.0), bias=True, score="softmax_topk" (HF GptOssTopKRouter: top-k of the logits, then a
+        softmax over the k selected), top_k = config.num_experts_per_tok. device/dtype default to gate_up_proj's.
+        Other keyword arguments go to MoE() (weight_layout, activation_memory, aux_loss_coef, ...)."""
+        require_tensor("gate_up_proj", gate_up_proj)
+        require_tensor("down_proj", down_proj)
+        if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] % 2:
+            fail("gate_up_proj", "an (experts, hidden, 2 * intermediate) tensor", f"shape {tuple(gate_up_proj.shape)}")
+        E, d, two_n = gate_up_proj.shape
+        for name in ("activation", "bias", "score"):
+            if name in options:
+                raise TypeError(f"machmoe: MoE.from_gpt_oss: argument '{name}' is fixed by gpt-oss and cannot be "
+                                f"given")
+        moe = cls(d, two_n // 2, E, top_k, activation="gptoss_swiglu", bias=True, score="softmax_topk",
+                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                  device=gate_up_proj.device if device is None else device,
+                  dtype=gate_up_proj.dtype if dtype is None else dtype, **options)
+        return moe.load_gpt_oss_experts(gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
+                                        router_weight=router_weight, router_bias=router_bias)
+
+    @torch.no_grad()
+    def load_gpt_oss_experts(self, gate_up_proj: Tensor, gate_up_proj_bias: Optional[Tensor], down_proj: Tensor,
+                             down_proj_bias: Optional[Tensor], *, router_weight: Optional[Tensor] = None,
+                             router_bias: Optional[Tensor] = None) -> "MoE":
+        """Copies HF gpt-oss expert tensors into this module (activation "gptoss_swiglu"), in either weight layout.
+
+        HF stores the experts for x @ W: gate_up_proj (E, d, 2n) with gate = columns 0::2 and up = columns 1::2,
+        gate_up_proj_bias (E, 2n) in the same column order, down_proj (E, n, d), down_proj_bias (E, d); the router
+        (GptOssTopKRouter) is router.weight (E, d) and router.bias (E,). The mapping (a one-time copy):
+          w1[e] = gate_up_proj[e].T          (2n, d): row 2j gate_j, row 2j+1 up_j (weight_layout="interleaved";
+                                              "concatenated" takes the gate columns into rows [0, n), up into [n, 2n))
+          b1[e] = gate_up_proj_bias[e]       (same row order as w1)
+          w2[e] = down_proj[e].T             (d, n)
+          b2[e] = down_proj_bias[e]
+          router_weight = router.weight      (E, d)
+        Biases: given exactly when the module has them (bias=True). router_bias: this module's router has no bias
+        (logits = x router_weight^T); a router bias is accepted only if it is all zeros, and anything else raises
+        (gpt-oss's trained routers have a nonzero bias: compute the routing outside and use
+        machmoe.moe_from_routing for those). Every tensor is checked before anything is written."""
+        E, d, n = self.num_experts, self.hidden_size, self.intermediate_size
+        if self.activation != "gptoss_swiglu":
+            raise ValueError(f"machmoe: load_gpt_oss_experts: expected a MoE with activation='gptoss_swiglu' (gpt-oss's "
+                             f"clamped SwiGLU with (up + 1)), got activation={self.activation!r}")
+        has_bias = self.b1 is not None
+        for name, t in (("gate_up_proj_bias", gate_up_proj_bias), ("down_proj_bias", down_proj_bias)):
+            if (t is not None) != has_bias:
+                raise ValueError(f"machmoe: load_gpt_oss_experts: argument '{name}': expected "
+                                 f"{'a tensor (this MoE has biases)' if has_bias else 'None (this MoE was built with bias=False; gpt-oss has expert biases: build it with bias=True)'}, "
+                                 f"got {'None' if t is None else 'a tensor'}")
+        if has_bias:
+            _check_weight("gate_up_proj_bias", gate_up_proj_bias, (E, 2 * n))
+            _check_weight("down_proj_bias", down_proj_bias, (E, d))
+        if router_bias is not None:
+            _check_weight("router_bias", router_bias, (E,))
+            if bool(router_bias.ne(0).any()):
+                fail("router_bias", "None or zeros: machmoe's router has no bias (logits = x router_weight^T); for "
+                     "gpt-oss's biased router compute the top-k routing outside and call machmoe.moe_from_routing",
+                     "a tensor with nonzero entries")
+        # Checks the expert weights and the router, then writes them (interleaved gate/up columns, stored (in, out)).
+        self.load_hf_experts(down_proj=down_proj, gate_up_proj=gate_up_proj, router=router_weight,
+                             gate_up_layout="interleaved", transposed=True)
+        if has_bias:
+            if self.weight_layout == "interleaved":
+                self.b1.copy_(gate_up_proj_bias)
+            else:
+                self.b1[:, :n].copy_(gate_up_proj_bias[:, 0::2])
+                self.b1[:, n:].copy_(gate_up_proj_bias[:, 1::2])
+            self.b2.copy_(down_proj_bias)
         return self
 
 

@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from ._options import (ACTIVATION_MEMORY, ACTIVATIONS, GLU_ACTIVATIONS, ROUNDINGS, SCORES, WEIGHT_LAYOUTS, code)
+from ._options import (ACTIVATION_MEMORY, ACTIVATIONS, GLU_ACTIVATIONS, ROUNDINGS, SCORES, WEIGHT_LAYOUTS,
+                       activation_parameters, code)
 from .functional import _check_tensor, _fail, grouped_experts, load_balancing_loss, router_z_loss
 from .module import MoE, MoEOutput
 
@@ -293,7 +294,8 @@ def _empty_rows_linked(x: Tensor, params: Sequence[Optional[Tensor]]) -> Tensor:
 
 
 def _run_grouped(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor], b2: Optional[Tensor],
-                 *, activation: str, weight_layout: str, activation_memory: str, zero_padding: bool) -> Tensor:
+                 *, activation: str, weight_layout: str, activation_memory: str, zero_padding: bool,
+                 swiglu_alpha: Optional[float] = None, swiglu_limit: Optional[float] = None) -> Tensor:
     """machmoe.grouped_experts on rows grouped by expert, where rows beyond sum(counts) are padding (torchtitan's
     aligned dispatch, the capacity mode's empty slots). The padding rows are computed by the last expert (no host
     sync to find where they start) and, with zero_padding, their output is set to zero."""
@@ -306,7 +308,7 @@ def _run_grouped(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, b1: Optional
     padded = counts.clone()
     padded[-1] += P - real
     y = grouped_experts(x, padded, w1, w2, b1, b2, activation=activation, weight_layout=weight_layout,
-                        activation_memory=activation_memory)
+                        activation_memory=activation_memory, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     if zero_padding:
         y = torch.where((torch.arange(P, device=x.device) < real).unsqueeze(1), y, y.new_zeros(()))
     return y
@@ -326,9 +328,12 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, activation: str = "swiglu",
                  bias: bool = False, weight_layout: str = "interleaved", activation_memory: str = "preact",
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, swiglu_alpha: Optional[float] = None,
+                 swiglu_limit: Optional[float] = None):
         super().__init__()
         code(ACTIVATIONS, activation, "activation")
+        alpha_limit = activation_parameters(activation, swiglu_alpha, swiglu_limit)  # as machmoe.MoE
+        self.swiglu_alpha, self.swiglu_limit = alpha_limit if activation == "gptoss_swiglu" else (None, None)
         code(WEIGHT_LAYOUTS, weight_layout, "weight_layout")
         code(ACTIVATION_MEMORY, activation_memory, "activation_memory")
         if weight_layout == "concatenated" and activation not in GLU_ACTIVATIONS:
@@ -366,7 +371,9 @@ class GroupedExperts(nn.Module):
         _check_grouped_call(x, num_tokens_per_expert, self.num_experts, self.hidden_size)
         return _run_grouped(x, num_tokens_per_expert, _local(self.w1), _local(self.w2), _local(self.b1),
                             _local(self.b2), activation=self.activation, weight_layout=self.weight_layout,
-                            activation_memory=self.activation_memory, zero_padding=zero_padding)
+                            activation_memory=self.activation_memory, zero_padding=zero_padding,
+                            swiglu_alpha=getattr(self, "swiglu_alpha", None),
+                            swiglu_limit=getattr(self, "swiglu_limit", None))
 
 
 def _check_grouped_call(x, counts, num_experts, hidden):
@@ -578,7 +585,8 @@ def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor
                         b2: Optional[Tensor] = None, *, top_k: int, group=None, capacity: Optional[int] = None,
                         activation: str = "swiglu", score: str = "softmax_topk", routing: str = "topk",
                         rounding: str = "nearest", tile: int = 128, weight_layout: str = "interleaved",
-                        activation_memory: str = "preact"):
+                        activation_memory: str = "preact", swiglu_alpha: Optional[float] = None,
+                        swiglu_limit: Optional[float] = None):
     """The expert-parallel layer on this rank. x (T, d) are this rank's tokens (T may differ between ranks, and be
     0); router_weight (E, d) is replicated; w1, w2, b1, b2 hold this rank's E / ep_size experts (global experts
     [rank * E_local, (rank + 1) * E_local)), in machmoe.moe's layout. Returns (out (T, d), router_logits (T, E),
@@ -590,6 +598,7 @@ def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor
     E = _check_router(x, router_weight, ep_size)
     El, d = E // ep_size, x.shape[1]
     code(ACTIVATIONS, activation, "activation")
+    activation_parameters(activation, swiglu_alpha, swiglu_limit)  # checked before any communication
     code(WEIGHT_LAYOUTS, weight_layout, "weight_layout")
     if not isinstance(w2, Tensor) or w2.dim() != 3:
         _fail("w2", "an (E_local, d, n) tensor", getattr(w2, "shape", type(w2).__name__))
@@ -607,7 +616,8 @@ def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor
     dispatched = _dispatch(x, router_weight, ep_size=ep_size, top_k=top_k, group=group, capacity=capacity,
                            score=score, routing=routing, rounding=rounding, tile=tile)
     y = _run_grouped(dispatched.x_grouped, dispatched.tokens_per_expert, w1, w2, b1, b2, activation=activation,
-                     weight_layout=weight_layout, activation_memory=activation_memory, zero_padding=False)
+                     weight_layout=weight_layout, activation_memory=activation_memory, zero_padding=False,
+                     swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     return (expert_parallel_combine(dispatched, y), dispatched.router_logits, dispatched.expert_counts,
             dispatched.dropped_rows)
 
@@ -738,7 +748,8 @@ class ExpertParallelMoE(nn.Module):
                  capacity: Optional[int] = None, activation: str = "swiglu", bias: bool = False,
                  score: str = "softmax_topk", routing: str = "topk", rounding: str = "nearest", tile: int = 128,
                  weight_layout: str = "interleaved", activation_memory: str = "preact", aux_loss_coef: float = 0.0,
-                 z_loss_coef: float = 0.0, device=None, dtype=None):
+                 z_loss_coef: float = 0.0, device=None, dtype=None, swiglu_alpha: Optional[float] = None,
+                 swiglu_limit: Optional[float] = None):
         super().__init__()
         self.ep_size, self.ep_rank = _group_size_rank(group)
         _check_divisible(num_experts, self.ep_size)
@@ -754,7 +765,8 @@ class ExpertParallelMoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         self.experts = GroupedExperts(hidden_size, intermediate_size, self.num_local_experts, activation, bias,
-                                      weight_layout, activation_memory, device=device, dtype=dtype)
+                                      weight_layout, activation_memory, device=device, dtype=dtype,
+                                      swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -774,7 +786,8 @@ class ExpertParallelMoE(nn.Module):
                  activation=moe.activation, bias=moe.b1 is not None, score=moe.score, routing=moe.routing,
                  rounding=moe.rounding, tile=moe.tile, weight_layout=moe.weight_layout,
                  activation_memory=moe.activation_memory, aux_loss_coef=moe.aux_loss_coef,
-                 z_loss_coef=moe.z_loss_coef, device=moe.w1.device, dtype=moe.w1.dtype)
+                 z_loss_coef=moe.z_loss_coef, device=moe.w1.device, dtype=moe.w1.dtype,
+                 swiglu_alpha=getattr(moe, "swiglu_alpha", None), swiglu_limit=getattr(moe, "swiglu_limit", None))
         local = slice(ep.expert_offset, ep.expert_offset + ep.num_local_experts)
         with torch.no_grad():
             ep.router_weight.copy_(moe.router_weight)

@@ -8,6 +8,7 @@
 #include "core/checks.hpp"
 #include "core/host_io.hpp"
 #include "machmoe/error.hpp"
+#include "machmoe/problem.hpp"  // Limits (a CPU-only build gets it from nowhere else)
 
 #ifdef MACHMOE_WITH_CUDA
 #include "gpu/layer_cuda.hpp"

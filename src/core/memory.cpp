@@ -1,5 +1,7 @@
 #include "machmoe/memory.hpp"
 
+#include <algorithm>
+
 namespace machmoe {
 
 namespace {
@@ -63,11 +65,11 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
   l.expert_tiles = b.add(u(p.E + 1) * 4);
   if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
   if (p.routing == RoutingMode::kTokenRounding) {
-    l.tr_choice = b.add(u(p.T) * u(p.K) * 8);
-    l.tr_token_stats = b.add(u(p.T) * 8);
-    l.tr_expert_count = b.add(u(p.E) * 4);
-    l.tr_keep = b.add(u(p.T) * u(p.E));
-    l.tr_token_count = b.add(u(p.T + 1) * 4);
+    l.tr_keys = b.add(u(p.T) * u(p.E) * 4);
+    l.tr_keys_by_expert = b.add(u(p.T) * u(p.E) * 4);
+    l.tr_thresholds = b.add(u(p.E) * 8);
+    const std::size_t emit_blocks = (u(p.T) + u(kTokenRoundingEmitTokens) - 1) / u(kTokenRoundingEmitTokens);
+    l.tr_counters = b.add((u(p.E) + 4) * 4 + emit_blocks * 8);
   }
   l.total_bytes = b.total();
   return l;
@@ -79,10 +81,18 @@ BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType dat
   BackwardWorkspaceLayout l;
   if (p.cache == CacheMode::kInputOnly) l.h_recompute = b.add(P * u(p.w1_rows()) * elem);
   if (!split) {
-    l.dh = b.add(P * u(p.w1_rows()) * elem);
-    l.a_prime = b.add(P * u(p.n) * elem);
+    // The dH kernel reads each element of H once, before it writes that element's dH, so dH may overwrite the
+    // recomputed H in place; the H the forward kept (kPreActivation) belongs to the caller and is never written.
+    l.dh = l.h_recompute.present() ? l.h_recompute : b.add(P * u(p.w1_rows()) * elem);
+    // A' is dead once dW2 has run, and the full backward runs dW2 before dX~: the two share one region.
+    const BufferRegion shared = b.add(P * std::max(u(p.n), u(p.d)) * elem);
+    if (shared.present()) {
+      l.a_prime = {shared.offset, P * u(p.n) * elem};
+      l.dx_expanded = {shared.offset, P * u(p.d) * elem};
+    }
+  } else {
+    l.dx_expanded = b.add(P * u(p.d) * elem);
   }
-  l.dx_expanded = b.add(P * u(p.d) * elem);
   l.ds_partial = b.add(P * ((u(p.n) + 63) / 64) * 4);
   l.ds = b.add(P * dtype_size(score_dtype(data_dtype)));
   if (p.routing != RoutingMode::kCallerSupplied) l.dlogits = b.add(u(p.T) * u(p.E) * elem);

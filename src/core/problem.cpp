@@ -1,6 +1,7 @@
 #include "machmoe/problem.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 #include "machmoe/error.hpp"
@@ -8,7 +9,8 @@
 namespace machmoe {
 
 bool is_glu(Activation act) {
-  return act == Activation::kSwiGLU || act == Activation::kGeGLU || act == Activation::kReGLU;
+  return act == Activation::kSwiGLU || act == Activation::kGeGLU || act == Activation::kReGLU ||
+         act == Activation::kGptOssSwiGLU;
 }
 
 std::int64_t MoEProblem::w1_rows() const { return is_glu(activation) ? 2 * n : n; }
@@ -25,10 +27,18 @@ std::int64_t MoEProblem::max_pairs() const {
     case RoutingMode::kTopK: return T * K;
     case RoutingMode::kCallerSupplied: return num_pairs;
     case RoutingMode::kTokenRounding: {
-      // Rounding up adds fewer than tile_m pairs to each expert that has a partial tile; at most min(E, T*K)
-      // experts do. No expert can take more than T tokens.
+      // Only experts with a partial tile can grow, at most min(E, T*K) of them, and no expert can take more than
+      // T tokens. By rule, the pairs an expert with f token choices can add (down = floor_M(f), up = the capped
+      // upper count, both within one tile of f):
+      //   down:    none.
+      //   up:      up - f <= tile_m - 1.
+      //   nearest: it rounds up only when up - f < f - down, and (up - f) + (f - down) <= tile_m (= tile_m when up
+      //            is not capped at T; less when it is), so up - f < tile_m / 2: at most tile_m / 2 - 1 (tile_m is
+      //            even).
+      if (rounding == RoundingRule::kDown) return T * K;
+      const std::int64_t per_expert = rounding == RoundingRule::kUp ? tile_m - 1 : tile_m / 2 - 1;
       const std::int64_t partial = std::min(E, T * K);
-      return std::min(T * K + partial * (tile_m - 1), T * E);
+      return std::min(T * K + partial * per_expert, T * E);
     }
   }
   return 0;
@@ -43,10 +53,10 @@ struct NameTable {
   const char* name[N];
 };
 
-const NameTable<Activation, 7> kActivations{
+const NameTable<Activation, 8> kActivations{
     {Activation::kSwiGLU, Activation::kGeGLU, Activation::kReGLU, Activation::kReLUSquared, Activation::kReLU,
-     Activation::kGELU, Activation::kSiLU},
-    {"swiglu", "geglu", "reglu", "relu_squared", "relu", "gelu", "silu"}};
+     Activation::kGELU, Activation::kSiLU, Activation::kGptOssSwiGLU},
+    {"swiglu", "geglu", "reglu", "relu_squared", "relu", "gelu", "silu", "gptoss_swiglu"}};
 const NameTable<WeightLayout, 2> kLayouts{{WeightLayout::kInterleaved, WeightLayout::kConcatenated},
                                           {"interleaved", "concatenated"}};
 const NameTable<ScoreVariant, 3> kScores{
@@ -136,8 +146,9 @@ CacheMode cache_mode_from_code(std::int64_t code, const std::string& where, cons
 
 std::string MoEProblem::to_string() const {
   std::ostringstream os;
-  os << "T=" << T << " d=" << d << " n=" << n << " E=" << E << " K=" << K << " activation=" << activation_name(activation)
-     << " bias=" << (has_b1 ? "b1" : "") << (has_b1 && has_b2 ? "+" : "") << (has_b2 ? "b2" : "")
+  os << "T=" << T << " d=" << d << " n=" << n << " E=" << E << " K=" << K << " activation=" << activation_name(activation);
+  if (activation == Activation::kGptOssSwiGLU) os << "(alpha=" << swiglu_alpha << ",limit=" << swiglu_limit << ")";
+  os << " bias=" << (has_b1 ? "b1" : "") << (has_b1 && has_b2 ? "+" : "") << (has_b2 ? "b2" : "")
      << (!has_b1 && !has_b2 ? "none" : "") << " layout=" << weight_layout_name(weight_layout)
      << " score=" << score_variant_name(score) << " routing=" << routing_mode_name(routing);
   if (routing == RoutingMode::kTokenRounding) os << " rounding=" << rounding_rule_name(rounding) << " tile_m=" << tile_m;
@@ -168,6 +179,35 @@ static void validate_options(const MoEProblem& p, const char* where) {
   check_code(kCaches, p.cache, where, "problem.cache", "machmoe::CacheMode");
 }
 
+static std::string number(double v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  return os.str();
+}
+
+/// alpha and limit belong to gptoss_swiglu. With another activation they must keep their defaults: a caller who sets
+/// a limit and forgets the activation would otherwise train an unclamped model without being told.
+static void validate_activation_parameters(const MoEProblem& p, const char* where) {
+  if (p.activation == Activation::kGptOssSwiGLU) {
+    if (!std::isfinite(p.swiglu_alpha))
+      throw_argument_error(where, "problem.swiglu_alpha", "a finite real number", number(p.swiglu_alpha));
+    if (!(p.swiglu_limit > 0))  // also refuses NaN; +inf is allowed (no clamping)
+      throw_argument_error(where, "problem.swiglu_limit", "a real number > 0 (+inf: no clamping)",
+                           number(p.swiglu_limit));
+    return;
+  }
+  const std::string why = " (swiglu_alpha and swiglu_limit are parameters of activation 'gptoss_swiglu' only; this "
+                          "problem has activation '" + std::string(activation_name(p.activation)) + "')";
+  // Compared bitwise with the defaults on purpose: any other value was set by someone who meant it.
+  if (!(p.swiglu_alpha == kGptOssSwiGLUAlpha))
+    throw_argument_error(where, "problem.swiglu_alpha", "the default " + number(kGptOssSwiGLUAlpha) + why,
+                         number(p.swiglu_alpha));
+  if (!(p.swiglu_limit == kGptOssSwiGLULimit))
+    throw_argument_error(where, "problem.swiglu_limit", "the default " + number(kGptOssSwiGLULimit) + why,
+                         number(p.swiglu_limit));
+}
+
 void validate_problem(const MoEProblem& p, const char* where) {
   // T = 0 is ordinary work (an expert-parallel rank that received no tokens, a loader's last empty shard): the layer
   // returns empty outputs and zero weight gradients.
@@ -180,8 +220,9 @@ void validate_problem(const MoEProblem& p, const char* where) {
   if (!is_glu(p.activation) && p.weight_layout != WeightLayout::kInterleaved)
     throw_argument_error(where, "problem.weight_layout",
                          "'interleaved' for the non-GLU activation '" + std::string(activation_name(p.activation)) +
-                             "' (a gate/up layout applies only to swiglu, geglu, reglu)",
+                             "' (a gate/up layout applies only to swiglu, geglu, reglu, gptoss_swiglu)",
                          "'" + std::string(weight_layout_name(p.weight_layout)) + "'");
+  validate_activation_parameters(p, where);
   if (p.routing == RoutingMode::kTokenRounding) {
     if (p.tile_m < 8 || p.tile_m > Limits::kMaxTileM || p.tile_m % 8 != 0)
       throw_argument_error(where, "problem.tile_m",

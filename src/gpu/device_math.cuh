@@ -47,6 +47,19 @@ __device__ __forceinline__ bool ranks_before(float av, int ai, float bv, int bi)
   return ai < bi;
 }
 
+/// The rank of a top-K candidate as one 64-bit key whose unsigned order is ranks_before's: the value's bits made
+/// monotone (NaN lowest, -0 as +0) above the complemented index (lower index first on equal values). Every kernel
+/// that selects from keys (top-K, token rounding forward and backward) uses this one definition.
+__device__ __forceinline__ std::uint64_t rank_key(float v, int i) {
+  std::uint32_t u = __float_as_uint(v == 0.0f ? 0.0f : v);
+  u = isnan(v) ? 0u : (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<std::uint64_t>(u) << 32) | (0xffffffffu - static_cast<std::uint32_t>(i));
+}
+__device__ __forceinline__ float key_value(std::uint64_t key) {  // NaN for the NaN key (all ones)
+  const std::uint32_t u = static_cast<std::uint32_t>(key >> 32);
+  return __uint_as_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
+}
+
 /// The next top-K selection of a row by one warp: the best candidate ranking after (prev_v, prev_i) (prev_i < 0: the
 /// first). Repeating it K times selects the top K in order with no marking, for any E and K. Every kernel that
 /// selects experts uses this one function, so the forward and the backward always agree on the selection.

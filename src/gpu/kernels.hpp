@@ -118,6 +118,7 @@ struct VarlenMArgs {
   std::int64_t ld_bias = 0;
   // kUpActivation: H -> out (may be null: not stored), A -> act_out (may be null).
   Activation activation = Activation::kSwiGLU;
+  float act_alpha = 1.702f, act_limit = 7.0f;  // gptoss_swiglu's parameters (kUpActivation, kActivationGrad)
   void* act_out = nullptr;
   std::int64_t ld_act = 0;
   // kActivationGrad: h_in (P, w1_rows), scores (pair order) via scatter; dH -> out, A' -> act_out.
@@ -202,9 +203,12 @@ namespace machmoe::gpu {
 
 // ---- token rounding (docs/SPEC.md §5) ------------------------------------------------------------------------------------
 
-/// Maximum K of token rounding on the GPU (the backward keeps a token's choices in shared memory).
+/// Maximum K of token rounding on the GPU (the public checks refuse larger K on CUDA tensors).
 inline constexpr int kTokenRoundingMaxK = 64;
 
+/// Token rounding and its whole routing metadata (token_rounding_kernels.cu): three kernels after one memset; no
+/// routing-metadata launch follows it. Pair order is (token, expert) ascending; grouped order is by expert, tokens
+/// ascending, as launch_routing_metadata would build it from the same pairs.
 struct TokenRoundingArgs {
   DType dt = DType::kBF16;
   std::int64_t T = 0, E = 0, K = 0, tile_m = 128, P_max = 0;
@@ -212,17 +216,21 @@ struct TokenRoundingArgs {
   RoundingRule rule = RoundingRule::kNearest;
   const void* logits = nullptr;  // (T, E), row stride ld_logits
   std::int64_t ld_logits = 0;
-  // scratch
-  std::int32_t* tc_expert = nullptr;  // (T, K) token-choice experts
-  float* tc_score = nullptr;          // (T, K) their scores
-  float* token_stats = nullptr;       // (T, 2): row max and sum of exp
-  std::int32_t* expert_count = nullptr;  // (E): token-choice counts
-  std::uint8_t* keep = nullptr;       // (T, E) selection mask
-  std::int32_t* token_count = nullptr;  // (T + 1) scan of kept pairs per token
-  // outputs, pair order (P_max capacity; unused tail slots get expert -1 and token T)
-  std::int32_t* pair_token = nullptr;
-  std::int32_t* pair_expert = nullptr;
-  float* pair_score = nullptr;
+  // scratch (ForwardWorkspaceLayout::tr_*)
+  std::uint32_t* keys = nullptr;            // (T, E)
+  std::uint32_t* keys_by_expert = nullptr;  // (E, T)
+  std::uint32_t* thresholds = nullptr;      // (E, 2)
+  void* counters = nullptr;                 // zeroed here: look-back states, counts, completion count, ticket
+  std::size_t counters_bytes = 0;
+  // outputs
+  std::int32_t* expert_counts = nullptr;   // (E) kept pairs per expert, may be null
+  std::int32_t* expert_offsets = nullptr;  // (E + 1)
+  std::int32_t* expert_tiles = nullptr;    // (E + 1): exclusive scan of ceil(count / kGemmTileM)
+  std::int32_t* scatter = nullptr;         // (P_max) grouped row -> pair, the first expert_offsets[E] written
+  std::int32_t* inverse = nullptr;         // (P_max) pair -> grouped row; -1 past the routed pairs
+  std::int32_t* gather = nullptr;          // (P_max) grouped row -> token, the first expert_offsets[E] written
+  std::int32_t* token_offsets = nullptr;   // (T + 1)
+  float* scores = nullptr;                 // (P_max) pair order: TC score, or the softmax probability if padded; 0 past
 };
 void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream);
 

@@ -206,6 +206,7 @@ VarlenMArgs up_projection_args(const MoEProblem& p, DType dt, const TensorView& 
   a.out = h_out, a.ld_out = p.w1_rows();
   if (p.has_b1) a.bias = w.b1.data, a.ld_bias = w.b1.stride[0];
   a.activation = p.activation;
+  a.act_alpha = static_cast<float>(p.swiglu_alpha), a.act_limit = static_cast<float>(p.swiglu_limit);
   a.act_out = a_out, a.ld_act = p.n;
   return a;
 }
@@ -248,19 +249,26 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
     launch_topk_scores(dt, out.router_logits.data, out.router_logits.stride[0], p.T, p.E, p.K, p.score, scores,
                        pair_expert, stream);
   } else if (p.routing == RoutingMode::kTokenRounding) {
+    // Selection and the whole routing metadata (no routing-metadata stage follows): this stage is all of token
+    // rounding's routing, to be compared with forward/topk_scores + forward/routing_metadata of top-K.
     mark_stage("forward/token_rounding", stream);
     TokenRoundingArgs tr;
     tr.dt = dt;
     tr.T = p.T, tr.E = p.E, tr.K = p.K, tr.tile_m = p.tile_m, tr.P_max = P;
     tr.variant = p.score, tr.rule = p.rounding;
     tr.logits = out.router_logits.data, tr.ld_logits = out.router_logits.stride[0];
-    tr.tc_expert = at<std::int32_t>(buf.workspace, wl.tr_choice);
-    tr.tc_score = reinterpret_cast<float*>(tr.tc_expert + p.T * p.K);
-    tr.token_stats = at<float>(buf.workspace, wl.tr_token_stats);
-    tr.expert_count = at<std::int32_t>(buf.workspace, wl.tr_expert_count);
-    tr.keep = at<std::uint8_t>(buf.workspace, wl.tr_keep);
-    tr.token_count = at<std::int32_t>(buf.workspace, wl.tr_token_count);
-    tr.pair_token = pair_token, tr.pair_expert = pair_expert, tr.pair_score = scores;
+    tr.keys = at<std::uint32_t>(buf.workspace, wl.tr_keys);
+    tr.keys_by_expert = at<std::uint32_t>(buf.workspace, wl.tr_keys_by_expert);
+    tr.thresholds = at<std::uint32_t>(buf.workspace, wl.tr_thresholds);
+    tr.counters = at(buf.workspace, wl.tr_counters), tr.counters_bytes = wl.tr_counters.bytes;
+    tr.expert_counts = static_cast<std::int32_t*>(out.expert_counts.data);
+    tr.expert_offsets = at<std::int32_t>(buf.saved, sl.expert_offsets);
+    tr.expert_tiles = at<std::int32_t>(buf.workspace, wl.expert_tiles);
+    tr.scatter = at<std::int32_t>(buf.saved, sl.scatter);
+    tr.inverse = at<std::int32_t>(buf.saved, sl.inverse);
+    tr.gather = at<std::int32_t>(buf.saved, sl.gather);
+    tr.token_offsets = at<std::int32_t>(buf.saved, sl.token_offsets);
+    tr.scores = scores;
     launch_token_rounding(tr, stream);
   } else {
     mark_stage("forward/caller_routing", stream);
@@ -271,7 +279,6 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
       MACHMOE_CUDA_CHECK(cudaMemcpyAsync(scores, routing->score.data, sizeof(float) * P, cudaMemcpyDeviceToDevice,
                                           stream));
   }
-  mark_stage("forward/routing_metadata", stream);
   MetadataArgs m;
   m.T = p.T, m.E = p.E, m.P = P, m.K = p.K;
   m.pair_expert = pair_expert, m.pair_token = pair_token;
@@ -283,7 +290,10 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   m.inverse = at<std::int32_t>(buf.saved, sl.inverse);
   m.gather = at<std::int32_t>(buf.saved, sl.gather);
   m.token_offsets = at<std::int32_t>(buf.saved, sl.token_offsets);
-  launch_routing_metadata(m, stream);
+  if (p.routing != RoutingMode::kTokenRounding) {  // token rounding built the metadata itself
+    mark_stage("forward/routing_metadata", stream);
+    launch_routing_metadata(m, stream);
+  }
   if (sl.router_logits.present()) {
     const std::size_t row = dtype_size(dt) * static_cast<std::size_t>(p.E);
     MACHMOE_CUDA_CHECK(cudaMemcpy2DAsync(at(buf.saved, sl.router_logits), row, out.router_logits.data,
@@ -319,10 +329,16 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
 
 namespace {
 
-/// The input-gradient half: dH kernel (dH, A' into dh/a_prime), dS, dX~, dX, router gradients.
-void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const BackwardInputs& in,
-                          const BackwardOutputs& out, const void* saved, void* workspace,
-                          const BackwardWorkspaceLayout& wl, void* dh, void* a_prime, cudaStream_t stream) {
+// The backward in four phases. The full backward runs them as dH, dW2, dX, dW1: A' is dead once dW2 has run, so
+// dX~ takes its workspace region (memory.hpp). The split backward runs dH and dX in backward_input and dW2 and dW1
+// in backward_weight.
+
+/// dH: expert tiles, H (recomputed in input-only mode, where dH then overwrites it in place), the dH kernel (dH and
+/// A' into dh/a_prime, dS partials) and dS. Returns false when there is no routed pair: grad_x and the router's
+/// gradient are then written here, and the dX phase has nothing to do.
+bool backward_dh_phase(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const BackwardInputs& in,
+                       const BackwardOutputs& out, const void* saved, void* workspace,
+                       const BackwardWorkspaceLayout& wl, void* dh, void* a_prime, cudaStream_t stream) {
   const DType dt = x.dtype;
   const std::int64_t P = p.max_pairs(), rows = p.w1_rows();
   const bool accumulate = out.grad_weights.accumulate;
@@ -332,7 +348,7 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
     // element.
     zero_view(out.grad_x, stream);
     if (!accumulate) zero_view(out.grad_weights.router_weight, stream);
-    return;
+    return false;
   }
   const SavedLayout sl = saved_layout(p, dt);
   const float* scores = at<float>(saved, sl.scores);
@@ -340,7 +356,6 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
   const std::int32_t* scatter = at<std::int32_t>(saved, sl.scatter);
   const std::int32_t* inverse = at<std::int32_t>(saved, sl.inverse);
   const std::int32_t* gather = at<std::int32_t>(saved, sl.gather);
-  const std::int32_t* token_offsets = at<std::int32_t>(saved, sl.token_offsets);
   std::int32_t* tiles = at<std::int32_t>(workspace, wl.expert_tiles);
   mark_stage("backward/expert_tiles", stream);
   launch_expert_tiles(offsets, p.E, tiles, stream);
@@ -367,6 +382,7 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
   dha.b.stride_k = w.w2.stride[1];
   dha.epilogue = Epilogue::kActivationGrad;
   dha.activation = p.activation;
+  dha.act_alpha = static_cast<float>(p.swiglu_alpha), dha.act_limit = static_cast<float>(p.swiglu_limit);
   dha.out = dh, dha.ld_out = rows;
   dha.act_out = a_prime, dha.ld_act = p.n;
   dha.h_in = h, dha.ld_h = rows;
@@ -381,6 +397,26 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
   launch_ds_reduce(dt, ds_partial, (p.n + kDsTileN - 1) / kDsTileN, inverse, gather, offsets, p.E, P,
                    in.grad_out.data, in.grad_out.stride[0], p.has_b2 ? w.b2.data : nullptr,
                    p.has_b2 ? w.b2.stride[0] : 0, p.d, ds, stream);
+  mark_stage(nullptr, stream);
+  return true;
+}
+
+/// dX: dX~ = dH W1_e (grouped), dX = gather-sum of dX~, and the router's gradients (dlogits from dS, dx += dlogits
+/// W_r, dW_r). Runs after backward_dh_phase returned true.
+void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const BackwardInputs& in,
+                       const BackwardOutputs& out, const void* saved, void* workspace,
+                       const BackwardWorkspaceLayout& wl, const void* dh, cudaStream_t stream) {
+  const DType dt = x.dtype;
+  const std::int64_t P = p.max_pairs(), rows = p.w1_rows();
+  const bool accumulate = out.grad_weights.accumulate;
+  const SavedLayout sl = saved_layout(p, dt);
+  const float* scores = at<float>(saved, sl.scores);
+  const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);
+  const std::int32_t* inverse = at<std::int32_t>(saved, sl.inverse);
+  const std::int32_t* token_offsets = at<std::int32_t>(saved, sl.token_offsets);
+  const std::int32_t* tiles = at<std::int32_t>(workspace, wl.expert_tiles);
+  const bool caller = p.routing == RoutingMode::kCallerSupplied;
+  const float* ds = caller ? static_cast<const float*>(out.grad_scores.data) : at<float>(workspace, wl.ds);
 
   // dX~ = dH W1_e (grouped), then dX = gather-sum of dX~.
   void* dxe = at(workspace, wl.dx_expanded);
@@ -429,19 +465,17 @@ void backward_input_phase(const MoEProblem& p, const TensorView& x, const LayerW
   mark_stage(nullptr, stream);
 }
 
-/// The weight-gradient half: db2, dW2 (from dO and A'), dW1 (from dH and X), db1 (from dH). Needs no workspace.
-void backward_weight_phase(const MoEProblem& p, const TensorView& x, const TensorView& grad_out,
-                           const BackwardOutputs& out, const void* saved, const void* dh, const void* a_prime,
-                           cudaStream_t stream) {
+/// dW2: db2 and dW2 (from dO and A'). Needs no workspace.
+void backward_w2_phase(const MoEProblem& p, const TensorView& x, const TensorView& grad_out,
+                       const BackwardOutputs& out, const void* saved, const void* a_prime, cudaStream_t stream) {
   const DType dt = x.dtype;
-  const std::int64_t rows = p.w1_rows();
   const LayerWeightGrads& gw = out.grad_weights;
   const bool accumulate = gw.accumulate;
   if (p.max_pairs() == 0) {
     // No routed pairs: every expert's weight gradient is zero (the caller's buffers may hold anything), and
     // accumulating it leaves them as they are.
     if (!accumulate)
-      for (const TensorView* g : {&gw.w1, &gw.b1, &gw.w2, &gw.b2}) zero_view(*g, stream);
+      for (const TensorView* g : {&gw.w2, &gw.b2}) zero_view(*g, stream);
     return;
   }
   const SavedLayout sl = saved_layout(p, dt);
@@ -449,7 +483,6 @@ void backward_weight_phase(const MoEProblem& p, const TensorView& x, const Tenso
   const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);
   const std::int32_t* scatter = at<std::int32_t>(saved, sl.scatter);
   const std::int32_t* gather = at<std::int32_t>(saved, sl.gather);
-  const bool concat = p.weight_layout == WeightLayout::kConcatenated;
   mark_stage("backward/db2", stream);
   if (p.has_b2)
     launch_segment_column_sum(dt, grad_out.data, grad_out.stride[0], gather, scores, scatter, offsets, p.E, p.d, 0,
@@ -465,6 +498,25 @@ void backward_weight_phase(const MoEProblem& p, const TensorView& x, const Tenso
   dw2.out_dt = gw.w2.dtype, dw2.accumulate = accumulate;
   mark_stage("backward/dw2", stream);
   launch_weight_gemm(dw2, "backward/dw2", stream);
+  mark_stage(nullptr, stream);
+}
+
+/// dW1: dW1 (from dH and X) and db1 (from dH). Needs no workspace.
+void backward_w1_phase(const MoEProblem& p, const TensorView& x, const BackwardOutputs& out, const void* saved,
+                       const void* dh, cudaStream_t stream) {
+  const DType dt = x.dtype;
+  const std::int64_t rows = p.w1_rows();
+  const LayerWeightGrads& gw = out.grad_weights;
+  const bool accumulate = gw.accumulate;
+  if (p.max_pairs() == 0) {
+    if (!accumulate)
+      for (const TensorView* g : {&gw.w1, &gw.b1}) zero_view(*g, stream);
+    return;
+  }
+  const SavedLayout sl = saved_layout(p, dt);
+  const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);
+  const std::int32_t* gather = at<std::int32_t>(saved, sl.gather);
+  const bool concat = p.weight_layout == WeightLayout::kConcatenated;
   VarlenKArgs dw1;
   dw1.dt = dt;
   dw1.E = p.E, dw1.M = rows, dw1.N = p.d;
@@ -493,27 +545,33 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const BackwardWorkspaceLayout wl = backward_workspace_layout(p, x.dtype);
   void* dh = at(buf.workspace, wl.dh);
-  void* a_prime = at(buf.workspace, wl.a_prime);
-  backward_input_phase(p, x, w, in, out, buf.saved, buf.workspace, wl, dh, a_prime, stream);
-  backward_weight_phase(p, x, in.grad_out, out, buf.saved, dh, a_prime, stream);
+  void* a_prime = at(buf.workspace, wl.a_prime);  // the region dX~ takes after dW2 (memory.hpp)
+  const bool routed = backward_dh_phase(p, x, w, in, out, buf.saved, buf.workspace, wl, dh, a_prime, stream);
+  backward_w2_phase(p, x, in.grad_out, out, buf.saved, a_prime, stream);
+  if (routed) backward_dx_phase(p, x, w, in, out, buf.saved, buf.workspace, wl, dh, stream);
+  backward_w1_phase(p, x, out, buf.saved, dh, stream);
 }
 
 void backward_input_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const BackwardInputs& in,
                          const BackwardOutputs& out, const BackwardBuffers& buf, const DeferredBuffer& deferred,
                          void* stream_ptr) {
   const DeviceGuard guard(x.device.index);
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeferredLayout dl = deferred_layout(p, x.dtype);
-  backward_input_phase(p, x, w, in, out, buf.saved, buf.workspace, backward_workspace_layout(p, x.dtype, true),
-                       at(deferred.data, dl.dh), at(deferred.data, dl.a_prime), static_cast<cudaStream_t>(stream_ptr));
+  const BackwardWorkspaceLayout wl = backward_workspace_layout(p, x.dtype, true);
+  void* dh = at(deferred.data, dl.dh);
+  if (backward_dh_phase(p, x, w, in, out, buf.saved, buf.workspace, wl, dh, at(deferred.data, dl.a_prime), stream))
+    backward_dx_phase(p, x, w, in, out, buf.saved, buf.workspace, wl, dh, stream);
 }
 
 void backward_weight_cuda(const MoEProblem& p, const TensorView& x, const TensorView& grad_out,
                           const BackwardOutputs& out, const void* saved, const DeferredBuffer& deferred,
                           void* stream_ptr) {
   const DeviceGuard guard(x.device.index);
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeferredLayout dl = deferred_layout(p, x.dtype);
-  backward_weight_phase(p, x, grad_out, out, saved, at(deferred.data, dl.dh), at(deferred.data, dl.a_prime),
-                        static_cast<cudaStream_t>(stream_ptr));
+  backward_w2_phase(p, x, grad_out, out, saved, at(deferred.data, dl.a_prime), stream);
+  backward_w1_phase(p, x, out, saved, at(deferred.data, dl.dh), stream);
 }
 
 // ---- index checking: public entry points ------------------------------------------------------------------------

@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(THREADS) varlen_m_gemm_kernel(const VarlenMArg
   }
 
   const bool glu = act_is_glu(a.activation);
+  const math::ActParams<float> ap{a.act_alpha, a.act_limit};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const std::int64_t g = m0 + ty * 4 + i;
@@ -108,7 +109,7 @@ __global__ void __launch_bounds__(THREADS) varlen_m_gemm_kernel(const VarlenMArg
 #pragma unroll
           for (int j = 0; j < 4; j += 2) {  // (gate, up) pairs are adjacent columns 2j', 2j'+1
             const std::int64_t c = n0 + tx * 4 + j;
-            if (c < a.N) A[c / 2] = from_float<T>(act_eval(a.activation, v[j]).value * v[j + 1]);
+            if (c < a.N) A[c / 2] = from_float<T>(math::glu_forward(a.activation, v[j], v[j + 1], ap));
           }
         } else {
 #pragma unroll
@@ -134,11 +135,11 @@ __global__ void __launch_bounds__(THREADS) varlen_m_gemm_kernel(const VarlenMArg
           const float dap = acc[i][j], da = s * dap;
           float act_value;
           if (glu) {
-            const float gate = to_float(H[2 * c]), up = to_float(H[2 * c + 1]);
-            const ActValue f = act_eval(a.activation, gate);
-            act_value = f.value * up;
-            dH[2 * c] = from_float<T>(da * up * f.derivative);
-            dH[2 * c + 1] = from_float<T>(da * f.value);
+            const math::GluGrad<float> f =
+                math::glu_backward(a.activation, to_float(H[2 * c]), to_float(H[2 * c + 1]), da, ap);
+            act_value = f.value;
+            dH[2 * c] = from_float<T>(f.d_gate);
+            dH[2 * c + 1] = from_float<T>(f.d_up);
           } else {
             const ActValue f = act_eval(a.activation, to_float(H[c]));
             act_value = f.value;

@@ -11,18 +11,6 @@ constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxK = 64;
 constexpr int kMaxPerLane = 16;  // rows of up to 512 experts are selected from registers  // selections held in shared memory per warp; larger K loops in chunks (see below)
 
-// The rank of a candidate as one 64-bit key whose unsigned order is ranks_before's: the value's bits made
-// monotone (NaN lowest, -0 as +0) above the complemented index (lower index first on equal values).
-__device__ __forceinline__ std::uint64_t rank_key(float v, int i) {
-  std::uint32_t u = __float_as_uint(v == 0.0f ? 0.0f : v);
-  u = isnan(v) ? 0u : (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (static_cast<std::uint64_t>(u) << 32) | (0xffffffffu - static_cast<std::uint32_t>(i));
-}
-__device__ __forceinline__ float key_value(std::uint64_t key) {  // NaN for the NaN key (all ones)
-  const std::uint32_t u = static_cast<std::uint32_t>(key >> 32);
-  return __uint_as_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
-}
-
 // Selection by repeated warp arg-max over a row held in registers as rank keys: lane l keeps elements l, l + 32,
 // ... (the order in which warp_row_max / warp_row_sumexp visit them, so the softmax sums are the backward's). Round
 // r takes the largest key below the previous selection's: no element is marked, and the selections are exactly

@@ -1,9 +1,34 @@
-// Token rounding on the device, without a sort and without host synchronisation (docs/SPEC.md §5, docs/ROUTING.md).
+// Token rounding on the device (docs/SPEC.md §5, docs/ROUTING.md): selection and the whole routing metadata in
+// three kernels, no sort, no host synchronisation, no floating-point atomics.
 //
-// S'[t, e] = token-choice score if t chose e, else softmax(z_t)[e] - 1 (so every choosing token ranks first).
-// Per expert, one block selects the r_e best tokens by (S' desc, token asc) with a radix select over the fp32
-// keys, then a warp per token emits its kept pairs in expert order. The backward recomputes the token's choices
-// from the kept logits. Keys are fp32 on the GPU (the CPU reference ranks in its own precision).
+// Ranking. Every (token t, expert e) gets one 32-bit key whose unsigned order is the reference's S' order:
+//   chosen by t (token choice): 0x80000000 | bits(TC score)      (TC scores are in [0, 1]: bits are monotone)
+//   otherwise:                  bits(softmax(z_t)[e])            (in [0, 1], so always below every chosen key)
+// Ties go to the lower token. The reference ranks the others by p - 1 in its own precision; ranking by p itself
+// is the same order without the fp32 cancellation of p - 1 (which would tie every p closer than 6e-8).
+// The score a kept pair carries is in its key: the TC score (low 31 bits) or p.
+//
+// 1. keys (token-major; one warp per token, the row in registers for E <= 512): token choice by the top-K
+//    kernel's selection (64-bit rank keys, two redux per round), the TC scores of the score variant, the row's
+//    softmax, the keys, the token-choice counts f_e (a shared histogram per block, then one integer atomic per
+//    expert and block: sums, so the order of the atomics cannot show). The block writes its keys token-major and,
+//    through a shared-memory transpose, expert-major. The last block to finish (a completion count) turns the
+//    counts into r_e, the expert offsets and the GEMM tiles (one-block scan), so no separate launch does it.
+// 2. select (one block per expert): the r_e-th key of the expert's column by a 3-pass radix select (12, 12 and 8
+//    bits, a shared histogram with one atomic per distinct digit of a warp) over the column, held in shared
+//    memory when it fits. Experts whose count needs no rounding (r_e = f_e, 0 or T) skip it. When keys tie at the
+//    threshold and only some of the ties are kept, one ordered pass finds the token where they stop (the cut).
+//    Then the kept tokens, ascending, go to gather at the expert's offset (per-warp chunks, ballots), and each
+//    kept entry of the expert-major keys is overwritten with its grouped row.
+// 3. emit (one warp per token, 32 tokens per block): kept(t, e) = key > thr_e or (key = thr_e and t < cut_e),
+//    counted per token, scanned across blocks by a decoupled look-back (integer sums: the result does not depend
+//    on timing), then every kept pair in (token, expert) order gets its score, inverse and scatter, and the token
+//    offsets are written. Slots past the pair count get expert -1 semantics (inverse -1, score 0).
+// Cost: the logits are read once, the keys written twice and read about twice (they stay in L2 on the main
+// configurations); no per-expert loop runs over the token-choice lists.
+//
+// Backward: one warp per token recomputes the token's choices and softmax the same way (row in registers), places
+// the token's pair gradients by expert in shared memory, and writes dz in one pass with fixed-order warp sums.
 #include <cub/block/block_scan.cuh>
 
 #include "gpu/cuda_check.hpp"
@@ -13,13 +38,28 @@
 namespace machmoe::gpu {
 namespace {
 
-constexpr int kSelectThreads = 256;
-constexpr int kWarps = 4;
+constexpr std::uint32_t kChosen = 0x80000000u;
+constexpr unsigned kFull = 0xffffffffu;
 
-__device__ __forceinline__ std::uint32_t orderable(float f) {
-  const std::uint32_t u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // larger float -> larger unsigned
-}
+// Pass 1.
+constexpr int kKeyWarps = 16;
+constexpr int kKeyTokens = 32;  // per block: 2 tokens per warp, one 32-token transpose
+constexpr int kKeyTokensPerWarp = kKeyTokens / kKeyWarps;
+constexpr int kKeyHistBins = 4096;  // block histogram of choices for E <= this; larger E adds to global directly
+constexpr int kTransposeExperts = 64;
+// Pass 2.
+constexpr int kSelectThreads = 512;
+constexpr int kSelectWarps = kSelectThreads / 32;
+constexpr int kSelectBins = 4096;
+// Pass 3.
+constexpr int kEmitTokens = static_cast<int>(kTokenRoundingEmitTokens);
+constexpr int kEmitWarps = kEmitTokens;  // one warp per token
+// Backward.
+constexpr int kBwdWarps = 8;
+constexpr int kBwdWindow = 512;  // experts whose pair gradients a warp holds in shared memory at a time
+
+static_assert(kKeyTokens == 32, "the transpose writes one 32-token row segment per expert");
+static_assert(kEmitTokens == 32, "warp 0 scans the emit block's token counts");
 
 __device__ __forceinline__ std::int64_t rounded_count(std::int64_t f, std::int64_t T, std::int64_t M,
                                                       RoundingRule rule) {
@@ -30,262 +70,567 @@ __device__ __forceinline__ std::int64_t rounded_count(std::int64_t f, std::int64
   return (up - f < f - down) ? up : down;
 }
 
-template <class T>
-__global__ void token_stats_kernel(const T* __restrict__ z, std::int64_t ld, std::int64_t T_, int E,
-                                   float* __restrict__ stats) {
-  const int lane = threadIdx.x & 31;
-  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (t >= T_) return;
-  const T* row = z + t * ld;
-  const float m = warp_row_max(row, E, lane);
-  const float s = warp_row_sumexp(row, E, m, lane);
-  if (lane == 0) stats[2 * t] = m, stats[2 * t + 1] = s;
+__device__ __forceinline__ bool kept(std::uint32_t key, std::uint32_t thr, std::uint32_t cut, std::int64_t t) {
+  return key > thr || (key == thr && t < static_cast<std::int64_t>(cut));
 }
 
-__global__ void tc_count_kernel(const std::int32_t* __restrict__ tc_expert, std::int64_t n,
-                                std::int32_t* __restrict__ count) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) atomicAdd(&count[tc_expert[i]], 1);
-}
+/// A token's row as the warp sees it: lane l owns elements l, l + 32, ... (slot j holds element 32 j + l), in
+/// registers for PerLane > 0, else read from memory on each use. Holds the top-K selection's outcome (the K-th
+/// selected rank key, the top value and the sum of exp over the selection) and the row's softmax (max, sum of
+/// exp), all computed in the order the top-K kernel uses, so the scores are bitwise those of launch_topk_scores.
+template <class T, int PerLane>
+struct RowSelection {
+  static constexpr bool kRegs = PerLane > 0;
+  const T* row;
+  int E, lane, slots;
+  float v[kRegs ? PerLane : 1];
+  std::uint64_t key[kRegs ? PerLane : 1];
+  std::uint64_t kth = ~std::uint64_t{0};
+  float first = 0.0f, sum_k = 0.0f, m = -INFINITY, total = 0.0f;
 
-template <class T>
-__device__ __forceinline__ float s_prime(const T* __restrict__ z, std::int64_t ld, const float* __restrict__ stats,
-                                         const std::int32_t* __restrict__ tc_expert,
-                                         const float* __restrict__ tc_score, int K, std::int64_t t, int e) {
-  for (int k = 0; k < K; ++k)
-    if (tc_expert[t * K + k] == e) return tc_score[t * K + k];
-  return expf(to_float(z[t * ld + e]) - stats[2 * t]) / stats[2 * t + 1] - 1.0f;
-}
-
-/// One block per expert: keep the r_e best tokens by (S' desc, token asc).
-template <class T>
-__global__ void __launch_bounds__(kSelectThreads)
-    select_kernel(const T* __restrict__ z, std::int64_t ld, const float* __restrict__ stats,
-                  const std::int32_t* __restrict__ tc_expert, const float* __restrict__ tc_score,
-                  const std::int32_t* __restrict__ count, std::int64_t T_, int E, int K, std::int64_t M,
-                  RoundingRule rule, std::uint8_t* __restrict__ keep) {
-  using BlockScan = cub::BlockScan<std::int32_t, kSelectThreads>;
-  __shared__ typename BlockScan::TempStorage scan_tmp;
-  __shared__ std::int32_t hist[256];
-  __shared__ std::uint32_t prefix_s;
-  __shared__ std::int64_t need_s;
-  const int e = blockIdx.x;
-  const std::int64_t r = rounded_count(count[e], T_, M, rule);
-  // Radix select, 8 bits at a time from the top: find the key of the r-th best token and how many ties of it
-  // to keep (need).
-  std::uint32_t prefix = 0;
-  std::int64_t need = r;
-  if (r > 0 && r < T_) {
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
-      __syncthreads();
-      const std::uint32_t high_mask = shift == 24 ? 0u : ~((1u << (shift + 8)) - 1u);
-      for (std::int64_t t = threadIdx.x; t < T_; t += blockDim.x) {
-        const std::uint32_t key = orderable(s_prime(z, ld, stats, tc_expert, tc_score, K, t, e));
-        if ((key & high_mask) == (prefix & high_mask)) atomicAdd(&hist[(key >> shift) & 0xFF], 1);
+  __device__ __forceinline__ RowSelection(const T* r, int E_, int lane_) : row(r), E(E_), lane(lane_) {
+    slots = kRegs ? PerLane : (E + 31) / 32;
+    if constexpr (kRegs) {
+#pragma unroll
+      for (int j = 0; j < PerLane; ++j) {
+        const int i = j * 32 + lane;
+        v[j] = i < E ? to_float(row[i]) : 0.0f;
+        key[j] = i < E ? rank_key(v[j], i) : 0u;  // 0: below every element of the row
       }
+    }
+  }
+  __device__ __forceinline__ float value(int j) const {
+    if constexpr (kRegs) return v[j];
+    else return to_float(row[j * 32 + lane]);
+  }
+  __device__ __forceinline__ std::uint64_t rank(int j) const {
+    if constexpr (kRegs) return key[j];
+    else return rank_key(to_float(row[j * 32 + lane]), j * 32 + lane);
+  }
+  /// f(j) for the slots j in [lo, hi) that hold an element; constant slot indices for the register variant.
+  template <class F>
+  __device__ __forceinline__ void for_each(int lo, int hi, F&& f) const {
+    if constexpr (kRegs) {
+#pragma unroll
+      for (int j = 0; j < PerLane; ++j)
+        if (j >= lo && j < hi && j * 32 + lane < E) f(j);
+    } else {
+      for (int j = lo; j < hi; ++j)
+        if (j * 32 + lane < E) f(j);
+    }
+  }
+  __device__ __forceinline__ void select(int K) {
+    std::uint64_t prev = ~std::uint64_t{0};
+    for (int r = 0; r < K; ++r) {
+      std::uint64_t best = 0;
+      for_each(0, slots, [&](int j) {
+        const std::uint64_t k = rank(j);
+        best = (k < prev && k > best) ? k : best;
+      });
+      const std::uint32_t hi = __reduce_max_sync(kFull, static_cast<std::uint32_t>(best >> 32));
+      const std::uint32_t lo = __reduce_max_sync(
+          kFull, static_cast<std::uint32_t>(best >> 32) == hi ? static_cast<std::uint32_t>(best) : 0u);
+      prev = (static_cast<std::uint64_t>(hi) << 32) | lo;
+      const float sel = key_value(prev);
+      if (r == 0) first = sel;  // selections come in descending order: the first is the selection's maximum
+      sum_k += expf(sel - first);
+    }
+    kth = prev;
+    // The full softmax, in the order of warp_row_max / warp_row_sumexp (per-lane slots, then a fixed butterfly).
+    float mx = -INFINITY;
+    for_each(0, slots, [&](int j) { mx = fmaxf(mx, value(j)); });
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+    float s = 0.0f;
+    for_each(0, slots, [&](int j) { s += expf(value(j) - mx); });
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
+    m = mx, total = s;
+  }
+  __device__ __forceinline__ bool chosen(int j) const { return rank(j) >= kth; }
+  __device__ __forceinline__ float prob(float x) const { return expf(x - m) / total; }
+  /// TC score of a chosen element of value x: the softmax over the selection (renormalised variants, as
+  /// launch_topk_scores computes it) or the full-softmax probability.
+  __device__ __forceinline__ float tc_score(ScoreVariant variant, float x) const {
+    return variant == ScoreVariant::kTopKOfSoftmax ? prob(x) : expf(x - first) / sum_k;
+  }
+};
+
+// ---- pass 1: keys, token-choice counts, expert offsets -----------------------------------------------------------
+
+template <class T, int PerLane>
+__global__ void __launch_bounds__(32 * kKeyWarps)
+    tr_keys_kernel(const T* __restrict__ z, std::int64_t ld, std::int64_t T_, int E, int K, ScoreVariant variant,
+                   std::int64_t M, RoundingRule rule, std::uint32_t* keys, std::uint32_t* keys_by_expert,
+                   std::int32_t* tc_count, std::uint32_t* done, std::int32_t* expert_counts,
+                   std::int32_t* expert_offsets, std::int32_t* expert_tiles) {
+  __shared__ std::int32_t hist[kKeyHistBins];
+  __shared__ std::uint32_t tile[kTransposeExperts][kKeyTokens + 1];
+  __shared__ bool last_s;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool local_hist = E <= kKeyHistBins;
+  if (local_hist)
+    for (int i = threadIdx.x; i < E; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+  const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kKeyTokens;
+  for (int r = 0; r < kKeyTokensPerWarp; ++r) {
+    const std::int64_t t = t0 + warp * kKeyTokensPerWarp + r;
+    if (t >= T_) break;  // warp-uniform
+    RowSelection<T, PerLane> row(z + t * ld, E, lane);
+    row.select(K);
+    std::uint32_t* out = keys + t * E;
+    row.for_each(0, row.slots, [&](int j) {
+      const int i = j * 32 + lane;
+      const float x = row.value(j);
+      std::uint32_t key;
+      if (row.chosen(j)) {
+        key = kChosen | __float_as_uint(row.tc_score(variant, x));
+        if (local_hist) atomicAdd(&hist[i], 1);
+        else atomicAdd(&tc_count[i], 1);
+      } else {
+        key = __float_as_uint(row.prob(x));
+      }
+      out[i] = key;
+    });
+  }
+  __syncthreads();  // also makes this block's key rows visible to all its threads
+  if (local_hist)
+    for (int i = threadIdx.x; i < E; i += blockDim.x)
+      if (hist[i] != 0) atomicAdd(&tc_count[i], hist[i]);
+  // Transpose the block's rows into the expert-major keys: 64 experts x 32 tokens at a time, one 128-byte row
+  // segment per expert written by a warp. The loads do not take the read-only path: this kernel wrote them.
+  const int nt = static_cast<int>(min(static_cast<std::int64_t>(kKeyTokens), T_ - t0));
+  for (int e0 = 0; e0 < E; e0 += kTransposeExperts) {
+    for (int i = threadIdx.x; i < kTransposeExperts * kKeyTokens; i += blockDim.x) {
+      const int tl = i / kTransposeExperts, ec = i % kTransposeExperts;
+      if (tl < nt && e0 + ec < E) tile[ec][tl] = keys[(t0 + tl) * E + e0 + ec];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kTransposeExperts * kKeyTokens; i += blockDim.x) {
+      const int ec = i / kKeyTokens, tl = i % kKeyTokens;
+      if (tl < nt && e0 + ec < E) keys_by_expert[static_cast<std::int64_t>(e0 + ec) * T_ + t0 + tl] = tile[ec][tl];
+    }
+    __syncthreads();
+  }
+  // The last block to get here sees every block's counts (each fenced its atomics before counting itself done).
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_s = atomicAdd(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last_s) return;
+  __threadfence();
+  using Scan = cub::BlockScan<std::int32_t, 32 * kKeyWarps>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ std::int32_t carry_rows, carry_tiles;
+  if (threadIdx.x == 0) carry_rows = carry_tiles = 0, expert_offsets[0] = 0, expert_tiles[0] = 0;
+  __syncthreads();
+  for (int base = 0; base < E; base += blockDim.x) {
+    const int e = base + threadIdx.x;
+    std::int32_t r = 0;
+    if (e < E) r = static_cast<std::int32_t>(rounded_count(__ldcg(&tc_count[e]), T_, M, rule));
+    const std::int32_t tiles = (r + kGemmTileM - 1) / kGemmTileM;
+    std::int32_t r_incl, t_incl, r_total, t_total;
+    Scan(scan_tmp).InclusiveSum(r, r_incl, r_total);
+    __syncthreads();
+    Scan(scan_tmp).InclusiveSum(tiles, t_incl, t_total);
+    if (e < E) {
+      if (expert_counts) expert_counts[e] = r;
+      expert_offsets[e + 1] = carry_rows + r_incl;
+      expert_tiles[e + 1] = carry_tiles + t_incl;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) carry_rows += r_total, carry_tiles += t_total;
+    __syncthreads();
+  }
+}
+
+// ---- pass 2: per expert, the threshold and the grouped rows -------------------------------------------------------
+
+/// Block-wide: the digit d of hist[0, bins) with (count above d) < need <= (count above d) + hist[d], scanning
+/// from the largest digit, and need minus the count above d. 1 <= need <= the histogram's total.
+template <class Scan>
+__device__ void find_digit(const std::int32_t* hist, int bins, std::int32_t need, typename Scan::TempStorage& tmp,
+                           std::uint32_t& digit_s, std::int32_t& need_s) {
+  const int per = bins >= kSelectThreads ? bins / kSelectThreads : 1;
+  const bool mine = static_cast<int>(threadIdx.x) * per < bins;
+  const int top = bins - 1 - static_cast<int>(threadIdx.x) * per;  // this thread's bins: top, top - 1, ...
+  std::int32_t s = 0;
+  if (mine)
+    for (int k = 0; k < per; ++k) s += hist[top - k];
+  std::int32_t above;
+  Scan(tmp).ExclusiveSum(s, above);
+  if (mine && above < need && need <= above + s) {
+    std::int32_t acc = above;
+    for (int k = 0; k < per; ++k) {
+      const int b = top - k;
+      if (acc + hist[b] >= need) {
+        digit_s = static_cast<std::uint32_t>(b);
+        need_s = need - acc;
+        break;
+      }
+      acc += hist[b];
+    }
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kSelectThreads)
+    tr_select_kernel(std::uint32_t* keys_by_expert, std::int64_t T_, const std::int32_t* __restrict__ tc_count,
+                     const std::int32_t* __restrict__ expert_offsets, std::uint32_t* __restrict__ thresholds,
+                     std::int32_t* __restrict__ gather, bool cache) {
+  using Scan = cub::BlockScan<std::int32_t, kSelectThreads>;
+  extern __shared__ std::uint32_t column_s[];  // the expert's keys when `cache` (T_ of them)
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ std::int32_t hist[kSelectBins];
+  __shared__ std::int32_t warp_count[kSelectWarps];
+  __shared__ std::uint32_t digit_s;
+  __shared__ std::int32_t need_s, target_warp_s, target_rank_s;
+  __shared__ std::int64_t cut_s;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int e = blockIdx.x;
+  std::uint32_t* gcol = keys_by_expert + static_cast<std::int64_t>(e) * T_;
+  const std::int64_t f = tc_count[e];
+  const std::int64_t g0 = expert_offsets[e];
+  const std::int64_t r = expert_offsets[e + 1] - g0;
+  if (cache) {
+    for (std::int64_t t = threadIdx.x; t < T_; t += kSelectThreads) column_s[t] = gcol[t];
+    __syncthreads();
+  }
+  const std::uint32_t* col = cache ? column_s : gcol;
+  // Per-warp contiguous chunks of tokens (multiples of 32) for the ordered passes.
+  const std::int64_t chunk = ((T_ + kSelectWarps - 1) / kSelectWarps + 31) / 32 * 32;
+  const std::int64_t w_begin = min(T_, warp * chunk), w_end = min(T_, (warp + 1) * chunk);
+
+  std::uint32_t thr;
+  std::int64_t cut;
+  if (r == f) {
+    thr = 0x7fffffffu, cut = 0;  // exactly the token choices: every chosen key is above, no other key is
+  } else if (r == 0) {
+    thr = 0xffffffffu, cut = 0;  // nothing
+  } else if (r >= T_) {
+    thr = 0u, cut = T_;  // every token
+  } else {
+    // Radix select of the r-th largest key, 12 + 12 + 8 bits from the top.
+    std::uint32_t prefix = 0;
+    std::int32_t need = static_cast<std::int32_t>(r);
+    const int shifts[3] = {20, 8, 0}, widths[3] = {12, 12, 8};
+    std::int32_t ties = 0;
+#pragma unroll
+    for (int pass = 0; pass < 3; ++pass) {
+      const int shift = shifts[pass], bins = 1 << widths[pass];
+      const std::uint32_t high = pass == 0 ? 0u : ~((1u << (shift + widths[pass])) - 1u);
+      for (int b = threadIdx.x; b < bins; b += kSelectThreads) hist[b] = 0;
+      __syncthreads();
+      for (std::int64_t base = 0; base < T_; base += kSelectThreads) {  // uniform trip count: all lanes match
+        const std::int64_t t = base + threadIdx.x;
+        std::uint32_t d = 0xffffffffu;
+        bool in = false;
+        if (t < T_) {
+          const std::uint32_t key = col[t];
+          in = ((key ^ prefix) & high) == 0u;
+          if (in) d = (key >> shift) & static_cast<std::uint32_t>(bins - 1);
+        }
+        // One shared atomic per distinct digit of the warp: keys crowd into few digits (similar scores).
+        const unsigned group = __match_any_sync(kFull, d);
+        if (in && (__ffs(group) - 1) == lane) atomicAdd(&hist[d], __popc(group));
+      }
+      __syncthreads();
+      find_digit<Scan>(hist, bins, need, scan_tmp, digit_s, need_s);
+      prefix |= digit_s << shift;
+      need = need_s;
+      if (pass == 2) ties = hist[digit_s];
+      __syncthreads();  // hist is cleared by the next pass
+    }
+    thr = prefix;
+    if (need == ties) {
+      cut = T_;  // every key equal to the threshold is kept
+    } else {
+      // Keep the first `need` ties in token order: find the token of tie number `need` (0-based), the cut.
+      std::int32_t c = 0;
+      for (std::int64_t base = w_begin; base < w_end; base += 32) {
+        const std::int64_t t = base + lane;
+        c += __popc(__ballot_sync(kFull, t < w_end && col[t] == thr));
+      }
+      if (lane == 0) warp_count[warp] = c;
       __syncthreads();
       if (threadIdx.x == 0) {
-        std::int64_t remaining = need;
-        int digit = 255;
-        for (; digit > 0; --digit) {  // from the largest digit down
-          if (hist[digit] >= remaining) break;
-          remaining -= hist[digit];
+        std::int32_t before = 0;
+        for (int w = 0; w < kSelectWarps; ++w) {
+          if (need < before + warp_count[w]) {
+            target_warp_s = w, target_rank_s = need - before;
+            break;
+          }
+          before += warp_count[w];
         }
-        prefix_s = prefix | (static_cast<std::uint32_t>(digit) << shift);
-        need_s = remaining;
       }
       __syncthreads();
-      prefix = prefix_s, need = need_s;
+      if (warp == target_warp_s) {
+        std::int32_t seen = 0;
+        for (std::int64_t base = w_begin; base < w_end; base += 32) {
+          const std::int64_t t = base + lane;
+          unsigned b = __ballot_sync(kFull, t < w_end && col[t] == thr);
+          const int n = __popc(b);
+          if (seen + n > target_rank_s) {
+            for (int k = 0; k < target_rank_s - seen; ++k) b &= b - 1;
+            if (lane == 0) cut_s = base + (__ffs(b) - 1);
+            break;
+          }
+          seen += n;
+        }
+      }
       __syncthreads();
+      cut = cut_s;
     }
   }
-  // Ordered pass over tokens: keep keys above the threshold, and the first `need` tokens equal to it.
-  std::int32_t ties_before = 0;
-  for (std::int64_t base = 0; base < T_; base += blockDim.x) {
-    const std::int64_t t = base + threadIdx.x;
-    std::uint32_t key = 0;
-    if (t < T_) key = orderable(s_prime(z, ld, stats, tc_expert, tc_score, K, t, e));
-    const std::int32_t tie = (t < T_ && r > 0 && r < T_ && key == prefix) ? 1 : 0;
-    std::int32_t rank, total;
-    BlockScan(scan_tmp).ExclusiveSum(tie, rank, total);
-    if (t < T_) {
-      bool kept;
-      if (r <= 0) kept = false;
-      else if (r >= T_) kept = true;
-      else kept = key > prefix || (tie && ties_before + rank < need);
-      keep[t * E + e] = kept ? 1 : 0;
-    }
-    ties_before += total;
-    __syncthreads();
+  if (threadIdx.x == 0) {
+    thresholds[2 * e] = thr;
+    thresholds[2 * e + 1] = static_cast<std::uint32_t>(cut);
   }
-}
-
-__global__ void token_count_kernel(const std::uint8_t* __restrict__ keep, std::int64_t T_, int E,
-                                   std::int32_t* __restrict__ token_count) {
-  const int lane = threadIdx.x & 31;
-  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (t >= T_) return;
-  int c = 0;
-  for (int e = lane; e < E; e += 32) c += keep[t * E + e];
-  for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
-  if (lane == 0) token_count[t + 1] = c;
-}
-
-__global__ void inclusive_scan_kernel(std::int32_t* __restrict__ v, std::int64_t n) {  // v[1..n] in place, v[0]=0
-  using BlockScan = cub::BlockScan<std::int32_t, 1024>;
-  __shared__ typename BlockScan::TempStorage tmp;
-  __shared__ std::int32_t carry;
-  if (threadIdx.x == 0) carry = 0, v[0] = 0;
+  if (r == 0) return;
+  // The kept tokens in ascending order -> gather[g0 ...]; their expert-major key -> their grouped row.
+  std::int32_t c = 0;
+  for (std::int64_t base = w_begin; base < w_end; base += 32) {
+    const std::int64_t t = base + lane;
+    c += __popc(__ballot_sync(kFull, t < w_end && kept(col[t], thr, static_cast<std::uint32_t>(cut), t)));
+  }
+  if (lane == 0) warp_count[warp] = c;
   __syncthreads();
-  for (std::int64_t base = 1; base <= n; base += 1024) {
-    const std::int64_t i = base + threadIdx.x;
-    const std::int32_t x = i <= n ? v[i] : 0;
-    std::int32_t incl, total;
-    BlockScan(tmp).InclusiveSum(x, incl, total);
-    if (i <= n) v[i] = carry + incl;
-    __syncthreads();
-    if (threadIdx.x == 0) carry += total;
-    __syncthreads();
-  }
-}
-
-template <class T>
-__global__ void emit_kernel(const T* __restrict__ z, std::int64_t ld, const float* __restrict__ stats,
-                            const std::int32_t* __restrict__ tc_expert, const float* __restrict__ tc_score,
-                            const std::uint8_t* __restrict__ keep, const std::int32_t* __restrict__ token_count,
-                            std::int64_t T_, int E, int K, std::int32_t* __restrict__ pair_token,
-                            std::int32_t* __restrict__ pair_expert, float* __restrict__ pair_score) {
-  const int lane = threadIdx.x & 31;
-  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (t >= T_) return;
-  std::int64_t pos = token_count[t];
-  for (int e0 = 0; e0 < E; e0 += 32) {
-    const int e = e0 + lane;
-    const bool k = e < E && keep[t * E + e];
-    const unsigned ballot = __ballot_sync(0xffffffffu, k);
+  std::int64_t pos = g0;
+  for (int w = 0; w < warp; ++w) pos += warp_count[w];
+  const unsigned below = (1u << lane) - 1u;
+  for (std::int64_t base = w_begin; base < w_end; base += 32) {
+    const std::int64_t t = base + lane;
+    const bool k = t < w_end && kept(col[t], thr, static_cast<std::uint32_t>(cut), t);
+    const unsigned b = __ballot_sync(kFull, k);
     if (k) {
-      const std::int64_t q = pos + __popc(ballot & ((1u << lane) - 1u));
-      float s = -1.0f;
-      for (int j = 0; j < K; ++j)
-        if (tc_expert[t * K + j] == e) s = tc_score[t * K + j];
-      if (s < 0.0f) s = expf(to_float(z[t * ld + e]) - stats[2 * t]) / stats[2 * t + 1];
-      pair_token[q] = static_cast<std::int32_t>(t);
-      pair_expert[q] = e;
-      pair_score[q] = s;
+      const std::int64_t g = pos + __popc(b & below);
+      gather[g] = static_cast<std::int32_t>(t);
+      gcol[t] = static_cast<std::uint32_t>(g);  // read above (or from the cache) before it is overwritten
     }
-    pos += __popc(ballot);
+    pos += __popc(b);
   }
 }
 
-__global__ void tail_kernel(const std::int32_t* __restrict__ token_count, std::int64_t T_, std::int64_t P_max,
-                            std::int32_t* __restrict__ pair_token, std::int32_t* __restrict__ pair_expert,
-                            float* __restrict__ pair_score) {
-  const std::int64_t q = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (q >= P_max || q < token_count[T_]) return;
-  pair_token[q] = static_cast<std::int32_t>(T_);  // past every token: outside all token ranges
-  pair_expert[q] = -1;                            // skipped by every kernel
-  pair_score[q] = 0.0f;
+// ---- pass 3: pair order ---------------------------------------------------------------------------------------------
+
+constexpr std::uint64_t kAggregate = 1, kInclusive = 2;  // look-back flags (high word); 0: not published yet
+
+__device__ __forceinline__ void publish(std::uint64_t* status, std::uint64_t flag, std::uint32_t value) {
+  // One aligned 64-bit store: flag and value become visible together. Nothing else is published with it.
+  *reinterpret_cast<volatile std::uint64_t*>(status) = (flag << 32) | value;
 }
 
-/// One warp per token.
-template <class T>
-__global__ void tr_backward_kernel(ScoreVariant variant, const T* __restrict__ z, std::int64_t T_, int E, int K,
-                                   const float* __restrict__ ds, const std::int32_t* __restrict__ inverse,
-                                   const std::int32_t* __restrict__ offsets,
-                                   const std::int32_t* __restrict__ token_offsets, const T* __restrict__ up,
-                                   std::int64_t ld_up, T* __restrict__ dlogits) {
-  __shared__ int tc_e[kWarps][kTokenRoundingMaxK];
-  __shared__ float tc_s[kWarps][kTokenRoundingMaxK], tc_g[kWarps][kTokenRoundingMaxK];
+__global__ void __launch_bounds__(32 * kEmitWarps)
+    tr_emit_kernel(const std::uint32_t* __restrict__ keys, const std::uint32_t* __restrict__ grouped,
+                   const std::uint32_t* __restrict__ thresholds, std::int64_t T_, int E,
+                   const std::int32_t* __restrict__ expert_offsets, std::int64_t P_max, std::uint32_t* ticket,
+                   std::uint64_t* status, float* __restrict__ scores, std::int32_t* __restrict__ inverse,
+                   std::int32_t* __restrict__ scatter, std::int32_t* __restrict__ token_offsets) {
+  __shared__ std::int32_t offset_s[kEmitTokens];
+  __shared__ std::uint32_t block_s;
+  __shared__ std::int64_t prefix_s;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;
-  if (t >= T_) return;
-  const T* row = z + t * E;
-  const float m = warp_row_max(row, E, lane);
-  const float sum = warp_row_sumexp(row, E, m, lane);
-  // The token's choices, by the same selection function as the forward's top-K kernel.
-  float prev_v = INFINITY;
-  int prev_i = -1;
-  for (int r = 0; r < K; ++r) {
-    warp_next_selection(row, E, lane, prev_v, prev_i);
-    if (lane == 0) tc_e[warp][r] = prev_i, tc_g[warp][r] = 0.0f, tc_s[warp][r] = prev_v;
+  // Blocks take token ranges in the order they start, so every block a block waits for is already running.
+  if (threadIdx.x == 0) block_s = atomicAdd(ticket, 1u);
+  __syncthreads();
+  const std::int64_t b = block_s;
+  const std::int64_t t = b * kEmitTokens + warp;
+  const std::uint32_t* row = keys + t * E;
+  auto kept_at = [&](int e, std::uint32_t& key) {
+    key = row[e];
+    return kept(key, thresholds[2 * e], thresholds[2 * e + 1], t);
+  };
+  std::int32_t n = 0;
+  if (t < T_)
+    for (int e0 = 0; e0 < E; e0 += 32) {
+      const int e = e0 + lane;
+      std::uint32_t key;
+      n += __popc(__ballot_sync(kFull, e < E && kept_at(e, key)));
+    }
+  if (lane == 0) offset_s[warp] = n;
+  __syncthreads();
+  if (warp == 0) {
+    const std::int32_t mine = offset_s[lane];
+    std::int32_t incl = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+      const std::int32_t y = __shfl_up_sync(kFull, incl, o);
+      if (lane >= o) incl += y;
+    }
+    const std::uint32_t aggregate = static_cast<std::uint32_t>(__shfl_sync(kFull, incl, 31));
+    if (lane == 0) publish(&status[b], b == 0 ? kInclusive : kAggregate, aggregate);
+    // Look back over the 32 blocks before the window's top until one has published its inclusive prefix.
+    std::int64_t prefix = 0;
+    for (std::int64_t top = b - 1; top >= 0; top -= 32) {
+      const std::int64_t j = top - lane;
+      std::uint64_t word;
+      do {
+        word = j >= 0 ? *reinterpret_cast<const volatile std::uint64_t*>(&status[j]) : (kInclusive << 32);
+      } while (__any_sync(kFull, (word >> 32) == 0));
+      const unsigned inclusive = __ballot_sync(kFull, (word >> 32) == kInclusive);
+      const int stop = inclusive ? __ffs(inclusive) - 1 : 31;
+      std::int64_t v = lane <= stop ? static_cast<std::int64_t>(word & 0xffffffffu) : 0;
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+      prefix += v;
+      if (inclusive) break;
+    }
+    if (lane == 0) {
+      if (b > 0) publish(&status[b], kInclusive, static_cast<std::uint32_t>(prefix + aggregate));
+      prefix_s = prefix;
+    }
+    offset_s[lane] = incl - mine;
   }
-  __syncwarp();
-  if (lane == 0) {  // token-choice scores of the variant
-    if (variant != ScoreVariant::kTopKOfSoftmax) {  // renormalised == softmax over the selection
-      float mk = -INFINITY, sk = 0.0f;
-      for (int k = 0; k < K; ++k) mk = fmaxf(mk, tc_s[warp][k]);
-      for (int k = 0; k < K; ++k) sk += (tc_s[warp][k] = expf(tc_s[warp][k] - mk));
-      for (int k = 0; k < K; ++k) tc_s[warp][k] /= sk;
-    } else {
-      for (int k = 0; k < K; ++k) tc_s[warp][k] = expf(tc_s[warp][k] - m) / sum;
+  __syncthreads();
+  if (t < T_) {
+    std::int64_t q = prefix_s + offset_s[warp];
+    if (lane == 0) token_offsets[t] = static_cast<std::int32_t>(q);
+    const unsigned below = (1u << lane) - 1u;
+    for (int e0 = 0; e0 < E; e0 += 32) {
+      const int e = e0 + lane;
+      std::uint32_t key = 0;
+      const bool k = e < E && kept_at(e, key);
+      const unsigned bal = __ballot_sync(kFull, k);
+      if (k) {
+        const std::int64_t p = q + __popc(bal & below);
+        const std::int32_t g = static_cast<std::int32_t>(grouped[static_cast<std::int64_t>(e) * T_ + t]);
+        scores[p] = __uint_as_float(key & ~kChosen);  // the TC score of a chosen pair, p of a padded one
+        inverse[p] = g;
+        scatter[g] = static_cast<std::int32_t>(p);
+      }
+      q += __popc(bal);
     }
   }
-  __syncwarp();
-  // Gradients of the routed pairs: chosen ones to tc_g, padded ones kept for the softmax backward.
+  // Past the routed pairs: sentinel slots (inverse -1 is skipped by every kernel), and the last token offset.
+  const std::int64_t routed = expert_offsets[E];
+  if (blockIdx.x == 0 && threadIdx.x == 0) token_offsets[T_] = static_cast<std::int32_t>(routed);
+  for (std::int64_t p = routed + static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < P_max;
+       p += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    inverse[p] = -1;
+    scores[p] = 0.0f;
+  }
+}
+
+// ---- backward -------------------------------------------------------------------------------------------------------
+
+/// One warp per token: dz = upstream + the TC scores' backward at the choices + the full softmax's backward of the
+/// padded pairs (dp_i = the pair's gradient; for kTopKOfSoftmax the choices are full-softmax probabilities too).
+template <class T, int PerLane>
+__global__ void __launch_bounds__(32 * kBwdWarps)
+    tr_backward_kernel(ScoreVariant variant, const T* __restrict__ z, std::int64_t T_, int E, int K,
+                       const float* __restrict__ ds, const std::int32_t* __restrict__ inverse,
+                       const std::int32_t* __restrict__ offsets, const std::int32_t* __restrict__ token_offsets,
+                       const T* __restrict__ up, std::int64_t ld_up, T* __restrict__ dlogits) {
+  __shared__ float dp_s[kBwdWarps][kBwdWindow];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kBwdWarps + warp;
+  if (t >= T_) return;  // warp-uniform; no block-wide synchronisation below
+  RowSelection<T, PerLane> row(z + t * E, E, lane);
+  row.select(K);
   const std::int64_t q0 = token_offsets[t], q1 = token_offsets[t + 1];
-  float dot = 0.0f;  // sum_j dp_j p_j over the dense softmax part
-  if (lane == 0) {
-    for (std::int64_t q = q0; q < q1; ++q) {
+  float* dp = dp_s[warp];
+  // The token's pair gradients of experts [w0, w0 + kBwdWindow) into dp (zero where the token has no pair).
+  auto place = [&](int w0) {
+    for (int i = lane; i < kBwdWindow; i += 32) dp[i] = 0.0f;
+    __syncwarp();
+    for (std::int64_t q = q0 + lane; q < q1; q += 32) {
       const std::int32_t g = inverse[q];
       if (g < 0) continue;
       const int e = expert_of_row(offsets, E, g);
-      bool chosen = false;
-      for (int k = 0; k < K; ++k)
-        if (tc_e[warp][k] == e) tc_g[warp][k] += ds[q], chosen = true;
-      if (!chosen) dot += ds[q] * expf(to_float(row[e]) - m) / sum;
+      if (e >= w0 && e < w0 + kBwdWindow) dp[e - w0] = ds[q];  // a token has at most one pair per expert
     }
-    if (variant == ScoreVariant::kTopKOfSoftmax)
-      for (int k = 0; k < K; ++k) dot += tc_g[warp][k] * tc_s[warp][k];
+    __syncwarp();
+  };
+  // Sums over the row: dot = sum_i dp_i p_i over the full-softmax part, gs = sum_k g_k s_k over the choices.
+  float dot = 0.0f, gs = 0.0f;
+  for (int w0 = 0; w0 < E; w0 += kBwdWindow) {
+    place(w0);
+    row.for_each(w0 / 32, (w0 + kBwdWindow) / 32, [&](int j) {
+      const float x = row.value(j), g = dp[j * 32 + lane - w0], p = row.prob(x);
+      if (variant == ScoreVariant::kTopKOfSoftmax || !row.chosen(j)) dot += g * p;
+      else gs += g * row.tc_score(variant, x);
+    });
   }
-  dot = __shfl_sync(0xffffffffu, dot, 0);
-  __syncwarp();
-  float gs = 0.0f;
-  for (int k = 0; k < K; ++k) gs += tc_g[warp][k] * tc_s[warp][k];
-  // dz_i = p_i (dp_i - dot) [+ s_k (g_k - sum g s) at the choices for the softmax-over-top-K-like variants], where
-  // dp_i collects the padded pairs of expert i (and the choices for kTopKOfSoftmax). One write per element.
-  for (int i = lane; i < E; i += 32) {
-    const float p = expf(to_float(row[i]) - m) / sum;
-    float dp = 0.0f, direct = 0.0f;
-    bool chosen = false;
-    for (int k = 0; k < K; ++k)
-      if (tc_e[warp][k] == i) {
-        chosen = true;
-        if (variant == ScoreVariant::kTopKOfSoftmax) dp += tc_g[warp][k];
-        else direct += tc_s[warp][k] * (tc_g[warp][k] - gs);
-      }
-    if (!chosen)
-      for (std::int64_t q = q0; q < q1; ++q) {
-        const std::int32_t g = inverse[q];
-        if (g >= 0 && expert_of_row(offsets, E, g) == i) dp += ds[q];
-      }
-    dlogits[t * E + i] = from_float<T>((up ? to_float(up[t * ld_up + i]) : 0.0f) + direct + p * (dp - dot));
+  for (int o = 16; o > 0; o >>= 1) {
+    dot += __shfl_xor_sync(kFull, dot, o);
+    gs += __shfl_xor_sync(kFull, gs, o);
   }
+  T* out = dlogits + t * E;
+  const T* u = up ? up + t * ld_up : nullptr;
+  for (int w0 = 0; w0 < E; w0 += kBwdWindow) {
+    if (E > kBwdWindow) place(w0);  // one window: dp still holds it
+    row.for_each(w0 / 32, (w0 + kBwdWindow) / 32, [&](int j) {
+      const int i = j * 32 + lane;
+      const float x = row.value(j), p = row.prob(x);
+      float g = dp[i - w0], direct = 0.0f;
+      if (variant != ScoreVariant::kTopKOfSoftmax && row.chosen(j)) {
+        direct = row.tc_score(variant, x) * (g - gs);  // dz_k = s_k (g_k - sum_j g_j s_j)
+        g = 0.0f;                                      // not part of the full softmax
+      }
+      out[i] = from_float<T>((u ? to_float(u[i]) : 0.0f) + direct + p * (g - dot));
+    });
+  }
+}
+
+/// Calls run(kernel-of-PerLane) for the register variant that holds a row of E experts (0: read from memory).
+template <template <class, int> class Kernel, class Tp, class F>
+void by_row_width(std::int64_t E, F&& run) {
+  if (E <= 32) run(Kernel<Tp, 1>::get());
+  else if (E <= 64) run(Kernel<Tp, 2>::get());
+  else if (E <= 128) run(Kernel<Tp, 4>::get());
+  else if (E <= 256) run(Kernel<Tp, 8>::get());
+  else if (E <= 512) run(Kernel<Tp, 16>::get());
+  else run(Kernel<Tp, 0>::get());
+}
+template <class Tp, int PerLane>
+struct KeysKernel {
+  static auto get() { return tr_keys_kernel<Tp, PerLane>; }
+};
+template <class Tp, int PerLane>
+struct BackwardKernel {
+  static auto get() { return tr_backward_kernel<Tp, PerLane>; }
+};
+
+/// Largest dynamic shared memory a block may opt into on the current device (cached per device).
+int max_dynamic_smem() {
+  int dev = 0;
+  MACHMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  int optin = 0;
+  MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return optin;
 }
 
 }  // namespace
 
 void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
+  if (a.T == 0) return;
   const int E = static_cast<int>(a.E), K = static_cast<int>(a.K);
+  const std::int64_t emit_blocks = (a.T + kEmitTokens - 1) / kEmitTokens;
+  // Counters region: look-back states (uint64, first for alignment), then f_e, the completion count, the ticket.
+  auto* status = static_cast<std::uint64_t*>(a.counters);
+  auto* tc_count = reinterpret_cast<std::int32_t*>(status + emit_blocks);
+  auto* done = reinterpret_cast<std::uint32_t*>(tc_count + a.E);
+  auto* ticket = done + 1;
+  MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.counters, 0, a.counters_bytes, stream));
   dispatch_data_type(a.dt, [&](auto tag) {
     using Tp = decltype(tag);
-    const Tp* z = static_cast<const Tp*>(a.logits);
-    launch_topk_scores(a.dt, a.logits, a.ld_logits, a.T, a.E, a.K, a.variant, a.tc_score, a.tc_expert, stream);
-    token_stats_kernel<Tp><<<ceil_div(a.T, kWarps), 32 * kWarps, 0, stream>>>(z, a.ld_logits, a.T, E, a.token_stats);
-    MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_count, 0, sizeof(std::int32_t) * a.E, stream));
-    tc_count_kernel<<<ceil_div(a.T * a.K, 256), 256, 0, stream>>>(a.tc_expert, a.T * a.K, a.expert_count);
-    select_kernel<Tp><<<E, kSelectThreads, 0, stream>>>(z, a.ld_logits, a.token_stats, a.tc_expert, a.tc_score,
-                                                        a.expert_count, a.T, E, K, a.tile_m, a.rule, a.keep);
-    token_count_kernel<<<ceil_div(a.T, kWarps), 32 * kWarps, 0, stream>>>(a.keep, a.T, E, a.token_count);
-    inclusive_scan_kernel<<<1, 1024, 0, stream>>>(a.token_count, a.T);
-    emit_kernel<Tp><<<ceil_div(a.T, kWarps), 32 * kWarps, 0, stream>>>(z, a.ld_logits, a.token_stats, a.tc_expert,
-                                                                      a.tc_score, a.keep, a.token_count, a.T, E, K,
-                                                                      a.pair_token, a.pair_expert, a.pair_score);
-    if (a.P_max > 0)
-      tail_kernel<<<ceil_div(a.P_max, 256), 256, 0, stream>>>(a.token_count, a.T, a.P_max, a.pair_token,
-                                                              a.pair_expert, a.pair_score);
+    const auto* z = static_cast<const Tp*>(a.logits);
+    by_row_width<KeysKernel, Tp>(a.E, [&](auto kernel) {
+      kernel<<<ceil_div(a.T, kKeyTokens), 32 * kKeyWarps, 0, stream>>>(
+          z, a.ld_logits, a.T, E, K, a.variant, a.tile_m, a.rule, a.keys, a.keys_by_expert, tc_count, done,
+          a.expert_counts, a.expert_offsets, a.expert_tiles);
+    });
   });
-  MACHMOE_CUDA_CHECK_LAUNCH("token_rounding");
+  MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_keys");
+  // The expert's column of keys in shared memory when it fits beside the kernel's static arrays (~17 KiB).
+  const std::int64_t column_bytes = a.T * 4;
+  const bool cache = column_bytes + (24 << 10) <= max_dynamic_smem();
+  const int dyn = cache ? static_cast<int>(column_bytes) : 0;
+  if (dyn > (48 << 10))
+    MACHMOE_CUDA_CHECK(cudaFuncSetAttribute(tr_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn));
+  tr_select_kernel<<<E, kSelectThreads, dyn, stream>>>(a.keys_by_expert, a.T, tc_count, a.expert_offsets,
+                                                        a.thresholds, a.gather, cache);
+  MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select");
+  tr_emit_kernel<<<static_cast<unsigned>(emit_blocks), 32 * kEmitWarps, 0, stream>>>(
+      a.keys, a.keys_by_expert, a.thresholds, a.T, E, a.expert_offsets, a.P_max, ticket, status, a.scores,
+      a.inverse, a.scatter, a.token_offsets);
+  MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_emit");
 }
 
 void launch_token_rounding_backward(DType dt, ScoreVariant variant, const void* logits, std::int64_t T,
@@ -296,9 +641,11 @@ void launch_token_rounding_backward(DType dt, ScoreVariant variant, const void* 
   if (T == 0) return;
   dispatch_data_type(dt, [&](auto tag) {
     using Tp = decltype(tag);
-    tr_backward_kernel<Tp><<<ceil_div(T, kWarps), 32 * kWarps, 0, stream>>>(
-        variant, static_cast<const Tp*>(logits), T, static_cast<int>(E), static_cast<int>(K), ds, inverse, offsets,
-        token_offsets, static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits));
+    by_row_width<BackwardKernel, Tp>(E, [&](auto kernel) {
+      kernel<<<ceil_div(T, kBwdWarps), 32 * kBwdWarps, 0, stream>>>(
+          variant, static_cast<const Tp*>(logits), T, static_cast<int>(E), static_cast<int>(K), ds, inverse,
+          offsets, token_offsets, static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits));
+    });
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_backward");
 }

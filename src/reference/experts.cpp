@@ -3,6 +3,12 @@
 #include "math/activation.hpp"
 
 namespace machmoe::ref {
+namespace {
+template <class R>
+math::ActParams<R> act_params(const ExpertShape& shape) {
+  return {static_cast<R>(shape.swiglu_alpha), static_cast<R>(shape.swiglu_limit)};
+}
+}  // namespace
 
 std::int64_t w1_row_of_column(const ExpertShape& shape, std::int64_t c) {
   if (!is_glu(shape.activation) || shape.layout == WeightLayout::kInterleaved) return c;
@@ -33,10 +39,11 @@ template <class R>
 std::vector<R> activation_forward(const ExpertShape& shape, const R* h, std::int64_t num_rows) {
   const std::int64_t n = shape.n, rows = shape.w1_rows();
   const bool glu = is_glu(shape.activation);
+  const math::ActParams<R> ap = act_params<R>(shape);
   std::vector<R> a(static_cast<std::size_t>(num_rows * n));
   for (std::int64_t g = 0; g < num_rows; ++g)
     for (std::int64_t j = 0; j < n; ++j)
-      a[g * n + j] = glu ? math::act_value_and_derivative(shape.activation, h[g * rows + 2 * j]).value * h[g * rows + 2 * j + 1]
+      a[g * n + j] = glu ? math::glu_forward(shape.activation, h[g * rows + 2 * j], h[g * rows + 2 * j + 1], ap)
                          : math::act_value_and_derivative(shape.activation, h[g * rows + j]).value;
   return a;
 }
@@ -78,6 +85,7 @@ ExpertGrads<R> experts_backward(const ExpertShape& shape, std::int64_t E, const 
                                 const RoutingMetadata& meta, const R* scores, const R* h, const R* grad_out) {
   const std::int64_t d = shape.d, n = shape.n, rows = shape.w1_rows(), P = meta.num_pairs();
   const bool glu = is_glu(shape.activation);
+  const math::ActParams<R> ap = act_params<R>(shape);
   ExpertGrads<R> gr;
   gr.ds.assign(static_cast<std::size_t>(P), R(0));
   gr.da_prime.assign(static_cast<std::size_t>(P * n), R(0));
@@ -106,11 +114,10 @@ ExpertGrads<R> experts_backward(const ExpertShape& shape, std::int64_t E, const 
     for (std::int64_t j = 0; j < n; ++j) {
       const R da = s * da_prime[j];
       if (glu) {
-        const R gate = hg[2 * j], up = hg[2 * j + 1];
-        const math::ActValue<R> f = math::act_value_and_derivative(shape.activation, gate);
-        a[j] = f.value * up;
-        dh[2 * j] = da * up * f.derivative;
-        dh[2 * j + 1] = da * f.value;
+        const math::GluGrad<R> f = math::glu_backward(shape.activation, hg[2 * j], hg[2 * j + 1], da, ap);
+        a[j] = f.value;
+        dh[2 * j] = f.d_gate;
+        dh[2 * j + 1] = f.d_up;
       } else {
         const math::ActValue<R> f = math::act_value_and_derivative(shape.activation, hg[j]);
         a[j] = f.value;

@@ -19,6 +19,7 @@ struct ExpertShape {
   std::int64_t d = 0, n = 0;
   Activation activation = Activation::kSwiGLU;
   WeightLayout layout = WeightLayout::kInterleaved;
+  double swiglu_alpha = kGptOssSwiGLUAlpha, swiglu_limit = kGptOssSwiGLULimit;  // gptoss_swiglu's parameters
   std::int64_t w1_rows() const { return is_glu(activation) ? 2 * n : n; }
 };
 

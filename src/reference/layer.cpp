@@ -13,6 +13,7 @@ ExpertShape expert_shape(const MoEProblem& problem) {
   s.n = problem.n;
   s.activation = problem.activation;
   s.layout = problem.weight_layout;
+  s.swiglu_alpha = problem.swiglu_alpha, s.swiglu_limit = problem.swiglu_limit;
   return s;
 }
 

@@ -1,6 +1,7 @@
 // machmoe-bench's option parsing.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "cli_options.hpp"
@@ -53,6 +54,25 @@ TEST(Cli, BadOptionsGiveClearErrors) {
   EXPECT_NE(error_of({"--backend", "gpu"}).find("no GPU backend here"), std::string::npos);
   EXPECT_NE(error_of({"--backend", "tpu"}).find("{auto, gpu, cpu}"), std::string::npos);
   EXPECT_NE(error_of({"--all-configs"}).find("'--all-configs'"), std::string::npos);
+}
+
+TEST(Cli, GptOssActivationAndItsParameters) {
+  const Options d = parse_options({"--activation", "gptoss_swiglu"}, false);
+  EXPECT_EQ(d.problem.activation, Activation::kGptOssSwiGLU);
+  EXPECT_EQ(d.problem.swiglu_alpha, kGptOssSwiGLUAlpha);
+  EXPECT_EQ(d.problem.swiglu_limit, kGptOssSwiGLULimit);
+  const Options o =
+      parse_options({"--swiglu-limit", "inf", "--activation", "gptoss_swiglu", "--swiglu-alpha", "1.5"}, false);
+  EXPECT_EQ(o.problem.swiglu_alpha, 1.5);
+  EXPECT_TRUE(std::isinf(o.problem.swiglu_limit));
+  EXPECT_NE(error_of({"--swiglu-limit", "5"}).find("'--swiglu-limit': expected --activation gptoss_swiglu with it"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--activation", "gptoss_swiglu", "--swiglu-limit", "7x"}).find("expected a real number"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--activation", "gptoss_swiglu", "--swiglu-limit", "0"}).find("'problem.swiglu_limit'"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--activation", "gptoss_swiglu", "--swiglu-alpha", "nan"}).find("'problem.swiglu_alpha'"),
+            std::string::npos);
 }
 
 TEST(Cli, GpuDefaultsAndDtypes) {

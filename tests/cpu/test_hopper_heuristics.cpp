@@ -27,6 +27,18 @@ TEST(HopperHeuristics, WideTileWhereNAllowsIt) {
   }
 }
 
+TEST(HopperHeuristics, DhKernelPingPongForSmallD) {
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 256, 1536), {}).tile_n, 128);   // 7B (256,128,8): K = d
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 512, 768), {}).tile_n, 128);    // 1.4B
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 1024, 4096), {}).tile_n, 256);  // 30B / 120B
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 384, 4096), {}).tile_n, 128);   // 256 would pad 128 columns
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 200, 2048), {}).tile_n, 128);   // d <= 2048, whatever N
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 200, 2056), {}).tile_n, 256);   // least padding: a tie
+  TileOverrides o;
+  o.tile_n = 256;  // forced: the wide tile, whatever d is
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 256, 1536), o).tile_n, 256);
+}
+
 TEST(HopperHeuristics, OverridesAreHonouredForEveryN) {
   TileOverrides o;
   o.tile_n = 128;
@@ -51,11 +63,14 @@ TEST(HopperHeuristics, OddNTakesTheTileWithTheLeastPadding) {
                          KernelFamily::kDhKernel}) {
     EXPECT_EQ(choose_tiles(shape(f, 2880, 2880), {}).tile_n, 128);  // gpt-oss d = n = 2880 (down, dX~, dH: N = 2880)
     EXPECT_EQ(choose_tiles(shape(f, 5760, 2880), {}).tile_n, 128);  // 5760 = 22 x 256 + 128: 128 pads 0, 256 pads 128
-    EXPECT_EQ(choose_tiles(shape(f, 200, 72), {}).tile_n, 256);     // both pad 56: the wide one
     EXPECT_EQ(choose_tiles(shape(f, 72, 200), {}).tile_n, 128);     // 128 pads 56, 256 pads 184
     EXPECT_EQ(choose_tiles(shape(f, 8, 8), {}).tile_n, 128);
     EXPECT_EQ(choose_tiles(shape(f, 264, 136), {}).tile_n, 128);    // 128 pads 120, 256 pads 248
-    EXPECT_EQ(choose_tiles(shape(f, 400, 136), {}).tile_n, 256);    // both pad 112
+    // Ties take the wide tile, except in the dH kernel, whose rule by d (K <= kDhPingPongMaxK) comes first.
+    const int tie = f == KernelFamily::kDhKernel ? 128 : 256;
+    EXPECT_EQ(choose_tiles(shape(f, 200, 72), {}).tile_n, tie);     // both pad 56
+    EXPECT_EQ(choose_tiles(shape(f, 400, 136), {}).tile_n, tie);    // both pad 112
+    EXPECT_EQ(choose_tiles(shape(f, 400, 4096), {}).tile_n, 256);   // both pad 112, d past kDhPingPongMaxK
   }
   // Whatever the tile, the tiles cover N with less than one tile of padding.
   for (std::int64_t N = 8; N <= 4096; N += 8) {

@@ -103,8 +103,9 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_FALSE(f.pair_token.present());
   EXPECT_EQ(f.tile_hist.bytes, 4u * 64 * (P / 256));  // kMetadataTilePairs = 256 pairs per tile
   EXPECT_EQ(f.expert_tiles.bytes, 4u * 65);
-  EXPECT_FALSE(f.tr_choice.present());
-  EXPECT_FALSE(f.tr_keep.present());
+  EXPECT_FALSE(f.tr_keys.present());
+  EXPECT_FALSE(f.tr_keys_by_expert.present());
+  EXPECT_FALSE(f.tr_counters.present());
   EXPECT_EQ(f.cublas.bytes, kCublasWorkspaceBytes);
   const BackwardWorkspaceLayout b = backward_workspace_layout(p, DType::kBF16);
   EXPECT_FALSE(b.h_recompute.present());
@@ -114,13 +115,27 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_EQ(b.ds_partial.bytes, 4 * P * 8);
   EXPECT_EQ(b.dlogits.bytes, 2u * 4096 * 64);
   EXPECT_EQ(b.expert_tiles.bytes, 4u * 65);
+  // A' and dX~ share one region (the full backward runs dW2 before dX~); the split backward keeps dX~ apart.
+  EXPECT_EQ(b.a_prime.offset, b.dx_expanded.offset);
+  EXPECT_EQ(b.total_bytes, backward_workspace_bytes(p, DType::kBF16, Device::cuda(0)));
+  const BackwardWorkspaceLayout split = backward_workspace_layout(p, DType::kBF16, true);
+  EXPECT_FALSE(split.dh.present());
+  EXPECT_FALSE(split.a_prime.present());
+  EXPECT_EQ(split.dx_expanded.bytes, 2 * P * 1024);
   p.cache = CacheMode::kInputOnly;
-  EXPECT_EQ(backward_workspace_layout(p, DType::kBF16).h_recompute.bytes, 2 * P * 1024);
+  const BackwardWorkspaceLayout r = backward_workspace_layout(p, DType::kBF16);
+  EXPECT_EQ(r.h_recompute.bytes, 2 * P * 1024);
+  // dH overwrites the recomputed H in place: no region of its own.
+  EXPECT_EQ(r.dh.offset, r.h_recompute.offset);
+  EXPECT_EQ(r.dh.bytes, r.h_recompute.bytes);
+  EXPECT_EQ(r.total_bytes, b.total_bytes) << "recompute mode's backward workspace is the default's: H's region is dH's";
   p.routing = RoutingMode::kTokenRounding;
   const ForwardWorkspaceLayout tr = forward_workspace_layout(p, DType::kBF16);
-  EXPECT_EQ(tr.tr_choice.bytes, 8u * 4096 * 4);
-  EXPECT_EQ(tr.tr_keep.bytes, 4096u * 64);
-  EXPECT_EQ(tr.tr_token_count.bytes, 4u * 4097);
+  EXPECT_EQ(tr.tr_keys.bytes, 4u * 4096 * 64);
+  EXPECT_EQ(tr.tr_keys_by_expert.bytes, 4u * 4096 * 64);
+  EXPECT_EQ(tr.tr_thresholds.bytes, 8u * 64);
+  // Look-back states (one uint64 per 32-token block), then E + 4 int32 counters.
+  EXPECT_EQ(tr.tr_counters.bytes, 8u * (4096 / 32) + 4u * (64 + 4));
   EXPECT_EQ(tr.pair_token.bytes, 4 * static_cast<std::size_t>(p.max_pairs()));
   EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cpu()), 0u) << "the CPU reference needs no workspace";
   EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cuda(0)), forward_workspace_layout(p, DType::kBF16).total_bytes);

@@ -142,7 +142,43 @@ TEST_P(TokenRoundingInvariants, Hold) {
   // The buffer bound holds.
   MoEProblem pb;
   pb.T = c.T, pb.E = c.E, pb.K = c.K, pb.d = 1, pb.n = 1, pb.tile_m = c.M, pb.routing = RoutingMode::kTokenRounding;
+  pb.rounding = c.rule;  // the bound depends on the rule
   EXPECT_LE(static_cast<std::int64_t>(P), pb.max_pairs());
+}
+
+// The buffer bound of each rule, and that it is reached: T = 10 tokens, E = 2, K = 1, M = 8; tokens 0-4 prefer
+// expert 0 and 5-9 expert 1, so f = (5, 5). Nearest rounds both up to 8 (8 - 5 = 3 = M/2 - 1 < 5 - 0): 16 pairs,
+// exactly T*K + E*(M/2 - 1). Up gives the same 16 (its bound, T*K + E*(M - 1) = 24, is capped at T*E = 20); down
+// keeps nothing (bound T*K).
+TEST(TokenRounding, PairBoundOfEachRuleHoldsAndNearestsIsReached) {
+  const std::int64_t T = 10, E = 2, K = 1, M = 8;
+  std::vector<double> z(T * E);
+  for (std::int64_t t = 0; t < T; ++t) {
+    z[t * E + 0] = t < 5 ? 1.0 + 0.01 * t : -1.0 - 0.01 * t;
+    z[t * E + 1] = -z[t * E + 0];
+  }
+  MoEProblem pb;
+  pb.T = T, pb.E = E, pb.K = K, pb.d = 1, pb.n = 1, pb.tile_m = M, pb.routing = RoutingMode::kTokenRounding;
+  const std::pair<RoundingRule, std::int64_t> expected[] = {
+      {RoundingRule::kNearest, 16}, {RoundingRule::kUp, 16}, {RoundingRule::kDown, 0}};
+  for (const auto& [rule, pairs] : expected) {
+    pb.rounding = rule;
+    const auto tr = ref::token_rounding(ScoreVariant::kSoftmaxOverTopK, rule, M, z.data(), T, E, K);
+    EXPECT_EQ(static_cast<std::int64_t>(tr.token.size()), pairs) << rounding_rule_name(rule);
+    EXPECT_LE(static_cast<std::int64_t>(tr.token.size()), pb.max_pairs()) << rounding_rule_name(rule);
+  }
+  pb.rounding = RoundingRule::kNearest;
+  EXPECT_EQ(pb.max_pairs(), T * K + E * (M / 2 - 1)) << "reached above";
+  pb.rounding = RoundingRule::kUp;
+  EXPECT_EQ(pb.max_pairs(), T * E) << "T*K + E*(M - 1) = 24, capped at T*E";
+  pb.rounding = RoundingRule::kDown;
+  EXPECT_EQ(pb.max_pairs(), T * K);
+  // 7B (T, E, K) = (24576, 128, 8) at M = 128: nearest reserves E*63 pairs over T*K, up E*127.
+  pb.T = 24576, pb.E = 128, pb.K = 8, pb.tile_m = 128;
+  pb.rounding = RoundingRule::kNearest;
+  EXPECT_EQ(pb.max_pairs(), 24576 * 8 + 128 * 63);
+  pb.rounding = RoundingRule::kUp;
+  EXPECT_EQ(pb.max_pairs(), 24576 * 8 + 128 * 127);
 }
 
 INSTANTIATE_TEST_SUITE_P(

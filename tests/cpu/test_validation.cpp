@@ -119,7 +119,7 @@ Enum bad_enum(int v) {
   return static_cast<Enum>(v);  // well defined: the enums have the fixed underlying type int
 }
 
-const int kBadCodes[] = {-1, 7, 77, 99, 1 << 16, INT_MAX, INT_MIN};
+const int kBadCodes[] = {-1, 8, 77, 99, 1 << 16, INT_MAX, INT_MIN};
 
 TEST(Validation, EveryOptionFieldOutOfRangeIsNamed) {
   struct Field {
@@ -129,8 +129,9 @@ TEST(Validation, EveryOptionFieldOutOfRangeIsNamed) {
     std::function<void(MoEProblem&, int)> set;
   };
   const Field fields[] = {
-      {"problem.activation", 7,
-       "one of {swiglu = 0, geglu = 1, reglu = 2, relu_squared = 3, relu = 4, gelu = 5, silu = 6}",
+      {"problem.activation", 8,
+       "one of {swiglu = 0, geglu = 1, reglu = 2, relu_squared = 3, relu = 4, gelu = 5, silu = 6, "
+       "gptoss_swiglu = 7}",
        [](MoEProblem& p, int v) { p.activation = bad_enum<Activation>(v); }},
       {"problem.weight_layout", 2, "one of {interleaved = 0, concatenated = 1}",
        [](MoEProblem& p, int v) { p.weight_layout = bad_enum<WeightLayout>(v); }},
@@ -192,7 +193,7 @@ TEST(Validation, OptionCodesConvertOnlyTheirValues) {
   EXPECT_EQ(rounding_rule_from_code(0, "op", "rounding"), RoundingRule::kNearest);
   EXPECT_EQ(cache_mode_from_code(1, "op", "cache"), CacheMode::kInputOnly);
   // 2^32 + c narrowed to int is c, a valid code: the 64-bit value itself must be rejected.
-  const std::int64_t wide[] = {-1, 7, std::int64_t{1} << 32, (std::int64_t{1} << 32) + 1, (std::int64_t{1} << 32) + 2,
+  const std::int64_t wide[] = {-1, 8, std::int64_t{1} << 32, (std::int64_t{1} << 32) + 1, (std::int64_t{1} << 32) + 2,
                                std::int64_t{INT_MAX} + 1, INT64_MAX, INT64_MIN};
   for (std::int64_t v : wide) {
     const std::string got = "got " + std::to_string(v);

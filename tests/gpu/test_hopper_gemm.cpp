@@ -108,10 +108,23 @@ struct UpCase {
   WeightLayout layout;
   bool bias;
   bool store_h;
+  double swiglu_limit = kGptOssSwiGLULimit;  // gptoss_swiglu only (its alpha: kGptOssTestAlpha)
 };
 
+/// gptoss_swiglu in these tests: alpha not gpt-oss's 1.702, so that a kernel ignoring the parameter fails, and a
+/// limit of 1.25 on pre-activations of size ~1, so that about a tenth of the gate values and a quarter of the up values
+/// are clamped (1.25 is a bf16 value: H given in bf16 also lands exactly on the limit).
+constexpr double kGptOssTestAlpha = 1.45, kGptOssTestLimit = 1.25;
+
+/// gpt-oss's A from (gate, up), written as HF does (exp, min/max), independently of activation.hpp.
+double gptoss_ref(double gate, double up, double limit) {
+  const double g = std::min(gate, limit), u = std::max(-limit, std::min(up, limit));
+  return (u + 1.0) * g / (1.0 + std::exp(-kGptOssTestAlpha * g));
+}
+
 std::string up_case_name(const testing::TestParamInfo<UpCase>& i) {
-  return std::string(activation_name(i.param.act)) + "_" + weight_layout_name(i.param.layout) +
+  return std::string(activation_name(i.param.act)) +
+         (i.param.swiglu_limit != kGptOssSwiGLULimit ? "_clamped" : "") + "_" + weight_layout_name(i.param.layout) +
          (i.param.bias ? "_bias" : "_nobias") + (i.param.store_h ? "_H_and_A" : "_A_only");
 }
 
@@ -170,6 +183,8 @@ UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n
   a.out = uc.store_h ? dh.get() : nullptr, a.ld_out = ld_h;
   if (uc.bias) a.bias = db.get(), a.ld_bias = N;
   a.activation = uc.act;
+  if (uc.act == Activation::kGptOssSwiGLU)
+    a.act_alpha = static_cast<float>(kGptOssTestAlpha), a.act_limit = static_cast<float>(uc.swiglu_limit);
   a.act_out = da.get(), a.ld_act = ld_a;
 
   UpResult r;
@@ -201,8 +216,11 @@ UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n
         r.h_ref[g * N + c] = acc;
       }
       for (std::int64_t j = 0; j < act_cols; ++j)
-        r.a_ref[g * act_cols + j] = glu ? act_ref(uc.act, r.h_ref[g * N + 2 * j]) * r.h_ref[g * N + 2 * j + 1]
-                                        : act_ref(uc.act, r.h_ref[g * N + j]);
+        r.a_ref[g * act_cols + j] =
+            uc.act == Activation::kGptOssSwiGLU
+                ? gptoss_ref(r.h_ref[g * N + 2 * j], r.h_ref[g * N + 2 * j + 1], uc.swiglu_limit)
+            : glu ? act_ref(uc.act, r.h_ref[g * N + 2 * j]) * r.h_ref[g * N + 2 * j + 1]
+                  : act_ref(uc.act, r.h_ref[g * N + j]);
     }
   return r;
 }
@@ -255,11 +273,14 @@ TEST_P(HopperUpProjection, MatchesFloat64AndTheReferenceGemm) {
 std::vector<UpCase> up_cases() {
   std::vector<UpCase> v;
   for (Activation a : {Activation::kSwiGLU, Activation::kGeGLU, Activation::kReGLU, Activation::kReLUSquared,
-                       Activation::kReLU, Activation::kGELU, Activation::kSiLU})
+                       Activation::kReLU, Activation::kGELU, Activation::kSiLU, Activation::kGptOssSwiGLU})
     for (WeightLayout l : {WeightLayout::kInterleaved, WeightLayout::kConcatenated}) {
       if (!is_glu(a) && l == WeightLayout::kConcatenated) continue;
       for (bool bias : {false, true})
-        for (bool h : {true, false}) v.push_back({a, l, bias, h});
+        for (bool h : {true, false}) {
+          v.push_back({a, l, bias, h});
+          if (a == Activation::kGptOssSwiGLU) v.push_back({a, l, bias, h, kGptOssTestLimit});  // clamps active
+        }
     }
   return v;
 }
@@ -572,6 +593,7 @@ struct DhResult {
   std::vector<double> dh, ap, ds, dh_ref, ap_ref, ds_ref;  // ds: per pair, the sum of its partials
   std::vector<unsigned char> raw_dh, raw_ap, raw_ds;
   bool tails_untouched = true, canaries = true;
+  std::int64_t clamped = 0, at_limit = 0;  // gptoss_swiglu: (gate, up) pairs with a value beyond / exactly at a limit
 };
 
 /// The dH kernel over `lengths` segments: T tokens of dO (T x d), W2 (E, d, n) read in place (stride 1 along n),
@@ -580,7 +602,8 @@ struct DhResult {
 /// make its dS partial NaN) and of dH and A' (checked untouched). The dS partials are exactly ceil(n / 64) per pair,
 /// with the buffer's canary right after the last pair's.
 DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, const std::vector<int>& lengths,
-                std::uint32_t seed, bool reference = false, bool with_expectation = true, std::int64_t guard = 0) {
+                std::uint32_t seed, bool reference = false, bool with_expectation = true, std::int64_t guard = 0,
+                double swiglu_limit = kGptOssSwiGLULimit) {
   std::mt19937 rng(seed);
   const std::int64_t E = static_cast<std::int64_t>(lengths.size());
   const bool glu = is_glu(act);
@@ -618,6 +641,8 @@ DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, 
   a.b.ptr = dw.get(), a.b.expert_stride = d * ldw, a.b.stride_col = 1, a.b.stride_k = ldw;
   a.epilogue = Epilogue::kActivationGrad;
   a.activation = act;
+  if (act == Activation::kGptOssSwiGLU)
+    a.act_alpha = static_cast<float>(kGptOssTestAlpha), a.act_limit = static_cast<float>(swiglu_limit);
   a.out = ddh.get(), a.ld_out = ldh;
   a.act_out = dapr.get(), a.ld_act = ldw;
   a.h_in = dhin.get(), a.ld_h = ldh;
@@ -658,7 +683,15 @@ DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, 
         for (std::int64_t k = 0; k < d; ++k) dap += dor[k] * w2[(e * d + k) * n + j];
         const double* hr = &h[static_cast<std::size_t>(g * rows)];
         double a_val;
-        if (glu) {
+        if (act == Activation::kGptOssSwiGLU) {  // math::glu_backward in float64 (CPU-tested against the formula)
+          const math::GluGrad<double> f = math::glu_backward<Activation::kGptOssSwiGLU>(
+              hr[2 * j], hr[2 * j + 1], sc * dap, math::ActParams<double>{kGptOssTestAlpha, swiglu_limit});
+          a_val = f.value;
+          r.dh_ref[g * rows + 2 * j] = f.d_gate;
+          r.dh_ref[g * rows + 2 * j + 1] = f.d_up;
+          r.at_limit += hr[2 * j] == swiglu_limit || std::fabs(hr[2 * j + 1]) == swiglu_limit;
+          r.clamped += hr[2 * j] > swiglu_limit || std::fabs(hr[2 * j + 1]) > swiglu_limit;
+        } else if (glu) {
           const auto f = math::act_value_and_derivative(act, hr[2 * j]);
           a_val = f.value * hr[2 * j + 1];
           r.dh_ref[g * rows + 2 * j] = sc * dap * hr[2 * j + 1] * f.derivative;
@@ -712,10 +745,42 @@ TEST_P(HopperDhKernel, MatchesFloat64AndTheReferenceGemm) {
 INSTANTIATE_TEST_SUITE_P(AllActivations, HopperDhKernel,
                          testing::Values(Activation::kSwiGLU, Activation::kGeGLU, Activation::kReGLU,
                                          Activation::kReLUSquared, Activation::kReLU, Activation::kGELU,
-                                         Activation::kSiLU),
+                                         Activation::kSiLU, Activation::kGptOssSwiGLU),
                          [](const testing::TestParamInfo<Activation>& i) {
                            return std::string(activation_name(i.param));
                          });
+
+// gptoss_swiglu with its clamps active (limit 1.25 on H ~ N(0, 1) in bf16): H is an input here, so the kernel and the
+// float64 expectation see the same values, those exactly on the limit included (torch passes the gradient there).
+TEST(HopperDhKernelProperties, GptOssClampsMatchFloat64AndTheReferenceGemm) {
+  REQUIRE_GPU();
+  gpu::set_hopper_backward_enabled(true);
+  const Activation act = Activation::kGptOssSwiGLU;
+  for (auto [d, n] : {std::pair<std::int64_t, std::int64_t>{320, 256}, {64, 128}, {1024, 384}}) {
+    SCOPED_TRACE("d " + std::to_string(d) + " n " + std::to_string(n));
+    const DhResult ref = run_dh(act, 300, d, n, kEdgeLengths, 53, true, true, 0, kGptOssTestLimit);
+    EXPECT_GT(ref.clamped * 5, static_cast<std::int64_t>(ref.ap.size())) << "too few clamped values to test";
+    EXPECT_GT(ref.at_limit, 0) << "no H value exactly on the limit";
+    EXPECT_LT(rel_error(ref.dh, ref.dh_ref), 1e-2) << "GPU reference GEMM";
+    EXPECT_LT(rel_error(ref.ap, ref.ap_ref), 1e-2) << "GPU reference GEMM";
+    EXPECT_LT(rel_error(ref.ds, ref.ds_ref), 1e-2) << "GPU reference GEMM";
+    for_each_tile([&, d = d, n = n] {
+      const DhResult fast = run_dh(act, 300, d, n, kEdgeLengths, 53, false, true, 0, kGptOssTestLimit);
+      for (double v : fast.dh) ASSERT_FALSE(std::isnan(v)) << "a dH element was not written";
+      EXPECT_TRUE(fast.canaries);
+      EXPECT_TRUE(fast.tails_untouched);
+      EXPECT_LT(rel_error(fast.dh, fast.dh_ref), 1e-2);
+      EXPECT_LT(rel_error(fast.ap, fast.ap_ref), 1e-2);
+      EXPECT_LT(rel_error(fast.ds, fast.ds_ref), 1e-2);
+      EXPECT_LT(rel_error(fast.dh, ref.dh), 1e-2);
+      // Clamped elements get exactly zero gradient on both paths.
+      for (std::size_t i = 0; i < fast.dh.size(); ++i)
+        if (fast.dh_ref[i] == 0.0) {
+          ASSERT_EQ(fast.dh[i], 0.0) << "element " << i;
+        }
+    });
+  }
+}
 
 TEST(HopperDhKernelProperties, ManyExpertsSingleRowsAndOneToken) {
   REQUIRE_GPU();

@@ -23,7 +23,7 @@ SWIGLU, INTERLEAVED, SOFTMAX_TOPK, TOPK, TOKEN_ROUNDING, CALLER, NEAREST, PREACT
 # conversion; INT64_MIN and INT64_MAX are the extremes.
 BAD_OPTIONS = {
     "top_k": [0, -1, E + 1, 2**32 + K, INT64_MAX, INT64_MIN],
-    "activation": [-1, 7, 77, 99, 2**31, 2**32, INT64_MAX, INT64_MIN],
+    "activation": [-1, 8, 77, 99, 2**31, 2**32, INT64_MAX, INT64_MIN],
     "weight_layout": [-1, 2, 2**32 + 1, INT64_MAX, INT64_MIN],
     "score": [-1, 3, 2**32, INT64_MAX, INT64_MIN],
     "routing": [-1, 3, 77, 2**32, 2**32 + CALLER, INT64_MAX, INT64_MIN],
@@ -222,7 +222,7 @@ BAD_NBYTES = {
     "E": [0, -1, 65537, 2**32 + E, INT64_MAX, INT64_MIN],
     "K": [0, -1, E + 1, 2**32 + K, INT64_MAX, INT64_MIN],
     "num_pairs": [-1, 2**31, INT64_MAX, INT64_MIN],
-    "activation": [-1, 7, 99, 2**32, INT64_MAX, INT64_MIN],
+    "activation": [-1, 8, 99, 2**32, INT64_MAX, INT64_MIN],
     "score": [-1, 3, 2**32, INT64_MAX, INT64_MIN],
     "routing": [-1, 3, 77, 2**32 + CALLER, INT64_MAX, INT64_MIN],
     "tile": [0, -8, 12, 4104, 2**32 + 128, INT64_MAX, INT64_MIN],

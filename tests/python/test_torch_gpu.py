@@ -284,8 +284,11 @@ graph.replay()
 graph.replay()
 torch.cuda.synchronize()
 for n, b in bufs.items():
-    err = ((b.double() - 2 * once[n].double()).norm() / (2 * once[n].double()).norm()).item()
-    assert err < 1e-5, (n, err)
+    ref = 2 * once[n].double()
+    diff, scale = (b.double() - ref).norm().item(), ref.norm().item()
+    # With K = 1 the score is softmax over one logit, 1 for every router weight, so the router's gradient is exactly
+    # zero: then the replays must leave exact zeros (a relative error would be 0 / 0).
+    assert (diff == 0.0) if scale == 0.0 else diff / scale < 1e-5, (n, diff, scale)
 print("main_grad graph step: ok")
 """
 

@@ -181,7 +181,7 @@ __device__ __forceinline__ void tma_load_3d_multicast(const CUtensorMap* map, st
 /// One arrival on the barrier at the same offset in CTA `cta_rank` of the cluster. Release at CTA scope (the
 /// default) is all a consumer's "stage read" signal needs: the WGMMAs that read the stage have completed (wait_group)
 /// before it. A .release.cluster arrival adds a cluster-scope fence to every k-block; it made the 2-CTA kernel 1.6x
-/// slower than the cluster-free one (docs/BENCHMARKS.md).
+/// slower than the cluster-free one (docs/BENCHMARK_HISTORY.md).
 __device__ __forceinline__ void mbar_arrive_cluster(std::uint64_t* bar, std::uint32_t cta_rank) {
   std::uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(cta_rank));

@@ -126,6 +126,7 @@ void launch_up(Activation act, const hopper::UpProjectionParams& p, int sms, cud
     case Activation::kReLU: return launch_up_projection<Tile, Activation::kReLU>(p, sms, stream);
     case Activation::kGELU: return launch_up_projection<Tile, Activation::kGELU>(p, sms, stream);
     case Activation::kSiLU: return launch_up_projection<Tile, Activation::kSiLU>(p, sms, stream);
+    case Activation::kGptOssSwiGLU: return launch_up_projection<Tile, Activation::kGptOssSwiGLU>(p, sms, stream);
   }
 }
 
@@ -140,6 +141,7 @@ void launch_dh(Activation act, const hopper::DhKernelParams& p, int sms, cudaStr
     case Activation::kReLU: return launch_dh_kernel<Tile, Activation::kReLU>(p, sms, stream);
     case Activation::kGELU: return launch_dh_kernel<Tile, Activation::kGELU>(p, sms, stream);
     case Activation::kSiLU: return launch_dh_kernel<Tile, Activation::kSiLU>(p, sms, stream);
+    case Activation::kGptOssSwiGLU: return launch_dh_kernel<Tile, Activation::kGptOssSwiGLU>(p, sms, stream);
   }
 }
 
@@ -179,6 +181,10 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
   if (a.N > (std::int64_t{1} << 30) || a.K > (std::int64_t{1} << 30)) return "N or K of 2^30 or more";
   if (a.E <= 0 || a.E > (1 << 30)) return "E out of range";
   if (a.P_max >= (std::int64_t{1} << 31)) return "more than 2^31 - 1 routed rows";
+  // The persistent schedulers number output tiles with int: every expert's partial last M-tile included, the count
+  // is at most (P_max / 128 + E) M-tiles times the N-tiles of the narrowest tile.
+  if ((a.P_max / 128 + a.E) * tiles_of(a.N, hopper::kMinTileN) >= (std::int64_t{1} << 31))
+    return "more than 2^31 - 1 output tiles";
   const ExpertOperand& b = a.b;
   // K-major weights (stride 1 along K: the forward's W1 and W2) or MN-major (stride 1 along N: the backward reads
   // W1 for dX~ in place).
@@ -306,6 +312,7 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
     p.epilogue.concatenated = main.b_concatenated;
     p.epilogue.glu_n = main.glu_n;
     p.epilogue.N = static_cast<int>(a.N);
+    p.epilogue.act_alpha = a.act_alpha, p.epilogue.act_limit = a.act_limit;
     if (tiles.tile_n == 256)
       launch_up<hopper::Tile128x256CooperativeCluster2>(a.activation, p, sm_count, stream);
     else
@@ -322,6 +329,7 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
     // The reference's layout: one per 64 columns of A, ceil(n / 64) per pair (launch_ds_reduce reads that many).
     p.epilogue.ds_tiles = static_cast<int>(tiles_of(a.N, kDsTileN));
     p.epilogue.N = static_cast<int>(a.N);
+    p.epilogue.act_alpha = a.act_alpha, p.epilogue.act_limit = a.act_limit;
     if (tiles.tile_n == 256)
       launch_dh<hopper::Tile128x256Cooperative>(a.activation, p, sm_count, stream);
     else

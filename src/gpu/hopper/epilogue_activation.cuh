@@ -48,6 +48,7 @@ struct EpilogueActivation {
     const std::int64_t col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
     const std::int64_t act_col0 = static_cast<std::int64_t>(c.n_tile) * kActCols;
     if constexpr (Variant::kBias) Staging::template add_bias<concat>(p.bias, p.glu_n, p.N, acc, c, quad);
+    const math::ActParams<float> ap{p.act_alpha, p.act_limit};  // read only by gptoss_swiglu
 
     CUTE_UNROLL
     for (int m = 0; m < Staging::kRowAtoms; ++m) {
@@ -72,12 +73,12 @@ struct EpilogueActivation {
               if constexpr (concat) {  // A columns j, j+1 = col, col + 1
                 if (v2 < kHalfBlocks && (8 * v2) / kPassCols == pass)
                   Staging::put2(st, r, col - pass * kPassCols,
-                                fast_activation<kAct>(value(0, v1, v2)) * value(0, v1, v2 + kHalfBlocks),
-                                fast_activation<kAct>(value(1, v1, v2)) * value(1, v1, v2 + kHalfBlocks));
+                                fast_glu<kAct>(value(0, v1, v2), value(0, v1, v2 + kHalfBlocks), ap),
+                                fast_glu<kAct>(value(1, v1, v2), value(1, v1, v2 + kHalfBlocks), ap));
               } else if constexpr (kGlu) {  // A column col / 2 = 4 v2 + quad
                 if ((4 * v2) / kPassCols == pass)
                   st.staged[Staging::staged_index(r, col / 2 - pass * kPassCols)] =
-                      __float2bfloat16_rn(fast_activation<kAct>(value(0, v1, v2)) * value(1, v1, v2));
+                      __float2bfloat16_rn(fast_glu<kAct>(value(0, v1, v2), value(1, v1, v2), ap));
               } else {
                 if ((8 * v2) / kPassCols == pass)
                   Staging::put2(st, r, col - pass * kPassCols, fast_activation<kAct>(value(0, v1, v2)),

@@ -1,7 +1,8 @@
 // The activation-gradient epilogue of the backward's dH kernel (docs/SPEC.md §3.2), run by the consumer warpgroup
 // that computed the tile. The accumulator holds dA' = gather(dO) W2_e^T for kTileN columns j of A; with H (the
 // forward's pre-activation, gate/up-interleaved) and the pair's score s it writes, from the same fp32 values:
-//   dH  = act'(H) (s dA')     (GLU: d gate = s dA' up f'(gate), d up = s dA' f(gate)); bf16, interleaved like H
+//   dH  = act'(H) (s dA')     (GLU: math::glu_backward, e.g. d gate = s dA' up f'(gate), d up = s dA' f(gate));
+//                             bf16, interleaved like H
 //   A'  = s A, A = act(H)     (the dW2 GEMM's operand; bf16)
 //   dS partials: <dA', A> over each 64-column block of the tile, one fp32 per (pair, block), reduced later in a
 //   fixed order (launch_ds_reduce), so dS is deterministic without atomics.
@@ -10,9 +11,12 @@
 // operands, about one mainloop ahead; the epilogue then reads H from L2 into registers, one pass of staged columns
 // at a time (8 bytes per thread and row for a GLU, the gate/up pairs of its two accumulator columns; 4 bytes
 // otherwise): a quad of lanes covers 32 contiguous bytes of a row, so every sector is used whole. The loads of a
-// pass are issued together before any is used. Under the ping-pong schedule the other consumer warpgroup's
-// mainloop keeps the tensor cores busy meanwhile; under the cooperative one (the default where n is a multiple of
-// 256) nothing does, and the epilogue is exposed (docs/BENCHMARKS.md: 0.4-0.75 of cuBLAS's plain GEMM).
+// pass are issued together before any is used. They are plain loads, not the read-only path (ld.global.nc): dH may
+// overwrite H in place (input-only mode, memory.hpp), which is safe because a pass reads exactly the H columns whose
+// dH it then stores, every element before its own store, and no other tile touches them. Under the ping-pong
+// schedule the other consumer warpgroup's mainloop keeps the tensor cores busy meanwhile; under the cooperative one
+// (used where d is large) nothing does, and the epilogue is exposed (docs/BENCHMARKS.md: 0.4-0.75 of cuBLAS's plain
+// GEMM).
 //
 // Edge tiles (n not a multiple of kTileN): the accumulator's columns j >= n are exact zeros (W2's rows past n arrive
 // zero-filled by TMA, so dA' = sum_k dO[k] * 0), H is neither prefetched nor loaded past the row's valid columns
@@ -72,6 +76,7 @@ struct EpilogueActivationGrad {
     // Valid A columns of the tile: kTileN for a whole tile (every per-column test below passes), fewer for the edge
     // tile. The thread's columns col, col + 1 share validity (col even, n a multiple of 8).
     const int valid_j = p.N - j0 < kTileN ? static_cast<int>(p.N - j0) : kTileN;
+    const math::ActParams<float> ap{p.act_alpha, p.act_limit};  // read only by gptoss_swiglu
 
     CUTE_UNROLL
     for (int m = 0; m < Staging::kRowAtoms; ++m) {
@@ -113,10 +118,10 @@ struct EpilogueActivationGrad {
             const bool ok = h_row[v1] != nullptr && col < valid_j;
             if constexpr (kGlu) {
               uint2 v = make_uint2(0u, 0u);
-              if (ok) v = __ldg(reinterpret_cast<const uint2*>(h_row[v1] + 2 * col));
+              if (ok) v = *reinterpret_cast<const uint2*>(h_row[v1] + 2 * col);
               hv[v1][i][0] = v.x, hv[v1][i][1] = v.y;
             } else {
-              hv[v1][i][0] = ok ? __ldg(reinterpret_cast<const unsigned int*>(h_row[v1] + col)) : 0u;
+              hv[v1][i][0] = ok ? *reinterpret_cast<const unsigned int*>(h_row[v1] + col) : 0u;
             }
           }
         }
@@ -135,11 +140,11 @@ struct EpilogueActivationGrad {
               const float dap = value(v0, v1, v2), da = s * dap;
               if constexpr (kGlu) {
                 const __nv_bfloat162 gu = *reinterpret_cast<const __nv_bfloat162*>(&hv[v1][i][v0]);
-                const float gate = __low2float(gu), up = __high2float(gu);
-                const math::ActValue<float> f = math::act_value_and_derivative<kAct, FastMath>(gate);
-                a_val[v0] = f.value * up;
-                d_hi[v0][0] = da * up * f.derivative;
-                d_hi[v0][1] = da * f.value;
+                const math::GluGrad<float> f =
+                    math::glu_backward<kAct, FastMath>(__low2float(gu), __high2float(gu), da, ap);
+                a_val[v0] = f.value;
+                d_hi[v0][0] = f.d_gate;
+                d_hi[v0][1] = f.d_up;
               } else {
                 const __nv_bfloat162 hh = *reinterpret_cast<const __nv_bfloat162*>(&hv[v1][i][0]);
                 const float h = v0 == 0 ? __low2float(hh) : __high2float(hh);

@@ -111,7 +111,10 @@ struct EpilogueWgrad {
     using Out = std::conditional_t<kFp32, float, __nv_bfloat16>;
     // Accumulating a tile without rows adds nothing: its output stays bitwise as it was (also -0 and NaN payloads).
     if (Variant::kAccumulate && c.k_tiles == 0) return;  // uniform across the warpgroup
-    // No k-block: the accumulator holds the previous tile's values (the mainloop leaves it alone), zeros are stored.
+    // No k-block: the accumulator holds the previous tile's values (the mainloop leaves it alone; on a CTA's first
+    // tile, whatever the registers held, as the WGMMA's first scale-d = 0 step would read too), and zeros are stored
+    // by selecting them below. Clearing the accumulator instead (cute::clear) is a non-WGMMA write to its registers,
+    // which makes ptxas serialise every wgmma of the kernel (warning C7515), so the select stays.
     const bool empty = c.k_tiles == 0;
     const int warp = wg_thread / 32, lane = wg_thread % 32;
     const int quad = lane % 4, row_in_warp = lane / 4;

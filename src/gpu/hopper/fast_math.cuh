@@ -21,4 +21,10 @@ __device__ __forceinline__ float fast_activation(float x) {
   return math::act_value<act, FastMath>(x);
 }
 
+/// A = f(gate') u(up') of a GLU activation as the Hopper epilogues compute it (math::glu_forward).
+template <Activation act>
+__device__ __forceinline__ float fast_glu(float gate, float up, const math::ActParams<float>& p) {
+  return math::glu_forward<act, FastMath>(gate, up, p);
+}
+
 }  // namespace machmoe::gpu::hopper

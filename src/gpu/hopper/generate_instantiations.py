@@ -22,6 +22,7 @@ ACTIVATIONS = {  # enum value of include/machmoe/problem.hpp -> file-name suffix
     "kReLU": "relu",
     "kGELU": "gelu",
     "kSiLU": "silu",
+    "kGptOssSwiGLU": "gptoss_swiglu",
 }
 
 # (family, tile configuration of tile_config.hpp, file-name stem). dispatch.cpp picks among them (heuristics.hpp).

@@ -48,17 +48,21 @@ std::string wgrad_shape_unsupported_reason(std::int64_t M, std::int64_t N);
 constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { return tiles_of(N, tile) * tile - N; }
 
 /// The tile and rasterisation for a shape the kernels take (N a multiple of kExtentGranule). Measured on an H200
-/// (docs/BENCHMARKS.md; docs/SPEC.md §6.2 was the starting point): the 128 x 256 cooperative tile halves the
+/// (docs/BENCHMARK_HISTORY.md; docs/SPEC.md §6.2 was the starting point): the 128 x 256 cooperative tile halves the
 /// operand bytes per FLOP through L2 and shared memory, which the gathered up-projection needs (7B-256: 614 TFLOP/s
 /// against 515 with 128 x 128 ping-pong); for the down-projection it measured equal (n >= 512) or 2-4 % faster
 /// (n = 256). 128 x 128 ping-pong serves N that is a multiple of 128 but not of 256 (and a forced 128). Groups of
-/// 2-8 M-tiles measured no better than running along N. The dH kernel takes the same rule today; measured on an
-/// H200 (docs/BENCHMARKS.md, 2026-11-23 evening) 128 x 128 ping-pong is 4-7 % faster for it where d <= 1536 and
-/// 128 x 256 is 15-25 % faster where d = 4096, so choosing by K for that family is the next step.
+/// 2-8 M-tiles measured no better than running along N. The dH kernel chooses by K = d as well: measured on an
+/// H200 (docs/BENCHMARK_HISTORY.md, 2026-11-23 evening) 128 x 128 ping-pong is 4-7 % faster for it where
+/// d <= 1536 and 128 x 256 is 15-25 % faster where d = 4096; kDhPingPongMaxK sits between the measured sizes, and
+/// the dH kernel takes the ping-pong tile for K <= kDhPingPongMaxK whatever N.
 /// N that is no multiple of 128 (edge tiles): the tile that pads the fewest columns, the wide one on a tie
 /// (N = 256 q + r: 256 iff r > 128, i.e. ceil(N / 128) even; N = 2880 = 11 x 256 + 64 takes 128, padding 64 columns
 /// of 2944 where 256 would pad 192 of 3072). A forced tile (overrides.tile_n = 128 or 256) is honoured for every N.
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
+
+/// The largest K (= d) for which the dH kernel takes the ping-pong tile.
+inline constexpr std::int64_t kDhPingPongMaxK = 2048;
 
 /// A weight-gradient GEMM (varlen-K): per expert an M x N output, the reduction over the expert's grouped rows.
 struct WgradShape {
@@ -67,8 +71,8 @@ struct WgradShape {
 };
 
 /// The tile of a weight-gradient GEMM: 128 x 256 cooperative (tile_n 256) when N is a multiple of 256 and that tile
-/// still gives every SM a tile, else 128 x 128 ping-pong. Why (measured on the H200, docs/BENCHMARKS.md: 128 x 128 is
-/// 30-45 % slower on every main configuration): both operands come from shared memory and every k-block of 64 rows
+/// still gives every SM a tile, else 128 x 128 ping-pong. Why (measured on the H200, docs/BENCHMARK_HISTORY.md:
+/// 128 x 128 is 30-45 % slower on every main configuration): both operands come from shared memory and every k-block of 64 rows
 /// brings (128 + kTileN) x 64 bf16, so the wide tile needs 85 FLOP per byte of L2 and shared-memory traffic against 64
 /// for the square one (the forward measured the same trade: 614 against 515 TFLOP/s gathered). Its cost is an epilogue
 /// that no other warpgroup hides, small next to the 24 k-blocks of a 7B tile (1536 rows per expert). The square tile,

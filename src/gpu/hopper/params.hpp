@@ -74,6 +74,7 @@ struct EpilogueActivationParams {
   bool concatenated = false;
   int glu_n = 0;
   int N = 0;  // accumulator columns (2n or n): an edge tile reads the bias only below it
+  float act_alpha = 1.702f, act_limit = 7.0f;  // gptoss_swiglu's parameters; the other activations ignore them
 };
 
 /// dH = act'(H) (s dA'), A' = s act(H), dS partials (epilogue_activation_grad.cuh): the backward's dH kernel.
@@ -87,6 +88,7 @@ struct EpilogueActivationGradParams {
   float* ds_partial = nullptr;            // (pairs, ds_tiles): <dA', A> over each 64-column block of A
   int ds_tiles = 0;                       // ceil(n / 64): blocks at or past it (an edge tile's) are not written
   int N = 0;                              // n: A columns; an edge tile reads H only below it
+  float act_alpha = 1.702f, act_limit = 7.0f;  // gptoss_swiglu's parameters; the other activations ignore them
 };
 
 // ---- varlen-K (weight gradients) ------------------------------------------------------------------------------

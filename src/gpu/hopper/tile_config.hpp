@@ -28,7 +28,7 @@ struct Tile128x256Cooperative {
 
 /// The same in clusters of 2 CTAs along M: a cluster takes two M-adjacent tiles of one expert and N tile, and each
 /// CTA loads half of the shared weight tile and multicasts it to both (half the weight traffic from L2; measured
-/// equal on 1.4B/7B and 4 % faster on 120B (2048,64,4) than without clusters, docs/BENCHMARKS.md).
+/// equal on 1.4B/7B and 4 % faster on 120B (2048,64,4) than without clusters, docs/BENCHMARK_HISTORY.md).
 struct Tile128x256CooperativeCluster2 : Tile128x256Cooperative {
   static constexpr int kClusterM = 2;
 };

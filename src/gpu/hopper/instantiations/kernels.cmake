@@ -7,6 +7,7 @@ set(MACHMOE_HOPPER_KERNEL_SOURCES
   src/gpu/hopper/instantiations/up_128x128_pingpong_relu.cu
   src/gpu/hopper/instantiations/up_128x128_pingpong_gelu.cu
   src/gpu/hopper/instantiations/up_128x128_pingpong_silu.cu
+  src/gpu/hopper/instantiations/up_128x128_pingpong_gptoss_swiglu.cu
   src/gpu/hopper/instantiations/up_128x256_cooperative_cluster2_swiglu.cu
   src/gpu/hopper/instantiations/up_128x256_cooperative_cluster2_geglu.cu
   src/gpu/hopper/instantiations/up_128x256_cooperative_cluster2_reglu.cu
@@ -14,6 +15,7 @@ set(MACHMOE_HOPPER_KERNEL_SOURCES
   src/gpu/hopper/instantiations/up_128x256_cooperative_cluster2_relu.cu
   src/gpu/hopper/instantiations/up_128x256_cooperative_cluster2_gelu.cu
   src/gpu/hopper/instantiations/up_128x256_cooperative_cluster2_silu.cu
+  src/gpu/hopper/instantiations/up_128x256_cooperative_cluster2_gptoss_swiglu.cu
   src/gpu/hopper/instantiations/down_128x128_pingpong.cu
   src/gpu/hopper/instantiations/down_128x256_cooperative.cu
   src/gpu/hopper/instantiations/bwd_dh_128x128_pingpong_swiglu.cu
@@ -23,6 +25,7 @@ set(MACHMOE_HOPPER_KERNEL_SOURCES
   src/gpu/hopper/instantiations/bwd_dh_128x128_pingpong_relu.cu
   src/gpu/hopper/instantiations/bwd_dh_128x128_pingpong_gelu.cu
   src/gpu/hopper/instantiations/bwd_dh_128x128_pingpong_silu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x128_pingpong_gptoss_swiglu.cu
   src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_swiglu.cu
   src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_geglu.cu
   src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_reglu.cu
@@ -30,6 +33,7 @@ set(MACHMOE_HOPPER_KERNEL_SOURCES
   src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_relu.cu
   src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_gelu.cu
   src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_silu.cu
+  src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_gptoss_swiglu.cu
   src/gpu/hopper/instantiations/bwd_dx_128x128_pingpong.cu
   src/gpu/hopper/instantiations/bwd_dx_128x256_cooperative.cu
   src/gpu/hopper/instantiations/bwd_dw2_128x128_pingpong.cu

@@ -1,0 +1,404 @@
+"""python -m machmoe.benchmark.overhead: what the PyTorch module adds on top of the C++ layer (target T14,
+docs/TARGETS.md), both measured in one process on the same weights.
+
+For each configuration, `machmoe.MoE` (forward, and forward + backward through autograd) and the C++ layer itself
+(`torch.ops.machmoe.time_layer`: machmoe::forward / machmoe::backward on buffers allocated once, CUDA events in
+C++, no autograd and no Python, the method of machmoe-bench) are timed with CUDA events, median over warmed-up
+repetitions, with x and the upstream gradient drawn fresh (in place, outside the timed region) before every
+repetition. Two modes:
+
+* isolated (the T14 figure, machmoe-bench's method): the stream is synchronised before each timed region, so the
+  host's latency before the first kernel (Python, the dispatcher, autograd, validation) counts;
+* queued: the host queues every repetition ahead, so only GPU work counts (extra kernels, memsets, copies).
+
+The two sides alternate in rounds, so that clock drift falls on both. `--machmoe-bench PATH` also runs the C++
+benchmark binary per configuration in a subprocess as a cross-check of the in-process C++ timing. `--profile`
+lists the kernels and CUDA API calls of one repetition of each side (torch.profiler) and their difference, which
+is where an extra launch, memset or copy of the module shows up.
+"""
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Dict, List, Optional
+
+import torch
+
+from . import configs as C
+
+TARGET = 1.03  # T14: the module within 3 % of the C++ layer, forward and forward + backward
+MODES = ("isolated", "queued")
+PASSES = ("forward", "fwdbwd")
+EXIT_USAGE = 2
+EXIT_OVER_TARGET = 4
+
+
+# ---- arguments --------------------------------------------------------------------------------------------------
+
+def _shape(text: str) -> C.Config:
+    try:
+        T, d, n, E, K = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected T,d,n,E,K (five integers), got {text!r}") from None
+    if min(T, d, n, E, K) < 1 or K > E:
+        raise argparse.ArgumentTypeError(f"expected positive sizes with K <= E, got {text!r}")
+    return C.custom(f"custom-{T}-{d}-{n}-{E}-{K}", T, d, n, E, K)
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m machmoe.benchmark.overhead", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"exit status: 0 ok; 2 usage error; {EXIT_OVER_TARGET} some isolated ratio above --target")
+    p.add_argument("--configs", default="main",
+                   help="comma-separated configuration names or groups (default: the 12 main configurations)")
+    p.add_argument("--shape", type=_shape, action="append", default=[], metavar="T,d,n,E,K",
+                   help="an extra configuration by its sizes (repeatable); with --shape only, --configs is ignored "
+                        "unless given explicitly")
+    p.add_argument("--warmup", type=_nonnegative, default=5, help="untimed repetitions per round (default 5)")
+    p.add_argument("--iters", type=_positive, default=20, help="timed repetitions per round (default 20)")
+    p.add_argument("--rounds", type=_positive, default=2,
+                   help="rounds; each times both sides, alternating which goes first (default 2)")
+    p.add_argument("--modes", default="isolated,queued", help="isolated, queued or both (default both)")
+    p.add_argument("--target", type=float, default=TARGET, help=f"ratio the isolated figures must not exceed "
+                   f"(default {TARGET})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="machmoe-overhead.json", help="where the JSON goes")
+    p.add_argument("--machmoe-bench", default=None, metavar="PATH",
+                   help="also run this machmoe-bench binary per configuration (subprocess) as a cross-check")
+    p.add_argument("--profile", action="store_true",
+                   help="also list the kernels and CUDA API calls of one repetition of each side (torch.profiler) "
+                        "for the first configuration, and their difference")
+    return p
+
+
+def parse(argv: List[str]):
+    """The options, with the configurations resolved (ValueError for an unknown name or mode)."""
+    a = parser().parse_args(argv)
+    explicit_configs = any(x == "--configs" or x.startswith("--configs=") for x in argv)
+    cfgs = C.select(a.configs) if (explicit_configs or not a.shape) else []
+    a.config_list = cfgs + list(a.shape)
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if modes == ["both"]:
+        modes = list(MODES)
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"unknown mode(s) {bad or modes}; known: {', '.join(MODES)} (or both)")
+    a.mode_list = [m for m in MODES if m in modes]
+    if not a.target > 0:
+        raise ValueError(f"--target: expected a ratio > 0, got {a.target}")
+    return a
+
+
+# ---- measurement --------------------------------------------------------------------------------------------------
+
+def _median(xs: List[float]) -> float:
+    return statistics.median(xs)
+
+
+class Case:
+    """One configuration's module, inputs and the C++ layer's arguments, on one device."""
+
+    def __init__(self, cfg: C.Config, device: torch.device, dtype: torch.dtype, seed: int):
+        import machmoe
+        from machmoe._options import ACTIVATIONS, ACTIVATION_MEMORY, ROUNDINGS, ROUTINGS, SCORES, WEIGHT_LAYOUTS
+        torch.manual_seed(seed)
+        self.cfg = cfg
+        self.module = machmoe.MoE(cfg.d, cfg.n, cfg.E, cfg.K, device=device, dtype=dtype)
+        m = self.module
+        self.x = torch.empty(cfg.T, cfg.d, device=device, dtype=dtype).requires_grad_()
+        self.go = torch.empty(cfg.T, cfg.d, device=device, dtype=dtype)
+        # The C++ side writes fresh values into these in place (and the module side into x and go).
+        self.cx = torch.empty_like(self.go)
+        self.cgo = torch.empty_like(self.go)
+        self.codes = (cfg.K, ACTIVATIONS[m.activation], WEIGHT_LAYOUTS[m.weight_layout], SCORES[m.score],
+                      ROUTINGS[m.routing], ROUNDINGS[m.rounding], m.tile, ACTIVATION_MEMORY[m.activation_memory])
+
+    def refill(self) -> None:
+        with torch.no_grad():
+            self.x.normal_()
+            self.go.normal_()
+        self.module.zero_grad(set_to_none=True)  # AccumulateGrad then takes the new gradients without a copy
+        self.x.grad = None
+
+    def module_forward(self) -> None:
+        self.module(self.x)
+
+    def module_step(self) -> None:
+        self.module(self.x).output.backward(self.go)
+
+    def cpp(self, warmup: int, iters: int, isolated: bool) -> torch.Tensor:
+        m = self.module
+        with torch.no_grad():
+            return torch.ops.machmoe.time_layer(self.cx, m.router_weight.detach(), m.w1.detach(), m.w2.detach(),
+                                                self.cgo, *self.codes, warmup, iters, isolated)
+
+    def module_times(self, warmup: int, iters: int, isolated: bool) -> Dict[str, List[float]]:
+        """Module times per repetition (ms): forward, forward + backward; and the host time of one forward call
+        (perf_counter around the Python call: what the host spends before it returns)."""
+        events = []
+        host = []
+        for i in range(-warmup, iters):
+            self.refill()
+            e = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if i >= 0 else None
+            if isolated:
+                torch.cuda.current_stream().synchronize()
+            if e:
+                e[0].record()
+            t0 = time.perf_counter()
+            self.module_forward()
+            t1 = time.perf_counter()
+            if e:
+                e[1].record()
+            if isolated:
+                torch.cuda.current_stream().synchronize()
+            if e:
+                e[2].record()
+            self.module_step()
+            if e:
+                e[3].record()
+                events.append(e)
+                host.append((t1 - t0) * 1e3)
+        torch.cuda.current_stream().synchronize()
+        return {"forward": [e[0].elapsed_time(e[1]) for e in events],
+                "fwdbwd": [e[2].elapsed_time(e[3]) for e in events], "host_forward": host}
+
+
+def measure(case: Case, warmup: int, iters: int, rounds: int, mode: str) -> dict:
+    isolated = mode == "isolated"
+    mod: Dict[str, List[float]] = {"forward": [], "fwdbwd": [], "host_forward": []}
+    cpp: Dict[str, List[float]] = {"forward": [], "fwdbwd": []}
+    for r in range(rounds):
+        order = ("cpp", "module") if r % 2 == 0 else ("module", "cpp")
+        for side in order:
+            if side == "cpp":
+                t = case.cpp(warmup, iters, isolated)
+                cpp["forward"] += t[:, 0].tolist()
+                cpp["fwdbwd"] += t[:, 1].tolist()
+            else:
+                for k, v in case.module_times(warmup, iters, isolated).items():
+                    mod[k] += v
+    res = {"cpp": {f"{k}_ms": _median(v) for k, v in cpp.items()},
+           "module": {f"{k}_ms": _median(v) for k, v in mod.items()}, "samples": len(cpp["forward"])}
+    res["ratio"] = {k: res["module"][f"{k}_ms"] / res["cpp"][f"{k}_ms"] for k in PASSES}
+    return res
+
+
+def run_machmoe_bench(path: str, cfg: C.Config, warmup: int, iters: int) -> dict:
+    """machmoe-bench on the same configuration (its own weights, a fixed x; forward and backward timed apart)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bench.json")
+        cmd = [path, "--T", str(cfg.T), "--d", str(cfg.d), "--n", str(cfg.n), "--E", str(cfg.E), "--K", str(cfg.K),
+               "--warmup", str(warmup), "--iters", str(iters), "--json", out]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0 or not os.path.exists(out):
+            tail = " | ".join((p.stderr or p.stdout or "").strip().splitlines()[-3:])
+            return {"status": "failed", "error": f"exit status {p.returncode}: {tail}"[-600:]}
+        with open(out) as f:
+            doc = json.load(f)
+    r = doc[0] if isinstance(doc, list) else doc
+    return {"status": "ok", "forward_ms": r["forward_ms"], "backward_ms": r["backward_ms"],
+            "fwdbwd_ms": r["forward_ms"] + r["backward_ms"]}
+
+
+# ---- profile: kernels and CUDA API calls of one repetition --------------------------------------------------------
+
+# CUDA runtime/driver calls worth counting: launches, memory traffic the host asks for, allocation, waits.
+API_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemsetAsync",
+             "cudaMemset2DAsync", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaMalloc", "cudaFree",
+             "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def profile_counts(fn) -> dict:
+    """Runs fn() once under torch.profiler and counts its GPU activities (kernels, memsets, memcpys) by name and its
+    CUDA API calls by name."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    gpu, api = Counter(), Counter()
+    gpu_us: Counter = Counter()
+    for e in prof.events():
+        dev_type = str(getattr(e, "device_type", ""))
+        if dev_type.endswith("CUDA"):
+            gpu[e.name] += 1
+            gpu_us[e.name] += e.time_range.elapsed_us()
+        elif e.name in API_CALLS:
+            api[e.name] += 1
+    return {"gpu": dict(gpu), "gpu_us": {k: float(v) for k, v in gpu_us.items()}, "api": dict(api)}
+
+
+def profile_case(case: Case) -> dict:
+    """One repetition of each side, as measure() runs it: fresh inputs, a forward, a forward + backward."""
+    case.refill()
+    case.module_forward()
+    case.module_step()
+    case.cpp(0, 1, True)  # warm: first-call work (cuBLAS heuristics, descriptors) is not what is compared
+
+    def module_rep():
+        case.refill()
+        case.module_forward()
+        case.module_step()
+
+    return {"module": profile_counts(module_rep), "cpp": profile_counts(lambda: case.cpp(0, 1, False))}
+
+
+def count_diff(module: Dict[str, int], cpp: Dict[str, int]) -> Dict[str, int]:
+    """name -> module count - C++ count, for every name whose counts differ."""
+    return {k: module.get(k, 0) - cpp.get(k, 0) for k in sorted(set(module) | set(cpp))
+            if module.get(k, 0) != cpp.get(k, 0)}
+
+
+# ---- report ---------------------------------------------------------------------------------------------------------
+
+def verdict(entries: List[dict], target: float) -> dict:
+    """Isolated ratios above the target (the T14 criterion), as 'config pass ratio' lines."""
+    over = []
+    for e in entries:
+        r = e.get("results", {}).get("isolated")
+        if e.get("status") != "ok" or not r:
+            continue
+        for k in PASSES:
+            if r["ratio"][k] > target:
+                over.append(f"{e['config']['name']} {k} {r['ratio'][k]:.3f}")
+    failed = [f"{e['config']['name']}: {e.get('error')}" for e in entries if e.get("status") != "ok"]
+    return {"target": target, "over_target": over, "failed": failed, "met": not over and not failed}
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"Device: {doc['device'].get('name')}; torch {doc['versions'].get('torch')}; {doc['settings']['dtype']}; "
+             f"median of {doc['settings']['iters']} x {doc['settings']['rounds']} repetitions after "
+             f"{doc['settings']['warmup']} warm-up per round; {doc['date']}.", f"Command: `{doc['command']}`", "",
+             "| config | mode | C++ fwd ms | MoE fwd ms | fwd ratio | C++ fwd+bwd ms | MoE fwd+bwd ms | fwd+bwd ratio "
+             "| MoE host fwd ms |", "|---|---|---|---|---|---|---|---|---|"]
+    target = doc["verdict"]["target"]
+    for e in doc["configs"]:
+        name = e["config"]["name"]
+        if e.get("status") != "ok":
+            lines.append(f"| {name} | failed: {e.get('error')} | | | | | | | |")
+            continue
+        for mode, r in e["results"].items():
+            mark = lambda k: " ⚠" if mode == "isolated" and r["ratio"][k] > target else ""  # noqa: E731
+            lines.append(f"| {name} | {mode} | {r['cpp']['forward_ms']:.3f} | {r['module']['forward_ms']:.3f} | "
+                         f"{r['ratio']['forward']:.3f}{mark('forward')} | {r['cpp']['fwdbwd_ms']:.3f} | "
+                         f"{r['module']['fwdbwd_ms']:.3f} | {r['ratio']['fwdbwd']:.3f}{mark('fwdbwd')} | "
+                         f"{r['module']['host_forward_ms']:.3f} |")
+        b = e.get("machmoe_bench")
+        if b:
+            lines.append(f"| {name} | machmoe-bench | " + (
+                f"{b['forward_ms']:.3f} | | | {b['fwdbwd_ms']:.3f} | | | |" if b["status"] == "ok"
+                else f"{b['error']} | | | | | | |"))
+    v = doc["verdict"]
+    lines += ["", f"T14 (isolated ratios <= {target}): " + ("met" if v["met"] else
+              "not met: " + "; ".join(v["over_target"] + v["failed"]))]
+    prof = doc.get("profile")
+    if prof:
+        lines += ["", f"Profile of one repetition ({prof['config']}: fresh inputs, a forward, a forward + backward), "
+                      "module minus C++ (counts):"]
+        for what in ("gpu", "api"):
+            diff = prof["diff"][what]
+            lines.append(f"* {'GPU activities' if what == 'gpu' else 'CUDA API calls'}: " +
+                         (", ".join(f"{k}: {v:+d}" for k, v in diff.items()) if diff else "identical"))
+        lines.append("* GPU activities of the module's repetition: " + ", ".join(
+            f"{k} x{v}" for k, v in sorted(prof["module"]["gpu"].items(), key=lambda kv: -kv[1])))
+    return "\n".join(lines)
+
+
+def _versions() -> dict:
+    import platform
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        a = parse(argv)
+    except ValueError as e:
+        print(f"machmoe.benchmark.overhead: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if not torch.cuda.is_available():
+        print("machmoe.benchmark.overhead: needs a CUDA device (it times the GPU layer)", file=sys.stderr)
+        return EXIT_USAGE
+    import machmoe  # noqa: F401  (loads the operators)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    props = torch.cuda.get_device_properties(device)
+    doc = {"schema": 1, "command": "python -m machmoe.benchmark.overhead " + " ".join(shlex.quote(x) for x in argv),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": {"name": props.name, "capability": f"{props.major}.{props.minor}"}, "versions": _versions(),
+           "settings": {"dtype": "bf16", "warmup": a.warmup, "iters": a.iters, "rounds": a.rounds,
+                        "modes": a.mode_list, "seed": a.seed},
+           "definitions": {
+               "cpp": "torch.ops.machmoe.time_layer: machmoe::forward/backward on buffers allocated once, CUDA events "
+                      "recorded in C++ (machmoe-bench's method), same weights and inputs as the module",
+               "module": "machmoe.MoE(d, n, E, K) defaults; forward = module(x); fwdbwd = module(x).output.backward("
+                         "go) with x.requires_grad and .grad reset to None before each repetition",
+               "isolated": "stream synchronised before each timed region: host latency counts (T14's figure)",
+               "queued": "repetitions queued by the host ahead of the GPU: GPU work only",
+               "ratio": "module ms / C++ ms", "host_forward_ms": "perf_counter around the module's forward call"},
+           "configs": []}
+    for i, cfg in enumerate(a.config_list):
+        print(f"[{i + 1}/{len(a.config_list)}] {cfg.name} (T={cfg.T} d={cfg.d} n={cfg.n} E={cfg.E} K={cfg.K})",
+              file=sys.stderr, flush=True)
+        entry = {"config": cfg.as_dict(), "status": "ok", "results": {}}
+        case = None
+        try:
+            case = Case(cfg, device, dtype, a.seed)
+            for mode in a.mode_list:
+                entry["results"][mode] = measure(case, a.warmup, a.iters, a.rounds, mode)
+            if a.profile and "profile" not in doc:
+                prof = profile_case(case)
+                prof["config"] = cfg.name
+                prof["diff"] = {k: count_diff(prof["module"][k], prof["cpp"][k]) for k in ("gpu", "api")}
+                doc["profile"] = prof
+        except torch.OutOfMemoryError as e:
+            entry.update(status="out_of_memory", error=str(e).splitlines()[0][:300])
+        except Exception as e:  # recorded in its row (machmoe's ValueError for an unsupported shape, a CUDA error)
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            entry.update(status="failed", error=f"{type(e).__name__}: {first}")
+        finally:
+            del case
+            torch.cuda.empty_cache()
+        if a.machmoe_bench:
+            entry["machmoe_bench"] = run_machmoe_bench(a.machmoe_bench, cfg, a.warmup, a.iters)
+        doc["configs"].append(entry)
+        doc["verdict"] = verdict(doc["configs"], a.target)
+        with open(a.json, "w") as f:  # after every configuration: a crash loses at most the one in flight
+            json.dump(doc, f, indent=1)
+    doc["verdict"] = verdict(doc["configs"], a.target)
+    with open(a.json, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(markdown(doc))
+    print(f"\nmachmoe.benchmark.overhead: JSON {a.json}")
+    return 0 if doc["verdict"]["met"] else EXIT_OVER_TARGET
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+// Token rounding's kernels (src/gpu/token_rounding_kernels.cu) against the CPU reference (src/reference/
+// token_rounding.cpp, routing_metadata.cpp), launched directly: every rounding rule and score variant, E in
+// {1, 8, 128, 512, 600 (rows read from memory)}, K = 1 and K = E, T = 1, experts without tokens, T = 65536 (the
+// expert's column no longer fits in shared memory), skewed routing, padded logit rows, bitwise repeats.
+//
+// What must be exact: the per-expert counts (they depend on the top-K selection alone, which compares logits
+// exactly), and every metadata array, which must be what ref::build_routing_metadata builds from the kernel's own
+// pairs. The selection itself ranks fp32 keys computed on the device; the reference ranks the same quantities in
+// float64. They agree except where two candidates' keys are closer than fp32 rounding at an expert's boundary, so
+// a differing pair is accepted only when its float64 key is within 1e-5 (relative) of that expert's boundary key,
+// and the number of such pairs is bounded and printed; any other difference fails.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <set>
+
+#include "gpu/kernels.hpp"
+#include "gpu_support.hpp"
+#include "machmoe/memory.hpp"
+#include "reference/routing_metadata.hpp"
+#include "reference/token_rounding.hpp"
+
+namespace machmoe::test {
+namespace {
+
+struct TrKernelCase {
+  std::int64_t T, E, K, M;
+  RoundingRule rule;
+  ScoreVariant score;
+  DType dt;
+  double skew = 0.0;        // added to the logits of experts 0..2: most tokens choose them
+  std::int64_t row_pad = 0;  // logits row stride E + row_pad
+  const char* name = "";
+};
+
+template <class T>
+std::vector<T> download(const DeviceBuffer& b, std::size_t n) {
+  std::vector<T> v(n);
+  if (n) cudaMemcpy(v.data(), b.get(), n * sizeof(T), cudaMemcpyDeviceToHost);
+  return v;
+}
+
+/// Everything the forward kernels write, from one launch.
+struct TrOutputs {
+  std::vector<std::int32_t> counts, offsets, tiles, scatter, inverse, gather, token_offsets;
+  std::vector<float> scores;
+  bool canaries = true;
+};
+
+struct TrRun {
+  TrOutputs out;
+  std::vector<double> logits;  // as the kernels saw them (rounded to dt), (T, E) contiguous
+};
+
+TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
+  MoEProblem p;
+  p.T = c.T, p.E = c.E, p.K = c.K, p.d = 1, p.n = 1, p.routing = RoutingMode::kTokenRounding;
+  p.rounding = c.rule, p.tile_m = c.M, p.score = c.score;
+  const std::int64_t P = p.max_pairs(), ld = c.E + c.row_pad;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  std::vector<double> z(static_cast<std::size_t>(c.T * ld), 0.0);
+  for (std::int64_t t = 0; t < c.T; ++t)
+    for (std::int64_t e = 0; e < c.E; ++e) z[t * ld + e] = nd(rng) + (e < 3 ? c.skew : 0.0);
+  TrRun run;
+  const std::vector<double> zq = quantize(z, c.dt);
+  run.logits.resize(static_cast<std::size_t>(c.T * c.E));
+  for (std::int64_t t = 0; t < c.T; ++t)
+    for (std::int64_t e = 0; e < c.E; ++e) run.logits[t * c.E + e] = zq[t * ld + e];
+
+  const ForwardWorkspaceLayout wl = forward_workspace_layout(p, c.dt);
+  DeviceBuffer logits(encode(z, c.dt)), ws(wl.total_bytes);
+  DeviceBuffer counts(c.E * 4), offsets((c.E + 1) * 4), tiles((c.E + 1) * 4), scatter(P * 4), inverse(P * 4),
+      gather(P * 4), token_offsets((c.T + 1) * 4), scores(P * 4);
+  auto at = [&](const BufferRegion& r) { return static_cast<char*>(ws.get()) + r.offset; };
+  gpu::TokenRoundingArgs a;
+  a.dt = c.dt;
+  a.T = c.T, a.E = c.E, a.K = c.K, a.tile_m = c.M, a.P_max = P;
+  a.variant = c.score, a.rule = c.rule;
+  a.logits = logits.get(), a.ld_logits = ld;
+  a.keys = reinterpret_cast<std::uint32_t*>(at(wl.tr_keys));
+  a.keys_by_expert = reinterpret_cast<std::uint32_t*>(at(wl.tr_keys_by_expert));
+  a.thresholds = reinterpret_cast<std::uint32_t*>(at(wl.tr_thresholds));
+  a.counters = at(wl.tr_counters), a.counters_bytes = wl.tr_counters.bytes;
+  a.expert_counts = static_cast<std::int32_t*>(counts.get());
+  a.expert_offsets = static_cast<std::int32_t*>(offsets.get());
+  a.expert_tiles = static_cast<std::int32_t*>(tiles.get());
+  a.scatter = static_cast<std::int32_t*>(scatter.get());
+  a.inverse = static_cast<std::int32_t*>(inverse.get());
+  a.gather = static_cast<std::int32_t*>(gather.get());
+  a.token_offsets = static_cast<std::int32_t*>(token_offsets.get());
+  a.scores = static_cast<float*>(scores.get());
+  gpu::launch_token_rounding(a, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  TrOutputs& o = run.out;
+  o.counts = download<std::int32_t>(counts, c.E);
+  o.offsets = download<std::int32_t>(offsets, c.E + 1);
+  o.tiles = download<std::int32_t>(tiles, c.E + 1);
+  o.scatter = download<std::int32_t>(scatter, P);
+  o.inverse = download<std::int32_t>(inverse, P);
+  o.gather = download<std::int32_t>(gather, P);
+  o.token_offsets = download<std::int32_t>(token_offsets, c.T + 1);
+  o.scores = download<float>(scores, P);
+  for (const DeviceBuffer* b : {&logits, &ws, &counts, &offsets, &tiles, &scatter, &inverse, &gather, &token_offsets,
+                                &scores})
+    o.canaries = o.canaries && b->canary_intact();
+  return run;
+}
+
+bool same_outputs(const TrOutputs& a, const TrOutputs& b) {
+  const std::size_t P = static_cast<std::size_t>(a.offsets.back());
+  auto head = [P](const std::vector<std::int32_t>& v) { return std::vector<std::int32_t>(v.begin(), v.begin() + P); };
+  return a.counts == b.counts && a.offsets == b.offsets && a.tiles == b.tiles && head(a.scatter) == head(b.scatter) &&
+         a.inverse == b.inverse && head(a.gather) == head(b.gather) && a.token_offsets == b.token_offsets &&
+         std::memcmp(a.scores.data(), b.scores.data(), 4 * a.scores.size()) == 0;
+}
+
+void check_against_reference(const TrKernelCase& c, const TrRun& run) {
+  const TrOutputs& o = run.out;
+  const std::int64_t T = c.T, E = c.E, K = c.K;
+  MoEProblem p;
+  p.T = T, p.E = E, p.K = K, p.routing = RoutingMode::kTokenRounding, p.rounding = c.rule, p.tile_m = c.M;
+  const std::int64_t P_max = p.max_pairs();
+  EXPECT_TRUE(o.canaries) << "a kernel wrote past a buffer";
+
+  // The reference on the kernels' logits.
+  const ref::TokenRoundingResult<double> tr =
+      ref::token_rounding(c.score, c.rule, c.M, run.logits.data(), T, E, K);
+  const std::vector<std::int64_t> topk = ref::topk_experts(run.logits.data(), T, E, K);
+  const std::vector<double> tc = ref::topk_scores(c.score, run.logits.data(), topk.data(), T, E, K);
+  const std::vector<double> prob = ref::softmax_rows(run.logits.data(), T, E);
+  std::vector<double> s_pref(static_cast<std::size_t>(T * E));
+  for (std::int64_t i = 0; i < T * E; ++i) s_pref[i] = prob[i] - 1.0;
+  for (std::int64_t i = 0; i < T * K; ++i) s_pref[(i / K) * E + topk[i]] = tc[i];
+
+  // Counts: exact.
+  std::vector<std::int64_t> f(E, 0);
+  for (std::int64_t i = 0; i < T * K; ++i) ++f[topk[i]];
+  ASSERT_EQ(o.offsets[0], 0);
+  std::int64_t tiles = 0;
+  ASSERT_EQ(o.tiles[0], 0);
+  for (std::int64_t e = 0; e < E; ++e) {
+    const std::int64_t r = ref::rounded_expert_count(f[e], T, c.M, c.rule);
+    ASSERT_EQ(o.counts[e], r) << "expert " << e << " (f = " << f[e] << ")";
+    ASSERT_EQ(o.offsets[e + 1] - o.offsets[e], r) << "expert " << e;
+    tiles += (r + gpu::kGemmTileM - 1) / gpu::kGemmTileM;
+    ASSERT_EQ(o.tiles[e + 1], tiles) << "expert " << e;
+  }
+  const std::int64_t P = o.offsets[E];
+  ASSERT_EQ(P, static_cast<std::int64_t>(tr.token.size()));
+  ASSERT_LE(P, P_max);
+
+  // The kernels' pairs, in pair order, from token offsets + inverse + expert offsets.
+  ASSERT_EQ(o.token_offsets[0], 0);
+  ASSERT_EQ(o.token_offsets[T], P);
+  std::vector<std::int64_t> tok, exp;
+  for (std::int64_t t = 0; t < T; ++t) {
+    ASSERT_LE(o.token_offsets[t], o.token_offsets[t + 1]) << "token " << t;
+    for (std::int64_t q = o.token_offsets[t]; q < o.token_offsets[t + 1]; ++q) {
+      const std::int64_t g = o.inverse[q];
+      ASSERT_GE(g, 0) << "pair " << q;
+      ASSERT_LT(g, P) << "pair " << q;
+      tok.push_back(t);
+      exp.push_back(std::upper_bound(o.offsets.begin(), o.offsets.end(), static_cast<std::int32_t>(g)) -
+                    o.offsets.begin() - 1);
+    }
+  }
+  for (std::int64_t q = P; q < P_max; ++q) {
+    ASSERT_EQ(o.inverse[q], -1) << "sentinel slot " << q;
+    ASSERT_EQ(o.scores[q], 0.0f) << "sentinel slot " << q;
+  }
+  // Metadata: bitwise what the reference builds from these pairs (pair order (token, expert), stable by expert).
+  const ref::RoutingMetadata m = ref::build_routing_metadata(T, E, tok, exp);
+  for (std::int64_t i = 1; i < P; ++i)
+    ASSERT_TRUE(tok[i - 1] < tok[i] || (tok[i - 1] == tok[i] && exp[i - 1] < exp[i])) << "pair order at " << i;
+  for (std::int64_t i = 0; i < P; ++i) {
+    ASSERT_EQ(o.scatter[i], m.scatter[i]) << "scatter[" << i << "]";
+    ASSERT_EQ(o.inverse[i], m.inverse[i]) << "inverse[" << i << "]";
+    ASSERT_EQ(o.gather[i], m.gather[i]) << "gather[" << i << "]";
+  }
+  for (std::int64_t t = 0; t <= T; ++t) ASSERT_EQ(o.token_offsets[t], m.token_offsets[t]) << "token_offsets[" << t << "]";
+
+  // The selection: the reference's pairs, except near-ties at an expert's boundary.
+  std::set<std::pair<std::int64_t, std::int64_t>> gpu_pairs, ref_pairs;
+  for (std::int64_t i = 0; i < P; ++i) gpu_pairs.insert({tok[i], exp[i]});
+  for (std::int64_t i = 0; i < P; ++i) ref_pairs.insert({tr.token[i], tr.expert[i]});
+  std::int64_t near_ties = 0;
+  if (gpu_pairs != ref_pairs) {
+    // Per expert: the reference's boundary key (its r-th best S'); every differing pair must sit at it.
+    for (std::int64_t e = 0; e < E; ++e) {
+      const std::int64_t r = o.counts[e];
+      if (r == 0 || r == T) continue;
+      std::vector<double> col(static_cast<std::size_t>(T));
+      for (std::int64_t t = 0; t < T; ++t) col[t] = s_pref[t * E + e];
+      std::nth_element(col.begin(), col.begin() + (r - 1), col.end(), std::greater<double>());
+      const double boundary = col[r - 1];
+      for (std::int64_t t = 0; t < T; ++t) {
+        if (gpu_pairs.count({t, e}) == ref_pairs.count({t, e})) continue;
+        const double key = s_pref[t * E + e];
+        // A chosen key is a score in [0, 1]; the others p - 1: compare p itself, where fp32's error is relative.
+        const double a = key >= 0 ? key : key + 1.0, b = boundary >= 0 ? boundary : boundary + 1.0;
+        EXPECT_TRUE((key >= 0) == (boundary >= 0) && std::abs(a - b) <= 1e-5 * std::max(std::abs(b), 1e-30))
+            << c.name << ": expert " << e << " token " << t << (gpu_pairs.count({t, e}) ? " kept" : " dropped")
+            << " by the GPU, reference key " << key << " vs boundary " << boundary;
+        ++near_ties;
+      }
+    }
+  }
+  if (near_ties) std::printf("%s: %lld pairs differ from the float64 reference at near-tied boundaries\n", c.name,
+                             static_cast<long long>(near_ties));
+  EXPECT_LE(near_ties, std::max<std::int64_t>(4, E / 16)) << "more near-ties than fp32 rounding explains";
+
+  // Scores: the TC score of a chosen pair, the softmax probability of a padded one (fp32 against float64).
+  if (gpu_pairs == ref_pairs) {
+    double worst = 0;
+    for (std::int64_t i = 0; i < P; ++i) worst = std::max(worst, std::abs(o.scores[i] - tr.score[i]));
+    EXPECT_LT(worst, 2e-6) << c.name << ": fp32 scores against the float64 scores of the same logits";
+  }
+}
+
+class GpuTokenRoundingKernels : public testing::TestWithParam<TrKernelCase> {
+ protected:
+  void SetUp() override { REQUIRE_GPU(); }
+};
+
+TEST_P(GpuTokenRoundingKernels, MatchTheReferenceAndRepeatBitwise) {
+  const TrKernelCase& c = GetParam();
+  const TrRun a = run_kernels(c, 1234 + static_cast<std::uint64_t>(c.T * 7 + c.E));
+  check_against_reference(c, a);
+  const TrRun b = run_kernels(c, 1234 + static_cast<std::uint64_t>(c.T * 7 + c.E));
+  EXPECT_TRUE(same_outputs(a.out, b.out)) << c.name << ": a second launch on the same logits differs";
+}
+
+std::vector<TrKernelCase> kernel_cases() {
+  std::vector<TrKernelCase> v;
+  const RoundingRule rules[] = {RoundingRule::kNearest, RoundingRule::kUp, RoundingRule::kDown};
+  const char* rn[] = {"nearest", "up", "down"};
+  for (int ri = 0; ri < 3; ++ri) {
+    const RoundingRule r = rules[ri];
+    auto add = [&](TrKernelCase c, const char* what) {
+      c.rule = r;
+      static std::deque<std::string> names;  // the names outlive the cases (a deque never moves its elements)
+      names.push_back(std::string(rn[ri]) + "_" + what);
+      c.name = names.back().c_str();
+      v.push_back(c);
+    };
+    add({1, 1, 1, 8, r, ScoreVariant::kSoftmaxOverTopK, DType::kFP32}, "T1_E1");
+    add({1, 8, 8, 8, r, ScoreVariant::kTopKOfSoftmax, DType::kBF16}, "T1_E8_KE");
+    add({300, 1, 1, 16, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "E1");
+    add({777, 8, 1, 16, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "E8_K1");
+    add({500, 8, 8, 16, r, ScoreVariant::kTopKOfSoftmaxRenorm, DType::kFP32}, "E8_KE");
+    add({4096, 128, 8, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "E128_K8");
+    add({3000, 128, 128, 64, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32}, "E128_KE");
+    add({2000, 512, 1, 8, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "E512_K1_empty_experts");
+    add({1500, 512, 16, 32, r, ScoreVariant::kTopKOfSoftmax, DType::kBF16}, "E512_K16");
+    add({700, 600, 6, 16, r, ScoreVariant::kSoftmaxOverTopK, DType::kFP32}, "E600_rows_from_memory");
+    add({65536, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T65536_E8_column_in_global");
+    add({65536, 128, 4, 128, r, ScoreVariant::kTopKOfSoftmaxRenorm, DType::kBF16}, "T65536_E128");
+    TrKernelCase skew{5000, 64, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16};
+    skew.skew = 3.0;  // experts 0..2 take most tokens; many others few or none
+    add(skew, "skewed");
+    TrKernelCase padded{1000, 40, 3, 16, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32};
+    padded.row_pad = 24;
+    add(padded, "padded_rows");
+    add({100, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T_below_tile");
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuTokenRoundingKernels, testing::ValuesIn(kernel_cases()),
+                         [](const testing::TestParamInfo<TrKernelCase>& i) { return std::string(i.param.name); });
+
+// The backward kernel against ref::token_rounding_backward on the forward's own pairs, every score variant, rows
+// in registers (E = 128) and from memory (E = 600, two windows of pair gradients), and a bitwise repeat.
+TEST(GpuTokenRoundingKernels, BackwardMatchesTheReference) {
+  REQUIRE_GPU();
+  for (ScoreVariant sv : {ScoreVariant::kSoftmaxOverTopK, ScoreVariant::kTopKOfSoftmax,
+                          ScoreVariant::kTopKOfSoftmaxRenorm})
+    for (std::int64_t E : {128, 600}) {
+      TrKernelCase c{900, E, 4, 16, RoundingRule::kUp, sv, DType::kFP32};
+      c.name = "backward";
+      const TrRun run = run_kernels(c, 99 + static_cast<std::uint64_t>(E));
+      const TrOutputs& o = run.out;
+      const std::int64_t T = c.T, K = c.K, P = o.offsets[E];
+      std::vector<std::int64_t> tok, exp;
+      for (std::int64_t t = 0; t < T; ++t)
+        for (std::int64_t q = o.token_offsets[t]; q < o.token_offsets[t + 1]; ++q) {
+          tok.push_back(t);
+          exp.push_back(std::upper_bound(o.offsets.begin(), o.offsets.end(), o.inverse[q]) - o.offsets.begin() - 1);
+        }
+      std::mt19937_64 rng(5);
+      std::normal_distribution<double> nd(0.0, 1.0);
+      std::vector<float> ds(static_cast<std::size_t>(P));
+      for (float& x : ds) x = static_cast<float>(nd(rng));
+      const std::vector<double> dsd(ds.begin(), ds.end());
+      const std::vector<double> want =
+          ref::token_rounding_backward(sv, run.logits.data(), T, E, K, tok.data(), exp.data(), P, dsd.data());
+      std::vector<unsigned char> zb = encode(run.logits, DType::kFP32);
+      DeviceBuffer z(zb), dsb(P * 4), inv(o.inverse.size() * 4), off((E + 1) * 4), toff((T + 1) * 4);
+      cudaMemcpy(dsb.get(), ds.data(), P * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(inv.get(), o.inverse.data(), o.inverse.size() * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(off.get(), o.offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(toff.get(), o.token_offsets.data(), (T + 1) * 4, cudaMemcpyHostToDevice);
+      std::vector<float> got[2];
+      for (int rep = 0; rep < 2; ++rep) {
+        DeviceBuffer dz(T * E * 4);
+        gpu::launch_token_rounding_backward(DType::kFP32, sv, z.get(), T, E, K, static_cast<const float*>(dsb.get()),
+                                            static_cast<const std::int32_t*>(inv.get()),
+                                            static_cast<const std::int32_t*>(off.get()),
+                                            static_cast<const std::int32_t*>(toff.get()), nullptr, 0, dz.get(),
+                                            nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        got[rep] = download<float>(dz, T * E);
+        EXPECT_TRUE(dz.canary_intact());
+      }
+      EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), 4 * got[0].size()), 0) << "repeat differs";
+      const std::vector<double> g(got[0].begin(), got[0].end());
+      EXPECT_LT(rel_error(g, want), 1e-5) << score_variant_name(sv) << " E=" << E;
+    }
+}
+
+}  // namespace
+}  // namespace machmoe::test

@@ -1,0 +1,174 @@
+"""What the PyTorch path adds on top of the C++ layer (target T14): the autograd kernel's per-call costs, and
+python -m machmoe.benchmark.overhead's arguments and report (CPU; the GPU run is in test_overhead_gpu.py)."""
+from collections import Counter
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import machmoe
+from machmoe.benchmark import configs, overhead
+
+# ---- the module path itself --------------------------------------------------------------------------------------
+
+
+def _step_ops(m, x, go, loss=None):
+    """aten/machmoe operators run by one forward + backward of the module (after a warm-up step)."""
+    def step():
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        o = m(x)
+        (o.output if loss is None else loss(o)).backward(go if loss is None else None)
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return Counter(e.name for e in prof.events() if e.name.startswith(("aten::", "machmoe::")))
+
+
+FILLS_AND_COPIES = {"aten::zeros", "aten::zeros_like", "aten::zero_", "aten::fill_", "aten::full", "aten::copy_",
+                    "aten::clone", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::add_", "aten::add"}
+
+
+def test_module_step_runs_no_fill_or_copy_besides_the_layer():
+    """The gradients of the outputs the loss does not use (router logits, counts, the saved buffer) reach the
+    backward as None: autograd.Function's default would zero-fill each of them, `saved` (H included) every step."""
+    torch.manual_seed(0)
+    m = machmoe.MoE(64, 32, 8, 2)
+    x = torch.randn(16, 64, requires_grad=True)
+    ops = _step_ops(m, x, torch.randn(16, 64))
+    assert ops["machmoe::layer_forward"] == 1 and ops["machmoe::layer_backward"] == 1
+    assert not FILLS_AND_COPIES & set(ops), ops
+    # Outputs, workspaces and gradients: 5 in the forward (out, logits, counts, saved, workspace), 8 in the
+    # backward (grad_x, router, w1, w2 gradients, workspace, three empty placeholders); nothing else.
+    assert ops["aten::empty"] == 13, ops
+    assert "aten::reshape" not in ops and "aten::view" not in ops, ops  # a 2-D input is passed as it is
+
+
+def test_logits_only_loss_gets_a_zero_output_gradient():
+    """With grads no longer materialised, a loss on the logits alone reaches the backward with grad_out None; the
+    output's gradient is then zero (one zeros_like), and the router still gets its gradient."""
+    torch.manual_seed(1)
+    m = machmoe.MoE(64, 32, 8, 2, aux_loss_coef=0.1)
+    x = torch.randn(16, 64, requires_grad=True)
+    o = m(x)
+    o.aux_loss.backward()
+    assert m.router_weight.grad is not None and m.router_weight.grad.abs().sum() > 0
+    assert torch.count_nonzero(m.w1.grad) == 0 and torch.count_nonzero(m.w2.grad) == 0  # no output gradient
+    assert x.grad is not None
+
+
+def test_autograd_kernel_does_not_fill_defaults_per_call(monkeypatch):
+    """torch.library.register_autograd's generic kernel calls torch._library.utils.fill_defaults on every forward
+    (70-200 us of host time for this schema); ours fills the dropped defaults from a tuple read once."""
+    import torch._library.utils as lib_utils
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("fill_defaults called per forward")
+
+    monkeypatch.setattr(lib_utils, "fill_defaults", forbidden)
+    m = machmoe.MoE(64, 32, 8, 2, bias=True)
+    x = torch.randn(16, 64, requires_grad=True)
+    m(x).output.sum().backward()
+    assert m.w1.grad is not None and m.b1.grad is not None and x.grad is not None
+
+
+def test_dropped_default_arguments_reach_setup_context():
+    """The dispatcher drops trailing arguments equal to their defaults (the into_* buffers); accumulation into a
+    buffer passed explicitly still works, and one left out gives an ordinary gradient."""
+    torch.manual_seed(2)
+    m = machmoe.MoE(64, 32, 8, 2, accumulate_into_main_grad=True)
+    x = torch.randn(16, 64, requires_grad=True)
+    m(x).output.sum().backward()
+    grads = m.main_grads()
+    assert all(torch.count_nonzero(g) > 0 for g in grads.values())
+    assert m.w1.grad is None
+
+
+def test_time_layer_refuses_cpu_tensors():
+    m = machmoe.MoE(64, 32, 8, 2)
+    x, go = torch.randn(16, 64), torch.randn(16, 64)
+    with pytest.raises(ValueError, match="'x'.*CUDA tensor"):
+        torch.ops.machmoe.time_layer(x, m.router_weight.detach(), m.w1.detach(), m.w2.detach(), go, 2, 0, 0, 0, 0, 0,
+                                     128, 0, 0, 1, True)
+
+
+# ---- python -m machmoe.benchmark.overhead: arguments ------------------------------------------------------------
+
+
+def test_parse_defaults_are_the_twelve_main_configurations_both_modes():
+    a = overhead.parse([])
+    assert [c.name for c in a.config_list] == configs.GROUPS["main"] and len(a.config_list) == 12
+    assert a.mode_list == ["isolated", "queued"] and a.target == overhead.TARGET
+    assert (a.warmup, a.iters, a.rounds) == (5, 20, 2)
+
+
+def test_parse_shapes_configs_and_modes():
+    a = overhead.parse(["--shape", "4096,512,256,16,4"])
+    assert [(c.T, c.d, c.n, c.E, c.K) for c in a.config_list] == [(4096, 512, 256, 16, 4)]
+    a = overhead.parse(["--configs", "7B-256", "--shape", "64,32,16,4,2", "--modes", "queued"])
+    assert [c.name for c in a.config_list] == ["7B-256", "custom-64-32-16-4-2"] and a.mode_list == ["queued"]
+    assert overhead.parse(["--modes", "both"]).mode_list == ["isolated", "queued"]
+
+
+@pytest.mark.parametrize("argv", [["--shape", "1,2,3"], ["--shape", "64,32,16,4,8"], ["--iters", "0"],
+                                  ["--warmup", "-1"], ["--iters", "x"]])
+def test_parse_rejects_bad_values_with_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        overhead.parse(argv)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,match", [(["--configs", "9B-1"], "unknown configuration"),
+                                        (["--modes", "fast"], "unknown mode"), (["--target", "0"], "ratio > 0")])
+def test_parse_rejects_unknown_names(argv, match):
+    with pytest.raises(ValueError, match=match):
+        overhead.parse(argv)
+
+
+def test_main_reports_usage_errors_with_status_2(capsys):
+    assert overhead.main(["--configs", "nope"]) == overhead.EXIT_USAGE
+    assert "unknown configuration" in capsys.readouterr().err
+
+
+# ---- report ---------------------------------------------------------------------------------------------------------
+
+
+def _entry(name, cpp_f, mod_f, cpp_s, mod_s):
+    r = {"cpp": {"forward_ms": cpp_f, "fwdbwd_ms": cpp_s},
+         "module": {"forward_ms": mod_f, "fwdbwd_ms": mod_s, "host_forward_ms": 0.05}, "samples": 4,
+         "ratio": {"forward": mod_f / cpp_f, "fwdbwd": mod_s / cpp_s}}
+    return {"config": {"name": name}, "status": "ok", "results": {"isolated": r, "queued": dict(r)}}
+
+
+def _doc(entries, target=1.03):
+    return {"device": {"name": "GPU"}, "versions": {"torch": "x"}, "date": "today", "command": "cmd",
+            "settings": {"dtype": "bf16", "iters": 4, "rounds": 1, "warmup": 1}, "configs": entries,
+            "verdict": overhead.verdict(entries, target)}
+
+
+def test_verdict_and_markdown_flag_isolated_ratios_over_the_target():
+    entries = [_entry("7B-256", 1.0, 1.02, 3.0, 3.0), _entry("120B-2048", 10.0, 10.5, 35.0, 35.7),
+               {"config": {"name": "30B-256"}, "status": "out_of_memory", "error": "OOM"}]
+    v = overhead.verdict(entries, 1.03)
+    assert v["over_target"] == ["120B-2048 forward 1.050"] and v["failed"] == ["30B-256: OOM"] and not v["met"]
+    md = overhead.markdown(_doc(entries))
+    assert "| 7B-256 | isolated | 1.000 | 1.020 | 1.020 | 3.000 | 3.000 | 1.000 | 0.050 |" in md
+    assert "| 120B-2048 | isolated | 10.000 | 10.500 | 1.050 ⚠ | 35.000 | 35.700 | 1.020 | 0.050 |" in md
+    assert "| 120B-2048 | queued | 10.000 | 10.500 | 1.050 |" in md  # queued rows are not the criterion
+    assert "T14 (isolated ratios <= 1.03): not met: 120B-2048 forward 1.050; 30B-256: OOM" in md
+    ok = [_entry("7B-256", 1.0, 1.02, 3.0, 3.0)]
+    assert overhead.verdict(ok, 1.03)["met"] and "T14 (isolated ratios <= 1.03): met" in overhead.markdown(_doc(ok))
+
+
+def test_profile_difference_lists_what_only_one_side_ran():
+    module = {"gemm": 3, "Memset (Device)": 2, "topk": 1}
+    cpp = {"gemm": 3, "Memset (Device)": 1, "gather": 1}
+    assert overhead.count_diff(module, cpp) == {"Memset (Device)": 1, "gather": -1, "topk": 1}
+    assert overhead.count_diff(cpp, cpp) == {}
+    doc = _doc([_entry("7B-256", 1.0, 1.0, 3.0, 3.0)])
+    doc["profile"] = {"config": "7B-256", "module": {"gpu": module, "api": {}}, "cpp": {"gpu": cpp, "api": {}},
+                      "diff": {"gpu": overhead.count_diff(module, cpp), "api": {}}}
+    md = overhead.markdown(doc)
+    assert "* GPU activities: Memset (Device): +1, gather: -1, topk: +1" in md
+    assert "* CUDA API calls: identical" in md

@@ -905,23 +905,25 @@ TEST_F(HopperEdgeTiles, UpProjectionGptOss) {
 
 // The gpt-oss test above split into its factors at small cost (its float64 check is the slow part), so that a hang
 // or a failure there is traced to one of them: many tiles per CTA with edge tiles among them (the edge tests above
-// give every CTA one tile at most), K = 2880 (45 k-blocks) with an edge tile, and N = 5760 / 2880 (an edge tile whose
-// last 64 or 192 columns are padding, a 64-column half box wholly past N).
+// give every CTA one tile at most), K = 2880 (45 k-blocks), and N = 5760 / 2880 itself. n = 320 repeats gpt-oss's
+// edge pattern at small N: N = 640 = 2 x 256 + 128 and N = 320 = 2 x 128 + 64 = 256 + 64, so the GLU's 256-wide edge
+// tile has its second half box wholly past N (loaded by the cluster's second CTA and multicast), and the 128- and
+// 256-wide edge tiles of N = n have exactly 64 valid columns, the rest (a half box wholly past N) padding.
 std::vector<int> many_tile_lengths() {
   std::vector<int> v;
-  for (int e = 0; e < 40; ++e) v.push_back(e % 7 == 3 ? 0 : 37 + (e * 53) % 290);  // empty experts among them
+  for (int e = 0; e < 40; ++e) v.push_back(e % 7 == 3 ? 0 : 37 + (e * 53) % 150);  // empty experts among them
   return v;
 }
 
 TEST_F(HopperEdgeTiles, UpProjectionManyTilesPerCta) {
-  const OddShape sh{3000, 136, 264, many_tile_lengths(), "many_tiles_d136_n264"};  // > 300 tiles per launch
+  const OddShape sh{3000, 320, 320, many_tile_lengths(), "many_tiles_d320_n320"};  // about 250 tiles per launch
   for (WeightLayout l : {WeightLayout::kInterleaved, WeightLayout::kConcatenated})
     check_up({Activation::kSwiGLU, l, true, true}, sh);
   check_up({Activation::kGELU, WeightLayout::kInterleaved, true, true}, sh);
 }
 
 TEST_F(HopperEdgeTiles, UpProjectionGptOssK) {
-  const OddShape sh{200, 2880, 72, {0, 1, 37, 0, 130}, "d2880_n72"};  // K = 2880, N = 144 or 72
+  const OddShape sh{200, 2880, 320, {0, 1, 37, 0, 130}, "d2880_n320"};  // K = 2880, N = 640 or 320
   for (WeightLayout l : {WeightLayout::kInterleaved, WeightLayout::kConcatenated})
     check_up({Activation::kSwiGLU, l, true, true}, sh);
   check_up({Activation::kGELU, WeightLayout::kInterleaved, false, true}, sh);
@@ -1016,7 +1018,7 @@ TEST_F(HopperEdgeTiles, DhKernelEveryActivation) {
 }
 
 TEST_F(HopperEdgeTiles, OtherFamiliesManyTilesPerCta) {
-  const OddShape sh{3000, 136, 264, many_tile_lengths(), "many_tiles_d136_n264"};
+  const OddShape sh{3000, 320, 320, many_tile_lengths(), "many_tiles_d320_n320"};
   check_down(sh, true);
   check_dx(sh, 2 * sh.n, true);
   check_dh(Activation::kSwiGLU, sh);

@@ -430,7 +430,7 @@ TEST_F(HopperWeightGrad, GptOssShapesFewTokens) {
 
 // The gpt-oss test split into its factors at small cost: M = 2880 or N = 2880 (an edge tile of 64 valid columns)
 // against a small other extent, and many tiles per CTA with edge tiles among them (EdgeTilesAlongMAndN gives every
-// CTA one tile at most), on both tiles.
+// CTA one tile at most), on both tiles. 320 = 2 x 128 + 64 = 256 + 64 repeats gpt-oss's edge (64 valid columns).
 TEST_F(HopperWeightGrad, GptOssFactorsAndManyTilesPerCta) {
   std::vector<int> many;
   for (int e = 0; e < 40; ++e) many.push_back(e % 7 == 3 ? 0 : 1 + (e * 53) % 200);
@@ -441,11 +441,11 @@ TEST_F(HopperWeightGrad, GptOssFactorsAndManyTilesPerCta) {
     const char* name;
   };
   const std::vector<Shape> shapes = {
-      {false, 2880, 72, 0, {0, 1, 37, 0, 130}, "dW2_M2880_N72"},
-      {false, 72, 2880, 0, {0, 1, 37, 0, 130}, "dW2_M72_N2880"},
-      {true, 144, 2880, 72, {0, 1, 37, 0, 130}, "dW1_M144_N2880_concatenated"},
-      {false, 200, 264, 0, many, "dW2_M200_N264_40_experts"},
-      {true, 528, 136, 264, many, "dW1_M528_N136_concatenated_40_experts"},
+      {false, 2880, 320, 0, {0, 1, 37, 0, 130}, "dW2_M2880_N320"},
+      {false, 320, 2880, 0, {0, 1, 37, 0, 130}, "dW2_M320_N2880"},
+      {true, 640, 2880, 320, {0, 1, 37, 0, 130}, "dW1_M640_N2880_concatenated"},
+      {false, 320, 320, 0, many, "dW2_M320_N320_40_experts"},
+      {true, 640, 320, 320, many, "dW1_M640_N320_concatenated_40_experts"},
   };
   for (const Shape& sh : shapes) {
     SCOPED_TRACE(sh.name);

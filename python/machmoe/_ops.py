@@ -19,11 +19,12 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 _CALLER = 2
 
 
-def _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, tile, cache):
+def _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, rounding, tile, cache):
     T, d = x.shape
     num_pairs = token_index.shape[0] if routing == _CALLER else 0
     return torch.ops.machmoe.saved_nbytes(
-        T, d, w2.shape[2], w1.shape[0], top_k, num_pairs, activation, score, routing, tile, cache, x.element_size()
+        T, d, w2.shape[2], w1.shape[0], top_k, num_pairs, activation, score, routing, tile, cache, x.element_size(),
+        rounding
     )
 
 
@@ -36,7 +37,7 @@ def _layer_forward_fake(x, router_weight, w1, b1, w2, b2, token_index, expert_in
     out = x.new_empty((T, d))
     logits = x.new_empty((0,)) if routing == _CALLER else x.new_empty((T, E))
     counts = x.new_empty((E,), dtype=torch.int32)
-    nbytes = _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, tile, cache)
+    nbytes = _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, rounding, tile, cache)
     saved = x.new_empty((nbytes,), dtype=torch.uint8)
     return out, logits, counts, saved
 

@@ -417,7 +417,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
 /// here under its own name; validate_problem then checks how they combine (K <= E, T*K pairs, ...). T is left to
 /// validate_problem alone, which owns the rule for empty inputs.
 int64_t saved_nbytes(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, int64_t num_pairs, int64_t activation,
-                     int64_t score, int64_t routing, int64_t tile, int64_t cache, int64_t elem_size) {
+                     int64_t score, int64_t routing, int64_t tile, int64_t cache, int64_t elem_size, int64_t rounding) {
   const char* op = "saved_nbytes";
   using machmoe::Limits;
   machmoe::MoEProblem p;
@@ -430,6 +430,8 @@ int64_t saved_nbytes(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, int6
   p.activation = machmoe::activation_from_code(activation, op, "activation");
   p.score = machmoe::score_variant_from_code(score, op, "score");
   p.routing = machmoe::routing_mode_from_code(routing, op, "routing");
+  // The rounding rule bounds token rounding's pairs (nearest, up and down reserve differently: max_pairs()).
+  p.rounding = machmoe::rounding_rule_from_code(rounding, op, "rounding");
   p.tile_m = tile_arg(op, tile);
   p.cache = machmoe::cache_mode_from_code(cache, op, "cache");
   machmoe::DType dt = machmoe::DType::kBF16;  // bf16 and fp16 keep the same bytes
@@ -597,7 +599,7 @@ TORCH_LIBRARY(machmoe, m) {
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "saved_nbytes(int T, int d, int n, int E, int K, int num_pairs, int activation, int score, int routing, "
-      "int tile, int cache, int elem_size) -> int");
+      "int tile, int cache, int elem_size, int rounding=0) -> int");
   m.impl("saved_nbytes", &saved_nbytes);
   m.def("set_index_checking(bool enabled) -> ()");
   m.impl("set_index_checking", &set_index_checking);

@@ -19,11 +19,12 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 _CALLER = 2
 
 
-def _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, tile, cache):
+def _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, rounding, tile, cache):
     T, d = x.shape
     num_pairs = token_index.shape[0] if routing == _CALLER else 0
     return torch.ops.machmoe.saved_nbytes(
-        T, d, w2.shape[2], w1.shape[0], top_k, num_pairs, activation, score, routing, tile, cache, x.element_size()
+        T, d, w2.shape[2], w1.shape[0], top_k, num_pairs, activation, score, routing, tile, cache, x.element_size(),
+        rounding
     )
 
 
@@ -36,7 +37,7 @@ def _layer_forward_fake(x, router_weight, w1, b1, w2, b2, token_index, expert_in
     out = x.new_empty((T, d))
     logits = x.new_empty((0,)) if routing == _CALLER else x.new_empty((T, E))
     counts = x.new_empty((E,), dtype=torch.int32)
-    nbytes = _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, tile, cache)
+    nbytes = _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, rounding, tile, cache)
     saved = x.new_empty((nbytes,), dtype=torch.uint8)
     return out, logits, counts, saved
 
@@ -403,11 +404,15 @@ def _make_autograd_kernel(op, backward, setup_context):
     if any(a.kwarg_only for a in schema.arguments):  # (the padding below assumes positional arguments only)
         raise AssertionError(f"machmoe: {op} has keyword-only arguments")
 
+    redispatch = op._handle.redispatch_boxed  # what op.redispatch calls, without its Python frame
+    after_autograd = torch._C._after_autograd_keyset
+    below_autograd = torch._C._AutoDispatchBelowAutograd
+
     def forward(ctx, *args):
         keyset = args[-1]
         args = args[:-1]
-        with torch._C._AutoDispatchBelowAutograd():
-            result = op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        with below_autograd():
+            result = redispatch(keyset & after_autograd, *args)
         ctx.set_materialize_grads(False)
         setup_context(ctx, args + defaults[len(args):], result)
         return result
@@ -425,11 +430,23 @@ def _make_autograd_kernel(op, backward, setup_context):
                      (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                   "backward": staticmethod(backward_)})
 
+    # autograd.Function.apply (Python) is a wrapper of the C apply: for a Function without setup_context it unwraps
+    # functorch's dead wrappers when no functorch transform is active and otherwise hands over to functorch. Doing
+    # the same here with the C apply bound once saves a Python frame and a generator over the 25 arguments per call.
+    c_apply = super(torch.autograd.Function, generated).apply
+    functorch_active = torch._C._are_functorch_transforms_active
+    unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+    is_grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
+    Tensor = torch.Tensor
+
     def autograd_kernel(keyset, *args):
-        if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            return generated.apply(*args, keyset)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        if is_grad_enabled() and any_requires_grad(*args):
+            if functorch_active():
+                return generated.apply(*args, keyset)
+            # (as torch._functorch.utils.unwrap_dead_wrappers, which Function.apply calls here)
+            return c_apply(*[unwrap_if_dead(a) if isinstance(a, Tensor) else a for a in args], keyset)
+        with below_autograd():
+            return redispatch(keyset & after_autograd, *args)
 
     return autograd_kernel
 

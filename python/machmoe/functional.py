@@ -80,6 +80,7 @@ def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, we
 
 
 _INTO_NAMES = ("router_weight", "w1", "b1", "w2", "b2")
+_NO_INTO = (None,) * len(_INTO_NAMES)
 _INTO_ARG = "accumulate_grads_into"
 
 
@@ -167,19 +168,94 @@ def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[T
 
     swiglu_alpha, swiglu_limit: the parameters of activation="gptoss_swiglu" (None: gpt-oss's 1.702 and 7.0); None
     for every other activation."""
-    act, layout, top_k, act_params = _check_common(x, w1, w2, b1, b2, activation, weight_layout, top_k,
-                                                   swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
-    if routing not in ("topk", "token_rounding"):
-        _fail("routing", "'topk' or 'token_rounding' (use moe_from_routing for caller-supplied routing)", repr(routing))
-    _check_tensor("router_weight", router_weight, (w1.shape[0], x.shape[1]), x)
-    tile = as_int("tile", tile, low=8)
-    if tile % 8:
-        _fail("tile", "a positive multiple of 8", tile)
+    return _moe(x, router_weight, w1, w2, b1, b2, top_k, activation, score, routing, rounding, tile, weight_layout,
+                activation_memory, accumulate_grads_into, None, swiglu_alpha, swiglu_limit)
+
+
+# ---- the host path of moe() ------------------------------------------------------------------------------------
+# Host time before the first kernel is GPU idle time when the stream is idle (target T14), and the checks below are
+# most of the Python part of it. They are made cheap, never skipped: one pass that only answers "all fine?" over
+# the tensors' metadata, and the option codes of combinations already validated; anything else (a failure, an
+# unusual argument type, tracing) takes the full checks, which raise the first failure with its usual message.
+
+_OPTION_CACHE: Dict[tuple, tuple] = {}  # option values -> (glu, act, layout, score, routing, rounding, tile, cache,
+_OPTION_CACHE_SIZE = 64                 #                   alpha, limit); only combinations that passed the checks
+
+
+def _option_key(activation, weight_layout, score, routing, rounding, tile, activation_memory, swiglu_alpha,
+                swiglu_limit):
+    """The cache key of a combination, or None where a cache hit could accept what the checks refuse: the key is
+    compared by ==, and 128.0 == 128, True == 1.0. Strings equal to a valid name are that name."""
+    if type(tile) is not int or not (swiglu_alpha is None or type(swiglu_alpha) is float) or \
+            not (swiglu_limit is None or type(swiglu_limit) is float):
+        return None
+    return (activation, weight_layout, score, routing, rounding, tile, activation_memory, swiglu_alpha, swiglu_limit)
+
+
+def _tensors_pass(x, router_weight, w1, w2, b1, b2, glu: bool) -> bool:
+    """Whether x (2-D), the router and the expert weights pass every check that _check_common and moe() make of them
+    (types, ranks, x's dtype for its device and inner stride, every tensor's device, dtype, shape and contiguity).
+    True lets those checks be skipped; False only sends the caller to them."""
+    if not (isinstance(x, Tensor) and isinstance(router_weight, Tensor) and isinstance(w1, Tensor) and
+            isinstance(w2, Tensor) and (b1 is None or isinstance(b1, Tensor)) and
+            (b2 is None or isinstance(b2, Tensor))):
+        return False
+    xs, ws = x.shape, w2.shape
+    if len(xs) != 2 or len(ws) != 3:
+        return False
+    device, dtype = x.device, x.dtype
+    if dtype not in (_CUDA_DTYPES if x.is_cuda else _CPU_DTYPES) or x.stride(-1) != 1:
+        return False
+    d = xs[1]
+    E, n = ws[0], ws[2]
+    if E < 1 or ws[1] != d:
+        return False
+    rows = 2 * n if glu else n
+    for t, shape in ((w1, (E, rows, d)), (w2, ws), (router_weight, (E, d)), (b1, (E, rows)), (b2, (E, d))):
+        if t is not None and (t.device != device or t.dtype != dtype or t.shape != shape or not t.is_contiguous()):
+            return False
+    return True
+
+
+def _moe(x, router_weight, w1, w2, b1, b2, top_k, activation, score, routing, rounding, tile, weight_layout,
+         activation_memory, accumulate_grads_into, into_checked, swiglu_alpha, swiglu_limit):
+    """moe(). into_checked: the buffers in the operator's order, already checked by the caller (MoE's main_grad
+    path), used instead of accumulate_grads_into; None otherwise."""
+    key = None if torch.compiler.is_compiling() else _option_key(
+        activation, weight_layout, score, routing, rounding, tile, activation_memory, swiglu_alpha, swiglu_limit)
+    try:
+        opts = _OPTION_CACHE.get(key) if key is not None else None
+    except TypeError:  # an unhashable option value: the checks below name it
+        key = opts = None
+    if opts is not None and type(top_k) is int and _tensors_pass(x, router_weight, w1, w2, b1, b2, opts[0]) and \
+            1 <= top_k <= w2.shape[0]:
+        act, layout, *codes, alpha, limit = opts[1:]
+        act_params = (alpha, limit)
+    else:
+        act, layout, top_k, act_params = _check_common(x, w1, w2, b1, b2, activation, weight_layout, top_k,
+                                                       swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+        if routing not in ("topk", "token_rounding"):
+            _fail("routing", "'topk' or 'token_rounding' (use moe_from_routing for caller-supplied routing)",
+                  repr(routing))
+        _check_tensor("router_weight", router_weight, (w1.shape[0], x.shape[1]), x)
+        tile = as_int("tile", tile, low=8)
+        if tile % 8:
+            _fail("tile", "a positive multiple of 8", tile)
+        codes = [code(SCORES, score, "score"), code(ROUTINGS, routing, "routing"),
+                 code(ROUNDINGS, rounding, "rounding"), tile, code(ACTIVATION_MEMORY, activation_memory,
+                                                                   "activation_memory")]
+        if key is not None:  # every option of this combination passed
+            if len(_OPTION_CACHE) >= _OPTION_CACHE_SIZE:
+                _OPTION_CACHE.clear()
+            _OPTION_CACHE[key] = (activation in GLU_ACTIVATIONS, act, layout, *codes, *act_params)
     if routing == "token_rounding":
         _warn_if_rounding_empties_experts(x.shape[0], tile, rounding)
-    codes = (code(SCORES, score, "score"), code(ROUTINGS, routing, "routing"), code(ROUNDINGS, rounding, "rounding"),
-             tile, code(ACTIVATION_MEMORY, activation_memory, "activation_memory"))
-    into = _check_into(accumulate_grads_into, dict(router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2))
+    if into_checked is not None:
+        into = into_checked
+    elif accumulate_grads_into is None:
+        into = _NO_INTO
+    else:
+        into = _check_into(accumulate_grads_into, dict(router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2))
     _reject_forward_ad(x, router_weight, w1, w2, b1, b2)
     out, logits, counts, _ = torch.ops.machmoe.layer_forward(
         x, router_weight, w1, b1, w2, b2, None, None, None, top_k, act, layout, *codes, *act_params, *into)

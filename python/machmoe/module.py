@@ -159,34 +159,71 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> MoEOutput:
         require_tensor("x", x)
+        # The parameters from the module's parameter dict: self.w1 goes through nn.Module.__getattr__, a Python
+        # call per name. A name missing there (moved by torch.nn.utils.parametrize, or replaced by a plain
+        # attribute) is read as an attribute, as before.
+        params = self._parameters
+        if len(params) == 5 and "b2" in params:  # (with router_weight, w1, w2, b1: every name the module registers)
+            router_weight, w1, w2, b1, b2 = (params["router_weight"], params["w1"], params["w2"], params["b1"],
+                                             params["b2"])
+        else:
+            router_weight, w1, w2, b1, b2 = self.router_weight, self.w1, self.w2, self.b1, self.b2
         shape = x.shape
-        if x.dim() == 0 or shape[-1] != self.hidden_size:
+        if len(shape) == 0 or shape[-1] != self.hidden_size:
             fail("x", f"a tensor of shape (..., {self.hidden_size})", f"shape {tuple(shape)}")
         # Named after x, which the caller passed, rather than after the parameters the functional API compares it to.
-        w1 = self.w1
         if x.device != w1.device:
             fail("x", f"a tensor on {w1.device} (the device of this MoE's parameters)", f"a tensor on {x.device}")
         if x.dtype != w1.dtype:
             fail("x", f"dtype {w1.dtype} (the dtype of this MoE's parameters)", x.dtype)
         # A (tokens, hidden) input is passed as it is: reshape costs a view and an autograd node each way, a
         # measurable share of the host time of a call (tests/python/test_overhead.py).
-        flat = x if x.dim() == 2 else x.reshape(-1, self.hidden_size)
+        flat = x if len(shape) == 2 else x.reshape(-1, self.hidden_size)
+        attrs = self.__dict__  # (getattr with a default: modules pickled before these options existed)
         into = None
-        if getattr(self, "accumulate_into_main_grad", False):  # (modules pickled before the option: off)
-            into = self.main_grads()
-            F._check_into(into, dict(self.named_parameters(recurse=False)), "{}.main_grad")
-        out, logits, counts = F.moe(flat, self.router_weight, w1, self.w2, self.b1, self.b2, top_k=self.top_k,
-                                    activation=self.activation, score=self.score, routing=self.routing,
-                                    rounding=self.rounding, tile=self.tile, weight_layout=self.weight_layout,
-                                    activation_memory=self.activation_memory, accumulate_grads_into=into,
-                                    swiglu_alpha=getattr(self, "swiglu_alpha", None),
-                                    swiglu_limit=getattr(self, "swiglu_limit", None))
+        if attrs.get("accumulate_into_main_grad", False):
+            into = self._main_grad_buffers(params)
+            if into is None:
+                into = F._check_into(self.main_grads(), dict(self.named_parameters(recurse=False)),
+                                     "{}.main_grad")
+        out, logits, counts = F._moe(flat, router_weight, w1, w2, b1, b2, self.top_k, self.activation, self.score,
+                                     self.routing, self.rounding, self.tile, self.weight_layout,
+                                     self.activation_memory, None, into, attrs.get("swiglu_alpha"),
+                                     attrs.get("swiglu_limit"))
         result = MoEOutput(out if flat is x else out.reshape(shape), logits, counts)
         if self.aux_loss_coef > 0:
             result.aux_loss = self.aux_loss_coef * F.load_balancing_loss(logits, counts)
         if self.z_loss_coef > 0:
             result.z_loss = self.z_loss_coef * F.router_z_loss(logits)
         return result
+
+    def _main_grad_buffers(self, params) -> Optional[tuple]:
+        """The main_grad buffers in the operator's order, when every parameter that requires grad has one that
+        passes F._check_into's checks and the parameters are the module's five distinct ones (None, b1, b2
+        included); otherwise None, and forward takes main_grads() and F._check_into, which create missing buffers
+        and raise for bad ones with their messages."""
+        if len(params) != 5:
+            return None
+        into = []
+        seen = set()
+        for name in F._INTO_NAMES:
+            p = params.get(name)
+            if p is None:
+                into.append(None)
+                continue
+            if id(p) in seen:  # a parameter registered twice: named_parameters() lists it once
+                return None
+            seen.add(id(p))
+            if not p.requires_grad:
+                into.append(None)
+                continue
+            buf = getattr(p, "main_grad", None)
+            if not isinstance(buf, Tensor) or buf.device != p.device or \
+                    (buf.dtype != p.dtype and buf.dtype != torch.float32) or buf.shape != p.shape or \
+                    not buf.is_contiguous() or buf.requires_grad:
+                return None
+            into.append(buf)
+        return tuple(into)
 
     # ---- state dict: the weight layout and activation travel with the weights ----------------------------------
 

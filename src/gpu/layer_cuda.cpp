@@ -333,11 +333,25 @@ namespace {
 // dX~ takes its workspace region (memory.hpp). The split backward runs dH and dX in backward_input and dW2 and dW1
 // in backward_weight.
 
+/// The saved buffer's regions the backward reads (memory.hpp's SavedLayout), decoded once per backward call.
+struct SavedState {
+  const float* scores;
+  const std::int32_t *offsets, *scatter, *inverse, *gather, *token_offsets;
+  const void *h, *router_logits;
+};
+SavedState saved_state(const MoEProblem& p, DType dt, const void* saved) {
+  const SavedLayout sl = saved_layout(p, dt);
+  return {at<float>(saved, sl.scores),         at<std::int32_t>(saved, sl.expert_offsets),
+          at<std::int32_t>(saved, sl.scatter), at<std::int32_t>(saved, sl.inverse),
+          at<std::int32_t>(saved, sl.gather),  at<std::int32_t>(saved, sl.token_offsets),
+          at(saved, sl.h),                     at(saved, sl.router_logits)};
+}
+
 /// dH: expert tiles, H (recomputed in input-only mode, where dH then overwrites it in place), the dH kernel (dH and
 /// A' into dh/a_prime, dS partials) and dS. Returns false when there is no routed pair: grad_x and the router's
 /// gradient are then written here, and the dX phase has nothing to do.
 bool backward_dh_phase(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const BackwardInputs& in,
-                       const BackwardOutputs& out, const void* saved, void* workspace,
+                       const BackwardOutputs& out, const SavedState& sv, void* workspace,
                        const BackwardWorkspaceLayout& wl, void* dh, void* a_prime, cudaStream_t stream) {
   const DType dt = x.dtype;
   const std::int64_t P = p.max_pairs(), rows = p.w1_rows();
@@ -350,18 +364,14 @@ bool backward_dh_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
     if (!accumulate) zero_view(out.grad_weights.router_weight, stream);
     return false;
   }
-  const SavedLayout sl = saved_layout(p, dt);
-  const float* scores = at<float>(saved, sl.scores);
-  const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);
-  const std::int32_t* scatter = at<std::int32_t>(saved, sl.scatter);
-  const std::int32_t* inverse = at<std::int32_t>(saved, sl.inverse);
-  const std::int32_t* gather = at<std::int32_t>(saved, sl.gather);
+  const float* scores = sv.scores;
+  const std::int32_t *offsets = sv.offsets, *scatter = sv.scatter, *inverse = sv.inverse, *gather = sv.gather;
   std::int32_t* tiles = at<std::int32_t>(workspace, wl.expert_tiles);
   mark_stage("backward/expert_tiles", stream);
   launch_expert_tiles(offsets, p.E, tiles, stream);
 
   // H: kept by the forward, or recomputed (input-only mode) with the forward's arithmetic.
-  const void* h = at(saved, sl.h);
+  const void* h = sv.h;
   if (p.cache == CacheMode::kInputOnly) {
     mark_stage("backward/h_recompute", stream);
     void* hr = at(workspace, wl.h_recompute);
@@ -404,16 +414,13 @@ bool backward_dh_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
 /// dX: dX~ = dH W1_e (grouped), dX = gather-sum of dX~, and the router's gradients (dlogits from dS, dx += dlogits
 /// W_r, dW_r). Runs after backward_dh_phase returned true.
 void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const BackwardInputs& in,
-                       const BackwardOutputs& out, const void* saved, void* workspace,
+                       const BackwardOutputs& out, const SavedState& sv, void* workspace,
                        const BackwardWorkspaceLayout& wl, const void* dh, cudaStream_t stream) {
   const DType dt = x.dtype;
   const std::int64_t P = p.max_pairs(), rows = p.w1_rows();
   const bool accumulate = out.grad_weights.accumulate;
-  const SavedLayout sl = saved_layout(p, dt);
-  const float* scores = at<float>(saved, sl.scores);
-  const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);
-  const std::int32_t* inverse = at<std::int32_t>(saved, sl.inverse);
-  const std::int32_t* token_offsets = at<std::int32_t>(saved, sl.token_offsets);
+  const float* scores = sv.scores;
+  const std::int32_t *offsets = sv.offsets, *inverse = sv.inverse, *token_offsets = sv.token_offsets;
   const std::int32_t* tiles = at<std::int32_t>(workspace, wl.expert_tiles);
   const bool caller = p.routing == RoutingMode::kCallerSupplied;
   const float* ds = caller ? static_cast<const float*>(out.grad_scores.data) : at<float>(workspace, wl.ds);
@@ -448,10 +455,10 @@ void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
   const void* upstream = in.grad_router_logits.empty() ? nullptr : in.grad_router_logits.data;
   const std::int64_t ld_up = in.grad_router_logits.empty() ? 0 : in.grad_router_logits.stride[0];
   if (p.routing == RoutingMode::kTokenRounding)
-    launch_token_rounding_backward(dt, p.score, at(saved, sl.router_logits), p.T, p.E, p.K, ds, inverse, offsets,
+    launch_token_rounding_backward(dt, p.score, sv.router_logits, p.T, p.E, p.K, ds, inverse, offsets,
                                    token_offsets, upstream, ld_up, dlogits, stream);
   else
-    launch_router_backward(dt, p.score, scores, ds, inverse, offsets, at(saved, sl.router_logits), p.T, p.E, p.K,
+    launch_router_backward(dt, p.score, scores, ds, inverse, offsets, sv.router_logits, p.T, p.E, p.K,
                            upstream, ld_up, dlogits, stream);
   mark_stage("backward/router_gemms", stream);
   cublasHandle_t hd = prepared_cublas(x.device.index, stream, at(workspace, wl.cublas));
@@ -467,7 +474,7 @@ void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
 
 /// dW2: db2 and dW2 (from dO and A'). Needs no workspace.
 void backward_w2_phase(const MoEProblem& p, const TensorView& x, const TensorView& grad_out,
-                       const BackwardOutputs& out, const void* saved, const void* a_prime, cudaStream_t stream) {
+                       const BackwardOutputs& out, const SavedState& sv, const void* a_prime, cudaStream_t stream) {
   const DType dt = x.dtype;
   const LayerWeightGrads& gw = out.grad_weights;
   const bool accumulate = gw.accumulate;
@@ -478,11 +485,8 @@ void backward_w2_phase(const MoEProblem& p, const TensorView& x, const TensorVie
       for (const TensorView* g : {&gw.w2, &gw.b2}) zero_view(*g, stream);
     return;
   }
-  const SavedLayout sl = saved_layout(p, dt);
-  const float* scores = at<float>(saved, sl.scores);
-  const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);
-  const std::int32_t* scatter = at<std::int32_t>(saved, sl.scatter);
-  const std::int32_t* gather = at<std::int32_t>(saved, sl.gather);
+  const float* scores = sv.scores;
+  const std::int32_t *offsets = sv.offsets, *scatter = sv.scatter, *gather = sv.gather;
   mark_stage("backward/db2", stream);
   if (p.has_b2)
     launch_segment_column_sum(dt, grad_out.data, grad_out.stride[0], gather, scores, scatter, offsets, p.E, p.d, 0,
@@ -502,7 +506,7 @@ void backward_w2_phase(const MoEProblem& p, const TensorView& x, const TensorVie
 }
 
 /// dW1: dW1 (from dH and X) and db1 (from dH). Needs no workspace.
-void backward_w1_phase(const MoEProblem& p, const TensorView& x, const BackwardOutputs& out, const void* saved,
+void backward_w1_phase(const MoEProblem& p, const TensorView& x, const BackwardOutputs& out, const SavedState& sv,
                        const void* dh, cudaStream_t stream) {
   const DType dt = x.dtype;
   const std::int64_t rows = p.w1_rows();
@@ -513,9 +517,7 @@ void backward_w1_phase(const MoEProblem& p, const TensorView& x, const BackwardO
       for (const TensorView* g : {&gw.w1, &gw.b1}) zero_view(*g, stream);
     return;
   }
-  const SavedLayout sl = saved_layout(p, dt);
-  const std::int32_t* offsets = at<std::int32_t>(saved, sl.expert_offsets);
-  const std::int32_t* gather = at<std::int32_t>(saved, sl.gather);
+  const std::int32_t *offsets = sv.offsets, *gather = sv.gather;
   const bool concat = p.weight_layout == WeightLayout::kConcatenated;
   VarlenKArgs dw1;
   dw1.dt = dt;
@@ -546,10 +548,11 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   const BackwardWorkspaceLayout wl = backward_workspace_layout(p, x.dtype);
   void* dh = at(buf.workspace, wl.dh);
   void* a_prime = at(buf.workspace, wl.a_prime);  // the region dX~ takes after dW2 (memory.hpp)
-  const bool routed = backward_dh_phase(p, x, w, in, out, buf.saved, buf.workspace, wl, dh, a_prime, stream);
-  backward_w2_phase(p, x, in.grad_out, out, buf.saved, a_prime, stream);
-  if (routed) backward_dx_phase(p, x, w, in, out, buf.saved, buf.workspace, wl, dh, stream);
-  backward_w1_phase(p, x, out, buf.saved, dh, stream);
+  const SavedState sv = saved_state(p, x.dtype, buf.saved);
+  const bool routed = backward_dh_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, a_prime, stream);
+  backward_w2_phase(p, x, in.grad_out, out, sv, a_prime, stream);
+  if (routed) backward_dx_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, stream);
+  backward_w1_phase(p, x, out, sv, dh, stream);
 }
 
 void backward_input_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const BackwardInputs& in,
@@ -560,8 +563,9 @@ void backward_input_cuda(const MoEProblem& p, const TensorView& x, const LayerWe
   const DeferredLayout dl = deferred_layout(p, x.dtype);
   const BackwardWorkspaceLayout wl = backward_workspace_layout(p, x.dtype, true);
   void* dh = at(deferred.data, dl.dh);
-  if (backward_dh_phase(p, x, w, in, out, buf.saved, buf.workspace, wl, dh, at(deferred.data, dl.a_prime), stream))
-    backward_dx_phase(p, x, w, in, out, buf.saved, buf.workspace, wl, dh, stream);
+  const SavedState sv = saved_state(p, x.dtype, buf.saved);
+  if (backward_dh_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, at(deferred.data, dl.a_prime), stream))
+    backward_dx_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, stream);
 }
 
 void backward_weight_cuda(const MoEProblem& p, const TensorView& x, const TensorView& grad_out,
@@ -570,8 +574,9 @@ void backward_weight_cuda(const MoEProblem& p, const TensorView& x, const Tensor
   const DeviceGuard guard(x.device.index);
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeferredLayout dl = deferred_layout(p, x.dtype);
-  backward_w2_phase(p, x, grad_out, out, saved, at(deferred.data, dl.a_prime), stream);
-  backward_w1_phase(p, x, out, saved, at(deferred.data, dl.dh), stream);
+  const SavedState sv = saved_state(p, x.dtype, saved);
+  backward_w2_phase(p, x, grad_out, out, sv, at(deferred.data, dl.a_prime), stream);
+  backward_w1_phase(p, x, out, sv, at(deferred.data, dl.dh), stream);
 }
 
 // ---- index checking: public entry points ------------------------------------------------------------------------

@@ -29,6 +29,9 @@
 //
 // Backward: one warp per token recomputes the token's choices and softmax the same way (row in registers), places
 // the token's pair gradients by expert in shared memory, and writes dz in one pass with fixed-order warp sums.
+#include <map>
+#include <mutex>
+
 #include <cub/block/block_scan.cuh>
 
 #include "gpu/cuda_check.hpp"
@@ -587,13 +590,28 @@ struct BackwardKernel {
   static auto get() { return tr_backward_kernel<Tp, PerLane>; }
 };
 
-/// Largest dynamic shared memory a block may opt into on the current device (cached per device).
-int max_dynamic_smem() {
+/// The select kernel's static shared memory and the most shared memory a block may opt into on a device, queried
+/// once per device. The default limit of 48 KiB counts static and dynamic shared memory together, so a dynamic size
+/// needs the opt-in whenever static + dynamic passes 48 KiB, not only when the dynamic part alone does.
+struct SelectSharedMemory {
+  int static_bytes = 0;
+  int optin = 0;
+};
+SelectSharedMemory select_shared_memory() {
   int dev = 0;
   MACHMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  int optin = 0;
-  MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  return optin;
+  static std::mutex mu;
+  static std::map<int, SelectSharedMemory> known;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = known.find(dev);
+  if (it != known.end()) return it->second;
+  SelectSharedMemory m;
+  cudaFuncAttributes attr{};
+  MACHMOE_CUDA_CHECK(cudaFuncGetAttributes(&attr, tr_select_kernel));
+  m.static_bytes = static_cast<int>(attr.sharedSizeBytes);
+  MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&m.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  known.emplace(dev, m);
+  return m;
 }
 
 }  // namespace
@@ -618,11 +636,12 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
     });
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_keys");
-  // The expert's column of keys in shared memory when it fits beside the kernel's static arrays (~17 KiB).
+  // The expert's column of keys in shared memory when it fits beside the kernel's static arrays.
   const std::int64_t column_bytes = a.T * 4;
-  const bool cache = column_bytes + (24 << 10) <= max_dynamic_smem();
+  const SelectSharedMemory smem = select_shared_memory();
+  const bool cache = smem.static_bytes + column_bytes <= smem.optin;
   const int dyn = cache ? static_cast<int>(column_bytes) : 0;
-  if (dyn > (48 << 10))
+  if (smem.static_bytes + dyn > (48 << 10))
     MACHMOE_CUDA_CHECK(cudaFuncSetAttribute(tr_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn));
   tr_select_kernel<<<E, kSelectThreads, dyn, stream>>>(a.keys_by_expert, a.T, tc_count, a.expert_offsets,
                                                         a.thresholds, a.gather, cache);

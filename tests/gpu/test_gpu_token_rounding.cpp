@@ -260,6 +260,10 @@ std::vector<TrKernelCase> kernel_cases() {
     add({2000, 512, 1, 8, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "E512_K1_empty_experts");
     add({1500, 512, 16, 32, r, ScoreVariant::kTopKOfSoftmax, DType::kBF16}, "E512_K16");
     add({700, 600, 6, 16, r, ScoreVariant::kSoftmaxOverTopK, DType::kFP32}, "E600_rows_from_memory");
+    // The select kernel's column of T keys plus its static shared memory pass the default 48 KiB (T = 8192: 32 KiB
+    // + ~18 KiB) while the column alone does not: the launch must opt in to more (it failed before).
+    add({8192, 64, 4, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T8192_static_plus_column_past_48KiB");
+    add({12289, 16, 2, 128, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32}, "T12289_column_past_48KiB");
     add({65536, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T65536_E8_column_in_global");
     add({65536, 128, 4, 128, r, ScoreVariant::kTopKOfSoftmaxRenorm, DType::kBF16}, "T65536_E128");
     TrKernelCase skew{5000, 64, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16};

@@ -205,12 +205,13 @@ def test_grad_logits_of_routing_caller_is_not_dropped_silently(layer):
 
 # ---- saved_nbytes (the fake implementation's helper) ----------------------------------------------------------------
 
-NBYTES_ARGS = ["T", "d", "n", "E", "K", "num_pairs", "activation", "score", "routing", "tile", "cache", "elem_size"]
+NBYTES_ARGS = ["T", "d", "n", "E", "K", "num_pairs", "activation", "score", "routing", "tile", "cache", "elem_size",
+               "rounding"]
 
 
 def nbytes_args(**override):
     a = dict(T=T, d=D, n=N, E=E, K=K, num_pairs=0, activation=SWIGLU, score=SOFTMAX_TOPK, routing=TOPK, tile=128,
-             cache=PREACT, elem_size=8)
+             cache=PREACT, elem_size=8, rounding=NEAREST)
     a.update(override)
     return [a[name] for name in NBYTES_ARGS]
 
@@ -228,11 +229,29 @@ BAD_NBYTES = {
     "tile": [0, -8, 12, 4104, 2**32 + 128, INT64_MAX, INT64_MIN],
     "cache": [-1, 2, 5, 2**32 + 1, INT64_MAX, INT64_MIN],
     "elem_size": [0, -2, 1, 3, 16, 2**32 + 4, INT64_MAX, INT64_MIN],
+    "rounding": [-1, 3, 2**32 + 1, INT64_MAX, INT64_MIN],
 }
 
 
 def test_saved_nbytes_matches_the_forward(layer):
     assert ops.saved_nbytes(*nbytes_args()) == layer.saved.numel()
+
+
+def test_saved_nbytes_follows_the_rounding_rule():
+    """Token rounding reserves routed pairs by its rule (nearest, up, down bound them differently), so the size the
+    fake implementation gives torch.compile must know the rule: it must equal what the forward allocates."""
+    g = torch.Generator().manual_seed(1)
+    t, tile = 64, 8  # T*K = 128 pairs; the rules reserve 140 (nearest), 156 (up), 128 (down) of at most T*E = 256
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64) * 0.3
+    x, rw, w1, w2 = r(t, D), r(E, D), r(E, 2 * N, D), r(E, D, N)
+    sizes = []
+    for rule in (0, 1, 2):  # nearest, up, down
+        opts = options(routing=TOKEN_ROUNDING, rounding=rule, tile=tile)
+        saved = ops.layer_forward(x, rw, w1, None, w2, None, None, None, None, *opts)[3]
+        nbytes = ops.saved_nbytes(*nbytes_args(T=t, routing=TOKEN_ROUNDING, tile=tile, rounding=rule))
+        assert nbytes == saved.numel(), rule
+        sizes.append(nbytes)
+    assert len(set(sizes)) == 3, sizes  # the rules do reserve differently here
 
 
 @pytest.mark.parametrize("arg,value", [(a, v) for a, vs in BAD_NBYTES.items() for v in vs])

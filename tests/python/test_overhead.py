@@ -1,5 +1,6 @@
 """What the PyTorch path adds on top of the C++ layer (target T14): the autograd kernel's per-call costs, and
 python -m machmoe.benchmark.overhead's arguments and report (CPU; the GPU run is in test_overhead_gpu.py)."""
+import json
 from collections import Counter
 
 import pytest
@@ -172,3 +173,32 @@ def test_profile_difference_lists_what_only_one_side_ran():
     md = overhead.markdown(doc)
     assert "* GPU activities: Memset (Device): +1, gather: -1, topk: +1" in md
     assert "* CUDA API calls: identical" in md
+
+
+# ---- python -m machmoe.benchmark.overhead --host-only --------------------------------------------------------------
+
+
+def test_parse_host_only_and_its_shape(capsys):
+    a = overhead.parse(["--host-only"])
+    assert a.host_only and a.host_shape == (0, 8, 8, 4, 2)
+    assert overhead.parse(["--host-only", "--host-shape", "3,16,8,4,1"]).host_shape == (3, 16, 8, 4, 1)
+    for bad in ("1,2,3", "-1,8,8,4,2", "0,8,8,4,5"):
+        with pytest.raises(SystemExit):
+            overhead.parse(["--host-shape", bad])
+    assert "error:" in capsys.readouterr().err
+
+
+def test_host_latency_rows():
+    rows = overhead.host_latency((2, 8, 8, 4, 2), reps=2, rounds=2)
+    assert list(rows) == [name for name, _ in overhead.HOST_ROWS]
+    for r in rows.values():
+        assert 0 < r["min_us"] <= r["median_us"] and r["what"]
+
+
+def test_main_host_only_runs_without_a_gpu_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "host.json"
+    assert overhead.main(["--host-only", "--iters", "1", "--rounds", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["shape"] == [0, 8, 8, 4, 2] and set(doc["host"]) == {n for n, _ in overhead.HOST_ROWS}
+    text = capsys.readouterr().out
+    assert "| module_forward | MoE.forward" in text and "JSON" in text

@@ -52,24 +52,31 @@ def _shape(text: str) -> C.Config:
     return C.custom(f"custom-{T}-{d}-{n}-{E}-{K}", T, d, n, E, K)
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
+def _int_at_least(low: int):
+    """An argparse type: an integer >= low, with a message naming the bound."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {v}")
+        return v
+    return parse
 
 
-def _nonnegative(text: str) -> int:
+def _host_shape(text: str):
     try:
-        v = int(text)
+        T, d, n, E, K = (int(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+        raise argparse.ArgumentTypeError(f"expected T,d,n,E,K (five integers), got {text!r}") from None
+    if T < 0 or min(d, n, E, K) < 1 or K > E:
+        raise argparse.ArgumentTypeError(f"expected T >= 0, positive d, n, E, K and K <= E, got {text!r}")
+    return T, d, n, E, K
+
+
+_positive = _int_at_least(1)
+_nonnegative = _int_at_least(0)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -93,6 +100,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="machmoe-overhead.json", help="where the JSON goes")
     p.add_argument("--machmoe-bench", default=None, metavar="PATH",
                    help="also run this machmoe-bench binary per configuration (subprocess) as a cross-check")
+    p.add_argument("--host-only", action="store_true",
+                   help="measure only the host time of the module path on CPU tensors (no GPU needed): tiny "
+                        "shapes (--host-shape), so the CPU reference's arithmetic is negligible and what remains is "
+                        "Python, the dispatcher, autograd and the binding, per call")
+    p.add_argument("--host-shape", type=_host_shape, default=(0, 8, 8, 4, 2), metavar="T,d,n,E,K",
+                   help="the --host-only shape (default 0,8,8,4,2: no tokens)")
     p.add_argument("--profile", action="store_true",
                    help="also list the kernels and CUDA API calls of one repetition of each side (torch.profiler) "
                         "for the first configuration, and their difference")
@@ -228,6 +241,102 @@ def run_machmoe_bench(path: str, cfg: C.Config, warmup: int, iters: int) -> dict
             "fwdbwd_ms": r["forward_ms"] + r["backward_ms"]}
 
 
+# ---- host only: the module path's host time per call, on the CPU ----------------------------------------------
+
+# What each row runs, one layer of the module path added per row (so consecutive rows differ by one layer).
+HOST_ROWS = (
+    ("op_below_autograd", "layer_forward below autograd: argument conversion, dispatcher, binding, C++ layer"),
+    ("op_no_grad", "layer_forward without grad: + the Autograd kernel passing through"),
+    ("op_autograd", "layer_forward with grad: + the autograd node (setup_context, saved tensors)"),
+    ("functional", "machmoe.moe: + the functional API's checks"),
+    ("module_forward", "MoE.forward: + the module (T14's host time before the first kernel)"),
+    ("module_forward_main_grad", "MoE.forward with accumulate_into_main_grad=True"),
+    ("module_step", "MoE forward + backward (gradients reset to None first)"),
+)
+
+
+def host_latency(shape, reps: int, rounds: int, seed: int = 0) -> Dict[str, dict]:
+    """Host time per call (us) of each HOST_ROWS entry on CPU fp32 tensors of `shape` (T, d, n, E, K): min and
+    median over `rounds` rounds of `reps` calls, after a warm-up round. The garbage collector is paused inside a
+    round (its pauses would land on whichever call triggers them)."""
+    import gc
+    import machmoe
+    from machmoe import functional as F
+    T, d, n, E, K = shape
+    torch.manual_seed(seed)
+    m = machmoe.MoE(d, n, E, K)
+    acc = machmoe.MoE(d, n, E, K, accumulate_into_main_grad=True)
+    acc.main_grads()
+    x = torch.randn(T, d, requires_grad=True)
+    xd, go = x.detach(), torch.randn(T, d)
+    rw, w1, w2 = m.router_weight, m.w1, m.w2
+    codes = (K, 0, 0, 0, 0, 0, m.tile, 0)
+    op = torch.ops.machmoe.layer_forward.default
+
+    def below_autograd():
+        with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
+            op(xd, rw, w1, None, w2, None, None, None, None, *codes)
+
+    def no_grad():
+        with torch.no_grad():
+            op(xd, rw, w1, None, w2, None, None, None, None, *codes)
+
+    def step():
+        for p in m.parameters():
+            p.grad = None
+        x.grad = None
+        m(x).output.backward(go)
+
+    fns = {"op_below_autograd": below_autograd, "op_no_grad": no_grad,
+           "op_autograd": lambda: op(x, rw, w1, None, w2, None, None, None, None, *codes),
+           "functional": lambda: F.moe(x, rw, w1, w2, top_k=K), "module_forward": lambda: m(x),
+           "module_forward_main_grad": lambda: acc(x), "module_step": step}
+    out = {}
+    for name, what in HOST_ROWS:
+        fn = fns[name]
+        for _ in range(reps):
+            fn()
+        per_call = []
+        for _ in range(rounds):
+            gc.collect()
+            gc.disable()
+            try:
+                t0 = time.perf_counter_ns()
+                for _ in range(reps):
+                    fn()
+                per_call.append((time.perf_counter_ns() - t0) / reps / 1e3)
+            finally:
+                gc.enable()
+        out[name] = {"what": what, "min_us": min(per_call), "median_us": _median(per_call)}
+    return out
+
+
+def host_markdown(doc: dict) -> str:
+    T, d, n, E, K = doc["settings"]["shape"]
+    lines = [f"Host time per call on the CPU (fp32, T={T} d={d} n={n} E={E} K={K}; {doc['settings']['rounds']} "
+             f"rounds of {doc['settings']['reps']} calls; torch {doc['versions']['torch']}; {doc['date']}).",
+             f"Command: `{doc['command']}`", "", "| row | what | min us | median us |", "|---|---|---|---|"]
+    for name, r in doc["host"].items():
+        lines.append(f"| {name} | {r['what']} | {r['min_us']:.1f} | {r['median_us']:.1f} |")
+    return "\n".join(lines)
+
+
+def main_host_only(a, argv: List[str]) -> int:
+    import machmoe  # noqa: F401  (loads the operators)
+    torch.set_num_threads(1)  # (the CPU reference's thread pool would only add wake-ups at these sizes)
+    reps, rounds = max(a.iters, 1) * 10, max(a.rounds, 1) * 10
+    doc = {"schema": 1, "command": "python -m machmoe.benchmark.overhead " + " ".join(shlex.quote(x) for x in argv),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": {"name": "cpu"}, "versions": _versions(),
+           "settings": {"shape": list(a.host_shape), "reps": reps, "rounds": rounds, "seed": a.seed},
+           "host": host_latency(a.host_shape, reps, rounds, a.seed)}
+    with open(a.json, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(host_markdown(doc))
+    print(f"\nmachmoe.benchmark.overhead: JSON {a.json}")
+    return 0
+
+
 # ---- profile: kernels and CUDA API calls of one repetition --------------------------------------------------------
 
 # CUDA runtime/driver calls worth counting: launches, memory traffic the host asks for, allocation, waits.
@@ -344,6 +453,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as e:
         print(f"machmoe.benchmark.overhead: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if a.host_only:
+        return main_host_only(a, argv)
     if not torch.cuda.is_available():
         print("machmoe.benchmark.overhead: needs a CUDA device (it times the GPU layer)", file=sys.stderr)
         return EXIT_USAGE

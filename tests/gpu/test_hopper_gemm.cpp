@@ -196,6 +196,7 @@ UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n
     gpu::launch_expert_gemm(a, "test/up_projection", nullptr);
   }
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  progress("the launch finished; checking its output on the host");
   r.raw_h = dh.download(), r.raw_a = da.download();
   r.canaries = dh.canary_intact() && da.canary_intact();
   r.tails_untouched = all_bytes(r.raw_a, static_cast<std::size_t>(P * ld_a * 2), r.raw_a.size(), 0xFF) &&
@@ -206,15 +207,20 @@ UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n
   // float64 expectation (H interleaved whatever the layout).
   r.h_ref.assign(static_cast<std::size_t>(P * N), 0.0);
   r.a_ref.assign(static_cast<std::size_t>(P * act_cols), 0.0);
+  // Weight row outermost: each expert's weights stream through the cache once, not once per routed row (at
+  // gpt-oss's d = n = 2880 that is 132 MB per expert, and the row-outer order made this check take seconds per call).
   for (std::int64_t e = 0; e < E; ++e)
-    for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g) {
-      const double* xr = &x[static_cast<std::size_t>(s.gather[g] * d)];
-      for (std::int64_t c = 0; c < N; ++c) {
-        const double* wr = &w[static_cast<std::size_t>((e * N + c) * d)];
+    for (std::int64_t c = 0; c < N; ++c) {
+      const double* wr = &w[static_cast<std::size_t>((e * N + c) * d)];
+      for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g) {
+        const double* xr = &x[static_cast<std::size_t>(s.gather[g] * d)];
         double acc = uc.bias ? b[e * N + c] : 0.0;
         for (std::int64_t k = 0; k < d; ++k) acc += xr[k] * wr[k];
         r.h_ref[g * N + c] = acc;
       }
+    }
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g) {
       for (std::int64_t j = 0; j < act_cols; ++j)
         r.a_ref[g * act_cols + j] =
             uc.act == Activation::kGptOssSwiGLU
@@ -376,6 +382,7 @@ DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& leng
     gpu::launch_expert_gemm(a, "test/down_projection", nullptr);
   }
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  progress("the launch finished; checking its output on the host");
   DownResult r;
   r.raw = dy.download();
   r.canaries = dy.canary_intact();
@@ -486,6 +493,7 @@ DownResult run_dx(std::int64_t d, std::int64_t K, bool concatenated, const std::
     gpu::launch_expert_gemm(a, "test/dx_expanded", nullptr);
   }
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  progress("the launch finished; checking its output on the host");
   DownResult r;
   r.raw = dy.download();
   r.canaries = dy.canary_intact();
@@ -656,6 +664,7 @@ DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, 
     gpu::launch_expert_gemm(a, "test/dh_kernel", nullptr);
   }
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  progress("the launch finished; checking its output on the host");
   DhResult r;
   r.raw_dh = ddh.download(), r.raw_ap = dapr.download(), r.raw_ds = dpart.download();
   r.canaries = ddh.canary_intact() && dapr.canary_intact() && dpart.canary_intact();

@@ -390,9 +390,9 @@ DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& leng
                       guard_untouched(r.raw, d, ldy);
   r.y = decode_rows(r.raw, P, d, ldy);
   r.y_ref.assign(static_cast<std::size_t>(P * d), 0.0);
-  for (std::int64_t e = 0; e < E; ++e)
-    for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g)
-      for (std::int64_t c = 0; c < d; ++c) {
+  for (std::int64_t e = 0; e < E; ++e)  // weight row outermost: each expert's W2 streams through the cache once
+    for (std::int64_t c = 0; c < d; ++c)
+      for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g) {
         double acc = bias ? b[e * d + c] : 0.0;
         for (std::int64_t k = 0; k < n; ++k) acc += act[g * n + k] * w[(e * d + c) * n + k];
         r.y_ref[g * d + c] = acc;
@@ -501,16 +501,18 @@ DownResult run_dx(std::int64_t d, std::int64_t K, bool concatenated, const std::
                       guard_untouched(r.raw, d, ldw);
   r.y = decode_rows(r.raw, P, d, ldw);
   r.y_ref.assign(static_cast<std::size_t>(P * d), 0.0);
+  // Row-by-row axpy over W1's contiguous rows (each y element still sums k = 0, 1, ... in order): the column walk
+  // it replaces read W1 with a stride of d elements and took minutes at gpt-oss's d = n = 2880.
   for (std::int64_t e = 0; e < E; ++e)
-    for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g)
-      for (std::int64_t c = 0; c < d; ++c) {
-        double acc = 0.0;
-        for (std::int64_t k = 0; k < K; ++k) {
-          const std::int64_t row = concatenated ? (k % 2) * n + k / 2 : k;
-          acc += dh[g * K + k] * w1[(e * K + row) * d + c];
-        }
-        r.y_ref[g * d + c] = acc;
+    for (std::int64_t g = s.offsets[e]; g < s.offsets[e + 1]; ++g) {
+      double* yr = &r.y_ref[static_cast<std::size_t>(g * d)];
+      for (std::int64_t k = 0; k < K; ++k) {
+        const std::int64_t row = concatenated ? (k % 2) * n + k / 2 : k;
+        const double coef = dh[g * K + k];
+        const double* wr = &w1[static_cast<std::size_t>((e * K + row) * d)];
+        for (std::int64_t c = 0; c < d; ++c) yr[c] += coef * wr[c];
       }
+    }
   return r;
 }
 
@@ -687,9 +689,16 @@ DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, 
       const double* dor = &dout[static_cast<std::size_t>(s.gather[g] * d)];
       const std::int64_t pr = scatter[g];
       const double sc = scores[pr];
+      // dA' of the row by axpy over W2's contiguous rows (each element still sums k = 0, 1, ... in order; a column
+      // walk with a stride of n elements was the slow part of this check at gpt-oss's shapes).
+      std::vector<double> dap_row(static_cast<std::size_t>(n), 0.0);
+      for (std::int64_t k = 0; k < d; ++k) {
+        const double coef = dor[k];
+        const double* wr = &w2[static_cast<std::size_t>((e * d + k) * n)];
+        for (std::int64_t j = 0; j < n; ++j) dap_row[j] += coef * wr[j];
+      }
       for (std::int64_t j = 0; j < n; ++j) {
-        double dap = 0.0;
-        for (std::int64_t k = 0; k < d; ++k) dap += dor[k] * w2[(e * d + k) * n + j];
+        const double dap = dap_row[j];
         const double* hr = &h[static_cast<std::size_t>(g * rows)];
         double a_val;
         if (act == Activation::kGptOssSwiGLU) {  // math::glu_backward in float64 (CPU-tested against the formula)

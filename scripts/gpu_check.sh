@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one go: build (all cores), the CPU and GPU test suites, compute-sanitizer (memcheck and
 # racecheck) on a representative subset, and the benchmark. Logs go to $OUT (the device tool's folder) or
-# build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|profile|all] [gtest filter]
+# build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|profile|detail|all] [gtest filter]
 # profile: kernel by kernel durations of one forward of $BENCH_CONFIGS (ncu, unlocked clocks; nsys when present).
+# detail: ncu --set full of the kernels matching $KERNEL_REGEX and the instructions where they stall, in one archive.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 what="${1:-all}"
@@ -65,6 +66,25 @@ if [ "$what" = profile ]; then
       head -n 40 "$logs/nsys_$cfg.csv"
     fi
   done
+fi
+if [ "$what" = detail ]; then
+  # Where the warps of chosen kernels stall, instruction by instruction (ncu --set full, unlocked clocks), packed into
+  # one archive (a device machine returns few files): KERNEL_REGEX picks kernels by demangled name (default: the
+  # weight-gradient family), LAUNCHES how many launches per configuration.
+  regex="${KERNEL_REGEX:-MainloopVarlenK}"
+  mkdir -p "$logs/detail"
+  for cfg in ${BENCH_CONFIGS:-120B-2048 7B-256}; do
+    out="$logs/detail/$cfg"
+    timeout "${DETAIL_TIMEOUT:-300}" ncu --clock-control none --kernel-name-base demangled -k "regex:$regex" \
+      --launch-count "${LAUNCHES:-2}" --set full -f -o "$out" \
+      ./build/bin/machmoe-bench --config "$cfg" --iters 1 --warmup 0 > "$out.log" 2>&1
+    echo "== $cfg: ncu exit $?"
+    ncu -i "$out.ncu-rep" --print-details all > "$out.details.txt" 2>&1
+    ncu -i "$out.ncu-rep" --page source --print-source sass --csv > "$out.sass.csv" 2>&1
+    grep -E "Duration|Compute \(SM\) Throughput|Registers Per Thread" "$out.details.txt" | head -12
+    python3 scripts/ncu_hotspots.py "$out.sass.csv" --top 12
+  done
+  tar -C "$logs" -cJf "$logs/detail.tar.xz" detail && rm -rf "$logs/detail"
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   ./build/bin/machmoe-bench --all-configs --iters "${BENCH_ITERS:-3}" --warmup 1 --json "$logs/bench.json" 2>&1 |

@@ -1,0 +1,81 @@
+"""The SASS instructions where a kernel's warps stall most, from Nsight Compute's source page:
+
+    ncu -i REPORT.ncu-rep --page source --print-source sass --csv > sass.csv
+    python3 scripts/ncu_hotspots.py sass.csv [--top 25]
+
+Per kernel in the file (ncu writes one CSV table per profiled launch, each with its own header row), the instructions
+with the most warp-stall samples, their share of the kernel's samples and the largest per-reason columns ncu gives
+for them. Which instruction stalls tells a producer-bound pipeline (consumers waiting on the 'full' barrier), an
+MMA-bound one (the producer waiting on 'empty'), or an exposed epilogue (stores, barriers after the mainloop) apart,
+which the whole-kernel stall breakdown cannot: it mixes the producer's and the consumers' warps."""
+import argparse
+import csv
+import io
+import sys
+from typing import Dict, List, Optional
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text.replace(",", ""))
+    except (AttributeError, ValueError):
+        return None
+
+
+def tables(text: str) -> List[List[Dict[str, str]]]:
+    """The CSV tables of the file: a table starts at a header row (its first cell is "Address" or "#")."""
+    out: List[List[Dict[str, str]]] = []
+    block: List[str] = []
+    for line in text.splitlines():
+        if not line.startswith('"'):
+            continue  # the profiled program's own output and ncu's log lines
+        first = next(csv.reader([line]))[0]
+        if first in ("Address", "#") and block:
+            out.append(list(csv.DictReader(io.StringIO("\n".join(block)))))
+            block = []
+        block.append(line)
+    if block:
+        out.append(list(csv.DictReader(io.StringIO("\n".join(block)))))
+    return [t for t in out if t]
+
+
+def hotspots(rows: List[Dict[str, str]], top: int) -> str:
+    columns = list(rows[0].keys())
+    total_col = next((c for c in columns if c.startswith("Warp Stall Sampling (All")), None)
+    if total_col is None:
+        return f"no 'Warp Stall Sampling (All Samples)' column; columns: {', '.join(columns)}"
+    source_col = next((c for c in columns if c in ("Source", "SASS")), columns[1] if len(columns) > 1 else columns[0])
+    skip = {total_col, source_col, "Address", "#"}
+    reason_cols = [c for c in columns if c not in skip and "Sampling" not in c
+                   and any(_number(r.get(c, "")) not in (None, 0.0) for r in rows[:2000])]
+    total = sum(_number(r[total_col]) or 0.0 for r in rows)
+    ranked = sorted(rows, key=lambda r: _number(r[total_col]) or 0.0, reverse=True)[:top]
+    lines = [f"{'samples':>8} {'share':>6}  instruction  [largest other columns]"]
+    for r in ranked:
+        n = _number(r[total_col]) or 0.0
+        extra = sorted(((c, _number(r[c]) or 0.0) for c in reason_cols), key=lambda kv: kv[1], reverse=True)[:3]
+        detail = ", ".join(f"{c}={v:g}" for c, v in extra if v)
+        lines.append(f"{n:8.0f} {100 * n / total if total else 0:5.1f}%  {r.get('Address', '')} "
+                     f"{r[source_col].strip()[:90]}  [{detail}]")
+    lines.append(f"{total:8.0f} samples in the kernel")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("csv", help="ncu --page source --print-source sass --csv output")
+    p.add_argument("--top", type=int, default=25, help="instructions per kernel (default 25)")
+    a = p.parse_args(argv)
+    with open(a.csv) as f:
+        found = tables(f.read())
+    if not found:
+        print(f"{a.csv}: no CSV table found", file=sys.stderr)
+        return 1
+    for i, t in enumerate(found):
+        print(f"== launch {i + 1} of {len(found)}")
+        print(hotspots(t, a.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

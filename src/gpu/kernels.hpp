@@ -142,6 +142,9 @@ struct VarlenKArgs {
   const void* b = nullptr;
   std::int64_t ldb = 0;
   const std::int32_t* b_gather = nullptr;
+  // Rows of the contiguous operand's buffer (the one without a gather): an upper bound on expert_offsets[E], the
+  // row extent of the Hopper kernel's TMA descriptor for it. 0: unknown (that operand is then copied by cp.async).
+  std::int64_t contiguous_rows = 0;
   // out[e * out_expert_stride + map(m) * ld_out + n]; map = concatenated-GLU row map when glu_concat_n > 0.
   void* out = nullptr;
   std::int64_t out_expert_stride = 0, ld_out = 0, glu_concat_n = 0;

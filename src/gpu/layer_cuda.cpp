@@ -496,7 +496,7 @@ void backward_w2_phase(const MoEProblem& p, const TensorView& x, const TensorVie
   dw2.E = p.E, dw2.M = p.d, dw2.N = p.n;
   dw2.expert_offsets = offsets;
   dw2.a = grad_out.data, dw2.lda = grad_out.stride[0], dw2.a_gather = gather;
-  dw2.b = a_prime, dw2.ldb = p.n;
+  dw2.b = a_prime, dw2.ldb = p.n, dw2.contiguous_rows = p.max_pairs();  // A' holds max_pairs rows
   dw2.out = gw.w2.data, dw2.out_expert_stride = gw.w2.stride[0];
   dw2.ld_out = gw.w2.stride[1];
   dw2.out_dt = gw.w2.dtype, dw2.accumulate = accumulate;
@@ -523,7 +523,7 @@ void backward_w1_phase(const MoEProblem& p, const TensorView& x, const BackwardO
   dw1.dt = dt;
   dw1.E = p.E, dw1.M = rows, dw1.N = p.d;
   dw1.expert_offsets = offsets;
-  dw1.a = dh, dw1.lda = rows;
+  dw1.a = dh, dw1.lda = rows, dw1.contiguous_rows = p.max_pairs();  // dH holds max_pairs rows
   dw1.b = x.data, dw1.ldb = x.stride[0], dw1.b_gather = gather;
   dw1.out = gw.w1.data, dw1.out_expert_stride = gw.w1.stride[0];
   dw1.ld_out = gw.w1.stride[1], dw1.glu_concat_n = concat ? p.n : 0;

@@ -55,7 +55,8 @@ class WgradProblem {
     offsets_.push_back(0);
     for (int f : wc.lengths) offsets_.push_back(offsets_.back() + f);
     P_ = offsets_.back();
-    const std::int64_t P_cap = P_ + 40;  // rows past the last routed row: NaN (uninitialised workspace)
+    P_cap_ = P_ + 40;  // rows past the last routed row: NaN (uninitialised workspace)
+    const std::int64_t P_cap = P_cap_;
     // Tokens t % 5 == 3 are never routed and hold NaN rows: a gathered copy may only read the rows it names.
     std::uniform_int_distribution<std::int64_t> tok(0, wc.T - 1);
     for (std::int64_t g = 0; g < P_; ++g) {
@@ -104,8 +105,11 @@ class WgradProblem {
   std::int64_t experts() const { return E_; }
   const WgradCase& config() const { return c_; }
 
-  VarlenKArgs args(void* out) const {
+  /// `contiguous_tma`: tell the kernel the contiguous buffer's rows, so that its whole k-blocks come by TMA (the
+  /// layer's way); false: every block by cp.async (a caller that does not know them).
+  VarlenKArgs args(void* out, bool contiguous_tma = true) const {
     VarlenKArgs a;
+    a.contiguous_rows = contiguous_tma ? P_cap_ : 0;
     a.dt = c_.dt;
     a.E = E_, a.M = c_.M, a.N = c_.N;
     a.expert_offsets = static_cast<const std::int32_t*>(doff_->get());
@@ -123,9 +127,9 @@ class WgradProblem {
   }
 
   /// Runs the GEMM on a fresh, pre-filled output and returns its bytes.
-  std::vector<unsigned char> run(Path path, bool* canary = nullptr) const {
+  std::vector<unsigned char> run(Path path, bool* canary = nullptr, bool contiguous_tma = true) const {
     DeviceBuffer out(prefill_);
-    const VarlenKArgs a = args(out.get());
+    const VarlenKArgs a = args(out.get(), contiguous_tma);
     const std::string tile = g_tile_n > 0 ? std::to_string(g_tile_n) : std::string("(heuristic)");
     progress(std::string(c_.dw1 ? "dW1" : "dW2") +
              (path == Path::kHopper ? " on the Hopper kernel, tile N " + tile : std::string(" on the reference GEMM")) +
@@ -209,7 +213,7 @@ class WgradProblem {
 
  private:
   WgradCase c_;
-  std::int64_t E_ = 0, P_ = 0, ldg_ = 0, ldc_ = 0, rows_e_ = 0, ld_out_ = 0;
+  std::int64_t E_ = 0, P_ = 0, P_cap_ = 0, ldg_ = 0, ldc_ = 0, rows_e_ = 0, ld_out_ = 0;
   std::vector<std::int32_t> offsets_, gather_;
   std::vector<double> gsrc_, csrc_;
   std::unique_ptr<DeviceBuffer> dg_, dc_, doff_, dgat_;
@@ -221,7 +225,7 @@ class WgradProblem {
 double tolerance(DType out_dt) { return out_dt == DType::kFP32 ? 1e-4 : 4e-3; }
 
 /// The full check of one problem on the Hopper kernel: float64, the reference GEMM, untouched bytes, exact zeros
-/// of empty experts, no NaN, canary, bitwise rerun.
+/// of empty experts, no NaN, canary, bitwise rerun, and bitwise the same without the contiguous operand's TMA.
 void check_problem(const WgradProblem& prob) {
   const WgradCase& wc = prob.config();
   bool canary = false;
@@ -236,6 +240,9 @@ void check_problem(const WgradProblem& prob) {
   EXPECT_TRUE(prob.empty_experts_exact(fast)) << "an expert without rows is not exact zeros / untouched";
   EXPECT_TRUE(prob.empty_experts_exact(ref)) << "the reference: an expert without rows";
   EXPECT_TRUE(prob.run(Path::kHopper) == fast) << "a rerun is not bitwise identical";
+  // The contiguous operand by cp.async throughout (no tensor map) feeds the tensor cores the same values.
+  EXPECT_TRUE(prob.run(Path::kHopper, nullptr, /*contiguous_tma=*/false) == fast)
+      << "TMA-fed and cp.async-fed contiguous operand differ";
 }
 
 /// Runs `body` with the N tile forced to 128 (ping-pong) and 256 (cooperative): every N takes both (edge tiles).

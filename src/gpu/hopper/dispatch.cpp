@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <map>
 #include <set>
@@ -416,6 +417,17 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
   p.mainloop.M = static_cast<int>(a.M), p.mainloop.N = static_cast<int>(a.N);
   p.mainloop.a = a.a, p.mainloop.lda = a.lda, p.mainloop.a_gather = a.a_gather;
   p.mainloop.b = a.b, p.mainloop.ldb = a.ldb, p.mainloop.b_gather = a.b_gather;
+  // The contiguous operand (the one without a gather) by TMA where its buffer's row count is known and fits TMA's
+  // 32-bit coordinates; otherwise its k-blocks are copied like the gathered operand's.
+  if (a.contiguous_rows > 0 && a.contiguous_rows <= std::numeric_limits<std::int32_t>::max()) {
+    const bool a_contiguous = a.a_gather == nullptr;
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a_contiguous ? a.M : a.N),
+                                static_cast<cuuint64_t>(a.contiguous_rows)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(a_contiguous ? a.lda : a.ldb) * 2};
+    const cuuint32_t box[2] = {64, 64};  // (64 columns) x (one k-block of rows): one 8 KiB block of a stage
+    p.mainloop.tma_contiguous = make_tensor_map(a_contiguous ? a.a : a.b, 2, dims, strides, box);
+    p.mainloop.contiguous_tma = true;
+  }
   p.epilogue.out = a.out;
   p.epilogue.out_expert_stride = a.out_expert_stride, p.epilogue.ld_out = a.ld_out;
   p.epilogue.glu_concat_n = a.glu_concat_n;

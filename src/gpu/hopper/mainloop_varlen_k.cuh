@@ -5,14 +5,18 @@
 // with both operands MN-major in memory (row g holds the m or n index contiguously) and in shared memory
 // (GMMA::Major::MN for A and B: the transposed-operand HGMMA reads them in place, no transpose pass).
 //
-// Producer (128 threads): both operands arrive by 16-byte cp.async into the 128-byte-swizzled MN-major layout.
-// A gathered operand (dW2's dO rows, dW1's X rows, picked by the routing index) reads its row indices one k-block
-// ahead into registers, so their latency hides behind the copies of the block before; a contiguous operand (A' or
-// dH) reads rows g. Rows past the segment are zero-filled (src-size 0) for BOTH operands: the rows after an expert's
-// segment belong to the next expert, and past the last routed row the workspace may hold uninitialised bits
-// (NaN x 0 = NaN), so neither may reach the tensor cores. (TMA could carry the contiguous operand's whole k-blocks;
-// the last, partial block would still need the zero-filling copies. Not done: see docs/ARCHITECTURE.md.)
-// A stage's "full" barrier counts one cp.async arrival per producer thread (noinc).
+// Producer (128 threads), into the 128-byte-swizzled MN-major layout. The gathered operand (dW2's dO rows, dW1's X
+// rows, picked by the routing index) arrives by 16-byte cp.async and reads its row indices one k-block ahead into
+// registers, so their latency hides behind the copies of the block before. The contiguous operand (A' or dH, rows g)
+// arrives by TMA for every whole k-block of a segment (one thread, (64 columns) x (64 rows) boxes: a quarter to a
+// half of the copies the producer issued before, and no per-thread address arithmetic for them), and by cp.async for
+// an expert's partial last block. Rows past the segment are zero-filled (src-size 0) for BOTH operands: the rows
+// after an expert's segment belong to the next expert, and past the last routed row the workspace may hold
+// uninitialised bits (NaN x 0 = NaN), so neither may reach the tensor cores; a TMA box could not stop at the
+// segment's end (its row extent is the buffer's, known on the host), hence the copies for the partial block.
+// A stage's "full" barrier counts one cp.async arrival per producer thread (noinc) and, for a TMA-fed block, the
+// box bytes, added by the issuing thread with expect_tx before its own arrival (so the phase cannot complete first).
+// Without a tensor map (MainloopVarlenKParams::contiguous_tma false) both operands come by cp.async throughout.
 //
 // Consumers: as in the varlen-M mainloop, one WGMMA batch in flight, each stage released behind it. A tile of an
 // expert with no rows has no k-block: the epilogue writes exact zeros for it (or leaves the output, accumulating).
@@ -101,8 +105,16 @@ struct MainloopVarlenK {
     }
   }
 
-  /// No tensor maps: both operands are copied by cp.async.
-  __device__ __forceinline__ static void prefetch_descriptors(const Params&) {}
+  /// The contiguous operand's tensor map, when it has one (one thread, at kernel entry).
+  __device__ __forceinline__ static void prefetch_descriptors(const Params& p) {
+    if (p.contiguous_tma) tma_prefetch_descriptor(&p.tma_contiguous);
+  }
+
+  static constexpr bool kContiguousA = kOperandA == OperandK::kContiguous;
+  static constexpr bool kContiguousB = kOperandB == OperandK::kContiguous;
+  static_assert(kContiguousA != kContiguousB, "exactly one operand contiguous (the TMA-fed one)");
+  static constexpr int kContiguousWidth = kContiguousA ? kTileM : kTileN;
+  static constexpr std::uint32_t kContiguousBytes = static_cast<std::uint32_t>(kContiguousWidth * kTileK * 2);
 
   // ---- producer ------------------------------------------------------------------------------------------------
   //
@@ -184,10 +196,23 @@ struct MainloopVarlenK {
         const int stage = static_cast<int>(iter % kStages);
         const std::uint32_t phase = (iter / kStages) & 1u;
         mbar_wait(&s.bar.empty[stage], phase ^ 1u, WaitSite::kProducerEmpty, iter);
-        copy_rows<kTileM>(smem_u32(&s.t.a[stage][0]), a_base, p.lda, a_col0, a_valid, rows_a, row_in_pass,
-                          swizzled_chunk, chunk);
-        copy_rows<kTileN>(smem_u32(&s.t.b[stage][0]), b_base, p.ldb, b_col0, b_valid, rows_b, row_in_pass,
-                          swizzled_chunk, chunk);
+        // A whole k-block of the segment: the contiguous operand's 64 rows are all this expert's routed rows.
+        const bool by_tma = p.contiguous_tma && (kb + 1) * kTileK <= c.k_rows;
+        if (by_tma && ptid == 0) {
+          mbar_expect_tx(&s.bar.full[stage], kContiguousBytes);
+          Element* dst = kContiguousA ? &s.t.a[stage][0] : &s.t.b[stage][0];
+          const int col0 = static_cast<int>(kContiguousA ? a_col0 : b_col0);
+          const int row0 = static_cast<int>(c.k_begin) + kb * kTileK;  // < 2^31: dispatch checks the buffer's rows
+#pragma unroll
+          for (int blk = 0; blk < kContiguousWidth / 64; ++blk)  // boxes past M or N arrive zero-filled
+            tma_load_2d(&p.tma_contiguous, &s.bar.full[stage], dst + blk * 64 * kTileK, col0 + 64 * blk, row0);
+        }
+        if (!(kContiguousA && by_tma))
+          copy_rows<kTileM>(smem_u32(&s.t.a[stage][0]), a_base, p.lda, a_col0, a_valid, rows_a, row_in_pass,
+                            swizzled_chunk, chunk);
+        if (!(kContiguousB && by_tma))
+          copy_rows<kTileN>(smem_u32(&s.t.b[stage][0]), b_base, p.ldb, b_col0, b_valid, rows_b, row_in_pass,
+                            swizzled_chunk, chunk);
         cp_async_arrive_noinc(&s.bar.full[stage]);
 #pragma unroll
         for (int j = 0; j < kRowsPerThread; ++j) rows_a[j] = next_a[j], rows_b[j] = next_b[j];

@@ -106,8 +106,8 @@ struct VarlenKSchedulerParams {
   const std::int32_t* expert_offsets = nullptr;  // (E + 1), device
 };
 
-/// The varlen-K mainloop (mainloop_varlen_k.cuh): both operands copied by cp.async, rows past the segment
-/// zero-filled.
+/// The varlen-K mainloop (mainloop_varlen_k.cuh): the gathered operand copied by cp.async, the contiguous one by
+/// TMA for whole k-blocks and cp.async for an expert's partial last block; rows past the segment zero-filled.
 struct MainloopVarlenKParams {
   int M = 0, N = 0;  // output extents (multiples of 8): columns of A past M and of B past N are zero-filled
   const void* a = nullptr;  // bf16, row stride lda elements; row rowA(g) holds m = 0 .. M-1
@@ -116,6 +116,10 @@ struct MainloopVarlenKParams {
   const void* b = nullptr;  // bf16, row stride ldb; row rowB(g) holds n = 0 .. N-1
   std::int64_t ldb = 0;
   const std::int32_t* b_gather = nullptr;
+  // The contiguous operand's whole k-blocks by TMA: 2D (M or N, rows of its buffer), box (64, 64), 128-byte swizzle,
+  // columns past M or N zero-filled. Unset (contiguous_tma false): cp.async for every block, as for the gathered one.
+  CUtensorMap tma_contiguous;
+  bool contiguous_tma = false;
 };
 
 /// The weight-gradient epilogue (epilogue_wgrad.cuh): out[e * out_expert_stride + map(m) * ld_out + n] = C (or

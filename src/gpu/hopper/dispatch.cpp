@@ -419,7 +419,12 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
   p.mainloop.b = a.b, p.mainloop.ldb = a.ldb, p.mainloop.b_gather = a.b_gather;
   // The contiguous operand (the one without a gather) by TMA where its buffer's row count is known and fits TMA's
   // 32-bit coordinates; otherwise its k-blocks are copied like the gathered operand's.
-  if (a.contiguous_rows > 0 && a.contiguous_rows <= std::numeric_limits<std::int32_t>::max()) {
+  // MACHMOE_WGRAD_TMA=0 keeps cp.async for it (bitwise the same results; for A/B timing of the two producers).
+  static const bool tma_allowed = [] {
+    const char* v = std::getenv("MACHMOE_WGRAD_TMA");
+    return !(v != nullptr && v[0] == '0');
+  }();
+  if (tma_allowed && a.contiguous_rows > 0 && a.contiguous_rows <= std::numeric_limits<std::int32_t>::max()) {
     const bool a_contiguous = a.a_gather == nullptr;
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a_contiguous ? a.M : a.N),
                                 static_cast<cuuint64_t>(a.contiguous_rows)};

@@ -33,12 +33,6 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(std::uint64_t* bar, std::u
                : "memory");
 }
 
-/// Adds `bytes` to the transaction count of the barrier's current phase without arriving: for a stage whose arrivals
-/// are all cp.async ones (a fixed count) while one thread also issues TMA loads into it.
-__device__ __forceinline__ void mbar_expect_tx(std::uint64_t* bar, std::uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-
 /// Where a thread waits on an mbarrier (printed by the hang trap below).
 enum class WaitSite : int {
   kUnknown = 0,

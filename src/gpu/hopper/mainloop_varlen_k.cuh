@@ -14,8 +14,10 @@
 // after an expert's segment belong to the next expert, and past the last routed row the workspace may hold
 // uninitialised bits (NaN x 0 = NaN), so neither may reach the tensor cores; a TMA box could not stop at the
 // segment's end (its row extent is the buffer's, known on the host), hence the copies for the partial block.
-// A stage's "full" barrier counts one cp.async arrival per producer thread (noinc) and, for a TMA-fed block, the
-// box bytes, added by the issuing thread with expect_tx before its own arrival (so the phase cannot complete first).
+// A stage's "full" barrier counts one cp.async arrival per producer thread (noinc) and one arrival of producer
+// thread 0: for a TMA-fed block an arrive.expect_tx of the box bytes issued before the boxes (as CUTLASS's TMA
+// pipelines do), for any other block a plain arrival. (A first version added the bytes with a bare, relaxed
+// expect_tx and no arrival of its own; one gpt-oss-shaped dW1 test hung with it, reproducibly, on an H200.)
 // Without a tensor map (MainloopVarlenKParams::contiguous_tma false) both operands come by cp.async throughout.
 //
 // Consumers: as in the varlen-M mainloop, one WGMMA batch in flight, each stage released behind it. A tile of an
@@ -100,7 +102,10 @@ struct MainloopVarlenK {
 
   __device__ __forceinline__ static void init_barriers(Barriers& b) {
     for (int i = 0; i < kStages; ++i) {
-      mbar_init(&b.full[i], 128);                                  // one cp.async arrival per producer thread
+      // One cp.async arrival per producer thread, plus one of producer thread 0 for every block: arrive.expect_tx
+      // ahead of its TMA loads for a TMA-fed block (the canonical order, so the phase cannot complete before the
+      // transaction bytes are expected), a plain arrival otherwise.
+      mbar_init(&b.full[i], 128 + 1);
       mbar_init(&b.empty[i], Traits::kCooperative ? 2 : 1);        // one per consuming warpgroup
     }
   }
@@ -198,8 +203,9 @@ struct MainloopVarlenK {
         mbar_wait(&s.bar.empty[stage], phase ^ 1u, WaitSite::kProducerEmpty, iter);
         // A whole k-block of the segment: the contiguous operand's 64 rows are all this expert's routed rows.
         const bool by_tma = p.contiguous_tma && (kb + 1) * kTileK <= c.k_rows;
+        if (ptid == 0 && !by_tma) mbar_arrive(&s.bar.full[stage]);
         if (by_tma && ptid == 0) {
-          mbar_expect_tx(&s.bar.full[stage], kContiguousBytes);
+          mbar_arrive_expect_tx(&s.bar.full[stage], kContiguousBytes);
           Element* dst = kContiguousA ? &s.t.a[stage][0] : &s.t.b[stage][0];
           const int col0 = static_cast<int>(kContiguousA ? a_col0 : b_col0);
           const int row0 = static_cast<int>(c.k_begin) + kb * kTileK;  // < 2^31: dispatch checks the buffer's rows

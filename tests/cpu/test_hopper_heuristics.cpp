@@ -51,7 +51,8 @@ TEST(HopperHeuristics, OverridesAreHonouredForEveryN) {
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 2880, 2880), o).tile_n, 128);
 }
 
-// N that is not a multiple of 128 (edge tiles): the tile that pads the fewest columns, the wide one on a tie.
+// N that is not a multiple of 128 (edge tiles): the tile that pads the fewest columns, the wide one on a tie; the
+// up-projection takes the wide one up to kUpProjectionWidePercent % of the square one's padded width.
 TEST(HopperHeuristics, OddNTakesTheTileWithTheLeastPadding) {
   using gpu::hopper::padded_columns;
   using gpu::hopper::tiles_of;
@@ -61,24 +62,39 @@ TEST(HopperHeuristics, OddNTakesTheTileWithTheLeastPadding) {
   EXPECT_EQ(padded_columns(2880, 256), 192);  // 3072 - 2880
   for (KernelFamily f : {KernelFamily::kUpProjection, KernelFamily::kDownProjection, KernelFamily::kDxExpanded,
                          KernelFamily::kDhKernel}) {
-    EXPECT_EQ(choose_tiles(shape(f, 2880, 2880), {}).tile_n, 128);  // gpt-oss d = n = 2880 (down, dX~, dH: N = 2880)
-    EXPECT_EQ(choose_tiles(shape(f, 5760, 2880), {}).tile_n, 128);  // 5760 = 22 x 256 + 128: 128 pads 0, 256 pads 128
-    EXPECT_EQ(choose_tiles(shape(f, 72, 200), {}).tile_n, 128);     // 128 pads 56, 256 pads 184
+    const bool up = f == KernelFamily::kUpProjection;
+    // gpt-oss d = n = 2880 (down, dX~, dH: N = 2880): 3072 columns against 2944 (104 %).
+    EXPECT_EQ(choose_tiles(shape(f, 2880, 2880), {}).tile_n, up ? 256 : 128);
+    // gpt-oss's up-projection, N = 2n = 5760 = 22 x 256 + 128: 5888 columns against 5760 (102 %).
+    EXPECT_EQ(choose_tiles(shape(f, 5760, 2880), {}).tile_n, up ? 256 : 128);
+    EXPECT_EQ(choose_tiles(shape(f, 72, 200), {}).tile_n, 128);     // 256 columns against 128 (200 %)
     EXPECT_EQ(choose_tiles(shape(f, 8, 8), {}).tile_n, 128);
-    EXPECT_EQ(choose_tiles(shape(f, 264, 136), {}).tile_n, 128);    // 128 pads 120, 256 pads 248
+    EXPECT_EQ(choose_tiles(shape(f, 264, 136), {}).tile_n, 128);    // 512 against 384 (133 %)
+    EXPECT_EQ(choose_tiles(shape(f, 1152, 2880), {}).tile_n, 128);  // 1280 against 1152: 111 %, past 110
+    EXPECT_EQ(choose_tiles(shape(f, 1400, 2880), {}).tile_n, up ? 256 : 128);  // 1536 against 1408: 109 %
     // Ties take the wide tile, except in the dH kernel, whose rule by d (K <= kDhPingPongMaxK) comes first.
     const int tie = f == KernelFamily::kDhKernel ? 128 : 256;
     EXPECT_EQ(choose_tiles(shape(f, 200, 72), {}).tile_n, tie);     // both pad 56
     EXPECT_EQ(choose_tiles(shape(f, 400, 136), {}).tile_n, tie);    // both pad 112
     EXPECT_EQ(choose_tiles(shape(f, 400, 4096), {}).tile_n, 256);   // both pad 112, d past kDhPingPongMaxK
   }
-  // Whatever the tile, the tiles cover N with less than one tile of padding.
-  for (std::int64_t N = 8; N <= 4096; N += 8) {
-    const int t = choose_tiles(shape(KernelFamily::kUpProjection, N, 64), {}).tile_n;
-    EXPECT_LE(padded_columns(N, t), padded_columns(N, 128)) << N;
-    EXPECT_LE(padded_columns(N, t), padded_columns(N, 256)) << N;
-    EXPECT_GE(tiles_of(N, t) * t, N) << N;
-    EXPECT_LT(tiles_of(N, t) * t - N, t) << N;
+  // Whatever the tile, the tiles cover N with less than one tile of padding; the down-projection's pads the fewest
+  // columns, the up-projection's at most 10 % more than the square tile's.
+  for (std::int64_t N = 8; N <= 8192; N += 8) {
+    for (KernelFamily f : {KernelFamily::kUpProjection, KernelFamily::kDownProjection}) {
+      const int t = choose_tiles(shape(f, N, 64), {}).tile_n;
+      EXPECT_GE(tiles_of(N, t) * t, N) << N;
+      EXPECT_LT(tiles_of(N, t) * t - N, t) << N;
+      if (f == KernelFamily::kDownProjection) {
+        EXPECT_LE(padded_columns(N, t), padded_columns(N, 128)) << N;
+        EXPECT_LE(padded_columns(N, t), padded_columns(N, 256)) << N;
+      } else {
+        EXPECT_LE(tiles_of(N, t) * t * 100, tiles_of(N, 128) * 128 * gpu::hopper::kUpProjectionWidePercent) << N;
+        if (N % 256 == 0) {
+          EXPECT_EQ(t, 256) << N;
+        }
+      }
+    }
   }
 }
 
@@ -133,9 +149,14 @@ TEST(HopperHeuristics, WeightGradWideTileWhereNAndTheGridAllowIt) {
   EXPECT_EQ(choose_wgrad_tiles(wgrad(132, 128, 256), {}).tile_n, 256);
   EXPECT_EQ(choose_wgrad_tiles(wgrad(132, 128, 256, 133), {}).tile_n, 128);
   EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 1536, 256), {}).raster_m, 1);
-  // Odd extents (edge tiles): the least padding, and the grid rule counts ceil-divided tiles.
-  EXPECT_EQ(choose_wgrad_tiles(wgrad(32, 2880, 2880), {}).tile_n, 128);  // gpt-oss dW2 (M = d, N = n)
-  EXPECT_EQ(choose_wgrad_tiles(wgrad(32, 5760, 2880), {}).tile_n, 128);  // gpt-oss dW1 (M = 2n, N = d)
+  // Odd extents (edge tiles): the wide tile up to kWgradWidePercent % of the square one's padded width, and the
+  // grid rule counts ceil-divided tiles.
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(32, 2880, 2880), {}).tile_n, 256);  // gpt-oss dW2 (M = d, N = n): 104 %
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(32, 5760, 2880), {}).tile_n, 256);  // gpt-oss dW1 (M = 2n, N = d)
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(32, 2944, 2944), {}).tile_n, 256);  // 3072 against 2944
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 512, 640), {}).tile_n, 256);   // 768 against 640: 120 %
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 512, 136), {}).tile_n, 256);   // 256 against 256: a tie
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 512, 264), {}).tile_n, 128);   // 512 against 384: 133 %
   EXPECT_EQ(choose_wgrad_tiles(wgrad(132, 200, 200), {}).tile_n, 256);   // 132 x ceil(200/128) x 1 wide tiles
   EXPECT_EQ(choose_wgrad_tiles(wgrad(66, 136, 200), {}).tile_n, 256);    // 66 x 2 x 1 = 132
   EXPECT_EQ(choose_wgrad_tiles(wgrad(65, 136, 200), {}).tile_n, 128);    // 130 < 132

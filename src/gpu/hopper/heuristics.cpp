@@ -3,8 +3,11 @@
 namespace machmoe::gpu::hopper {
 
 namespace {
-/// The wide (256) tile pads no more columns than the square (128) one: ceil(N / 128) is even.
-bool wide_tile_fits(std::int64_t N) { return padded_columns(N, 256) <= padded_columns(N, 128); }
+/// The wide (256) tile's padded width is at most `percent` % of the square (128) one's: 100 is "pads no more
+/// columns" (ceil(N / 128) even).
+bool wide_tile_within(std::int64_t N, std::int64_t percent) {
+  return tiles_of(N, 256) * 256 * 100 <= tiles_of(N, 128) * 128 * percent;
+}
 
 std::string extent_reason(const char* name, std::int64_t v) {
   if (v > 0 && v % kExtentGranule == 0) return "";
@@ -42,8 +45,10 @@ TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides) 
     c.tile_n = 128;
     return c;
   }
-  // Otherwise the tile that pads the fewest columns, the wide one on a tie (every N that is a multiple of 256).
-  c.tile_n = wide_tile_fits(shape.N) ? 256 : 128;
+  // Otherwise the tile that pads the fewest columns, the wide one on a tie (every N that is a multiple of 256); the
+  // up-projection takes the wide one while it pads at most kUpProjectionWidePercent % of the square one's width.
+  const std::int64_t percent = shape.family == KernelFamily::kUpProjection ? kUpProjectionWidePercent : 100;
+  c.tile_n = wide_tile_within(shape.N, percent) ? 256 : 128;
   return c;
 }
 
@@ -56,7 +61,7 @@ TileChoice choose_wgrad_tiles(const WgradShape& shape, const TileOverrides& over
     c.tile_n = 256;
     return c;
   }
-  if (!wide_tile_fits(shape.N)) return c;
+  if (!wide_tile_within(shape.N, kWgradWidePercent)) return c;
   const std::int64_t wide_tiles = shape.E * tiles_of(shape.M, 128) * tiles_of(shape.N, 256);
   c.tile_n = wide_tiles >= shape.sm_count ? 256 : 128;
   return c;

@@ -56,10 +56,19 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// H200 (docs/BENCHMARK_HISTORY.md, 2026-11-23 evening) 128 x 128 ping-pong is 4-7 % faster for it where
 /// d <= 1536 and 128 x 256 is 15-25 % faster where d = 4096; kDhPingPongMaxK sits between the measured sizes, and
 /// the dH kernel takes the ping-pong tile for K <= kDhPingPongMaxK whatever N.
-/// N that is no multiple of 128 (edge tiles): the tile that pads the fewest columns, the wide one on a tie
-/// (N = 256 q + r: 256 iff r > 128, i.e. ceil(N / 128) even; N = 2880 = 11 x 256 + 64 takes 128, padding 64 columns
-/// of 2944 where 256 would pad 192 of 3072). A forced tile (overrides.tile_n = 128 or 256) is honoured for every N.
+/// N that is no multiple of 256 (edge tiles, or a multiple of 128 only): the down-projection, dX~ and dH (past
+/// kDhPingPongMaxK) take the tile that pads the fewest columns, the wide one on a tie (N = 256 q + r: 256 iff
+/// r > 128, i.e. ceil(N / 128) even; N = 2880 = 11 x 256 + 64 takes 128, 2944 columns where 256 would make 3072).
+/// Measured at gpt-oss's d = n = 2880 on an H200 (forced tiles, docs/BENCHMARKS.md, session 23): for them the wide
+/// tile was 4 % slower (down) or equal (dX~, dH). The up-projection, whose gathered A the wide tile reads half as
+/// often per FLOP, takes the wide tile while its padded width is at most kUpProjectionWidePercent % of the square
+/// one's: at N = 2n = 5760 (5888 against 5760 columns, 102 %) it was 7-10 % faster; where N is a multiple of 128
+/// only (N = 384: 133 %) the square tile stays. A forced tile (overrides.tile_n = 128 or 256) is honoured for every N.
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
+
+/// The up-projection's and the weight gradients' limit on the wide tile's padded width, in % of the square tile's.
+inline constexpr std::int64_t kUpProjectionWidePercent = 110;
+inline constexpr std::int64_t kWgradWidePercent = 125;
 
 /// The largest K (= d) for which the dH kernel takes the ping-pong tile.
 inline constexpr std::int64_t kDhPingPongMaxK = 2048;
@@ -77,8 +86,10 @@ struct WgradShape {
 /// for the square one (the forward measured the same trade: 614 against 515 TFLOP/s gathered). Its cost is an epilogue
 /// that no other warpgroup hides, small next to the 24 k-blocks of a 7B tile (1536 rows per expert). The square tile,
 /// ping-pong, serves N = 128 mod 256 and shapes with fewer wide tiles than SMs (more, smaller tiles fill the grid).
-/// N that is no multiple of 256: as choose_tiles, the wide tile only where it pads no more columns than the square
-/// one (ceil(N / 128) even), and then only with enough wide tiles (ceil-divided) for the grid.
+/// N that is no multiple of 256: the wide tile while its padded width is at most kWgradWidePercent % of the square
+/// one's, and then only with enough wide tiles (ceil-divided) for the grid. Measured at gpt-oss's shapes on an H200
+/// (session 23, forced tiles): at N = 2880 or 2944 (3072 columns against 2944, 104 %) the wide tile took dW2 and dW1
+/// 16-33 % faster than the square one; N = 384 (133 %) keeps the square tile.
 /// overrides.tile_n = 128 forces the square tile; 256 the wide one (for every N).
 TileChoice choose_wgrad_tiles(const WgradShape& shape, const TileOverrides& overrides);
 

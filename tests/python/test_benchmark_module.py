@@ -221,3 +221,24 @@ def test_gpu_quick_run(tmp_path):
         # Recompute mode keeps less for the backward than the default (docs/TARGETS.md T7).
         assert res["machmoe-recompute"]["activation_bytes"] < res["machmoe"]["activation_bytes"]
     assert doc["verdict"]["machmoe_agreement_failures"] == [] and doc["verdict"]["machmoe_failures"] == []
+
+
+def test_append_continues_a_split_run(tmp_path):
+    """--append keeps the configurations already in the JSON, runs only the missing ones, and reports over all of
+    them; other settings are refused (a long GPU run is split over several invocations this way)."""
+    common = ["--device", "cpu", "--iters", "1", "--warmup", "0", "--out-dir", str(tmp_path), "--no-progress"]
+    first, second = configs.QUICK_CPU[0], configs.QUICK_CPU[1]
+    p = run_module(["--configs", first, *common])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    before = json.loads((tmp_path / "results.json").read_text())
+    p = run_module(["--configs", f"{first},{second}", "--append", *common])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"already in {tmp_path / 'results.json'}: {first}" in p.stdout
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert [e["config"]["name"] for e in doc["configs"]] == [first, second]
+    assert doc["configs"][0] == before["configs"][0]  # kept as it was, not re-run
+    assert len(doc["appended"]) == 1 and doc["date"] == before["date"]
+    md = (tmp_path / "results.md").read_text()
+    assert first in md and second in md
+    p = run_module(["--configs", second, "--append", "--dtype", "fp64", *common])
+    assert p.returncode == 2 and "other settings" in p.stderr and "dtype" in p.stderr

@@ -2,6 +2,7 @@
 Markdown tables. `--help` lists the options; docs/BENCHMARKS.md says how the published figures were produced."""
 import argparse
 import datetime
+import json
 import os
 import shlex
 import sys
@@ -55,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", default=None, help="Markdown path (default next to the JSON, results.md)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--append", action="store_true",
+                   help="continue the run in the JSON: keep its configurations, run only the selected ones it does "
+                        "not hold yet (a long run split over several invocations); same device, dtype and "
+                        "implementations required")
     p.add_argument("--list", action="store_true", help="list the configurations and exit")
     return p
 
@@ -128,6 +133,32 @@ def main(argv: Optional[List[str]] = None) -> int:
                "cublas_bound": "benchmarks/gpu_bench.cu's bound: batched cuBLAS GEMMs at T_e = TK/E rows, plus "
                                "(2TKd + 2Td) bytes at the measured copy bandwidth"},
            "configs": []}
+    if a.append and os.path.exists(json_path):
+        with open(json_path) as f:
+            previous = json.load(f)
+        prev_s = previous.get("settings", {})
+        clash = [k for k in ("device", "dtype", "impls", "peers", "seed", "warmup", "iters")
+                 if prev_s.get(k) != doc["settings"][k]]
+        if previous.get("device", {}).get("name") != doc["device"].get("name"):
+            print(f"machmoe.benchmark: --append: {json_path} was measured on {previous.get('device', {}).get('name')!r}, "
+                  f"this is {doc['device'].get('name')!r}", file=sys.stderr)
+            return EXIT_USAGE
+        if clash:
+            now_s = doc["settings"]
+            was = ", ".join(f"{k}={prev_s.get(k)!r}" for k in clash)
+            now = ", ".join(f"{k}={now_s[k]!r}" for k in clash)
+            print(f"machmoe.benchmark: --append: {json_path} was run with other settings ({was}; now {now})",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        doc["configs"] = list(previous.get("configs", []))
+        doc["command"] = previous.get("command", "") + " && " + doc["command"]
+        doc["appended"] = previous.get("appended", []) + [doc["date"]]
+        doc["date"] = previous.get("date", doc["date"])
+        done = {e["config"]["name"] for e in doc["configs"]}
+        skipped = [c.name for c in cfgs if c.name in done]
+        cfgs = [c for c in cfgs if c.name not in done]
+        if skipped:
+            print(f"machmoe.benchmark: --append: already in {json_path}: {', '.join(skipped)}")
     progress = Progress(len(cfgs) * (len(impls) + len(peers)), enabled=not a.no_progress)
     copy_bw = None
     try:

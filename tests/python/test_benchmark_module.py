@@ -39,6 +39,12 @@ def test_cpu_quick_end_to_end(tmp_path):
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["device"]["type"] == "cpu" and doc["settings"]["dtype"] == "fp32"
     assert [e["config"]["name"] for e in doc["configs"]] == configs.QUICK_CPU
+    # stderr is not a terminal here: one timestamped line per step (a batch log), the last one saying it finished
+    steps = re.findall(r"^\[(\d+)/(\d+) \+\d+ s\] (\S+): ([^;\s]+)", p.stderr, re.M)
+    assert [(c, i) for _, _, c, i in steps] == [(c, i) for c in configs.QUICK_CPU for i in IMPLS], p.stderr[-3000:]
+    assert [int(k) for k, _, _, _ in steps] == list(range(1, len(steps) + 1))
+    assert {int(n) for _, n, _, _ in steps} == {len(steps)}
+    assert re.search(r"^\[done \+\d+ s\] \S+: cublas-bound took [\d.]+ s$", p.stderr, re.M), p.stderr[-3000:]
     for entry in doc["configs"]:
         assert entry["status"] == "ok"
         assert list(entry["results"]) == IMPLS
@@ -242,3 +248,28 @@ def test_append_continues_a_split_run(tmp_path):
     assert first in md and second in md
     p = run_module(["--configs", second, "--append", "--dtype", "fp64", *common])
     assert p.returncode == 2 and "other settings" in p.stderr and "dtype" in p.stderr
+
+
+def test_progress_lines_for_batch_logs():
+    """Off a terminal the progress display writes one flushed line per step (what, since when, how long the previous
+    step took), so a log of a run stopped by a time limit still shows where the time went; disabled, it writes
+    nothing."""
+    import io
+    from machmoe.benchmark.progress import Progress
+    out = io.StringIO()
+    p = Progress(3, stream=out)
+    assert p.backend == "plain"
+    for what in ("a: machmoe", "a: sonicmoe (subprocess)", "b: machmoe"):
+        p.step(what)
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 4, lines
+    assert re.fullmatch(r"\[1/3 \+\d+ s\] a: machmoe", lines[0])
+    assert re.fullmatch(r"\[2/3 \+\d+ s\] a: sonicmoe \(subprocess\); previous step [\d.]+ s", lines[1])
+    assert re.fullmatch(r"\[3/3 \+\d+ s\] b: machmoe; previous step [\d.]+ s", lines[2])
+    assert re.fullmatch(r"\[done \+\d+ s\] b: machmoe took [\d.]+ s", lines[3])
+    quiet = io.StringIO()
+    q = Progress(2, enabled=False, stream=quiet)
+    q.step("a: machmoe")
+    q.close()
+    assert quiet.getvalue() == "" and q.backend == "off"

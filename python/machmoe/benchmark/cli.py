@@ -55,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="JSON path (default OUT_DIR/results.json); plots go next to it")
     p.add_argument("--markdown", default=None, help="Markdown path (default next to the JSON, results.md)")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress display (default: a bar on a terminal, "
+                   "else one timestamped line per step on stderr, for batch logs)")
     p.add_argument("--append", action="store_true",
                    help="continue the run in the JSON: keep its configurations, run only the selected ones it does "
                         "not hold yet (a long run split over several invocations); same device, dtype and "

@@ -1,4 +1,4 @@
-"""machmoe.parallel on the CPU: expert parallelism over gloo with 2 and 4 processes, against the single-process
+"""machmoe.parallel on the CPU: expert parallelism over gloo with 2, 4 and 8 processes, against the single-process
 machmoe.MoE with the same weights (float64 reference path), plus the grouped-experts adapters in one process.
 
 The multi-process scenarios run in one spawn per group size (spawning costs seconds; CI has 2 cores): every
@@ -55,6 +55,14 @@ def make_layer(seed, dtype=torch.float64, *, E=4, K=2, bias=True, **opts):
             m.b1.normal_(0, 0.5, generator=gen(seed, "b1"))
             m.b2.normal_(0, 0.5, generator=gen(seed, "b2"))
     return m
+
+
+def per_rank(sizes, world):
+    """Token counts for `world` ranks from a list written for up to len(sizes) ranks. Beyond it the list repeats,
+    scaled by the number of repeats: the scenarios use E = 2·world experts and route per rank, so this keeps the
+    pairs per expert (and token rounding's tiles) as they are at 4 ranks. Each rank still draws its own tokens."""
+    scale = -(-world // len(sizes))
+    return [scale * sizes[r % len(sizes)] for r in range(world)]
 
 
 def make_inputs(seed, sizes, dtype=torch.float64):
@@ -126,24 +134,24 @@ def global_counts(o, group=None):
 # ---- scenarios (run inside the workers) -------------------------------------------------------------------------
 
 def scenario_topk_float64(rank, world):
-    _, o, moe, _ = check_against_single_process(rank, world, seed=1, sizes=[12, 7, 9, 5][:world],
+    _, o, moe, _ = check_against_single_process(rank, world, seed=1, sizes=per_rank([12, 7, 9, 5], world),
                                                 E=2 * world, aux_loss_coef=0.1, z_loss_coef=0.01)
     assert o.aux_loss is not None and o.z_loss is not None and o.dropped_rows is None
 
 
 def scenario_topk_float32_geglu_concatenated(rank, world):
-    check_against_single_process(rank, world, seed=2, sizes=[10, 13, 6, 8][:world], dtype=torch.float32, tol=2e-6,
+    check_against_single_process(rank, world, seed=2, sizes=per_rank([10, 13, 6, 8], world), dtype=torch.float32, tol=2e-6,
                                  E=2 * world, activation="geglu", weight_layout="concatenated", bias=False,
                                  score="topk_softmax")
 
 
 def scenario_token_rounding_float64(rank, world):
-    check_against_single_process(rank, world, seed=3, sizes=[20, 16, 24, 9][:world], E=2 * world,
+    check_against_single_process(rank, world, seed=3, sizes=per_rank([20, 16, 24, 9], world), E=2 * world,
                                  routing="token_rounding", tile=8)
 
 
 def scenario_token_rounding_up_relu(rank, world):
-    check_against_single_process(rank, world, seed=4, sizes=[18, 11][:world] + [7, 3][:max(0, world - 2)],
+    check_against_single_process(rank, world, seed=4, sizes=per_rank([18, 11, 7, 3], world),
                                  E=2 * world, routing="token_rounding", rounding="up", tile=8, activation="relu",
                                  score="topk_softmax_renorm")
 
@@ -166,10 +174,11 @@ def skewed_inputs(seed, sizes, spread=1.0):
 
 
 def scenario_skewed_routing(rank, world):
-    # Strengths chosen so that rank 0's experts get 96% (top-K) and 80% (token rounding, whose tile-8 rounding
-    # makes the split coarse) of the rows, and the other rank still some.
-    for routing, strength in (("topk", 0.5), ("token_rounding", 0.3)):
-        seed, sizes, E = 5, [24, 16, 12, 20][:world], 2 * world
+    # Strengths chosen so that rank 0's experts get most of the rows and the other ranks still some: at 2 ranks 96%
+    # (top-K) and 80% (token rounding, whose tile-8 rounding makes the split coarse); at 8 ranks 84% and 88%.
+    strengths = {2: (0.5, 0.3), 4: (0.5, 0.3), 8: (0.7, 0.5)}[world]
+    for routing, strength in zip(("topk", "token_rounding"), strengths):
+        seed, sizes, E = 5, per_rank([24, 16, 12, 20], world), 2 * world
         layer = skewed_layer(seed, E, world, strength, routing=routing, tile=8)
         _, o, _, _ = check_against_single_process_inputs(rank, world, layer, skewed_inputs(seed, sizes), seed)
         counts = global_counts(o)
@@ -194,15 +203,16 @@ def check_against_single_process_inputs(rank, world, moe, xs, seed, tol=1e-12, c
 
 def scenario_rank_without_tokens(rank, world):
     for routing in ("topk", "token_rounding"):
-        sizes = [14, 0, 9, 0][:world]
+        sizes = per_rank([14, 0, 9, 0], world)
         for capacity in (None, 64):
             check_against_single_process(rank, world, seed=6, sizes=sizes, E=2 * world, routing=routing, tile=8,
                                          capacity=capacity)
 
 
 def scenario_rank_receives_nothing(rank, world):
-    for routing, capacity in (("topk", None), ("token_rounding", None), ("topk", 32)):
-        seed, sizes, E = 7, [10, 12, 8, 6][:world], 2 * world
+    # capacity: above the largest number of pairs one rank sends (every pair goes to rank 0), so nothing is dropped
+    for routing, capacity in (("topk", None), ("token_rounding", None), ("topk", 32 * -(-world // 4))):
+        seed, sizes, E = 7, per_rank([10, 12, 8, 6], world), 2 * world
         layer = skewed_layer(seed, E, world, 8.0, routing=routing, tile=8)
         ep, o, _, _ = check_against_single_process_inputs(rank, world, layer, skewed_inputs(seed, sizes, 0.2), seed,
                                                           capacity=capacity)
@@ -262,7 +272,7 @@ def scenario_argument_errors(rank, world):
 
 def scenario_functional_equals_module(rank, world):
     m = make_layer(10, E=2 * world)
-    x = make_inputs(10, [9, 11, 4, 7][:world])[rank]
+    x = make_inputs(10, per_rank([9, 11, 4, 7], world))[rank]
     ep = ExpertParallelMoE.from_moe(m)
     o = ep(x)
     out, logits, counts, dropped = expert_parallel_moe(
@@ -274,7 +284,7 @@ def scenario_functional_equals_module(rank, world):
 def scenario_bitwise_reruns(rank, world):
     for routing, capacity in (("topk", None), ("token_rounding", None), ("topk", 8), ("token_rounding", 8)):
         m = make_layer(11, E=2 * world, routing=routing, tile=8)
-        x = make_inputs(11, [16, 13, 10, 12][:world])[rank]
+        x = make_inputs(11, per_rank([16, 13, 10, 12], world))[rank]
         ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
         runs = []
         for _ in range(2):
@@ -286,7 +296,7 @@ def scenario_bitwise_reruns(rank, world):
 def scenario_capacity_without_overflow(rank, world):
     for routing in ("topk", "token_rounding"):
         m = make_layer(12, E=2 * world, routing=routing, tile=8)
-        x = make_inputs(12, [16, 13, 10, 12][:world])[rank]
+        x = make_inputs(12, per_rank([16, 13, 10, 12], world))[rank]
         plain, dx_plain = run_ep(ExpertParallelMoE.from_moe(m), x, 12, rank)
         ep = ExpertParallelMoE.from_moe(m, capacity=64)
         capped, dx_capped = run_ep(ep, x, 12, rank)
@@ -310,7 +320,7 @@ def dropped_by_capacity(expert, El, world, capacity):
 def scenario_capacity_overflow(rank, world):
     capacity = 3
     for routing in ("topk", "token_rounding"):
-        seed, sizes, E = 13, [12, 9, 10, 7][:world], 2 * world
+        seed, sizes, E = 13, per_rank([12, 9, 10, 7], world), 2 * world
         m = make_layer(seed, E=E, routing=routing, tile=8)
         xs = make_inputs(seed, sizes)
         ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
@@ -395,7 +405,7 @@ def scenario_host_synchronisations(rank, world):
     reads nothing at all (docs/PARALLEL.md)."""
     for routing in ("topk", "token_rounding"):
         m = make_layer(14, E=2 * world, routing=routing, tile=8)
-        x = make_inputs(14, [10, 12, 9, 8][:world])[rank].requires_grad_()
+        x = make_inputs(14, per_rank([10, 12, 9, 8], world))[rank].requires_grad_()
         for capacity, expected in ((None, {"tolist": 1}), (16, {})):
             ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
             with HostReads() as fwd:
@@ -409,7 +419,7 @@ def scenario_input_requires_grad_on_one_rank_only(rank, world):
     """Rank 0's input needs a gradient, the others' do not: every rank must still run both backward exchanges,
     or rank 0 would wait for partners that skipped them."""
     m = make_layer(15, E=2 * world)
-    xs = make_inputs(15, [9, 7, 8, 6][:world])
+    xs = make_inputs(15, per_rank([9, 7, 8, 6], world))
     ep = ExpertParallelMoE.from_moe(m)
     x = xs[rank].clone().requires_grad_(rank == 0)
     o = ep(x)
@@ -432,7 +442,7 @@ def scenario_staged_micro_batches_interleaved(rank, world):
     combine B — equals two plain forwards bitwise, gradients included; and combine rejects a wrong y_grouped."""
     for capacity in (None, 24):
         m = make_layer(18, E=2 * world)
-        xa, xb = (make_inputs(s, [9, 7, 8, 6][:world])[rank].requires_grad_() for s in (18, 19))
+        xa, xb = (make_inputs(s, per_rank([9, 7, 8, 6], world))[rank].requires_grad_() for s in (18, 19))
         ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
         plain = [ep(xa).output, ep(xb).output]
         g_plain = torch.autograd.grad(plain[0].square().sum() + plain[1].sum(), [xa, xb] + list(ep.parameters()))
@@ -474,7 +484,7 @@ def scenario_torch_compile(rank, world):
         m = make_layer(16, E=2 * world, routing=routing, tile=8)
         torch.manual_seed(16)
         block = Block(ExpertParallelMoE.from_moe(m, capacity=capacity))
-        x = make_inputs(16, [10, 9, 8, 7][:world])[rank].requires_grad_()
+        x = make_inputs(16, per_rank([10, 9, 8, 7], world))[rank].requires_grad_()
         params = [x, block.proj.weight, block.moe.router_weight, block.moe.experts.w1, block.moe.experts.b2]
         eager = block(x)
         g_eager = torch.autograd.grad(eager.square().sum(), params)
@@ -488,11 +498,11 @@ def scenario_torch_compile(rank, world):
     torch._dynamo.reset()
 
 
-def check_fsdp2_training(rank, world, ep_mesh, expert_mesh, dp_mesh, sizes):
+def check_fsdp2_training(rank, world, ep_mesh, expert_mesh, dp_mesh, sizes, E=4):
     """Three SGD steps of the EP layer under FSDP2 (shard_experts_fsdp2, then fully_shard over the data-parallel
     ranks) equal those of the single-process layer on all ranks' tokens with the mean of the ranks' losses."""
     from torch.distributed.fsdp import fully_shard
-    m = make_layer(17, E=4, aux_loss_coef=0.1)
+    m = make_layer(17, E=E, aux_loss_coef=0.1)
     xs = make_inputs(17, sizes)
     ep = ExpertParallelMoE.from_moe(m, group=ep_mesh.get_group())
     ignored = shard_experts_fsdp2(ep, expert_mesh)
@@ -523,19 +533,20 @@ def check_fsdp2_training(rank, world, ep_mesh, expert_mesh, dp_mesh, sizes):
 
 def scenario_fsdp2_two_dimensional_mesh(rank, world):
     """4 ranks: EP groups {0,1}, {2,3}; experts sharded by FSDP2 across the EP groups ({0,2}, {1,3}); the router
-    over all 4."""
+    over all 4. 8 ranks: EP groups {0..3}, {4..7}, experts sharded over {r, r+4}."""
     from torch.distributed.device_mesh import init_device_mesh
-    assert world == 4
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("expert_fsdp", "ep"))
-    dp = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    check_fsdp2_training(rank, world, mesh["ep"], mesh["expert_fsdp"], dp, [8, 6, 7, 9])
+    assert world in (4, 8)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("expert_fsdp", "ep"))
+    dp = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    check_fsdp2_training(rank, world, mesh["ep"], mesh["expert_fsdp"], dp, per_rank([8, 6, 7, 9], world),
+                         E=2 * (world // 2))
 
 
 def scenario_fsdp2_experts_outside_fsdp(rank, world):
     """EP over the whole data-parallel group: FSDP2 shards the router over it, the experts stay whole."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    check_fsdp2_training(rank, world, mesh, None, mesh, [8, 6, 7, 9][:world])
+    check_fsdp2_training(rank, world, mesh, None, mesh, per_rank([8, 6, 7, 9], world))
 
 
 SCENARIOS_2 = [
@@ -547,6 +558,10 @@ SCENARIOS_2 = [
 ]
 SCENARIOS_4 = ["topk_float64", "token_rounding_float64", "rank_without_tokens", "capacity_overflow",
                "fsdp2_two_dimensional_mesh"]
+# 8 ranks (the size of one 8-GPU host): the layer against the single process, skewed routing, ranks without tokens
+# and ranks whose experts receive nothing, capacity overflow, bitwise reruns, FSDP2 on a 2 x 4 mesh.
+SCENARIOS_8 = ["topk_float64", "token_rounding_float64", "skewed_routing", "rank_without_tokens",
+               "rank_receives_nothing", "capacity_overflow", "bitwise_reruns", "fsdp2_two_dimensional_mesh"]
 
 
 # ---- the process harness ------------------------------------------------------------------------------------------
@@ -617,6 +632,11 @@ def four_ranks(tmp_path_factory):
     return spawn_scenarios(4, __name__, SCENARIOS_4, str(tmp_path_factory.mktemp("ep4")))
 
 
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory):
+    return spawn_scenarios(8, __name__, SCENARIOS_8, str(tmp_path_factory.mktemp("ep8")))
+
+
 @pytest.mark.parametrize("name", SCENARIOS_2)
 def test_two_ranks(two_ranks, name):
     assert_scenario(two_ranks, name)
@@ -625,6 +645,11 @@ def test_two_ranks(two_ranks, name):
 @pytest.mark.parametrize("name", SCENARIOS_4)
 def test_four_ranks(four_ranks, name):
     assert_scenario(four_ranks, name)
+
+
+@pytest.mark.parametrize("name", SCENARIOS_8)
+def test_eight_ranks(eight_ranks, name):
+    assert_scenario(eight_ranks, name)
 
 
 # ---- in one process ----------------------------------------------------------------------------------------------

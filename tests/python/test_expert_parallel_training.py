@@ -1,5 +1,5 @@
 """A tiny MoE transformer trained 50 steps with expert parallelism x FSDP2 (issue 16, "Tests and measurement"), on
-the CPU over gloo (2 processes): its loss falls, and its loss curve is the single-process model's on the same global
+the CPU over gloo (2, 4 and 8 processes): its loss falls, and its loss curve is the single-process model's on the same global
 batches, step by step.
 
 The model: embedding, 2 blocks of [RMSNorm -> causal multi-head attention (plain PyTorch) -> RMSNorm -> MoE], RMSNorm,
@@ -177,7 +177,8 @@ CPU_CONFIG = TinyConfig()
 # Measured on the CPU (float32, torch 2.11, 2026-11-23), 2 ranks: the loss goes from 3.56 (mean of the first 5 steps)
 # to 0.19 (last 5; the task's floor is ln(64)/32 = 0.13); the EP curve differs from the single-process one by at most
 # 3.3e-7 relative per step, the first step's gradients by 3.4e-7, the final weights by 5.1e-7. 4 ranks (EP 2 x
-# expert-FSDP 2): 1.0e-6, 3.3e-7, 3.4e-6. These are float32 rounding (reductions in another order; the router's
+# expert-FSDP 2): 1.0e-6, 3.3e-7, 3.4e-6; 8 ranks (EP 4 x expert-FSDP 2, 8 experts, 2026-11-25): 2.3e-6, 3.4e-7,
+# 7.0e-6. These are float32 rounding (reductions in another order; the router's
 # logits from x @ W_r^T here, from the library's router in the reference).
 #   AdamW is invariant to a constant factor on a gradient, so the curve alone barely sees a wrong gradient
 # convention: without the experts' 1/ep_size the curve moved by only 1e-5 relative (measured). The first step's
@@ -225,6 +226,13 @@ def scenario_training_ep2_expert_fsdp2_50_steps(rank, world):
     check_cpu_training(rank, world, replace(CPU_CONFIG, batch=4), ep=2)
 
 
+def scenario_training_ep4_expert_fsdp2_8_ranks_50_steps(rank, world):
+    """8 ranks (one 8-GPU host's worth): EP groups {0..3}, {4..7} with 8 experts (2 per rank); each expert sharded by
+    FSDP2 over its 2 replicas ({r, r+4}); the rest sharded over all 8. 2 sequences per rank: global batch 16."""
+    assert world == 8
+    check_cpu_training(rank, world, replace(CPU_CONFIG, batch=2, experts=8), ep=4)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     return spawn_scenarios(2, __name__, ["training_ep2_fsdp2_50_steps"], str(tmp_path_factory.mktemp("ep_train2")))
@@ -236,9 +244,19 @@ def four_ranks(tmp_path_factory):
                            str(tmp_path_factory.mktemp("ep_train4")))
 
 
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory):
+    return spawn_scenarios(8, __name__, ["training_ep4_expert_fsdp2_8_ranks_50_steps"],
+                           str(tmp_path_factory.mktemp("ep_train8")))
+
+
 def test_training_ep2_fsdp2_two_ranks(two_ranks):
     assert_scenario(two_ranks, "training_ep2_fsdp2_50_steps")
 
 
 def test_training_ep2_expert_fsdp2_four_ranks(four_ranks):
     assert_scenario(four_ranks, "training_ep2_expert_fsdp2_50_steps")
+
+
+def test_training_ep4_expert_fsdp2_eight_ranks(eight_ranks):
+    assert_scenario(eight_ranks, "training_ep4_expert_fsdp2_8_ranks_50_steps")

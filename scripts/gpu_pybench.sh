@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One time-limited step of `python -m machmoe.benchmark` on a GPU machine without network, for runs longer than one
+# batch job or device call may take: builds the checkout if needed, installs upstream SonicMoE from .peer_wheels/ if
+# needed (scripts/peer_wheels.sh), then continues the run in JSON with --append for at most SECONDS. Call it again
+# (same JSON, same machine or with the JSON copied back) until every configuration is in; each call reports what is
+# done. Build outputs, the peers' install and their JIT caches (.peer_cache/) stay in ignored folders, so a later
+# call on the same machine starts at once; on a fresh machine the first call spends ~100 s building and SonicMoE's
+# first configuration ~140-190 s compiling.
+#
+#   bash scripts/gpu_pybench.sh SECONDS CONFIGS [JSON] [extra benchmark options...]
+#   e.g. bash scripts/gpu_pybench.sh 540 main,sweeps .pybench/results.json
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+if [ $# -lt 2 ]; then
+  echo "usage: bash scripts/gpu_pybench.sh SECONDS CONFIGS [JSON] [extra benchmark options...]" >&2
+  exit 2
+fi
+budget="$1"; configs="$2"; json="${3:-.pybench/results.json}"; shift $(( $# >= 3 ? 3 : 2 ))
+t0=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo "gpu_pybench: no nvidia-smi"
+[ -f build/lib/libmachmoe_torch.so ] || MACHMOE_JOBS="$(nproc)" bash scripts/build.sh 2>&1 | tail -n 1
+if [ -d .peer_wheels ] && [ ! -d .peer_site/sonicmoe ]; then bash scripts/peer_wheels.sh install | tail -n 1; fi
+if [ -d .peer_site ]; then eval "$(bash scripts/peer_wheels.sh env)"; fi
+export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" MACHMOE_TORCH_LIBRARY="$root/build/lib/libmachmoe_torch.so"
+export PYTHONUNBUFFERED=1 QUACK_CACHE_DIR="$root/.peer_cache/quack" TRITON_CACHE_DIR="$root/.peer_cache/triton"
+mkdir -p "$root/.peer_cache" "$(dirname "$json")"
+left=$(( budget - ($(date +%s) - t0) ))
+echo "gpu_pybench: setup took $(( $(date +%s) - t0 )) s; benchmark for at most ${left} s: $configs"
+# No bar off a terminal: one timestamped line per step, so a step cut off by the limit still shows what ran.
+timeout --kill-after=10 "$left" python3 -m machmoe.benchmark --configs "$configs" --json "$json" --append "$@"
+rc=$?
+if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "gpu_pybench: time limit reached; call again to continue"; fi
+python3 - "$json" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except FileNotFoundError:
+    print("gpu_pybench: no configuration finished yet"); raise SystemExit
+print("gpu_pybench: done on", d["device"]["name"] + ":", ", ".join(e["config"]["name"] for e in d["configs"]))
+PY
+exit $rc

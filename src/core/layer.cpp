@@ -123,6 +123,7 @@ ref::LayerInputs<R> read_inputs(const MoEProblem& p, const TensorView& x, const 
 
 template <class T>
 void put(void* base, const BufferRegion& r, const T* src, std::size_t count) {
+  if (count == 0) return;  // an empty vector's data() may be null, which memcpy must not be given even for 0 bytes
   std::memcpy(static_cast<char*>(base) + r.offset, src, count * sizeof(T));
 }
 

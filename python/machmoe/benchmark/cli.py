@@ -176,6 +176,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     v = verdict(doc["configs"])
     doc["verdict"] = v
     doc["plots"] = {"skipped": "--no-plots"} if a.no_plots else make_plots(doc, out_dir)
+    if "files" in doc["plots"]:  # names next to the JSON, so that the folder can be moved (docs/measurements/...)
+        doc["plots"]["files"] = [os.path.relpath(f, out_dir) for f in doc["plots"]["files"]]
     write_json(doc, json_path)
     with open(md_path, "w") as f:
         f.write(markdown(doc) + "\n")
@@ -184,7 +186,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "skipped" in doc["plots"]:
         print(f"machmoe.benchmark: plots skipped: {doc['plots']['skipped']}")
     else:
-        print("machmoe.benchmark: plots " + ", ".join(doc["plots"]["files"]))
+        print("machmoe.benchmark: plots " + ", ".join(os.path.join(out_dir, f) for f in doc["plots"]["files"]))
     for line in v["other_failures"]:
         print(f"machmoe.benchmark: (not fatal) {line}", file=sys.stderr)
     if v["machmoe_agreement_failures"]:

@@ -38,8 +38,8 @@ from .functional import _check_tensor, _fail, grouped_experts, load_balancing_lo
 from .module import MoE, MoEOutput
 
 __all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "ExpertParallelDispatch", "GroupedExperts",
-           "TorchTitanGroupedExperts", "expert_parallel_moe", "expert_parallel_dispatch", "expert_parallel_combine",
-           "check_capacity", "route", "shard_experts_fsdp2"]
+           "TorchTitanGroupedExperts", "torchtitan_experts_forward", "expert_parallel_moe", "expert_parallel_dispatch",
+           "expert_parallel_combine", "check_capacity", "route", "shard_experts_fsdp2"]
 
 _CPU_DTYPES = (torch.float32, torch.float64)
 _CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -386,8 +386,9 @@ def _check_grouped_call(x, counts, num_experts, hidden):
 
 
 class TorchTitanGroupedExperts(nn.Module):
-    """Drop-in for torchtitan's GroupedExperts (torchtitan/models/moe/moe.py): the same constructor, parameters
-    w1 (E, hidden_dim, dim) (gate), w2 (E, dim, hidden_dim) (down), w3 (E, hidden_dim, dim) (up), the same
+    """Drop-in for torchtitan's GroupedExperts before 0.3 (torchtitan/models/moe/moe.py; for 0.3's Config-built
+    GroupedExperts, whose weights are w1_EFD/w2_EDF/w3_EFD, see torchtitan_experts_forward): the same constructor,
+    parameters w1 (E, hidden_dim, dim) (gate), w2 (E, dim, hidden_dim) (down), w3 (E, hidden_dim, dim) (up), the same
     forward(x, num_tokens_per_expert) (rows grouped by expert, padding rows beyond the counts return zeros, counts
     may be float as torchtitan's histc gives them) and init_weights(init_std). SwiGLU experts on machmoe's kernels.
 
@@ -410,11 +411,43 @@ class TorchTitanGroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
-        _check_grouped_call(x, num_tokens_per_expert, self.num_experts, self.dim)
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        gate_up = torch.cat([w1, w3], dim=1)  # rows [0, h) gate, [h, 2h) up: machmoe's "concatenated" layout
-        return _run_grouped(x, num_tokens_per_expert, gate_up, w2, None, None, activation="swiglu",
-                            weight_layout="concatenated", activation_memory="preact", zero_padding=True)
+        return torchtitan_experts_forward(self, x, num_tokens_per_expert)
+
+
+# torchtitan's GroupedExperts names its weights w1/w2/w3 up to 0.2 and w1_EFD/w2_EDF/w3_EFD (a Config-built Module)
+# from 0.3 on; the math is the same: silu(x w1^T) * (x w3^T), then w2.
+_TORCHTITAN_WEIGHT_NAMES = (("w1", "w2", "w3"), ("w1_EFD", "w2_EDF", "w3_EFD"))
+
+
+def torchtitan_experts_forward(experts: nn.Module, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
+    """The forward of torchtitan's GroupedExperts on machmoe's kernels, for any module holding its weights: gate w1
+    (E, hidden, dim), down w2 (E, dim, hidden), up w3 (E, hidden, dim), named w1/w2/w3 (torchtitan up to 0.2, and
+    TorchTitanGroupedExperts) or w1_EFD/w2_EDF/w3_EFD (torchtitan 0.3). x: rows grouped by expert; rows beyond the
+    counts (alignment padding) return zeros; float counts (torchtitan's histc) are accepted; DTensor weights are used
+    through to_local(). With torchtitan 0.3, whose GroupedExperts is built from a Config (its initialisation and
+    sharding stay as they are), use it as the class's forward:
+
+        from torchtitan.models.common.moe import GroupedExperts
+        GroupedExperts.forward = machmoe.parallel.torchtitan_experts_forward
+
+    machmoe's up-projection takes one (E, 2n, d) weight, so each call concatenates [w1; w3] (a copy of the gate/up
+    weights, whose gradient autograd splits back)."""
+    for names in _TORCHTITAN_WEIGHT_NAMES:
+        if all(isinstance(getattr(experts, n, None), Tensor) for n in names):
+            w1, w2, w3 = (_local(getattr(experts, n)) for n in names)
+            break
+    else:
+        raise TypeError("machmoe: torchtitan_experts_forward: expected a module with torchtitan's GroupedExperts "
+                        "weights (w1, w2, w3, or w1_EFD, w2_EDF, w3_EFD), got "
+                        f"{type(experts).__name__} with parameters {[n for n, _ in experts.named_parameters()]}")
+    if w1.dim() != 3 or w2.dim() != 3 or w3.shape != w1.shape or tuple(w2.shape) != (w1.shape[0], w1.shape[2],
+                                                                                      w1.shape[1]):
+        _fail("experts", "gate and up weights (E, hidden, dim) and a down weight (E, dim, hidden)",
+              f"{tuple(w1.shape)}, {tuple(w3.shape)} and {tuple(w2.shape)}")
+    _check_grouped_call(x, num_tokens_per_expert, w1.shape[0], w1.shape[2])
+    gate_up = torch.cat([w1, w3], dim=1)  # rows [0, h) gate, [h, 2h) up: machmoe's "concatenated" layout
+    return _run_grouped(x, num_tokens_per_expert, gate_up, w2, None, None, activation="swiglu",
+                        weight_layout="concatenated", activation_memory="preact", zero_padding=True)
 
 
 # ---- the expert-parallel layer ---------------------------------------------------------------------------------

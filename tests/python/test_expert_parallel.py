@@ -7,6 +7,7 @@ its own test below. A failure stops that worker's later scenarios (their collect
 the other ranks'), which then fail as "not run".
 """
 import datetime
+from dataclasses import dataclass
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import torch.multiprocessing as mp
 
 import machmoe
 from machmoe.parallel import (ExpertParallelMoE, GroupedExperts, TorchTitanGroupedExperts, check_capacity,
-                              expert_parallel_moe, route, shard_experts_fsdp2)
+                              expert_parallel_moe, route, shard_experts_fsdp2, torchtitan_experts_forward)
 from reference import GLU, experts as reference_experts, route as reference_route
 
 D, N = 8, 4
@@ -140,8 +141,8 @@ def scenario_topk_float64(rank, world):
 
 
 def scenario_topk_float32_geglu_concatenated(rank, world):
-    check_against_single_process(rank, world, seed=2, sizes=per_rank([10, 13, 6, 8], world), dtype=torch.float32, tol=2e-6,
-                                 E=2 * world, activation="geglu", weight_layout="concatenated", bias=False,
+    check_against_single_process(rank, world, seed=2, sizes=per_rank([10, 13, 6, 8], world), dtype=torch.float32,
+                                 tol=2e-6, E=2 * world, activation="geglu", weight_layout="concatenated", bias=False,
                                  score="topk_softmax")
 
 
@@ -763,8 +764,71 @@ def test_torchtitan_adapter_matches_pure_pytorch_grouped_experts():
         assert_close(name, a, b, 1e-12)
 
 
+class TorchTitan03GroupedExperts(torch.nn.Module):
+    """torchtitan 0.3's GroupedExperts as far as the forward is concerned (torchtitan/models/common/moe.py): built from
+    a Config, weights w1_EFD (gate), w2_EDF (down), w3_EFD (up); its forward transcribed per expert in float64 (it
+    runs torch._grouped_mm in bf16). torchtitan 0.3 itself needs tyro, spmd_types and more to import."""
+
+    @dataclass
+    class Config:
+        dim: int
+        hidden_dim: int
+        num_experts: int
+
+    def __init__(self, config):
+        super().__init__()
+        E, F, Dm = config.num_experts, config.hidden_dim, config.dim
+        self.w1_EFD = torch.nn.Parameter(torch.randn(E, F, Dm, dtype=torch.float64) / math.sqrt(Dm))
+        self.w2_EDF = torch.nn.Parameter(torch.randn(E, Dm, F, dtype=torch.float64) / math.sqrt(F))
+        self.w3_EFD = torch.nn.Parameter(torch.randn(E, F, Dm, dtype=torch.float64) / math.sqrt(Dm))
+
+    def forward(self, x_RD, num_tokens_per_expert_E):
+        return titan_reference(x_RD, num_tokens_per_expert_E, self.w1_EFD, self.w2_EDF, self.w3_EFD)
+
+
+def test_torchtitan_03_forward_on_machmoe():
+    """torchtitan 0.3 users replace GroupedExperts.forward with machmoe's (their Config, initialisation and sharding
+    stay): the same output and gradients, padding rows zero, and the weights keep their names."""
+    torch.manual_seed(19)
+    experts = TorchTitan03GroupedExperts(TorchTitan03GroupedExperts.Config(dim=D, hidden_dim=N, num_experts=4))
+    counts = torch.tensor([2.0, 5.0, 0.0, 3.0])
+    x = torch.randn(11, D, dtype=torch.float64, requires_grad=True)  # 1 alignment-padding row
+    ref = experts(x, counts)
+
+    class Patched(TorchTitan03GroupedExperts):
+        forward = torchtitan_experts_forward
+
+    patched = Patched(TorchTitan03GroupedExperts.Config(dim=D, hidden_dim=N, num_experts=4))
+    patched.load_state_dict(experts.state_dict())
+    assert [n for n, _ in patched.named_parameters()] == ["w1_EFD", "w2_EDF", "w3_EFD"]
+    y = patched(x, counts)
+    assert_close("output", y, ref, 1e-13)
+    assert y[10].abs().max() == 0
+    go = torch.randn_like(y)
+    ours = torch.autograd.grad((y * go).sum(), [x] + list(patched.parameters()))
+    theirs = torch.autograd.grad((ref * go).sum(), [x] + list(experts.parameters()))
+    for name, a, b in zip(["x", "w1_EFD", "w2_EDF", "w3_EFD"], ours, theirs):
+        assert_close(name, a, b, 1e-12)
+    assert_close("as a function", torchtitan_experts_forward(experts, x, counts), ref, 1e-13)
+
+
+def test_torchtitan_experts_forward_errors():
+    lin = torch.nn.Linear(D, D)
+    with pytest.raises(TypeError, match=r"torchtitan's GroupedExperts weights \(w1, w2, w3, or w1_EFD, w2_EDF, "
+                                        r"w3_EFD\), got Linear with parameters \['weight', 'bias'\]"):
+        torchtitan_experts_forward(lin, torch.randn(3, D), torch.tensor([3, 0, 0, 0]))
+    bad = TorchTitanGroupedExperts(D, N, 4, dtype=torch.float64)
+    bad.w3 = torch.nn.Parameter(torch.zeros(4, N + 1, D, dtype=torch.float64))
+    with pytest.raises(ValueError, match="gate and up weights"):
+        torchtitan_experts_forward(bad, torch.randn(3, D, dtype=torch.float64), torch.tensor([3, 0, 0, 0]))
+    tt = TorchTitanGroupedExperts(D, N, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="num_tokens_per_expert"):
+        torchtitan_experts_forward(tt, torch.randn(3, D, dtype=torch.float64), torch.tensor([3, 0, 0]))
+
+
 def test_torchtitan_adapter_matches_torchtitan():
-    moe_module = pytest.importorskip("torchtitan.models.moe.moe", reason="torchtitan is not installed")
+    moe_module = pytest.importorskip("torchtitan.models.moe.moe",
+                                     reason="torchtitan before 0.3 (torchtitan.models.moe.moe) is not installed")
     torch.manual_seed(18)
     theirs = moe_module.GroupedExperts(D, N, 4, use_grouped_mm=False).to(torch.float64)
     ours = TorchTitanGroupedExperts(D, N, 4, dtype=torch.float64)

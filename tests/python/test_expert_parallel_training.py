@@ -1,6 +1,6 @@
 """A tiny MoE transformer trained 50 steps with expert parallelism x FSDP2 (issue 16, "Tests and measurement"), on
-the CPU over gloo (2, 4 and 8 processes): its loss falls, and its loss curve is the single-process model's on the same global
-batches, step by step.
+the CPU over gloo (2, 4 and 8 processes): its loss falls, and its loss curve is the single-process model's on the same
+global batches, step by step.
 
 The model: embedding, 2 blocks of [RMSNorm -> causal multi-head attention (plain PyTorch) -> RMSNorm -> MoE], RMSNorm,
 LM head. The EP run replaces each block's machmoe.MoE by ExpertParallelMoE.from_moe (EP over the 2 ranks), prepares

@@ -19,7 +19,10 @@ fi
 budget="$1"; configs="$2"; json="${3:-.pybench/results.json}"; shift $(( $# >= 3 ? 3 : 2 ))
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo "gpu_pybench: no nvidia-smi"
-[ -f build/lib/libmachmoe_torch.so ] || MACHMOE_JOBS="$(nproc)" bash scripts/build.sh 2>&1 | tail -n 1
+if [ ! -f build/lib/libmachmoe_torch.so ]; then
+  mkdir -p build && MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > build/gpu_pybench_build.log 2>&1 || { tail -n 30 build/gpu_pybench_build.log; echo "gpu_pybench: build failed" >&2; exit 1; }
+  tail -n 1 build/gpu_pybench_build.log
+fi
 if [ -d .peer_wheels ] && [ ! -d .peer_site/sonicmoe ]; then bash scripts/peer_wheels.sh install | tail -n 1; fi
 if [ -d .peer_site ]; then eval "$(bash scripts/peer_wheels.sh env)"; fi
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" MACHMOE_TORCH_LIBRARY="$root/build/lib/libmachmoe_torch.so"

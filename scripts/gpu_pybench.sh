@@ -20,8 +20,12 @@ budget="$1"; configs="$2"; json="${3:-.pybench/results.json}"; shift $(( $# >= 3
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo "gpu_pybench: no nvidia-smi"
 if [ ! -f build/lib/libmachmoe_torch.so ]; then
-  mkdir -p build && MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > build/gpu_pybench_build.log 2>&1 || { tail -n 30 build/gpu_pybench_build.log; echo "gpu_pybench: build failed" >&2; exit 1; }
-  tail -n 1 build/gpu_pybench_build.log
+  mkdir -p build
+  log=build/gpu_pybench_build.log
+  if ! MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$log" 2>&1; then
+    tail -n 30 "$log"; echo "gpu_pybench: build failed (whole log: $log)" >&2; exit 1
+  fi
+  tail -n 1 "$log"
 fi
 if [ -d .peer_wheels ] && [ ! -d .peer_site/sonicmoe ]; then bash scripts/peer_wheels.sh install | tail -n 1; fi
 if [ -d .peer_site ]; then eval "$(bash scripts/peer_wheels.sh env)"; fi

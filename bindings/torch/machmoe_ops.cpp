@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -337,7 +338,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
     int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding, int64_t tile, int64_t cache,
     double swiglu_alpha, double swiglu_limit,
     const OptTensor& into_router_weight, const OptTensor& into_w1, const OptTensor& into_b1,
-    const OptTensor& into_w2, const OptTensor& into_b2) {
+    const OptTensor& into_w2, const OptTensor& into_b2, bool consume_saved) {
   const char* op = "layer_backward";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
                     weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
@@ -345,7 +346,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
   const machmoe::MoEProblem& p = a.p;
   const bool accumulate = any_present({&into_router_weight, &into_w1, &into_b1, &into_w2, &into_b2});
   const InputGrads ig(op, p, x, grad_out, grad_logits, into_router_weight, accumulate);
-  Tensor workspace = byte_buffer(x, machmoe::backward_workspace_bytes(p, a.dtype, library_device(x)));
+  // The autograd backward hands `saved` over (consume_saved) when nothing can read it again: a backward that does
+  // not retain its graph frees its saved tensors afterwards. dH then overwrites the saved H instead of taking a
+  // workspace region of its size (layer.hpp, BackwardBuffers::consume_saved). Outside a backward (no graph task),
+  // or with retain_graph / create_graph, the buffer is only read. Its version is bumped, so anything else that
+  // saved it for a later backward gets autograd's in-place error instead of dH.
+  const bool consume = consume_saved && x.is_cuda() && saved.numel() > 0 &&
+                       !torch::autograd::get_current_graph_task_keep_graph();
+  Tensor workspace = byte_buffer(x, machmoe::backward_workspace_bytes(p, a.dtype, library_device(x), consume));
   const WeightGrads wg(op, p, x, w1, b1, w2, b2, into_w1, into_b1, into_w2, into_b2, accumulate);
   machmoe::BackwardOutputs bo;
   ig.attach(op, p, bo);
@@ -353,8 +361,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
   bo.grad_weights.accumulate = accumulate;
   machmoe::backward(p, a.x, a.weights, a.routing(), ig.inputs, bo,
                      {saved.data_ptr(), static_cast<std::size_t>(saved.numel()), workspace.data_ptr(),
-                      static_cast<std::size_t>(workspace.numel())},
+                      static_cast<std::size_t>(workspace.numel()), consume},
                      stream_for(x));
+  if (consume) saved.unsafeGetTensorImpl()->bump_version();
   return {ig.dx, ig.dwr.returned, wg.dw1.returned, wg.db1.returned, wg.dw2.returned, wg.db2.returned, ig.dscores};
 }
 
@@ -582,7 +591,8 @@ TORCH_LIBRARY(machmoe, m) {
       "Tensor w2, Tensor? b2, Tensor? token_index, Tensor? expert_index, Tensor? scores, Tensor saved, int top_k, "
       "int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, "
       "float swiglu_alpha=1.702, float swiglu_limit=7.0, Tensor(a!)? into_router_weight=None, "
-      "Tensor(b!)? into_w1=None, Tensor(c!)? into_b1=None, Tensor(d!)? into_w2=None, Tensor(e!)? into_b2=None) "
+      "Tensor(b!)? into_w1=None, Tensor(c!)? into_b1=None, Tensor(d!)? into_w2=None, Tensor(e!)? into_b2=None, "
+      "bool consume_saved=False) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layer_backward_input(Tensor grad_out, Tensor? grad_logits, Tensor x, Tensor? router_weight, Tensor w1, "

@@ -69,6 +69,13 @@ struct BackwardBuffers {
   std::size_t saved_bytes = 0;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  /// The caller hands the saved buffer over to this backward (backward() only; default false: `saved` is only
+  /// read). The backward may then write into it: in kPreActivation mode on the GPU, dH overwrites the saved H (each
+  /// element is read before it is overwritten), so the workspace shrinks to
+  /// backward_workspace_bytes(..., consume_saved = true), P x w1_rows elements less. `saved` must then point to
+  /// writable memory, and the buffer cannot serve a second backward. Results are bitwise those of a backward that
+  /// does not consume it.
+  bool consume_saved = false;
 };
 
 struct BackwardInputs {

@@ -87,7 +87,9 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& problem, DType
 
 /// Transient memory of the GPU backward:
 ///   h_recompute  P x w1_rows        data dtype   kInputOnly only
-///   dh           P x w1_rows        data dtype   kInputOnly: the h_recompute region (dH overwrites H in place)
+///   dh           P x w1_rows        data dtype   kInputOnly: the h_recompute region (dH overwrites H in place);
+///                                                kPreActivation with consume_saved: absent (dH overwrites the H of
+///                                                the caller's saved buffer, BackwardBuffers::consume_saved)
 ///   a_prime      P x n              data dtype   A' = s * A, left operand of dW2
 ///   dx_expanded  P x d              data dtype   per-pair input gradient, grouped order; in the full backward it
 ///                                                shares its region with a_prime (dW2 runs before dX~)
@@ -101,7 +103,9 @@ struct BackwardWorkspaceLayout {
   std::size_t total_bytes = 0;
 };
 /// split: the layout of backward_input(), without dh and a_prime (they live in the deferred buffer).
-BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& problem, DType data_dtype, bool split = false);
+/// consume_saved: the layout of a full backward that may overwrite the saved buffer (BackwardBuffers::consume_saved).
+BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& problem, DType data_dtype, bool split = false,
+                                                  bool consume_saved = false);
 
 /// What backward_input() leaves for backward_weight() (layer.hpp), kept by the caller in between:
 ///   dh       P x w1_rows   data dtype   gradient of the pre-activation, grouped order
@@ -119,6 +123,9 @@ std::size_t backward_input_workspace_bytes(const MoEProblem& problem, DType data
 /// Workspace bytes that forward()/backward() need on `device`. The CPU reference allocates its own host scratch
 /// (it is a reference, not a production path), so it needs none: 0 for Device::cpu().
 std::size_t forward_workspace_bytes(const MoEProblem& problem, DType data_dtype, Device device);
-std::size_t backward_workspace_bytes(const MoEProblem& problem, DType data_dtype, Device device);
+/// consume_saved: for a backward that may overwrite the saved buffer (BackwardBuffers::consume_saved): P x w1_rows
+/// elements less in kPreActivation mode.
+std::size_t backward_workspace_bytes(const MoEProblem& problem, DType data_dtype, Device device,
+                                     bool consume_saved = false);
 
 }  // namespace machmoe

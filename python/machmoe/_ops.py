@@ -51,7 +51,7 @@ def _grouped_expert_index_fake(counts, rows):
 def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores,
                          saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
                          swiglu_alpha=1.702, swiglu_limit=7.0, into_router_weight=None, into_w1=None, into_b1=None,
-                         into_w2=None, into_b2=None):
+                         into_w2=None, into_b2=None, consume_saved=False):
     caller = routing == _CALLER
 
     def grad(weight, into):  # a gradient added into a caller buffer is returned as an empty tensor
@@ -322,7 +322,11 @@ def _plan_deferral(ctx, x, into):
 
 
 def _full_backward(operands, options, into):
-    return torch.ops.machmoe.layer_backward(*operands, *options, *(into.get(n) for n in _ALL_WEIGHTS))
+    # consume_saved: dH may overwrite the saved H once nothing can read it again. The op decides (it consumes only
+    # inside a backward that does not retain its graph, on the GPU, and bumps the buffer's version); a tracer gets
+    # the read-only form, since the op's schema does not declare the write.
+    return torch.ops.machmoe.layer_backward(*operands, *options, *(into.get(n) for n in _ALL_WEIGHTS),
+                                            not _tracing())
 
 
 def _split_backward(operands, options, into, owner, targets):

@@ -358,9 +358,11 @@ void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, c
   check_input_grads(c, p, dt, dev, bin, out);
   check_weight_grads(c, p, dt, dev, out.grad_weights);
   check_saved(c, p, dt, buffers.saved, buffers.saved_bytes);
-  const std::size_t ws_need = backward_workspace_bytes(p, dt, dev);
+  const std::size_t ws_need = backward_workspace_bytes(p, dt, dev, buffers.consume_saved);
   if (buffers.workspace_bytes < ws_need)
-    c.fail("buffers.workspace_bytes", "at least backward_workspace_bytes(...) = " + bytes_str(ws_need),
+    c.fail("buffers.workspace_bytes",
+           std::string("at least backward_workspace_bytes(..., consume_saved = ") +
+               (buffers.consume_saved ? "true" : "false") + ") = " + bytes_str(ws_need),
            bytes_str(buffers.workspace_bytes));
   if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
 #ifdef MACHMOE_WITH_CUDA
@@ -388,6 +390,9 @@ void backward_input(const MoEProblem& p, const TensorView& x, const LayerWeights
                                 {&gw.b1, "outputs.grad_weights.b1"}, {&gw.w2, "outputs.grad_weights.w2"},
                                 {&gw.b2, "outputs.grad_weights.b2"}})
     c.absent(*t, name, "expert weight gradients come from backward_weight()");
+  if (buffers.consume_saved)
+    c.fail("buffers.consume_saved", "false (backward_weight() reads the saved buffer after backward_input())",
+           "true");
   check_saved(c, p, dt, buffers.saved, buffers.saved_bytes);
   const std::size_t ws_need = backward_input_workspace_bytes(p, dt, dev);
   if (buffers.workspace_bytes < ws_need)

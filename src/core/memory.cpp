@@ -75,15 +75,18 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
   return l;
 }
 
-BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType data_dtype, bool split) {
+BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType data_dtype, bool split,
+                                                  bool consume_saved) {
   const std::size_t elem = dtype_size(data_dtype), P = u(p.max_pairs());
   LayoutBuilder b;
   BackwardWorkspaceLayout l;
   if (p.cache == CacheMode::kInputOnly) l.h_recompute = b.add(P * u(p.w1_rows()) * elem);
   if (!split) {
     // The dH kernel reads each element of H once, before it writes that element's dH, so dH may overwrite the
-    // recomputed H in place; the H the forward kept (kPreActivation) belongs to the caller and is never written.
-    l.dh = l.h_recompute.present() ? l.h_recompute : b.add(P * u(p.w1_rows()) * elem);
+    // recomputed H in place. The H the forward kept (kPreActivation) belongs to the caller: it is overwritten only
+    // when the caller hands the saved buffer over (consume_saved), and dH then needs no region here.
+    if (l.h_recompute.present()) l.dh = l.h_recompute;
+    else if (!consume_saved) l.dh = b.add(P * u(p.w1_rows()) * elem);
     // A' is dead once dW2 has run, and the full backward runs dW2 before dX~: the two share one region.
     const BufferRegion shared = b.add(P * std::max(u(p.n), u(p.d)) * elem);
     if (shared.present()) {
@@ -120,8 +123,9 @@ std::size_t forward_workspace_bytes(const MoEProblem& p, DType data_dtype, Devic
   return device.type == DeviceType::kCPU ? 0 : forward_workspace_layout(p, data_dtype).total_bytes;
 }
 
-std::size_t backward_workspace_bytes(const MoEProblem& p, DType data_dtype, Device device) {
-  return device.type == DeviceType::kCPU ? 0 : backward_workspace_layout(p, data_dtype).total_bytes;
+std::size_t backward_workspace_bytes(const MoEProblem& p, DType data_dtype, Device device, bool consume_saved) {
+  return device.type == DeviceType::kCPU ? 0
+                                         : backward_workspace_layout(p, data_dtype, false, consume_saved).total_bytes;
 }
 
 }  // namespace machmoe

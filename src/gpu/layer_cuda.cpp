@@ -545,10 +545,12 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   (void)routing;
   const DeviceGuard guard(x.device.index);
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  const BackwardWorkspaceLayout wl = backward_workspace_layout(p, x.dtype);
-  void* dh = at(buf.workspace, wl.dh);
-  void* a_prime = at(buf.workspace, wl.a_prime);  // the region dX~ takes after dW2 (memory.hpp)
+  const BackwardWorkspaceLayout wl = backward_workspace_layout(p, x.dtype, false, buf.consume_saved);
   const SavedState sv = saved_state(p, x.dtype, buf.saved);
+  // A consumed saved buffer takes dH over its H (the dH kernel reads each element before it writes it, as over the
+  // recomputed H of input-only mode): the caller handed that memory over (layer.hpp, BackwardBuffers).
+  void* dh = wl.dh.present() ? at(buf.workspace, wl.dh) : const_cast<void*>(sv.h);
+  void* a_prime = at(buf.workspace, wl.a_prime);  // the region dX~ takes after dW2 (memory.hpp)
   const bool routed = backward_dh_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, a_prime, stream);
   backward_w2_phase(p, x, in.grad_out, out, sv, a_prime, stream);
   if (routed) backward_dx_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, stream);

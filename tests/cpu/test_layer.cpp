@@ -342,6 +342,24 @@ TEST_P(SplitBackward, EqualsTheFullBackwardBitwise) {
   EXPECT_THROW(backward_weight(q, xv, w, caller ? &rt : nullptr, bi.grad_out, outputs(split, true, true),
                                saved.data(), saved.size(), {deferred.data(), deferred.size()}),
                Error);
+  // backward_weight() reads the saved buffer after backward_input(): the input half cannot consume it.
+  try {
+    backward_input(q, xv, w, caller ? &rt : nullptr, bi, outputs(split, true, false),
+                   {saved.data(), saved.size(), nullptr, 0, /*consume_saved=*/true}, {deferred.data(), deferred.size()});
+    ADD_FAILURE() << "backward_input accepted consume_saved";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("consume_saved"), std::string::npos) << e.what();
+  }
+  // The CPU reference only reads the saved buffer, consumed or not: the same gradients, the buffer unchanged.
+  const std::vector<unsigned char> saved_before = saved;
+  Grads consumed;
+  make_grads(consumed);
+  backward(q, xv, w, caller ? &rt : nullptr, bi, outputs(consumed, true, true),
+           {saved.data(), saved.size(), nullptr, 0, /*consume_saved=*/true});
+  EXPECT_EQ(consumed.dx, full.dx);
+  EXPECT_EQ(consumed.dw1, full.dw1);
+  EXPECT_EQ(consumed.dw2, full.dw2);
+  EXPECT_EQ(saved, saved_before);
   EXPECT_THROW(backward_weight(q, xv, w, caller ? &rt : nullptr, bi.grad_out, outputs(split, false, true),
                                saved.data(), saved.size(), {deferred.data(), deferred.size() - 1}),
                Error);

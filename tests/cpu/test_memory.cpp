@@ -118,6 +118,14 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   // A' and dX~ share one region (the full backward runs dW2 before dX~); the split backward keeps dX~ apart.
   EXPECT_EQ(b.a_prime.offset, b.dx_expanded.offset);
   EXPECT_EQ(b.total_bytes, backward_workspace_bytes(p, DType::kBF16, Device::cuda(0)));
+  // A backward that takes the saved buffer over writes dH over the saved H: no dH region, the rest unchanged.
+  const BackwardWorkspaceLayout consumed = backward_workspace_layout(p, DType::kBF16, false, true);
+  EXPECT_FALSE(consumed.dh.present());
+  EXPECT_EQ(consumed.a_prime.bytes, b.a_prime.bytes);
+  EXPECT_EQ(consumed.dx_expanded.bytes, b.dx_expanded.bytes);
+  EXPECT_EQ(consumed.total_bytes, b.total_bytes - 2 * P * 1024);
+  EXPECT_EQ(consumed.total_bytes, backward_workspace_bytes(p, DType::kBF16, Device::cuda(0), true));
+  EXPECT_EQ(backward_workspace_bytes(p, DType::kBF16, Device::cpu(), true), 0u);
   const BackwardWorkspaceLayout split = backward_workspace_layout(p, DType::kBF16, true);
   EXPECT_FALSE(split.dh.present());
   EXPECT_FALSE(split.a_prime.present());
@@ -129,6 +137,8 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_EQ(r.dh.offset, r.h_recompute.offset);
   EXPECT_EQ(r.dh.bytes, r.h_recompute.bytes);
   EXPECT_EQ(r.total_bytes, b.total_bytes) << "recompute mode's backward workspace is the default's: H's region is dH's";
+  EXPECT_EQ(backward_workspace_layout(p, DType::kBF16, false, true).total_bytes, r.total_bytes)
+      << "input-only mode keeps no H to write over";
   p.routing = RoutingMode::kTokenRounding;
   const ForwardWorkspaceLayout tr = forward_workspace_layout(p, DType::kBF16);
   EXPECT_EQ(tr.tr_keys.bytes, 4u * 4096 * 64);

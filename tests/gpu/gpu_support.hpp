@@ -150,8 +150,10 @@ struct WeightGradMode {
 /// them fails the capture) and the graph is replayed twice.
 /// With `split`, the backward runs as backward_input() then backward_weight() through a deferred buffer. `grads`
 /// (optional) sets the weight gradients' dtype and accumulation mode; by default they are overwritten in `dt`.
+/// With `consume_saved`, the full backward takes the saved buffer over (BackwardBuffers::consume_saved) with the
+/// smaller workspace that allows; GpuRun::saved is then the buffer after the backward.
 inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_pad = 0, bool graph = false,
-                         bool split = false, const WeightGradMode* grads = nullptr) {
+                         bool split = false, const WeightGradMode* grads = nullptr, bool consume_saved = false) {
   const MoEProblem& p = c.problem;
   GpuRun r;
   r.problem = p;
@@ -212,7 +214,8 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   const auto db1_p = grad_buffer(grads ? &grads->b1 : nullptr, c.b1.size());
   const auto db2_p = grad_buffer(grads ? &grads->b2 : nullptr, c.b2.size());
   DeviceBuffer &dwr = *dwr_p, &dw1 = *dw1_p, &dw2 = *dw2_p, &db1 = *db1_p, &db2 = *db2_p;
-  DeviceBuffer bws(split ? backward_input_workspace_bytes(p, dt, dev) : backward_workspace_bytes(p, dt, dev));
+  DeviceBuffer bws(split ? backward_input_workspace_bytes(p, dt, dev)
+                        : backward_workspace_bytes(p, dt, dev, consume_saved));
   DeviceBuffer deferred(split ? deferred_layout(p, dt).total_bytes : 0);
   // Every buffer exists before the layer runs: nothing may be allocated while a graph is being captured.
   // Owns the stream; on the way out ends a capture an exception left open (so later tests can allocate), then
@@ -259,7 +262,8 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
     backward_weight(p, xv, w, caller ? &rt : nullptr, bi.grad_out, weight_half, saved.get(), saved.bytes(),
                     {deferred.get(), deferred.bytes()}, stream);
   } else {
-    backward(p, xv, w, caller ? &rt : nullptr, bi, bo, {saved.get(), saved.bytes(), bws.get(), bws.bytes()}, stream);
+    backward(p, xv, w, caller ? &rt : nullptr, bi, bo,
+             {saved.get(), saved.bytes(), bws.get(), bws.bytes(), consume_saved}, stream);
   }
   if (graph) {
     const cudaError_t end = cudaStreamEndCapture(stream, &captured);  // always ends the capture

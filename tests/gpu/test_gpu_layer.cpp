@@ -383,6 +383,43 @@ TEST(GpuLayerProperties, SplitBackwardEqualsFullBackwardBitwise) {
     }
 }
 
+// A backward that takes the saved buffer over (dH written over the saved H, a workspace smaller by P x w1_rows
+// elements) gives bitwise the results of one that only reads it, also under CUDA-graph capture (each replay's
+// forward writes H again before its backward consumes it); the canaries around every buffer stay intact.
+TEST(GpuLayerProperties, ConsumingTheSavedBufferChangesNoResultBitwise) {
+  REQUIRE_GPU();
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied})
+    for (CacheMode cm : {CacheMode::kPreActivation, CacheMode::kInputOnly})
+      for (bool graph : {false, true}) {
+        MoEProblem p;
+        p.T = 1500, p.d = 192, p.n = 96, p.E = 12, p.K = 3, p.routing = r, p.cache = cm, p.tile_m = 64;
+        p.has_b1 = p.has_b2 = true, p.weight_layout = WeightLayout::kConcatenated;
+        const LayerCase<double> c(p, 15);
+        const GpuRun kept = run_on_gpu(c, DType::kBF16, 0, graph);
+        const GpuRun consumed = run_on_gpu(c, DType::kBF16, 0, graph, false, nullptr, /*consume_saved=*/true);
+        const std::string what = std::string(routing_mode_name(r)) + " " + cache_mode_name(cm) +
+                                 (graph ? " graph" : "");
+        EXPECT_TRUE(consumed.canaries_intact) << what;
+        EXPECT_EQ(consumed.raw_out, kept.raw_out) << what;
+        EXPECT_EQ(consumed.raw_dx, kept.raw_dx) << what;
+        EXPECT_EQ(consumed.raw_dw1, kept.raw_dw1) << what;
+        EXPECT_EQ(consumed.raw_dw2, kept.raw_dw2) << what;
+        EXPECT_EQ(consumed.db1, kept.db1) << what;
+        EXPECT_EQ(consumed.db2, kept.db2) << what;
+        EXPECT_EQ(consumed.dwr, kept.dwr) << what;
+        EXPECT_EQ(consumed.dscores, kept.dscores) << what;
+        const std::size_t smaller = backward_workspace_bytes(p, DType::kBF16, Device::cuda(0)) -
+                                    backward_workspace_bytes(p, DType::kBF16, Device::cuda(0), true);
+        if (cm == CacheMode::kPreActivation) {
+          EXPECT_GE(smaller, static_cast<std::size_t>(p.max_pairs() * p.w1_rows() * 2)) << what;
+          EXPECT_NE(consumed.saved, kept.saved) << what << ": dH was expected over the saved H";
+        } else {
+          EXPECT_EQ(smaller, 0u) << what << ": input-only mode keeps no H to write over";
+          EXPECT_EQ(consumed.saved, kept.saved) << what;
+        }
+      }
+}
+
 TEST(GpuLayerProperties, BothWeightLayoutsGiveBitwiseIdenticalOutputs) {
   REQUIRE_GPU();
   MoEProblem p;

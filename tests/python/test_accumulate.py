@@ -249,3 +249,8 @@ def test_operator_checks_its_buffers():
     assert res[3].numel() == 0 and res[4].shape == w2.shape, "the other gradients are returned (from zero)"
     plain = torch.ops.machmoe.layer_backward(*args)
     assert torch.equal(into, plain[2]) and torch.equal(res[4], plain[4]) and torch.equal(res[1], plain[1])
+    # consume_saved lets the GPU backward write into `saved`; the CPU reference only reads it, and outside a
+    # backward (no autograd graph task) the operator never consumes: same results, the buffer unchanged.
+    before = saved.clone()
+    consumed = torch.ops.machmoe.layer_backward(*args, consume_saved=True)
+    assert all(torch.equal(a, b) for a, b in zip(consumed, plain)) and torch.equal(saved, before)

@@ -90,6 +90,39 @@ def test_cuda_graph_replay_matches_eager(cuda):
     assert torch.equal(m.w1.grad, eager_w1)
 
 
+@pytest.mark.parametrize("cache", ["preact", "input_only"])
+def test_backward_consumes_saved_h_unless_the_graph_is_retained(cuda, cache):
+    """A backward that frees its graph writes dH over the saved H: its peak is lower by that buffer (P x 2n bf16) in
+    the default mode, and its gradients are bitwise those of a backward that retains the graph, which only reads
+    the saved buffer, so that a second backward through it gives them again."""
+    T, K, n = 4096, 4, 128
+    dev, _ = gpu_case(cuda, T=T, d=256, n=n, E=16, K=K)
+    params = [p for p in dev if p is not None]
+
+    def grads(retain):
+        out, _, _ = machmoe.moe(*dev, top_k=K, activation_memory=cache)
+        loss = out.float().square().sum()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        g = torch.autograd.grad(loss, params, retain_graph=retain)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        again = torch.autograd.grad(loss, params) if retain else None
+        return g, peak, again
+
+    kept, peak_kept, again = grads(True)
+    consumed, peak_consumed, _ = grads(False)
+    for name, a, b, c in zip(["x", "router_weight", "w1", "w2", "b1", "b2"], kept, consumed, again):
+        assert torch.equal(a, b), name
+        assert torch.equal(a, c), name
+    h_bytes = T * K * 2 * n * 2
+    if cache == "preact":
+        assert peak_kept - peak_consumed >= h_bytes, (peak_kept, peak_consumed)
+    else:  # input-only mode keeps no H: dH already overwrites the recomputed one
+        assert abs(peak_kept - peak_consumed) < h_bytes // 4, (peak_kept, peak_consumed)
+
+
 def test_two_runs_bitwise_identical_and_layouts_agree(cuda):
     dev, _ = gpu_case(cuda, activation="geglu")
     a = machmoe.moe(*dev, top_k=4, activation="geglu")

@@ -91,6 +91,7 @@ const std::vector<IntegerOption>& integer_options() {
       {"--E", 1, Limits::kMaxExperts, "experts"},
       {"--K", 1, Limits::kMaxExperts, "experts per token, at most E"},
       {"--tile", 8, Limits::kMaxTileM, "token-rounding tile, a multiple of 8"},
+      {"--dx-chunks", 0, Limits::kMaxDxChunks, "chunks of tokens of the backward's dX~ (0: the heuristic)"},
       {"--iters", 1, kMaxRepetitions, "timed repetitions"},
       {"--warmup", 0, kMaxRepetitions, "untimed repetitions"},
       {"--seed", 0, std::numeric_limits<std::int64_t>::max(), "random seed"},
@@ -140,6 +141,7 @@ std::string usage() {
       "  --rounding NAME      nearest (default), up, down (token_rounding only)\n"
       "  --tile M             token-rounding tile, a multiple of 8 (default 128; token_rounding only)\n"
       "  --cache NAME         preact (default: keep X and H) or input_only (keep X, recompute H)\n"
+      "  --dx-chunks N        backward: dX~ in N chunks of tokens (default 0: the library's heuristic; 1: one pass)\n"
       "Run:\n"
       "  --backend NAME       auto (default: the GPU when one is present), gpu or cpu\n"
       "  --dtype NAME         GPU: bf16 (default), fp16, fp32; CPU reference: fp32 (default), fp64\n"
@@ -154,7 +156,7 @@ std::string usage() {
       "\n"
       "Numbers are decimal integers (digits, no sign, exponent or spaces) in these ranges:\n";
   for (const IntegerOption& o : integer_options())
-    s += "  " + std::string(o.name) + std::string(10 - std::string(o.name).size(), ' ') + "[" + std::to_string(o.lo) +
+    s += "  " + std::string(o.name) + std::string(12 - std::string(o.name).size(), ' ') + "[" + std::to_string(o.lo) +
          ", " + std::to_string(o.hi) + "]  " + o.what + "\n";
   s += "Each option may be given once.\n";
   return s;
@@ -224,7 +226,8 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
     else if (name == "--tile") {
       if (v % 8 != 0) bad(name, "a multiple of 8 in [8, " + std::to_string(opt.hi) + "]", "'" + given.at(name) + "'");
       p.tile_m = v;
-    } else if (name == "--iters") o.iters = static_cast<int>(v);  // <= kMaxRepetitions: fits an int
+    } else if (name == "--dx-chunks") p.dx_chunks = v;
+    else if (name == "--iters") o.iters = static_cast<int>(v);  // <= kMaxRepetitions: fits an int
     else if (name == "--warmup") o.warmup = static_cast<int>(v);
     else if (name == "--seed") o.seed = static_cast<std::uint64_t>(v);
   }

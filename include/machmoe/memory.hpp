@@ -85,21 +85,41 @@ struct ForwardWorkspaceLayout {
 };
 ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& problem, DType data_dtype);
 
+/// Chunks of tokens in which the GPU backward computes dX~ = dH W1 and sums it into dX: problem.dx_chunks, or when
+/// that is 0 the heuristic max(1, min(ceil(d / n), floor(P / (E * kDxChunkMinRowsPerExpert)), kDxChunksMax)):
+/// chunks only while a chunk of dX~ (rows x d) is larger than A' (P x n), whose region it shares, and while each
+/// expert keeps kDxChunkMinRowsPerExpert rows per chunk on average (every chunk ends each expert's rows with a
+/// partial GEMM tile), and at most kDxChunksMax: each chunk also costs a launch tail of the dX~ GEMM and of the
+/// gather-sum (docs/MEMORY.md has the measured price). Chunk c holds the tokens whose first pair lies in
+/// [c Q, (c + 1) Q), Q = ceil(P / C): their rows, in grouped order, and each token's sum is finished within its
+/// chunk, in the same order as in one pass, so the results do not depend on C.
+inline constexpr std::int64_t kDxChunkMinRowsPerExpert = 768;
+inline constexpr std::int64_t kDxChunksMax = 2;
+std::int64_t backward_dx_chunks(const MoEProblem& problem);
+/// Rows of dX~ one chunk can hold: min(P, ceil(P / C) + (most pairs of one token) - 1), the most pairs of one token
+/// being K (top-K and caller-supplied routing) or E (token rounding). P when C = 1.
+std::int64_t backward_dx_chunk_rows(const MoEProblem& problem);
+
 /// Transient memory of the GPU backward:
 ///   h_recompute  P x w1_rows        data dtype   kInputOnly only
 ///   dh           P x w1_rows        data dtype   kInputOnly: the h_recompute region (dH overwrites H in place);
 ///                                                kPreActivation with consume_saved: absent (dH overwrites the H of
 ///                                                the caller's saved buffer, BackwardBuffers::consume_saved)
 ///   a_prime      P x n              data dtype   A' = s * A, left operand of dW2
-///   dx_expanded  P x d              data dtype   per-pair input gradient, grouped order; in the full backward it
-///                                                shares its region with a_prime (dW2 runs before dX~)
+///   dx_expanded  R x d              data dtype   per-pair input gradient, grouped order, R = backward_dx_chunk_rows
+///                                                (one chunk of tokens at a time); in the full backward it shares
+///                                                its region with a_prime (dW2 runs before dX~)
+///   dx_chunk_plan  C + 1 + C (3E + 2) int32      with C = backward_dx_chunks > 1 only: each chunk's token range,
+///                                                and per expert its row count offsets, M-tiles and row shift
+///   dx_pair_rows P                  int32        with C > 1 only: each pair's row in its chunk's dX~
 ///   ds_partial   P x ceil(n / 64)   fp32         per-N-tile partial sums of <dA', A>
 ///   ds           P                  score dtype  router-score gradient, pair order
 ///   dlogits      T x E              data dtype   gradient of the router logits (not for caller-supplied routing)
 ///   expert_tiles E + 1              int32        GEMM M-tiles per expert, scanned
 ///   cublas       kCublasWorkspaceBytes           cuBLAS workspace of the router GEMMs (not for caller-supplied)
 struct BackwardWorkspaceLayout {
-  BufferRegion h_recompute, dh, a_prime, dx_expanded, ds_partial, ds, dlogits, expert_tiles, cublas;
+  BufferRegion h_recompute, dh, a_prime, dx_expanded, dx_chunk_plan, dx_pair_rows, ds_partial, ds, dlogits,
+      expert_tiles, cublas;
   std::size_t total_bytes = 0;
 };
 /// split: the layout of backward_input(), without dh and a_prime (they live in the deferred buffer).

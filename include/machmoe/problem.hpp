@@ -69,6 +69,7 @@ struct Limits {
   static constexpr std::int64_t kMaxTokens = 2147483647;
   static constexpr std::int64_t kMaxDim = 1 << 20;         // d and n
   static constexpr std::int64_t kMaxTileM = 4096;
+  static constexpr std::int64_t kMaxDxChunks = 1024;
 };
 
 struct MoEProblem {
@@ -92,6 +93,11 @@ struct MoEProblem {
   std::int64_t tile_m = 128;                       // token rounding only: M, a positive multiple of 8
   CacheMode cache = CacheMode::kPreActivation;
   std::int64_t num_pairs = 0;  // caller-supplied routing only: number of (token, expert, score) triples (0: out = 0)
+  // GPU backward memory: the per-pair input gradient dX~ (P x d, the backward's largest transient when d > n) is
+  // computed and summed into dX in this many chunks of tokens, holding one chunk's rows at a time
+  // (memory.hpp, backward_dx_chunks). 0: the heuristic; 1: all at once. Results are bitwise the same for every
+  // value; more chunks cost a partial GEMM tile per expert and chunk.
+  std::int64_t dx_chunks = 0;
 
   /// Rows of W1 per expert: 2n for GLU activations, n otherwise.
   std::int64_t w1_rows() const;

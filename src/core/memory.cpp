@@ -75,9 +75,26 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
   return l;
 }
 
+std::int64_t backward_dx_chunks(const MoEProblem& p) {
+  if (p.dx_chunks > 0) return p.dx_chunks;
+  const std::int64_t P = p.max_pairs();
+  if (P == 0 || p.E == 0) return 1;
+  const std::int64_t by_size = (p.d + p.n - 1) / p.n;
+  const std::int64_t by_rows = P / (p.E * kDxChunkMinRowsPerExpert);
+  return std::max<std::int64_t>(1, std::min({by_size, by_rows, kDxChunksMax}));
+}
+
+std::int64_t backward_dx_chunk_rows(const MoEProblem& p) {
+  const std::int64_t P = p.max_pairs(), C = backward_dx_chunks(p);
+  if (C == 1) return P;
+  const std::int64_t per_token = p.routing == RoutingMode::kTokenRounding ? p.E : p.K;
+  return std::min(P, (P + C - 1) / C + per_token - 1);
+}
+
 BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType data_dtype, bool split,
                                                   bool consume_saved) {
   const std::size_t elem = dtype_size(data_dtype), P = u(p.max_pairs());
+  const std::size_t rows = u(backward_dx_chunk_rows(p)), chunks = u(backward_dx_chunks(p));
   LayoutBuilder b;
   BackwardWorkspaceLayout l;
   if (p.cache == CacheMode::kInputOnly) l.h_recompute = b.add(P * u(p.w1_rows()) * elem);
@@ -88,13 +105,17 @@ BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType dat
     if (l.h_recompute.present()) l.dh = l.h_recompute;
     else if (!consume_saved) l.dh = b.add(P * u(p.w1_rows()) * elem);
     // A' is dead once dW2 has run, and the full backward runs dW2 before dX~: the two share one region.
-    const BufferRegion shared = b.add(P * std::max(u(p.n), u(p.d)) * elem);
+    const BufferRegion shared = b.add(std::max(P * u(p.n), rows * u(p.d)) * elem);
     if (shared.present()) {
       l.a_prime = {shared.offset, P * u(p.n) * elem};
-      l.dx_expanded = {shared.offset, P * u(p.d) * elem};
+      l.dx_expanded = {shared.offset, rows * u(p.d) * elem};
     }
   } else {
-    l.dx_expanded = b.add(P * u(p.d) * elem);
+    l.dx_expanded = b.add(rows * u(p.d) * elem);
+  }
+  if (chunks > 1) {
+    l.dx_chunk_plan = b.add((chunks + 1 + chunks * (3 * u(p.E) + 2)) * 4);
+    l.dx_pair_rows = b.add(P * 4);
   }
   l.ds_partial = b.add(P * ((u(p.n) + 63) / 64) * 4);
   l.ds = b.add(P * dtype_size(score_dtype(data_dtype)));

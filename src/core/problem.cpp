@@ -154,6 +154,7 @@ std::string MoEProblem::to_string() const {
   if (routing == RoutingMode::kTokenRounding) os << " rounding=" << rounding_rule_name(rounding) << " tile_m=" << tile_m;
   if (routing == RoutingMode::kCallerSupplied) os << " pairs=" << num_pairs;
   os << " cache=" << cache_mode_name(cache);
+  if (dx_chunks != 0) os << " dx_chunks=" << dx_chunks;
   return os.str();
 }
 
@@ -214,6 +215,7 @@ void validate_problem(const MoEProblem& p, const char* where) {
   check_range(where, "problem.T", p.T, 0, Limits::kMaxTokens);
   check_range(where, "problem.d", p.d, 1, Limits::kMaxDim);
   check_range(where, "problem.n", p.n, 1, Limits::kMaxDim);
+  check_range(where, "problem.dx_chunks", p.dx_chunks, 0, Limits::kMaxDxChunks, " (0: the heuristic)");
   check_range(where, "problem.E", p.E, 1, Limits::kMaxExperts, " (expert ids are 16-bit in the metadata build)");
   check_range(where, "problem.K", p.K, 1, p.E, " (1 <= K <= E)");
   validate_options(p, where);

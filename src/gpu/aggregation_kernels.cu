@@ -9,13 +9,13 @@
 namespace machmoe::gpu {
 namespace {
 
-/// One block per token; each thread owns VEC consecutive columns per chunk (16-byte loads when VEC > 1).
+/// out[t] = the weighted sum of token t's rows (fixed pair order, fp32).
 template <class T, int VEC>
-__global__ void gather_sum_kernel(const T* __restrict__ rows, std::int64_t width, const float* __restrict__ weights,
-                                  const std::int32_t* __restrict__ inverse,
-                                  const std::int32_t* __restrict__ token_offsets, std::int64_t K,
-                                  T* __restrict__ out, std::int64_t ld_out) {
-  const std::int64_t t = blockIdx.x;
+__device__ __forceinline__ void gather_sum_token(const T* __restrict__ rows, std::int64_t width,
+                                                 const float* __restrict__ weights,
+                                                 const std::int32_t* __restrict__ inverse,
+                                                 const std::int32_t* __restrict__ token_offsets, std::int64_t K,
+                                                 T* __restrict__ out, std::int64_t ld_out, std::int64_t t) {
   const std::int64_t p_begin = token_offsets ? token_offsets[t] : t * K;
   const std::int64_t p_end = token_offsets ? token_offsets[t + 1] : (t + 1) * K;
   for (std::int64_t c0 = static_cast<std::int64_t>(threadIdx.x) * VEC; c0 < width;
@@ -47,6 +47,19 @@ __global__ void gather_sum_kernel(const T* __restrict__ rows, std::int64_t width
       dst[0] = from_float<T>(acc[0]);
     }
   }
+}
+
+/// One block per token (a token range: blocks stride over it); each thread owns VEC consecutive columns per chunk
+/// (16-byte loads when VEC > 1).
+template <class T, int VEC>
+__global__ void gather_sum_kernel(const T* __restrict__ rows, std::int64_t width, const float* __restrict__ weights,
+                                  const std::int32_t* __restrict__ inverse,
+                                  const std::int32_t* __restrict__ token_offsets, std::int64_t K,
+                                  T* __restrict__ out, std::int64_t ld_out,
+                                  const std::int32_t* __restrict__ token_range) {
+  const std::int64_t t_end = token_range ? token_range[1] : static_cast<std::int64_t>(gridDim.x);
+  for (std::int64_t t = (token_range ? token_range[0] : 0) + blockIdx.x; t < t_end; t += gridDim.x)
+    gather_sum_token<T, VEC>(rows, width, weights, inverse, token_offsets, K, out, ld_out, t);
 }
 
 /// One warp per pair.
@@ -109,21 +122,24 @@ bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15
 
 void launch_gather_sum(DType dt, const void* rows, std::int64_t width, const float* weights,
                        const std::int32_t* inverse, const std::int32_t* token_offsets, std::int64_t K,
-                       std::int64_t T, void* out, std::int64_t ld_out, cudaStream_t stream) {
-  if (T == 0 || width == 0) return;
+                       std::int64_t T, void* out, std::int64_t ld_out, cudaStream_t stream,
+                       const std::int32_t* token_range, std::int64_t range_blocks) {
+  if (T == 0 || width == 0 || (token_range != nullptr && range_blocks <= 0)) return;
   dispatch_data_type(dt, [&](auto tag) {
     using Tp = decltype(tag);
     constexpr int kVec = 16 / sizeof(Tp);
     const bool vec = width % kVec == 0 && ld_out % kVec == 0 && aligned16(rows) && aligned16(out);
     const std::int64_t lanes = vec ? width / kVec : width;
     const int threads = static_cast<int>(std::min<std::int64_t>(256, (lanes + 31) / 32 * 32));
-    const auto grid = static_cast<unsigned>(T);
+    const auto grid = static_cast<unsigned>(token_range ? std::min(range_blocks, T) : T);
     if (vec)
       gather_sum_kernel<Tp, kVec><<<grid, threads, 0, stream>>>(static_cast<const Tp*>(rows), width, weights, inverse,
-                                                                token_offsets, K, static_cast<Tp*>(out), ld_out);
+                                                                token_offsets, K, static_cast<Tp*>(out), ld_out,
+                                                                token_range);
     else
       gather_sum_kernel<Tp, 1><<<grid, threads, 0, stream>>>(static_cast<const Tp*>(rows), width, weights, inverse,
-                                                             token_offsets, K, static_cast<Tp*>(out), ld_out);
+                                                             token_offsets, K, static_cast<Tp*>(out), ld_out,
+                                                             token_range);
   });
   MACHMOE_CUDA_CHECK_LAUNCH("gather_sum");
 }

@@ -59,13 +59,47 @@ void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream);
 void launch_expert_tiles(const std::int32_t* expert_offsets, std::int64_t E, std::int32_t* expert_tiles,
                          cudaStream_t stream);
 
+/// The backward's dX~ in chunks of tokens (memory.hpp, backward_dx_chunks). The plan buffer holds, for C chunks:
+///   bounds   C + 1        chunk c's tokens are [bounds[c], bounds[c + 1])
+///   offsets  C x (E + 1)  per chunk, the exclusive scan of each expert's rows in it: the chunk's dX~ rows, grouped
+///   tiles    C x (E + 1)  per chunk, the exclusive scan of ceil(rows / kGemmTileM) (the reference GEMM's tiles)
+///   shifts   C x E        per chunk and expert, (first grouped row of dH) - (first row in the chunk's dX~)
+/// An expert's rows in a chunk are contiguous in grouped order, since tokens ascend within an expert's segment.
+struct DxChunkPlan {
+  std::int32_t *bounds = nullptr, *offsets = nullptr, *tiles = nullptr, *shifts = nullptr;
+  std::int64_t E = 0;
+  static DxChunkPlan in(std::int32_t* plan, std::int64_t chunks, std::int64_t E) {
+    DxChunkPlan v;
+    v.E = E;
+    v.bounds = plan;
+    v.offsets = v.bounds + chunks + 1;
+    v.tiles = v.offsets + chunks * (E + 1);
+    v.shifts = v.tiles + chunks * (E + 1);
+    return v;
+  }
+  std::int32_t* chunk_offsets(std::int64_t c) const { return offsets + c * (E + 1); }
+  std::int32_t* chunk_tiles(std::int64_t c) const { return tiles + c * (E + 1); }
+  std::int32_t* chunk_shifts(std::int64_t c) const { return shifts + c * E; }
+};
+/// Fills the plan of `chunks` chunks of tokens, chunk c holding the tokens whose first pair lies in
+/// [c * pairs_per_chunk, (c + 1) * pairs_per_chunk) (the last one every token left), and pair_rows (P_max): each
+/// routed pair's row in its chunk's dX~, -1 for pairs routed nowhere. token_offsets null: K pairs per token.
+void launch_dx_chunk_plan(const std::int32_t* expert_offsets, const std::int32_t* gather,
+                          const std::int32_t* scatter, const std::int32_t* token_offsets, std::int64_t K,
+                          std::int64_t T, std::int64_t E, std::int64_t P_max, std::int64_t chunks,
+                          std::int64_t pairs_per_chunk, const DxChunkPlan& plan, std::int32_t* pair_rows,
+                          cudaStream_t stream);
+
 // ---- aggregation and reductions --------------------------------------------------------------------------------
 
 /// out[t, :] = sum over the pairs p of token t (pair order) of w_p * rows[inverse[p], :], fp32 accumulation,
 /// no atomics. weights == null: unweighted. token_offsets == null: pairs of t are t*K .. t*K+K-1.
+/// token_range (device, 2 values; null: every token) restricts it to the tokens [token_range[0], token_range[1]),
+/// covered by `range_blocks` blocks (the range lives on the device; its length need not be known here).
 void launch_gather_sum(DType dt, const void* rows, std::int64_t width, const float* weights,
                        const std::int32_t* inverse, const std::int32_t* token_offsets, std::int64_t K,
-                       std::int64_t T, void* out, std::int64_t ld_out, cudaStream_t stream);
+                       std::int64_t T, void* out, std::int64_t ld_out, cudaStream_t stream,
+                       const std::int32_t* token_range = nullptr, std::int64_t range_blocks = 0);
 
 /// ds[p] = sum_tiles ds_partial[p, tile] (fixed order) + (b2 ? <grad_out[t], b2[e]> : 0); 0 for skipped pairs.
 void launch_ds_reduce(DType dt, const float* ds_partial, std::int64_t n_tiles, const std::int32_t* inverse,
@@ -109,6 +143,10 @@ struct VarlenMArgs {
   const void* a = nullptr;
   std::int64_t lda = 0;
   const std::int32_t* a_gather = nullptr;
+  // A contiguous A whose rows do not line up with the output's (the backward's dX~ in chunks of tokens): row g of
+  // expert e reads A row g + a_row_shift[e] (device, E values; null: 0). a_rows: rows of A's buffer (0: P_max).
+  const std::int32_t* a_row_shift = nullptr;
+  std::int64_t a_rows = 0;
   ExpertOperand b;
   Epilogue epilogue = Epilogue::kStore;
   // kStore: out (P, N) ld_out; bias (E, N) optional (column index through b.permute == 1 map).

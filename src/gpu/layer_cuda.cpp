@@ -425,7 +425,8 @@ void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
   const bool caller = p.routing == RoutingMode::kCallerSupplied;
   const float* ds = caller ? static_cast<const float*>(out.grad_scores.data) : at<float>(workspace, wl.ds);
 
-  // dX~ = dH W1_e (grouped), then dX = gather-sum of dX~.
+  // dX~ = dH W1_e (grouped), then dX = gather-sum of dX~: at once, or one chunk of tokens at a time (memory.hpp,
+  // backward_dx_chunks), each chunk's rows packed in the dX~ region and its tokens' sums finished before the next.
   void* dxe = at(workspace, wl.dx_expanded);
   VarlenMArgs dxa;
   dxa.dt = dt;
@@ -437,11 +438,36 @@ void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
   dxa.b.glu_n = p.n;
   dxa.epilogue = Epilogue::kStore;
   dxa.out = dxe, dxa.ld_out = p.d;
-  mark_stage("backward/dx_expanded", stream);
-  launch_expert_gemm(dxa, "backward/dx_expanded", stream);
-  mark_stage("backward/dx_aggregation", stream);
-  launch_gather_sum(dt, dxe, p.d, nullptr, inverse, token_offsets, p.K, p.T, out.grad_x.data, out.grad_x.stride[0],
-                    stream);
+  const std::int64_t chunks = backward_dx_chunks(p);
+  if (chunks == 1) {
+    mark_stage("backward/dx_expanded", stream);
+    launch_expert_gemm(dxa, "backward/dx_expanded", stream);
+    mark_stage("backward/dx_aggregation", stream);
+    launch_gather_sum(dt, dxe, p.d, nullptr, inverse, token_offsets, p.K, p.T, out.grad_x.data,
+                      out.grad_x.stride[0], stream);
+  } else {
+    const DxChunkPlan plan = DxChunkPlan::in(at<std::int32_t>(workspace, wl.dx_chunk_plan), chunks, p.E);
+    std::int32_t* pair_rows = at<std::int32_t>(workspace, wl.dx_pair_rows);
+    const std::int64_t pairs_per_chunk = (P + chunks - 1) / chunks;
+    mark_stage("backward/dx_chunk_plan", stream);
+    launch_dx_chunk_plan(offsets, sv.gather, sv.scatter, token_offsets, p.K, p.T, p.E, P, chunks, pairs_per_chunk,
+                         plan, pair_rows, stream);
+    dxa.P_max = backward_dx_chunk_rows(p);  // the chunk's rows: the extent of the output
+    dxa.a_rows = P;                          // dH keeps every pair's row
+    // Blocks of the chunk's gather-sum: its tokens for top-K (a chunk holds at most ceil(Q / K) + 1), a share of T
+    // when a token's pair count varies (they stride over the range, whatever its length).
+    const std::int64_t range_blocks = p.variable_k() ? (p.T + chunks - 1) / chunks + 1
+                                                     : (pairs_per_chunk + p.K - 1) / p.K + 1;
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      dxa.expert_offsets = plan.chunk_offsets(c), dxa.expert_tiles = plan.chunk_tiles(c);
+      dxa.a_row_shift = plan.chunk_shifts(c);
+      mark_stage("backward/dx_expanded", stream);
+      launch_expert_gemm(dxa, "backward/dx_expanded", stream);
+      mark_stage("backward/dx_aggregation", stream);
+      launch_gather_sum(dt, dxe, p.d, nullptr, pair_rows, token_offsets, p.K, p.T, out.grad_x.data,
+                        out.grad_x.stride[0], stream, plan.bounds + c, range_blocks);
+    }
+  }
 
   // Router: dlogits from dS (+ the caller's gradient of the logits), then dx += dlogits W_r, dW_r = dlogits^T x.
   if (caller) {

@@ -154,6 +154,108 @@ void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream) {
   }
 }
 
+namespace {
+
+/// Smallest token t in [0, T] whose first pair is at or past q (first pair of t: token_offsets[t], or t K).
+__device__ std::int64_t first_token_at(std::int64_t q, const std::int32_t* token_offsets, std::int64_t K,
+                                       std::int64_t T) {
+  if (q <= 0) return 0;
+  if (token_offsets == nullptr) return min(T, (q + K - 1) / K);
+  std::int64_t lo = 0, hi = T;
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi) / 2;
+    if (token_offsets[mid] >= q) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
+/// First position in gather[lo, hi) (ascending tokens) holding a token >= t.
+__device__ std::int32_t lower_bound_token(const std::int32_t* gather, std::int32_t lo, std::int32_t hi,
+                                          std::int64_t t) {
+  while (lo < hi) {
+    const std::int32_t mid = lo + (hi - lo) / 2;
+    if (gather[mid] >= t) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
+/// One block per chunk: its token range, then per expert (256 at a time, scanned with a carry) the rows of its
+/// segment whose tokens fall in the range.
+__global__ void dx_chunk_plan_kernel(const std::int32_t* __restrict__ offsets, const std::int32_t* __restrict__ gather,
+                                     const std::int32_t* __restrict__ token_offsets, std::int64_t K, std::int64_t T,
+                                     int E, std::int64_t chunks, std::int64_t pairs_per_chunk, DxChunkPlan plan) {
+  __shared__ typename BlockScan::TempStorage temp;
+  __shared__ std::int32_t carry_rows, carry_tiles;
+  const std::int64_t c = blockIdx.x;
+  const std::int64_t t0 = first_token_at(c * pairs_per_chunk, token_offsets, K, T);
+  const std::int64_t t1 = c == chunks - 1 ? T : first_token_at((c + 1) * pairs_per_chunk, token_offsets, K, T);
+  // (DxChunkPlan's accessors are host code: kernels.hpp is plain C++)
+  std::int32_t* off = plan.offsets + c * (E + 1);
+  std::int32_t* tiles = plan.tiles + c * (E + 1);
+  std::int32_t* shift = plan.shifts + c * E;
+  if (threadIdx.x == 0) {
+    plan.bounds[c] = static_cast<std::int32_t>(t0);
+    if (c == chunks - 1) plan.bounds[chunks] = static_cast<std::int32_t>(T);
+    carry_rows = carry_tiles = 0;
+  }
+  __syncthreads();
+  for (int base = 0; base < E; base += kScanThreads) {
+    const int e = base + threadIdx.x;
+    std::int32_t first = 0, rows = 0;
+    if (e < E) {
+      const std::int32_t seg0 = offsets[e], seg1 = offsets[e + 1];
+      first = lower_bound_token(gather, seg0, seg1, t0);
+      rows = lower_bound_token(gather, first, seg1, t1) - first;
+    }
+    const std::int32_t t = (rows + kGemmTileM - 1) / kGemmTileM;
+    std::int32_t r_excl, t_excl, r_total, t_total;
+    BlockScan(temp).ExclusiveSum(rows, r_excl, r_total);
+    __syncthreads();
+    BlockScan(temp).ExclusiveSum(t, t_excl, t_total);
+    if (e < E) {
+      off[e] = carry_rows + r_excl;
+      tiles[e] = carry_tiles + t_excl;
+      shift[e] = first - (carry_rows + r_excl);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) carry_rows += r_total, carry_tiles += t_total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) off[E] = carry_rows, tiles[E] = carry_tiles;
+}
+
+/// Block (e, c): pair_rows[scatter[g]] = g - shift for the rows g of expert e in chunk c.
+__global__ void dx_pair_rows_kernel(const std::int32_t* __restrict__ scatter, DxChunkPlan plan,
+                                    std::int32_t* __restrict__ pair_rows) {
+  const std::int64_t e = blockIdx.x, c = blockIdx.y;
+  const std::int32_t* off = plan.offsets + c * (plan.E + 1);
+  const std::int32_t shift = plan.shifts[c * plan.E + e];
+  for (std::int32_t r = off[e] + static_cast<std::int32_t>(threadIdx.x); r < off[e + 1];
+       r += static_cast<std::int32_t>(blockDim.x))
+    pair_rows[scatter[r + shift]] = r;
+}
+
+}  // namespace
+
+void launch_dx_chunk_plan(const std::int32_t* expert_offsets, const std::int32_t* gather,
+                          const std::int32_t* scatter, const std::int32_t* token_offsets, std::int64_t K,
+                          std::int64_t T, std::int64_t E, std::int64_t P_max, std::int64_t chunks,
+                          std::int64_t pairs_per_chunk, const DxChunkPlan& plan, std::int32_t* pair_rows,
+                          cudaStream_t stream) {
+  if (chunks <= 0 || E <= 0) return;
+  dx_chunk_plan_kernel<<<static_cast<unsigned>(chunks), kScanThreads, 0, stream>>>(
+      expert_offsets, gather, token_offsets, K, T, static_cast<int>(E), chunks, pairs_per_chunk, plan);
+  MACHMOE_CUDA_CHECK_LAUNCH("dx_chunk_plan");
+  if (P_max == 0) return;
+  // Pairs routed to no expert (skipped caller pairs) keep -1: the gather-sum skips them.
+  MACHMOE_CUDA_CHECK(cudaMemsetAsync(pair_rows, 0xff, static_cast<std::size_t>(P_max) * 4, stream));
+  dx_pair_rows_kernel<<<dim3(static_cast<unsigned>(E), static_cast<unsigned>(chunks)), 128, 0, stream>>>(
+      scatter, plan, pair_rows);
+  MACHMOE_CUDA_CHECK_LAUNCH("dx_pair_rows");
+}
+
 void launch_expert_tiles(const std::int32_t* expert_offsets, std::int64_t E, std::int32_t* expert_tiles,
                          cudaStream_t stream) {
   expert_offsets_kernel<<<1, kScanThreads, 0, stream>>>(const_cast<std::int32_t*>(expert_offsets),

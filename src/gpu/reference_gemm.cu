@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(THREADS) varlen_m_gemm_kernel(const VarlenMArg
       const std::int64_t g = m0 + m, k = k0 + kk;
       float v = 0.0f;
       if (g < seg_end && k < a.K) {
-        const std::int64_t row = a.a_gather ? a.a_gather[g] : g;
+        const std::int64_t row = a.a_gather ? a.a_gather[g] : g + (a.a_row_shift ? a.a_row_shift[e] : 0);
         v = to_float(ld<T>(a.a, row * a.lda + k));
       }
       As[kk][m] = v;

@@ -41,7 +41,11 @@ std::vector<StageTime> collect_stage_timings() {
     if (!r.marks[i].name) continue;
     float ms = 0;
     MACHMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, r.marks[i].event, r.marks[i + 1].event));
-    out.push_back({r.marks[i].name, ms});
+    // A stage that runs in pieces (the backward's dX~ in chunks of tokens) is reported once, its pieces summed.
+    bool merged = false;
+    for (StageTime& st : out)
+      if (st.stage == r.marks[i].name) st.ms += ms, merged = true;
+    if (!merged) out.push_back({r.marks[i].name, ms});
   }
   for (const Mark& m : r.marks) r.pool.push_back(m.event);
   r.marks.clear();

@@ -128,7 +128,7 @@ TEST(Cli, EveryIntegerOptionTakesItsDocumentedRangeAndNothingElse) {
   for (const IntegerOption& o : integer_options()) {
     SCOPED_TRACE(o.name);
     const std::string range = "[" + std::to_string(o.lo) + ", " + std::to_string(o.hi) + "]";
-    EXPECT_NE(help.find(std::string(o.name) + std::string(10 - std::string(o.name).size(), ' ') + range),
+    EXPECT_NE(help.find(std::string(o.name) + std::string(12 - std::string(o.name).size(), ' ') + range),
               std::string::npos)
         << "usage() documents the range";
     EXPECT_EQ(parse_integer(o.name, std::to_string(o.lo), o.lo, o.hi), o.lo);

@@ -151,6 +151,51 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cuda(0)), forward_workspace_layout(p, DType::kBF16).total_bytes);
 }
 
+// dX~ in chunks of tokens: the heuristic on the benchmark's configurations, the rows a chunk can hold, and the
+// regions of the backward workspace that follow from them.
+TEST(MemoryAccounting, DxChunksHeuristicAndLayout) {
+  // min(ceil(d / n), floor(P / (E * 768)), 2), at least 1.
+  EXPECT_EQ(backward_dx_chunks(config(40960, 768, 256, 128, 8)), 2);    // 1.4B (256,128,8): 2560 rows per expert
+  EXPECT_EQ(backward_dx_chunks(config(24576, 1536, 256, 128, 8)), 2);   // 7B (256,128,8): 1536
+  EXPECT_EQ(backward_dx_chunks(config(32768, 4096, 256, 256, 16)), 2);  // 30B (256,256,16): 2048
+  EXPECT_EQ(backward_dx_chunks(config(32768, 4096, 2048, 64, 4)), 2);   // 120B (2048,64,4): ceil(d / n) = 2
+  EXPECT_EQ(backward_dx_chunks(config(16384, 1536, 256, 512, 8)), 1);   // 256 rows per expert: one pass
+  EXPECT_EQ(backward_dx_chunks(config(16384, 1024, 1024, 8, 2)), 1);    // d = n: chunks would save nothing
+  EXPECT_EQ(backward_dx_chunks(config(0, 1024, 256, 8, 2)), 1);
+  MoEProblem p = config(24576, 1536, 256, 128, 8);
+  const std::size_t P = 24576 * 8;
+  EXPECT_EQ(backward_dx_chunk_rows(p), static_cast<std::int64_t>(P / 2 + 7));  // ceil(P / C) + K - 1
+  const BackwardWorkspaceLayout b = backward_workspace_layout(p, DType::kBF16);
+  EXPECT_EQ(b.dx_expanded.bytes, 2 * (P / 2 + 7) * 1536);
+  EXPECT_EQ(b.a_prime.offset, b.dx_expanded.offset);
+  EXPECT_EQ(b.dx_chunk_plan.bytes, 4u * (3 + 2 * (3 * 128 + 2)));
+  EXPECT_EQ(b.dx_pair_rows.bytes, 4 * P);
+  p.dx_chunks = 1;
+  const BackwardWorkspaceLayout one = backward_workspace_layout(p, DType::kBF16);
+  EXPECT_EQ(one.dx_expanded.bytes, 2 * P * 1536);
+  EXPECT_FALSE(one.dx_chunk_plan.present());
+  EXPECT_FALSE(one.dx_pair_rows.present());
+  EXPECT_EQ(one.total_bytes - b.total_bytes, 2 * 1536 * (P - P / 2 - 7) - up256(b.dx_chunk_plan.bytes) - 4 * P)
+      << "two chunks save half of dX~, less the plan and the pair rows";
+  // Token rounding: a token may hold up to E pairs, so a chunk holds up to ceil(P / C) + E - 1 rows.
+  p.routing = RoutingMode::kTokenRounding, p.dx_chunks = 4;
+  EXPECT_EQ(backward_dx_chunk_rows(p), (p.max_pairs() + 3) / 4 + 128 - 1);
+  // The split backward's own dX~ region is a chunk too.
+  EXPECT_EQ(backward_workspace_layout(p, DType::kBF16, true).dx_expanded.bytes,
+            2 * static_cast<std::size_t>(backward_dx_chunk_rows(p)) * 1536);
+  // Never more rows than pairs (T = 1: every chunk but the first is empty).
+  MoEProblem tiny = config(1, 64, 32, 8, 2);
+  tiny.dx_chunks = 3;
+  EXPECT_EQ(backward_dx_chunk_rows(tiny), 2);
+  // Checked like every field.
+  tiny.dx_chunks = -1;
+  EXPECT_THROW(validate_problem(tiny), Error);
+  tiny.dx_chunks = Limits::kMaxDxChunks + 1;
+  EXPECT_THROW(validate_problem(tiny), Error);
+  tiny.dx_chunks = Limits::kMaxDxChunks;
+  EXPECT_NO_THROW(validate_problem(tiny));
+}
+
 // What the reference keeps for its backward is exactly what the layout accounts for, element by element.
 TEST(MemoryAccounting, MatchesWhatTheReferenceKeeps) {
   for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied})

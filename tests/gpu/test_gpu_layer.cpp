@@ -94,6 +94,7 @@ TEST_P(GpuLayer, MatchesFloat64Reference) {
   p.activation = gc.activation, p.weight_layout = gc.layout, p.has_b1 = p.has_b2 = gc.bias;
   p.routing = gc.routing, p.score = gc.score, p.cache = gc.cache;
   p.rounding = gc.rounding, p.tile_m = 16;  // ~50 tokens per expert: rounding moves every count
+  p.dx_chunks = gc.bias ? 3 : 0;  // half the cases with dX~ in chunks of tokens (the heuristic: one pass here)
   const LayerCase<double> c(p, 2024);
   const GpuRun g = run_on_gpu(c, gc.dt);
   const LayerCase<double> q = quantized_case(c, gc.dt);
@@ -418,6 +419,62 @@ TEST(GpuLayerProperties, ConsumingTheSavedBufferChangesNoResultBitwise) {
           EXPECT_EQ(consumed.saved, kept.saved) << what;
         }
       }
+}
+
+// dX~ in chunks of tokens (MoEProblem::dx_chunks) gives bitwise the one-pass results: each token's sum is finished
+// in its chunk, over the same rows in the same order. Every routing mode (token rounding's and caller routing's
+// variable pair counts), both cache modes, the Hopper and the reference backward GEMMs, chunk counts that leave
+// chunks without tokens (T = 1, more chunks than tokens), experts without tokens, and a graph capture.
+TEST(GpuLayerProperties, DxInChunksOfTokensIsBitwiseOnePass) {
+  REQUIRE_GPU();
+  struct BackwardGuard {
+    ~BackwardGuard() { gpu::set_hopper_backward_enabled(true); }
+  } guard;
+  struct Shape {
+    std::int64_t T, d, n, E, K;
+  };
+  for (const Shape& sh : {Shape{1500, 192, 96, 12, 3}, Shape{1, 64, 32, 8, 2}, Shape{5, 64, 32, 40, 2}})
+    for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied})
+      for (CacheMode cm : {CacheMode::kPreActivation, CacheMode::kInputOnly})
+        for (bool hopper_backward : {true, false}) {
+          if (sh.T < 100 && (cm == CacheMode::kInputOnly || !hopper_backward)) continue;  // (the large shape has them)
+          gpu::set_hopper_backward_enabled(hopper_backward);
+          MoEProblem p;
+          p.T = sh.T, p.d = sh.d, p.n = sh.n, p.E = sh.E, p.K = sh.K, p.routing = r, p.cache = cm, p.tile_m = 64;
+          p.has_b1 = p.has_b2 = true;
+          p.dx_chunks = 1;
+          LayerCase<double> c(p, 16);
+          const GpuRun one = run_on_gpu(c, DType::kBF16);
+          for (std::int64_t chunks : {2, 3, 7}) {
+            c.problem.dx_chunks = chunks;
+            const bool graph = chunks == 3 && sh.T > 100;
+            const GpuRun many = run_on_gpu(c, DType::kBF16, 0, graph, false, nullptr, /*consume_saved=*/chunks == 7);
+            const std::string what = "T=" + std::to_string(sh.T) + " " + routing_mode_name(r) + " " +
+                                     cache_mode_name(cm) + (hopper_backward ? " hopper" : " reference") +
+                                     " chunks=" + std::to_string(chunks);
+            EXPECT_TRUE(many.canaries_intact) << what;
+            EXPECT_EQ(many.raw_dx, one.raw_dx) << what;
+            EXPECT_EQ(many.raw_dw1, one.raw_dw1) << what;
+            EXPECT_EQ(many.raw_dw2, one.raw_dw2) << what;
+            EXPECT_EQ(many.dwr, one.dwr) << what;
+            EXPECT_EQ(many.dscores, one.dscores) << what;
+          }
+        }
+}
+
+// The heuristic chunks dX~ where an expert keeps enough rows per chunk, and the layer still matches float64 there.
+TEST(GpuLayerProperties, HeuristicDxChunksMatchFloat64) {
+  REQUIRE_GPU();
+  MoEProblem p;
+  p.T = 6144, p.d = 512, p.n = 128, p.E = 4, p.K = 2, p.has_b1 = true;
+  ASSERT_EQ(backward_dx_chunks(p), 2) << "min(ceil(d / n) = 4, P / (E 768) = 4, 2)";
+  const LayerCase<double> c(p, 18);
+  const GpuRun chunked = run_on_gpu(c, DType::kBF16);
+  const LayerCase<double> q = quantized_case(c, DType::kBF16);
+  compare_all(chunked, reference_for(q, chunked.logits), DType::kBF16);
+  LayerCase<double> one = c;
+  one.problem.dx_chunks = 1;
+  EXPECT_EQ(run_on_gpu(one, DType::kBF16).raw_dx, chunked.raw_dx);
 }
 
 TEST(GpuLayerProperties, BothWeightLayoutsGiveBitwiseIdenticalOutputs) {

@@ -99,9 +99,11 @@ def test_backward_consumes_saved_h_unless_the_graph_is_retained(cuda, cache):
     dev, _ = gpu_case(cuda, T=T, d=256, n=n, E=16, K=K)
     params = [p for p in dev if p is not None]
 
+    go = torch.randn(T, 256, device=cuda, dtype=torch.bfloat16)
+
     def grads(retain):
         out, _, _ = machmoe.moe(*dev, top_k=K, activation_memory=cache)
-        loss = out.float().square().sum()
+        loss = (out * go).sum()  # saves nothing that a retained graph would keep alive beyond this layer's buffers
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -118,9 +120,9 @@ def test_backward_consumes_saved_h_unless_the_graph_is_retained(cuda, cache):
         assert torch.equal(a, c), name
     h_bytes = T * K * 2 * n * 2
     if cache == "preact":
-        assert peak_kept - peak_consumed >= h_bytes, (peak_kept, peak_consumed)
+        assert h_bytes <= peak_kept - peak_consumed < h_bytes + (1 << 20), (peak_kept, peak_consumed)
     else:  # input-only mode keeps no H: dH already overwrites the recomputed one
-        assert abs(peak_kept - peak_consumed) < h_bytes // 4, (peak_kept, peak_consumed)
+        assert abs(peak_kept - peak_consumed) < (1 << 20), (peak_kept, peak_consumed)
 
 
 def test_two_runs_bitwise_identical_and_layouts_agree(cuda):

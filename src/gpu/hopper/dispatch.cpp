@@ -181,7 +181,9 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
   if (!shape_reason.empty()) return shape_reason;
   if (a.N > (std::int64_t{1} << 30) || a.K > (std::int64_t{1} << 30)) return "N or K of 2^30 or more";
   if (a.E <= 0 || a.E > (1 << 30)) return "E out of range";
-  if (a.P_max >= (std::int64_t{1} << 31)) return "more than 2^31 - 1 routed rows";
+  if (a.P_max >= (std::int64_t{1} << 31) || a.a_rows >= (std::int64_t{1} << 31))
+    return "more than 2^31 - 1 routed rows";
+  if (a.a_row_shift != nullptr && a.a_gather != nullptr) return "a row shift with a gathered A";
   // The persistent schedulers number output tiles with int: every expert's partial last M-tile included, the count
   // is at most (P_max / 128 + E) M-tiles times the N-tiles of the narrowest tile.
   if ((a.P_max / 128 + a.E) * tiles_of(a.N, hopper::kMinTileN) >= (std::int64_t{1} << 31))
@@ -265,7 +267,7 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
 
   hopper::MainloopVarlenMParams main;
   main.K = static_cast<int>(a.K);
-  main.a = a.a, main.lda = a.lda, main.gather = a.a_gather;
+  main.a = a.a, main.lda = a.lda, main.gather = a.a_gather, main.a_row_shift = a.a_row_shift;
   const ExpertOperand& b = a.b;
   if (mn_major) {
     // (N, half, j, E) with k = 2 j + half: interleaved rows k = 2j, 2j + 1 or, concatenated (permute along K),
@@ -336,7 +338,7 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
     else
       launch_dh<hopper::Tile128x128PingPong>(a.activation, p, sm_count, stream);
   } else {
-    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(a.P_max)};
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(a.a_rows > 0 ? a.a_rows : a.P_max)};
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(a.lda) * 2};
     const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(hopper::Tile128x128PingPong::kTileM)};
     main.tma_a = make_tensor_map(a.a, 2, dims, strides, box);

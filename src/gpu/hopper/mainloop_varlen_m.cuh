@@ -138,6 +138,11 @@ struct MainloopVarlenM {
         b_row_first = c.n_tile * kTileN;
         b_row_second = b_row_first + half_rows;
       }
+      int a_row0 = 0;  // contiguous A: the tile's first row in A's buffer
+      if constexpr (!kGatherA) {
+        if (ptid == 0)
+          a_row0 = static_cast<int>(c.row0) + (p.a_row_shift != nullptr ? p.a_row_shift[c.expert] : 0);
+      }
       std::int64_t src_row[8];
       if constexpr (kGatherA) {
 #pragma unroll
@@ -167,7 +172,7 @@ struct MainloopVarlenM {
                         b_row_second, c.expert);
           }
           if constexpr (!kGatherA)
-            tma_load_2d(&p.tma_a, &s.bar.full[stage], &s.t.a[stage][0], kb * kTileK, static_cast<int>(c.row0));
+            tma_load_2d(&p.tma_a, &s.bar.full[stage], &s.t.a[stage][0], kb * kTileK, a_row0);
         }
         if constexpr (kGatherA) {
           const std::uint32_t dst0 = smem_u32(&s.t.a[stage][0]) + swizzled_chunk;

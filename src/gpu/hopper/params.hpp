@@ -31,6 +31,9 @@ struct MainloopVarlenMParams {
   std::int64_t lda = 0;
   const std::int32_t* gather = nullptr;
   CUtensorMap tma_a;  // 2D (K, rows), box (64, 128), 128-byte swizzle; unused when gathered
+  // Contiguous A only: grouped row g of expert e is A row g + a_row_shift[e] (null: g). The backward's dX~ in chunks
+  // of tokens reads each expert's chunk rows of dH where they lie and writes them packed.
+  const std::int32_t* a_row_shift = nullptr;
   // B operand (weights), K-major: 3D (K, rows per expert, E), box (64, kTileN / 2, 1). A tile's kTileN rows are
   // loaded as two halves, so the concatenated GLU layout lands interleaved in shared memory without a copy. The
   // map's extents are the true K and N: rows past N and k past K arrive as zeros (an edge tile's padded columns).

@@ -77,8 +77,13 @@ struct PersistentKernel {
       }
       // The mainloop places tile i of the sequence on the ring (fixed K: i k-blocks per tile; varlen-K: the k-blocks
       // of the tiles before it, which the scheduler's coordinate carries).
+      // Every thread of the warpgroup arrives (tile_done counts 128): the other consumer then cannot pass this
+      // tile's hand-over, run its next tile and complete its own tile_done again while a warp of this warpgroup
+      // still waits on that barrier's previous phase. With one arrival (thread 0 alone) two such completions flip
+      // the phase parity back under a lagging warp, which then waits for a phase that needs this warpgroup's next
+      // arrival: a deadlock, seen with tiles of 0 or 1 k-blocks back to back (the weight gradients' short experts).
       Mainloop::consume(p.mainloop, ring, acc, c, i, mma_thread, [&] {
-        if (!Traits::kCooperative && wg_thread == 0) mbar_arrive(&s.tile_done[consumer]);
+        if constexpr (!Traits::kCooperative) mbar_arrive(&s.tile_done[consumer]);
       });
       Epilogue::template apply<Variant>(p.epilogue, s.epilogue[consumer], acc, c, row_base, wg_thread,
                                         epilogue_barrier(consumer));
@@ -93,7 +98,7 @@ struct PersistentKernel {
 
     if (threadIdx.x == 0) {
       Mainloop::init_barriers(s.barriers);
-      for (int w = 0; w < Traits::kConsumerWarpgroups; ++w) mbar_init(&s.tile_done[w], 1);
+      for (int w = 0; w < Traits::kConsumerWarpgroups; ++w) mbar_init(&s.tile_done[w], 128);
       mbar_init_fence();
       Mainloop::prefetch_descriptors(p.mainloop);
     }

@@ -310,24 +310,51 @@ struct InputGrads {
   }
 };
 
-/// The expert weight-gradient outputs of a backward.
-struct WeightGrads {
-  GradTarget dw1, db1, dw2, db2;
+/// W1's gradient outputs of a backward (w1, and b1 with a bias).
+struct W1Grads {
+  GradTarget dw1, db1;
 
-  WeightGrads(const char* op, const machmoe::MoEProblem& p, const Tensor& x, const Tensor& w1, const OptTensor& b1,
-              const Tensor& w2, const OptTensor& b2, const OptTensor& into_w1, const OptTensor& into_b1,
-              const OptTensor& into_w2, const OptTensor& into_b2, bool accumulate) {
+  W1Grads() = default;
+  W1Grads(const char* op, const machmoe::MoEProblem& p, const Tensor& x, const Tensor& w1, const OptTensor& b1,
+          const OptTensor& into_w1, const OptTensor& into_b1, bool accumulate) {
     dw1 = GradTarget(op, "into_w1", into_w1, true, "", accumulate, w1.sizes(), x);
-    dw2 = GradTarget(op, "into_w2", into_w2, true, "", accumulate, w2.sizes(), x);
     db1 = GradTarget(op, "into_b1", into_b1, p.has_b1, "the layer has no b1", accumulate,
                      p.has_b1 ? b1->sizes() : at::IntArrayRef{}, x);
+  }
+  void attach(const char* op, const machmoe::MoEProblem& p, machmoe::BackwardOutputs& bo) const {
+    bo.grad_weights.w1 = view(op, "into_w1", dw1.buffer);
+    if (p.has_b1) bo.grad_weights.b1 = view(op, "into_b1", db1.buffer);
+  }
+};
+
+/// W2's gradient outputs of a backward (w2, and b2 with a bias).
+struct W2Grads {
+  GradTarget dw2, db2;
+
+  W2Grads(const char* op, const machmoe::MoEProblem& p, const Tensor& x, const Tensor& w2, const OptTensor& b2,
+          const OptTensor& into_w2, const OptTensor& into_b2, bool accumulate) {
+    dw2 = GradTarget(op, "into_w2", into_w2, true, "", accumulate, w2.sizes(), x);
     db2 = GradTarget(op, "into_b2", into_b2, p.has_b2, "the layer has no b2", accumulate,
                      p.has_b2 ? b2->sizes() : at::IntArrayRef{}, x);
   }
   void attach(const char* op, const machmoe::MoEProblem& p, machmoe::BackwardOutputs& bo) const {
-    bo.grad_weights.w1 = view(op, "into_w1", dw1.buffer), bo.grad_weights.w2 = view(op, "into_w2", dw2.buffer);
-    if (p.has_b1) bo.grad_weights.b1 = view(op, "into_b1", db1.buffer);
+    bo.grad_weights.w2 = view(op, "into_w2", dw2.buffer);
     if (p.has_b2) bo.grad_weights.b2 = view(op, "into_b2", db2.buffer);
+  }
+};
+
+/// The expert weight-gradient outputs of a backward.
+struct WeightGrads {
+  W1Grads w1;
+  W2Grads w2;
+
+  WeightGrads(const char* op, const machmoe::MoEProblem& p, const Tensor& x, const Tensor& w1_, const OptTensor& b1,
+              const Tensor& w2_, const OptTensor& b2, const OptTensor& into_w1, const OptTensor& into_b1,
+              const OptTensor& into_w2, const OptTensor& into_b2, bool accumulate)
+      : w1(op, p, x, w1_, b1, into_w1, into_b1, accumulate), w2(op, p, x, w2_, b2, into_w2, into_b2, accumulate) {}
+  void attach(const char* op, const machmoe::MoEProblem& p, machmoe::BackwardOutputs& bo) const {
+    w1.attach(op, p, bo);
+    w2.attach(op, p, bo);
   }
 };
 
@@ -353,18 +380,37 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
   // saved it for a later backward gets autograd's in-place error instead of dH.
   const bool consume = consume_saved && x.is_cuda() && saved.numel() > 0 &&
                        !torch::autograd::get_current_graph_task_keep_graph();
+  // A consumed buffer of the default cache mode keeps dH after the call, so W1's gradient (E x w1_rows x d, the
+  // largest weight gradient) can be allocated once the workspace is freed: finish_backward_w1() computes it then
+  // (docs/MEMORY.md). Not when it accumulates into the caller's buffer: nothing is allocated for it then.
+  const bool w1_later = consume && p.cache == machmoe::CacheMode::kPreActivation && !present(into_w1);
   Tensor workspace = byte_buffer(x, machmoe::backward_workspace_bytes(p, a.dtype, library_device(x), consume));
-  const WeightGrads wg(op, p, x, w1, b1, w2, b2, into_w1, into_b1, into_w2, into_b2, accumulate);
+  const W2Grads w2g(op, p, x, w2, b2, into_w2, into_b2, accumulate);
+  W1Grads w1g;
+  if (!w1_later) w1g = W1Grads(op, p, x, w1, b1, into_w1, into_b1, accumulate);
   machmoe::BackwardOutputs bo;
   ig.attach(op, p, bo);
-  wg.attach(op, p, bo);
+  w2g.attach(op, p, bo);
+  if (!w1_later) w1g.attach(op, p, bo);
   bo.grad_weights.accumulate = accumulate;
-  machmoe::backward(p, a.x, a.weights, a.routing(), ig.inputs, bo,
-                     {saved.data_ptr(), static_cast<std::size_t>(saved.numel()), workspace.data_ptr(),
-                      static_cast<std::size_t>(workspace.numel()), consume},
-                     stream_for(x));
+  bo.w1_grads_later = w1_later;
+  const machmoe::BackwardBuffers buffers{saved.data_ptr(), static_cast<std::size_t>(saved.numel()),
+                                         workspace.data_ptr(), static_cast<std::size_t>(workspace.numel()), consume};
+  machmoe::backward(p, a.x, a.weights, a.routing(), ig.inputs, bo, buffers, stream_for(x));
+  if (w1_later) {
+    // Stream-ordered: the caching allocator hands the workspace's block out again only to work queued after the
+    // backward's kernels on this stream.
+    workspace = Tensor();
+    w1g = W1Grads(op, p, x, w1, b1, into_w1, into_b1, accumulate);
+    machmoe::BackwardOutputs w1_out;
+    w1g.attach(op, p, w1_out);
+    w1_out.grad_weights.accumulate = accumulate;
+    machmoe::finish_backward_w1(p, a.x, a.weights, a.routing(), w1_out, saved.data_ptr(),
+                                static_cast<std::size_t>(saved.numel()), stream_for(x));
+  }
   if (consume) saved.unsafeGetTensorImpl()->bump_version();
-  return {ig.dx, ig.dwr.returned, wg.dw1.returned, wg.db1.returned, wg.dw2.returned, wg.db2.returned, ig.dscores};
+  return {ig.dx,           ig.dwr.returned,  w1g.dw1.returned, w1g.db1.returned,
+          w2g.dw2.returned, w2g.db2.returned, ig.dscores};
 }
 
 /// The split backward's input half: (grad_x, grad_router_weight, grad_scores, deferred).
@@ -419,7 +465,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
   machmoe::backward_weight(p, a.x, a.weights, a.routing(), gov, bo, saved.data_ptr(),
                             static_cast<std::size_t>(saved.numel()),
                             {deferred.data_ptr(), static_cast<std::size_t>(deferred.numel())}, stream_for(x));
-  return {wg.dw1.returned, wg.db1.returned, wg.dw2.returned, wg.db2.returned};
+  return {wg.w1.dw1.returned, wg.w1.db1.returned, wg.w2.dw2.returned, wg.w2.db2.returned};
 }
 
 /// Size of the saved buffer, for the fake (meta) implementation used by torch.compile. Every argument is checked

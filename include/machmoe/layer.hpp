@@ -87,6 +87,11 @@ struct BackwardOutputs {
   TensorView grad_x;        // (T, d)
   LayerWeightGrads grad_weights;
   TensorView grad_scores;   // (P), caller-supplied routing only: dL/d score in the caller's pair order
+  /// backward() only, with BackwardBuffers::consume_saved in kPreActivation mode: grad_weights.w1 and b1 are left
+  /// empty and computed afterwards by finish_backward_w1() from the dH this backward leaves over the saved H. The
+  /// caller can then free the backward's workspace before it allocates W1's gradient, which lowers the peak where
+  /// that gradient is large (docs/MEMORY.md). Results are bitwise those of one backward() call.
+  bool w1_grads_later = false;
 };
 
 /// Runs the forward. `routing` is read only for RoutingMode::kCallerSupplied (pass nullptr otherwise).
@@ -100,6 +105,13 @@ void forward(const MoEProblem& problem, const TensorView& x, const LayerWeights&
 void backward(const MoEProblem& problem, const TensorView& x, const LayerWeights& weights,
               const RoutingTriples* routing, const BackwardInputs& inputs, const BackwardOutputs& outputs,
               const BackwardBuffers& buffers, void* stream = nullptr);
+
+/// The rest of a backward() run with outputs.w1_grads_later: grad w1 (and b1) from the dH that backward left in the
+/// consumed `saved` buffer, and x. outputs.grad_weights.accumulate applies as in backward(); every other output must
+/// be empty. Needs no workspace. Call it once, after that backward and before `saved` is used for anything else.
+void finish_backward_w1(const MoEProblem& problem, const TensorView& x, const LayerWeights& weights,
+                        const RoutingTriples* routing, const BackwardOutputs& outputs, const void* saved,
+                        std::size_t saved_bytes, void* stream = nullptr);
 
 // ---- split backward (zero-bubble and deferred weight-gradient schedules) ----------------------------------------
 

@@ -8,7 +8,8 @@ the layer without graph breaks.
 The backward is first-order only: its results are wrapped so that differentiating them again (double backward)
 raises instead of contributing zeros. `defer_weight_grads` splits the backward (input gradients now, expert weight
 gradients later). In eager mode a backward that does not retain its graph lets layer_backward write dH over the H in
-`saved` (consume_saved; docs/MEMORY.md), which autograd would free afterwards anyway.
+`saved` (consume_saved; docs/MEMORY.md), which autograd would free afterwards anyway, and then allocate W1's
+gradient only after it has freed its workspace.
 """
 import ctypes
 import functools

@@ -227,9 +227,11 @@ template <class R>
 void write_weight_grads(const MoEProblem& p, const BackwardOutputs& out, const std::vector<R>& dw1,
                         const std::vector<R>& db1, const std::vector<R>& dw2, const std::vector<R>& db2) {
   const bool acc = out.grad_weights.accumulate;
-  detail::write_grad(out.grad_weights.w1, dw1.data(), acc);
+  if (!out.w1_grads_later) {  // else finish_backward_w1() writes them
+    detail::write_grad(out.grad_weights.w1, dw1.data(), acc);
+    if (p.has_b1) detail::write_grad(out.grad_weights.b1, db1.data(), acc);
+  }
   detail::write_grad(out.grad_weights.w2, dw2.data(), acc);
-  if (p.has_b1) detail::write_grad(out.grad_weights.b1, db1.data(), acc);
   if (p.has_b2) detail::write_grad(out.grad_weights.b2, db2.data(), acc);
 }
 
@@ -240,6 +242,26 @@ void backward_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x,
   const ref::BackwardResult<R> g = reference_backward<R>(c, p, x, w, routing, bin, buffers.saved);
   write_input_grads(p, out, g);
   write_weight_grads(p, out, g.dw1, g.db1, g.dw2, g.db2);
+  // W1's gradients later: dH goes over the saved H, as on the GPU (the caller handed the buffer over), and
+  // finish_backward_w1() recomputes them from it (so that path is what gets tested).
+  if (out.w1_grads_later)
+    put(const_cast<void*>(buffers.saved), saved_layout(p, x.dtype).h, g.dh.data(), g.dh.size());
+}
+
+template <class R>
+void finish_backward_w1_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const BackwardOutputs& out,
+                            const void* saved_buf) {
+  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), saved_buf);  // .h holds dH
+  const std::vector<R> xs = detail::read_real<R>(x);
+  // The reference computes W2's gradients in the same pass; zero A' and dO make them zero, and they are dropped.
+  const std::vector<R> a_prime(static_cast<std::size_t>(saved.meta.num_pairs() * p.n), R(0));
+  const std::vector<R> grad_out(static_cast<std::size_t>(p.T * p.d), R(0));
+  ref::ExpertGrads<R> g;
+  ref::experts_weight_grads(ref::expert_shape(p), p.E, xs.data(), saved.meta, saved.scores.data(), saved.h.data(),
+                            a_prime.data(), grad_out.data(), p.has_b1, false, g);
+  const bool acc = out.grad_weights.accumulate;
+  detail::write_grad(out.grad_weights.w1, g.dw1.data(), acc);
+  if (p.has_b1) detail::write_grad(out.grad_weights.b1, g.db1.data(), acc);
 }
 
 template <class R>
@@ -286,14 +308,29 @@ void check_saved(const ArgChecker& c, const MoEProblem& p, DType dt, const void*
   if (saved == nullptr) c.fail("buffers.saved", "the buffer forward() filled", "nullptr");
 }
 
-void check_weight_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const Device& dev,
-                        const LayerWeightGrads& gw) {
+/// W1's gradients (w1, and b1 with a bias), or their absence where they come from another call (`why_absent`).
+void check_w1_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const Device& dev, const LayerWeightGrads& gw,
+                    const char* why_absent = nullptr) {
+  if (why_absent) {
+    c.absent(gw.w1, "outputs.grad_weights.w1", why_absent);
+    c.absent(gw.b1, "outputs.grad_weights.b1", why_absent);
+    return;
+  }
   c.grad_tensor(gw.w1, "outputs.grad_weights.w1", {p.E, p.w1_rows(), p.d}, dt, dev);
-  c.grad_tensor(gw.w2, "outputs.grad_weights.w2", {p.E, p.d, p.n}, dt, dev);
   if (p.has_b1) c.grad_tensor(gw.b1, "outputs.grad_weights.b1", {p.E, p.w1_rows()}, dt, dev);
   else c.absent(gw.b1, "outputs.grad_weights.b1", "problem.has_b1 is false");
+}
+
+void check_w2_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const Device& dev, const LayerWeightGrads& gw) {
+  c.grad_tensor(gw.w2, "outputs.grad_weights.w2", {p.E, p.d, p.n}, dt, dev);
   if (p.has_b2) c.grad_tensor(gw.b2, "outputs.grad_weights.b2", {p.E, p.d}, dt, dev);
   else c.absent(gw.b2, "outputs.grad_weights.b2", "problem.has_b2 is false");
+}
+
+void check_weight_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const Device& dev,
+                        const LayerWeightGrads& gw) {
+  check_w1_grads(c, p, dt, dev, gw);
+  check_w2_grads(c, p, dt, dev, gw);
 }
 
 void check_input_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const Device& dev,
@@ -356,7 +393,20 @@ void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, c
   const DType dt = validate_inputs(c, p, x, w, routing, stream);
   const Device dev = x.device;
   check_input_grads(c, p, dt, dev, bin, out);
-  check_weight_grads(c, p, dt, dev, out.grad_weights);
+  if (out.w1_grads_later) {
+    // dH must outlive this call where finish_backward_w1() finds it: over the saved H, which only a consumed buffer
+    // of the default cache mode offers (input-only mode keeps no H; its dH lives in the workspace).
+    if (!buffers.consume_saved)
+      c.fail("outputs.w1_grads_later", "false, or buffers.consume_saved = true (dH is left over the saved H)",
+             "true with consume_saved = false");
+    if (p.cache != CacheMode::kPreActivation)
+      c.fail("outputs.w1_grads_later", "false in input-only cache mode (the saved buffer holds no H for dH to take)",
+             "true");
+    check_w1_grads(c, p, dt, dev, out.grad_weights, "W1's gradients come from finish_backward_w1()");
+  } else {
+    check_w1_grads(c, p, dt, dev, out.grad_weights);
+  }
+  check_w2_grads(c, p, dt, dev, out.grad_weights);
   check_saved(c, p, dt, buffers.saved, buffers.saved_bytes);
   const std::size_t ws_need = backward_workspace_bytes(p, dt, dev, buffers.consume_saved);
   if (buffers.workspace_bytes < ws_need)
@@ -385,6 +435,7 @@ void backward_input(const MoEProblem& p, const TensorView& x, const LayerWeights
   const DType dt = validate_inputs(c, p, x, w, routing, stream);
   const Device dev = x.device;
   check_input_grads(c, p, dt, dev, bin, out);
+  if (out.w1_grads_later) c.fail("outputs.w1_grads_later", "false (backward() only)", "true");
   const LayerWeightGrads& gw = out.grad_weights;
   for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&gw.w1, "outputs.grad_weights.w1"},
                                 {&gw.b1, "outputs.grad_weights.b1"}, {&gw.w2, "outputs.grad_weights.w2"},
@@ -424,6 +475,7 @@ void backward_weight(const MoEProblem& p, const TensorView& x, const LayerWeight
   c.absent(out.grad_scores, "outputs.grad_scores", "score gradients come from backward_input()");
   c.absent(out.grad_weights.router_weight, "outputs.grad_weights.router_weight",
            "the router's gradient comes from backward_input()");
+  if (out.w1_grads_later) c.fail("outputs.w1_grads_later", "false (backward() only)", "true");
   check_saved(c, p, dt, saved, saved_bytes);
   check_deferred(c, p, dt, deferred);
 #ifdef MACHMOE_WITH_CUDA
@@ -435,6 +487,34 @@ void backward_weight(const MoEProblem& p, const TensorView& x, const LayerWeight
 #endif
   if (dt == DType::kFP64) backward_weight_cpu<double>(c, p, x, grad_out, out, saved, deferred);
   else backward_weight_cpu<float>(c, p, x, grad_out, out, saved, deferred);
+}
+
+void finish_backward_w1(const MoEProblem& p, const TensorView& x, const LayerWeights& w,
+                        const RoutingTriples* routing, const BackwardOutputs& out, const void* saved,
+                        std::size_t saved_bytes, void* stream) {
+  const ArgChecker c("finish_backward_w1");
+  const DType dt = validate_inputs(c, p, x, w, routing, stream);
+  const Device dev = x.device;
+  if (p.cache != CacheMode::kPreActivation)
+    c.fail("problem.cache", "preact (dH is left over the saved H only in the default cache mode)",
+           cache_mode_name(p.cache));
+  check_w1_grads(c, p, dt, dev, out.grad_weights);
+  const char* from_backward = "the other gradients come from backward()";
+  c.absent(out.grad_x, "outputs.grad_x", from_backward);
+  c.absent(out.grad_scores, "outputs.grad_scores", from_backward);
+  c.absent(out.grad_weights.router_weight, "outputs.grad_weights.router_weight", from_backward);
+  c.absent(out.grad_weights.w2, "outputs.grad_weights.w2", from_backward);
+  c.absent(out.grad_weights.b2, "outputs.grad_weights.b2", from_backward);
+  check_saved(c, p, dt, saved, saved_bytes);
+#ifdef MACHMOE_WITH_CUDA
+  if (dev.type == DeviceType::kCUDA) {
+    gpu::raise_recorded_index_violation(dev.index, "finish_backward_w1", stream);
+    gpu::finish_backward_w1_cuda(p, x, out, saved, stream);
+    return;
+  }
+#endif
+  if (dt == DType::kFP64) finish_backward_w1_cpu<double>(c, p, x, out, saved);
+  else finish_backward_w1_cpu<float>(c, p, x, out, saved);
 }
 
 }  // namespace machmoe

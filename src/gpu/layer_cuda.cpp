@@ -580,7 +580,16 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   const bool routed = backward_dh_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, a_prime, stream);
   backward_w2_phase(p, x, in.grad_out, out, sv, a_prime, stream);
   if (routed) backward_dx_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, stream);
-  backward_w1_phase(p, x, out, sv, dh, stream);
+  // With w1_grads_later (validated: consume_saved in preact mode), dH stays over the saved H for
+  // finish_backward_w1_cuda, which the caller runs once it has freed this workspace.
+  if (!out.w1_grads_later) backward_w1_phase(p, x, out, sv, dh, stream);
+}
+
+void finish_backward_w1_cuda(const MoEProblem& p, const TensorView& x, const BackwardOutputs& out, const void* saved,
+                             void* stream_ptr) {
+  const DeviceGuard guard(x.device.index);
+  const SavedState sv = saved_state(p, x.dtype, saved);
+  backward_w1_phase(p, x, out, sv, sv.h, static_cast<cudaStream_t>(stream_ptr));
 }
 
 void backward_input_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const BackwardInputs& in,

@@ -22,6 +22,10 @@ void backward_weight_cuda(const MoEProblem& problem, const TensorView& x, const 
                           const BackwardOutputs& outputs, const void* saved, const DeferredBuffer& deferred,
                           void* stream);
 
+/// finish_backward_w1(): dW1 and db1 from the dH a consuming backward left over the saved H.
+void finish_backward_w1_cuda(const MoEProblem& problem, const TensorView& x, const BackwardOutputs& outputs,
+                             const void* saved, void* stream);
+
 // ---- index checking (include/machmoe/index_checking.hpp) ---------------------------------------------------------
 
 /// At the entry of a public call on `ordinal`: throws machmoe::Error (from `where`) for a violation that an earlier,

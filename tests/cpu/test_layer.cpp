@@ -363,6 +363,66 @@ TEST_P(SplitBackward, EqualsTheFullBackwardBitwise) {
   EXPECT_THROW(backward_weight(q, xv, w, caller ? &rt : nullptr, bi.grad_out, outputs(split, false, true),
                                saved.data(), saved.size(), {deferred.data(), deferred.size() - 1}),
                Error);
+
+  // W1's gradients later (BackwardOutputs::w1_grads_later): backward() leaves dH over the consumed saved H and
+  // finish_backward_w1() computes them from it, bitwise as one backward. Only a consumed buffer of the default
+  // cache mode can carry dH; each call refuses the other's outputs, with the argument named.
+  auto error_of = [](auto&& call) -> std::string {
+    try {
+      call();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  Grads later;
+  make_grads(later);
+  BackwardOutputs first = outputs(later, true, true);
+  first.grad_weights.w1 = first.grad_weights.b1 = TensorView();
+  first.w1_grads_later = true;
+  BackwardOutputs second;
+  second.grad_weights.w1 = outputs(later, false, true).grad_weights.w1;
+  second.grad_weights.b1 = outputs(later, false, true).grad_weights.b1;
+  std::vector<unsigned char> handed_over = saved;
+  const BackwardBuffers consumed_buffers{handed_over.data(), handed_over.size(), nullptr, 0, true};
+  EXPECT_NE(error_of([&] {
+              backward(q, xv, w, caller ? &rt : nullptr, bi, first, {saved.data(), saved.size(), nullptr, 0});
+            }).find("w1_grads_later"),
+            std::string::npos);
+  BackwardOutputs first_with_w1 = outputs(later, true, true);
+  first_with_w1.w1_grads_later = true;
+  if (q.cache == CacheMode::kPreActivation) {
+    EXPECT_NE(error_of([&] {
+                backward(q, xv, w, caller ? &rt : nullptr, bi, first_with_w1, consumed_buffers);
+              }).find("outputs.grad_weights.w1"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] {
+                finish_backward_w1(q, xv, w, caller ? &rt : nullptr, outputs(later, false, true), handed_over.data(),
+                                   handed_over.size());
+              }).find("outputs.grad_weights.w2"),
+              std::string::npos);
+    make_grads(later);
+    backward(q, xv, w, caller ? &rt : nullptr, bi, first, consumed_buffers);
+    EXPECT_EQ(later.dw1, std::vector<double>(w1.size(), 0.0)) << "backward() wrote W1's gradient";
+    finish_backward_w1(q, xv, w, caller ? &rt : nullptr, second, handed_over.data(), handed_over.size());
+    EXPECT_EQ(later.dx, full.dx);
+    EXPECT_EQ(later.dwr, full.dwr);
+    EXPECT_EQ(later.dsc, full.dsc);
+    EXPECT_EQ(later.dw1, full.dw1);
+    EXPECT_EQ(later.db1, full.db1);
+    EXPECT_EQ(later.dw2, full.dw2);
+    EXPECT_EQ(later.db2, full.db2);
+    EXPECT_NE(handed_over, saved) << "dH was expected over the saved H";
+  } else {
+    EXPECT_NE(error_of([&] {
+                backward(q, xv, w, caller ? &rt : nullptr, bi, first, consumed_buffers);
+              }).find("input-only"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] {
+                finish_backward_w1(q, xv, w, caller ? &rt : nullptr, second, handed_over.data(), handed_over.size());
+              }).find("problem.cache"),
+              std::string::npos);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -151,9 +151,11 @@ struct WeightGradMode {
 /// With `split`, the backward runs as backward_input() then backward_weight() through a deferred buffer. `grads`
 /// (optional) sets the weight gradients' dtype and accumulation mode; by default they are overwritten in `dt`.
 /// With `consume_saved`, the full backward takes the saved buffer over (BackwardBuffers::consume_saved) with the
-/// smaller workspace that allows; GpuRun::saved is then the buffer after the backward.
+/// smaller workspace that allows; GpuRun::saved is then the buffer after the backward. With `w1_later` too, the
+/// backward leaves W1's gradients to finish_backward_w1() (BackwardOutputs::w1_grads_later).
 inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_pad = 0, bool graph = false,
-                         bool split = false, const WeightGradMode* grads = nullptr, bool consume_saved = false) {
+                         bool split = false, const WeightGradMode* grads = nullptr, bool consume_saved = false,
+                         bool w1_later = false) {
   const MoEProblem& p = c.problem;
   GpuRun r;
   r.problem = p;
@@ -261,6 +263,15 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
                    {deferred.get(), deferred.bytes()}, stream);
     backward_weight(p, xv, w, caller ? &rt : nullptr, bi.grad_out, weight_half, saved.get(), saved.bytes(),
                     {deferred.get(), deferred.bytes()}, stream);
+  } else if (w1_later) {
+    BackwardOutputs first = bo, second;
+    first.grad_weights.w1 = first.grad_weights.b1 = TensorView();
+    first.w1_grads_later = true;
+    second.grad_weights.w1 = bo.grad_weights.w1, second.grad_weights.b1 = bo.grad_weights.b1;
+    second.grad_weights.accumulate = bo.grad_weights.accumulate;
+    backward(p, xv, w, caller ? &rt : nullptr, bi, first,
+             {saved.get(), saved.bytes(), bws.get(), bws.bytes(), consume_saved}, stream);
+    finish_backward_w1(p, xv, w, caller ? &rt : nullptr, second, saved.get(), saved.bytes(), stream);
   } else {
     backward(p, xv, w, caller ? &rt : nullptr, bi, bo,
              {saved.get(), saved.bytes(), bws.get(), bws.bytes(), consume_saved}, stream);

@@ -414,6 +414,32 @@ TEST(GpuLayerProperties, ConsumingTheSavedBufferChangesNoResultBitwise) {
         if (cm == CacheMode::kPreActivation) {
           EXPECT_GE(smaller, static_cast<std::size_t>(p.max_pairs() * p.w1_rows() * 2)) << what;
           EXPECT_NE(consumed.saved, kept.saved) << what << ": dH was expected over the saved H";
+          // W1's gradients later, from the dH left over the saved H (BackwardOutputs::w1_grads_later), also with
+          // accumulation into fp32 gradients: bitwise the one-call backward's.
+          const GpuRun later = run_on_gpu(c, DType::kBF16, 0, graph, false, nullptr, true, /*w1_later=*/true);
+          EXPECT_TRUE(later.canaries_intact) << what;
+          EXPECT_EQ(later.raw_dx, kept.raw_dx) << what;
+          EXPECT_EQ(later.raw_dw1, kept.raw_dw1) << what;
+          EXPECT_EQ(later.raw_dw2, kept.raw_dw2) << what;
+          EXPECT_EQ(later.db1, kept.db1) << what;
+          EXPECT_EQ(later.db2, kept.db2) << what;
+          EXPECT_EQ(later.dwr, kept.dwr) << what;
+          EXPECT_EQ(later.dscores, kept.dscores) << what;
+          EXPECT_EQ(later.saved, consumed.saved) << what;
+          if (!graph) {
+            WeightGradMode acc;  // fp32 gradient buffers holding earlier micro-batches' sums
+            acc.dtype = DType::kFP32, acc.accumulate = true;
+            std::mt19937_64 rng(7);
+            const auto start = [&](std::size_t count) { return normal<double>(rng, count, 0.05); };
+            if (r != RoutingMode::kCallerSupplied) acc.wr = start(c.router_weight.size());
+            acc.w1 = start(c.w1.size()), acc.b1 = start(c.b1.size()), acc.w2 = start(c.w2.size());
+            acc.b2 = start(c.b2.size());
+            const GpuRun acc_kept = run_on_gpu(c, DType::kBF16, 0, false, false, &acc);
+            const GpuRun acc_later = run_on_gpu(c, DType::kBF16, 0, false, false, &acc, true, true);
+            EXPECT_EQ(acc_later.raw_dw1, acc_kept.raw_dw1) << what << " accumulating";
+            EXPECT_EQ(acc_later.db1, acc_kept.db1) << what << " accumulating";
+            EXPECT_EQ(acc_later.raw_dw2, acc_kept.raw_dw2) << what << " accumulating";
+          }
         } else {
           EXPECT_EQ(smaller, 0u) << what << ": input-only mode keeps no H to write over";
           EXPECT_EQ(consumed.saved, kept.saved) << what;

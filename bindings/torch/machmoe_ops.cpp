@@ -310,51 +310,43 @@ struct InputGrads {
   }
 };
 
-/// W1's gradient outputs of a backward (w1, and b1 with a bias).
-struct W1Grads {
-  GradTarget dw1, db1;
+/// The gradient outputs of one projection's weight and bias (w1 and b1, or w2 and b2).
+struct ProjectionGrads {
+  struct Names {
+    const char *into_weight, *into_bias, *no_bias;
+  };
+  static constexpr Names kW1{"into_w1", "into_b1", "the layer has no b1"};
+  static constexpr Names kW2{"into_w2", "into_b2", "the layer has no b2"};
 
-  W1Grads() = default;
-  W1Grads(const char* op, const machmoe::MoEProblem& p, const Tensor& x, const Tensor& w1, const OptTensor& b1,
-          const OptTensor& into_w1, const OptTensor& into_b1, bool accumulate) {
-    dw1 = GradTarget(op, "into_w1", into_w1, true, "", accumulate, w1.sizes(), x);
-    db1 = GradTarget(op, "into_b1", into_b1, p.has_b1, "the layer has no b1", accumulate,
-                     p.has_b1 ? b1->sizes() : at::IntArrayRef{}, x);
-  }
-  void attach(const char* op, const machmoe::MoEProblem& p, machmoe::BackwardOutputs& bo) const {
-    bo.grad_weights.w1 = view(op, "into_w1", dw1.buffer);
-    if (p.has_b1) bo.grad_weights.b1 = view(op, "into_b1", db1.buffer);
-  }
-};
+  GradTarget weight, bias;
+  const Names* names = nullptr;
+  bool has_bias = false;
 
-/// W2's gradient outputs of a backward (w2, and b2 with a bias).
-struct W2Grads {
-  GradTarget dw2, db2;
-
-  W2Grads(const char* op, const machmoe::MoEProblem& p, const Tensor& x, const Tensor& w2, const OptTensor& b2,
-          const OptTensor& into_w2, const OptTensor& into_b2, bool accumulate) {
-    dw2 = GradTarget(op, "into_w2", into_w2, true, "", accumulate, w2.sizes(), x);
-    db2 = GradTarget(op, "into_b2", into_b2, p.has_b2, "the layer has no b2", accumulate,
-                     p.has_b2 ? b2->sizes() : at::IntArrayRef{}, x);
-  }
-  void attach(const char* op, const machmoe::MoEProblem& p, machmoe::BackwardOutputs& bo) const {
-    bo.grad_weights.w2 = view(op, "into_w2", dw2.buffer);
-    if (p.has_b2) bo.grad_weights.b2 = view(op, "into_b2", db2.buffer);
+  ProjectionGrads() = default;
+  ProjectionGrads(const char* op, const Names& n, bool has_bias_, const Tensor& x, const Tensor& w,
+                  const OptTensor& b, const OptTensor& into_w, const OptTensor& into_b, bool accumulate)
+      : weight(op, n.into_weight, into_w, true, "", accumulate, w.sizes(), x),
+        bias(op, n.into_bias, into_b, has_bias_, n.no_bias, accumulate, has_bias_ ? b->sizes() : at::IntArrayRef{}, x),
+        names(&n),
+        has_bias(has_bias_) {}
+  void attach(const char* op, machmoe::TensorView& weight_view, machmoe::TensorView& bias_view) const {
+    weight_view = view(op, names->into_weight, weight.buffer);
+    if (has_bias) bias_view = view(op, names->into_bias, bias.buffer);
   }
 };
 
 /// The expert weight-gradient outputs of a backward.
 struct WeightGrads {
-  W1Grads w1;
-  W2Grads w2;
+  ProjectionGrads w1, w2;
 
   WeightGrads(const char* op, const machmoe::MoEProblem& p, const Tensor& x, const Tensor& w1_, const OptTensor& b1,
               const Tensor& w2_, const OptTensor& b2, const OptTensor& into_w1, const OptTensor& into_b1,
               const OptTensor& into_w2, const OptTensor& into_b2, bool accumulate)
-      : w1(op, p, x, w1_, b1, into_w1, into_b1, accumulate), w2(op, p, x, w2_, b2, into_w2, into_b2, accumulate) {}
-  void attach(const char* op, const machmoe::MoEProblem& p, machmoe::BackwardOutputs& bo) const {
-    w1.attach(op, p, bo);
-    w2.attach(op, p, bo);
+      : w1(op, ProjectionGrads::kW1, p.has_b1, x, w1_, b1, into_w1, into_b1, accumulate),
+        w2(op, ProjectionGrads::kW2, p.has_b2, x, w2_, b2, into_w2, into_b2, accumulate) {}
+  void attach(const char* op, machmoe::BackwardOutputs& bo) const {
+    w1.attach(op, bo.grad_weights.w1, bo.grad_weights.b1);
+    w2.attach(op, bo.grad_weights.w2, bo.grad_weights.b2);
   }
 };
 
@@ -382,35 +374,37 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
                        !torch::autograd::get_current_graph_task_keep_graph();
   // A consumed buffer of the default cache mode keeps dH after the call, so W1's gradient (E x w1_rows x d, the
   // largest weight gradient) can be allocated once the workspace is freed: finish_backward_w1() computes it then
-  // (docs/MEMORY.md). Not when it accumulates into the caller's buffer: nothing is allocated for it then.
-  const bool w1_later = consume && p.cache == machmoe::CacheMode::kPreActivation && !present(into_w1);
+  // (docs/MEMORY.md). Not when it accumulates into the caller's buffers: nothing is allocated for them then, and
+  // they are validated before anything runs.
+  const bool w1_later =
+      consume && p.cache == machmoe::CacheMode::kPreActivation && !present(into_w1) && !present(into_b1);
   Tensor workspace = byte_buffer(x, machmoe::backward_workspace_bytes(p, a.dtype, library_device(x), consume));
-  const W2Grads w2g(op, p, x, w2, b2, into_w2, into_b2, accumulate);
-  W1Grads w1g;
-  if (!w1_later) w1g = W1Grads(op, p, x, w1, b1, into_w1, into_b1, accumulate);
+  const ProjectionGrads w2g(op, ProjectionGrads::kW2, p.has_b2, x, w2, b2, into_w2, into_b2, accumulate);
+  ProjectionGrads w1g;
+  if (!w1_later) w1g = ProjectionGrads(op, ProjectionGrads::kW1, p.has_b1, x, w1, b1, into_w1, into_b1, accumulate);
   machmoe::BackwardOutputs bo;
   ig.attach(op, p, bo);
-  w2g.attach(op, p, bo);
-  if (!w1_later) w1g.attach(op, p, bo);
+  w2g.attach(op, bo.grad_weights.w2, bo.grad_weights.b2);
+  if (!w1_later) w1g.attach(op, bo.grad_weights.w1, bo.grad_weights.b1);
   bo.grad_weights.accumulate = accumulate;
   bo.w1_grads_later = w1_later;
   const machmoe::BackwardBuffers buffers{saved.data_ptr(), static_cast<std::size_t>(saved.numel()),
                                          workspace.data_ptr(), static_cast<std::size_t>(workspace.numel()), consume};
   machmoe::backward(p, a.x, a.weights, a.routing(), ig.inputs, bo, buffers, stream_for(x));
+  if (consume) saved.unsafeGetTensorImpl()->bump_version();  // written from here on, whatever follows
   if (w1_later) {
     // Stream-ordered: the caching allocator hands the workspace's block out again only to work queued after the
     // backward's kernels on this stream.
     workspace = Tensor();
-    w1g = W1Grads(op, p, x, w1, b1, into_w1, into_b1, accumulate);
+    w1g = ProjectionGrads(op, ProjectionGrads::kW1, p.has_b1, x, w1, b1, into_w1, into_b1, accumulate);
     machmoe::BackwardOutputs w1_out;
-    w1g.attach(op, p, w1_out);
+    w1g.attach(op, w1_out.grad_weights.w1, w1_out.grad_weights.b1);
     w1_out.grad_weights.accumulate = accumulate;
     machmoe::finish_backward_w1(p, a.x, a.weights, a.routing(), w1_out, saved.data_ptr(),
                                 static_cast<std::size_t>(saved.numel()), stream_for(x));
   }
-  if (consume) saved.unsafeGetTensorImpl()->bump_version();
-  return {ig.dx,           ig.dwr.returned,  w1g.dw1.returned, w1g.db1.returned,
-          w2g.dw2.returned, w2g.db2.returned, ig.dscores};
+  return {ig.dx,  ig.dwr.returned, w1g.weight.returned, w1g.bias.returned, w2g.weight.returned, w2g.bias.returned,
+          ig.dscores};
 }
 
 /// The split backward's input half: (grad_x, grad_router_weight, grad_scores, deferred).
@@ -460,12 +454,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
   const bool accumulate = any_present({&into_w1, &into_b1, &into_w2, &into_b2});
   const WeightGrads wg(op, p, x, w1, b1, w2, b2, into_w1, into_b1, into_w2, into_b2, accumulate);
   machmoe::BackwardOutputs bo;
-  wg.attach(op, p, bo);
+  wg.attach(op, bo);
   bo.grad_weights.accumulate = accumulate;
   machmoe::backward_weight(p, a.x, a.weights, a.routing(), gov, bo, saved.data_ptr(),
                             static_cast<std::size_t>(saved.numel()),
                             {deferred.data_ptr(), static_cast<std::size_t>(deferred.numel())}, stream_for(x));
-  return {wg.w1.dw1.returned, wg.w1.db1.returned, wg.w2.dw2.returned, wg.w2.db2.returned};
+  return {wg.w1.weight.returned, wg.w1.bias.returned, wg.w2.weight.returned, wg.w2.bias.returned};
 }
 
 /// Size of the saved buffer, for the fake (meta) implementation used by torch.compile. Every argument is checked

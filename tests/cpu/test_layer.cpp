@@ -327,13 +327,16 @@ TEST_P(SplitBackward, EqualsTheFullBackwardBitwise) {
                  {saved.data(), saved.size(), nullptr, 0}, {deferred.data(), deferred.size()});
   backward_weight(q, xv, w, caller ? &rt : nullptr, bi.grad_out, outputs(split, false, true), saved.data(),
                   saved.size(), {deferred.data(), deferred.size()});
-  EXPECT_EQ(split.dx, full.dx);
-  EXPECT_EQ(split.dwr, full.dwr);
-  EXPECT_EQ(split.dsc, full.dsc);
-  EXPECT_EQ(split.dw1, full.dw1);
-  EXPECT_EQ(split.dw2, full.dw2);
-  EXPECT_EQ(split.db1, full.db1);
-  EXPECT_EQ(split.db2, full.db2);
+  auto expect_same = [](const Grads& a, const Grads& b, const char* what) {
+    EXPECT_EQ(a.dx, b.dx) << what;
+    EXPECT_EQ(a.dwr, b.dwr) << what;
+    EXPECT_EQ(a.dsc, b.dsc) << what;
+    EXPECT_EQ(a.dw1, b.dw1) << what;
+    EXPECT_EQ(a.dw2, b.dw2) << what;
+    EXPECT_EQ(a.db1, b.db1) << what;
+    EXPECT_EQ(a.db2, b.db2) << what;
+  };
+  expect_same(split, full, "split");
 
   // Each half refuses the other half's outputs.
   EXPECT_THROW(backward_input(q, xv, w, caller ? &rt : nullptr, bi, outputs(split, true, true),
@@ -356,9 +359,7 @@ TEST_P(SplitBackward, EqualsTheFullBackwardBitwise) {
   make_grads(consumed);
   backward(q, xv, w, caller ? &rt : nullptr, bi, outputs(consumed, true, true),
            {saved.data(), saved.size(), nullptr, 0, /*consume_saved=*/true});
-  EXPECT_EQ(consumed.dx, full.dx);
-  EXPECT_EQ(consumed.dw1, full.dw1);
-  EXPECT_EQ(consumed.dw2, full.dw2);
+  expect_same(consumed, full, "consumed");
   EXPECT_EQ(saved, saved_before);
   EXPECT_THROW(backward_weight(q, xv, w, caller ? &rt : nullptr, bi.grad_out, outputs(split, false, true),
                                saved.data(), saved.size(), {deferred.data(), deferred.size() - 1}),
@@ -405,13 +406,7 @@ TEST_P(SplitBackward, EqualsTheFullBackwardBitwise) {
     backward(q, xv, w, caller ? &rt : nullptr, bi, first, consumed_buffers);
     EXPECT_EQ(later.dw1, std::vector<double>(w1.size(), 0.0)) << "backward() wrote W1's gradient";
     finish_backward_w1(q, xv, w, caller ? &rt : nullptr, second, handed_over.data(), handed_over.size());
-    EXPECT_EQ(later.dx, full.dx);
-    EXPECT_EQ(later.dwr, full.dwr);
-    EXPECT_EQ(later.dsc, full.dsc);
-    EXPECT_EQ(later.dw1, full.dw1);
-    EXPECT_EQ(later.db1, full.db1);
-    EXPECT_EQ(later.dw2, full.dw2);
-    EXPECT_EQ(later.db2, full.db2);
+    expect_same(later, full, "w1 later");
     EXPECT_NE(handed_over, saved) << "dH was expected over the saved H";
   } else {
     EXPECT_NE(error_of([&] {

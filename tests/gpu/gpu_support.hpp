@@ -136,6 +136,17 @@ struct GpuRun {
   MoEProblem problem;
 };
 
+/// Expects `b` to hold bitwise `a`'s backward results: grad x, every weight gradient, the score gradients.
+inline void expect_same_backward(const GpuRun& b, const GpuRun& a, const std::string& what) {
+  EXPECT_EQ(b.raw_dx, a.raw_dx) << what;
+  EXPECT_EQ(b.raw_dw1, a.raw_dw1) << what;
+  EXPECT_EQ(b.raw_dw2, a.raw_dw2) << what;
+  EXPECT_EQ(b.db1, a.db1) << what;
+  EXPECT_EQ(b.db2, a.db2) << what;
+  EXPECT_EQ(b.dwr, a.dwr) << what;
+  EXPECT_EQ(b.dscores, a.dscores) << what;
+}
+
 /// The weight-gradient buffers of a run: their dtype (the data dtype or fp32) and, with `accumulate`, what they hold
 /// before the backward (host values, encoded to `dtype`; the layer's shapes, router_weight empty for caller routing).
 /// GpuRun's dwr, dw1, db1, dw2, db2 are then the buffers after the backward, decoded from `dtype`.

@@ -374,13 +374,7 @@ TEST(GpuLayerProperties, SplitBackwardEqualsFullBackwardBitwise) {
       const GpuRun full = run_on_gpu(c, DType::kBF16);
       const GpuRun split = run_on_gpu(c, DType::kBF16, 0, false, /*split=*/true);
       EXPECT_TRUE(split.canaries_intact);
-      EXPECT_EQ(split.raw_dx, full.raw_dx) << routing_mode_name(r) << " " << cache_mode_name(cm);
-      EXPECT_EQ(split.raw_dw1, full.raw_dw1);
-      EXPECT_EQ(split.raw_dw2, full.raw_dw2);
-      EXPECT_EQ(split.db1, full.db1);
-      EXPECT_EQ(split.db2, full.db2);
-      EXPECT_EQ(split.dwr, full.dwr);
-      EXPECT_EQ(split.dscores, full.dscores);
+      expect_same_backward(split, full, std::string(routing_mode_name(r)) + " " + cache_mode_name(cm));
     }
 }
 
@@ -402,13 +396,7 @@ TEST(GpuLayerProperties, ConsumingTheSavedBufferChangesNoResultBitwise) {
                                  (graph ? " graph" : "");
         EXPECT_TRUE(consumed.canaries_intact) << what;
         EXPECT_EQ(consumed.raw_out, kept.raw_out) << what;
-        EXPECT_EQ(consumed.raw_dx, kept.raw_dx) << what;
-        EXPECT_EQ(consumed.raw_dw1, kept.raw_dw1) << what;
-        EXPECT_EQ(consumed.raw_dw2, kept.raw_dw2) << what;
-        EXPECT_EQ(consumed.db1, kept.db1) << what;
-        EXPECT_EQ(consumed.db2, kept.db2) << what;
-        EXPECT_EQ(consumed.dwr, kept.dwr) << what;
-        EXPECT_EQ(consumed.dscores, kept.dscores) << what;
+        expect_same_backward(consumed, kept, what);
         const std::size_t smaller = backward_workspace_bytes(p, DType::kBF16, Device::cuda(0)) -
                                     backward_workspace_bytes(p, DType::kBF16, Device::cuda(0), true);
         if (cm == CacheMode::kPreActivation) {
@@ -418,13 +406,7 @@ TEST(GpuLayerProperties, ConsumingTheSavedBufferChangesNoResultBitwise) {
           // accumulation into fp32 gradients: bitwise the one-call backward's.
           const GpuRun later = run_on_gpu(c, DType::kBF16, 0, graph, false, nullptr, true, /*w1_later=*/true);
           EXPECT_TRUE(later.canaries_intact) << what;
-          EXPECT_EQ(later.raw_dx, kept.raw_dx) << what;
-          EXPECT_EQ(later.raw_dw1, kept.raw_dw1) << what;
-          EXPECT_EQ(later.raw_dw2, kept.raw_dw2) << what;
-          EXPECT_EQ(later.db1, kept.db1) << what;
-          EXPECT_EQ(later.db2, kept.db2) << what;
-          EXPECT_EQ(later.dwr, kept.dwr) << what;
-          EXPECT_EQ(later.dscores, kept.dscores) << what;
+          expect_same_backward(later, kept, what + " w1 later");
           EXPECT_EQ(later.saved, consumed.saved) << what;
           if (!graph) {
             WeightGradMode acc;  // fp32 gradient buffers holding earlier micro-batches' sums
@@ -436,9 +418,7 @@ TEST(GpuLayerProperties, ConsumingTheSavedBufferChangesNoResultBitwise) {
             acc.b2 = start(c.b2.size());
             const GpuRun acc_kept = run_on_gpu(c, DType::kBF16, 0, false, false, &acc);
             const GpuRun acc_later = run_on_gpu(c, DType::kBF16, 0, false, false, &acc, true, true);
-            EXPECT_EQ(acc_later.raw_dw1, acc_kept.raw_dw1) << what << " accumulating";
-            EXPECT_EQ(acc_later.db1, acc_kept.db1) << what << " accumulating";
-            EXPECT_EQ(acc_later.raw_dw2, acc_kept.raw_dw2) << what << " accumulating";
+            expect_same_backward(acc_later, acc_kept, what + " w1 later, accumulating");
           }
         } else {
           EXPECT_EQ(smaller, 0u) << what << ": input-only mode keeps no H to write over";
@@ -479,11 +459,7 @@ TEST(GpuLayerProperties, DxInChunksOfTokensIsBitwiseOnePass) {
                                      cache_mode_name(cm) + (hopper_backward ? " hopper" : " reference") +
                                      " chunks=" + std::to_string(chunks);
             EXPECT_TRUE(many.canaries_intact) << what;
-            EXPECT_EQ(many.raw_dx, one.raw_dx) << what;
-            EXPECT_EQ(many.raw_dw1, one.raw_dw1) << what;
-            EXPECT_EQ(many.raw_dw2, one.raw_dw2) << what;
-            EXPECT_EQ(many.dwr, one.dwr) << what;
-            EXPECT_EQ(many.dscores, one.dscores) << what;
+            expect_same_backward(many, one, what);
           }
         }
 }

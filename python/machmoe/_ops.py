@@ -1,9 +1,11 @@
-"""Fake (meta) implementations and autograd of the machmoe operators.
+"""Fake (meta) implementations of the machmoe operators, and the Python side of the layer's autograd.
 
 torch.ops.machmoe.layer_forward(...) -> (out, router_logits, expert_counts, saved) computes the layer; `saved` is
-the uint8 buffer of what the backward needs (X is the input, kept by reference). Its autograd calls
-torch.ops.machmoe.layer_backward. Both have fake implementations, so torch.compile(fullgraph=True) traces through
-the layer without graph breaks.
+the uint8 buffer of what the backward needs (X is the input, kept by reference). Its Autograd kernel is C++
+(bindings/torch/layer_autograd.cpp): the node calls torch.ops.machmoe.layer_backward itself in the common case and
+the general form here (_autograd_backward, the operator machmoe::_layer_autograd_backward) under create_graph=True,
+in a thread that has used defer_weight_grads, and under tracing. Every operator has a fake implementation, so
+torch.compile(fullgraph=True) traces through the layer without graph breaks.
 
 The backward is first-order only: its results are wrapped so that differentiating them again (double backward)
 raises instead of contributing zeros. `defer_weight_grads` splits the backward (input gradients now, expert weight
@@ -284,7 +286,7 @@ class defer_weight_grads:
         return len(self._jobs)
 
 
-def _plan_deferral(ctx, x, into):
+def _plan_deferral(weights, x, into):
     """The weights whose gradient this backward defers into their .grad, as (name, weight, AccumulateGrad node); None
     when the layer's backward must compute its weight gradients now (torch.autograd.grad asked for one of them).
     Weights whose gradient is added into a caller buffer (`into`, by name) are deferred too, but produce no .grad:
@@ -301,7 +303,7 @@ def _plan_deferral(ctx, x, into):
             "would launch the deferred work outside the graph, on memory the graph owns. Capture the backward "
             "outside defer_weight_grads.")
     targets = []
-    for name, w in zip(_WEIGHTS, ctx.weights):
+    for name, w in zip(_WEIGHTS, weights):
         if w is None or not w.requires_grad or into.get(name) is not None:
             continue
         node = torch.autograd.graph.get_gradient_edge(w).node
@@ -342,41 +344,36 @@ def _split_backward(operands, options, into, owner, targets):
     return dx, dwr, None, None, None, None, dscores
 
 
-def _setup_context(ctx, inputs, output):
-    x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores = inputs[:9]
-    ctx.options = inputs[9:9 + _NUM_OPTIONS]
-    ctx.weights = (w1, b1, w2, b2)  # the tensors themselves, for deferred accumulation into .grad
-    # Buffers the backward adds weight gradients into (accumulation mode). Kept as references rather than saved
-    # tensors: they are meant to change between this forward and its backward (another micro-batch's backward adds
-    # into them first in a pipeline schedule), which saved tensors' version checks would refuse.
-    ctx.into = dict(zip(_ALL_WEIGHTS, inputs[9 + _NUM_OPTIONS:9 + _NUM_OPTIONS + len(_ALL_WEIGHTS)]))
-    ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, output[3])
-
-
-def _backward(ctx, grad_out, grad_logits, grad_counts, grad_saved):
-    x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved = ctx.saved_tensors
-    caller = ctx.options[4] == _CALLER
+def _autograd_backward(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores,
+                       saved, *rest):
+    """The general form of layer_forward's autograd backward (machmoe::_layer_autograd_backward), called by its C++
+    autograd node (bindings/torch/layer_autograd.cpp) under create_graph=True, in a thread that has used
+    defer_weight_grads, and under tracing; the node runs the common case itself. rest: the ten options, the five
+    into_* buffers, and needs_input_grad (one flag per tensor input, x ... scores). Returns one gradient (or None)
+    per tensor input."""
+    options, into_args, needs_input_grad = rest[:_NUM_OPTIONS], rest[_NUM_OPTIONS:-1], rest[-1]
+    caller = options[4] == _CALLER
     if grad_out is None:  # the loss uses only the logits (e.g. an aux loss alone): the output's gradient is zero
         grad_out = torch.zeros_like(x)
     if caller or (grad_logits is not None and grad_logits.numel() == 0):
         grad_logits = None
     operands = (grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved)
-    # A buffer receives its weight's gradient only when autograd wants that gradient (inputs 1..5 of the forward).
-    into = {name: t for i, (name, t) in enumerate(ctx.into.items(), start=1)
-            if t is not None and ctx.needs_input_grad[i]}
+    # A buffer receives its weight's gradient only when autograd wants that gradient (tensor inputs 1..5).
+    into = {name: t for i, (name, t) in enumerate(zip(_ALL_WEIGHTS, into_args), start=1)
+            if t is not None and needs_input_grad[i]}
     stack = _deferral_stack()
-    targets = _plan_deferral(ctx, x, into) if stack else None
+    targets = _plan_deferral((w1, b1, w2, b2), x, into) if stack else None
     if targets is None:
-        compute = functools.partial(_full_backward, operands, ctx.options, into)
+        compute = functools.partial(_full_backward, operands, options, into)
     else:
-        compute = functools.partial(_split_backward, operands, ctx.options, into, stack[-1], targets)
+        compute = functools.partial(_split_backward, operands, options, into, stack[-1], targets)
     if torch.is_grad_enabled():  # create_graph=True
         depends_on = [t for t in (grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, scores) if t is not None]
         dx, dwr, dw1, db1, dw2, db2, dscores = _FirstOrderOnly.apply(compute, *depends_on)
     else:
         dx, dwr, dw1, db1, dw2, db2, dscores = compute()
     # Gradients added into caller buffers are not returned: those weights' .grad stays as it was.
-    return (
+    return [
         dx,
         None if caller or router_weight is None or "router_weight" in into else dwr,
         None if "w1" in into else dw1,
@@ -386,77 +383,10 @@ def _backward(ctx, grad_out, grad_logits, grad_counts, grad_saved):
         None,
         None,
         dscores if caller else None,
-    ) + (None,) * (_NUM_OPTIONS + len(_ALL_WEIGHTS))
-
-
-def _make_autograd_kernel(op, backward, setup_context):
-    """The Autograd kernel of `op`: what torch.library.register_autograd(op, backward, setup_context=...) registers
-    (torch/_library/autograd.py, make_autograd_impl), less two per-call costs of that generic version.
-
-    * It fills the arguments the dispatcher dropped (trailing ones equal to their defaults: the into_* buffers) from
-      defaults read once here. The generic version calls torch._library.utils.fill_defaults on every call, which
-      reads `schema.arguments` (a fresh list of pybind Argument objects) once per argument: ~500 object
-      conversions for this 22-argument schema, more host time per forward than the rest of the Python path
-      together (measured on a loaded 2-core CPU host at T = 0: MoE.forward 372 -> 197 us per call; tested:
-      tests/python/test_overhead.py). With the stream idle, that time is GPU idle time before the first kernel.
-    * Gradients of outputs that the loss does not use are passed to `backward` as None rather than materialised
-      as zeros (ctx.set_materialize_grads(False)). autograd.Function materialises them by default, for integer
-      outputs too: every backward allocated and zero-filled the router logits (T x E), the counts and the whole
-      `saved` buffer (H included: 1 GiB on 120B (2048,64,4)), a transient buffer as large as the activation
-      memory and a memset the C++ layer does not run. `backward` handles None for each of them.
-    """
-    schema = op._schema
-    defaults = tuple(a.default_value for a in schema.arguments)
-    if any(a.kwarg_only for a in schema.arguments):  # (the padding below assumes positional arguments only)
-        raise AssertionError(f"machmoe: {op} has keyword-only arguments")
-
-    redispatch = op._handle.redispatch_boxed  # what op.redispatch calls, without its Python frame
-    after_autograd = torch._C._after_autograd_keyset
-    below_autograd = torch._C._AutoDispatchBelowAutograd
-
-    def forward(ctx, *args):
-        keyset = args[-1]
-        args = args[:-1]
-        with below_autograd():
-            result = redispatch(keyset & after_autograd, *args)
-        ctx.set_materialize_grads(False)
-        setup_context(ctx, args + defaults[len(args):], result)
-        return result
-
-    def backward_(ctx, *grads):
-        full = ctx.needs_input_grad
-        try:
-            ctx.needs_input_grad = full[:-1]  # (the key set argument has no gradient)
-            result = backward(ctx, *grads)
-        finally:
-            ctx.needs_input_grad = full
-        return (*result, None)
-
-    generated = type(f"GeneratedBackwardFor_{op._namespace}_{op._opname}_{op._overloadname}",
-                     (torch.autograd.Function,), {"forward": staticmethod(forward),
-                                                  "backward": staticmethod(backward_)})
-
-    # autograd.Function.apply (Python) is a wrapper of the C apply: for a Function without setup_context it unwraps
-    # functorch's dead wrappers when no functorch transform is active and otherwise hands over to functorch. Doing
-    # the same here with the C apply bound once saves a Python frame and a generator over the 25 arguments per call.
-    c_apply = super(torch.autograd.Function, generated).apply
-    functorch_active = torch._C._are_functorch_transforms_active
-    unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-    is_grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
-    Tensor = torch.Tensor
-
-    def autograd_kernel(keyset, *args):
-        if is_grad_enabled() and any_requires_grad(*args):
-            if functorch_active():
-                return generated.apply(*args, keyset)
-            # (as torch._functorch.utils.unwrap_dead_wrappers, which Function.apply calls here)
-            return c_apply(*[unwrap_if_dead(a) if isinstance(a, Tensor) else a for a in args], keyset)
-        with below_autograd():
-            return redispatch(keyset & after_autograd, *args)
-
-    return autograd_kernel
+    ]
 
 
 _lib = torch.library.Library("machmoe", "FRAGMENT")  # kept alive by this module: the registration lives with it
-_lib.impl("layer_forward", _make_autograd_kernel(torch.ops.machmoe.layer_forward.default, _backward, _setup_context),
-          "Autograd", with_keyset=True)
+# CompositeImplicitAutograd: under create_graph=True the operators it calls are recorded by autograd as usual, and a
+# tracer traces through it.
+_lib.impl("_layer_autograd_backward", _autograd_backward, "CompositeImplicitAutograd")

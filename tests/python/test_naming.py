@@ -18,8 +18,8 @@ def test_import_creates_no_sonicmoe_names():
         leaked = sorted(m for m in sys.modules if m == "sonicmoe" or m.startswith("sonicmoe."))
         assert not leaked, f"importing machmoe imported {leaked}"
         added = set(torch.ops._dir) - before
-        assert "machmoe" in added, f"torch.ops namespaces added by importing machmoe: {sorted(added)}"
         assert "sonicmoe" not in added, "importing machmoe created torch.ops.sonicmoe"
+        assert torch.ops.machmoe.layer_forward.default is not None
         ops = [name for name in torch._C._dispatch_get_all_op_names() if name.startswith("sonicmoe::")]
         assert not ops, f"operators registered under sonicmoe: {ops}"
         assert any(name.startswith("machmoe::") for name in torch._C._dispatch_get_all_op_names())

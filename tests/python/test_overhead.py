@@ -60,7 +60,8 @@ def test_logits_only_loss_gets_a_zero_output_gradient():
 
 def test_autograd_kernel_does_not_fill_defaults_per_call(monkeypatch):
     """torch.library.register_autograd's generic kernel calls torch._library.utils.fill_defaults on every forward
-    (70-200 us of host time for this schema); ours fills the dropped defaults from a tuple read once."""
+    (70-200 us of host time for this schema); ours is C++ (bindings/torch/layer_autograd.cpp) and receives every
+    argument from the dispatcher."""
     import torch._library.utils as lib_utils
 
     def forbidden(*args, **kwargs):
@@ -73,7 +74,7 @@ def test_autograd_kernel_does_not_fill_defaults_per_call(monkeypatch):
     assert m.w1.grad is not None and m.b1.grad is not None and x.grad is not None
 
 
-def test_dropped_default_arguments_reach_setup_context():
+def test_dropped_default_arguments_reach_the_autograd_node():
     """The dispatcher drops trailing arguments equal to their defaults (the into_* buffers); accumulation into a
     buffer passed explicitly still works, and one left out gives an ordinary gradient."""
     torch.manual_seed(2)

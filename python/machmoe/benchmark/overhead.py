@@ -247,7 +247,7 @@ def run_machmoe_bench(path: str, cfg: C.Config, warmup: int, iters: int) -> dict
 HOST_ROWS = (
     ("op_below_autograd", "layer_forward below autograd: argument conversion, dispatcher, binding, C++ layer"),
     ("op_no_grad", "layer_forward without grad: + the Autograd kernel passing through"),
-    ("op_autograd", "layer_forward with grad: + the autograd node (setup_context, saved tensors)"),
+    ("op_autograd", "layer_forward with grad: + the autograd node (C++: saved tensors, options)"),
     ("functional", "machmoe.moe: + the functional API's checks"),
     ("module_forward", "MoE.forward: + the module (T14's host time before the first kernel)"),
     ("module_forward_main_grad", "MoE.forward with accumulate_into_main_grad=True"),

@@ -8,6 +8,7 @@
 
 #include "gpu/cuda_check.hpp"
 #include "gpu/device_math.cuh"
+#include "gpu/expert_scan.cuh"
 #include "gpu/kernels.hpp"
 
 namespace machmoe::gpu {
@@ -51,29 +52,15 @@ __global__ void scan_tiles_kernel(std::int32_t* __restrict__ hist, std::int64_t 
 /// In one block: counts (held in offsets[1..E]) -> exclusive offsets; also expert_counts and expert_tiles.
 __global__ void expert_offsets_kernel(std::int32_t* __restrict__ offsets, int E, std::int32_t* __restrict__ counts,
                                       std::int32_t* __restrict__ tiles, bool counts_in_offsets) {
-  __shared__ typename BlockScan::TempStorage temp;
-  __shared__ std::int32_t carry_rows, carry_tiles;
-  if (threadIdx.x == 0) carry_rows = carry_tiles = 0;
-  __syncthreads();
-  for (int base = 0; base < E; base += kScanThreads) {
-    const int e = base + threadIdx.x;
-    std::int32_t c = 0;
-    if (e < E) c = counts_in_offsets ? offsets[e + 1] : offsets[e + 1] - offsets[e];
-    const std::int32_t t = (c + kGemmTileM - 1) / kGemmTileM;
-    std::int32_t c_incl, t_incl, c_total, t_total;
-    BlockScan(temp).InclusiveSum(c, c_incl, c_total);
-    __syncthreads();
-    BlockScan(temp).InclusiveSum(t, t_incl, t_total);
-    __syncthreads();  // every thread has read offsets[e + 1] of this chunk before any is overwritten
-    if (e < E) {
-      if (counts) counts[e] = c;
-      if (counts_in_offsets) offsets[e + 1] = carry_rows + c_incl;
-      if (tiles) tiles[e + 1] = carry_tiles + t_incl;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) carry_rows += c_total, carry_tiles += t_total;
-    __syncthreads();
-  }
+  std::int32_t total_rows, total_tiles;
+  scan_expert_rows_and_tiles<kScanThreads>(
+      E, [&](int e) { return counts_in_offsets ? offsets[e + 1] : offsets[e + 1] - offsets[e]; },
+      [&](int e, std::int32_t c, std::int32_t t, std::int32_t c_before, std::int32_t t_before) {
+        if (counts) counts[e] = c;
+        if (counts_in_offsets) offsets[e + 1] = c_before + c;
+        if (tiles) tiles[e + 1] = t_before + t;
+      },
+      total_rows, total_tiles);
   if (threadIdx.x == 0) {
     if (counts_in_offsets) offsets[0] = 0;
     if (tiles) tiles[0] = 0;
@@ -186,8 +173,6 @@ __device__ std::int32_t lower_bound_token(const std::int32_t* gather, std::int32
 __global__ void dx_chunk_plan_kernel(const std::int32_t* __restrict__ offsets, const std::int32_t* __restrict__ gather,
                                      const std::int32_t* __restrict__ token_offsets, std::int64_t K, std::int64_t T,
                                      int E, std::int64_t chunks, std::int64_t pairs_per_chunk, DxChunkPlan plan) {
-  __shared__ typename BlockScan::TempStorage temp;
-  __shared__ std::int32_t carry_rows, carry_tiles;
   const std::int64_t c = blockIdx.x;
   const std::int64_t t0 = first_token_at(c * pairs_per_chunk, token_offsets, K, T);
   const std::int64_t t1 = c == chunks - 1 ? T : first_token_at((c + 1) * pairs_per_chunk, token_offsets, K, T);
@@ -198,32 +183,23 @@ __global__ void dx_chunk_plan_kernel(const std::int32_t* __restrict__ offsets, c
   if (threadIdx.x == 0) {
     plan.bounds[c] = static_cast<std::int32_t>(t0);
     if (c == chunks - 1) plan.bounds[chunks] = static_cast<std::int32_t>(T);
-    carry_rows = carry_tiles = 0;
   }
-  __syncthreads();
-  for (int base = 0; base < E; base += kScanThreads) {
-    const int e = base + threadIdx.x;
-    std::int32_t first = 0, rows = 0;
-    if (e < E) {
-      const std::int32_t seg0 = offsets[e], seg1 = offsets[e + 1];
-      first = lower_bound_token(gather, seg0, seg1, t0);
-      rows = lower_bound_token(gather, first, seg1, t1) - first;
-    }
-    const std::int32_t t = (rows + kGemmTileM - 1) / kGemmTileM;
-    std::int32_t r_excl, t_excl, r_total, t_total;
-    BlockScan(temp).ExclusiveSum(rows, r_excl, r_total);
-    __syncthreads();
-    BlockScan(temp).ExclusiveSum(t, t_excl, t_total);
-    if (e < E) {
-      off[e] = carry_rows + r_excl;
-      tiles[e] = carry_tiles + t_excl;
-      shift[e] = first - (carry_rows + r_excl);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) carry_rows += r_total, carry_tiles += t_total;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) off[E] = carry_rows, tiles[E] = carry_tiles;
+  std::int32_t first = 0;  // this thread's expert: the first row of its segment in the chunk
+  std::int32_t total_rows, total_tiles;
+  scan_expert_rows_and_tiles<kScanThreads>(
+      E,
+      [&](int e) {
+        const std::int32_t seg0 = offsets[e], seg1 = offsets[e + 1];
+        first = lower_bound_token(gather, seg0, seg1, t0);
+        return lower_bound_token(gather, first, seg1, t1) - first;
+      },
+      [&](int e, std::int32_t, std::int32_t, std::int32_t rows_before, std::int32_t tiles_before) {
+        off[e] = rows_before;
+        tiles[e] = tiles_before;
+        shift[e] = first - rows_before;
+      },
+      total_rows, total_tiles);
+  if (threadIdx.x == 0) off[E] = total_rows, tiles[E] = total_tiles;
 }
 
 /// Block (e, c): pair_rows[scatter[g]] = g - shift for the rows g of expert e in chunk c.

@@ -36,6 +36,7 @@
 
 #include "gpu/cuda_check.hpp"
 #include "gpu/device_math.cuh"
+#include "gpu/expert_scan.cuh"
 #include "gpu/kernels.hpp"
 
 namespace machmoe::gpu {
@@ -220,29 +221,16 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
   __syncthreads();
   if (!last_s) return;
   __threadfence();
-  using Scan = cub::BlockScan<std::int32_t, 32 * kKeyWarps>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ std::int32_t carry_rows, carry_tiles;
-  if (threadIdx.x == 0) carry_rows = carry_tiles = 0, expert_offsets[0] = 0, expert_tiles[0] = 0;
-  __syncthreads();
-  for (int base = 0; base < E; base += blockDim.x) {
-    const int e = base + threadIdx.x;
-    std::int32_t r = 0;
-    if (e < E) r = static_cast<std::int32_t>(rounded_count(__ldcg(&tc_count[e]), T_, M, rule));
-    const std::int32_t tiles = (r + kGemmTileM - 1) / kGemmTileM;
-    std::int32_t r_incl, t_incl, r_total, t_total;
-    Scan(scan_tmp).InclusiveSum(r, r_incl, r_total);
-    __syncthreads();
-    Scan(scan_tmp).InclusiveSum(tiles, t_incl, t_total);
-    if (e < E) {
-      if (expert_counts) expert_counts[e] = r;
-      expert_offsets[e + 1] = carry_rows + r_incl;
-      expert_tiles[e + 1] = carry_tiles + t_incl;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) carry_rows += r_total, carry_tiles += t_total;
-    __syncthreads();
-  }
+  if (threadIdx.x == 0) expert_offsets[0] = 0, expert_tiles[0] = 0;
+  std::int32_t total_rows, total_tiles;
+  scan_expert_rows_and_tiles<32 * kKeyWarps>(
+      E, [&](int e) { return static_cast<std::int32_t>(rounded_count(__ldcg(&tc_count[e]), T_, M, rule)); },
+      [&](int e, std::int32_t r, std::int32_t tiles, std::int32_t rows_before, std::int32_t tiles_before) {
+        if (expert_counts) expert_counts[e] = r;
+        expert_offsets[e + 1] = rows_before + r;
+        expert_tiles[e + 1] = tiles_before + tiles;
+      },
+      total_rows, total_tiles);
 }
 
 // ---- pass 2: per expert, the threshold and the grouped rows -------------------------------------------------------

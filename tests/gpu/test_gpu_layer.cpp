@@ -439,7 +439,9 @@ TEST(GpuLayerProperties, DxInChunksOfTokensIsBitwiseOnePass) {
   struct Shape {
     std::int64_t T, d, n, E, K;
   };
-  for (const Shape& sh : {Shape{1500, 192, 96, 12, 3}, Shape{1, 64, 32, 8, 2}, Shape{5, 64, 32, 40, 2}})
+  // (E = 300: the chunk plan scans the experts 256 at a time with a carry.)
+  for (const Shape& sh : {Shape{1500, 192, 96, 12, 3}, Shape{1, 64, 32, 8, 2}, Shape{5, 64, 32, 40, 2},
+                          Shape{60, 64, 32, 300, 8}})
     for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied})
       for (CacheMode cm : {CacheMode::kPreActivation, CacheMode::kInputOnly})
         for (bool hopper_backward : {true, false}) {
@@ -500,9 +502,11 @@ TEST(GpuLayerProperties, BothWeightLayoutsGiveBitwiseIdenticalOutputs) {
 
 TEST(GpuLayerProperties, SavedMetadataEqualsTheReferenceBuild) {
   REQUIRE_GPU();
+  // E = 600: the expert scans take the experts a block at a time (256 or 512) with a carry.
+  for (std::int64_t E : {24, 600})
   for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kCallerSupplied, RoutingMode::kTokenRounding}) {
     MoEProblem p;
-    p.T = 3000, p.d = 64, p.n = 32, p.E = 24, p.K = 3, p.routing = r;  // 9000 pairs: several metadata tiles
+    p.T = 3000, p.d = 64, p.n = 32, p.E = E, p.K = 3, p.routing = r;  // 9000 pairs: several metadata tiles
     p.tile_m = 64;
     const LayerCase<double> c(p, 8);
     const GpuRun g = run_on_gpu(c, DType::kFP32);

@@ -9,8 +9,8 @@
 // cases need the Python form (python/machmoe/_ops.py, `_autograd_backward`), which this kernel calls through the
 // operator machmoe::_layer_autograd_backward that Python implements:
 //   * create_graph=True: the gradients are wrapped so that differentiating them again raises;
-//   * a thread that has used machmoe.defer_weight_grads: the deferral stack lives in Python (its key in torch's
-//     thread-local Python objects, which autograd carries into its worker threads, says the thread has one);
+//   * inside machmoe.defer_weight_grads: the deferral stack lives in Python, stashed in torch's thread-local Python
+//     objects (which autograd carries into its worker threads); the object there says whether one is open;
 //   * tracing (torch.compile / AOTAutograd, any Python dispatch mode or tensor subclass): the traced backward must
 //     not consume the saved buffer, since the operator's schema does not declare that write.
 // The common case is the Python form with none of those active, translated (both map gradients the same way; the
@@ -23,6 +23,9 @@
 #include <torch/library.h>
 
 #include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
 #include <optional>
 #include <tuple>
 
@@ -34,8 +37,24 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr int64_t kCallerRouting = 2;  // machmoe::RoutingMode::kCallerSupplied
-// The key python/machmoe/_ops.py stashes a thread's defer_weight_grads stack under (_STACK_KEY).
+// The key python/machmoe/_ops.py stashes a thread's defer_weight_grads stack under (_STACK_KEY), and the address
+// of the object it stashes there while the thread has no active context (_NO_STACK; 0 until machmoe is imported).
 constexpr const char* kDeferralStackKey = "machmoe.defer_weight_grads";
+std::atomic<std::uintptr_t> g_no_deferral_marker{0};
+
+void set_no_deferral_marker(int64_t address) {
+  g_no_deferral_marker.store(static_cast<std::uintptr_t>(address), std::memory_order_relaxed);
+}
+
+/// Whether the thread that started this backward has a defer_weight_grads context open: the object stashed under
+/// its key is not the no-context marker (only addresses are compared; no Python is called).
+bool deferral_active() {
+  if (!at::impl::ThreadLocalPythonObjects::contains(kDeferralStackKey)) return false;
+  const std::shared_ptr<c10::SafePyObject>& stashed = at::impl::ThreadLocalPythonObjects::get(kDeferralStackKey);
+  if (!stashed) return false;
+  const auto address = reinterpret_cast<std::uintptr_t>(stashed->ptr(&stashed->pyinterpreter()));
+  return address != g_no_deferral_marker.load(std::memory_order_relaxed);
+}
 
 // The forward's tensor inputs, in the operator's order; the backward returns one gradient per forward argument.
 enum Input : int { kX, kRouterWeight, kW1, kB1, kW2, kB2, kTokenIndex, kExpertIndex, kScores, kNumTensorInputs };
@@ -159,8 +178,7 @@ struct LayerFunction : torch::autograd::Function<LayerFunction> {
     const Tensor& grad_out = grads[0];
     const Tensor& grad_logits = grads[1];
     variable_list result(kNumForwardArgs);
-    if (at::GradMode::is_enabled() || at::impl::ThreadLocalPythonObjects::contains(kDeferralStackKey) ||
-        traced({&grad_out, &grad_logits, &x, &w1, &w2, &saved})) {
+    if (at::GradMode::is_enabled() || deferral_active() || traced({&grad_out, &grad_logits, &x, &w1, &w2, &saved})) {
       python_backward(grad_out, grad_logits, s, opts, into, needs, result);
       return result;
     }
@@ -258,6 +276,9 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
       "int top_k, int activation, int weight_layout, int score, int routing, int rounding, int tile, int cache, "
       "float swiglu_alpha, float swiglu_limit, Tensor? into_router_weight, Tensor? into_w1, Tensor? into_b1, "
       "Tensor? into_w2, Tensor? into_b2, bool[] needs_input_grad) -> Tensor?[]");
+  // python/machmoe/_ops.py registers the address of its no-context marker once, at import.
+  m.def("_set_no_deferral_marker(int address) -> ()");
+  m.impl("_set_no_deferral_marker", &set_no_deferral_marker);
 }
 
 TORCH_LIBRARY_IMPL(machmoe, Autograd, m) { m.impl("layer_forward", &layer_forward_autograd); }

@@ -103,24 +103,28 @@ class _FirstOrderOnly(torch.autograd.Function):
 # The stack of active defer_weight_grads contexts is per thread, and kept in torch's thread-local Python objects
 # rather than a threading.local: autograd copies those into the worker threads that run a backward for the thread
 # that started it (CUDA work runs on one engine thread per device, shared by every caller), so a backward sees the
-# contexts of its own caller and no other thread's. Each thread stashes one list, once, and pushes onto it.
+# contexts of its own caller and no other thread's. A thread stashes a list when its first context opens and the
+# marker _NO_STACK when its last one closes (an entry cannot be removed): the C++ autograd node compares the stashed
+# object with that marker to run an ordinary backward without calling Python (bindings/torch/layer_autograd.cpp).
 _STACK_KEY = "machmoe.defer_weight_grads"
+_NO_STACK = object()
+torch.ops.machmoe._set_no_deferral_marker(id(_NO_STACK))  # (its address; it lives as long as the process)
 
 
 def _deferral_stack() -> list:
     """The contexts active in the thread that started the running backward (or in this thread), innermost last."""
-    return torch._C._get_obj_in_tls(_STACK_KEY) if torch._C._is_key_in_tls(_STACK_KEY) else []
-
-
-def _this_threads_stack() -> list:
     if torch._C._is_key_in_tls(_STACK_KEY):
-        return torch._C._get_obj_in_tls(_STACK_KEY)
-    stack = []
-    # The stash takes over a reference without adding one (c10::SafePyObject steals it) and drops it when the
-    # thread ends; give it one of its own.
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(stack))
-    torch._C._stash_obj_in_tls(_STACK_KEY, stack)
-    return stack
+        stack = torch._C._get_obj_in_tls(_STACK_KEY)
+        if stack is not _NO_STACK:
+            return stack
+    return []
+
+
+def _stash(obj) -> None:
+    # The stash takes over a reference without adding one (c10::SafePyObject steals it) and drops it when it is
+    # replaced or the thread ends; give it one of its own.
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    torch._C._stash_obj_in_tls(_STACK_KEY, obj)
 
 
 def _tracing() -> bool:
@@ -247,12 +251,18 @@ class defer_weight_grads:
         self._jobs_lock = threading.Lock()  # the backward may queue from autograd's device threads
 
     def __enter__(self):
-        _this_threads_stack().append(self)
+        stack = _deferral_stack()
+        if stack:
+            stack.append(self)
+        else:  # a new list: a backward still running on another thread keeps the one it was started with
+            _stash([self])
         return self
 
     def __exit__(self, *exc):
-        stack = _this_threads_stack()
+        stack = _deferral_stack()
         del stack[len(stack) - 1 - stack[::-1].index(self)]  # the innermost entry of this context
+        if not stack:
+            _stash(_NO_STACK)
         _unmute_owned_by(self)
         return False
 

@@ -58,7 +58,8 @@ bool deferral_active() {
 
 // The forward's tensor inputs, in the operator's order; the backward returns one gradient per forward argument.
 enum Input : int { kX, kRouterWeight, kW1, kB1, kW2, kB2, kTokenIndex, kExpertIndex, kScores, kNumTensorInputs };
-constexpr int kNumOptions = 10;  // top_k, activation, weight_layout, score, routing, rounding, tile, cache, alpha, limit
+// top_k, activation, weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit
+constexpr int kNumOptions = 10;
 constexpr int kNumInto = 5;      // into_router_weight, into_w1, into_b1, into_w2, into_b2
 constexpr int kNumForwardArgs = kNumTensorInputs + kNumOptions + kNumInto;
 

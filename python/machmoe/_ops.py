@@ -4,7 +4,7 @@ torch.ops.machmoe.layer_forward(...) -> (out, router_logits, expert_counts, save
 the uint8 buffer of what the backward needs (X is the input, kept by reference). Its Autograd kernel is C++
 (bindings/torch/layer_autograd.cpp): the node calls torch.ops.machmoe.layer_backward itself in the common case and
 the general form here (_autograd_backward, the operator machmoe::_layer_autograd_backward) under create_graph=True,
-in a thread that has used defer_weight_grads, and under tracing. Every operator has a fake implementation, so
+inside defer_weight_grads, and under tracing. Every operator has a fake implementation, so
 torch.compile(fullgraph=True) traces through the layer without graph breaks.
 
 The backward is first-order only: its results are wrapped so that differentiating them again (double backward)
@@ -357,10 +357,10 @@ def _split_backward(operands, options, into, owner, targets):
 def _autograd_backward(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores,
                        saved, *rest):
     """The general form of layer_forward's autograd backward (machmoe::_layer_autograd_backward), called by its C++
-    autograd node (bindings/torch/layer_autograd.cpp) under create_graph=True, in a thread that has used
-    defer_weight_grads, and under tracing; the node runs the common case itself. rest: the ten options, the five
-    into_* buffers, and needs_input_grad (one flag per tensor input, x ... scores). Returns one gradient (or None)
-    per tensor input."""
+    autograd node (bindings/torch/layer_autograd.cpp) under create_graph=True, inside defer_weight_grads (a context
+    open in the thread that started the backward) and under tracing; the node runs the common case itself. rest:
+    the ten options, the five into_* buffers, and needs_input_grad (one flag per tensor input, x ... scores).
+    Returns one gradient (or None) per tensor input."""
     options, into_args, needs_input_grad = rest[:_NUM_OPTIONS], rest[_NUM_OPTIONS:-1], rest[-1]
     caller = options[4] == _CALLER
     if grad_out is None:  # the loss uses only the logits (e.g. an aux loss alone): the output's gradient is zero

@@ -4,17 +4,21 @@
 #include <cmath>
 #include <numeric>
 
+#include "reference/parallel.hpp"
+
 namespace machmoe::ref {
 
 template <class R>
 std::vector<R> router_logits(const R* x, const R* router_weight, std::int64_t T, std::int64_t d, std::int64_t E) {
   std::vector<R> z(static_cast<std::size_t>(T * E));
-  for (std::int64_t t = 0; t < T; ++t)
-    for (std::int64_t e = 0; e < E; ++e) {
-      R acc = 0;
-      for (std::int64_t k = 0; k < d; ++k) acc += x[t * d + k] * router_weight[e * d + k];
-      z[t * E + e] = acc;
-    }
+  parallel_for(T, E * d, [&](std::int64_t t0, std::int64_t t1) {
+    for (std::int64_t t = t0; t < t1; ++t)
+      for (std::int64_t e = 0; e < E; ++e) {
+        R acc = 0;
+        for (std::int64_t k = 0; k < d; ++k) acc += x[t * d + k] * router_weight[e * d + k];
+        z[t * E + e] = acc;
+      }
+  });
   return z;
 }
 
@@ -112,18 +116,22 @@ std::vector<R> topk_scores_backward(ScoreVariant variant, const R* logits, const
 template <class R>
 void router_gemm_backward(const R* x, const R* router_weight, const R* grad_logits, std::int64_t T, std::int64_t d,
                           std::int64_t E, R* grad_x_accumulate, R* grad_router_weight) {
-  for (std::int64_t t = 0; t < T; ++t)
-    for (std::int64_t k = 0; k < d; ++k) {
-      R acc = 0;
-      for (std::int64_t e = 0; e < E; ++e) acc += grad_logits[t * E + e] * router_weight[e * d + k];
-      grad_x_accumulate[t * d + k] += acc;
-    }
-  for (std::int64_t e = 0; e < E; ++e)
-    for (std::int64_t k = 0; k < d; ++k) {
-      R acc = 0;
-      for (std::int64_t t = 0; t < T; ++t) acc += grad_logits[t * E + e] * x[t * d + k];
-      grad_router_weight[e * d + k] = acc;
-    }
+  parallel_for(T, d * E, [&](std::int64_t t0, std::int64_t t1) {
+    for (std::int64_t t = t0; t < t1; ++t)
+      for (std::int64_t k = 0; k < d; ++k) {
+        R acc = 0;
+        for (std::int64_t e = 0; e < E; ++e) acc += grad_logits[t * E + e] * router_weight[e * d + k];
+        grad_x_accumulate[t * d + k] += acc;
+      }
+  });
+  parallel_for(E, d * T, [&](std::int64_t e0, std::int64_t e1) {
+    for (std::int64_t e = e0; e < e1; ++e)
+      for (std::int64_t k = 0; k < d; ++k) {
+        R acc = 0;
+        for (std::int64_t t = 0; t < T; ++t) acc += grad_logits[t * E + e] * x[t * d + k];
+        grad_router_weight[e * d + k] = acc;
+      }
+  });
 }
 
 #define MACHMOE_INSTANTIATE(R)                                                                                    \

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "machmoe/machmoe.hpp"
+#include "reference/parallel.hpp"
 #include "test_support.hpp"
 
 namespace machmoe::test {
@@ -105,6 +106,56 @@ TEST(LayerReference, TokensWithNoExpertsGiveZeroOutput) {
   for (double v : f.out) { EXPECT_EQ(v, 0.0); }
   const ref::BackwardResult<double> g = ref::layer_backward(p, c.inputs(), f.saved, c.grad_out.data(), nullptr);
   for (double v : g.dx) { EXPECT_EQ(v, 0.0); }
+}
+
+// The reference's loops run on several threads (reference/parallel.hpp); each output element is one thread's, summed
+// in the serial order, so any thread count gives bitwise the one-thread results. Sizes large enough for every loop
+// to split (the aggregation, the router GEMMs, the weight gradients over experts and rows), every routing, GLU with
+// the concatenated layout and biases, and a plain activation.
+TEST(LayerReference, ThreadCountDoesNotChangeABit) {
+  struct Restore {
+    int threads = ref::cpu_threads();
+    ~Restore() { ref::set_cpu_threads(threads); }
+  } restore;
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied})
+    for (Activation act : {Activation::kSwiGLU, Activation::kReLU}) {
+      MoEProblem p;
+      p.T = 2048, p.d = 64, p.n = 32, p.E = 32, p.K = 4, p.activation = act, p.routing = r, p.tile_m = 16;
+      p.weight_layout = is_glu(act) ? WeightLayout::kConcatenated : WeightLayout::kInterleaved;
+      p.has_b1 = p.has_b2 = true;
+      const LayerCase<double> c(p, 11);
+      auto run = [&](int threads) {
+        ref::set_cpu_threads(threads);
+        const ref::ForwardResult<double> f = ref::layer_forward(c.problem, c.inputs());
+        const ref::BackwardResult<double> g = ref::layer_backward(
+            c.problem, c.inputs(), f.saved, c.grad_out.data(), c.grad_logits.empty() ? nullptr : c.grad_logits.data());
+        return std::make_pair(f, g);
+      };
+      const auto [f1, g1] = run(1);
+      const auto [f7, g7] = run(7);
+      const std::string what = std::string(routing_mode_name(r)) + " " + activation_name(act);
+      ASSERT_GT(f1.saved.meta.num_pairs(), 1000) << what;
+      const auto bitwise = [&](const char* name, const std::vector<double>& a, const std::vector<double>& b) {
+        ASSERT_EQ(a.size(), b.size()) << what << " " << name;
+        for (std::size_t i = 0; i < a.size(); ++i)
+          if (std::memcmp(&a[i], &b[i], sizeof(double)) != 0) {
+            ADD_FAILURE() << what << " " << name << "[" << i << "]: " << a[i] << " on 7 threads, " << b[i] << " on 1";
+            return;
+          }
+      };
+      bitwise("out", f7.out, f1.out);
+      bitwise("router_logits", f7.router_logits, f1.router_logits);
+      bitwise("h", f7.saved.h, f1.saved.h);
+      bitwise("dx", g7.dx, g1.dx);
+      bitwise("drouter_weight", g7.drouter_weight, g1.drouter_weight);
+      bitwise("dw1", g7.dw1, g1.dw1);
+      bitwise("db1", g7.db1, g1.db1);
+      bitwise("dw2", g7.dw2, g1.dw2);
+      bitwise("db2", g7.db2, g1.db2);
+      bitwise("ds", g7.ds, g1.ds);
+      bitwise("dlogits", g7.dlogits, g1.dlogits);
+      bitwise("dscores", g7.dscores, g1.dscores);
+    }
 }
 
 // ---- public API ------------------------------------------------------------------------------------------------

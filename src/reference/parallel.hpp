@@ -1,0 +1,70 @@
+// Row-parallel loops of the CPU reference. Every output element is computed by one thread, in the same order as
+// the serial loop, so the results are bitwise those of one thread whatever the thread count (the reference is what
+// every GPU test and the CPU backend compare against, and the library promises bitwise-deterministic results).
+//
+// Threads: MACHMOE_CPU_THREADS when set (>= 1), else the hardware's; a loop below kMinWorkPerThread
+// multiply-adds (about a quarter of a millisecond) per thread runs on fewer threads, a small one on the caller's
+// alone (starting a thread costs tens of microseconds).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+namespace machmoe::ref {
+
+inline std::atomic<int>& cpu_thread_setting() {
+  static std::atomic<int> threads{[] {
+    if (const char* v = std::getenv("MACHMOE_CPU_THREADS")) {
+      const long n = std::strtol(v, nullptr, 10);
+      if (n >= 1) return static_cast<int>(std::min<long>(n, 1024));
+    }
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw == 0 ? 1 : static_cast<int>(std::min<unsigned>(hw, 1024));
+  }()};
+  return threads;
+}
+
+/// The most threads a loop of the reference uses.
+inline int cpu_threads() { return cpu_thread_setting().load(std::memory_order_relaxed); }
+
+/// Sets it for the process (tests compare thread counts; the environment's MACHMOE_CPU_THREADS is the user's way).
+inline void set_cpu_threads(int threads) {
+  cpu_thread_setting().store(std::max(1, std::min(threads, 1024)), std::memory_order_relaxed);
+}
+
+inline constexpr std::int64_t kMinWorkPerThread = std::int64_t{1} << 18;
+
+/// Calls body(begin, end) on contiguous ranges that cover [0, n) once, on up to cpu_threads() threads (the caller
+/// runs the first range). work_per_item: multiply-adds per item, which decides how many threads are worth starting.
+/// body must not throw.
+template <class Body>
+void parallel_for(std::int64_t n, std::int64_t work_per_item, Body body) {
+  if (n <= 0) return;
+  const std::int64_t total = n * std::max<std::int64_t>(work_per_item, 1);
+  const std::int64_t wanted = std::min<std::int64_t>({cpu_threads(), n, std::max<std::int64_t>(total / kMinWorkPerThread, 1)});
+  if (wanted <= 1) {
+    body(std::int64_t{0}, n);
+    return;
+  }
+  const std::int64_t chunk = (n + wanted - 1) / wanted;
+  std::vector<std::thread> workers;
+  workers.reserve(static_cast<std::size_t>(wanted - 1));
+  std::int64_t begin = chunk;
+  for (; begin < n; begin += chunk) {
+    try {
+      workers.emplace_back([=, &body] { body(begin, std::min(n, begin + chunk)); });
+    } catch (const std::system_error&) {  // no thread to be had: the caller runs the rest
+      break;
+    }
+  }
+  body(std::int64_t{0}, std::min(n, chunk));
+  for (; begin < n; begin += chunk) body(begin, std::min(n, begin + chunk));
+  for (std::thread& w : workers) w.join();
+}
+
+}  // namespace machmoe::ref

@@ -60,7 +60,7 @@ bool deferral_active() {
 enum Input : int { kX, kRouterWeight, kW1, kB1, kW2, kB2, kTokenIndex, kExpertIndex, kScores, kNumTensorInputs };
 // top_k, activation, weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit
 constexpr int kNumOptions = 10;
-constexpr int kNumInto = 5;      // into_router_weight, into_w1, into_b1, into_w2, into_b2
+constexpr int kNumInto = 5;  // into_router_weight, into_w1, into_b1, into_w2, into_b2
 constexpr int kNumForwardArgs = kNumTensorInputs + kNumOptions + kNumInto;
 
 /// The integer options and the activation's parameters, as the operators take them.
@@ -71,38 +71,28 @@ struct Options {
 
 using ForwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+// The operators' C++ signatures (bindings/torch/machmoe_ops.cpp registers their kernels with these).
+using ForwardSignature = ForwardResult(const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, const Tensor&,
+                                       const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
+                                       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double,
+                                       const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                                       const OptTensor&);
+using BackwardSignature = BackwardResult(const Tensor&, const OptTensor&, const Tensor&, const OptTensor&,
+                                         const Tensor&, const OptTensor&, const Tensor&, const OptTensor&,
+                                         const OptTensor&, const OptTensor&, const OptTensor&, const Tensor&, int64_t,
+                                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                                         double, const OptTensor&, const OptTensor&, const OptTensor&,
+                                         const OptTensor&, const OptTensor&, bool);
 
-const c10::TypedOperatorHandle<ForwardResult(
-    const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, const Tensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-    int64_t, int64_t, double, double, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-    const OptTensor&)>&
-forward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("machmoe::layer_forward", "")
-                             .typed<ForwardResult(const Tensor&, const OptTensor&, const Tensor&, const OptTensor&,
-                                                  const Tensor&, const OptTensor&, const OptTensor&,
-                                                  const OptTensor&, const OptTensor&, int64_t, int64_t, int64_t,
-                                                  int64_t, int64_t, int64_t, int64_t, int64_t, double, double,
-                                                  const OptTensor&, const OptTensor&, const OptTensor&,
-                                                  const OptTensor&, const OptTensor&)>();
+const c10::TypedOperatorHandle<ForwardSignature>& forward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("machmoe::layer_forward", "").typed<ForwardSignature>();
   return op;
 }
 
-const c10::TypedOperatorHandle<BackwardResult(
-    const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, const Tensor&,
-    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const Tensor&, int64_t, int64_t,
-    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, const OptTensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, const OptTensor&, bool)>&
-backward_op() {
+const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
   static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("machmoe::layer_backward", "")
-          .typed<BackwardResult(const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, const Tensor&,
-                                const OptTensor&, const Tensor&, const OptTensor&, const OptTensor&,
-                                const OptTensor&, const OptTensor&, const Tensor&, int64_t, int64_t, int64_t, int64_t,
-                                int64_t, int64_t, int64_t, int64_t, double, double, const OptTensor&,
-                                const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool)>();
+      c10::Dispatcher::singleton().findSchemaOrThrow("machmoe::layer_backward", "").typed<BackwardSignature>();
   return op;
 }
 

@@ -3,6 +3,7 @@ weights ~ N(0, 1/fan_in)) and the relative Frobenius error."""
 import math
 
 import torch
+import torch.utils.checkpoint
 
 from reference import GLU
 
@@ -22,3 +23,17 @@ def make(T=12, d=8, n=4, E=4, activation="swiglu", bias=True, dtype=torch.float6
     b1 = t(E, rows, std=0.5) if bias else None
     b2 = t(E, d, std=0.5) if bias else None
     return [v.requires_grad_() if v is not None else None for v in (x, rw, w1, w2, b1, b2)]
+
+
+def plain_and_checkpointed_grads(block, x, params, go, use_reentrant):
+    """The gradients of block(x) (upstream go) w.r.t. params, computed plainly and under torch.utils.checkpoint,
+    through .backward() (the reentrant checkpoint refuses torch.autograd.grad)."""
+    def grads(run):
+        for p in params:
+            p.grad = None
+        run().backward(go)
+        return [p.grad for p in params]
+
+    plain = grads(lambda: block(x))
+    checkpointed = grads(lambda: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=use_reentrant))
+    return plain, checkpointed

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import machmoe
+from layer_inputs import plain_and_checkpointed_grads
 from reference import experts, reference_moe, route
 
 pytestmark = pytest.mark.gpu
@@ -364,15 +365,6 @@ def test_activation_checkpointing_gives_the_plain_gradients_bitwise(cuda, use_re
     def block(inp):
         return inp + m(inp).output
 
-    params = [x] + list(m.parameters())
-
-    def grads(run):  # through .backward(): the reentrant checkpoint refuses torch.autograd.grad
-        for p in params:
-            p.grad = None
-        run().backward(go)
-        return [p.grad for p in params]
-
-    plain = grads(lambda: block(x))
-    checkpointed = grads(lambda: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=use_reentrant))
+    plain, checkpointed = plain_and_checkpointed_grads(block, x, [x] + list(m.parameters()), go, use_reentrant)
     for a, b in zip(plain, checkpointed):
         assert a is not None and torch.equal(a, b)

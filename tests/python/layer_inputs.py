@@ -1,5 +1,6 @@
-"""Inputs and error measure shared by the PyTorch test files: layer tensors at realistic magnitudes (x ~ N(0, 1),
-weights ~ N(0, 1/fan_in)) and the relative Frobenius error."""
+"""Inputs and measures shared by the PyTorch test files: layer tensors at realistic magnitudes (x ~ N(0, 1),
+weights ~ N(0, 1/fan_in)), the relative Frobenius error, and a block's gradients with and without activation
+checkpointing."""
 import math
 
 import torch

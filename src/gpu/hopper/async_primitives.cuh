@@ -188,13 +188,6 @@ __device__ __forceinline__ void mbar_arrive_cluster(std::uint64_t* bar, std::uin
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
-/// Bulk prefetch of `bytes` (a multiple of 16, 16-byte-aligned address) from global memory into L2; no completion
-/// to wait for.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, std::uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(reinterpret_cast<std::uint64_t>(src)), "r"(bytes)
-               : "memory");
-}
-
 __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");
 }

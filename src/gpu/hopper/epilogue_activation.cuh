@@ -18,9 +18,6 @@ struct EpilogueActivation {
   static constexpr bool kGlu = math::is_glu_activation(kAct);
   static constexpr int kActCols = kGlu ? kTileN / 2 : kTileN;  // A columns of a tile
 
-  /// Nothing to prefetch: the epilogue reads only the accumulator (and the small bias).
-  __device__ __forceinline__ static void prefetch(const Params&, const TileCoord&, int, int) {}
-
   /// Calls f(EpilogueVariant<...>{}) with the variant `p` needs (only GLU tiles can be concatenated).
   template <class F>
   __device__ __forceinline__ static void with_variant(const Params& p, F&& f) {

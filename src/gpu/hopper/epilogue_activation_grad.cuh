@@ -7,19 +7,20 @@
 //   dS partials: <dA', A> over each 64-column block of the tile, one fp32 per (pair, block), reduced later in a
 //   fixed order (launch_ds_reduce), so dS is deterministic without atomics.
 //
-// H: the producer warpgroup prefetches the tile's H rows into L2 (bulk prefetch) as it starts loading the tile's
-// operands, about one mainloop ahead; the epilogue then reads H from L2 into registers, one pass of staged columns
-// at a time (8 bytes per thread and row for a GLU, the gate/up pairs of its two accumulator columns; 4 bytes
-// otherwise): a quad of lanes covers 32 contiguous bytes of a row, so every sector is used whole. The loads of a
-// pass are issued together before any is used. They are plain loads, not the read-only path (ld.global.nc): dH may
-// overwrite H in place (input-only mode, memory.hpp), which is safe because a pass reads exactly the H columns whose
-// dH it then stores, every element before its own store, and no other tile touches them. Under the ping-pong
-// schedule the other consumer warpgroup's mainloop keeps the tensor cores busy meanwhile; under the cooperative one
-// (used where d is large) nothing does, and the epilogue is exposed (docs/BENCHMARKS.md: 0.4-0.75 of cuBLAS's plain
-// GEMM).
+// H: the epilogue reads H straight from global memory into registers, one pass of staged columns at a time (8 bytes
+// per thread and row for a GLU, the gate/up pairs of its two accumulator columns; 4 bytes otherwise): a quad of lanes
+// covers 32 contiguous bytes of a row, so every sector is used whole. The loads of a pass are issued together before
+// any is used. They are plain loads, not the read-only path (ld.global.nc): dH may overwrite H in place (input-only
+// mode, memory.hpp), which is safe because a pass reads exactly the H columns whose dH it then stores, every element
+// before its own store, and no other tile touches them. Under the ping-pong schedule the other consumer
+// warpgroup's mainloop keeps the tensor cores busy meanwhile; under the cooperative one (used where d is large)
+// nothing does, and the epilogue is exposed. H is not prefetched: a bulk L2 prefetch of the tile's H rows by the
+// producer, one mainloop ahead, was evicted before the epilogue read it, so H came from HBM twice (ncu, H100,
+// 1.4B (256,128,8): 1.20 GB read from HBM with the prefetch, 0.87 GB without, and the kernel 12 % faster without;
+// docs/BENCHMARKS.md, session 28).
 //
 // Edge tiles (n not a multiple of kTileN): the accumulator's columns j >= n are exact zeros (W2's rows past n arrive
-// zero-filled by TMA, so dA' = sum_k dO[k] * 0), H is neither prefetched nor loaded past the row's valid columns
+// zero-filled by TMA, so dA' = sum_k dO[k] * 0), H is not loaded past the row's valid columns
 // (the padded columns read H = 0, so A = act(0) * 0 or act(0), finite), and dH and A' are clipped by the stores
 // (epilogue_staging.cuh). A padded column thus adds dA' * A = 0 * finite = +0 exactly to its dS block; a 64-column
 // block wholly past n (j0 / 64 + b >= ds_tiles = ceil(n / 64)) is not written at all, since the partials of a pair
@@ -43,19 +44,6 @@ struct EpilogueActivationGrad {
   static constexpr int kV2PerPass = (kTileN / 8) / kPasses;   // accumulator column blocks of 8 per pass
   static constexpr int kDsBlocks = kTileN / 64;               // dS partials per row and tile
   static_assert(kDhCols % Staging::kStageCols == 0 && kTileN % 64 == 0, "tile columns");
-
-  /// Called by the producer warpgroup as it starts loading the tile (`threads` producer threads): the tile's H rows
-  /// go to L2 by bulk prefetch, so the epilogue, about one mainloop later, reads them from L2 rather than HBM.
-  __device__ __forceinline__ static void prefetch(const Params& p, const TileCoord& c, int ptid, int threads) {
-    const std::int64_t j0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
-    const std::int64_t col0 = (kGlu ? 2 : 1) * j0;
-    // An edge tile prefetches only the row's valid H columns (a multiple of 8: whole 16-byte units).
-    const std::int64_t valid_j = p.N - j0 < kTileN ? p.N - j0 : kTileN;
-    const std::uint32_t bytes = static_cast<std::uint32_t>((kGlu ? 2 : 1) * valid_j * 2);
-    const __nv_bfloat16* h = static_cast<const __nv_bfloat16*>(p.h);
-    for (int r = ptid; r < Tile::kTileM; r += threads)
-      if (r < c.rows) bulk_prefetch_l2(h + (c.row0 + r) * p.ld_h + col0, bytes);
-  }
 
   /// One variant: the epilogue has no bias (b1 is already in H; the b2 term of dS is added by the reduction).
   template <class F>

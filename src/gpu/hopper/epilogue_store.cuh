@@ -12,9 +12,6 @@ struct EpilogueStore {
   using Staging = EpilogueStaging<Tile>;
   using Storage = typename Staging::Storage;
 
-  /// Nothing to prefetch: the epilogue reads only the accumulator (and the small bias).
-  __device__ __forceinline__ static void prefetch(const Params&, const TileCoord&, int, int) {}
-
   /// Calls f(EpilogueVariant<...>{}) with the variant `p` needs.
   template <class F>
   __device__ __forceinline__ static void with_variant(const Params& p, F&& f) {

@@ -56,10 +56,6 @@ struct EpilogueWgrad {
     return r * kPassCols + ((((col >> 2) ^ (r & 7))) << 2) + (col & 3);
   }
 
-  /// Nothing to prefetch yet (the producer's per-tile hook). Accumulating, the destination tile could be brought
-  /// to L2 here, one mainloop ahead of its read-modify-write: a measured question.
-  __device__ __forceinline__ static void prefetch(const Params&, const VarlenKTileCoord&, int, int) {}
-
   template <class F>
   __device__ __forceinline__ static void with_variant(const Params& p, F&& f) {
     if (p.out_fp32) {

@@ -112,11 +112,8 @@ struct PersistentKernel {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       // Without a gather only one thread issues the TMA loads; the other producer warps have nothing to do.
       if (Mainloop::kGatherA || wg_thread < 32)
-        Mainloop::template produce<Scheduler>(
-            p.mainloop, p.scheduler, typename Mainloop::Storage{s.tiles, s.barriers}, wg_thread,
-            [&](const auto& c, int ptid) __attribute__((always_inline)) {  // the scheduler's coordinate type
-              Epilogue::prefetch(p.epilogue, c, ptid, Mainloop::kGatherA ? 128 : 32);
-            });
+        Mainloop::template produce<Scheduler>(p.mainloop, p.scheduler,
+                                              typename Mainloop::Storage{s.tiles, s.barriers}, wg_thread);
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       // The epilogue variant is chosen once, outside the persistent loop (uniform branch); every variant is inlined.

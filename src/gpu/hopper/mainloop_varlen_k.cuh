@@ -170,11 +170,9 @@ struct MainloopVarlenK {
   }
 
   /// Fills the ring for every tile of this CTA, in the order the consumers take them. `ptid` in [0, 128).
-  /// `on_tile(c, ptid)` runs on every producer thread as the tile's first copies are issued (the epilogue's
-  /// prefetch hook), also for a tile without k-blocks.
-  template <class Scheduler, class OnTile>
+  template <class Scheduler>
   __device__ __forceinline__ static void produce(const Params& p, const typename Scheduler::Params& sp, Storage s,
-                                                 int ptid, OnTile&& on_tile) {
+                                                 int ptid) {
     Scheduler sched(sp);
     const int chunk = ptid & 7, row_in_pass = ptid >> 3;
     // Row r = row_in_pass + 16 j has r % 8 = row_in_pass % 8 for every j: one swizzled chunk offset per thread.
@@ -184,7 +182,6 @@ struct MainloopVarlenK {
     for (int i = 0;; ++i) {
       const VarlenKTileCoord c = sched.get(i);
       if (!c.valid()) break;
-      on_tile(c, ptid);
       if (c.k_tiles == 0) continue;  // an expert without rows: nothing on the ring
       const std::int64_t a_col0 = static_cast<std::int64_t>(c.m_tile) * kTileM;
       const std::int64_t b_col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;

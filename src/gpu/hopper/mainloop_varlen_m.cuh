@@ -113,11 +113,10 @@ struct MainloopVarlenM {
   // ---- producer ------------------------------------------------------------------------------------------------
 
   /// Fills the ring for every tile of this CTA, in the order the consumers take them. `ptid` in [0, 128) (with a
-  /// contiguous A only the first warp runs this). `on_tile(c, ptid)` runs on every producer thread as the tile's
-  /// first loads are issued, about one tile ahead of its epilogue (the epilogue prefetches its inputs there).
-  template <class Scheduler, class OnTile>
+  /// contiguous A only the first warp runs this).
+  template <class Scheduler>
   __device__ __forceinline__ static void produce(const Params& p, const typename Scheduler::Params& sp, Storage s,
-                                                 int ptid, OnTile&& on_tile) {
+                                                 int ptid) {
     Scheduler sched(sp);
     const int k_tiles = (p.K + kTileK - 1) / kTileK;  // the last block may be partial (zero-filled past K)
     std::uint32_t iter = 0;
@@ -128,7 +127,6 @@ struct MainloopVarlenM {
     for (int i = 0;; ++i) {
       const TileCoord c = sched.get(i);
       if (!c.valid()) break;
-      on_tile(c, ptid);
       const int half_rows = kTileN / 2;
       int b_row_first, b_row_second;
       if (p.b_concatenated) {

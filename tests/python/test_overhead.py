@@ -203,3 +203,40 @@ def test_main_host_only_runs_without_a_gpu_and_writes_json(tmp_path, capsys):
     assert doc["settings"]["shape"] == [0, 8, 8, 4, 2] and set(doc["host"]) == {n for n, _ in overhead.HOST_ROWS}
     text = capsys.readouterr().out
     assert "| module_forward | MoE.forward" in text and "JSON" in text
+
+
+# ---- the order in which measure() times the two sides ---------------------------------------------------------------
+
+class _RecordingCase:
+    """Stands in for overhead.Case: records (side, warmup, iters) per call and returns per-side constant times."""
+
+    def __init__(self):
+        self.calls = []
+
+    def cpp(self, warmup, iters, isolated):
+        self.calls.append(("cpp", warmup, iters))
+        return torch.tensor([[1.0, 3.0]] * iters, dtype=torch.float64)
+
+    def module_times(self, warmup, iters, isolated):
+        self.calls.append(("module", warmup, iters))
+        return {"forward": [1.5] * iters, "fwdbwd": [3.3] * iters, "host_forward": [0.2] * iters}
+
+
+def test_isolated_alternates_the_sides_every_repetition():
+    case = _RecordingCase()
+    r = overhead.measure(case, warmup=2, iters=3, rounds=2, mode="isolated")
+    # A warm-up of each side, then rounds x iters single repetitions, the first side swapped every time.
+    assert case.calls[:2] == [("cpp", 2, 1), ("module", 2, 1)]
+    sides = [c[0] for c in case.calls[2:]]
+    assert sides == ["cpp", "module", "module", "cpp"] * 3
+    assert all(c[1:] == (0, 1) for c in case.calls[2:])
+    assert r["samples"] == 6  # the warm-up's repetitions are not kept
+    assert r["ratio"]["forward"] == pytest.approx(1.5)
+    assert r["ratio"]["fwdbwd"] == pytest.approx(1.1)
+
+
+def test_queued_times_a_block_per_side_and_round():
+    case = _RecordingCase()
+    r = overhead.measure(case, warmup=2, iters=3, rounds=2, mode="queued")
+    assert case.calls == [("cpp", 2, 3), ("module", 2, 3), ("module", 2, 3), ("cpp", 2, 3)]
+    assert r["samples"] == 6

@@ -11,7 +11,8 @@ repetition. Two modes:
   host's latency before the first kernel (Python, the dispatcher, autograd, validation) counts;
 * queued: the host queues every repetition ahead, so only GPU work counts (extra kernels, memsets, copies).
 
-The two sides alternate in rounds, so that clock drift falls on both. `--machmoe-bench PATH` also runs the C++
+Isolated, the two sides alternate repetition by repetition (which goes first swapped every time), so that the drift
+of an idle GPU's clocks falls on both; queued, they alternate in rounds of `--iters` repetitions each. `--machmoe-bench PATH` also runs the C++
 benchmark binary per configuration in a subprocess as a cross-check of the in-process C++ timing. `--profile`
 lists the kernels and CUDA API calls of one repetition of each side (torch.profiler) and their difference, which
 is where an extra launch, memset or copy of the module shows up.
@@ -92,7 +93,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=_nonnegative, default=5, help="untimed repetitions per round (default 5)")
     p.add_argument("--iters", type=_positive, default=20, help="timed repetitions per round (default 20)")
     p.add_argument("--rounds", type=_positive, default=2,
-                   help="rounds; each times both sides, alternating which goes first (default 2)")
+                   help="rounds (default 2): isolated, rounds x iters repetitions of each side, one of each in turn; "
+                        "queued, each round times a block of iters per side, alternating which goes first")
     p.add_argument("--modes", default="isolated,queued", help="isolated, queued or both (default both)")
     p.add_argument("--target", type=float, default=TARGET, help=f"ratio the isolated figures must not exceed "
                    f"(default {TARGET})")
@@ -208,16 +210,30 @@ def measure(case: Case, warmup: int, iters: int, rounds: int, mode: str) -> dict
     isolated = mode == "isolated"
     mod: Dict[str, List[float]] = {"forward": [], "fwdbwd": [], "host_forward": []}
     cpp: Dict[str, List[float]] = {"forward": [], "fwdbwd": []}
-    for r in range(rounds):
-        order = ("cpp", "module") if r % 2 == 0 else ("module", "cpp")
-        for side in order:
-            if side == "cpp":
-                t = case.cpp(warmup, iters, isolated)
-                cpp["forward"] += t[:, 0].tolist()
-                cpp["fwdbwd"] += t[:, 1].tolist()
-            else:
-                for k, v in case.module_times(warmup, iters, isolated).items():
-                    mod[k] += v
+
+    def run(side: str, w: int, n: int) -> None:
+        if side == "cpp":
+            t = case.cpp(w, n, isolated)
+            cpp["forward"] += t[:, 0].tolist()
+            cpp["fwdbwd"] += t[:, 1].tolist()
+        else:
+            for k, v in case.module_times(w, n, isolated).items():
+                mod[k] += v
+
+    if isolated:
+        # One repetition of each side in turn (the order swapped every repetition): an isolated repetition starts
+        # from an idle GPU, whose clocks drift over seconds; blocks of repetitions per side put that drift between
+        # the two sides (two back-to-back blocks of the same module forward measured 7 % apart on an H100).
+        case.cpp(warmup, 1, isolated)  # warm-up (its one timed repetition is not kept)
+        case.module_times(warmup, 1, isolated)
+        for r in range(rounds * iters):
+            for side in (("cpp", "module") if r % 2 == 0 else ("module", "cpp")):
+                run(side, 0, 1)
+    else:
+        # Queued: each side's repetitions are queued back to back (a block per side and round).
+        for r in range(rounds):
+            for side in (("cpp", "module") if r % 2 == 0 else ("module", "cpp")):
+                run(side, warmup, iters)
     res = {"cpp": {f"{k}_ms": _median(v) for k, v in cpp.items()},
            "module": {f"{k}_ms": _median(v) for k, v in mod.items()}, "samples": len(cpp["forward"])}
     res["ratio"] = {k: res["module"][f"{k}_ms"] / res["cpp"][f"{k}_ms"] for k in PASSES}

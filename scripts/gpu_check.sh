@@ -4,8 +4,9 @@
 # build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|profile|detail|all] [gtest filter]
 # profile: kernel by kernel durations of one forward of $BENCH_CONFIGS (ncu, unlocked clocks; nsys when present).
 # detail: ncu --set full of the kernels matching $KERNEL_REGEX and the instructions where they stall, in one archive.
-# The whole GPU suite takes about 8 minutes on an H100 (one process); where one command may run 10 minutes at most,
-# split it with gtest's own sharding over calls: GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=0 (then 1) bash ... tests.
+# The whole GPU suite took 289 s on an H100 in two gtest shards (2026-11-25, its float64 references on all cores;
+# over 490 s in one process before); where one command may run 10 minutes at most with the build and pytest, split it
+# with gtest's own sharding over calls: GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=0 (then 1) bash ... tests.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 what="${1:-all}"

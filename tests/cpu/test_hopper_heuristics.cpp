@@ -131,6 +131,26 @@ TEST(HopperHeuristics, RasterisationAlongNUnlessForced) {
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 1536, 256), o).raster_m, 1);
 }
 
+TEST(HopperHeuristics, DxRunsInClustersWhereItsReductionIsLong) {
+  using gpu::hopper::kDxClusterMinK;
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 2880, 5760), {}).cluster_m, 2);  // gpt-oss: K = 2n
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, 4096), {}).cluster_m, 2);  // 120B (2048,64,4)
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, 512), {}).cluster_m, 1);   // 30B (256,256,16)
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, kDxClusterMinK - 8), {}).cluster_m, 1);
+  TileOverrides o;
+  o.tile_n = 256;  // a forced tile keeps the cluster choice
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 2880, 5760), o).cluster_m, 2);
+  o = {};
+  o.cluster_m = 1;  // forced, either way
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 2880, 5760), o).cluster_m, 1);
+  o.cluster_m = 2;
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, 512), o).cluster_m, 2);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 2880, 2880), o).cluster_m, 1);  // dX~ only
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 256, 768), o).cluster_m, 1);
+  o.cluster_m = 3;  // not a cluster size: the heuristic's
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 2880, 5760), o).cluster_m, 2);
+}
+
 // ---- weight gradients (varlen-K) ----------------------------------------------------------------------------------
 
 gpu::hopper::WgradShape wgrad(std::int64_t E, std::int64_t M, std::int64_t N, int sms = 132) {

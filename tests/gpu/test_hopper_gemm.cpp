@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <random>
 
 #include "gpu/hopper/dispatch.hpp"
@@ -516,6 +517,18 @@ DownResult run_dx(std::int64_t d, std::int64_t K, bool concatenated, const std::
   return r;
 }
 
+/// for_each_tile for dX~, each tile also in 2-CTA clusters along M (the weight tile multicast to the pair; an odd
+/// expert's last pair has an empty second tile), then the heuristic's clusters again.
+template <class F>
+void for_each_dx_tile(F&& body) {
+  for (int cluster : {1, 2}) {
+    SCOPED_TRACE("cluster M " + std::to_string(cluster));
+    gpu::set_hopper_cluster_m(cluster);
+    for_each_tile(body);
+  }
+  gpu::set_hopper_cluster_m(0);
+}
+
 TEST(HopperDxExpanded, MatchesFloat64AndTheReferenceGemm) {
   REQUIRE_GPU();
   gpu::set_hopper_backward_enabled(true);
@@ -523,7 +536,8 @@ TEST(HopperDxExpanded, MatchesFloat64AndTheReferenceGemm) {
     for (auto [d, K] : {std::pair<std::int64_t, std::int64_t>{384, 128}, {128, 64}, {256, 512}, {512, 2048}}) {
       SCOPED_TRACE(std::to_string(d) + "x" + std::to_string(K) + (concatenated ? " concatenated" : ""));
       const DownResult ref = run_dx(d, K, concatenated, kEdgeLengths, 41, true);
-      for_each_tile([&, d = d, K = K] {
+      std::map<int, std::vector<unsigned char>> unclustered;  // tile N -> dX~ without clusters
+      for_each_dx_tile([&, d = d, K = K] {
         const DownResult fast = run_dx(d, K, concatenated, kEdgeLengths, 41);
         for (double v : fast.y) ASSERT_FALSE(std::isnan(v)) << "a dX~ element was not written";
         EXPECT_TRUE(fast.canaries);
@@ -531,6 +545,12 @@ TEST(HopperDxExpanded, MatchesFloat64AndTheReferenceGemm) {
         EXPECT_LT(rel_error(fast.y, fast.y_ref), 4e-3);
         EXPECT_LT(rel_error(fast.y, ref.y), 4e-3);
         EXPECT_EQ(run_dx(d, K, concatenated, kEdgeLengths, 41).raw, fast.raw) << "not deterministic";
+        // Clusters change who loads the weight tile, not what a tile computes: bitwise the same dX~.
+        const auto it = unclustered.find(g_tile_n);
+        if (it == unclustered.end())
+          unclustered.emplace(g_tile_n, fast.raw);
+        else
+          EXPECT_EQ(fast.raw, it->second) << "clusters changed a bit of dX~";
       });
     }
 }
@@ -540,7 +560,7 @@ TEST(HopperDxExpanded, ManyExpertsAndSingleRows) {
   gpu::set_hopper_backward_enabled(true);
   std::vector<int> many(100, 0);
   for (std::size_t e = 0; e < many.size(); ++e) many[e] = static_cast<int>((e * 37) % 5);  // 0..4 rows
-  for_each_tile([&] {
+  for_each_dx_tile([&] {
     const DownResult r = run_dx(256, 128, true, many, 3);
     EXPECT_TRUE(r.tails_untouched);
     EXPECT_LT(rel_error(r.y, r.y_ref), 4e-3);
@@ -989,7 +1009,7 @@ TEST_F(HopperEdgeTiles, DownProjection) {
 void check_dx(const OddShape& sh, std::int64_t K, bool concatenated) {
   SCOPED_TRACE(std::string(sh.name) + " K " + std::to_string(K) + (concatenated ? " concatenated" : ""));
   const DownResult ref = run_dx(sh.d, K, concatenated, sh.lengths, 81, true, kGuard);
-  for_each_tile([&] {
+  for_each_dx_tile([&] {
     const DownResult fast = run_dx(sh.d, K, concatenated, sh.lengths, 81, false, kGuard);
     for (double v : fast.y) ASSERT_FALSE(std::isnan(v)) << "a dX~ element is NaN (unwritten, or a guard read)";
     EXPECT_TRUE(fast.canaries);

@@ -178,6 +178,17 @@ __device__ __forceinline__ void tma_load_3d_multicast(const CUtensorMap* map, st
       : "memory");
 }
 
+/// The 4D TMA tile load, multicast to the CTAs of `cta_mask` (same shared-memory offset and barrier in each).
+__device__ __forceinline__ void tma_load_4d_multicast(const CUtensorMap* map, std::uint64_t* bar, void* dst, int c0,
+                                                      int c1, int c2, int c3, std::uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
+      "%4, %5, %6}], [%2], %7;" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+      "h"(cta_mask)
+      : "memory");
+}
+
 /// One arrival on the barrier at the same offset in CTA `cta_rank` of the cluster. Release at CTA scope (the
 /// default) is all a consumer's "stage read" signal needs: the WGMMAs that read the stage have completed (wait_group)
 /// before it. A .release.cluster arrival adds a cluster-scope fence to every k-block; it made the 2-CTA kernel 1.6x

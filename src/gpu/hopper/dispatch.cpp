@@ -100,7 +100,7 @@ int env_int(const char* name) {
 }
 
 // The override layer of the tile heuristics (hopper/heuristics.hpp): MACHMOE_HOPPER_TILE_N=128|256 and
-// MACHMOE_HOPPER_RASTER_M=g from the environment, or set_hopper_tile_n / set_hopper_raster_m (tests, tuning).
+// MACHMOE_HOPPER_RASTER_M=g and MACHMOE_HOPPER_CLUSTER_M=1|2 (dX~) from the environment, or set_hopper_tile_n / set_hopper_raster_m (tests, tuning).
 std::atomic<int>& forced_tile_n() {
   static std::atomic<int> v{env_int("MACHMOE_HOPPER_TILE_N")};
   return v;
@@ -109,10 +109,15 @@ std::atomic<int>& forced_raster_m() {
   static std::atomic<int> v{env_int("MACHMOE_HOPPER_RASTER_M")};
   return v;
 }
+std::atomic<int>& forced_cluster_m() {
+  static std::atomic<int> v{env_int("MACHMOE_HOPPER_CLUSTER_M")};
+  return v;
+}
 hopper::TileOverrides tile_overrides() {
   hopper::TileOverrides o;
   o.tile_n = forced_tile_n().load();
   o.raster_m = forced_raster_m().load();
+  o.cluster_m = forced_cluster_m().load();
   return o;
 }
 
@@ -150,6 +155,7 @@ void launch_dh(Activation act, const hopper::DhKernelParams& p, int sms, cudaStr
 
 void set_hopper_tile_n(int tile_n) { forced_tile_n().store(tile_n); }
 void set_hopper_raster_m(int raster_m) { forced_raster_m().store(raster_m > 0 ? raster_m : 0); }
+void set_hopper_cluster_m(int cluster_m) { forced_cluster_m().store(cluster_m > 0 ? cluster_m : 0); }
 
 void set_hopper_kernels_enabled(bool enabled) { enabled_flag().store(enabled ? 1 : 0); }
 
@@ -347,8 +353,13 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
     p.epilogue.out = output(a.out, a.N, a.ld_out);
     p.epilogue.bias = bias;
     p.epilogue.N = static_cast<int>(a.N);
-    if (mn_major && tiles.tile_n == 256)
+    const bool pairs = tiles.cluster_m == 2;  // dX~ only (heuristics.hpp)
+    if (mn_major && tiles.tile_n == 256 && pairs)
+      hopper::launch_dx_expanded<hopper::Tile128x256CooperativeCluster2>(p, sm_count, stream);
+    else if (mn_major && tiles.tile_n == 256)
       hopper::launch_dx_expanded<hopper::Tile128x256Cooperative>(p, sm_count, stream);
+    else if (mn_major && pairs)
+      hopper::launch_dx_expanded<hopper::Tile128x128PingPongCluster2>(p, sm_count, stream);
     else if (mn_major)
       hopper::launch_dx_expanded<hopper::Tile128x128PingPong>(p, sm_count, stream);
     else if (tiles.tile_n == 256)

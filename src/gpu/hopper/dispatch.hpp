@@ -42,6 +42,9 @@ void set_hopper_tile_n(int tile_n);
 /// Forces the tile scheduler's rasterisation group (M-tiles per group; 1 runs along N); 0 restores the heuristic.
 /// Also set from the environment by MACHMOE_HOPPER_RASTER_M. The results are bitwise the same for every value.
 void set_hopper_raster_m(int raster_m);
+/// Forces dX~'s CTA clusters along M (1 or 2: pairs sharing the weight tile by multicast); 0 restores the heuristic.
+/// Also set from the environment by MACHMOE_HOPPER_CLUSTER_M. The results are bitwise the same for every value.
+void set_hopper_cluster_m(int cluster_m);
 bool hopper_kernels_enabled();
 /// The backward's Hopper kernels (dX~, dW1, dW2): on by default; off with MACHMOE_HOPPER_BACKWARD=0 or this switch
 /// (tests compare both paths).

@@ -34,7 +34,9 @@ TILES = {
     "dh": [("Tile128x128PingPong", "bwd_dh_128x128_pingpong"),
            ("Tile128x256Cooperative", "bwd_dh_128x256_cooperative")],
     "dx": [("Tile128x128PingPong", "bwd_dx_128x128_pingpong"),
-           ("Tile128x256Cooperative", "bwd_dx_128x256_cooperative")],
+           ("Tile128x256Cooperative", "bwd_dx_128x256_cooperative"),
+           ("Tile128x128PingPongCluster2", "bwd_dx_128x128_pingpong_cluster2"),
+           ("Tile128x256CooperativeCluster2", "bwd_dx_128x256_cooperative_cluster2")],
     # Weight gradients (varlen-K): the same two tiles for dW2 and dW1 (heuristics.hpp, choose_wgrad_tiles).
     "dw2": [("Tile128x128PingPong", "bwd_dw2_128x128_pingpong"),
             ("Tile128x256Cooperative", "bwd_dw2_128x256_cooperative")],

@@ -33,6 +33,10 @@ std::string wgrad_shape_unsupported_reason(std::int64_t M, std::int64_t N) {
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides) {
   TileChoice c;
   c.raster_m = overrides.raster_m > 0 ? overrides.raster_m : 1;
+  if (shape.family == KernelFamily::kDxExpanded)
+    c.cluster_m = overrides.cluster_m == 1 || overrides.cluster_m == 2 ? overrides.cluster_m
+                  : shape.K >= kDxClusterMinK                          ? 2
+                                                                        : 1;
   // A forced tile is honoured for every N (edge tiles make any N run on either).
   if (overrides.tile_n == 128 || overrides.tile_n == 256) {
     c.tile_n = overrides.tile_n;

@@ -20,11 +20,14 @@ struct GemmShape {
 struct TileOverrides {
   int tile_n = 0;    // 128 or 256
   int raster_m = 0;  // M-tiles per rasterisation group
+  int cluster_m = 0;  // dX~ only: 1 or 2 CTAs per cluster along M
 };
 
 struct TileChoice {
   int tile_n = 128;  // 128: Tile128x128PingPong; 256: the 128 x 256 cooperative tile (with clusters of 2 for up)
   int raster_m = 1;  // 1: along N
+  int cluster_m = 1;  // dX~: 2 runs CTA pairs along M that share (multicast) the weight tile; the up-projection's
+                      // wide tile always runs in pairs (Tile128x256CooperativeCluster2), the other families never
 };
 
 /// The narrowest N tile.
@@ -69,6 +72,14 @@ TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
 /// The up-projection's and the weight gradients' limit on the wide tile's padded width, in % of the square tile's.
 inline constexpr std::int64_t kUpProjectionWidePercent = 110;
 inline constexpr std::int64_t kWgradWidePercent = 125;
+
+/// dX~ runs in 2-CTA clusters along M (the pair shares W1's tile by multicast, each CTA loading half of it) from this
+/// reduction length K = 2n (GLU) on. Measured on an H100 (docs/BENCHMARKS.md, session 28, two rounds): where K is long
+/// every tile streams K x kTileN of W1, and the pairs halve that traffic: the backward 2.3-3.0 % faster on gpt-oss-20b
+/// (K = 5760), 2.6-7.1 % on gpt-oss-120b, 2.9-3.3 % on 120B (2048,64,4) (K = 4096); where K = 512 (30B
+/// (256,256,16), 7B (256,128,8)) the pairs' lockstep costs more than it saves (backward 0.3-1.5 % slower); at K = 2048
+/// it was mixed (120B (1024,128,8) 2.5-3.9 % faster, 1.4B (1024,32,2) 1.1-1.5 % slower, 30B (1024,64,4) either way).
+inline constexpr std::int64_t kDxClusterMinK = 4096;
 
 /// The largest K (= d) for which the dH kernel takes the ping-pong tile.
 inline constexpr std::int64_t kDhPingPongMaxK = 2048;

@@ -50,8 +50,8 @@ struct MainloopVarlenM {
   static constexpr bool kMajorBK = kMajorB == Major::kK;
   // MN-major B is read in place from weights stored (K, N) row-major per expert (the backward's W1 for dX~, W2 for
   // dH): a 4D tensor map (N, half, j, E) with k = 2 j + half, so the concatenated GLU layout is read interleaved
-  // without a copy (params.hpp). No multicast on that path yet.
-  static_assert(kMajorBK || Tile::kClusterM == 1, "MN-major B: clusters not built yet");
+  // without a copy (params.hpp). In a cluster of 2 along M, each CTA loads every other 64-column box of the tile and
+  // multicasts it to both.
   static_assert(sizeof(Element) == 2, "16-bit operands (bf16)");
   // Registers of the producer warpgroup: more when it gathers (row offsets of its 8 rows).
   static constexpr int kProducerRegs = kGatherA ? 56 : 40;
@@ -155,7 +155,12 @@ struct MainloopVarlenM {
         mbar_wait(&s.bar.empty[stage], phase ^ 1u, WaitSite::kProducerEmpty, iter);
         if (ptid == 0) {
           mbar_arrive_expect_tx(&s.bar.full[stage], kBytesB + (kGatherA ? 0 : kBytesA));
-          if constexpr (!kMajorBK) {  // kTileN / 64 boxes of (64 columns) x (32 j) x (gate, up | k, k + 1)
+          if constexpr (!kMajorBK && Tile::kClusterM == 2) {  // this CTA's boxes (b = rank mod 2), to both CTAs
+#pragma unroll
+            for (int b = static_cast<int>(sched.rank()); b < kTileN / 64; b += 2)
+              tma_load_4d_multicast(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][b * 64 * kTileK],
+                                    c.n_tile * kTileN + 64 * b, 0, kb * (kTileK / 2), c.expert, 0x3);
+          } else if constexpr (!kMajorBK) {  // kTileN / 64 boxes of (64 columns) x (32 j) x (gate, up | k, k + 1)
 #pragma unroll
             for (int b = 0; b < kTileN / 64; ++b)
               tma_load_4d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][b * 64 * kTileK], c.n_tile * kTileN + 64 * b, 0,

@@ -33,6 +33,11 @@ struct Tile128x256CooperativeCluster2 : Tile128x256Cooperative {
   static constexpr int kClusterM = 2;
 };
 
+/// The ping-pong tile in clusters of 2 CTAs along M, the weight tile multicast (each CTA loads half of it).
+struct Tile128x128PingPongCluster2 : Tile128x128PingPong {
+  static constexpr int kClusterM = 2;
+};
+
 /// What follows from a tile configuration.
 template <class Tile>
 struct TileTraits {

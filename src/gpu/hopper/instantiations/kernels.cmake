@@ -36,6 +36,8 @@ set(MACHMOE_HOPPER_KERNEL_SOURCES
   src/gpu/hopper/instantiations/bwd_dh_128x256_cooperative_gptoss_swiglu.cu
   src/gpu/hopper/instantiations/bwd_dx_128x128_pingpong.cu
   src/gpu/hopper/instantiations/bwd_dx_128x256_cooperative.cu
+  src/gpu/hopper/instantiations/bwd_dx_128x128_pingpong_cluster2.cu
+  src/gpu/hopper/instantiations/bwd_dx_128x256_cooperative_cluster2.cu
   src/gpu/hopper/instantiations/bwd_dw2_128x128_pingpong.cu
   src/gpu/hopper/instantiations/bwd_dw2_128x256_cooperative.cu
   src/gpu/hopper/instantiations/bwd_dw1_128x128_pingpong.cu

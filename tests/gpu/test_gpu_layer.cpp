@@ -434,12 +434,17 @@ TEST(GpuLayerProperties, ConsumingTheSavedBufferChangesNoResultBitwise) {
 TEST(GpuLayerProperties, DxInChunksOfTokensIsBitwiseOnePass) {
   REQUIRE_GPU();
   struct BackwardGuard {
-    ~BackwardGuard() { gpu::set_hopper_backward_enabled(true); }
+    ~BackwardGuard() {
+      gpu::set_hopper_backward_enabled(true);
+      gpu::set_hopper_cluster_m(0);
+    }
   } guard;
   struct Shape {
     std::int64_t T, d, n, E, K;
   };
-  // (E = 300: the chunk plan scans the experts 256 at a time with a carry.)
+  // (E = 300: the chunk plan scans the experts 256 at a time with a carry.) The Hopper dX~ also runs in 2-CTA
+  // clusters (the heuristic's choice where K = 2n >= 4096, forced here), whose pairs read each chunk's rows of dH
+  // through the per-expert row shift.
   for (const Shape& sh : {Shape{1500, 192, 96, 12, 3}, Shape{1, 64, 32, 8, 2}, Shape{5, 64, 32, 40, 2},
                           Shape{60, 64, 32, 300, 8}})
     for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied})
@@ -462,6 +467,13 @@ TEST(GpuLayerProperties, DxInChunksOfTokensIsBitwiseOnePass) {
                                      " chunks=" + std::to_string(chunks);
             EXPECT_TRUE(many.canaries_intact) << what;
             expect_same_backward(many, one, what);
+            if (hopper_backward) {
+              gpu::set_hopper_cluster_m(2);
+              const GpuRun pairs = run_on_gpu(c, DType::kBF16, 0, false, false, nullptr, chunks == 7);
+              gpu::set_hopper_cluster_m(0);
+              EXPECT_TRUE(pairs.canaries_intact) << what << " clusters";
+              expect_same_backward(pairs, one, what + " clusters");
+            }
           }
         }
 }

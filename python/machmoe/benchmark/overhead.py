@@ -12,8 +12,9 @@ repetition. Two modes:
 * queued: the host queues every repetition ahead, so only GPU work counts (extra kernels, memsets, copies).
 
 Isolated, the two sides alternate repetition by repetition (which goes first swapped every time), so that the drift
-of an idle GPU's clocks falls on both; queued, they alternate in rounds of `--iters` repetitions each. `--machmoe-bench PATH` also runs the C++
-benchmark binary per configuration in a subprocess as a cross-check of the in-process C++ timing. `--profile`
+of an idle GPU's clocks falls on both; queued, they alternate in rounds of `--iters` repetitions each.
+`--machmoe-bench PATH` also runs the C++ benchmark binary per configuration in a subprocess as a cross-check of the
+in-process C++ timing. `--profile`
 lists the kernels and CUDA API calls of one repetition of each side (torch.profiler) and their difference, which
 is where an extra launch, memset or copy of the module shows up.
 """

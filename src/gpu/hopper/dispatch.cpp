@@ -100,7 +100,8 @@ int env_int(const char* name) {
 }
 
 // The override layer of the tile heuristics (hopper/heuristics.hpp): MACHMOE_HOPPER_TILE_N=128|256 and
-// MACHMOE_HOPPER_RASTER_M=g and MACHMOE_HOPPER_CLUSTER_M=1|2 (dX~) from the environment, or set_hopper_tile_n / set_hopper_raster_m (tests, tuning).
+// MACHMOE_HOPPER_RASTER_M=g and MACHMOE_HOPPER_CLUSTER_M=1|2 (dX~) from the environment, or set_hopper_tile_n,
+// set_hopper_raster_m and set_hopper_cluster_m (tests, tuning).
 std::atomic<int>& forced_tile_n() {
   static std::atomic<int> v{env_int("MACHMOE_HOPPER_TILE_N")};
   return v;

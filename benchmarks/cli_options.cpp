@@ -94,6 +94,7 @@ const std::vector<IntegerOption>& integer_options() {
       {"--dx-chunks", 0, Limits::kMaxDxChunks, "chunks of tokens of the backward's dX~ (0: the heuristic)"},
       {"--iters", 1, kMaxRepetitions, "timed repetitions"},
       {"--warmup", 0, kMaxRepetitions, "untimed repetitions"},
+      {"--stage-runs", 1, kMaxStageRuns, "instrumented runs of the stage timings, median per stage"},
       {"--seed", 0, std::numeric_limits<std::int64_t>::max(), "random seed"},
   };
   return options;
@@ -147,6 +148,8 @@ std::string usage() {
       "  --dtype NAME         GPU: bf16 (default), fp16, fp32; CPU reference: fp32 (default), fp64\n"
       "  --iters N            timed repetitions, median reported (default 10 on the GPU, 3 on the CPU)\n"
       "  --warmup N           untimed repetitions first (default 3 on the GPU, 1 on the CPU)\n"
+      "  --stage-runs N       GPU: instrumented forward+backward runs behind the stage table, median per stage\n"
+      "                       (default 5; one run's stage figures spread by up to 15 %)\n"
       "  --all-configs        run the 12 main configurations (GPU) and print a summary table\n"
       "  --json PATH          also write the results as a JSON array to PATH\n"
       "  --profile            GPU: one more forward inside cudaProfilerStart/Stop, for\n"
@@ -229,6 +232,7 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
     } else if (name == "--dx-chunks") p.dx_chunks = v;
     else if (name == "--iters") o.iters = static_cast<int>(v);  // <= kMaxRepetitions: fits an int
     else if (name == "--warmup") o.warmup = static_cast<int>(v);
+    else if (name == "--stage-runs") o.stage_runs = static_cast<int>(v);
     else if (name == "--seed") o.seed = static_cast<std::uint64_t>(v);
   }
   if (has("--activation")) p.activation = parse_enum("--activation", given.at("--activation"), parse_activation);

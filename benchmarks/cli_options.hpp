@@ -31,6 +31,7 @@ struct Options {
   DType dtype = DType::kFP32;  // resolved: bf16 on the GPU, fp32 on the CPU unless --dtype says otherwise
   int iters = 3;             // resolved: 10 on the GPU, 3 on the CPU unless --iters says otherwise (<= kMaxRepetitions)
   int warmup = 1;            // resolved: 3 on the GPU, 1 on the CPU (<= kMaxRepetitions)
+  int stage_runs = 5;        // GPU: instrumented runs of the stage table, median per stage (<= kMaxStageRuns)
   std::uint64_t seed = 0;
   bool all_configs = false;  // run the 12 main configurations
   std::string json_path;     // write results as JSON here when set
@@ -48,6 +49,8 @@ const std::vector<IntegerOption>& integer_options();
 
 /// The most repetitions --iters and --warmup take: enough for any measurement, few enough that a run ends.
 inline constexpr std::int64_t kMaxRepetitions = 100000;
+/// The most instrumented runs --stage-runs takes (each is a whole forward + backward with an event per stage).
+inline constexpr std::int64_t kMaxStageRuns = 1000;
 
 /// Parses `text` as a decimal integer in [lo, hi]: optional '-' then digits only, overflow detected (never
 /// wrapped). Throws machmoe::Error naming `option`, the range and the text given.

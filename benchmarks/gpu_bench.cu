@@ -170,6 +170,23 @@ struct Result {
   Bound bound;
 };
 
+/// Per stage, the median of its times over several instrumented runs, in the first run's stage order (a stage
+/// missing from some run takes the median of the runs that have it).
+std::vector<StageTime> median_stage_times(const std::vector<std::vector<StageTime>>& runs) {
+  std::vector<StageTime> out;
+  if (runs.empty()) return out;
+  for (const StageTime& first : runs[0]) {
+    std::vector<double> ms;
+    for (const auto& run : runs)
+      for (const StageTime& st : run)
+        if (st.stage == first.stage) ms.push_back(st.ms);
+    std::sort(ms.begin(), ms.end());
+    const std::size_t h = ms.size() / 2;
+    out.push_back({first.stage, ms.size() % 2 ? ms[h] : 0.5 * (ms[h - 1] + ms[h])});
+  }
+  return out;
+}
+
 Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t s) {
   const MoEProblem& p = o.problem;
   const DType dt = o.dtype;
@@ -280,11 +297,17 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
     check(cudaStreamSynchronize(s), "profiled forward");
     check(cudaProfilerStop(), "cudaProfilerStop");
   }
+  // Stage times: the median over o.stage_runs instrumented runs, per stage (one run's figures spread by up to 15 %,
+  // too much for an A/B of one kernel).
+  std::vector<std::vector<StageTime>> stage_runs;
   enable_stage_timing(true);
-  forward(p, xv, w, nullptr, fo, fb, s);
-  backward(p, xv, w, nullptr, bi, bo, bb, s);
-  r.stages = collect_stage_timings();
+  for (int i = 0; i < o.stage_runs; ++i) {
+    forward(p, xv, w, nullptr, fo, fb, s);
+    backward(p, xv, w, nullptr, bi, bo, bb, s);
+    stage_runs.push_back(collect_stage_timings());
+  }
   enable_stage_timing(false);
+  r.stages = median_stage_times(stage_runs);
 
   std::vector<std::int32_t> hc(n(p.E));
   check(cudaMemcpy(hc.data(), counts.p, 4 * n(p.E), cudaMemcpyDeviceToHost), "counts");
@@ -313,7 +336,7 @@ std::string json_of(const Result& r, const Options& o, const std::string& gpu, d
     << ",\"efficiency_backward\":" << r.bound_bwd / r.bwd_ms
     << ",\"activation_bytes_accounted\":" << r.act_accounted << ",\"activation_bytes_measured\":" << r.act_measured
     << ",\"peak_bytes\":" << r.peak_total << ",\"peak_transient_bytes\":" << r.peak_transient
-    << ",\"stages_ms\":{";
+    << ",\"stage_runs\":" << o.stage_runs << ",\"stages_ms\":{";
   for (std::size_t i = 0; i < r.stages.size(); ++i)
     j << (i ? "," : "") << "\"" << r.stages[i].stage << "\":" << r.stages[i].ms;
   j << "},\"cublas_stage_ms\":{";
@@ -365,7 +388,7 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
                 r.bound_fwd / r.fwd_ms);
     std::printf("  %-10s %10.3f %10.1f %12.3f %10.3f\n", "backward", r.bwd_ms, r.bwd_tflops, r.bound_bwd,
                 r.bound_bwd / r.bwd_ms);
-    std::printf("  stages (one instrumented run):\n");
+    std::printf("  stages (median of %d instrumented runs):\n", o.stage_runs);
     // Bytes the gather-sum kernels must move: read P rows of d, write T rows of d (plus 8 bytes of index and
     // score per pair), against the copy bandwidth measured above.
     const MoEProblem& p = o.problem;

@@ -167,6 +167,15 @@ TEST(Cli, RepetitionsAndSeedKeepTheirValue) {
   EXPECT_NE(error_of({"--seed", "18446744073709551615"}).find("beyond the 64-bit range"), std::string::npos);
 }
 
+TEST(Cli, StageRunsDefaultToFiveAndTakeTheirRange) {
+  EXPECT_EQ(parse_options({}, false).stage_runs, 5);
+  EXPECT_EQ(parse_options({"--stage-runs", "1"}, false).stage_runs, 1);
+  EXPECT_EQ(parse_options({"--stage-runs", "1000"}, false).stage_runs, 1000);
+  EXPECT_NE(error_of({"--stage-runs", "0"}).find("'--stage-runs': expected a decimal integer in [1, 1000], got '0'"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--stage-runs", "1001"}).find("'--stage-runs'"), std::string::npos);
+}
+
 TEST(Cli, SizesBeyondTheLibraryLimitsNameTheOption) {
   EXPECT_NE(error_of({"--d", "1048577"}).find("'--d': expected a decimal integer in [1, 1048576]"), std::string::npos);
   EXPECT_NE(error_of({"--E", "65537"}).find("'--E': expected a decimal integer in [1, 65536]"), std::string::npos);

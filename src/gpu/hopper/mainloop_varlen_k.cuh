@@ -152,6 +152,25 @@ struct MainloopVarlenK {
   __device__ __forceinline__ static void copy_rows(std::uint32_t dst_stage, const Element* base, std::int64_t ld,
                                                    std::int64_t col0, int valid, const int (&rows)[kRowsPerThread],
                                                    int row_in_pass, std::uint32_t swizzled_chunk, int chunk) {
+    if (valid >= kWidth) {
+      // A whole tile (uniform): one source address per row, and the row's kWidth / 64 copies at constant offsets
+      // from it and from the row's shared-memory slot, which ptxas folds into the instructions' immediates. A row
+      // past the segment keeps a valid address (row 0 of the operand: the tile's columns exist there) and copies 0
+      // bytes (zero-fill). ncu on 120B (2048,64,4) showed the general path below costing the producer warps ~420
+      // instructions per k-block of dW1 (16 copies per thread, each with its own address selects) and the consumers
+      // waiting for data at 28 % of the kernel's stall samples; this path took dW1 2.6-4.9 % faster on an H100
+      // (docs/BENCHMARKS.md, session 29).
+#pragma unroll
+      for (int j = 0; j < kRowsPerThread; ++j) {
+        const bool row_ok = rows[j] >= 0;
+        const Element* src = base + (row_ok ? static_cast<std::int64_t>(rows[j]) * ld : 0) + col0 + chunk * 8;
+        const std::uint32_t dst = dst_stage + (row_in_pass + 16 * j) * 128 + swizzled_chunk;
+        const std::uint32_t bytes = row_ok ? 16u : 0u;
+#pragma unroll
+        for (int blk = 0; blk < kWidth / 64; ++blk) cp_async_16(dst + blk * kBlockBytes, src + blk * 64, bytes);
+      }
+      return;
+    }
     bool col_ok[kWidth / 64];
 #pragma unroll
     for (int blk = 0; blk < kWidth / 64; ++blk) col_ok[blk] = blk * 64 + chunk * 8 < valid;

@@ -3,10 +3,11 @@
 // element belongs to exactly one tile and one thread, so the result is deterministic), with the concatenated GLU
 // row map for dW1 (glu_concat_n > 0: tile row m is gradient row (m % 2) n + m / 2).
 //
-// Path: the accumulator fragments go to a per-warpgroup fp32 staging buffer (64 rows x 64 columns, 16-byte chunks
-// XOR-swizzled by row so that both the fragment writes and the row reads are free of bank conflicts), then every
-// thread moves whole 16-byte chunks (4 columns) of rows to global memory: a warp writes 2 rows x 64 columns, whole
-// 128-byte (bf16) or 256-byte (fp32) runs. Accumulating, the destination chunks are loaded before the fragments are
+// Path: the accumulator fragments go to a per-warpgroup staging buffer of 16 KiB (16-byte chunks XOR-swizzled by
+// row so that both the fragment writes and the row reads are free of bank conflicts), then every thread moves whole
+// 16-byte chunks of rows to global memory. A bf16 overwrite stages bf16, 64 rows x 128 columns per pass (a warp
+// writes 2 rows x 128 columns, whole 256-byte runs); an fp32 output or an accumulation stages fp32, 64 x 64 per pass
+// (bf16 accumulation must round C + old once, not C first). Accumulating, the destination chunks are loaded before the fragments are
 // staged, so their latency hides behind the staging and the barrier. A row map or an edge predicate is a per-row /
 // per-chunk condition of that pass, no more: edge tiles (M or N not a tile multiple, both multiples of 8) store
 // only rows below M (tested before the row map, which would otherwise send a padded row onto a valid one) and
@@ -42,19 +43,31 @@ struct EpilogueWgrad {
   static constexpr int kRows = 64;  // one WGMMA atom of rows
   // Row atoms of one warpgroup: ping-pong, the whole 128-row tile; cooperative, its own 64-row half.
   static constexpr int kRowAtoms = TileTraits<Tile>::kCooperative ? 1 : kTileM / kRows;
-  static constexpr int kPassCols = 64;                            // columns staged per pass
-  static constexpr int kChunksPerRow = kPassCols / 4;             // 16-byte fp32 chunks
+  static constexpr int kStagedBytes = 16 * 1024;                  // per consumer warpgroup
+  static constexpr int kChunksPerRow = 16;                         // 16-byte chunks of a staged row
   static constexpr int kChunksPerThread = kRows * kChunksPerRow / 128;  // 8
-  static_assert(kTileN % kPassCols == 0, "whole passes");
 
-  struct Storage {  // per consumer warpgroup: 64 x 64 fp32 (16 KiB)
-    alignas(128) float staged[kRows * kPassCols];
+  /// The staging of a variant: the fp32 tile (64 x 64 per pass) where the output is fp32 or is added to (the sum is
+  /// rounded once, as fp32 C + old), else bf16 (64 x 128 per pass: the bf16 overwrite rounds C once either way, and
+  /// half the passes halve the epilogue's shared-memory reads, global stores and barriers).
+  template <class Variant>
+  struct Staged {
+    static constexpr bool kBf16 = !Variant::kFp32 && !Variant::kAccumulate;
+    using Element = std::conditional_t<kBf16, __nv_bfloat16, float>;
+    static constexpr int kChunkValues = 16 / static_cast<int>(sizeof(Element));  // 4 fp32 or 8 bf16
+    static constexpr int kPassCols = kChunksPerRow * kChunkValues;                // 64 or 128
+    static_assert(kTileN % kPassCols == 0, "whole passes");
+    static_assert(kRows * kPassCols * static_cast<int>(sizeof(Element)) == kStagedBytes, "one pass fills the buffer");
+    /// Element index of (row, column): 16-byte chunk (column / kChunkValues) XOR row % 8 (the fragment writes and the
+    /// row reads are free of bank conflicts).
+    __device__ __forceinline__ static int index(int r, int col) {
+      return r * kPassCols + (((col / kChunkValues) ^ (r & 7)) * kChunkValues) + col % kChunkValues;
+    }
   };
 
-  /// Float index of (row, column) in the staging buffer: 16-byte chunk (column / 4) XOR row % 8.
-  __device__ __forceinline__ static int staged_index(int r, int col) {
-    return r * kPassCols + ((((col >> 2) ^ (r & 7))) << 2) + (col & 3);
-  }
+  struct Storage {  // per consumer warpgroup: one pass of the tile (16 KiB), fp32 or bf16 by variant
+    alignas(128) unsigned char staged[kStagedBytes];
+  };
 
   template <class F>
   __device__ __forceinline__ static void with_variant(const Params& p, F&& f) {
@@ -105,6 +118,9 @@ struct EpilogueWgrad {
     using namespace cute;
     constexpr bool kFp32 = Variant::kFp32;
     using Out = std::conditional_t<kFp32, float, __nv_bfloat16>;
+    using Stage = Staged<Variant>;
+    constexpr int kPassCols = Stage::kPassCols;
+    auto* staged = reinterpret_cast<typename Stage::Element*>(st.staged);
     // Accumulating a tile without rows adds nothing: its output stays bitwise as it was (also -0 and NaN payloads).
     if (Variant::kAccumulate && c.k_tiles == 0) return;  // uniform across the warpgroup
     // No k-block: the accumulator holds the previous tile's values (the mainloop leaves it alone; on a CTA's first
@@ -129,13 +145,14 @@ struct EpilogueWgrad {
         const std::int64_t grad_row =
             p.glu_concat_n > 0 ? (tile_row & 1) * p.glu_concat_n + (tile_row >> 1) : tile_row;
         dst_row[j] = tile_row < p.M
-                         ? out + grad_row * p.ld_out + static_cast<std::int64_t>(c.n_tile) * kTileN + chunk * 4
+                         ? out + grad_row * p.ld_out + static_cast<std::int64_t>(c.n_tile) * kTileN +
+                               chunk * Stage::kChunkValues
                          : nullptr;
       }
       CUTE_UNROLL
       for (int pass = 0; pass < kTileN / kPassCols; ++pass) {
         if (pass * kPassCols >= n_valid) break;  // an edge tile's all-padding pass (uniform across the warpgroup)
-        const bool col_ok = pass * kPassCols + chunk * 4 < n_valid;
+        const bool col_ok = pass * kPassCols + chunk * Stage::kChunkValues < n_valid;
         float4 old[kChunksPerThread];
         if constexpr (Variant::kAccumulate) {
           CUTE_UNROLL
@@ -149,18 +166,26 @@ struct EpilogueWgrad {
           CUTE_UNROLL
           for (int v1 = 0; v1 < 2; ++v1) {
             const int r = warp * 16 + v1 * 8 + row_in_warp, col = (v2 - pass * (kPassCols / 8)) * 8 + quad * 2;
-            const float x0 = acc(make_coord(make_coord(0, v1, v2), m, 0));
-            const float x1 = acc(make_coord(make_coord(1, v1, v2), m, 0));
-            *reinterpret_cast<float2*>(&st.staged[staged_index(r, col)]) =
-                empty ? make_float2(0.0f, 0.0f) : make_float2(x0, x1);
+            const float x0 = empty ? 0.0f : acc(make_coord(make_coord(0, v1, v2), m, 0));
+            const float x1 = empty ? 0.0f : acc(make_coord(make_coord(1, v1, v2), m, 0));
+            if constexpr (Stage::kBf16)
+              *reinterpret_cast<__nv_bfloat162*>(&staged[Stage::index(r, col)]) = __floats2bfloat162_rn(x0, x1);
+            else
+              *reinterpret_cast<float2*>(&staged[Stage::index(r, col)]) = make_float2(x0, x1);
           }
         }
         named_barrier_sync(barrier_id, 128);
         CUTE_UNROLL
         for (int j = 0; j < kChunksPerThread; ++j) {
-          float4 v = *reinterpret_cast<const float4*>(&st.staged[staged_index(row0 + 8 * j, chunk * 4)]);
-          if constexpr (Variant::kAccumulate) v.x += old[j].x, v.y += old[j].y, v.z += old[j].z, v.w += old[j].w;
-          if (dst_row[j] != nullptr && col_ok) store4<kFp32>(dst_row[j] + pass * kPassCols, v);
+          const int idx = Stage::index(row0 + 8 * j, chunk * Stage::kChunkValues);
+          if constexpr (Stage::kBf16) {  // 8 bf16, rounded when staged
+            const uint4 v = *reinterpret_cast<const uint4*>(&staged[idx]);
+            if (dst_row[j] != nullptr && col_ok) *reinterpret_cast<uint4*>(dst_row[j] + pass * kPassCols) = v;
+          } else {
+            float4 v = *reinterpret_cast<const float4*>(&staged[idx]);
+            if constexpr (Variant::kAccumulate) v.x += old[j].x, v.y += old[j].y, v.z += old[j].z, v.w += old[j].w;
+            if (dst_row[j] != nullptr && col_ok) store4<kFp32>(dst_row[j] + pass * kPassCols, v);
+          }
         }
         named_barrier_sync(barrier_id, 128);  // the staging buffer is free for the next pass
       }

@@ -7,12 +7,13 @@
 // row so that both the fragment writes and the row reads are free of bank conflicts), then every thread moves whole
 // 16-byte chunks of rows to global memory. A bf16 overwrite stages bf16, 64 rows x 128 columns per pass (a warp
 // writes 2 rows x 128 columns, whole 256-byte runs); an fp32 output or an accumulation stages fp32, 64 x 64 per pass
-// (bf16 accumulation must round C + old once, not C first). Accumulating, the destination chunks are loaded before the fragments are
-// staged, so their latency hides behind the staging and the barrier. A row map or an edge predicate is a per-row /
-// per-chunk condition of that pass, no more: edge tiles (M or N not a tile multiple, both multiples of 8) store
-// only rows below M (tested before the row map, which would otherwise send a padded row onto a valid one) and
-// 4-column chunks below N, and skip a 64-column pass wholly past N; whole tiles pass every test. TMA stores are not used: the row
-// map scatters a 64-row block over two row ranges, and the accumulate mode has to read the destination anyway.
+// (bf16 accumulation must round C + old once, not C first). Accumulating, the destination chunks are loaded before
+// the fragments are staged, so their latency hides behind the staging and the barrier. A row map or an edge
+// predicate is a per-row / per-chunk condition of that pass, no more: edge tiles (M or N not a tile multiple, both
+// multiples of 8) store only rows below M (tested before the row map, which would otherwise send a padded row onto
+// a valid one) and chunks below N, and skip a pass wholly past N; whole tiles pass every test. TMA stores are not
+// used: the row map scatters a 64-row block over two row ranges, and the accumulate mode has to read the
+// destination anyway.
 //
 // WGMMA accumulator fragment (per 64-row atom): value (v0, v1, v2) of a thread holds row 8 v1 + lane / 4 (+16 per
 // warp) and column 8 v2 + 2 (lane % 4) + v0 (epilogue_staging.cuh).

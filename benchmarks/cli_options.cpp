@@ -92,6 +92,7 @@ const std::vector<IntegerOption>& integer_options() {
       {"--K", 1, Limits::kMaxExperts, "experts per token, at most E"},
       {"--tile", 8, Limits::kMaxTileM, "token-rounding tile, a multiple of 8"},
       {"--dx-chunks", 0, Limits::kMaxDxChunks, "chunks of tokens of the backward's dX~ (0: the heuristic)"},
+      {"--y-chunks", 0, Limits::kMaxDxChunks, "chunks of tokens of the forward's Y (0: the heuristic)"},
       {"--iters", 1, kMaxRepetitions, "timed repetitions"},
       {"--warmup", 0, kMaxRepetitions, "untimed repetitions"},
       {"--stage-runs", 1, kMaxStageRuns, "instrumented runs of the stage timings, median per stage"},
@@ -143,6 +144,7 @@ std::string usage() {
       "  --tile M             token-rounding tile, a multiple of 8 (default 128; token_rounding only)\n"
       "  --cache NAME         preact (default: keep X and H) or input_only (keep X, recompute H)\n"
       "  --dx-chunks N        backward: dX~ in N chunks of tokens (default 0: the library's heuristic; 1: one pass)\n"
+      "  --y-chunks N         forward: Y in N chunks of tokens (default 0: the library's heuristic; 1: one pass)\n"
       "Run:\n"
       "  --backend NAME       auto (default: the GPU when one is present), gpu or cpu\n"
       "  --dtype NAME         GPU: bf16 (default), fp16, fp32; CPU reference: fp32 (default), fp64\n"
@@ -230,6 +232,7 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
       if (v % 8 != 0) bad(name, "a multiple of 8 in [8, " + std::to_string(opt.hi) + "]", "'" + given.at(name) + "'");
       p.tile_m = v;
     } else if (name == "--dx-chunks") p.dx_chunks = v;
+    else if (name == "--y-chunks") p.y_chunks = v;
     else if (name == "--iters") o.iters = static_cast<int>(v);  // <= kMaxRepetitions: fits an int
     else if (name == "--warmup") o.warmup = static_cast<int>(v);
     else if (name == "--stage-runs") o.stage_runs = static_cast<int>(v);

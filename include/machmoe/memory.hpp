@@ -64,7 +64,10 @@ inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 
 /// Transient memory of the GPU forward, one caller-provided workspace:
 ///   a             P x n                 data dtype  post-activation A (input of the down-projection)
-///   y             P x d                 data dtype  down-projection output Y, grouped order
+///   y             R x d                 data dtype  down-projection output Y, grouped order, R = forward_y_chunk_rows
+///                                                   (one chunk of tokens at a time)
+///   y_chunk_plan  C + 1 + C (3E + 2)    int32       with C = forward_y_chunks > 1 only: like dx_chunk_plan below
+///   y_pair_rows   P                     int32       with C > 1 only: each pair's row in its chunk's Y
 ///   pair_expert   P                     int32       expert of each pair, pair order
 ///   pair_token    P                     int32       token of each pair (variable-K routing only)
 ///   tile_hist     E x ceil(P / 256)     int32       per-tile expert histograms of the metadata build
@@ -79,7 +82,7 @@ inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 ///                                       completion count, a block ticket and the emit pass's look-back states;
 ///                                       zeroed at the start of every call
 struct ForwardWorkspaceLayout {
-  BufferRegion a, y, pair_expert, pair_token, tile_hist, expert_tiles, cublas;
+  BufferRegion a, y, y_chunk_plan, y_pair_rows, pair_expert, pair_token, tile_hist, expert_tiles, cublas;
   BufferRegion tr_keys, tr_keys_by_expert, tr_thresholds, tr_counters;
   std::size_t total_bytes = 0;
 };
@@ -99,6 +102,18 @@ std::int64_t backward_dx_chunks(const MoEProblem& problem);
 /// Rows of dX~ one chunk can hold: min(P, ceil(P / C) + (most pairs of one token) - 1), the most pairs of one token
 /// being K (top-K and caller-supplied routing) or E (token rounding). P when C = 1.
 std::int64_t backward_dx_chunk_rows(const MoEProblem& problem);
+
+/// Chunks of tokens in which the GPU forward computes Y = A W2_e and its weighted gather-sum into the output, with
+/// the same plan as the backward's dX~ chunks: problem.y_chunks, or when that is 0 the backward's heuristic count
+/// (backward_dx_chunks without its override) where the forward's own transients would set the layer's peak, else 1.
+/// "Would set the peak": A + Y + the output (P n + P d + T d elements) exceed what the backward holds at its dX~
+/// phase besides what both hold (the A' / dX~ region, dX, the upstream gradient dO and dW2:
+/// max(P n, R d) + 2 T d + E n d). Where the weight gradients or the backward's dX~ set the peak, one pass: each
+/// chunk costs a launch tail of the down-projection and of the gather-sum (docs/MEMORY.md has the measured price).
+/// Each token's sum is finished within its chunk, in the same order as in one pass: the output does not depend on C.
+std::int64_t forward_y_chunks(const MoEProblem& problem);
+/// Rows of Y one chunk can hold (the formula of backward_dx_chunk_rows with C = forward_y_chunks).
+std::int64_t forward_y_chunk_rows(const MoEProblem& problem);
 
 /// Transient memory of the GPU backward:
 ///   h_recompute  P x w1_rows        data dtype   kInputOnly only

@@ -98,6 +98,10 @@ struct MoEProblem {
   // (memory.hpp, backward_dx_chunks). 0: the heuristic; 1: all at once. Results are bitwise the same for every
   // value; more chunks cost a partial GEMM tile per expert and chunk.
   std::int64_t dx_chunks = 0;
+  // GPU forward memory: the down-projection's output Y (P x d, the forward's largest transient when d > n) is
+  // computed and summed into the output in this many chunks of tokens (memory.hpp, forward_y_chunks). 0: the
+  // heuristic; 1: all at once. Results are bitwise the same for every value.
+  std::int64_t y_chunks = 0;
 
   /// Rows of W1 per expert: 2n for GLU activations, n otherwise.
   std::int64_t w1_rows() const;

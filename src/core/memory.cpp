@@ -58,7 +58,12 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
   LayoutBuilder b;
   ForwardWorkspaceLayout l;
   l.a = b.add(P * u(p.n) * elem);
-  l.y = b.add(P * u(p.d) * elem);
+  l.y = b.add(u(forward_y_chunk_rows(p)) * u(p.d) * elem);
+  const std::size_t chunks = u(forward_y_chunks(p));
+  if (chunks > 1) {
+    l.y_chunk_plan = b.add((chunks + 1 + chunks * (3 * u(p.E) + 2)) * 4);
+    l.y_pair_rows = b.add(P * 4);
+  }
   l.pair_expert = b.add(P * 4);
   if (p.variable_k()) l.pair_token = b.add(P * 4);
   l.tile_hist = b.add(u(p.E) * ((P + u(kMetadataTilePairs) - 1) / u(kMetadataTilePairs)) * 4);
@@ -75,8 +80,9 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
   return l;
 }
 
-std::int64_t backward_dx_chunks(const MoEProblem& p) {
-  if (p.dx_chunks > 0) return p.dx_chunks;
+namespace {
+/// The token-chunk heuristic of backward_dx_chunks (memory.hpp), without the problem's override.
+std::int64_t heuristic_dx_chunks(const MoEProblem& p) {
   const std::int64_t P = p.max_pairs();
   if (P == 0 || p.E == 0) return 1;
   const std::int64_t by_size = (p.d + p.n - 1) / p.n;
@@ -84,12 +90,35 @@ std::int64_t backward_dx_chunks(const MoEProblem& p) {
   return std::max<std::int64_t>(1, std::min({by_size, by_rows, kDxChunksMax}));
 }
 
-std::int64_t backward_dx_chunk_rows(const MoEProblem& p) {
-  const std::int64_t P = p.max_pairs(), C = backward_dx_chunks(p);
+/// Rows one chunk of C can hold: ceil(P / C) pairs and the rest of the pairs of the chunk's last token.
+std::int64_t token_chunk_rows(const MoEProblem& p, std::int64_t C) {
+  const std::int64_t P = p.max_pairs();
   if (C == 1) return P;
   const std::int64_t per_token = p.routing == RoutingMode::kTokenRounding ? p.E : p.K;
   return std::min(P, (P + C - 1) / C + per_token - 1);
 }
+}  // namespace
+
+std::int64_t backward_dx_chunks(const MoEProblem& p) {
+  return p.dx_chunks > 0 ? p.dx_chunks : heuristic_dx_chunks(p);
+}
+
+std::int64_t backward_dx_chunk_rows(const MoEProblem& p) { return token_chunk_rows(p, backward_dx_chunks(p)); }
+
+std::int64_t forward_y_chunks(const MoEProblem& p) {
+  if (p.y_chunks > 0) return p.y_chunks;
+  const std::int64_t C = heuristic_dx_chunks(p);
+  if (C == 1) return 1;
+  // Elements (the data dtype is common to every term). Doubles: P d reaches 2^40 and more within the limits.
+  const double P = static_cast<double>(p.max_pairs()), T = static_cast<double>(p.T), d = static_cast<double>(p.d),
+               n = static_cast<double>(p.n), E = static_cast<double>(p.E);
+  const double R = static_cast<double>(token_chunk_rows(p, C));
+  const double forward = P * n + P * d + T * d;
+  const double backward = std::max(P * n, R * d) + 2 * T * d + E * n * d;
+  return forward > backward ? C : 1;
+}
+
+std::int64_t forward_y_chunk_rows(const MoEProblem& p) { return token_chunk_rows(p, forward_y_chunks(p)); }
 
 BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType data_dtype, bool split,
                                                   bool consume_saved) {

@@ -155,6 +155,7 @@ std::string MoEProblem::to_string() const {
   if (routing == RoutingMode::kCallerSupplied) os << " pairs=" << num_pairs;
   os << " cache=" << cache_mode_name(cache);
   if (dx_chunks != 0) os << " dx_chunks=" << dx_chunks;
+  if (y_chunks != 0) os << " y_chunks=" << y_chunks;
   return os.str();
 }
 
@@ -216,6 +217,7 @@ void validate_problem(const MoEProblem& p, const char* where) {
   check_range(where, "problem.d", p.d, 1, Limits::kMaxDim);
   check_range(where, "problem.n", p.n, 1, Limits::kMaxDim);
   check_range(where, "problem.dx_chunks", p.dx_chunks, 0, Limits::kMaxDxChunks, " (0: the heuristic)");
+  check_range(where, "problem.y_chunks", p.y_chunks, 0, Limits::kMaxDxChunks, " (0: the heuristic)");
   check_range(where, "problem.E", p.E, 1, Limits::kMaxExperts, " (expert ids are 16-bit in the metadata build)");
   check_range(where, "problem.K", p.K, 1, p.E, " (1 <= K <= E)");
   validate_options(p, where);

@@ -59,11 +59,12 @@ void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream);
 void launch_expert_tiles(const std::int32_t* expert_offsets, std::int64_t E, std::int32_t* expert_tiles,
                          cudaStream_t stream);
 
-/// The backward's dX~ in chunks of tokens (memory.hpp, backward_dx_chunks). The plan buffer holds, for C chunks:
+/// The backward's dX~ and the forward's Y in chunks of tokens (memory.hpp, backward_dx_chunks and forward_y_chunks).
+/// The plan buffer holds, for C chunks:
 ///   bounds   C + 1        chunk c's tokens are [bounds[c], bounds[c + 1])
-///   offsets  C x (E + 1)  per chunk, the exclusive scan of each expert's rows in it: the chunk's dX~ rows, grouped
+///   offsets  C x (E + 1)  per chunk, the exclusive scan of each expert's rows in it: the chunk's dX~ (Y) rows, grouped
 ///   tiles    C x (E + 1)  per chunk, the exclusive scan of ceil(rows / kGemmTileM) (the reference GEMM's tiles)
-///   shifts   C x E        per chunk and expert, (first grouped row of dH) - (first row in the chunk's dX~)
+///   shifts   C x E        per chunk and expert, (first grouped row of dH or A) - (first row in the chunk's dX~ or Y)
 /// An expert's rows in a chunk are contiguous in grouped order, since tokens ascend within an expert's segment.
 struct DxChunkPlan {
   std::int32_t *bounds = nullptr, *offsets = nullptr, *tiles = nullptr, *shifts = nullptr;

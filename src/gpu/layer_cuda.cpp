@@ -319,11 +319,37 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   down.epilogue = Epilogue::kStore;
   down.out = y_buf, down.ld_out = p.d;
   if (p.has_b2) down.bias = w.b2.data, down.ld_bias = w.b2.stride[0];
-  mark_stage("forward/down_projection", stream);
-  launch_expert_gemm(down, "forward/down_projection", stream);
-  mark_stage("forward/aggregation", stream);
-  launch_gather_sum(dt, y_buf, p.d, scores, m.inverse, m.token_offsets, p.K, p.T, out.out.data, out.out.stride[0],
-                    stream);
+  // Y at once, or one chunk of tokens at a time where Y would set the layer's peak (memory.hpp, forward_y_chunks):
+  // the backward's dX~ plan, each chunk's rows of A read where they lie, its Y rows packed, its tokens' weighted sums
+  // finished before the next chunk.
+  const std::int64_t chunks = forward_y_chunks(p);
+  if (chunks == 1) {
+    mark_stage("forward/down_projection", stream);
+    launch_expert_gemm(down, "forward/down_projection", stream);
+    mark_stage("forward/aggregation", stream);
+    launch_gather_sum(dt, y_buf, p.d, scores, m.inverse, m.token_offsets, p.K, p.T, out.out.data,
+                      out.out.stride[0], stream);
+  } else {
+    const DxChunkPlan plan = DxChunkPlan::in(at<std::int32_t>(buf.workspace, wl.y_chunk_plan), chunks, p.E);
+    std::int32_t* pair_rows = at<std::int32_t>(buf.workspace, wl.y_pair_rows);
+    const std::int64_t pairs_per_chunk = (P + chunks - 1) / chunks;
+    mark_stage("forward/y_chunk_plan", stream);
+    launch_dx_chunk_plan(m.expert_offsets, m.gather, m.scatter, m.token_offsets, p.K, p.T, p.E, P, chunks,
+                         pairs_per_chunk, plan, pair_rows, stream);
+    down.P_max = forward_y_chunk_rows(p);  // the chunk's rows: the extent of the output
+    down.a_rows = P;                       // A keeps every pair's row
+    const std::int64_t range_blocks = p.variable_k() ? (p.T + chunks - 1) / chunks + 1
+                                                     : (pairs_per_chunk + p.K - 1) / p.K + 1;
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      down.expert_offsets = plan.chunk_offsets(c), down.expert_tiles = plan.chunk_tiles(c);
+      down.a_row_shift = plan.chunk_shifts(c);
+      mark_stage("forward/down_projection", stream);
+      launch_expert_gemm(down, "forward/down_projection", stream);
+      mark_stage("forward/aggregation", stream);
+      launch_gather_sum(dt, y_buf, p.d, scores, pair_rows, m.token_offsets, p.K, p.T, out.out.data,
+                        out.out.stride[0], stream, plan.bounds + c, range_blocks);
+    }
+  }
   mark_stage(nullptr, stream);
 }
 

@@ -90,7 +90,11 @@ TEST(MemoryAccounting, SizesPast2To31UseSixtyFourBitArithmetic) {
   EXPECT_EQ(m.x_bytes, std::size_t{2} << 33);
   EXPECT_EQ(m.h_bytes, std::size_t{2} * (std::size_t{1} << 23) * 4096);
   const ForwardWorkspaceLayout fw = forward_workspace_layout(p, DType::kBF16);
-  EXPECT_EQ(fw.y.bytes, std::size_t{2} * (std::size_t{1} << 23) * 8192);
+  // Y in two chunks of tokens (forward_y_chunks): each holds ceil(P / 2) + K - 1 rows.
+  EXPECT_EQ(fw.y.bytes, std::size_t{2} * ((std::size_t{1} << 22) + 7) * 8192);
+  MoEProblem one = p;
+  one.y_chunks = 1;
+  EXPECT_EQ(forward_workspace_layout(one, DType::kBF16).y.bytes, std::size_t{2} * (std::size_t{1} << 23) * 8192);
 }
 
 TEST(MemoryAccounting, WorkspaceFormulas) {
@@ -193,6 +197,53 @@ TEST(MemoryAccounting, DxChunksHeuristicAndLayout) {
   tiny.dx_chunks = Limits::kMaxDxChunks + 1;
   EXPECT_THROW(validate_problem(tiny), Error);
   tiny.dx_chunks = Limits::kMaxDxChunks;
+  EXPECT_NO_THROW(validate_problem(tiny));
+}
+
+// Y in chunks of tokens: where the forward's A + Y + output would exceed what the backward holds at its dX~ phase
+// (the forward would set the layer's peak), the backward's chunk count; one pass elsewhere; the forward workspace's
+// regions that follow.
+TEST(MemoryAccounting, YChunksHeuristicAndLayout) {
+  EXPECT_EQ(forward_y_chunks(config(40960, 768, 256, 128, 8)), 2);    // 1.4B (256,128,8): 700 > 408 MiB
+  EXPECT_EQ(forward_y_chunks(config(40960, 768, 512, 64, 4)), 2);     // 1.4B (512,64,4): 460 > 328
+  EXPECT_EQ(forward_y_chunks(config(40960, 768, 1024, 32, 2)), 1);    // 1.4B (1024,32,2): no dX~ chunks either
+  EXPECT_EQ(forward_y_chunks(config(24576, 1536, 256, 128, 8)), 2);   // 7B (256,128,8): 744 > 528
+  EXPECT_EQ(forward_y_chunks(config(24576, 1536, 1024, 32, 2)), 1);   // 7B (1024,32,2): 312 < 336
+  EXPECT_EQ(forward_y_chunks(config(32768, 4096, 256, 256, 16)), 2);  // 30B (256,256,16): 4608 > 3072
+  EXPECT_EQ(forward_y_chunks(config(32768, 4096, 1024, 64, 4)), 1);   // 30B (1024,64,4): 1536 = 1536
+  EXPECT_EQ(forward_y_chunks(config(32768, 4096, 2048, 64, 4)), 1);   // 120B (2048,64,4): dW2 sets the peak
+  EXPECT_EQ(forward_y_chunks(config(16384, 1536, 256, 512, 8)), 1);   // 256 rows per expert: one pass
+  EXPECT_EQ(forward_y_chunks(config(0, 1024, 256, 8, 2)), 1);
+  MoEProblem p = config(40960, 768, 256, 128, 8);
+  const std::size_t P = 40960 * 8;
+  EXPECT_EQ(forward_y_chunk_rows(p), static_cast<std::int64_t>(P / 2 + 7));  // ceil(P / C) + K - 1
+  const ForwardWorkspaceLayout f = forward_workspace_layout(p, DType::kBF16);
+  EXPECT_EQ(f.y.bytes, 2 * (P / 2 + 7) * 768);
+  EXPECT_EQ(f.y_chunk_plan.bytes, 4u * (3 + 2 * (3 * 128 + 2)));
+  EXPECT_EQ(f.y_pair_rows.bytes, 4 * P);
+  // The override: one pass, or any count (independent of dx_chunks).
+  p.y_chunks = 1;
+  const ForwardWorkspaceLayout one = forward_workspace_layout(p, DType::kBF16);
+  EXPECT_EQ(one.y.bytes, 2 * P * 768);
+  EXPECT_FALSE(one.y_chunk_plan.present());
+  EXPECT_FALSE(one.y_pair_rows.present());
+  EXPECT_EQ(one.total_bytes - f.total_bytes, 2 * 768 * (P - P / 2 - 7) - up256(f.y_chunk_plan.bytes) - 4 * P)
+      << "two chunks save half of Y, less the plan and the pair rows";
+  p.y_chunks = 3, p.dx_chunks = 1;
+  EXPECT_EQ(forward_y_chunks(p), 3);
+  EXPECT_EQ(backward_dx_chunks(p), 1);
+  EXPECT_EQ(forward_y_chunk_rows(p), static_cast<std::int64_t>((P + 2) / 3 + 7));
+  // Token rounding: up to E pairs per token.
+  p.routing = RoutingMode::kTokenRounding;
+  EXPECT_EQ(forward_y_chunk_rows(p), (p.max_pairs() + 2) / 3 + 128 - 1);
+  MoEProblem tiny = config(1, 64, 32, 8, 2);
+  tiny.y_chunks = 3;
+  EXPECT_EQ(forward_y_chunk_rows(tiny), 2);
+  tiny.y_chunks = -1;
+  EXPECT_THROW(validate_problem(tiny), Error);
+  tiny.y_chunks = Limits::kMaxDxChunks + 1;
+  EXPECT_THROW(validate_problem(tiny), Error);
+  tiny.y_chunks = Limits::kMaxDxChunks;
   EXPECT_NO_THROW(validate_problem(tiny));
 }
 

@@ -427,9 +427,9 @@ TEST(GpuLayerProperties, ConsumingTheSavedBufferChangesNoResultBitwise) {
       }
 }
 
-// dX~ in chunks of tokens (MoEProblem::dx_chunks) gives bitwise the one-pass results: each token's sum is finished
-// in its chunk, over the same rows in the same order. Every routing mode (token rounding's and caller routing's
-// variable pair counts), both cache modes, the Hopper and the reference backward GEMMs, chunk counts that leave
+// dX~ and Y in chunks of tokens (MoEProblem::dx_chunks, y_chunks) give bitwise the one-pass results: each token's
+// sum is finished in its chunk, over the same rows in the same order. Every routing mode (token rounding's and caller
+// routing's variable pair counts), both cache modes, the Hopper and the reference backward GEMMs, chunk counts that leave
 // chunks without tokens (T = 1, more chunks than tokens), experts without tokens, and a graph capture.
 TEST(GpuLayerProperties, DxInChunksOfTokensIsBitwiseOnePass) {
   REQUIRE_GPU();
@@ -455,23 +455,25 @@ TEST(GpuLayerProperties, DxInChunksOfTokensIsBitwiseOnePass) {
           MoEProblem p;
           p.T = sh.T, p.d = sh.d, p.n = sh.n, p.E = sh.E, p.K = sh.K, p.routing = r, p.cache = cm, p.tile_m = 64;
           p.has_b1 = p.has_b2 = true;
-          p.dx_chunks = 1;
+          p.dx_chunks = 1, p.y_chunks = 1;
           LayerCase<double> c(p, 16);
           const GpuRun one = run_on_gpu(c, DType::kBF16);
           for (std::int64_t chunks : {2, 3, 7}) {
-            c.problem.dx_chunks = chunks;
+            c.problem.dx_chunks = chunks, c.problem.y_chunks = chunks;
             const bool graph = chunks == 3 && sh.T > 100;
             const GpuRun many = run_on_gpu(c, DType::kBF16, 0, graph, false, nullptr, /*consume_saved=*/chunks == 7);
             const std::string what = "T=" + std::to_string(sh.T) + " " + routing_mode_name(r) + " " +
                                      cache_mode_name(cm) + (hopper_backward ? " hopper" : " reference") +
                                      " chunks=" + std::to_string(chunks);
             EXPECT_TRUE(many.canaries_intact) << what;
+            EXPECT_EQ(many.raw_out, one.raw_out) << what;
             expect_same_backward(many, one, what);
             if (hopper_backward) {
               gpu::set_hopper_cluster_m(2);
               const GpuRun pairs = run_on_gpu(c, DType::kBF16, 0, false, false, nullptr, chunks == 7);
               gpu::set_hopper_cluster_m(0);
               EXPECT_TRUE(pairs.canaries_intact) << what << " clusters";
+              EXPECT_EQ(pairs.raw_out, one.raw_out) << what << " clusters";
               expect_same_backward(pairs, one, what + " clusters");
             }
           }
@@ -479,18 +481,21 @@ TEST(GpuLayerProperties, DxInChunksOfTokensIsBitwiseOnePass) {
 }
 
 // The heuristic chunks dX~ where an expert keeps enough rows per chunk, and the layer still matches float64 there.
-TEST(GpuLayerProperties, HeuristicDxChunksMatchFloat64) {
+TEST(GpuLayerProperties, HeuristicTokenChunksMatchFloat64) {
   REQUIRE_GPU();
   MoEProblem p;
   p.T = 6144, p.d = 512, p.n = 128, p.E = 4, p.K = 2, p.has_b1 = true;
   ASSERT_EQ(backward_dx_chunks(p), 2) << "min(ceil(d / n) = 4, P / (E 768) = 4, 2)";
+  ASSERT_EQ(forward_y_chunks(p), 2) << "A + Y + output (11.0 M elements) > dX~ chunk + dX + dO + dW2 (9.7 M)";
   const LayerCase<double> c(p, 18);
   const GpuRun chunked = run_on_gpu(c, DType::kBF16);
   const LayerCase<double> q = quantized_case(c, DType::kBF16);
   compare_all(chunked, reference_for(q, chunked.logits), DType::kBF16);
   LayerCase<double> one = c;
-  one.problem.dx_chunks = 1;
-  EXPECT_EQ(run_on_gpu(one, DType::kBF16).raw_dx, chunked.raw_dx);
+  one.problem.dx_chunks = 1, one.problem.y_chunks = 1;
+  const GpuRun single = run_on_gpu(one, DType::kBF16);
+  EXPECT_EQ(single.raw_dx, chunked.raw_dx);
+  EXPECT_EQ(single.raw_out, chunked.raw_out);
 }
 
 TEST(GpuLayerProperties, BothWeightLayoutsGiveBitwiseIdenticalOutputs) {

@@ -335,7 +335,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
     const std::int64_t pairs_per_chunk = (P + chunks - 1) / chunks;
     mark_stage("forward/y_chunk_plan", stream);
     launch_dx_chunk_plan(m.expert_offsets, m.gather, m.scatter, m.token_offsets, p.K, p.T, p.E, P, chunks,
-                         pairs_per_chunk, plan, pair_rows, stream);
+                         pairs_per_chunk, plan, pair_rows, p.routing == RoutingMode::kTopK, stream);
     down.P_max = forward_y_chunk_rows(p);  // the chunk's rows: the extent of the output
     down.a_rows = P;                       // A keeps every pair's row
     const std::int64_t range_blocks = p.variable_k() ? (p.T + chunks - 1) / chunks + 1
@@ -477,7 +477,7 @@ void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
     const std::int64_t pairs_per_chunk = (P + chunks - 1) / chunks;
     mark_stage("backward/dx_chunk_plan", stream);
     launch_dx_chunk_plan(offsets, sv.gather, sv.scatter, token_offsets, p.K, p.T, p.E, P, chunks, pairs_per_chunk,
-                         plan, pair_rows, stream);
+                         plan, pair_rows, p.routing == RoutingMode::kTopK, stream);
     dxa.P_max = backward_dx_chunk_rows(p);  // the chunk's rows: the extent of the output
     dxa.a_rows = P;                          // dH keeps every pair's row
     // Blocks of the chunk's gather-sum: its tokens for top-K (a chunk holds at most ceil(Q / K) + 1), a share of T

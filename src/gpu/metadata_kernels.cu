@@ -157,15 +157,25 @@ __device__ std::int64_t first_token_at(std::int64_t q, const std::int32_t* token
   return lo;
 }
 
-/// First position in gather[lo, hi) (ascending tokens) holding a token >= t.
-__device__ std::int32_t lower_bound_token(const std::int32_t* gather, std::int32_t lo, std::int32_t hi,
-                                          std::int64_t t) {
-  while (lo < hi) {
-    const std::int32_t mid = lo + (hi - lo) / 2;
-    if (gather[mid] >= t) hi = mid;
-    else lo = mid + 1;
+/// The first positions in gather[lo, hi) (ascending tokens) holding a token >= t0 and >= t1: both binary searches
+/// in lockstep, so each step's two loads are in flight together (the plan kernel is latency-bound: one thread per
+/// expert, a dependent load per step).
+__device__ void lower_bound_tokens(const std::int32_t* gather, std::int32_t lo, std::int32_t hi, std::int64_t t0,
+                                   std::int64_t t1, std::int32_t& first, std::int32_t& end) {
+  std::int32_t lo0 = lo, hi0 = hi, lo1 = lo, hi1 = hi;
+  while (lo0 < hi0 || lo1 < hi1) {
+    const std::int32_t mid0 = lo0 + (hi0 - lo0) / 2, mid1 = lo1 + (hi1 - lo1) / 2;
+    const std::int32_t g0 = lo0 < hi0 ? gather[mid0] : 0, g1 = lo1 < hi1 ? gather[mid1] : 0;
+    if (lo0 < hi0) {
+      if (g0 >= t0) hi0 = mid0;
+      else lo0 = mid0 + 1;
+    }
+    if (lo1 < hi1) {
+      if (g1 >= t1) hi1 = mid1;
+      else lo1 = mid1 + 1;
+    }
   }
-  return lo;
+  first = lo0, end = lo1;
 }
 
 /// One block per chunk: its token range, then per expert (256 at a time, scanned with a carry) the rows of its
@@ -189,9 +199,9 @@ __global__ void dx_chunk_plan_kernel(const std::int32_t* __restrict__ offsets, c
   scan_expert_rows_and_tiles<kScanThreads>(
       E,
       [&](int e) {
-        const std::int32_t seg0 = offsets[e], seg1 = offsets[e + 1];
-        first = lower_bound_token(gather, seg0, seg1, t0);
-        return lower_bound_token(gather, first, seg1, t1) - first;
+        std::int32_t end = 0;
+        lower_bound_tokens(gather, offsets[e], offsets[e + 1], t0, t1, first, end);
+        return end - first;  // t1 >= t0: end >= first
       },
       [&](int e, std::int32_t, std::int32_t, std::int32_t rows_before, std::int32_t tiles_before) {
         off[e] = rows_before;
@@ -219,14 +229,16 @@ void launch_dx_chunk_plan(const std::int32_t* expert_offsets, const std::int32_t
                           const std::int32_t* scatter, const std::int32_t* token_offsets, std::int64_t K,
                           std::int64_t T, std::int64_t E, std::int64_t P_max, std::int64_t chunks,
                           std::int64_t pairs_per_chunk, const DxChunkPlan& plan, std::int32_t* pair_rows,
-                          cudaStream_t stream) {
+                          bool every_pair_routed, cudaStream_t stream) {
   if (chunks <= 0 || E <= 0) return;
   dx_chunk_plan_kernel<<<static_cast<unsigned>(chunks), kScanThreads, 0, stream>>>(
       expert_offsets, gather, token_offsets, K, T, static_cast<int>(E), chunks, pairs_per_chunk, plan);
   MACHMOE_CUDA_CHECK_LAUNCH("dx_chunk_plan");
   if (P_max == 0) return;
-  // Pairs routed to no expert (skipped caller pairs) keep -1: the gather-sum skips them.
-  MACHMOE_CUDA_CHECK(cudaMemsetAsync(pair_rows, 0xff, static_cast<std::size_t>(P_max) * 4, stream));
+  // Pairs routed to no expert (skipped caller pairs) keep -1: the gather-sum skips them. Where every pair is
+  // routed (top-K), the kernel below writes every entry and the fill is not needed.
+  if (!every_pair_routed)
+    MACHMOE_CUDA_CHECK(cudaMemsetAsync(pair_rows, 0xff, static_cast<std::size_t>(P_max) * 4, stream));
   dx_pair_rows_kernel<<<dim3(static_cast<unsigned>(E), static_cast<unsigned>(chunks)), 128, 0, stream>>>(
       scatter, plan, pair_rows);
   MACHMOE_CUDA_CHECK_LAUNCH("dx_pair_rows");

@@ -334,6 +334,7 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
     p.epilogue.dh = output(a.out, dh_cols, a.ld_out);
     p.epilogue.a_prime = output(a.act_out, a.N, a.ld_act);
     p.epilogue.h = a.h_in, p.epilogue.ld_h = a.ld_h;
+    p.epilogue.tma_h = output(const_cast<void*>(a.h_in), dh_cols, a.ld_h).tma;  // the staging buffer's layout
     p.epilogue.scores = a.scores, p.epilogue.scatter = a.scatter;
     p.epilogue.ds_partial = a.ds_partial;
     // The reference's layout: one per 64 columns of A, ceil(n / 64) per pair (launch_ds_reduce reads that many).

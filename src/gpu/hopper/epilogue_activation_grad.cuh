@@ -7,7 +7,13 @@
 //   dS partials: <dA', A> over each 64-column block of the tile, one fp32 per (pair, block), reduced later in a
 //   fixed order (launch_ds_reduce), so dS is deterministic without atomics.
 //
-// H: the epilogue reads H straight from global memory into registers, one pass of staged columns at a time (8 bytes
+// H, ping-pong tile (small d): by TMA into the warpgroup's two staging buffers, a pass (64 rows x 128 dH columns) at
+// a time, ahead of use (kTmaH below): the first two passes of a tile before its mainloop, each later one as soon as
+// its buffer is free. dH is computed in place over H in the buffer and leaves by TMA store; a thread reads exactly
+// the H elements whose dH it then writes, so in-place mode (dH over H in global memory) stays safe: a tile loads the
+// H of its rows and columns before it stores their dH, and no other tile stores them.
+// H, cooperative tile (large d, no shared memory left for a second buffer): straight from global memory into
+// registers, one pass of staged columns at a time (8 bytes
 // per thread and row for a GLU, the gate/up pairs of its two accumulator columns; 4 bytes otherwise): a quad of lanes
 // covers 32 contiguous bytes of a row, so every sector is used whole. The loads of a pass are issued together before
 // any is used. They are plain loads, not the read-only path (ld.global.nc): dH may overwrite H in place (input-only
@@ -27,6 +33,8 @@
 // are ds_tiles wide and the next pair's follow (launch_ds_reduce reads exactly ds_tiles per pair).
 #pragma once
 
+#include <type_traits>
+
 #include "gpu/hopper/epilogue_staging.cuh"
 #include "gpu/hopper/fast_math.cuh"
 
@@ -36,7 +44,6 @@ template <class Tile, Activation kAct>
 struct EpilogueActivationGrad {
   using Params = EpilogueActivationGradParams;
   using Staging = EpilogueStaging<Tile>;
-  using Storage = typename Staging::Storage;
   static constexpr int kTileN = Tile::kTileN;
   static constexpr bool kGlu = math::is_glu_activation(kAct);
   static constexpr int kDhCols = kGlu ? 2 * kTileN : kTileN;  // dH (and H) columns of a tile
@@ -44,6 +51,67 @@ struct EpilogueActivationGrad {
   static constexpr int kV2PerPass = (kTileN / 8) / kPasses;   // accumulator column blocks of 8 per pass
   static constexpr int kDsBlocks = kTileN / 64;               // dS partials per row and tile
   static_assert(kDhCols % Staging::kStageCols == 0 && kTileN % 64 == 0, "tile columns");
+
+  // H by TMA (the ping-pong tile): two staging buffers per warpgroup, into which TMA loads a pass of H (64 rows x 128
+  // dH columns, the staging layout); the pass's dH is computed in place and leaves by TMA store from the same buffer.
+  // A tile's passes and A' passes ("slots") take the two buffers in turn; the H of a tile's first two slots is loaded
+  // before its mainloop, and each later H slot's as soon as its buffer has been stored from, so the epilogue finds H
+  // in shared memory instead of waiting on global loads pass by pass. The cooperative tile's ring leaves no room for
+  // a second buffer: it reads H into registers (below).
+  static constexpr bool kTmaH = !TileTraits<Tile>::kCooperative;
+  static constexpr int kAPasses = kTileN / Staging::kStageCols;  // A' passes per row atom
+  static constexpr int kSlotsPerAtom = kPasses + kAPasses;
+  static constexpr int kSlots = Staging::kRowAtoms * kSlotsPerAtom;
+  static constexpr std::uint32_t kHBytes = Staging::kRows * Staging::kStageCols * 2;
+  __host__ __device__ static constexpr bool slot_is_h(int s) { return s % kSlotsPerAtom < kPasses; }
+
+  struct StorageTma {
+    typename Staging::Storage buf[2];
+    std::uint64_t h_full[2];  // buffer b holds its slot's H (TMA complete_tx)
+  };
+  struct StorageRegisters {
+    typename Staging::Storage buf[1];
+  };
+  using Storage = std::conditional_t<kTmaH, StorageTma, StorageRegisters>;
+  /// Per thread, across the warpgroup's tiles: the parity of each buffer's next H arrival.
+  struct State {
+    std::uint32_t h_parity = 0;
+  };
+
+  __device__ __forceinline__ static void init(Storage& st) {
+    if constexpr (kTmaH) {
+      mbar_init(&st.h_full[0], 1);
+      mbar_init(&st.h_full[1], 1);
+    }
+  }
+
+  /// Thread 0 of the warpgroup: the TMA loads of slot s's H (row atom s / kSlotsPerAtom, pass s % kSlotsPerAtom)
+  /// into buffer s % 2. Rows past the tile's (another expert's H, or past P: zero-filled) and columns past 2n
+  /// (zero-filled) are loaded but never stored.
+  __device__ __forceinline__ static void issue_h(const Params& p, StorageTma& st, const TileCoord& c, int row_base,
+                                                 int s) {
+    const int b = s % 2, m = s / kSlotsPerAtom, pass = s % kSlotsPerAtom;
+    const int row = static_cast<int>(c.row0) + row_base + m * Staging::kRows;
+    const int col = static_cast<int>(static_cast<std::int64_t>(c.n_tile) * kDhCols) + pass * Staging::kStageCols;
+    mbar_arrive_expect_tx(&st.h_full[b], kHBytes);
+#pragma unroll
+    for (int blk = 0; blk < Staging::kStageCols / 64; ++blk)
+      tma_load_2d(&p.tma_h, &st.h_full[b], st.buf[b].staged + blk * Staging::kBlockElems, col + 64 * blk, row);
+  }
+
+  /// Before the tile's mainloop: once the buffers' last stores have read them, the H of the first two slots.
+  __device__ __forceinline__ static void tile_start(const Params& p, Storage& st, State&, const TileCoord& c,
+                                                    int row_base, int wg_thread, int barrier_id) {
+    if constexpr (kTmaH) {
+      fence_proxy_async_shared();  // this thread's accesses to the buffers, ordered before the TMA loads' writes
+      Staging::acquire(wg_thread, barrier_id);  // every thread is done with both buffers, the stores have read them
+      if (wg_thread == 0) {
+#pragma unroll
+        for (int s = 0; s < 2 && s < kSlots; ++s)
+          if (slot_is_h(s)) issue_h(p, st, c, row_base, s);
+      }
+    }
+  }
 
   /// One variant: the epilogue has no bias (b1 is already in H; the b2 term of dS is added by the reduction).
   template <class F>
@@ -53,8 +121,161 @@ struct EpilogueActivationGrad {
 
   /// row_base: the warpgroup's first row in the tile (cooperative: 0 or 64).
   template <class Variant, class Accumulator>
-  __device__ __forceinline__ static void apply(const Params& p, Storage& st, Accumulator& acc, const TileCoord& c,
-                                               int row_base, int wg_thread, int barrier_id) {
+  __device__ __forceinline__ static void apply(const Params& p, Storage& st, State& state, Accumulator& acc,
+                                               const TileCoord& c, int row_base, int wg_thread, int barrier_id) {
+    if constexpr (kTmaH)
+      apply_tma(p, st, state, acc, c, row_base, wg_thread, barrier_id);
+    else
+      apply_registers(p, st.buf[0], acc, c, row_base, wg_thread, barrier_id);
+  }
+
+  /// The ping-pong tile: H from the staging buffers (loaded by TMA, see kTmaH), dH computed in place.
+  template <class Accumulator>
+  __device__ __forceinline__ static void apply_tma(const Params& p, Storage& st, State& state, Accumulator& acc,
+                                                   const TileCoord& c, int row_base, int wg_thread, int barrier_id) {
+    using namespace cute;
+    const int warp = wg_thread / 32, lane = wg_thread % 32;
+    const int quad = lane % 4, row_in_warp = lane / 4;
+    const std::int64_t j0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
+    const std::int64_t dh_col0 = kGlu ? 2 * j0 : j0;
+    const int valid_j = p.N - j0 < kTileN ? static_cast<int>(p.N - j0) : kTileN;
+    const math::ActParams<float> ap{p.act_alpha, p.act_limit};
+    // After slot s: if slot s + 2 (the next user of s's buffer) is an H slot, its load, once every thread is done
+    // with the buffer and its store has read it.
+    auto refill = [&](int s) __attribute__((always_inline)) {
+      if (s + 2 < kSlots && slot_is_h(s + 2)) {
+        fence_proxy_async_shared();  // this thread's accesses to the buffer, ordered before the TMA load's writes
+        Staging::acquire(wg_thread, barrier_id);
+        if (wg_thread == 0) issue_h(p, st, c, row_base, s + 2);
+      }
+    };
+
+    CUTE_UNROLL
+    for (int m = 0; m < Staging::kRowAtoms; ++m) {
+      const int rows = min(Staging::kRows, c.rows - row_base - m * Staging::kRows);  // <= 0: no rows (uniform)
+      const std::int64_t g0 = c.row0 + row_base + m * Staging::kRows;
+      auto value = [&](int v0, int v1, int v2) __attribute__((always_inline)) -> float& {
+        return acc(make_coord(make_coord(v0, v1, v2), m, 0));
+      };
+      std::int32_t pair[2];
+      float score[2];
+      float ds[2][kDsBlocks];
+      CUTE_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int r = warp * 16 + v1 * 8 + row_in_warp;
+        const bool ok = r < rows;
+        pair[v1] = ok ? p.scatter[g0 + r] : -1;
+        score[v1] = ok ? p.scores[pair[v1]] : 0.0f;
+        CUTE_UNROLL
+        for (int b = 0; b < kDsBlocks; ++b) ds[v1][b] = 0.0f;
+      }
+
+      CUTE_UNROLL
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int s = m * kSlotsPerAtom + pass, b = s % 2;
+        auto& buf = st.buf[b];
+        // Every H slot's arrival is waited for, stored or not (uniform): the parities stay in step.
+        mbar_wait(&st.h_full[b], (state.h_parity >> b) & 1u);
+        state.h_parity ^= 1u << b;
+        if (rows > 0 && pass * kV2PerPass * 8 < valid_j) {
+          CUTE_UNROLL
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int r = warp * 16 + v1 * 8 + row_in_warp;
+            const float sc = score[v1];
+            CUTE_UNROLL
+            for (int i = 0; i < kV2PerPass; ++i) {
+              const int v2 = pass * kV2PerPass + i;
+              const int col = v2 * 8 + quad * 2;
+              CUTE_UNROLL
+              for (int v0 = 0; v0 < 2; ++v0) {
+                const float dap = value(v0, v1, v2), da = sc * dap;
+                float a_val;
+                if constexpr (kGlu) {
+                  // gate/up of A column col + v0 at dH columns 2 (col + v0), + 1: read, then overwritten with dH
+                  const int hc = 2 * (col + v0) - pass * Staging::kStageCols;
+                  const __nv_bfloat162 gu =
+                      *reinterpret_cast<const __nv_bfloat162*>(&buf.staged[Staging::staged_index(r, hc)]);
+                  const math::GluGrad<float> f =
+                      math::glu_backward<kAct, FastMath>(__low2float(gu), __high2float(gu), da, ap);
+                  a_val = f.value;
+                  Staging::put2(buf, r, hc, f.d_gate, f.d_up);
+                  ds[v1][v2 / 8] += dap * a_val;
+                  value(v0, v1, v2) = sc * a_val;
+                } else {
+                  (void)v0;
+                }
+              }
+              if constexpr (!kGlu) {  // H columns col, col + 1: one bf16 pair, overwritten with their dH
+                const int hc = col - pass * Staging::kStageCols;
+                const __nv_bfloat162 hh =
+                    *reinterpret_cast<const __nv_bfloat162*>(&buf.staged[Staging::staged_index(r, hc)]);
+                float d[2];
+                CUTE_UNROLL
+                for (int v0 = 0; v0 < 2; ++v0) {
+                  const float dap = value(v0, v1, v2);
+                  const math::ActValue<float> f =
+                      math::act_value_and_derivative<kAct, FastMath>(v0 == 0 ? __low2float(hh) : __high2float(hh));
+                  d[v0] = sc * dap * f.derivative;
+                  ds[v1][v2 / 8] += dap * f.value;
+                  value(v0, v1, v2) = sc * f.value;
+                }
+                Staging::put2(buf, r, hc, d[0], d[1]);
+              }
+            }
+          }
+          Staging::release(buf, p.dh, Staging::kStageCols, rows, g0, dh_col0 + pass * Staging::kStageCols, wg_thread,
+                           barrier_id);
+        }
+        refill(s);
+      }
+
+      // A' (kTileN columns) from the accumulator: the dH passes left s A in place of dA'.
+      CUTE_UNROLL
+      for (int pass = 0; pass < kAPasses; ++pass) {
+        const int s = m * kSlotsPerAtom + kPasses + pass;
+        auto& buf = st.buf[s % 2];
+        if (rows > 0 && pass * Staging::kStageCols < valid_j) {
+          Staging::acquire(wg_thread, barrier_id);
+          CUTE_UNROLL
+          for (int v2 = pass * (Staging::kStageCols / 8); v2 < (pass + 1) * (Staging::kStageCols / 8); ++v2) {
+            CUTE_UNROLL
+            for (int v1 = 0; v1 < 2; ++v1) {
+              const int r = warp * 16 + v1 * 8 + row_in_warp;
+              Staging::put2(buf, r, v2 * 8 + quad * 2 - pass * Staging::kStageCols, value(0, v1, v2),
+                            value(1, v1, v2));
+            }
+          }
+          Staging::release(buf, p.a_prime, Staging::kStageCols, rows, g0, j0 + pass * Staging::kStageCols, wg_thread,
+                           barrier_id);
+        }
+        refill(s);
+      }
+      store_ds(p, ds, pair, j0, quad);
+    }
+  }
+
+  /// dS partials: the quad's four lanes hold the row's columns; a fixed butterfly sums them (deterministic).
+  __device__ __forceinline__ static void store_ds(const Params& p, float (&ds)[2][kDsBlocks], const std::int32_t (&pair)[2],
+                                                  std::int64_t j0, int quad) {
+    CUTE_UNROLL
+    for (int v1 = 0; v1 < 2; ++v1) {
+      CUTE_UNROLL
+      for (int b = 0; b < kDsBlocks; ++b) {
+        float x = ds[v1][b];
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        // A block wholly past n is not written (it would land in the next pair's partials).
+        if (quad == 0 && pair[v1] >= 0 && j0 / 64 + b < p.ds_tiles)
+          p.ds_partial[static_cast<std::int64_t>(pair[v1]) * p.ds_tiles + j0 / 64 + b] = x;
+      }
+    }
+  }
+
+  /// The cooperative tile: H from global memory into registers, pass by pass.
+  template <class Accumulator>
+  __device__ __forceinline__ static void apply_registers(const Params& p, typename Staging::Storage& st,
+                                                         Accumulator& acc, const TileCoord& c, int row_base,
+                                                         int wg_thread, int barrier_id) {
     using namespace cute;
     const int warp = wg_thread / 32, lane = wg_thread % 32;
     const int quad = lane % 4, row_in_warp = lane / 4;
@@ -173,19 +394,7 @@ struct EpilogueActivationGrad {
                          barrier_id);
       }
 
-      // dS partials: the quad's four lanes hold the row's columns; a fixed butterfly sums them (deterministic).
-      CUTE_UNROLL
-      for (int v1 = 0; v1 < 2; ++v1) {
-        CUTE_UNROLL
-        for (int b = 0; b < kDsBlocks; ++b) {
-          float x = ds[v1][b];
-          x += __shfl_xor_sync(0xffffffffu, x, 1);
-          x += __shfl_xor_sync(0xffffffffu, x, 2);
-          // A block wholly past n is not written (it would land in the next pair's partials).
-          if (quad == 0 && pair[v1] >= 0 && j0 / 64 + b < p.ds_tiles)
-            p.ds_partial[static_cast<std::int64_t>(pair[v1]) * p.ds_tiles + j0 / 64 + b] = x;
-        }
-      }
+      store_ds(p, ds, pair, j0, quad);
     }
   }
 };

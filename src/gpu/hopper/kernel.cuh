@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "gpu/cuda_check.hpp"
 #include "gpu/hopper/async_primitives.cuh"
@@ -24,6 +25,20 @@
 #include "gpu/hopper/tile_config.hpp"
 
 namespace machmoe::gpu::hopper {
+
+/// An epilogue with hooks declares `State` (per-thread state carried across a consumer warpgroup's tiles) and
+/// provides init(Storage&) (thread 0, once per CTA: its shared-memory barriers), tile_start(...) (before a tile's
+/// mainloop: loads it can issue early) and apply(..., State&, ...). The others have none of these.
+template <class E, class = void>
+struct EpilogueHooks {
+  static constexpr bool kHooks = false;
+  struct State {};
+};
+template <class E>
+struct EpilogueHooks<E, std::void_t<typename E::State>> {
+  static constexpr bool kHooks = true;
+  using State = typename E::State;
+};
 
 template <class Tile, class Mainloop_, class Epilogue_, class Scheduler_>
 struct PersistentKernel {
@@ -61,6 +76,7 @@ struct PersistentKernel {
                                                        int wg_thread) {
     const typename Mainloop::Storage ring{s.tiles, s.barriers};
     Scheduler sched(p.scheduler);
+    typename EpilogueHooks<Epilogue>::State epilogue_state{};
     typename Mainloop::TiledMma mma;
     auto acc = cute::partition_fragment_C(mma, cute::Shape<cute::Int<Tile::kTileM>, cute::Int<Tile::kTileN>>{});
     constexpr int kStep = Traits::kCooperative ? 1 : Traits::kConsumerWarpgroups;
@@ -82,11 +98,18 @@ struct PersistentKernel {
       // still waits on that barrier's previous phase. With one arrival (thread 0 alone) two such completions flip
       // the phase parity back under a lagging warp, which then waits for a phase that needs this warpgroup's next
       // arrival: a deadlock, seen with tiles of 0 or 1 k-blocks back to back (the weight gradients' short experts).
+      if constexpr (EpilogueHooks<Epilogue>::kHooks)
+        Epilogue::tile_start(p.epilogue, s.epilogue[consumer], epilogue_state, c, row_base, wg_thread,
+                             epilogue_barrier(consumer));
       Mainloop::consume(p.mainloop, ring, acc, c, i, mma_thread, [&] {
         if constexpr (!Traits::kCooperative) mbar_arrive(&s.tile_done[consumer]);
       });
-      Epilogue::template apply<Variant>(p.epilogue, s.epilogue[consumer], acc, c, row_base, wg_thread,
-                                        epilogue_barrier(consumer));
+      if constexpr (EpilogueHooks<Epilogue>::kHooks)
+        Epilogue::template apply<Variant>(p.epilogue, s.epilogue[consumer], epilogue_state, acc, c, row_base,
+                                          wg_thread, epilogue_barrier(consumer));
+      else
+        Epilogue::template apply<Variant>(p.epilogue, s.epilogue[consumer], acc, c, row_base, wg_thread,
+                                          epilogue_barrier(consumer));
     }
     if (wg_thread == 0) bulk_wait_group0();  // this warpgroup's last TMA stores have landed
   }
@@ -99,6 +122,8 @@ struct PersistentKernel {
     if (threadIdx.x == 0) {
       Mainloop::init_barriers(s.barriers);
       for (int w = 0; w < Traits::kConsumerWarpgroups; ++w) mbar_init(&s.tile_done[w], 128);
+      if constexpr (EpilogueHooks<Epilogue>::kHooks)
+        for (int w = 0; w < Traits::kConsumerWarpgroups; ++w) Epilogue::init(s.epilogue[w]);
       mbar_init_fence();
       Mainloop::prefetch_descriptors(p.mainloop);
     }

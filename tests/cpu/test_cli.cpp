@@ -176,6 +176,21 @@ TEST(Cli, StageRunsDefaultToFiveAndTakeTheirRange) {
   EXPECT_NE(error_of({"--stage-runs", "1001"}).find("'--stage-runs'"), std::string::npos);
 }
 
+TEST(Cli, TokenChunkOptionsSetTheirOwnPass) {
+  const Options none = parse_options({}, false);
+  EXPECT_EQ(none.problem.dx_chunks, 0);
+  EXPECT_EQ(none.problem.y_chunks, 0);
+  const Options y = parse_options({"--y-chunks", "1"}, false);
+  EXPECT_EQ(y.problem.y_chunks, 1);
+  EXPECT_EQ(y.problem.dx_chunks, 0);
+  const Options dx = parse_options({"--dx-chunks", "3"}, false);
+  EXPECT_EQ(dx.problem.dx_chunks, 3);
+  EXPECT_EQ(dx.problem.y_chunks, 0);
+  EXPECT_NE(error_of({"--y-chunks", "-1"}).find("'--y-chunks'"), std::string::npos);
+  EXPECT_NE(error_of({"--y-chunks", "1025"}).find("'--y-chunks': expected a decimal integer in [0, 1024]"),
+            std::string::npos);
+}
+
 TEST(Cli, SizesBeyondTheLibraryLimitsNameTheOption) {
   EXPECT_NE(error_of({"--d", "1048577"}).find("'--d': expected a decimal integer in [1, 1048576]"), std::string::npos);
   EXPECT_NE(error_of({"--E", "65537"}).find("'--E': expected a decimal integer in [1, 65536]"), std::string::npos);

@@ -13,9 +13,12 @@ if os.environ.get("MACHMOE_IN_TREE") == "1":
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; fails (does not skip) without one")
-    config.addinivalue_line("markers", "multigpu: needs 2 CUDA GPUs (also marked gpu); fails (does not skip) with "
-                            "fewer. Single-GPU runs deselect it (-m 'not multigpu'); run it on the 2-GPU machine "
-                            "with -m multigpu")
+    config.addinivalue_line("markers", "multigpu: needs 2 or more CUDA GPUs (also marked gpu); fails (does not skip) "
+                            "with fewer. Single-GPU runs deselect it (-m 'gpu and not multigpu'); on 2 GPUs run "
+                            "-m 'multigpu and not gpus4 and not gpus8', on 4 -m 'multigpu and not gpus8', on 8 "
+                            "-m multigpu")
+    config.addinivalue_line("markers", "gpus4: needs 4 CUDA GPUs (also marked multigpu)")
+    config.addinivalue_line("markers", "gpus8: needs 8 CUDA GPUs (also marked multigpu)")
 
 
 @pytest.fixture

@@ -708,11 +708,14 @@ def shard_experts_fsdp2(layer: "ExpertParallelMoE", expert_mesh=None, **fully_sh
     if expert_mesh is not None and expert_mesh.size() > 1:
         fully_shard(layer.experts, mesh=expert_mesh, **fully_shard_kwargs)
         layer.experts.set_gradient_divide_factor(float(expert_mesh.size() * layer.ep_size))
-        if expert_mesh.device_type != "cuda":
-            # With a divide factor other than the mesh size, FSDP2 reduces fp32/bf16 gradients with NCCL's
-            # PREMUL_SUM, which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo", torch 2.11): sum, then
-            # divide. (float64 and float16 gradients take that path anyway.)
-            layer.experts.set_force_sum_reduction_for_comms(True)
+        # Sum, then divide, on every backend. With a divide factor other than the mesh size, FSDP2 would reduce
+        # fp32/bf16 gradients with NCCL's PREMUL_SUM(1 / factor), which (a) gloo refuses ("Cannot use
+        # ReduceOp.PREMUL_SUM with Gloo", torch 2.11) and (b) over bf16 on NCCL silently returns all zeros when the
+        # factor is a power of two, as F * ep_size usually is (torch passes the factor as a 4-byte float where NCCL
+        # reads 2 bytes; pytorch/pytorch#190745; torch 2.11 has it): the 4-GPU EP 2 x expert-FSDP 2 training
+        # test measured zero expert gradients (relative error 1.00) before this, 3e-3 after (H200, 2026-11-26).
+        # The cost is one division of the reduced shard.
+        layer.experts.set_force_sum_reduction_for_comms(True)
         return set()
     params = set(layer.experts.parameters())
     for p in params:

@@ -25,6 +25,11 @@
 // 1.4B (256,128,8): 1.20 GB read from HBM with the prefetch, 0.87 GB without, and the kernel 12 % faster without;
 // docs/BENCHMARKS.md, session 28).
 //
+// Scores: a row's pair index (scatter) is loaded in tile_start, before the tile's mainloop, and the scores of all the
+// thread's rows in one batch at the start of the epilogue. Loaded per row atom inside the epilogue, the dependent
+// pair -> score loads were the kernel's hottest stall after the ring waits (ncu, H200, 1.4B (256,128,8): ~12 % of
+// the samples); hoisted, the kernel went 0.470-0.473 -> 0.433-0.439 ms there (H200, same-machine A/B, session 31).
+//
 // Edge tiles (n not a multiple of kTileN): the accumulator's columns j >= n are exact zeros (W2's rows past n arrive
 // zero-filled by TMA, so dA' = sum_k dO[k] * 0), H is not loaded past the row's valid columns
 // (the padded columns read H = 0, so A = act(0) * 0 or act(0), finite), and dH and A' are clipped by the stores
@@ -73,10 +78,39 @@ struct EpilogueActivationGrad {
     typename Staging::Storage buf[1];
   };
   using Storage = std::conditional_t<kTmaH, StorageTma, StorageRegisters>;
-  /// Per thread, across the warpgroup's tiles: the parity of each buffer's next H arrival.
+  /// Per thread, across the warpgroup's tiles: the parity of each buffer's next H arrival (H by TMA), and the
+  /// current tile's pair index of each of the thread's rows (-1: past the tile's rows), loaded by tile_start.
   struct State {
     std::uint32_t h_parity = 0;
+    std::int32_t pair[Staging::kRowAtoms][2];
   };
+
+  /// The pair of each of the thread's rows (row_in_warp and row_in_warp + 8 of its warp's 16, in each row atom),
+  /// issued before the tile's mainloop: the loads' latency passes under the mainloop instead of stalling the
+  /// epilogue, which then reads only the scores (one dependent load for all its rows, not two per row atom).
+  __device__ __forceinline__ static void load_pairs(const Params& p, State& state, const TileCoord& c, int row_base,
+                                                    int wg_thread) {
+    const int warp = wg_thread / 32, row_in_warp = (wg_thread % 32) / 4;
+#pragma unroll
+    for (int m = 0; m < Staging::kRowAtoms; ++m) {
+      const int rows = c.rows - row_base - m * Staging::kRows;
+      const std::int64_t g0 = c.row0 + row_base + m * Staging::kRows;
+#pragma unroll
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int r = warp * 16 + v1 * 8 + row_in_warp;
+        state.pair[m][v1] = r < rows ? p.scatter[g0 + r] : -1;
+      }
+    }
+  }
+
+  /// The scores of the thread's rows (0 past the tile's rows), all loads issued together.
+  __device__ __forceinline__ static void load_scores(const Params& p, const State& state,
+                                                     float (&score)[Staging::kRowAtoms][2]) {
+#pragma unroll
+    for (int m = 0; m < Staging::kRowAtoms; ++m)
+#pragma unroll
+      for (int v1 = 0; v1 < 2; ++v1) score[m][v1] = state.pair[m][v1] >= 0 ? p.scores[state.pair[m][v1]] : 0.0f;
+  }
 
   __device__ __forceinline__ static void init(Storage& st) {
     if constexpr (kTmaH) {
@@ -100,8 +134,9 @@ struct EpilogueActivationGrad {
   }
 
   /// Before the tile's mainloop: once the buffers' last stores have read them, the H of the first two slots.
-  __device__ __forceinline__ static void tile_start(const Params& p, Storage& st, State&, const TileCoord& c,
+  __device__ __forceinline__ static void tile_start(const Params& p, Storage& st, State& state, const TileCoord& c,
                                                     int row_base, int wg_thread, int barrier_id) {
+    load_pairs(p, state, c, row_base, wg_thread);
     if constexpr (kTmaH) {
       fence_proxy_async_shared();  // this thread's accesses to the buffers, ordered before the TMA loads' writes
       Staging::acquire(wg_thread, barrier_id);  // every thread is done with both buffers, the stores have read them
@@ -126,7 +161,7 @@ struct EpilogueActivationGrad {
     if constexpr (kTmaH)
       apply_tma(p, st, state, acc, c, row_base, wg_thread, barrier_id);
     else
-      apply_registers(p, st.buf[0], acc, c, row_base, wg_thread, barrier_id);
+      apply_registers(p, st.buf[0], state, acc, c, row_base, wg_thread, barrier_id);
   }
 
   /// The ping-pong tile: H from the staging buffers (loaded by TMA, see kTmaH), dH computed in place.
@@ -150,6 +185,9 @@ struct EpilogueActivationGrad {
       }
     };
 
+    float scores[Staging::kRowAtoms][2];
+    load_scores(p, state, scores);
+
     CUTE_UNROLL
     for (int m = 0; m < Staging::kRowAtoms; ++m) {
       const int rows = min(Staging::kRows, c.rows - row_base - m * Staging::kRows);  // <= 0: no rows (uniform)
@@ -157,18 +195,12 @@ struct EpilogueActivationGrad {
       auto value = [&](int v0, int v1, int v2) __attribute__((always_inline)) -> float& {
         return acc(make_coord(make_coord(v0, v1, v2), m, 0));
       };
-      std::int32_t pair[2];
-      float score[2];
+      const float (&score)[2] = scores[m];
       float ds[2][kDsBlocks];
       CUTE_UNROLL
-      for (int v1 = 0; v1 < 2; ++v1) {
-        const int r = warp * 16 + v1 * 8 + row_in_warp;
-        const bool ok = r < rows;
-        pair[v1] = ok ? p.scatter[g0 + r] : -1;
-        score[v1] = ok ? p.scores[pair[v1]] : 0.0f;
+      for (int v1 = 0; v1 < 2; ++v1)
         CUTE_UNROLL
         for (int b = 0; b < kDsBlocks; ++b) ds[v1][b] = 0.0f;
-      }
 
       CUTE_UNROLL
       for (int pass = 0; pass < kPasses; ++pass) {
@@ -250,7 +282,7 @@ struct EpilogueActivationGrad {
         }
         refill(s);
       }
-      store_ds(p, ds, pair, j0, quad);
+      store_ds(p, ds, state.pair[m], j0, quad);
     }
   }
 
@@ -274,8 +306,8 @@ struct EpilogueActivationGrad {
   /// The cooperative tile: H from global memory into registers, pass by pass.
   template <class Accumulator>
   __device__ __forceinline__ static void apply_registers(const Params& p, typename Staging::Storage& st,
-                                                         Accumulator& acc, const TileCoord& c, int row_base,
-                                                         int wg_thread, int barrier_id) {
+                                                         const State& state, Accumulator& acc, const TileCoord& c,
+                                                         int row_base, int wg_thread, int barrier_id) {
     using namespace cute;
     const int warp = wg_thread / 32, lane = wg_thread % 32;
     const int quad = lane % 4, row_in_warp = lane / 4;
@@ -286,6 +318,8 @@ struct EpilogueActivationGrad {
     // tile. The thread's columns col, col + 1 share validity (col even, n a multiple of 8).
     const int valid_j = p.N - j0 < kTileN ? static_cast<int>(p.N - j0) : kTileN;
     const math::ActParams<float> ap{p.act_alpha, p.act_limit};  // read only by gptoss_swiglu
+    float scores[Staging::kRowAtoms][2];
+    load_scores(p, state, scores);
 
     CUTE_UNROLL
     for (int m = 0; m < Staging::kRowAtoms; ++m) {
@@ -295,17 +329,14 @@ struct EpilogueActivationGrad {
       auto value = [&](int v0, int v1, int v2) __attribute__((always_inline)) -> float& {
         return acc(make_coord(make_coord(v0, v1, v2), m, 0));
       };
-      // The thread's two rows of this atom (v1 = 0, 1): their pair, score and H row.
-      std::int32_t pair[2];
-      float score[2];
+      // The thread's two rows of this atom (v1 = 0, 1): their score (pair: state.pair[m]) and H row.
+      const float (&score)[2] = scores[m];
       const __nv_bfloat16* h_row[2];
       float ds[2][kDsBlocks];
       CUTE_UNROLL
       for (int v1 = 0; v1 < 2; ++v1) {
         const int r = warp * 16 + v1 * 8 + row_in_warp;
         const bool ok = r < rows;
-        pair[v1] = ok ? p.scatter[g0 + r] : -1;
-        score[v1] = ok ? p.scores[pair[v1]] : 0.0f;
         h_row[v1] = ok ? h_base + (g0 + r) * p.ld_h + dh_col0 : nullptr;
         CUTE_UNROLL
         for (int b = 0; b < kDsBlocks; ++b) ds[v1][b] = 0.0f;
@@ -394,7 +425,7 @@ struct EpilogueActivationGrad {
                          barrier_id);
       }
 
-      store_ds(p, ds, pair, j0, quad);
+      store_ds(p, ds, state.pair[m], j0, quad);
     }
   }
 };

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The tests, from nothing: set up, build, run the CPU test suites: CTest label "cpu" and the PyTorch tests not marked
-# gpu. On a GPU machine pass --gpu to run every test that needs one GPU, on the 2-GPU machine --multigpu to run
-# everything (GPU tests fail, not skip, without their GPUs).
+# gpu. On a GPU machine pass --gpu to run every test that needs one GPU; on the 2-GPU machine --multigpu, on a 4-GPU
+# one --gpus4, on an 8-GPU one --gpus8 to run everything the machine can (GPU tests fail, not skip, without their
+# GPUs).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 labels=(-L cpu)
-[ "${1:-}" = "--gpu" ] || [ "${1:-}" = "--multigpu" ] && labels=()
+case "${1:-}" in --gpu|--multigpu|--gpus4|--gpus8) labels=() ;; esac
 bash "$root/scripts/setup.sh"
 bash "$root/scripts/build.sh"
 build="${MACHMOE_BUILD_DIR:-$root/build}"
@@ -16,7 +17,9 @@ if [ -f "$build/lib/libmachmoe_torch.so" ]; then
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-build-isolation "$root"
   markers=(-m "not gpu")
   [ "${1:-}" = "--gpu" ] && markers=(-m "not multigpu")  # one GPU
-  [ "${1:-}" = "--multigpu" ] && markers=()                  # the 2-GPU machine: everything
+  [ "${1:-}" = "--multigpu" ] && markers=(-m "not gpus4 and not gpus8")  # the 2-GPU machine
+  [ "${1:-}" = "--gpus4" ] && markers=(-m "not gpus8")                    # 4 GPUs
+  [ "${1:-}" = "--gpus8" ] && markers=()                                  # 8 GPUs: everything
   (cd "$root/tests/python" && python3 -m pytest -q -p no:cacheprovider . ${markers[@]+"${markers[@]}"})
 else
   echo "test: torch is not importable, so the PyTorch tests were not built or run (MACHMOE_NO_TORCH=1?)"

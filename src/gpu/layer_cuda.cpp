@@ -211,6 +211,59 @@ VarlenMArgs up_projection_args(const MoEProblem& p, DType dt, const TensorView& 
   return a;
 }
 
+/// The routing of a layer call as the token-chunk machinery reads it (the saved metadata).
+struct ChunkRouting {
+  const std::int32_t *expert_offsets, *gather, *scatter, *inverse, *token_offsets;
+};
+
+/// Where a chunked GEMM + gather-sum keeps its plan and its chunk's pair -> packed row map (workspace regions).
+struct ChunkWorkspace {
+  std::int32_t* plan;
+  std::int32_t* pair_rows;
+};
+
+/// A grouped GEMM whose output rows are then summed per token into `out` (weights: per pair, or nullptr for a plain
+/// sum): the forward's down-projection and weighted gather-sum, the backward's dX~ and its gather-sum. chunks == 1:
+/// the GEMM over every pair, then the sum. Otherwise one chunk of tokens at a time (memory.hpp: forward_y_chunks,
+/// backward_dx_chunks): the chunk plan, then per chunk the GEMM over the chunk's rows of A where they lie (a per-expert
+/// row shift), its output rows packed (at most chunk_rows), and its tokens' sums finished before the next chunk
+/// overwrites them. gemm.P_max is the pair count on entry; the three names mark the GEMM's, the sum's and the plan's
+/// stages (and name the GEMM in a fallback notice).
+void gemm_then_gather_sum(const MoEProblem& p, VarlenMArgs gemm, const char* gemm_stage, const char* sum_stage,
+                          const char* plan_stage, std::int64_t chunks, std::int64_t chunk_rows,
+                          const ChunkRouting& r, const ChunkWorkspace& ws, const float* weights,
+                          const TensorView& out, cudaStream_t stream) {
+  const std::int64_t P = gemm.P_max;
+  if (chunks == 1) {
+    mark_stage(gemm_stage, stream);
+    launch_expert_gemm(gemm, gemm_stage, stream);
+    mark_stage(sum_stage, stream);
+    launch_gather_sum(gemm.dt, gemm.out, p.d, weights, r.inverse, r.token_offsets, p.K, p.T, out.data,
+                      out.stride[0], stream);
+    return;
+  }
+  const DxChunkPlan plan = DxChunkPlan::in(ws.plan, chunks, p.E);
+  const std::int64_t pairs_per_chunk = (P + chunks - 1) / chunks;
+  mark_stage(plan_stage, stream);
+  launch_dx_chunk_plan(r.expert_offsets, r.gather, r.scatter, r.token_offsets, p.K, p.T, p.E, P, chunks,
+                       pairs_per_chunk, plan, ws.pair_rows, p.routing == RoutingMode::kTopK, stream);
+  gemm.P_max = chunk_rows;  // the chunk's rows: the extent of the output
+  gemm.a_rows = P;          // A keeps every pair's row
+  // Blocks of the chunk's gather-sum: its tokens for top-K (a chunk holds at most ceil(Q / K) + 1), a share of T
+  // when a token's pair count varies (they stride over the range, whatever its length).
+  const std::int64_t range_blocks = p.variable_k() ? (p.T + chunks - 1) / chunks + 1
+                                                   : (pairs_per_chunk + p.K - 1) / p.K + 1;
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    gemm.expert_offsets = plan.chunk_offsets(c), gemm.expert_tiles = plan.chunk_tiles(c);
+    gemm.a_row_shift = plan.chunk_shifts(c);
+    mark_stage(gemm_stage, stream);
+    launch_expert_gemm(gemm, gemm_stage, stream);
+    mark_stage(sum_stage, stream);
+    launch_gather_sum(gemm.dt, gemm.out, p.d, weights, ws.pair_rows, r.token_offsets, p.K, p.T, out.data,
+                      out.stride[0], stream, plan.bounds + c, range_blocks);
+  }
+}
+
 }  // namespace
 
 void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
@@ -319,37 +372,13 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   down.epilogue = Epilogue::kStore;
   down.out = y_buf, down.ld_out = p.d;
   if (p.has_b2) down.bias = w.b2.data, down.ld_bias = w.b2.stride[0];
-  // Y at once, or one chunk of tokens at a time where Y would set the layer's peak (memory.hpp, forward_y_chunks):
-  // the backward's dX~ plan, each chunk's rows of A read where they lie, its Y rows packed, its tokens' weighted sums
-  // finished before the next chunk.
-  const std::int64_t chunks = forward_y_chunks(p);
-  if (chunks == 1) {
-    mark_stage("forward/down_projection", stream);
-    launch_expert_gemm(down, "forward/down_projection", stream);
-    mark_stage("forward/aggregation", stream);
-    launch_gather_sum(dt, y_buf, p.d, scores, m.inverse, m.token_offsets, p.K, p.T, out.out.data,
-                      out.out.stride[0], stream);
-  } else {
-    const DxChunkPlan plan = DxChunkPlan::in(at<std::int32_t>(buf.workspace, wl.y_chunk_plan), chunks, p.E);
-    std::int32_t* pair_rows = at<std::int32_t>(buf.workspace, wl.y_pair_rows);
-    const std::int64_t pairs_per_chunk = (P + chunks - 1) / chunks;
-    mark_stage("forward/y_chunk_plan", stream);
-    launch_dx_chunk_plan(m.expert_offsets, m.gather, m.scatter, m.token_offsets, p.K, p.T, p.E, P, chunks,
-                         pairs_per_chunk, plan, pair_rows, p.routing == RoutingMode::kTopK, stream);
-    down.P_max = forward_y_chunk_rows(p);  // the chunk's rows: the extent of the output
-    down.a_rows = P;                       // A keeps every pair's row
-    const std::int64_t range_blocks = p.variable_k() ? (p.T + chunks - 1) / chunks + 1
-                                                     : (pairs_per_chunk + p.K - 1) / p.K + 1;
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      down.expert_offsets = plan.chunk_offsets(c), down.expert_tiles = plan.chunk_tiles(c);
-      down.a_row_shift = plan.chunk_shifts(c);
-      mark_stage("forward/down_projection", stream);
-      launch_expert_gemm(down, "forward/down_projection", stream);
-      mark_stage("forward/aggregation", stream);
-      launch_gather_sum(dt, y_buf, p.d, scores, pair_rows, m.token_offsets, p.K, p.T, out.out.data,
-                        out.out.stride[0], stream, plan.bounds + c, range_blocks);
-    }
-  }
+  // Y at once, or one chunk of tokens at a time where Y would set the layer's peak (memory.hpp, forward_y_chunks),
+  // over the backward's dX~ chunk plan.
+  gemm_then_gather_sum(p, down, "forward/down_projection", "forward/aggregation", "forward/y_chunk_plan",
+                       forward_y_chunks(p), forward_y_chunk_rows(p),
+                       {m.expert_offsets, m.gather, m.scatter, m.inverse, m.token_offsets},
+                       {at<std::int32_t>(buf.workspace, wl.y_chunk_plan), at<std::int32_t>(buf.workspace, wl.y_pair_rows)},
+                       scores, out.out, stream);
   mark_stage(nullptr, stream);
 }
 
@@ -464,36 +493,11 @@ void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
   dxa.b.glu_n = p.n;
   dxa.epilogue = Epilogue::kStore;
   dxa.out = dxe, dxa.ld_out = p.d;
-  const std::int64_t chunks = backward_dx_chunks(p);
-  if (chunks == 1) {
-    mark_stage("backward/dx_expanded", stream);
-    launch_expert_gemm(dxa, "backward/dx_expanded", stream);
-    mark_stage("backward/dx_aggregation", stream);
-    launch_gather_sum(dt, dxe, p.d, nullptr, inverse, token_offsets, p.K, p.T, out.grad_x.data,
-                      out.grad_x.stride[0], stream);
-  } else {
-    const DxChunkPlan plan = DxChunkPlan::in(at<std::int32_t>(workspace, wl.dx_chunk_plan), chunks, p.E);
-    std::int32_t* pair_rows = at<std::int32_t>(workspace, wl.dx_pair_rows);
-    const std::int64_t pairs_per_chunk = (P + chunks - 1) / chunks;
-    mark_stage("backward/dx_chunk_plan", stream);
-    launch_dx_chunk_plan(offsets, sv.gather, sv.scatter, token_offsets, p.K, p.T, p.E, P, chunks, pairs_per_chunk,
-                         plan, pair_rows, p.routing == RoutingMode::kTopK, stream);
-    dxa.P_max = backward_dx_chunk_rows(p);  // the chunk's rows: the extent of the output
-    dxa.a_rows = P;                          // dH keeps every pair's row
-    // Blocks of the chunk's gather-sum: its tokens for top-K (a chunk holds at most ceil(Q / K) + 1), a share of T
-    // when a token's pair count varies (they stride over the range, whatever its length).
-    const std::int64_t range_blocks = p.variable_k() ? (p.T + chunks - 1) / chunks + 1
-                                                     : (pairs_per_chunk + p.K - 1) / p.K + 1;
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      dxa.expert_offsets = plan.chunk_offsets(c), dxa.expert_tiles = plan.chunk_tiles(c);
-      dxa.a_row_shift = plan.chunk_shifts(c);
-      mark_stage("backward/dx_expanded", stream);
-      launch_expert_gemm(dxa, "backward/dx_expanded", stream);
-      mark_stage("backward/dx_aggregation", stream);
-      launch_gather_sum(dt, dxe, p.d, nullptr, pair_rows, token_offsets, p.K, p.T, out.grad_x.data,
-                        out.grad_x.stride[0], stream, plan.bounds + c, range_blocks);
-    }
-  }
+  gemm_then_gather_sum(p, dxa, "backward/dx_expanded", "backward/dx_aggregation", "backward/dx_chunk_plan",
+                       backward_dx_chunks(p), backward_dx_chunk_rows(p),
+                       {offsets, sv.gather, sv.scatter, inverse, token_offsets},
+                       {at<std::int32_t>(workspace, wl.dx_chunk_plan), at<std::int32_t>(workspace, wl.dx_pair_rows)},
+                       nullptr, out.grad_x, stream);
 
   // Router: dlogits from dS (+ the caller's gradient of the logits), then dx += dlogits W_r, dW_r = dlogits^T x.
   if (caller) {

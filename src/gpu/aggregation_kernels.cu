@@ -67,7 +67,8 @@ __global__ void gather_sum_kernel(const T* __restrict__ rows, std::int64_t width
 /// was latency-bound (0.057 ms for 327680 pairs on an H200).
 template <int kVec>
 __global__ void ds_reduce_rows_kernel(const float* __restrict__ partial, std::int64_t n_tiles,
-                                      const std::int32_t* __restrict__ inverse, std::int64_t P, float* __restrict__ ds) {
+                                      const std::int32_t* __restrict__ inverse, std::int64_t P,
+                                      float* __restrict__ ds) {
   const std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (p >= P) return;
   float s = 0.0f;

@@ -377,7 +377,8 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   gemm_then_gather_sum(p, down, "forward/down_projection", "forward/aggregation", "forward/y_chunk_plan",
                        forward_y_chunks(p), forward_y_chunk_rows(p),
                        {m.expert_offsets, m.gather, m.scatter, m.inverse, m.token_offsets},
-                       {at<std::int32_t>(buf.workspace, wl.y_chunk_plan), at<std::int32_t>(buf.workspace, wl.y_pair_rows)},
+                       {at<std::int32_t>(buf.workspace, wl.y_chunk_plan),
+                        at<std::int32_t>(buf.workspace, wl.y_pair_rows)},
                        scores, out.out, stream);
   mark_stage(nullptr, stream);
 }

@@ -8,8 +8,8 @@ namespace machmoe::gpu {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kMaxK = 64;
-constexpr int kMaxPerLane = 16;  // rows of up to 512 experts are selected from registers  // selections held in shared memory per warp; larger K loops in chunks (see below)
+constexpr int kMaxK = 64;        // selections held in shared memory per warp; larger K loops in chunks (see below)
+constexpr int kMaxPerLane = 16;  // rows of up to 512 experts are selected from registers
 
 // Selection by repeated warp arg-max over a row held in registers as rank keys: lane l keeps elements l, l + 32,
 // ... (the order in which warp_row_max / warp_row_sumexp visit them, so the softmax sums are the backward's). Round

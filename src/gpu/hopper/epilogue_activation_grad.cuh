@@ -26,9 +26,11 @@
 // docs/BENCHMARKS.md, session 28).
 //
 // Scores: a row's pair index (scatter) is loaded in tile_start, before the tile's mainloop, and the scores of all the
-// thread's rows in one batch at the start of the epilogue. Loaded per row atom inside the epilogue, the dependent
-// pair -> score loads were the kernel's hottest stall after the ring waits (ncu, H200, 1.4B (256,128,8): ~12 % of
-// the samples); hoisted, the kernel went 0.470-0.473 -> 0.433-0.439 ms there (H200, same-machine A/B, session 31).
+// thread's rows in one batch once the tile's first WGMMAs are issued (first_mma_issued), so that the rest of the
+// mainloop hides both latencies. Loaded per row atom inside the epilogue, the dependent pair -> score loads were the
+// kernel's hottest stall after the ring waits (ncu, H200, 1.4B (256,128,8): ~12 % of the samples); hoisted to the
+// epilogue's start, the kernel went 0.470-0.473 -> 0.433-0.439 ms there (H200, same-machine A/B, session 31), and
+// the first use of the batch still waited on it at ~7 % of the consumer warps' samples (ncu, H100, session 32).
 //
 // Edge tiles (n not a multiple of kTileN): the accumulator's columns j >= n are exact zeros (W2's rows past n arrive
 // zero-filled by TMA, so dA' = sum_k dO[k] * 0), H is not loaded past the row's valid columns
@@ -79,10 +81,12 @@ struct EpilogueActivationGrad {
   };
   using Storage = std::conditional_t<kTmaH, StorageTma, StorageRegisters>;
   /// Per thread, across the warpgroup's tiles: the parity of each buffer's next H arrival (H by TMA), and the
-  /// current tile's pair index of each of the thread's rows (-1: past the tile's rows), loaded by tile_start.
+  /// current tile's pair index of each of the thread's rows (-1: past the tile's rows), loaded by tile_start, and
+  /// their scores (0 past the rows), loaded by first_mma_issued.
   struct State {
     std::uint32_t h_parity = 0;
     std::int32_t pair[Staging::kRowAtoms][2];
+    float score[Staging::kRowAtoms][2];
   };
 
   /// The pair of each of the thread's rows (row_in_warp and row_in_warp + 8 of its warp's 16, in each row atom),
@@ -103,13 +107,14 @@ struct EpilogueActivationGrad {
     }
   }
 
-  /// The scores of the thread's rows (0 past the tile's rows), all loads issued together.
-  __device__ __forceinline__ static void load_scores(const Params& p, const State& state,
-                                                     float (&score)[Staging::kRowAtoms][2]) {
+  /// The scores of the thread's rows (0 past the tile's rows), all loads issued together, while the tile's first
+  /// WGMMAs run: the epilogue reads them from the state.
+  __device__ __forceinline__ static void first_mma_issued(const Params& p, State& state) {
 #pragma unroll
     for (int m = 0; m < Staging::kRowAtoms; ++m)
 #pragma unroll
-      for (int v1 = 0; v1 < 2; ++v1) score[m][v1] = state.pair[m][v1] >= 0 ? p.scores[state.pair[m][v1]] : 0.0f;
+      for (int v1 = 0; v1 < 2; ++v1)
+        state.score[m][v1] = state.pair[m][v1] >= 0 ? p.scores[state.pair[m][v1]] : 0.0f;
   }
 
   __device__ __forceinline__ static void init(Storage& st) {
@@ -185,9 +190,6 @@ struct EpilogueActivationGrad {
       }
     };
 
-    float scores[Staging::kRowAtoms][2];
-    load_scores(p, state, scores);
-
     CUTE_UNROLL
     for (int m = 0; m < Staging::kRowAtoms; ++m) {
       const int rows = min(Staging::kRows, c.rows - row_base - m * Staging::kRows);  // <= 0: no rows (uniform)
@@ -195,7 +197,7 @@ struct EpilogueActivationGrad {
       auto value = [&](int v0, int v1, int v2) __attribute__((always_inline)) -> float& {
         return acc(make_coord(make_coord(v0, v1, v2), m, 0));
       };
-      const float (&score)[2] = scores[m];
+      const float (&score)[2] = state.score[m];
       float ds[2][kDsBlocks];
       CUTE_UNROLL
       for (int v1 = 0; v1 < 2; ++v1)
@@ -318,8 +320,6 @@ struct EpilogueActivationGrad {
     // tile. The thread's columns col, col + 1 share validity (col even, n a multiple of 8).
     const int valid_j = p.N - j0 < kTileN ? static_cast<int>(p.N - j0) : kTileN;
     const math::ActParams<float> ap{p.act_alpha, p.act_limit};  // read only by gptoss_swiglu
-    float scores[Staging::kRowAtoms][2];
-    load_scores(p, state, scores);
 
     CUTE_UNROLL
     for (int m = 0; m < Staging::kRowAtoms; ++m) {
@@ -330,7 +330,7 @@ struct EpilogueActivationGrad {
         return acc(make_coord(make_coord(v0, v1, v2), m, 0));
       };
       // The thread's two rows of this atom (v1 = 0, 1): their score (pair: state.pair[m]) and H row.
-      const float (&score)[2] = scores[m];
+      const float (&score)[2] = state.score[m];
       const __nv_bfloat16* h_row[2];
       float ds[2][kDsBlocks];
       CUTE_UNROLL

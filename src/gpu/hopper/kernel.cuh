@@ -28,7 +28,9 @@ namespace machmoe::gpu::hopper {
 
 /// An epilogue with hooks declares `State` (per-thread state carried across a consumer warpgroup's tiles) and
 /// provides init(Storage&) (thread 0, once per CTA: its shared-memory barriers), tile_start(...) (before a tile's
-/// mainloop: loads it can issue early) and apply(..., State&, ...). The others have none of these.
+/// mainloop: loads it can issue early), first_mma_issued(...) (once the tile's first WGMMAs are in flight: loads
+/// that depend on tile_start's, whose latency the rest of the mainloop hides) and apply(..., State&, ...). The
+/// others have none of these.
 template <class E, class = void>
 struct EpilogueHooks {
   static constexpr bool kHooks = false;
@@ -101,9 +103,14 @@ struct PersistentKernel {
       if constexpr (EpilogueHooks<Epilogue>::kHooks)
         Epilogue::tile_start(p.epilogue, s.epilogue[consumer], epilogue_state, c, row_base, wg_thread,
                              epilogue_barrier(consumer));
-      Mainloop::consume(p.mainloop, ring, acc, c, i, mma_thread, [&] {
-        if constexpr (!Traits::kCooperative) mbar_arrive(&s.tile_done[consumer]);
-      });
+      Mainloop::consume(
+          p.mainloop, ring, acc, c, i, mma_thread,
+          [&] {
+            if constexpr (EpilogueHooks<Epilogue>::kHooks) Epilogue::first_mma_issued(p.epilogue, epilogue_state);
+          },
+          [&] {
+            if constexpr (!Traits::kCooperative) mbar_arrive(&s.tile_done[consumer]);
+          });
       if constexpr (EpilogueHooks<Epilogue>::kHooks)
         Epilogue::template apply<Variant>(p.epilogue, s.epilogue[consumer], epilogue_state, acc, c, row_base,
                                           wg_thread, epilogue_barrier(consumer));

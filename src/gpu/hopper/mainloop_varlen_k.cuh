@@ -248,15 +248,16 @@ struct MainloopVarlenK {
   /// Accumulates tile `c` into `acc` (zeroed by the first WGMMA). A tile without k-blocks leaves `acc` untouched:
   /// the epilogue stores zeros for it (clearing the registers here, with non-WGMMA instructions, made ptxas
   /// serialise every WGMMA of the kernel, warning C7515).
-  /// `on_last_wait` runs (on every thread) once this warpgroup has seen the tile's last stage arrive (at once for a
-  /// tile without k-blocks).
-  template <class Accumulator, class OnLastWait>
+  /// `on_first_issue` runs (on every thread) once the first k-block's WGMMAs are issued, `on_last_wait` once this
+  /// warpgroup has seen the tile's last stage arrive (both at once for a tile without k-blocks).
+  template <class Accumulator, class OnFirstIssue, class OnLastWait>
   __device__ __forceinline__ static void consume(const Params&, Storage s, Accumulator& acc,
                                                  const VarlenKTileCoord& c, int /*tile_index*/, int mma_thread,
-                                                 OnLastWait&& on_last_wait) {
+                                                 OnFirstIssue&& on_first_issue, OnLastWait&& on_last_wait) {
     using namespace cute;
     const int wg_thread = mma_thread % 128;
     if (c.k_tiles == 0) {  // the accumulator is left as it is; the epilogue writes zeros for such a tile
+      on_first_issue();
       on_last_wait();
       return;
     }
@@ -283,6 +284,7 @@ struct MainloopVarlenK {
         mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
+      if (kb == 0) on_first_issue();
       warpgroup_wait<1>();  // the previous k-block's WGMMAs are done: its stage can be refilled
       warpgroup_fence_operand(acc);
       if (previous_stage >= 0 && wg_thread == 0) mbar_arrive(&s.bar.empty[previous_stage]);

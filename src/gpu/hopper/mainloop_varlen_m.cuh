@@ -124,9 +124,14 @@ struct MainloopVarlenM {
     const int chunk = ptid & 7, row_in_pass = ptid >> 3;
     const std::uint32_t swizzled_chunk = static_cast<std::uint32_t>((chunk ^ (row_in_pass & 7)) << 4);
     const Element* a_base = static_cast<const Element*>(p.a);
-    for (int i = 0;; ++i) {
-      const TileCoord c = sched.get(i);
-      if (!c.valid()) break;
+    // Gathered A: the routing indices of this thread's 8 rows are loaded one tile ahead, while the previous tile's
+    // k-blocks are issued, so a tile's first copies do not wait for an index load (ncu, dH on 1.4B (256,128,8): the
+    // producer warps stalled at every tile start on the sign extension of the index just loaded).
+    TileCoord c = sched.get(0);
+    std::int32_t gather_rows[8];
+    if constexpr (kGatherA) load_gather_rows(p, c, row_in_pass, gather_rows);
+    for (int i = 0; c.valid(); ++i) {
+      const TileCoord next = sched.get(i + 1);
       const int half_rows = kTileN / 2;
       int b_row_first, b_row_second;
       if (p.b_concatenated) {
@@ -141,13 +146,13 @@ struct MainloopVarlenM {
         if (ptid == 0)
           a_row0 = static_cast<int>(c.row0) + (p.a_row_shift != nullptr ? p.a_row_shift[c.expert] : 0);
       }
-      std::int64_t src_row[8];
+      std::int64_t src_row[8];  // element offset of each of this thread's rows in A; -1: past the tile's rows
+      std::int32_t next_rows[8];
       if constexpr (kGatherA) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int r = row_in_pass + 16 * i;
-          src_row[i] = r < c.rows ? static_cast<std::int64_t>(p.gather[c.row0 + r]) * p.lda : -1;
-        }
+        for (int j = 0; j < 8; ++j)
+          src_row[j] = gather_rows[j] >= 0 ? static_cast<std::int64_t>(gather_rows[j]) * p.lda : -1;
+        load_gather_rows(p, next, row_in_pass, next_rows);  // used by the next tile: in flight meanwhile
       }
       for (int kb = 0; kb < k_tiles; ++kb, ++iter) {
         const int stage = iter % kStages;
@@ -183,27 +188,45 @@ struct MainloopVarlenM {
           // Chunks at k >= K (the partial last k-block) are zero-filled: reading them would run past the row.
           const bool k_ok = k_off < p.K;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const int r = row_in_pass + 16 * i;
-            const bool ok = k_ok && src_row[i] >= 0;
-            const Element* src = ok ? a_base + src_row[i] + k_off : a_base;
+          for (int j = 0; j < 8; ++j) {
+            const int r = row_in_pass + 16 * j;
+            const bool ok = k_ok && src_row[j] >= 0;
+            const Element* src = ok ? a_base + src_row[j] + k_off : a_base;
             cp_async_16(dst0 + r * 128, src, ok ? 16u : 0u);
           }
           cp_async_arrive_noinc(&s.bar.full[stage]);
         }
       }
+      if constexpr (kGatherA) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) gather_rows[j] = next_rows[j];
+      }
+      c = next;
     }
     if constexpr (kGatherA) cp_async_wait_all();
+  }
+
+  /// The source rows (routing indices) of this thread's rows row_in_pass + 16 j of tile c; -1 past its rows (an
+  /// invalid tile has none).
+  __device__ __forceinline__ static void load_gather_rows(const Params& p, const TileCoord& c, int row_in_pass,
+                                                          std::int32_t (&rows)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int r = row_in_pass + 16 * j;
+      rows[j] = r < c.rows ? p.gather[c.row0 + r] : -1;
+    }
   }
 
   // ---- consumer ------------------------------------------------------------------------------------------------
 
   /// Accumulates tile `tile_index` of this CTA's sequence into `acc` (zeroed by the first WGMMA); every tile has
-  /// ceil(K / kTileK) k-blocks, so its first one sits at ring position tile_index * ceil(K / kTileK). `on_last_wait` runs (on
-  /// every thread) once this warpgroup has seen its last stage arrive.
-  template <class Accumulator, class OnLastWait>
+  /// ceil(K / kTileK) k-blocks, so its first one sits at ring position tile_index * ceil(K / kTileK).
+  /// `on_first_issue` runs (on every thread) once the first k-block's WGMMAs are issued, `on_last_wait` once this
+  /// warpgroup has seen its last stage arrive.
+  template <class Accumulator, class OnFirstIssue, class OnLastWait>
   __device__ __forceinline__ static void consume(const Params& p, Storage s, Accumulator& acc, const TileCoord&,
-                                                 int tile_index, int mma_thread, OnLastWait&& on_last_wait) {
+                                                 int tile_index, int mma_thread, OnFirstIssue&& on_first_issue,
+                                                 OnLastWait&& on_last_wait) {
     const int k_tiles = (p.K + kTileK - 1) / kTileK;
     std::uint32_t iter = static_cast<std::uint32_t>(tile_index) * static_cast<std::uint32_t>(k_tiles);
     const int wg_thread = mma_thread % 128;
@@ -230,6 +253,7 @@ struct MainloopVarlenM {
         mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
+      if (kb == 0) on_first_issue();
       warpgroup_wait<1>();  // the previous k-block's WGMMAs are done: its stage can be refilled
       warpgroup_fence_operand(acc);
       if (previous_stage >= 0 && wg_thread < Tile::kClusterM) release(s, previous_stage, wg_thread);

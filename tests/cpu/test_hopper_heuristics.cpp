@@ -27,16 +27,14 @@ TEST(HopperHeuristics, WideTileWhereNAllowsIt) {
   }
 }
 
-TEST(HopperHeuristics, DhKernelPingPongForSmallD) {
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 256, 1536), {}).tile_n, 128);   // 7B (256,128,8): K = d
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 512, 768), {}).tile_n, 128);    // 1.4B
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 1024, 4096), {}).tile_n, 256);  // 30B / 120B
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 384, 4096), {}).tile_n, 128);   // 256 would pad 128 columns
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 200, 2048), {}).tile_n, 128);   // d <= 2048, whatever N
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 200, 2056), {}).tile_n, 256);   // least padding: a tie
+TEST(HopperHeuristics, DhKernelTakesThePingPongTileWhateverTheShape) {
+  for (std::int64_t d : {768, 1536, 2048, 2880, 4096, 8192})
+    for (std::int64_t n : {8, 200, 256, 384, 512, 1024, 2048, 2880})
+      EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, n, d), {}).tile_n, 128) << n << " " << d;
   TileOverrides o;
   o.tile_n = 256;  // forced: the wide tile, whatever d is
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 256, 1536), o).tile_n, 256);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 1024, 4096), o).tile_n, 256);
 }
 
 TEST(HopperHeuristics, OverridesAreHonouredForEveryN) {
@@ -72,11 +70,11 @@ TEST(HopperHeuristics, OddNTakesTheTileWithTheLeastPadding) {
     EXPECT_EQ(choose_tiles(shape(f, 264, 136), {}).tile_n, 128);    // 512 against 384 (133 %)
     EXPECT_EQ(choose_tiles(shape(f, 1152, 2880), {}).tile_n, 128);  // 1280 against 1152: 111 %, past 110
     EXPECT_EQ(choose_tiles(shape(f, 1400, 2880), {}).tile_n, up ? 256 : 128);  // 1536 against 1408: 109 %
-    // Ties take the wide tile, except in the dH kernel, whose rule by d (K <= kDhPingPongMaxK) comes first.
+    // Ties take the wide tile, except in the dH kernel, which always takes the ping-pong tile.
     const int tie = f == KernelFamily::kDhKernel ? 128 : 256;
     EXPECT_EQ(choose_tiles(shape(f, 200, 72), {}).tile_n, tie);     // both pad 56
     EXPECT_EQ(choose_tiles(shape(f, 400, 136), {}).tile_n, tie);    // both pad 112
-    EXPECT_EQ(choose_tiles(shape(f, 400, 4096), {}).tile_n, 256);   // both pad 112, d past kDhPingPongMaxK
+    EXPECT_EQ(choose_tiles(shape(f, 400, 4096), {}).tile_n, tie);   // both pad 112, whatever d
   }
   // Whatever the tile, the tiles cover N with less than one tile of padding; the down-projection's pads the fewest
   // columns, the up-projection's at most 10 % more than the square tile's.
@@ -122,13 +120,24 @@ TEST(HopperHeuristics, ShapeReasonsNameTheExtentThatBreaks16ByteRows) {
   EXPECT_EQ(wgrad_shape_unsupported_reason(64, 4), "N = 4 is not a positive multiple of 8 (16-byte rows)");
 }
 
-TEST(HopperHeuristics, RasterisationAlongNUnlessForced) {
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 1536, 256), {}).raster_m, 1);
+TEST(HopperHeuristics, ContiguousFamiliesRunInGroupsOfMTilesGatheredOnesAlongN) {
+  using gpu::hopper::kContiguousRasterM;
+  using gpu::hopper::kDownRasterMinK;
+  for (std::int64_t K : {256, 512, 1024, 4096}) {
+    EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 1536, K), {}).raster_m,
+              K >= kDownRasterMinK ? kContiguousRasterM : 1)
+        << K;
+    EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, K), {}).raster_m, kContiguousRasterM) << K;
+    EXPECT_EQ(choose_tiles(shape(KernelFamily::kUpProjection, 512, K), {}).raster_m, 1) << K;
+    EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 1024, K), {}).raster_m, 1) << K;
+  }
   TileOverrides o;
-  o.raster_m = 4;
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 1536, 256), o).raster_m, 4);
+  o.raster_m = 8;  // forced, for every family and K
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 1536, 256), o).raster_m, 8);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kUpProjection, 512, 1536), o).raster_m, 8);
   o.raster_m = -3;  // not a group size: the heuristic's
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 1536, 256), o).raster_m, 1);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 1536, 1024), o).raster_m, kContiguousRasterM);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 1024, 4096), o).raster_m, 1);
 }
 
 TEST(HopperHeuristics, DxRunsInClustersWhereItsReductionIsLong) {

@@ -32,7 +32,9 @@ std::string wgrad_shape_unsupported_reason(std::int64_t M, std::int64_t N) {
 
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides) {
   TileChoice c;
-  c.raster_m = overrides.raster_m > 0 ? overrides.raster_m : 1;
+  const bool grouped = shape.family == KernelFamily::kDxExpanded ||
+                       (shape.family == KernelFamily::kDownProjection && shape.K >= kDownRasterMinK);
+  c.raster_m = overrides.raster_m > 0 ? overrides.raster_m : grouped ? kContiguousRasterM : 1;
   if (shape.family == KernelFamily::kDxExpanded)
     c.cluster_m = overrides.cluster_m == 1 || overrides.cluster_m == 2 ? overrides.cluster_m
                   : shape.K >= kDxClusterMinK                          ? 2
@@ -42,10 +44,9 @@ TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides) 
     c.tile_n = overrides.tile_n;
     return c;
   }
-  // The dH kernel's epilogue (H read, activation gradient, A' and dS) is long next to a short mainloop: with K = d
-  // up to 2048 the ping-pong tile hides one warpgroup's epilogue behind the other's mainloop and measured 4-7 %
-  // faster; at d = 4096 the mainloop dominates and the wide tile's halved operand traffic wins by 15-25 %.
-  if (shape.family == KernelFamily::kDhKernel && shape.K <= kDhPingPongMaxK) {
+  // The dH kernel's epilogue (H read, activation gradient, A' and dS) is long: the ping-pong tile hides one
+  // warpgroup's epilogue behind the other's mainloop, whatever d and N (heuristics.hpp).
+  if (shape.family == KernelFamily::kDhKernel) {
     c.tile_n = 128;
     return c;
   }

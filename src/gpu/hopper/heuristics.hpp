@@ -54,16 +54,21 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// (docs/BENCHMARK_HISTORY.md; docs/SPEC.md §6.2 was the starting point): the 128 x 256 cooperative tile halves the
 /// operand bytes per FLOP through L2 and shared memory, which the gathered up-projection needs (7B-256: 614 TFLOP/s
 /// against 515 with 128 x 128 ping-pong); for the down-projection it measured equal (n >= 512) or 2-4 % faster
-/// (n = 256). 128 x 128 ping-pong serves N that is a multiple of 128 but not of 256 (and a forced 128). Groups of
-/// 2-8 M-tiles measured no better than running along N. The dH kernel chooses by K = d as well: measured on an
-/// H200 (docs/BENCHMARK_HISTORY.md, 2026-11-23 evening) 128 x 128 ping-pong is 4-7 % faster for it where
-/// d <= 1536 and 128 x 256 is 15-25 % faster where d = 4096; kDhPingPongMaxK sits between the measured sizes, and
-/// the dH kernel takes the ping-pong tile for K <= kDhPingPongMaxK whatever N.
-/// N that is no multiple of 256 (edge tiles, or a multiple of 128 only): the down-projection, dX~ and dH (past
-/// kDhPingPongMaxK) take the tile that pads the fewest columns, the wide one on a tie (N = 256 q + r: 256 iff
+/// (n = 256). 128 x 128 ping-pong serves N that is a multiple of 128 but not of 256 (and a forced 128).
+/// Rasterisation: the families whose A arrives contiguous by TMA run in groups of kContiguousRasterM M-tiles (dX~
+/// always, the down-projection from K = kDownRasterMinK), the others along N (raster_m = 1).
+/// The dH kernel takes the ping-pong tile whatever d and N: its epilogue (H read, activation gradient, A' and dS) is
+/// long, and the ping-pong schedule hides one warpgroup's behind the other's mainloop. At d = 4096 the 2026-11-23
+/// H200 had measured the cooperative tile 15-25 % faster (the ping-pong epilogue then read H into registers pass by
+/// pass) and an H100 in session 29 the two within 4 % either way; with H staged by TMA and the pairs and scores loaded
+/// under the mainloop, an H100 (session 32, two rounds, forced tiles) measured the ping-pong tile faster at d = 4096
+/// on every configuration tried: 2-7 % on the 30B and 120B rows (4.00 against 4.19-4.24 ms on 120B (1024,128,8)),
+/// 24 % on (16384,4096,1024,256,4), where an expert has about two M-tiles (docs/BENCHMARKS.md).
+/// N that is no multiple of 256 (edge tiles, or a multiple of 128 only): the down-projection and dX~ take the tile
+/// that pads the fewest columns, the wide one on a tie (N = 256 q + r: 256 iff
 /// r > 128, i.e. ceil(N / 128) even; N = 2880 = 11 x 256 + 64 takes 128, 2944 columns where 256 would make 3072).
 /// Measured at gpt-oss's d = n = 2880 on an H200 (forced tiles, docs/BENCHMARKS.md, session 23): for them the wide
-/// tile was 4 % slower (down) or equal (dX~, dH). The up-projection, whose gathered A the wide tile reads half as
+/// tile was 4 % slower (down) or equal (dX~). The up-projection, whose gathered A the wide tile reads half as
 /// often per FLOP, takes the wide tile while its padded width is at most kUpProjectionWidePercent % of the square
 /// one's: at N = 2n = 5760 (5888 against 5760 columns, 102 %) it was 7-10 % faster; where N is a multiple of 128
 /// only (N = 384: 133 %) the square tile stays. A forced tile (overrides.tile_n = 128 or 256) is honoured for every N.
@@ -81,10 +86,21 @@ inline constexpr std::int64_t kWgradWidePercent = 125;
 /// it was mixed (120B (1024,128,8) 2.5-3.9 % faster, 1.4B (1024,32,2) 1.1-1.5 % slower, 30B (1024,64,4) either way).
 inline constexpr std::int64_t kDxClusterMinK = 4096;
 
-/// The largest K (= d) for which the dH kernel takes the ping-pong tile. Measured again on an H100 (session 29, two
-/// rounds): at d = 4096 the two tiles are within 4 % of each other either way (ping-pong ahead on 120B (2048,64,4),
-/// cooperative on 120B (1024,128,8)), so the threshold stayed.
-inline constexpr std::int64_t kDhPingPongMaxK = 2048;
+
+/// M-tiles per rasterisation group of the down-projection and dX~ (A contiguous by TMA, the weight tile by TMA): the
+/// group's M-tiles take one N-tile after the other, so the CTAs that run together read the same weight tile. Where an
+/// expert has few M-tiles the along-N order had M-adjacent tiles of one weight tile run far apart, and the weights came
+/// from HBM once per M-tile: on an H100 (session 32, two rounds, docs/BENCHMARKS.md) groups of 4 took dX~ from
+/// 3.39-3.43 to 1.98 ms and the down-projection from 1.68-1.70 to 1.07 ms on (16384,4096,1024,256,4) (about 256 rows
+/// per expert), dX~ on 120B (1024,128,8) from 8.26-8.70 to 6.52-6.63 ms and the down-projection on 120B (2048,64,4)
+/// from 3.73 to 3.18-3.19 ms and on gpt-oss-120b from 2.49-2.52 to 2.05-2.07 ms; within 1-2 % elsewhere (the 1.4B
+/// and 7B rows, where d is short). The gathered families keep the along-N order: groups of 4 cost the up-projection
+/// 5 % and the dH kernel up to 14 % (1.4B (256,128,8)) there.
+inline constexpr int kContiguousRasterM = 4;
+/// The down-projection's groups start at this reduction length K = n: below it a weight tile is small (K x 256 x 2 =
+/// 128 KiB at n = 256) and the groups measured no faster on the main rows and 17 % slower on (16384,1536,256,512,8)
+/// (0.388-0.392 against 0.451-0.457 ms, H100, session 32); dX~ (K = 2n) gained 1-4 % there and keeps them.
+inline constexpr std::int64_t kDownRasterMinK = 512;
 
 /// A weight-gradient GEMM (varlen-K): per expert an M x N output, the reduction over the expert's grouped rows.
 struct WgradShape {

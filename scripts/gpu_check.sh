@@ -3,7 +3,8 @@
 # racecheck) on a representative subset, and the benchmark. Logs go to $OUT (the device tool's folder) or
 # build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|profile|detail|all] [gtest filter]
 # profile: kernel by kernel durations of one forward of $BENCH_CONFIGS (ncu, unlocked clocks; nsys when present).
-# detail: ncu --set full of the kernels matching $KERNEL_REGEX and the instructions where they stall, in one archive.
+# detail: ncu --set full of the kernels matching $KERNEL_REGEX and the instructions where they stall, in one archive
+# (built with -lineinfo, so that the stalls are also ranked by source line).
 # The whole GPU suite took 289 s on an H100 in two gtest shards (2026-11-25, its float64 references on all cores;
 # over 490 s in one process before); where one command may run 10 minutes at most with the build and pytest, split it
 # with gtest's own sharding over calls: GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=0 (then 1) bash ... tests.
@@ -17,11 +18,18 @@ export PYTHONUNBUFFERED=1
 cd "$root"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
 bash scripts/setup.sh
-MACHMOE_JOBS="$(nproc)" bash scripts/build.sh 2>&1 | tail -n 3
+bin=build/bin
+if [ "$what" = detail ]; then  # its own build directory: -lineinfo stays out of build/'s cache
+  bin=build-lineinfo/bin
+  MACHMOE_BUILD_DIR="$root/build-lineinfo" MACHMOE_CMAKE_ARGS="-DCMAKE_CUDA_FLAGS=-lineinfo" MACHMOE_JOBS="$(nproc)" \
+    bash scripts/build.sh 2>&1 | tail -n 3
+else
+  MACHMOE_JOBS="$(nproc)" bash scripts/build.sh 2>&1 | tail -n 3
+fi
 status=0
 # The Hopper kernels: registers / stack / shared memory per kernel, and HGMMA present in their SASS.
 for src in src/gpu/hopper/instantiations/*.cu; do
-  obj="build/CMakeFiles/machmoe.dir/$src.o"
+  obj="${bin%/bin}/CMakeFiles/machmoe.dir/$src.o"
   echo "$(basename "$obj"): $(cuobjdump --dump-resource-usage "$obj" 2>&1 | grep -o 'REG:[0-9]* STACK:[0-9]* SHARED:[0-9]* LOCAL:[0-9]*' | head -1)," \
     "HGMMA instructions: $(cuobjdump --dump-sass "$obj" 2>/dev/null | grep -c HGMMA)"
 done 2>&1 | tee "$logs/hopper_kernels.txt"
@@ -79,13 +87,15 @@ if [ "$what" = detail ]; then
   for cfg in ${BENCH_CONFIGS:-120B-2048 7B-256}; do
     out="$logs/detail/$cfg"
     timeout "${DETAIL_TIMEOUT:-300}" ncu --clock-control none --kernel-name-base demangled -k "regex:$regex" \
-      --launch-count "${LAUNCHES:-2}" --set full -f -o "$out" \
-      ./build/bin/machmoe-bench --config "$cfg" --iters 1 --warmup 0 > "$out.log" 2>&1
+      --launch-count "${LAUNCHES:-2}" --set full --import-source yes -f -o "$out" \
+      "./$bin/machmoe-bench" --config "$cfg" --iters 1 --warmup 0 > "$out.log" 2>&1
     echo "== $cfg: ncu exit $?"
     ncu -i "$out.ncu-rep" --print-details all > "$out.details.txt" 2>&1
     ncu -i "$out.ncu-rep" --page source --print-source sass --csv > "$out.sass.csv" 2>&1
+    ncu -i "$out.ncu-rep" --page source --print-source cuda --csv > "$out.cuda.csv" 2>&1
     grep -E "Duration|Compute \(SM\) Throughput|Registers Per Thread" "$out.details.txt" | head -12
     python3 scripts/ncu_hotspots.py "$out.sass.csv" --top 12
+    python3 scripts/ncu_hotspots.py "$out.cuda.csv" --by-line --top 12
   done
   tar -C "$logs" -cJf "$logs/detail.tar.xz" detail && rm -rf "$logs/detail"
 fi

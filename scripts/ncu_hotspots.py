@@ -7,7 +7,12 @@ Per kernel in the file (ncu writes one CSV table per profiled launch, each with 
 with the most warp-stall samples, their share of the kernel's samples and the largest per-reason columns ncu gives
 for them. Which instruction stalls tells a producer-bound pipeline (consumers waiting on the 'full' barrier), an
 MMA-bound one (the producer waiting on 'empty'), or an exposed epilogue (stores, barriers after the mainloop) apart,
-which the whole-kernel stall breakdown cannot: it mixes the producer's and the consumers' warps."""
+which the whole-kernel stall breakdown cannot: it mixes the producer's and the consumers' warps.
+
+With a build compiled with -lineinfo, the source lines instead (every file's lines, summed over their instructions):
+
+    ncu -i REPORT.ncu-rep --page source --print-source cuda --csv > cuda.csv
+    python3 scripts/ncu_hotspots.py cuda.csv --by-line [--top 25]"""
 import argparse
 import csv
 import io
@@ -61,13 +66,49 @@ def hotspots(rows: List[Dict[str, str]], top: int) -> str:
     return "\n".join(lines)
 
 
+def line_hotspots(text: str, top: int) -> str:
+    """The CUDA source lines with the most warp-stall samples, from the cuda source page: a "File Path" row names
+    the file of the rows that follow (line number, source, ..., samples)."""
+    rows = []
+    path = "?"
+    header: Optional[List[str]] = None
+    for rec in csv.reader(io.StringIO(text)):
+        if not rec:
+            continue
+        if rec[0] == "File Path":
+            path = rec[1].split("/")[-1]
+            continue
+        if rec[0] == "Line No":
+            header = rec
+            continue
+        if header is None or not rec[0].isdigit():
+            continue
+        col = next((i for i, c in enumerate(header) if c.startswith("Warp Stall Sampling (All")), None)
+        if col is None or col >= len(rec):
+            continue
+        n = _number(rec[col]) or 0.0
+        if n:
+            rows.append((n, f"{path}:{rec[0]}", rec[1].strip()[:100]))
+    total = sum(r[0] for r in rows)
+    lines = [f"{'samples':>8} {'share':>6}  file:line  source"]
+    for n, where, src in sorted(rows, reverse=True)[:top]:
+        lines.append(f"{n:8.0f} {100 * n / total if total else 0:5.1f}%  {where}  {src}")
+    lines.append(f"{total:8.0f} samples on source lines")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("csv", help="ncu --page source --print-source sass --csv output")
     p.add_argument("--top", type=int, default=25, help="instructions per kernel (default 25)")
+    p.add_argument("--by-line", action="store_true", help="the input is the cuda source page: rank source lines")
     a = p.parse_args(argv)
     with open(a.csv) as f:
-        found = tables(f.read())
+        text = f.read()
+    if a.by_line:
+        print(line_hotspots(text, a.top))
+        return 0
+    found = tables(text)
     if not found:
         print(f"{a.csv}: no CSV table found", file=sys.stderr)
         return 1

@@ -46,3 +46,30 @@ def test_a_file_without_tables_is_an_error(tmp_path, capsys):
 def test_a_table_without_the_sampling_column_says_which_columns_it_has():
     rows = hot.tables('"Address","Source"\n"0x0","NOP"')[0]
     assert "columns: Address, Source" in hot.hotspots(rows, top=5)
+
+
+LINE_CSV = "\n".join([
+    '"File Path","/src/gpu/hopper/mainloop_varlen_m.cuh"',
+    '"Function Name","persistent_kernel"',
+    '"Line No","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
+    '"149","src_row[i] = p.gather[c.row0 + r];","300","290"',
+    '"150","","0","0"',
+    '"File Path","/usr/local/cuda/include/crt/sm_20_intrinsics.hpp"',
+    '"Line No","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
+    '"151","return __nv_cvta_generic_to_shared_impl(p);","1,200","1,100"',
+    '"0x7f00","SYNCS.PHASECHK.TRANS64.TRYWAIT P0","5","5"',
+])
+
+
+def test_by_line_ranks_source_lines_across_files(tmp_path, capsys):
+    text = hot.line_hotspots(LINE_CSV, top=5)
+    lines = text.splitlines()
+    assert "sm_20_intrinsics.hpp:151" in lines[1] and "80.0%" in lines[1]  # 1200 of 1500, separator read
+    assert "mainloop_varlen_m.cuh:149" in lines[2]
+    assert ":150" not in text                                              # no samples: not listed
+    assert "0x7f00" not in text                                            # a SASS row is not a source line
+    assert lines[-1].split()[0] == "1500"
+    path = tmp_path / "cuda.csv"
+    path.write_text(LINE_CSV)
+    assert hot.main([str(path), "--by-line", "--top", "1"]) == 0
+    assert "sm_20_intrinsics.hpp:151" in capsys.readouterr().out

@@ -86,7 +86,6 @@ inline constexpr std::int64_t kWgradWidePercent = 125;
 /// it was mixed (120B (1024,128,8) 2.5-3.9 % faster, 1.4B (1024,32,2) 1.1-1.5 % slower, 30B (1024,64,4) either way).
 inline constexpr std::int64_t kDxClusterMinK = 4096;
 
-
 /// M-tiles per rasterisation group of the down-projection and dX~ (A contiguous by TMA, the weight tile by TMA): the
 /// group's M-tiles take one N-tile after the other, so the CTAs that run together read the same weight tile. Where an
 /// expert has few M-tiles the along-N order had M-adjacent tiles of one weight tile run far apart, and the weights came

@@ -49,24 +49,33 @@ class VarlenKTiles {
 
   /// Tile i of this CTA's sequence; i must not decrease between calls (the walk only goes forward).
   __device__ VarlenKTileCoord get(int i) {
-    while (walked_ < i) {  // the k-blocks of the tiles this caller skips (the other consumer's, in ping-pong)
-      const VarlenKTileCoord skipped = decode(walked_);
-      if (!skipped.valid()) break;
-      ring_ += static_cast<std::uint32_t>(skipped.k_tiles);
+    while (walked_ < i) {  // the k-blocks of the tiles before i: the caller's previous tile (decoded last time)
+      int k_tiles;         // and those it skips (the other consumer's, in ping-pong)
+      if (walked_ == last_) {
+        k_tiles = last_k_tiles_;
+      } else {
+        const VarlenKTileCoord skipped = decode(walked_);
+        if (!skipped.valid()) break;
+        k_tiles = skipped.k_tiles;
+      }
+      ring_ += static_cast<std::uint32_t>(k_tiles);
       ++walked_;
     }
     VarlenKTileCoord c = decode(i);
     c.ring = ring_;
+    last_ = i, last_k_tiles_ = c.k_tiles;
     return c;
   }
 
  private:
   __device__ VarlenKTileCoord decode(int i) const {
     VarlenKTileCoord c;
-    const std::int64_t t = static_cast<std::int64_t>(first_) + static_cast<std::int64_t>(i) * stride_;
-    if (t >= total_) return c;
-    const int e = static_cast<int>(t / tiles_per_expert_);
-    const int local = static_cast<int>(t - static_cast<std::int64_t>(e) * tiles_per_expert_);
+    const std::int64_t t64 = static_cast<std::int64_t>(first_) + static_cast<std::int64_t>(i) * stride_;
+    if (t64 >= total_) return c;
+    // The work is below 2^31 tiles (the dispatcher's limit): 32-bit divisions from here.
+    const int t = static_cast<int>(t64);
+    const int e = t / tiles_per_expert_;
+    const int local = t - e * tiles_per_expert_;
     c.expert = e;
     c.m_tile = local % p_.m_tiles;
     c.n_tile = local / p_.m_tiles;
@@ -82,6 +91,8 @@ class VarlenKTiles {
   std::int64_t total_;
   int first_, stride_;
   int walked_ = 0;           // sequence tiles [0, walked_) are summed into ring_
+  int last_ = -1;            // the tile the last call decoded, and its k-blocks
+  int last_k_tiles_ = 0;
   std::uint32_t ring_ = 0;
 };
 

@@ -11,9 +11,15 @@
 // the fragments are staged, so their latency hides behind the staging and the barrier. A row map or an edge
 // predicate is a per-row / per-chunk condition of that pass, no more: edge tiles (M or N not a tile multiple, both
 // multiples of 8) store only rows below M (tested before the row map, which would otherwise send a padded row onto
-// a valid one) and chunks below N, and skip a pass wholly past N; whole tiles pass every test. TMA stores are not
-// used: the row map scatters a 64-row block over two row ranges, and the accumulate mode has to read the
-// destination anyway.
+// a valid one) and chunks below N, and skip a pass wholly past N; whole tiles pass every test.
+//
+// The bf16 overwrite without a row map (the common case) leaves by TMA store instead: the same 16 KiB per warpgroup
+// as two 64 x 64 blocks in TMA's 128-byte-swizzled layout, used in turn (the fragments of one block are staged
+// while the copy engine reads the other), one store per block into a 3D map (columns, rows of one expert, expert)
+// that clips rows past M and columns past N, so edge tiles need no test. The consumers do not wait for the stores:
+// they go on to their next tile's mainloop, which on short segments (a few k-blocks per tile) is where the
+// register-to-global path above left the tensor cores idle. The row map (it scatters a 64-row block over two row
+// ranges), the accumulate mode (it reads the destination) and fp32 output keep the path above.
 //
 // WGMMA accumulator fragment (per 64-row atom): value (v0, v1, v2) of a thread holds row 8 v1 + lane / 4 (+16 per
 // warp) and column 8 v2 + 2 (lane % 4) + v0 (epilogue_staging.cuh).
@@ -31,10 +37,12 @@
 namespace machmoe::gpu::hopper {
 
 /// Compile-time variant of the weight-gradient epilogue, chosen once per kernel outside the persistent loop.
-template <bool kFp32_, bool kAccumulate_>
+template <bool kFp32_, bool kAccumulate_, bool kTma_ = false>
 struct EpilogueWgradVariant {
   static constexpr bool kFp32 = kFp32_;          // fp32 output (else bf16)
   static constexpr bool kAccumulate = kAccumulate_;  // out += C
+  static constexpr bool kTma = kTma_;            // bf16 overwrite without a row map, by TMA store
+  static_assert(!kTma || (!kFp32 && !kAccumulate), "the TMA store path is the bf16 overwrite");
 };
 
 template <class Tile>
@@ -67,12 +75,14 @@ struct EpilogueWgrad {
   };
 
   struct Storage {  // per consumer warpgroup: one pass of the tile (16 KiB), fp32 or bf16 by variant
-    alignas(128) unsigned char staged[kStagedBytes];
+    alignas(1024) unsigned char staged[kStagedBytes];  // 1024: the TMA path's swizzle atoms
   };
 
   template <class F>
   __device__ __forceinline__ static void with_variant(const Params& p, F&& f) {
-    if (p.out_fp32) {
+    if (p.tma_store) {  // the host sets it only for a bf16 overwrite without a row map
+      f(EpilogueWgradVariant<false, false, true>{});
+    } else if (p.out_fp32) {
       if (p.accumulate)
         f(EpilogueWgradVariant<true, true>{});
       else
@@ -111,12 +121,66 @@ struct EpilogueWgrad {
     }
   }
 
+  /// The TMA store path (bf16 overwrite, no row map): blocks of 64 rows x 64 columns, staged alternately into the
+  /// two halves of the warpgroup's buffer, each sent by one TMA store of warpgroup thread 0.
+  template <class Accumulator>
+  __device__ __forceinline__ static void store_tma(const Params& p, Storage& st, Accumulator& acc,
+                                                   const VarlenKTileCoord& c, int row_base, int wg_thread,
+                                                   int barrier_id) {
+    using namespace cute;
+    constexpr int kBlockElems = kRows * 64;  // one 64 x 64 bf16 block: 8 KiB, half the buffer
+    auto* staged = reinterpret_cast<__nv_bfloat16*>(st.staged);
+    const bool empty = c.k_tiles == 0;  // no k-block: zeros (see apply)
+    const int warp = wg_thread / 32, lane = wg_thread % 32;
+    const int quad = lane % 4, row_in_warp = lane / 4;
+    const int n_valid = p.N - c.n_tile * kTileN;
+    // The buffer is free once this thread's earlier stores have read it (thread 0 issued them all) and every thread
+    // of the warpgroup knows it: the previous tile's last block left long ago, so this rarely waits.
+    if (wg_thread == 0) bulk_wait_group_read0();
+    named_barrier_sync(barrier_id, 128);
+    int block = 0;  // blocks staged in this call: block % 2 is the half of the buffer
+    CUTE_UNROLL
+    for (int m = 0; m < kRowAtoms; ++m) {
+      const int row = c.m_tile * kTileM + row_base + m * kRows;  // the block's first row in the expert (< 2^30)
+      CUTE_UNROLL
+      for (int b = 0; b < kTileN / 64; ++b, ++block) {
+        if (b * 64 >= n_valid) break;  // an edge tile's all-padding block (uniform across the warpgroup)
+        __nv_bfloat16* buf = staged + (block % 2) * kBlockElems;
+        CUTE_UNROLL
+        for (int v2 = b * 8; v2 < b * 8 + 8; ++v2) {
+          CUTE_UNROLL
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int r = warp * 16 + v1 * 8 + row_in_warp, col = (v2 - b * 8) * 8 + quad * 2;
+            const float x0 = empty ? 0.0f : acc(make_coord(make_coord(0, v1, v2), m, 0));
+            const float x1 = empty ? 0.0f : acc(make_coord(make_coord(1, v1, v2), m, 0));
+            // TMA's 128-byte swizzle: 16-byte chunk (col / 8) of row r at chunk (col / 8) ^ (r % 8).
+            *reinterpret_cast<__nv_bfloat162*>(&buf[r * 64 + ((((col >> 3) & 7) ^ (r & 7)) << 3) + (col & 7)]) =
+                __floats2bfloat162_rn(x0, x1);
+          }
+        }
+        fence_proxy_async_shared();  // the st.shared writes, visible to the copy engine
+        // Thread 0 waits for the store that read the other half (the previous block's) before the barrier, so that
+        // after it every thread may stage the next block there.
+        if (wg_thread == 0) bulk_wait_group_read0();
+        named_barrier_sync(barrier_id, 128);
+        if (wg_thread == 0) {
+          tma_store_3d(&p.tma_out, buf, c.n_tile * kTileN + b * 64, row, c.expert);
+          bulk_commit_group();
+        }
+      }
+    }
+  }
+
   /// row_base: the warpgroup's first row in the tile (cooperative: 0 or 64).
   template <class Variant, class Accumulator>
   __device__ __forceinline__ static void apply(const Params& p, Storage& st, Accumulator& acc,
                                                const VarlenKTileCoord& c, int row_base, int wg_thread,
                                                int barrier_id) {
     using namespace cute;
+    if constexpr (Variant::kTma) {
+      store_tma(p, st, acc, c, row_base, wg_thread, barrier_id);
+      return;
+    }
     constexpr bool kFp32 = Variant::kFp32;
     using Out = std::conditional_t<kFp32, float, __nv_bfloat16>;
     using Stage = Staged<Variant>;

@@ -137,6 +137,10 @@ struct EpilogueWgradParams {
   int M = 0, N = 0;
   bool out_fp32 = false;
   bool accumulate = false;  // read-modify-write out = out + C; an expert with no rows leaves its tiles untouched
+  // A bf16 overwrite without a row map leaves by TMA store (asynchronous: the consumers go on to the next tile's
+  // mainloop while the copy engine writes): 3D map (N, M, E), box (64, 64, 1), 128-byte swizzle.
+  bool tma_store = false;
+  CUtensorMap tma_out;
 };
 
 template <class MainloopParams, class EpilogueParams, class SchedulerParams = VarlenMSchedulerParams>

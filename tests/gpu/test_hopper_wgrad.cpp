@@ -454,14 +454,16 @@ TEST_F(HopperWeightGrad, GptOssFactorsAndManyTilesPerCta) {
       {false, 320, 320, 0, many, "dW2_M320_N320_40_experts"},
       {true, 640, 320, 320, many, "dW1_M640_N320_concatenated_40_experts"},
   };
-  for (const Shape& sh : shapes) {
-    SCOPED_TRACE(sh.name);
-    WgradCase wc;
-    wc.dw1 = sh.dw1, wc.M = sh.M, wc.N = sh.N, wc.glu_n = sh.glu_n, wc.pad = 8, wc.T = 900, wc.lengths = sh.lengths;
-    wc.out_dt = DType::kFP32;
-    const WgradProblem prob(wc, 14);
-    for_each_tile(wc.N, [&] { check_problem(prob); });
-  }
+  // fp32 output by the register path; bf16 by TMA stores (a CTA's many tiles take turns in its staging halves).
+  for (const Shape& sh : shapes)
+    for (DType out_dt : {DType::kFP32, DType::kBF16}) {
+      SCOPED_TRACE(std::string(sh.name) + ", out " + dtype_name(out_dt));
+      WgradCase wc;
+      wc.dw1 = sh.dw1, wc.M = sh.M, wc.N = sh.N, wc.glu_n = sh.glu_n, wc.pad = 8, wc.T = 900;
+      wc.lengths = sh.lengths, wc.out_dt = out_dt;
+      const WgradProblem prob(wc, 14);
+      for_each_tile(wc.N, [&] { check_problem(prob); });
+    }
 }
 
 // ---- dispatch ---------------------------------------------------------------------------------------------------

@@ -454,22 +454,29 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
   p.epilogue.M = static_cast<int>(a.M), p.epilogue.N = static_cast<int>(a.N);
   p.epilogue.out_fp32 = a.out_dt == DType::kFP32;
   p.epilogue.accumulate = a.accumulate;
-  // The bf16 overwrite without a row map leaves by TMA store: map (N, M, E) with the output's own strides, so the
-  // stores clip at each expert's M rows and at N columns. MACHMOE_WGRAD_TMA_STORE=0 keeps the register-to-global
-  // stores (bitwise the same results; for A/B timing).
+  // The bf16 overwrite leaves by TMA store: map (N, M, E) with the output's own strides, so the stores clip at each
+  // expert's M rows and at N columns; with the concatenated row map (N, n, 2, E), clipped at n rows per half.
+  // MACHMOE_WGRAD_TMA_STORE=0 keeps the register-to-global stores (bitwise the same results; for A/B timing).
   static const bool tma_store_allowed = [] {
     const char* v = std::getenv("MACHMOE_WGRAD_TMA_STORE");
     return !(v != nullptr && v[0] == '0');
   }();
   // (Rows that do not overlap, and strides within TMA's 2^40 bytes; one expert's stride is never used.)
   const std::int64_t expert_stride = a.E == 1 ? a.M * a.ld_out : a.out_expert_stride;
-  if (tma_store_allowed && a.out_dt == DType::kBF16 && !a.accumulate && a.glu_concat_n == 0 && a.ld_out >= a.N &&
+  if (tma_store_allowed && a.out_dt == DType::kBF16 && !a.accumulate && a.ld_out >= a.N &&
       expert_stride >= a.M * a.ld_out && expert_stride < (std::int64_t{1} << 38)) {
-    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(a.N), static_cast<cuuint64_t>(a.M),
-                                static_cast<cuuint64_t>(a.E)};
-    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(a.ld_out) * 2, static_cast<cuuint64_t>(expert_stride) * 2};
-    const cuuint32_t box[3] = {64, 64, 1};
-    p.epilogue.tma_out = make_tensor_map(a.out, 3, dims, strides, box);
+    const auto u64 = [](std::int64_t v) { return static_cast<cuuint64_t>(v); };
+    if (a.glu_concat_n > 0) {  // M = 2n (wgrad_unsupported_reason)
+      const cuuint64_t dims[4] = {u64(a.N), u64(a.glu_concat_n), 2, u64(a.E)};
+      const cuuint64_t strides[3] = {u64(a.ld_out) * 2, u64(a.glu_concat_n * a.ld_out) * 2, u64(expert_stride) * 2};
+      const cuuint32_t box[4] = {64, 32, 1, 1};
+      p.epilogue.tma_out = make_tensor_map(a.out, 4, dims, strides, box);
+    } else {
+      const cuuint64_t dims[3] = {u64(a.N), u64(a.M), u64(a.E)};
+      const cuuint64_t strides[2] = {u64(a.ld_out) * 2, u64(expert_stride) * 2};
+      const cuuint32_t box[3] = {64, 64, 1};
+      p.epilogue.tma_out = make_tensor_map(a.out, 3, dims, strides, box);
+    }
     p.epilogue.tma_store = true;
   }
   const bool dw2 = a.a_gather != nullptr;  // else dW1 (wgrad_unsupported_reason: exactly one operand gathered)

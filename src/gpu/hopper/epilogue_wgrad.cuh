@@ -13,13 +13,14 @@
 // multiples of 8) store only rows below M (tested before the row map, which would otherwise send a padded row onto
 // a valid one) and chunks below N, and skip a pass wholly past N; whole tiles pass every test.
 //
-// The bf16 overwrite without a row map (the common case) leaves by TMA store instead: the same 16 KiB per warpgroup
-// as two 64 x 64 blocks in TMA's 128-byte-swizzled layout, used in turn (the fragments of one block are staged
-// while the copy engine reads the other), one store per block into a 3D map (columns, rows of one expert, expert)
-// that clips rows past M and columns past N, so edge tiles need no test. The consumers do not wait for the stores:
-// they go on to their next tile's mainloop, which on short segments (a few k-blocks per tile) is where the
-// register-to-global path above left the tensor cores idle. The row map (it scatters a 64-row block over two row
-// ranges), the accumulate mode (it reads the destination) and fp32 output keep the path above.
+// The bf16 overwrite (the common case) leaves by TMA store instead: the same 16 KiB per warpgroup as two 64 x 64
+// blocks in TMA's 128-byte-swizzled layout, used in turn (the fragments of one block are staged while the copy
+// engine reads the other), one store per block into a 3D map (columns, rows of one expert, expert) that clips rows
+// past M and columns past N, so edge tiles need no test. With the concatenated row map a block's 32 even (gate)
+// rows are staged above its 32 odd (up) rows and leave as two 32-row boxes of a 4D map (columns, row of the half,
+// half, expert) that clips at n. The consumers do not wait for the stores: they go on to their next tile's
+// mainloop, which on short segments (a few k-blocks per tile) is where the register-to-global path above left the
+// tensor cores idle. The accumulate mode (it reads the destination) and fp32 output keep the path above.
 //
 // WGMMA accumulator fragment (per 64-row atom): value (v0, v1, v2) of a thread holds row 8 v1 + lane / 4 (+16 per
 // warp) and column 8 v2 + 2 (lane % 4) + v0 (epilogue_staging.cuh).
@@ -37,12 +38,14 @@
 namespace machmoe::gpu::hopper {
 
 /// Compile-time variant of the weight-gradient epilogue, chosen once per kernel outside the persistent loop.
-template <bool kFp32_, bool kAccumulate_, bool kTma_ = false>
+template <bool kFp32_, bool kAccumulate_, bool kTma_ = false, bool kConcat_ = false>
 struct EpilogueWgradVariant {
   static constexpr bool kFp32 = kFp32_;          // fp32 output (else bf16)
   static constexpr bool kAccumulate = kAccumulate_;  // out += C
-  static constexpr bool kTma = kTma_;            // bf16 overwrite without a row map, by TMA store
+  static constexpr bool kTma = kTma_;            // bf16 overwrite by TMA store
+  static constexpr bool kConcat = kConcat_;      // (TMA path) the concatenated GLU row map
   static_assert(!kTma || (!kFp32 && !kAccumulate), "the TMA store path is the bf16 overwrite");
+  static_assert(kTma || !kConcat, "the register path reads the row map at run time");
 };
 
 template <class Tile>
@@ -80,8 +83,11 @@ struct EpilogueWgrad {
 
   template <class F>
   __device__ __forceinline__ static void with_variant(const Params& p, F&& f) {
-    if (p.tma_store) {  // the host sets it only for a bf16 overwrite without a row map
-      f(EpilogueWgradVariant<false, false, true>{});
+    if (p.tma_store) {  // the host sets it only for a bf16 overwrite
+      if (p.glu_concat_n > 0)
+        f(EpilogueWgradVariant<false, false, true, true>{});
+      else
+        f(EpilogueWgradVariant<false, false, true, false>{});
     } else if (p.out_fp32) {
       if (p.accumulate)
         f(EpilogueWgradVariant<true, true>{});
@@ -121,9 +127,9 @@ struct EpilogueWgrad {
     }
   }
 
-  /// The TMA store path (bf16 overwrite, no row map): blocks of 64 rows x 64 columns, staged alternately into the
-  /// two halves of the warpgroup's buffer, each sent by one TMA store of warpgroup thread 0.
-  template <class Accumulator>
+  /// The TMA store path (bf16 overwrite): blocks of 64 rows x 64 columns, staged alternately into the two halves of
+  /// the warpgroup's buffer, each sent by TMA stores of warpgroup thread 0 (kConcat: gate rows and up rows apart).
+  template <bool kConcat, class Accumulator>
   __device__ __forceinline__ static void store_tma(const Params& p, Storage& st, Accumulator& acc,
                                                    const VarlenKTileCoord& c, int row_base, int wg_thread,
                                                    int barrier_id) {
@@ -150,10 +156,13 @@ struct EpilogueWgrad {
         for (int v2 = b * 8; v2 < b * 8 + 8; ++v2) {
           CUTE_UNROLL
           for (int v1 = 0; v1 < 2; ++v1) {
-            const int r = warp * 16 + v1 * 8 + row_in_warp, col = (v2 - b * 8) * 8 + quad * 2;
+            const int tile_r = warp * 16 + v1 * 8 + row_in_warp, col = (v2 - b * 8) * 8 + quad * 2;
+            // Concatenated: tile row 2 i (gate i) at staged row i, 2 i + 1 (up i) at 32 + i.
+            const int r = kConcat ? (tile_r & 1) * 32 + (tile_r >> 1) : tile_r;
             const float x0 = empty ? 0.0f : acc(make_coord(make_coord(0, v1, v2), m, 0));
             const float x1 = empty ? 0.0f : acc(make_coord(make_coord(1, v1, v2), m, 0));
-            // TMA's 128-byte swizzle: 16-byte chunk (col / 8) of row r at chunk (col / 8) ^ (r % 8).
+            // TMA's 128-byte swizzle: 16-byte chunk (col / 8) of row r at chunk (col / 8) ^ (r % 8) (a 32-row box
+            // starts 4 KiB in: the same pattern).
             *reinterpret_cast<__nv_bfloat162*>(&buf[r * 64 + ((((col >> 3) & 7) ^ (r & 7)) << 3) + (col & 7)]) =
                 __floats2bfloat162_rn(x0, x1);
           }
@@ -164,7 +173,13 @@ struct EpilogueWgrad {
         if (wg_thread == 0) bulk_wait_group_read0();
         named_barrier_sync(barrier_id, 128);
         if (wg_thread == 0) {
-          tma_store_3d(&p.tma_out, buf, c.n_tile * kTileN + b * 64, row, c.expert);
+          const int col0 = c.n_tile * kTileN + b * 64;
+          if constexpr (kConcat) {  // tile rows [row, row + 64) hold gate and up rows [row / 2, row / 2 + 32)
+            tma_store_4d(&p.tma_out, buf, col0, row / 2, 0, c.expert);
+            tma_store_4d(&p.tma_out, buf + 32 * 64, col0, row / 2, 1, c.expert);
+          } else {
+            tma_store_3d(&p.tma_out, buf, col0, row, c.expert);
+          }
           bulk_commit_group();
         }
       }
@@ -178,7 +193,7 @@ struct EpilogueWgrad {
                                                int barrier_id) {
     using namespace cute;
     if constexpr (Variant::kTma) {
-      store_tma(p, st, acc, c, row_base, wg_thread, barrier_id);
+      store_tma<Variant::kConcat>(p, st, acc, c, row_base, wg_thread, barrier_id);
       return;
     }
     constexpr bool kFp32 = Variant::kFp32;

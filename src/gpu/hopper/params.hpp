@@ -137,8 +137,9 @@ struct EpilogueWgradParams {
   int M = 0, N = 0;
   bool out_fp32 = false;
   bool accumulate = false;  // read-modify-write out = out + C; an expert with no rows leaves its tiles untouched
-  // A bf16 overwrite without a row map leaves by TMA store (asynchronous: the consumers go on to the next tile's
-  // mainloop while the copy engine writes): 3D map (N, M, E), box (64, 64, 1), 128-byte swizzle.
+  // A bf16 overwrite leaves by TMA store (asynchronous: the consumers go on to the next tile's mainloop while the
+  // copy engine writes), 128-byte swizzle: 3D map (N, M, E), box (64, 64, 1); with the concatenated row map 4D
+  // (N, n, 2, E), box (64, 32, 1, 1), a 64-row block's gate rows and up rows in two boxes.
   bool tma_store = false;
   CUtensorMap tma_out;
 };

@@ -62,10 +62,10 @@ const IntegerOption* integer_option(const std::string& name) {
   return nullptr;
 }
 
-const char* const kFlags[] = {"--help", "-h", "--all-configs", "--profile"};
+const char* const kFlags[] = {"--help", "-h", "--all-configs", "--profile", "--accumulate-grads"};
 const char* const kTextOptions[] = {"--config", "--activation", "--bias", "--layout", "--score", "--routing",
                                     "--rounding", "--cache", "--dtype", "--backend", "--json", "--swiglu-alpha",
-                                    "--swiglu-limit"};
+                                    "--swiglu-limit", "--grad-dtype"};
 // Options that set one size of the problem, which --all-configs would overwrite.
 const char* const kSizeOptions[] = {"--config", "--T", "--d", "--n", "--E", "--K"};
 
@@ -145,6 +145,10 @@ std::string usage() {
       "  --cache NAME         preact (default: keep X and H) or input_only (keep X, recompute H)\n"
       "  --dx-chunks N        backward: dX~ in N chunks of tokens (default 0: the library's heuristic; 1: one pass)\n"
       "  --y-chunks N         forward: Y in N chunks of tokens (default 0: the library's heuristic; 1: one pass)\n"
+      "Gradients:\n"
+      "  --grad-dtype NAME    GPU: the weight gradients' dtype, data (default: the data dtype) or fp32\n"
+      "  --accumulate-grads   add the weight gradients into their buffers (gradient accumulation, e.g. an fp32\n"
+      "                       main_grad with --grad-dtype fp32) instead of overwriting them\n"
       "Run:\n"
       "  --backend NAME       auto (default: the GPU when one is present), gpu or cpu\n"
       "  --dtype NAME         GPU: bf16 (default), fp16, fp32; CPU reference: fp32 (default), fp64\n"
@@ -178,6 +182,7 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
       o.help = o.help || a == "--help" || a == "-h";
       o.all_configs = o.all_configs || a == "--all-configs";
       o.profile = o.profile || a == "--profile";
+      o.accumulate_grads = o.accumulate_grads || a == "--accumulate-grads";
       continue;
     }
     if (a.rfind("--", 0) != 0) bad("command line", "options starting with '--' (see --help)", "'" + a + "'");
@@ -279,6 +284,13 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
     if (dtype == "fp32") o.dtype = DType::kFP32;
     else if (dtype == "fp64") o.dtype = DType::kFP64;
     else bad("--dtype", "fp32 or fp64 on the CPU reference", "'" + dtype + "'");
+  }
+  o.grad_dtype = o.dtype;
+  if (has("--grad-dtype")) {
+    const std::string g = given.at("--grad-dtype");
+    if (!o.gpu) bad("--grad-dtype", "a GPU backend (the CPU reference keeps its gradients in the data dtype)", "the CPU");
+    if (g == "fp32") o.grad_dtype = DType::kFP32;
+    else if (g != "data") bad("--grad-dtype", "data or fp32", "'" + g + "'");
   }
   if (!has("--iters")) o.iters = o.gpu ? 10 : 3;
   if (!has("--warmup")) o.warmup = o.gpu ? 3 : 1;

@@ -29,6 +29,8 @@ struct Options {
   Backend backend = Backend::kAuto;
   bool gpu = false;          // resolved: the run uses the GPU backend
   DType dtype = DType::kFP32;  // resolved: bf16 on the GPU, fp32 on the CPU unless --dtype says otherwise
+  DType grad_dtype = DType::kFP32;  // resolved: the weight gradients' dtype, dtype unless --grad-dtype fp32 (GPU)
+  bool accumulate_grads = false;    // add the weight gradients into their buffers instead of overwriting them
   int iters = 3;             // resolved: 10 on the GPU, 3 on the CPU unless --iters says otherwise (<= kMaxRepetitions)
   int warmup = 1;            // resolved: 3 on the GPU, 1 on the CPU (<= kMaxRepetitions)
   int stage_runs = 5;        // GPU: instrumented runs of the stage table, median per stage (<= kMaxStageRuns)

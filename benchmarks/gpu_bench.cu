@@ -201,8 +201,11 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   Dev b1(el * n(p.has_b1 ? p.E * p.w1_rows() : 0), "b1"), b2(el * n(p.has_b2 ? p.E * p.d : 0), "b2"),
       gout(el * n(p.T * p.d), "grad_out");
   Dev out(el * n(p.T * p.d), "out"), logits(el * n(p.T * p.E), "router_logits"), counts(4 * n(p.E), "expert_counts");
-  Dev dx(x.bytes, "grad_x"), dwr(wr.bytes, "grad_router_weight"), dw1(w1.bytes, "grad_w1"), dw2(w2.bytes, "grad_w2"),
-      db1(b1.bytes, "grad_b1"), db2(b2.bytes, "grad_b2");
+  const DType gdt = o.grad_dtype;  // the weight gradients' dtype
+  const std::size_t gel = dtype_size(gdt);
+  Dev dx(x.bytes, "grad_x"), dwr(gel * n(p.E * p.d), "grad_router_weight"), dw1(gel * n(p.E * p.w1_rows() * p.d), "grad_w1"),
+      dw2(gel * n(p.E * p.d * p.n), "grad_w2"), db1(gel * n(p.has_b1 ? p.E * p.w1_rows() : 0), "grad_b1"),
+      db2(gel * n(p.has_b2 ? p.E * p.d : 0), "grad_b2");
   const std::uint64_t seed = o.seed * 1000003ull;
   fill_normal(dt, x, n(p.T * p.d), seed + 1, 1.0f, s);
   fill_normal(dt, wr, n(p.E * p.d), seed + 2, 1.0f / std::sqrt(float(p.d)), s);
@@ -227,11 +230,16 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   bi.grad_out = TensorView::contiguous(gout.p, dt, {p.T, p.d}, dev);
   BackwardOutputs bo;
   bo.grad_x = TensorView::contiguous(dx.p, dt, {p.T, p.d}, dev);
-  bo.grad_weights.router_weight = TensorView::contiguous(dwr.p, dt, {p.E, p.d}, dev);
-  bo.grad_weights.w1 = TensorView::contiguous(dw1.p, dt, {p.E, p.w1_rows(), p.d}, dev);
-  bo.grad_weights.w2 = TensorView::contiguous(dw2.p, dt, {p.E, p.d, p.n}, dev);
-  if (p.has_b1) bo.grad_weights.b1 = TensorView::contiguous(db1.p, dt, {p.E, p.w1_rows()}, dev);
-  if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.p, dt, {p.E, p.d}, dev);
+  bo.grad_weights.router_weight = TensorView::contiguous(dwr.p, gdt, {p.E, p.d}, dev);
+  bo.grad_weights.w1 = TensorView::contiguous(dw1.p, gdt, {p.E, p.w1_rows(), p.d}, dev);
+  bo.grad_weights.w2 = TensorView::contiguous(dw2.p, gdt, {p.E, p.d, p.n}, dev);
+  if (p.has_b1) bo.grad_weights.b1 = TensorView::contiguous(db1.p, gdt, {p.E, p.w1_rows()}, dev);
+  if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.p, gdt, {p.E, p.d}, dev);
+  bo.grad_weights.accumulate = o.accumulate_grads;
+  if (o.accumulate_grads) {  // accumulation reads the buffers: start them at zero like a fresh main_grad
+    for (const Dev* g : {&dwr, &dw1, &dw2, &db1, &db2})
+      if (g->bytes) check(cudaMemsetAsync(g->p, 0, g->bytes, s), "zero gradients");
+  }
   check(cudaStreamSynchronize(s), "init");
 
   Result r;
@@ -327,7 +335,8 @@ std::string json_of(const Result& r, const Options& o, const std::string& gpu, d
   std::ostringstream j;
   const MoEProblem& p = o.problem;
   j << "{\"config\":\"" << r.config << "\",\"gpu\":\"" << gpu << "\",\"dtype\":\"" << dtype_name(o.dtype)
-    << "\",\"T\":" << p.T << ",\"d\":" << p.d << ",\"n\":" << p.n << ",\"E\":" << p.E << ",\"K\":" << p.K
+    << "\",\"grad_dtype\":\"" << dtype_name(o.grad_dtype) << "\",\"accumulate_grads\":"
+    << (o.accumulate_grads ? "true" : "false") << ",\"T\":" << p.T << ",\"d\":" << p.d << ",\"n\":" << p.n << ",\"E\":" << p.E << ",\"K\":" << p.K
     << ",\"activation\":\"" << activation_name(p.activation) << "\",\"cache\":\"" << cache_mode_name(p.cache)
     << "\",\"copy_bandwidth_GBps\":" << copy_bw * 1e-9 << ",\"forward_ms\":" << r.fwd_ms
     << ",\"backward_ms\":" << r.bwd_ms << ",\"forward_tflops\":" << r.fwd_tflops
@@ -382,7 +391,10 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
     }
     const Result& r = results.back();
     json_objects.push_back(json_of(r, o, gpu, bw));
-    std::printf("\nconfig %s (%s, %s)\n", o.config_name.c_str(), o.problem.to_string().c_str(), dtype_name(o.dtype));
+    std::printf("\nconfig %s (%s, %s", o.config_name.c_str(), o.problem.to_string().c_str(), dtype_name(o.dtype));
+    if (o.grad_dtype != o.dtype || o.accumulate_grads)
+      std::printf("; weight gradients %s%s", dtype_name(o.grad_dtype), o.accumulate_grads ? ", accumulated" : "");
+    std::printf(")\n");
     std::printf("  %-10s %10s %10s %12s %10s\n", "pass", "ms", "TFLOP/s", "cuBLAS bound", "efficiency");
     std::printf("  %-10s %10.3f %10.1f %12.3f %10.3f\n", "forward", r.fwd_ms, r.fwd_tflops, r.bound_fwd,
                 r.bound_fwd / r.fwd_ms);

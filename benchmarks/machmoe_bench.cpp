@@ -198,6 +198,7 @@ int run(const bench::Options& o) {
   bo.grad_weights.w2 = TensorView::contiguous(dw2.data(), dt, {p.E, p.d, p.n});
   if (p.has_b1) bo.grad_weights.b1 = TensorView::contiguous(db1.data(), dt, {p.E, p.w1_rows()});
   if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.data(), dt, {p.E, p.d});
+  bo.grad_weights.accumulate = o.accumulate_grads;
   BackwardBuffers bb{saved.data(), saved.size(), nullptr, 0};
 
   std::printf("machmoe-bench %s\n", kVersion);

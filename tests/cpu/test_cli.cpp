@@ -87,6 +87,17 @@ TEST(Cli, GpuDefaultsAndDtypes) {
   EXPECT_EQ(parse_options({"--dtype", "fp16"}, true).dtype, DType::kFP16);
   EXPECT_THROW(parse_options({"--dtype", "fp64"}, true), Error);
   EXPECT_THROW(parse_options({"--dtype", "bf16"}, false), Error);
+  // The weight gradients' dtype and accumulation (gradient accumulation into an fp32 main_grad).
+  EXPECT_EQ(g.grad_dtype, DType::kBF16);
+  EXPECT_FALSE(g.accumulate_grads);
+  const Options acc = parse_options({"--grad-dtype", "fp32", "--accumulate-grads"}, true);
+  EXPECT_EQ(acc.grad_dtype, DType::kFP32);
+  EXPECT_EQ(acc.dtype, DType::kBF16);
+  EXPECT_TRUE(acc.accumulate_grads);
+  EXPECT_EQ(parse_options({"--grad-dtype", "data", "--dtype", "fp16"}, true).grad_dtype, DType::kFP16);
+  EXPECT_TRUE(parse_options({"--accumulate-grads"}, false).accumulate_grads);
+  EXPECT_NE(error_of({"--grad-dtype", "fp32"}).find("a GPU backend"), std::string::npos);
+  EXPECT_THROW(parse_options({"--grad-dtype", "bf16"}, true), Error);
   const Options all = parse_options({"--all-configs", "--activation", "geglu"}, true);
   const std::vector<Options> runs = main_config_runs(all);
   ASSERT_EQ(runs.size(), 12u);

@@ -32,6 +32,7 @@
 #include <map>
 #include <mutex>
 
+#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 
 #include "gpu/cuda_check.hpp"
@@ -55,6 +56,8 @@ constexpr int kTransposeExperts = 64;
 constexpr int kSelectThreads = 512;
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kSelectBins = 4096;
+constexpr int kSelectMaxCluster = 4;              // CTAs per expert at most (a portable cluster size)
+constexpr std::int64_t kSelectClusterMinTokens = 8192;  // below this a column is one CTA's
 // Pass 3.
 constexpr int kEmitTokens = static_cast<int>(kTokenRoundingEmitTokens);
 constexpr int kEmitWarps = kEmitTokens;  // one warp per token
@@ -263,32 +266,57 @@ __device__ void find_digit(const std::int32_t* hist, int bins, std::int32_t need
   __syncthreads();
 }
 
+// A cluster of `ranks` CTAs per expert (1, 2 or 4: the launcher spreads few experts over the GPU): CTA rank q owns
+// the expert's tokens [q S, (q + 1) S), S = T / ranks rounded up to 32, and caches that slice. Each radix pass
+// counts its slice into its own histogram; after a cluster barrier every CTA adds up the cluster's histograms
+// (distributed shared memory, integer sums: the same total in every CTA) and finds the digit itself. The tie cut
+// and the compaction take each CTA's count from the others in rank order (token order), so the result is the one
+// of a single CTA scanning the whole column.
 __global__ void __launch_bounds__(kSelectThreads)
     tr_select_kernel(std::uint32_t* keys_by_expert, std::int64_t T_, const std::int32_t* __restrict__ tc_count,
                      const std::int32_t* __restrict__ expert_offsets, std::uint32_t* __restrict__ thresholds,
                      std::int32_t* __restrict__ gather, bool cache) {
+  namespace cg = cooperative_groups;
   using Scan = cub::BlockScan<std::int32_t, kSelectThreads>;
-  extern __shared__ std::uint32_t column_s[];  // the expert's keys when `cache` (T_ of them)
+  // Dynamic: the cluster's summed histogram (clusters only), then the slice's keys when `cache`.
+  extern __shared__ std::uint32_t dyn_s[];
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ std::int32_t hist[kSelectBins];
   __shared__ std::int32_t warp_count[kSelectWarps];
   __shared__ std::uint32_t digit_s;
   __shared__ std::int32_t need_s, target_warp_s, target_rank_s;
+  __shared__ std::int32_t slice_count_s;  // this CTA's ties or kept tokens, read by the cluster
   __shared__ std::int64_t cut_s;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int e = blockIdx.x;
+  const int e = static_cast<int>(blockIdx.x) / ranks;
   std::uint32_t* gcol = keys_by_expert + static_cast<std::int64_t>(e) * T_;
   const std::int64_t f = tc_count[e];
   const std::int64_t g0 = expert_offsets[e];
   const std::int64_t r = expert_offsets[e + 1] - g0;
+  // This CTA's slice of tokens: local index i is token s_begin + i.
+  const std::int64_t slice = ((T_ + ranks - 1) / ranks + 31) / 32 * 32;
+  const std::int64_t s_begin = min(T_, rank * slice), n = min(T_, (rank + 1) * slice) - s_begin;
+  std::int32_t* total = ranks > 1 ? reinterpret_cast<std::int32_t*>(dyn_s) : hist;
+  std::uint32_t* column_s = dyn_s + (ranks > 1 ? kSelectBins : 0);
   if (cache) {
-    for (std::int64_t t = threadIdx.x; t < T_; t += kSelectThreads) column_s[t] = gcol[t];
+    for (std::int64_t i = threadIdx.x; i < n; i += kSelectThreads) column_s[i] = gcol[s_begin + i];
     __syncthreads();
   }
-  const std::uint32_t* col = cache ? column_s : gcol;
-  // Per-warp contiguous chunks of tokens (multiples of 32) for the ordered passes.
-  const std::int64_t chunk = ((T_ + kSelectWarps - 1) / kSelectWarps + 31) / 32 * 32;
-  const std::int64_t w_begin = min(T_, warp * chunk), w_end = min(T_, (warp + 1) * chunk);
+  const std::uint32_t* col = cache ? column_s : gcol + s_begin;
+  // Per-warp contiguous chunks of the slice (multiples of 32) for the ordered passes.
+  const std::int64_t chunk = ((n + kSelectWarps - 1) / kSelectWarps + 31) / 32 * 32;
+  const std::int64_t w_begin = min(n, warp * chunk), w_end = min(n, (warp + 1) * chunk);
+  // Every CTA of the cluster has written slice_count_s (and whatever else is read remotely): a cluster barrier, or
+  // the block's own barrier without a cluster.
+  auto sync_all = [&] {
+    if (ranks > 1)
+      cluster.sync();
+    else
+      __syncthreads();
+  };
 
   std::uint32_t thr;
   std::int64_t cut;
@@ -310,12 +338,12 @@ __global__ void __launch_bounds__(kSelectThreads)
       const std::uint32_t high = pass == 0 ? 0u : ~((1u << (shift + widths[pass])) - 1u);
       for (int b = threadIdx.x; b < bins; b += kSelectThreads) hist[b] = 0;
       __syncthreads();
-      for (std::int64_t base = 0; base < T_; base += kSelectThreads) {  // uniform trip count: all lanes match
-        const std::int64_t t = base + threadIdx.x;
+      for (std::int64_t base = 0; base < n; base += kSelectThreads) {  // uniform trip count: all lanes match
+        const std::int64_t i = base + threadIdx.x;
         std::uint32_t d = 0xffffffffu;
         bool in = false;
-        if (t < T_) {
-          const std::uint32_t key = col[t];
+        if (i < n) {
+          const std::uint32_t key = col[i];
           in = ((key ^ prefix) & high) == 0u;
           if (in) d = (key >> shift) & static_cast<std::uint32_t>(bins - 1);
         }
@@ -323,12 +351,20 @@ __global__ void __launch_bounds__(kSelectThreads)
         const unsigned group = __match_any_sync(kFull, d);
         if (in && (__ffs(group) - 1) == lane) atomicAdd(&hist[d], __popc(group));
       }
+      if (ranks > 1) {
+        cluster.sync();  // every CTA's histogram is complete
+        for (int b = threadIdx.x; b < bins; b += kSelectThreads) {
+          std::int32_t sum = 0;
+          for (int q = 0; q < ranks; ++q) sum += cluster.map_shared_rank(hist, q)[b];
+          total[b] = sum;
+        }
+      }
       __syncthreads();
-      find_digit<Scan>(hist, bins, need, scan_tmp, digit_s, need_s);
+      find_digit<Scan>(total, bins, need, scan_tmp, digit_s, need_s);
       prefix |= digit_s << shift;
       need = need_s;
-      if (pass == 2) ties = hist[digit_s];
-      __syncthreads();  // hist is cleared by the next pass
+      if (pass == 2) ties = total[digit_s];
+      sync_all();  // hist is cleared by the next pass, once every CTA has read it
     }
     thr = prefix;
     if (need == ties) {
@@ -337,59 +373,95 @@ __global__ void __launch_bounds__(kSelectThreads)
       // Keep the first `need` ties in token order: find the token of tie number `need` (0-based), the cut.
       std::int32_t c = 0;
       for (std::int64_t base = w_begin; base < w_end; base += 32) {
-        const std::int64_t t = base + lane;
-        c += __popc(__ballot_sync(kFull, t < w_end && col[t] == thr));
+        const std::int64_t i = base + lane;
+        c += __popc(__ballot_sync(kFull, i < w_end && col[i] == thr));
       }
       if (lane == 0) warp_count[warp] = c;
       __syncthreads();
       if (threadIdx.x == 0) {
-        std::int32_t before = 0;
-        for (int w = 0; w < kSelectWarps; ++w) {
-          if (need < before + warp_count[w]) {
-            target_warp_s = w, target_rank_s = need - before;
-            break;
+        std::int32_t sum = 0;
+        for (int w = 0; w < kSelectWarps; ++w) sum += warp_count[w];
+        slice_count_s = sum;
+      }
+      sync_all();
+      // The CTA whose slice holds tie number `need`, and the ties of the slices before it.
+      int target = 0;
+      std::int32_t before_slice = 0;
+      for (int q = 0; q < ranks; ++q) {
+        const std::int32_t cq = ranks > 1 ? *cluster.map_shared_rank(&slice_count_s, q) : slice_count_s;
+        if (need < before_slice + cq) {
+          target = q;
+          break;
+        }
+        before_slice += cq;
+      }
+      if (rank == target) {  // uniform across the CTA
+        const std::int32_t local_need = need - before_slice;
+        if (threadIdx.x == 0) {
+          std::int32_t before = 0;
+          for (int w = 0; w < kSelectWarps; ++w) {
+            if (local_need < before + warp_count[w]) {
+              target_warp_s = w, target_rank_s = local_need - before;
+              break;
+            }
+            before += warp_count[w];
           }
-          before += warp_count[w];
+        }
+        __syncthreads();
+        if (warp == target_warp_s) {
+          std::int32_t seen = 0;
+          for (std::int64_t base = w_begin; base < w_end; base += 32) {
+            const std::int64_t i = base + lane;
+            unsigned b = __ballot_sync(kFull, i < w_end && col[i] == thr);
+            const int cnt = __popc(b);
+            if (seen + cnt > target_rank_s) {
+              for (int k = 0; k < target_rank_s - seen; ++k) b &= b - 1;
+              if (lane == 0) {
+                const std::int64_t token = s_begin + base + (__ffs(b) - 1);
+                if (ranks > 1)
+                  for (int q = 0; q < ranks; ++q) *cluster.map_shared_rank(&cut_s, q) = token;
+                else
+                  cut_s = token;
+              }
+              break;
+            }
+            seen += cnt;
+          }
         }
       }
-      __syncthreads();
-      if (warp == target_warp_s) {
-        std::int32_t seen = 0;
-        for (std::int64_t base = w_begin; base < w_end; base += 32) {
-          const std::int64_t t = base + lane;
-          unsigned b = __ballot_sync(kFull, t < w_end && col[t] == thr);
-          const int n = __popc(b);
-          if (seen + n > target_rank_s) {
-            for (int k = 0; k < target_rank_s - seen; ++k) b &= b - 1;
-            if (lane == 0) cut_s = base + (__ffs(b) - 1);
-            break;
-          }
-          seen += n;
-        }
-      }
-      __syncthreads();
+      sync_all();  // the cut has reached every CTA
       cut = cut_s;
     }
   }
-  if (threadIdx.x == 0) {
+  if (rank == 0 && threadIdx.x == 0) {
     thresholds[2 * e] = thr;
     thresholds[2 * e + 1] = static_cast<std::uint32_t>(cut);
   }
-  if (r == 0) return;
+  if (r == 0) return;  // uniform across the cluster: no CTA reads another's shared memory after this
   // The kept tokens in ascending order -> gather[g0 ...]; their expert-major key -> their grouped row.
   std::int32_t c = 0;
   for (std::int64_t base = w_begin; base < w_end; base += 32) {
-    const std::int64_t t = base + lane;
-    c += __popc(__ballot_sync(kFull, t < w_end && kept(col[t], thr, static_cast<std::uint32_t>(cut), t)));
+    const std::int64_t i = base + lane;
+    c += __popc(__ballot_sync(kFull, i < w_end && kept(col[i], thr, static_cast<std::uint32_t>(cut), s_begin + i)));
   }
   if (lane == 0) warp_count[warp] = c;
   __syncthreads();
   std::int64_t pos = g0;
+  if (ranks > 1) {
+    if (threadIdx.x == 0) {
+      std::int32_t sum = 0;
+      for (int w = 0; w < kSelectWarps; ++w) sum += warp_count[w];
+      slice_count_s = sum;
+    }
+    cluster.sync();
+    for (int q = 0; q < rank; ++q) pos += *cluster.map_shared_rank(&slice_count_s, q);
+  }
   for (int w = 0; w < warp; ++w) pos += warp_count[w];
   const unsigned below = (1u << lane) - 1u;
   for (std::int64_t base = w_begin; base < w_end; base += 32) {
-    const std::int64_t t = base + lane;
-    const bool k = t < w_end && kept(col[t], thr, static_cast<std::uint32_t>(cut), t);
+    const std::int64_t i = base + lane;
+    const std::int64_t t = s_begin + i;
+    const bool k = i < w_end && kept(col[i], thr, static_cast<std::uint32_t>(cut), t);
     const unsigned b = __ballot_sync(kFull, k);
     if (k) {
       const std::int64_t g = pos + __popc(b & below);
@@ -398,6 +470,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     }
     pos += __popc(b);
   }
+  if (ranks > 1) cluster.sync();  // no CTA leaves while another may still read its shared memory
 }
 
 // ---- pass 3: pair order ---------------------------------------------------------------------------------------------
@@ -584,6 +657,7 @@ struct BackwardKernel {
 struct SelectSharedMemory {
   int static_bytes = 0;
   int optin = 0;
+  int sm_count = 0;
 };
 SelectSharedMemory select_shared_memory() {
   int dev = 0;
@@ -598,6 +672,7 @@ SelectSharedMemory select_shared_memory() {
   MACHMOE_CUDA_CHECK(cudaFuncGetAttributes(&attr, tr_select_kernel));
   m.static_bytes = static_cast<int>(attr.sharedSizeBytes);
   MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&m.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&m.sm_count, cudaDevAttrMultiProcessorCount, dev));
   known.emplace(dev, m);
   return m;
 }
@@ -624,15 +699,33 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
     });
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_keys");
-  // The expert's column of keys in shared memory when it fits beside the kernel's static arrays.
-  const std::int64_t column_bytes = a.T * 4;
+  // Few experts: a cluster of 2 or 4 CTAs per expert, each on a slice of its column (up to one CTA per SM; a column
+  // of fewer than kSelectClusterMinTokens keys is not worth the cluster barriers). The slice's keys in shared memory
+  // when they fit beside the kernel's static arrays (and, with a cluster, the summed histogram).
   const SelectSharedMemory smem = select_shared_memory();
-  const bool cache = smem.static_bytes + column_bytes <= smem.optin;
-  const int dyn = cache ? static_cast<int>(column_bytes) : 0;
+  int ranks = 1;
+  if (a.T >= kSelectClusterMinTokens)
+    while (ranks < kSelectMaxCluster && static_cast<std::int64_t>(E) * ranks * 2 <= smem.sm_count) ranks *= 2;
+  const std::int64_t slice = ((a.T + ranks - 1) / ranks + 31) / 32 * 32;
+  const int total_bytes = ranks > 1 ? kSelectBins * 4 : 0;
+  const bool cache = smem.static_bytes + total_bytes + slice * 4 <= smem.optin;
+  const int dyn = total_bytes + (cache ? static_cast<int>(slice * 4) : 0);
   if (smem.static_bytes + dyn > (48 << 10))
     MACHMOE_CUDA_CHECK(cudaFuncSetAttribute(tr_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn));
-  tr_select_kernel<<<E, kSelectThreads, dyn, stream>>>(a.keys_by_expert, a.T, tc_count, a.expert_offsets,
-                                                        a.thresholds, a.gather, cache);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(E * ranks));
+  cfg.blockDim = dim3(kSelectThreads);
+  cfg.dynamicSmemBytes = static_cast<std::size_t>(dyn);
+  cfg.stream = stream;
+  cudaLaunchAttribute cluster_attr[1];
+  cluster_attr[0].id = cudaLaunchAttributeClusterDimension;
+  cluster_attr[0].val.clusterDim.x = static_cast<unsigned>(ranks);
+  cluster_attr[0].val.clusterDim.y = 1, cluster_attr[0].val.clusterDim.z = 1;
+  cfg.attrs = cluster_attr, cfg.numAttrs = ranks > 1 ? 1 : 0;
+  const std::int32_t* counts = tc_count;
+  const std::int32_t* offsets = a.expert_offsets;
+  MACHMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tr_select_kernel, a.keys_by_expert, a.T, counts, offsets, a.thresholds,
+                                        a.gather, cache));
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select");
   tr_emit_kernel<<<static_cast<unsigned>(emit_blocks), 32 * kEmitWarps, 0, stream>>>(
       a.keys, a.keys_by_expert, a.thresholds, a.T, E, a.expert_offsets, a.P_max, ticket, status, a.scores,

@@ -1,7 +1,8 @@
 // Token rounding's kernels (src/gpu/token_rounding_kernels.cu) against the CPU reference (src/reference/
 // token_rounding.cpp, routing_metadata.cpp), launched directly: every rounding rule and score variant, E in
 // {1, 8, 128, 512, 600 (rows read from memory)}, K = 1 and K = E, T = 1, experts without tokens, T = 65536 (the
-// expert's column no longer fits in shared memory), skewed routing, padded logit rows, bitwise repeats.
+// expert's column no longer fits in shared memory), few experts over many tokens (the select kernel's clusters),
+// skewed routing, padded logit rows, bitwise repeats.
 //
 // What must be exact: the per-expert counts (they depend on the top-K selection alone, which compares logits
 // exactly), and every metadata array, which must be what ref::build_routing_metadata builds from the kernel's own
@@ -266,6 +267,9 @@ std::vector<TrKernelCase> kernel_cases() {
     add({12289, 16, 2, 128, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32}, "T12289_column_past_48KiB");
     add({65536, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T65536_E8_column_in_global");
     add({65536, 128, 4, 128, r, ScoreVariant::kTopKOfSoftmaxRenorm, DType::kBF16}, "T65536_E128");
+    // Few experts and many tokens: the select kernel spreads an expert over a cluster of CTAs (E = 64: 2, E = 16
+    // and E = 8: 4 on a 132-SM GPU), slices cached (T = 8192, 12289, 65536 above) or, here, read from memory.
+    add({200000, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T200000_E8_cluster_slices_in_global");
     TrKernelCase skew{5000, 64, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16};
     skew.skew = 3.0;  // experts 0..2 take most tokens; many others few or none
     add(skew, "skewed");

@@ -175,6 +175,14 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void*
                "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                : "memory");
 }
+
+/// Element offset of (row, col), col < 64, in a 64-column bf16 box of TMA's 128-byte swizzle
+/// (CU_TENSOR_MAP_SWIZZLE_128B): 16-byte chunk col / 8 of row `row` sits at chunk (col / 8) ^ (row % 8). The
+/// epilogues stage their TMA stores in this layout (its 8-row period also makes a 32-row box's rows start in phase).
+__device__ __forceinline__ int tma_swizzle128_bf16_offset(int row, int col) {
+  return row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
+}
+
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 /// Waits until this thread's committed bulk stores have finished reading shared memory.
 __device__ __forceinline__ void bulk_wait_group_read0() {

@@ -55,7 +55,7 @@ struct EpilogueStaging {
 
   /// Element index of (row, column) in the swizzled staging buffer (16-byte chunk index XOR row % 8).
   __device__ __forceinline__ static int staged_index(int r, int col) {
-    return (col >> 6) * kBlockElems + r * 64 + ((((col >> 3) & 7) ^ (r & 7)) << 3) + (col & 7);
+    return (col >> 6) * kBlockElems + tma_swizzle128_bf16_offset(r, col & 63);
   }
 
   /// Waits until the buffer is free: the previous TMA store has read it, and every thread is done with it.

@@ -161,10 +161,8 @@ struct EpilogueWgrad {
             const int r = kConcat ? (tile_r & 1) * 32 + (tile_r >> 1) : tile_r;
             const float x0 = empty ? 0.0f : acc(make_coord(make_coord(0, v1, v2), m, 0));
             const float x1 = empty ? 0.0f : acc(make_coord(make_coord(1, v1, v2), m, 0));
-            // TMA's 128-byte swizzle: 16-byte chunk (col / 8) of row r at chunk (col / 8) ^ (r % 8) (a 32-row box
-            // starts 4 KiB in: the same pattern).
-            *reinterpret_cast<__nv_bfloat162*>(&buf[r * 64 + ((((col >> 3) & 7) ^ (r & 7)) << 3) + (col & 7)]) =
-                __floats2bfloat162_rn(x0, x1);
+            // TMA's 128-byte swizzle (a 32-row box starts 4 KiB in: the same pattern).
+            *reinterpret_cast<__nv_bfloat162*>(&buf[tma_swizzle128_bf16_offset(r, col)]) = __floats2bfloat162_rn(x0, x1);
           }
         }
         fence_proxy_async_shared();  // the st.shared writes, visible to the copy engine

@@ -288,7 +288,8 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
   o.grad_dtype = o.dtype;
   if (has("--grad-dtype")) {
     const std::string g = given.at("--grad-dtype");
-    if (!o.gpu) bad("--grad-dtype", "a GPU backend (the CPU reference keeps its gradients in the data dtype)", "the CPU");
+    if (!o.gpu)
+      bad("--grad-dtype", "a GPU backend (the CPU reference keeps its gradients in the data dtype)", "the CPU");
     if (g == "fp32") o.grad_dtype = DType::kFP32;
     else if (g != "data") bad("--grad-dtype", "data or fp32", "'" + g + "'");
   }

@@ -203,9 +203,9 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   Dev out(el * n(p.T * p.d), "out"), logits(el * n(p.T * p.E), "router_logits"), counts(4 * n(p.E), "expert_counts");
   const DType gdt = o.grad_dtype;  // the weight gradients' dtype
   const std::size_t gel = dtype_size(gdt);
-  Dev dx(x.bytes, "grad_x"), dwr(gel * n(p.E * p.d), "grad_router_weight"), dw1(gel * n(p.E * p.w1_rows() * p.d), "grad_w1"),
-      dw2(gel * n(p.E * p.d * p.n), "grad_w2"), db1(gel * n(p.has_b1 ? p.E * p.w1_rows() : 0), "grad_b1"),
-      db2(gel * n(p.has_b2 ? p.E * p.d : 0), "grad_b2");
+  Dev dx(x.bytes, "grad_x"), dwr(gel * n(p.E * p.d), "grad_router_weight"),
+      dw1(gel * n(p.E * p.w1_rows() * p.d), "grad_w1"), dw2(gel * n(p.E * p.d * p.n), "grad_w2"),
+      db1(gel * n(p.has_b1 ? p.E * p.w1_rows() : 0), "grad_b1"), db2(gel * n(p.has_b2 ? p.E * p.d : 0), "grad_b2");
   const std::uint64_t seed = o.seed * 1000003ull;
   fill_normal(dt, x, n(p.T * p.d), seed + 1, 1.0f, s);
   fill_normal(dt, wr, n(p.E * p.d), seed + 2, 1.0f / std::sqrt(float(p.d)), s);
@@ -336,7 +336,8 @@ std::string json_of(const Result& r, const Options& o, const std::string& gpu, d
   const MoEProblem& p = o.problem;
   j << "{\"config\":\"" << r.config << "\",\"gpu\":\"" << gpu << "\",\"dtype\":\"" << dtype_name(o.dtype)
     << "\",\"grad_dtype\":\"" << dtype_name(o.grad_dtype) << "\",\"accumulate_grads\":"
-    << (o.accumulate_grads ? "true" : "false") << ",\"T\":" << p.T << ",\"d\":" << p.d << ",\"n\":" << p.n << ",\"E\":" << p.E << ",\"K\":" << p.K
+    << (o.accumulate_grads ? "true" : "false") << ",\"T\":" << p.T << ",\"d\":" << p.d << ",\"n\":" << p.n
+    << ",\"E\":" << p.E << ",\"K\":" << p.K
     << ",\"activation\":\"" << activation_name(p.activation) << "\",\"cache\":\"" << cache_mode_name(p.cache)
     << "\",\"copy_bandwidth_GBps\":" << copy_bw * 1e-9 << ",\"forward_ms\":" << r.fwd_ms
     << ",\"backward_ms\":" << r.bwd_ms << ",\"forward_tflops\":" << r.fwd_tflops

@@ -143,8 +143,10 @@ TEST(HopperHeuristics, ContiguousFamiliesRunInGroupsOfMTilesGatheredOnesAlongN) 
 TEST(HopperHeuristics, DxRunsInClustersWhereItsReductionIsLong) {
   using gpu::hopper::kDxClusterMinK;
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 2880, 5760), {}).cluster_m, 2);  // gpt-oss: K = 2n
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, 4096), {}).cluster_m, 2);  // 120B (2048,64,4)
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 2944, 5888), {}).cluster_m, 2);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, 4096), {}).cluster_m, 1);  // 120B (2048,64,4)
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, 512), {}).cluster_m, 1);   // 30B (256,256,16)
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, kDxClusterMinK), {}).cluster_m, 2);
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, kDxClusterMinK - 8), {}).cluster_m, 1);
   TileOverrides o;
   o.tile_n = 256;  // a forced tile keeps the cluster choice

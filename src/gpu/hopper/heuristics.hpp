@@ -79,12 +79,16 @@ inline constexpr std::int64_t kUpProjectionWidePercent = 110;
 inline constexpr std::int64_t kWgradWidePercent = 125;
 
 /// dX~ runs in 2-CTA clusters along M (the pair shares W1's tile by multicast, each CTA loading half of it) from this
-/// reduction length K = 2n (GLU) on. Measured on an H100 (docs/BENCHMARKS.md, session 28, two rounds): where K is long
-/// every tile streams K x kTileN of W1, and the pairs halve that traffic: the backward 2.3-3.0 % faster on gpt-oss-20b
-/// (K = 5760), 2.6-7.1 % on gpt-oss-120b, 2.9-3.3 % on 120B (2048,64,4) (K = 4096); where K = 512 (30B
-/// (256,256,16), 7B (256,128,8)) the pairs' lockstep costs more than it saves (backward 0.3-1.5 % slower); at K = 2048
-/// it was mixed (120B (1024,128,8) 2.5-3.9 % faster, 1.4B (1024,32,2) 1.1-1.5 % slower, 30B (1024,64,4) either way).
-inline constexpr std::int64_t kDxClusterMinK = 4096;
+/// reduction length K = 2n (GLU) on. Measured on an H100 (docs/BENCHMARKS.md, session 28, two rounds, before dX~ ran in
+/// groups of M-tiles): where K is long every tile streams K x kTileN of W1, and the pairs halve that traffic: the
+/// backward 2.3-3.0 % faster on gpt-oss-20b (K = 5760), 2.6-7.1 % on gpt-oss-120b, 2.9-3.3 % on 120B (2048,64,4)
+/// (K = 4096); where K = 512 (30B (256,256,16), 7B (256,128,8)) the pairs' lockstep cost more than they saved. Since
+/// the groups of M-tiles (kContiguousRasterM: the CTAs that run together already share each weight tile in L2), an
+/// H100 (session 35, forced clusters, stage times, three runs) measured the pairs slower at K = 4096 (120B
+/// (2048,64,4): dX~ 6.44-6.56 ms alone against 6.77-6.98 in pairs) and at K = 2048 (120B (1024,128,8): 6.72 against
+/// 7.16-7.20; (16384,4096,1024,256,4): 2.07 against 2.66), and still faster at K = 5760 (gpt-oss-20b: 3.86-3.92
+/// against 4.65-4.86 alone; gpt-oss-120b 4.36-4.39 against 4.36-4.61): pairs from K = 5120 on.
+inline constexpr std::int64_t kDxClusterMinK = 5120;
 
 /// M-tiles per rasterisation group of the down-projection and dX~ (A contiguous by TMA, the weight tile by TMA): the
 /// group's M-tiles take one N-tile after the other, so the CTAs that run together read the same weight tile. Where an

@@ -56,6 +56,7 @@ constexpr int kTransposeExperts = 64;
 constexpr int kSelectThreads = 512;
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kSelectBins = 4096;
+constexpr int kSelectUnroll = 4;  // keys per thread and trip of a radix pass's histogram loop
 constexpr int kSelectMaxCluster = 4;              // CTAs per expert at most (a portable cluster size)
 constexpr std::int64_t kSelectClusterMinTokens = 8192;  // below this a column is one CTA's
 // Pass 3.
@@ -338,18 +339,30 @@ __global__ void __launch_bounds__(kSelectThreads)
       const std::uint32_t high = pass == 0 ? 0u : ~((1u << (shift + widths[pass])) - 1u);
       for (int b = threadIdx.x; b < bins; b += kSelectThreads) hist[b] = 0;
       __syncthreads();
-      for (std::int64_t base = 0; base < n; base += kSelectThreads) {  // uniform trip count: all lanes match
-        const std::int64_t i = base + threadIdx.x;
-        std::uint32_t d = 0xffffffffu;
-        bool in = false;
-        if (i < n) {
-          const std::uint32_t key = col[i];
-          in = ((key ^ prefix) & high) == 0u;
-          if (in) d = (key >> shift) & static_cast<std::uint32_t>(bins - 1);
+      // kSelectUnroll keys per thread and trip, loaded and matched independently: the loop is bound by the latency
+      // of load -> match -> atomic, which the independent chains overlap.
+      const unsigned lanes_below = (1u << lane) - 1u;
+      for (std::int64_t base = 0; base < n; base += kSelectUnroll * kSelectThreads) {  // uniform trip count
+        std::uint32_t d[kSelectUnroll];
+        bool in[kSelectUnroll];
+#pragma unroll
+        for (int u = 0; u < kSelectUnroll; ++u) {
+          const std::int64_t i = base + u * kSelectThreads + threadIdx.x;
+          d[u] = 0xffffffffu;
+          in[u] = false;
+          if (i < n) {
+            const std::uint32_t key = col[i];
+            in[u] = ((key ^ prefix) & high) == 0u;
+            if (in[u]) d[u] = (key >> shift) & static_cast<std::uint32_t>(bins - 1);
+          }
         }
-        // One shared atomic per distinct digit of the warp: keys crowd into few digits (similar scores).
-        const unsigned group = __match_any_sync(kFull, d);
-        if (in && (__ffs(group) - 1) == lane) atomicAdd(&hist[d], __popc(group));
+#pragma unroll
+        for (int u = 0; u < kSelectUnroll; ++u) {
+          // One shared atomic per distinct digit of the warp (its lowest lane): keys crowd into few digits (similar
+          // scores). Integer adds: the histogram does not depend on their order.
+          const unsigned group = __match_any_sync(kFull, d[u]);
+          if (in[u] && (group & lanes_below) == 0u) atomicAdd(&hist[d[u]], __popc(group));
+        }
       }
       if (ranks > 1) {
         cluster.sync();  // every CTA's histogram is complete

@@ -212,6 +212,8 @@ int run(const bench::Options& o) {
   std::printf("backend:  cpu-reference (%s)\n", dtype_name(dt));
   std::printf("config:   %s\n", o.config_name.c_str());
   std::printf("problem:  %s\n", p.to_string().c_str());
+  if (o.accumulate_grads)  // the buffers start at zero (value-initialised), like a fresh main_grad
+    std::printf("grads:    weight gradients accumulated into their buffers (%s)\n", dtype_name(dt));
   std::fflush(stdout);
 
   std::printf("running:  %d warm-up + %d timed forward passes...\n", o.warmup, o.iters);

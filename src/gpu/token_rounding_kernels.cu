@@ -318,6 +318,17 @@ __global__ void __launch_bounds__(kSelectThreads)
     else
       __syncthreads();
   };
+  // Each warp's count c to warp_count, and their sum, this CTA's count, to slice_count_s (the cluster reads it after
+  // a cluster barrier).
+  auto publish_counts = [&](std::int32_t c) {
+    if (lane == 0) warp_count[warp] = c;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      std::int32_t sum = 0;
+      for (int w = 0; w < kSelectWarps; ++w) sum += warp_count[w];
+      slice_count_s = sum;
+    }
+  };
 
   std::uint32_t thr;
   std::int64_t cut;
@@ -389,13 +400,7 @@ __global__ void __launch_bounds__(kSelectThreads)
         const std::int64_t i = base + lane;
         c += __popc(__ballot_sync(kFull, i < w_end && col[i] == thr));
       }
-      if (lane == 0) warp_count[warp] = c;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        std::int32_t sum = 0;
-        for (int w = 0; w < kSelectWarps; ++w) sum += warp_count[w];
-        slice_count_s = sum;
-      }
+      publish_counts(c);
       sync_all();
       // The CTA whose slice holds tie number `need`, and the ties of the slices before it.
       int target = 0;
@@ -457,15 +462,9 @@ __global__ void __launch_bounds__(kSelectThreads)
     const std::int64_t i = base + lane;
     c += __popc(__ballot_sync(kFull, i < w_end && kept(col[i], thr, static_cast<std::uint32_t>(cut), s_begin + i)));
   }
-  if (lane == 0) warp_count[warp] = c;
-  __syncthreads();
+  publish_counts(c);
   std::int64_t pos = g0;
   if (ranks > 1) {
-    if (threadIdx.x == 0) {
-      std::int32_t sum = 0;
-      for (int w = 0; w < kSelectWarps; ++w) sum += warp_count[w];
-      slice_count_s = sum;
-    }
     cluster.sync();
     for (int q = 0; q < rank; ++q) pos += *cluster.map_shared_rank(&slice_count_s, q);
   }

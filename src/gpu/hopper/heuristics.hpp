@@ -87,7 +87,7 @@ inline constexpr std::int64_t kWgradWidePercent = 125;
 /// H100 (session 35, forced clusters, stage times, three runs) measured the pairs slower at K = 4096 (120B
 /// (2048,64,4): dX~ 6.44-6.56 ms alone against 6.77-6.98 in pairs) and at K = 2048 (120B (1024,128,8): 6.72 against
 /// 7.16-7.20; (16384,4096,1024,256,4): 2.07 against 2.66), and still faster at K = 5760 (gpt-oss-20b: 3.86-3.92
-/// against 4.65-4.86 alone; gpt-oss-120b 4.36-4.39 against 4.36-4.61): pairs from K = 5120 on.
+/// against 4.65-4.86 alone; gpt-oss-120b 4.36-4.43 against 4.36-4.61): pairs from K = 5120 on.
 inline constexpr std::int64_t kDxClusterMinK = 5120;
 
 /// M-tiles per rasterisation group of the down-projection and dX~ (A contiguous by TMA, the weight tile by TMA): the

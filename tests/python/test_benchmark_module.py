@@ -274,3 +274,44 @@ def test_progress_lines_for_batch_logs():
     q.step("a: machmoe")
     q.close()
     assert quiet.getvalue() == "" and q.backend == "off"
+
+
+def test_rounds_report_the_median_round(tmp_path):
+    """--rounds R runs every implementation R times in turn per configuration; each time is the median over the
+    rounds, the rounds' times are in the JSON, and the report says so. Bad counts are usage errors."""
+    common = ["--device", "cpu", "--iters", "1", "--warmup", "0", "--out-dir", str(tmp_path), "--no-progress",
+              "--no-plots", "--configs", configs.QUICK_CPU[0], "--impls", "machmoe,torch-loop"]
+    p = run_module([*common, "--rounds", "3"])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["settings"]["rounds"] == 3
+    for name, r in doc["configs"][0]["results"].items():
+        assert r["status"] == "ok", (name, r)
+        for k in ("forward", "backward", "fwdbwd"):
+            values = r["rounds"][f"{k}_ms"]
+            assert len(values) == 3 and all(v > 0 for v in values), (name, k, values)
+            assert r[f"{k}_ms"] == sorted(values)[1], (name, k)
+        # The same model FLOPs as one round's, over the median time.
+        flops = 6.0 * r["pairs"] * doc["configs"][0]["config"]["n"] * doc["configs"][0]["config"]["d"]
+        assert r["forward_tflops"] == pytest.approx(flops / (r["forward_ms"] * 1e9)), name
+    m = doc["configs"][0]["results"]["machmoe"]
+    assert m["speedup_over"]["torch-loop"]["fwdbwd"] == pytest.approx(
+        doc["configs"][0]["results"]["torch-loop"]["fwdbwd_ms"] / m["fwdbwd_ms"])
+    assert "median of 3 rounds" in (tmp_path / "results.md").read_text()
+    p = run_module([*common, "--rounds", "0"])
+    assert p.returncode == cli.EXIT_USAGE and "--rounds must be at least 1, got 0" in p.stderr
+
+
+def test_merge_rounds_keeps_a_failure():
+    from machmoe.benchmark.runner import merge_rounds
+    ok = lambda ms: {"status": "ok", "forward_ms": ms, "backward_ms": 2 * ms, "fwdbwd_ms": 3 * ms,  # noqa: E731
+                     "forward_tflops": 10.0 / ms, "backward_tflops": 5.0 / ms, "fwdbwd_tflops": 10.0 / (3 * ms)}
+    rounds = [{"status": "ok", "results": {"a": ok(1.0), "b": ok(2.0)}},
+              {"status": "ok", "results": {"a": ok(3.0), "b": {"status": "failed", "error": "boom"}}},
+              {"status": "ok", "results": {"a": ok(2.0), "b": ok(2.0)}}]
+    m = merge_rounds(rounds)
+    assert m["results"]["b"] == {"status": "failed", "error": "boom"}
+    a = m["results"]["a"]
+    assert a["forward_ms"] == 2.0 and a["fwdbwd_ms"] == 6.0 and a["rounds"]["forward_ms"] == [1.0, 3.0, 2.0]
+    assert a["forward_tflops"] == pytest.approx(5.0)  # 10 FLOP-units over the median 2 ms
+    assert rounds[0]["results"]["a"]["forward_ms"] == 1.0  # the rounds themselves are left as they were

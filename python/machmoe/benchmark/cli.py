@@ -16,7 +16,7 @@ from .peers import PEERS, available
 from .plots import make_plots
 from .progress import Progress
 from .report import add_speedups, markdown, verdict, write_json
-from .runner import Settings, _versions, device_info, run_config
+from .runner import Settings, _versions, device_info, merge_rounds, run_config
 from .baselines import copy_bandwidth
 
 EXIT_MACHMOE_FAILED = 1
@@ -48,6 +48,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default="auto", help="auto (every installed peer), none, or a comma-separated list")
     p.add_argument("--warmup", type=int, default=None, help="untimed repetitions (default 3; --quick 2; CPU 1)")
     p.add_argument("--iters", type=int, default=None, help="timed repetitions, median (default 10; --quick 5; CPU 3)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every implementation and peer this many times in turn per configuration and report the "
+                        "median round (a GPU at its power cap runs slower in some phases than in others: rounds spread "
+                        "those phases over every implementation; per-round times in the JSON)")
     p.add_argument("--check-tokens", type=int, default=4096, help="tokens in the float64 check (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds per peer and configuration")
@@ -110,6 +114,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if cpu and peers:
         print(f"machmoe.benchmark: peers {peers} run on CUDA only; skipped on the CPU", file=sys.stderr)
         peers = []
+    if a.rounds < 1:
+        print(f"machmoe.benchmark: --rounds must be at least 1, got {a.rounds}", file=sys.stderr)
+        return EXIT_USAGE
     warmup = a.warmup if a.warmup is not None else (1 if cpu else 2 if a.quick else 3)
     iters = a.iters if a.iters is not None else (3 if cpu else 5 if a.quick else 10)
     s = Settings(device=device, dtype=dtype, warmup=warmup, iters=iters, check_tokens=a.check_tokens, seed=a.seed,
@@ -122,7 +129,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     doc = {"schema": 1, "command": "python -m machmoe.benchmark " + " ".join(shlex.quote(x) for x in argv),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": device_info(s), "versions": _versions(), "settings": {
-               "device": device, "dtype": dtype, "warmup": warmup, "iters": iters, "check_tokens": a.check_tokens,
+               "device": device, "dtype": dtype, "warmup": warmup, "iters": iters, "rounds": a.rounds,
+               "check_tokens": a.check_tokens,
                "seed": a.seed, "impls": impls, "peers": peers, "peers_installed": installed},
            "definitions": {
                "flops": "model FLOPs (GLU): forward 6*P*n*d, backward 12*P*n*d, P = routed pairs (docs/TARGETS.md)",
@@ -138,8 +146,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(json_path) as f:
             previous = json.load(f)
         prev_s = previous.get("settings", {})
-        clash = [k for k in ("device", "dtype", "impls", "peers", "seed", "warmup", "iters")
-                 if prev_s.get(k) != doc["settings"][k]]
+        clash = [k for k in ("device", "dtype", "impls", "peers", "seed", "warmup", "iters", "rounds")
+                 if prev_s.get(k, 1 if k == "rounds" else None) != doc["settings"][k]]
         if previous.get("device", {}).get("name") != doc["device"].get("name"):
             print(f"machmoe.benchmark: --append: {json_path} was measured on {previous.get('device', {}).get('name')!r}, "
                   f"this is {doc['device'].get('name')!r}", file=sys.stderr)
@@ -160,14 +168,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfgs = [c for c in cfgs if c.name not in done]
         if skipped:
             print(f"machmoe.benchmark: --append: already in {json_path}: {', '.join(skipped)}")
-    progress = Progress(len(cfgs) * (len(impls) + len(peers)), enabled=not a.no_progress)
+    progress = Progress(len(cfgs) * (len(impls) + len(peers)) * a.rounds, enabled=not a.no_progress)
     copy_bw = None
     try:
         if I.BOUND in impls:
             copy_bw = copy_bandwidth(s.torch_device)
             doc["device"]["copy_bandwidth_GBps"] = copy_bw * 1e-9
         for cfg in cfgs:
-            entry = run_config(cfg, s, progress, copy_bw)
+            entry = merge_rounds([run_config(cfg, s, progress, copy_bw) for _ in range(a.rounds)])
             add_speedups(entry)
             doc["configs"].append(entry)
             write_json(doc, json_path)  # after every configuration: a crash loses at most the one in flight

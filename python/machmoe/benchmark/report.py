@@ -67,12 +67,18 @@ def _shape(c: dict) -> str:
     return f"{c['name']} ({c['T']},{c['d']},{c['n']},{c['E']},{c['K']})"
 
 
+def _rounds_text(settings: dict) -> str:
+    r = settings.get("rounds", 1)
+    return f", median of {r} rounds (every implementation once per round)" if r > 1 else ""
+
+
 def markdown(doc: dict) -> str:
     """One table per configuration plus a summary of machmoe's forward+backward speed-ups."""
     dev, v = doc["device"], doc["versions"]
     lines = [f"Device: {dev.get('name')} ({dev['type']}); torch {v.get('torch')}, CUDA {v.get('cuda')}, machmoe "
              f"{v.get('machmoe')}; dtype {doc['settings']['dtype']}; median of {doc['settings']['iters']} after "
-             f"{doc['settings']['warmup']} warm-up; {doc['date']}.", f"Command: `{doc['command']}`", ""]
+             f"{doc['settings']['warmup']} warm-up" + _rounds_text(doc['settings']) + f"; {doc['date']}.",
+             f"Command: `{doc['command']}`", ""]
     impls = []
     for e in doc["configs"]:
         for k in e.get("results", {}):

@@ -3,6 +3,7 @@ the float64 agreement check; one failure (out of memory, a crash, a peer that di
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -234,6 +235,38 @@ def run_config(cfg: Config, s: Settings, progress=None, copy_bw: Optional[float]
             progress.step(f"{cfg.name}: {peer} (subprocess)")
         entry["results"][peer] = run_peer(peer, cfg, s)
     return entry
+
+
+TIMES = ("forward", "backward", "fwdbwd")
+
+
+def merge_rounds(entries: List[dict]) -> dict:
+    """One configuration's entry from several rounds of run_config (each round runs every implementation and peer
+    once, so a slow phase of the GPU's clock, e.g. at its power cap, falls on every implementation instead of on the
+    one that happened to run then): each time the median over the rounds, the per-round times under "rounds", and
+    the rest (memory, agreement, first call) from the first round. An implementation that failed in any round keeps
+    that round's failure."""
+    merged = json.loads(json.dumps(entries[0]))  # a deep copy
+    if len(entries) == 1 or merged.get("status") != "ok":
+        return merged
+    for name, r in merged["results"].items():
+        rounds = [e["results"].get(name, {}) for e in entries]
+        failed = next((x for x in rounds if x.get("status") != "ok"), None)
+        if failed is not None:
+            merged["results"][name] = json.loads(json.dumps(failed))
+            continue
+        per_round = {}
+        for k in TIMES:
+            values = [x.get(f"{k}_ms") for x in rounds]
+            if any(v is None for v in values):
+                continue
+            per_round[f"{k}_ms"] = values
+            median = statistics.median(values)
+            if r.get(f"{k}_tflops") is not None and r[f"{k}_ms"]:
+                r[f"{k}_tflops"] *= r[f"{k}_ms"] / median  # the same FLOPs over the median time
+            r[f"{k}_ms"] = median
+        r["rounds"] = per_round
+    return merged
 
 
 def run_peer(peer: str, cfg: Config, s: Settings) -> dict:

@@ -1,5 +1,6 @@
 """Measures every implementation on every configuration: times (CUDA events, median), TFLOP/s, allocator memory,
 the float64 agreement check; one failure (out of memory, a crash, a peer that dies) is recorded and the run goes on."""
+import copy
 import gc
 import json
 import os
@@ -246,14 +247,14 @@ def merge_rounds(entries: List[dict]) -> dict:
     one that happened to run then): each time the median over the rounds, the per-round times under "rounds", and
     the rest (memory, agreement, first call) from the first round. An implementation that failed in any round keeps
     that round's failure."""
-    merged = json.loads(json.dumps(entries[0]))  # a deep copy
+    merged = copy.deepcopy(entries[0])
     if len(entries) == 1 or merged.get("status") != "ok":
         return merged
     for name, r in merged["results"].items():
         rounds = [e["results"].get(name, {}) for e in entries]
         failed = next((x for x in rounds if x.get("status") != "ok"), None)
         if failed is not None:
-            merged["results"][name] = json.loads(json.dumps(failed))
+            merged["results"][name] = copy.deepcopy(failed)
             continue
         per_round = {}
         for k in TIMES:

@@ -46,4 +46,10 @@ except FileNotFoundError:
     print("gpu_pybench: no configuration finished yet"); raise SystemExit
 print("gpu_pybench: done on", d["device"]["name"] + ":", ", ".join(e["config"]["name"] for e in d["configs"]))
 PY
+# A batch machine that hands back only what is under $OUT (and may replace the JSON's folder on the next call): a copy
+# of the JSON and its Markdown there, so a finished run's per-round figures are not lost with the machine.
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -f "$json" ]; then
+  cp "$json" "$OUT/" && { [ ! -f "$(dirname "$json")/results.md" ] || cp "$(dirname "$json")/results.md" "$OUT/"; }
+  echo "gpu_pybench: copied $(basename "$json") to \$OUT"
+fi
 exit $rc

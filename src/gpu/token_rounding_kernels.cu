@@ -63,8 +63,8 @@ constexpr std::int64_t kSelectClusterMinTokens = 8192;  // below this a column i
 // with its other warps idle at the barrier, and with one token per warp (1280 blocks of 32 tokens on T = 40960, about
 // five waves of resident blocks) that wait was paid once per wave: ncu put 36-48 % of the kernel's stall samples on
 // the branch after the barrier (H100, 1.4B (1024,32,2) and (256,128,8)). Token-rounding stage with 1 / 2 / 4 / 8
-// tokens per warp (same call, two rounds; docs/BENCHMARKS.md, session 36): 2 and 4 are 3-8 % faster than 1 on every
-// row tried, 8 is 12 % slower than 1 where E = 256 (more keys per token and warp).
+// tokens per warp (same call, two rounds; docs/BENCHMARKS.md, session 36): 2 is 1-6 % faster than 1 on every row
+// tried, 4 about as fast as 2, 8 is 12 % slower than 1 where E = 256 (more keys per token and warp).
 constexpr int kEmitWarps = 32;
 constexpr int kEmitTokensPerWarp = 2;
 constexpr int kEmitTokens = static_cast<int>(kTokenRoundingEmitTokens);  // per block

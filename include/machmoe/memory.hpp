@@ -57,7 +57,7 @@ ActivationMemory activation_memory(const MoEProblem& problem, DType data_dtype);
 inline constexpr std::int64_t kMetadataTilePairs = 256;
 
 /// Tokens per block of token rounding's emit pass (its look-back states are one uint64 per block).
-inline constexpr std::int64_t kTokenRoundingEmitTokens = 32;
+inline constexpr std::int64_t kTokenRoundingEmitTokens = 64;
 
 /// Workspace handed to cuBLAS for the router GEMMs (so it allocates nothing itself).
 inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;

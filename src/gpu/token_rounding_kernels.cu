@@ -20,10 +20,10 @@
 //    threshold and only some of the ties are kept, one ordered pass finds the token where they stop (the cut).
 //    Then the kept tokens, ascending, go to gather at the expert's offset (per-warp chunks, ballots), and each
 //    kept entry of the expert-major keys is overwritten with its grouped row.
-// 3. emit (one warp per token, 32 tokens per block): kept(t, e) = key > thr_e or (key = thr_e and t < cut_e),
-//    counted per token, scanned across blocks by a decoupled look-back (integer sums: the result does not depend
-//    on timing), then every kept pair in (token, expert) order gets its score, inverse and scatter, and the token
-//    offsets are written. Slots past the pair count get expert -1 semantics (inverse -1, score 0).
+// 3. emit (32 warps per block, each over 2 consecutive tokens): kept(t, e) = key > thr_e or (key = thr_e and
+//    t < cut_e), counted per token, scanned across blocks by a decoupled look-back (integer sums: the result does
+//    not depend on timing), then every kept pair in (token, expert) order gets its score, inverse and scatter, and
+//    the token offsets are written. Slots past the pair count get expert -1 semantics (inverse -1, score 0).
 // Cost: the logits are read once, the keys written twice and read about twice (they stay in L2 on the main
 // configurations); no per-expert loop runs over the token-choice lists.
 //
@@ -59,15 +59,22 @@ constexpr int kSelectBins = 4096;
 constexpr int kSelectUnroll = 4;  // keys per thread and trip of a radix pass's histogram loop
 constexpr int kSelectMaxCluster = 4;              // CTAs per expert at most (a portable cluster size)
 constexpr std::int64_t kSelectClusterMinTokens = 8192;  // below this a column is one CTA's
-// Pass 3.
-constexpr int kEmitTokens = static_cast<int>(kTokenRoundingEmitTokens);
-constexpr int kEmitWarps = kEmitTokens;  // one warp per token
+// Pass 3. Each warp takes kEmitTokensPerWarp consecutive tokens: a block's look-back waits on its predecessors' sums
+// with its other warps idle at the barrier, and with one token per warp (1280 blocks of 32 tokens on T = 40960, about
+// five waves of resident blocks) that wait was paid once per wave: ncu put 36-48 % of the kernel's stall samples on
+// the branch after the barrier (H100, 1.4B (1024,32,2) and (256,128,8)). Token-rounding stage with 1 / 2 / 4 / 8
+// tokens per warp (same call, two rounds; docs/BENCHMARKS.md, session 36): 2 is 1-6 % faster than 1 on every row
+// tried, 4 about as fast as 2, 8 is 12 % slower than 1 where E = 256 (more keys per token and warp).
+constexpr int kEmitWarps = 32;
+constexpr int kEmitTokensPerWarp = 2;
+constexpr int kEmitTokens = static_cast<int>(kTokenRoundingEmitTokens);  // per block
+static_assert(kEmitTokens == kEmitWarps * kEmitTokensPerWarp, "memory.hpp sizes the look-back states by it");
 // Backward.
 constexpr int kBwdWarps = 8;
 constexpr int kBwdWindow = 512;  // experts whose pair gradients a warp holds in shared memory at a time
 
 static_assert(kKeyTokens == 32, "the transpose writes one 32-token row segment per expert");
-static_assert(kEmitTokens == 32, "warp 0 scans the emit block's token counts");
+static_assert(kEmitWarps == 32, "warp 0 scans the emit block's per-warp counts");
 
 __device__ __forceinline__ std::int64_t rounded_count(std::int64_t f, std::int64_t T, std::int64_t M,
                                                       RoundingRule rule) {
@@ -500,7 +507,7 @@ __global__ void __launch_bounds__(32 * kEmitWarps)
                    const std::int32_t* __restrict__ expert_offsets, std::int64_t P_max, std::uint32_t* ticket,
                    std::uint64_t* status, float* __restrict__ scores, std::int32_t* __restrict__ inverse,
                    std::int32_t* __restrict__ scatter, std::int32_t* __restrict__ token_offsets) {
-  __shared__ std::int32_t offset_s[kEmitTokens];
+  __shared__ std::int32_t offset_s[kEmitWarps];
   __shared__ std::uint32_t block_s;
   __shared__ std::int64_t prefix_s;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -508,20 +515,28 @@ __global__ void __launch_bounds__(32 * kEmitWarps)
   if (threadIdx.x == 0) block_s = atomicAdd(ticket, 1u);
   __syncthreads();
   const std::int64_t b = block_s;
-  const std::int64_t t = b * kEmitTokens + warp;
-  const std::uint32_t* row = keys + t * E;
-  auto kept_at = [&](int e, std::uint32_t& key) {
-    key = row[e];
+  const std::int64_t t0 = b * kEmitTokens + warp * kEmitTokensPerWarp;  // this warp's first token
+  auto kept_at = [&](std::int64_t t, int e, std::uint32_t& key) {
+    key = keys[t * E + e];
     return kept(key, thresholds[2 * e], thresholds[2 * e + 1], t);
   };
-  std::int32_t n = 0;
-  if (t < T_)
-    for (int e0 = 0; e0 < E; e0 += 32) {
-      const int e = e0 + lane;
-      std::uint32_t key;
-      n += __popc(__ballot_sync(kFull, e < E && kept_at(e, key)));
-    }
-  if (lane == 0) offset_s[warp] = n;
+  // Kept pairs of each of the warp's tokens (0 past T), every lane holding all of them.
+  std::int32_t n[kEmitTokensPerWarp];
+#pragma unroll
+  for (int j = 0; j < kEmitTokensPerWarp; ++j) {
+    const std::int64_t t = t0 + j;
+    n[j] = 0;
+    if (t < T_)
+      for (int e0 = 0; e0 < E; e0 += 32) {
+        const int e = e0 + lane;
+        std::uint32_t key;
+        n[j] += __popc(__ballot_sync(kFull, e < E && kept_at(t, e, key)));
+      }
+  }
+  std::int32_t warp_total = 0;
+#pragma unroll
+  for (int j = 0; j < kEmitTokensPerWarp; ++j) warp_total += n[j];
+  if (lane == 0) offset_s[warp] = warp_total;
   __syncthreads();
   if (warp == 0) {
     const std::int32_t mine = offset_s[lane];
@@ -554,14 +569,17 @@ __global__ void __launch_bounds__(32 * kEmitWarps)
     offset_s[lane] = incl - mine;
   }
   __syncthreads();
-  if (t < T_) {
-    std::int64_t q = prefix_s + offset_s[warp];
+  std::int64_t q = prefix_s + offset_s[warp];  // the warp's first pair
+  const unsigned below = (1u << lane) - 1u;
+#pragma unroll
+  for (int j = 0; j < kEmitTokensPerWarp; ++j) {
+    const std::int64_t t = t0 + j;
+    if (t >= T_) break;  // warp-uniform
     if (lane == 0) token_offsets[t] = static_cast<std::int32_t>(q);
-    const unsigned below = (1u << lane) - 1u;
     for (int e0 = 0; e0 < E; e0 += 32) {
       const int e = e0 + lane;
       std::uint32_t key = 0;
-      const bool k = e < E && kept_at(e, key);
+      const bool k = e < E && kept_at(t, e, key);
       const unsigned bal = __ballot_sync(kFull, k);
       if (k) {
         const std::int64_t p = q + __popc(bal & below);

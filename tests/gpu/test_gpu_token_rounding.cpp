@@ -36,6 +36,7 @@ struct TrKernelCase {
   DType dt;
   double skew = 0.0;        // added to the logits of experts 0..2: most tokens choose them
   std::int64_t row_pad = 0;  // logits row stride E + row_pad
+  std::int64_t repeat = 0;   // > 0: token t's logits are token (t % repeat)'s, so keys tie exactly across tokens
   const char* name = "";
 };
 
@@ -67,7 +68,8 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
   std::normal_distribution<double> nd(0.0, 1.0);
   std::vector<double> z(static_cast<std::size_t>(c.T * ld), 0.0);
   for (std::int64_t t = 0; t < c.T; ++t)
-    for (std::int64_t e = 0; e < c.E; ++e) z[t * ld + e] = nd(rng) + (e < 3 ? c.skew : 0.0);
+    for (std::int64_t e = 0; e < c.E; ++e)
+      z[t * ld + e] = c.repeat > 0 && t >= c.repeat ? z[(t % c.repeat) * ld + e] : nd(rng) + (e < 3 ? c.skew : 0.0);
   TrRun run;
   const std::vector<double> zq = quantize(z, c.dt);
   run.logits.resize(static_cast<std::size_t>(c.T * c.E));
@@ -277,6 +279,14 @@ std::vector<TrKernelCase> kernel_cases() {
     padded.row_pad = 24;
     add(padded, "padded_rows");
     add({100, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T_below_tile");
+    // Exact ties across tokens (every token repeats one of 3 logit rows): the threshold's digit holds about T / 3 keys
+    // of a column. With T = 3000 they fit the select kernel's copy of the first pass's digit; with T = 30000 (slices of
+    // 15000 or 7500 keys in clusters of 2 or 4 CTAs, E = 16) they do not, and the later passes count the whole slice.
+    TrKernelCase tied{3000, 16, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16};
+    tied.repeat = 3;
+    add(tied, "exact_ties_in_the_digit");
+    tied.T = 30000;
+    add(tied, "exact_ties_past_the_digit_copy");
   }
   return v;
 }

@@ -34,7 +34,8 @@ from torch import Tensor, nn
 
 from ._options import (ACTIVATION_MEMORY, ACTIVATIONS, GLU_ACTIVATIONS, ROUNDINGS, SCORES, WEIGHT_LAYOUTS,
                        activation_parameters, code)
-from .functional import _check_tensor, _fail, grouped_experts, load_balancing_loss, router_z_loss
+from .functional import (_check_tensor, _fail, grouped_experts, index_checking_enabled, load_balancing_loss,
+                         moe_from_routing, router_z_loss)
 from .module import MoE, MoEOutput
 
 __all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "ExpertParallelDispatch", "GroupedExperts",
@@ -227,21 +228,50 @@ class _DispatchRows(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """out[t] = sum over t's pairs of score_p * y_p, accumulated in the score dtype. Saves y and the scores only."""
+    """out[t] = sum over t's pairs of score_p * y_p, accumulated in the score dtype. Saves y and the scores only.
+
+    Each elementwise step runs as one PyTorch kernel over the (pairs, d) rows: a product of a bf16 row and an fp32
+    score is computed in fp32 by type promotion (no separate fp32 copy of y), and with top-K the token gradient
+    reaches its K pairs by broadcasting (no gathered copy); the score gradient <grad_out_t, y_p> is a batched GEMV
+    with fp32 accumulation (cuBLAS, deterministic) for bf16/fp16 rows on the GPU. These passes were most of the layer's
+    time outside the exchanges and the experts (docs/PARALLEL.md, "Costs")."""
 
     @staticmethod
     def forward(ctx, y, score, token, top_k, per_token, T):
         acc = score.dtype
         ctx.save_for_backward(y, score, token)
-        return _cast(_segment_sum(_cast(y, acc) * score.unsqueeze(1), top_k, per_token, T, acc), y.dtype)
+        ctx.shape = (top_k, T)
+        return _cast(_segment_sum(torch.mul(y, score.unsqueeze(1)), top_k, per_token, T, acc), y.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         y, score, token = ctx.saved_tensors
+        top_k, T = ctx.shape
         acc = score.dtype
-        g = _cast(grad_out, acc).index_select(0, token)   # each pair's output gradient (pair order)
-        grad_y = _cast(g * score.unsqueeze(1), y.dtype) if ctx.needs_input_grad[0] else None
-        grad_score = (g * _cast(y, acc)).sum(1) if ctx.needs_input_grad[1] else None
+        grad_out = grad_out.contiguous()
+        grad_y = grad_score = None
+        if top_k and y.shape[0] == T * top_k:
+            d = y.shape[1]
+            if ctx.needs_input_grad[0]:
+                # grad_y[t, k] = score[t, k] * grad_out[t], in the score dtype, rounded once to y's dtype.
+                if torch.compiler.is_compiling():  # (the same values; traced graphs take no out= views)
+                    grad_y = _cast(torch.mul(grad_out.view(T, 1, d), score.view(T, top_k, 1)), y.dtype).view(y.shape)
+                else:
+                    grad_y = torch.empty_like(y)
+                    torch.mul(grad_out.view(T, 1, d), score.view(T, top_k, 1), out=grad_y.view(T, top_k, d))
+            if ctx.needs_input_grad[1]:
+                y3, g3 = y.view(T, top_k, d), grad_out.view(T, d, 1)
+                if y.is_cuda and y.dtype in (torch.bfloat16, torch.float16):
+                    grad_score = torch.bmm(y3, g3, out_dtype=acc).view(T * top_k)
+                else:
+                    grad_score = torch.bmm(_cast(y3, acc), _cast(g3, acc)).view(T * top_k)
+            return grad_y, grad_score, None, None, None, None
+        # Token rounding (pairs per token vary): each pair's output gradient gathered in pair order.
+        g = _cast(grad_out, acc).index_select(0, token)
+        if ctx.needs_input_grad[0]:
+            grad_y = _cast(g * score.unsqueeze(1), y.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_score = torch.mul(g, y).sum(1)
         return grad_y, grad_score, None, None, None, None
 
 
@@ -314,6 +344,28 @@ def _run_grouped(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, b1: Optional
     return y
 
 
+def _run_indexed(x: Tensor, expert_index: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
+                 b2: Optional[Tensor], *, activation: str, weight_layout: str, activation_memory: str,
+                 swiglu_alpha: Optional[float] = None, swiglu_limit: Optional[float] = None) -> Tensor:
+    """Row i of x through expert expert_index[i]'s MLP, rows in any order: the layer with one (row, expert, 1.0)
+    triple per row, whose up-projection gathers the rows by expert itself and whose aggregation puts the results
+    back in row order. The expert-parallel layer calls its experts so on the rows as they arrive, which spares the
+    two permutations of the grouped form (to expert order and back, and both again in backward). Within an expert
+    the rows keep their order, so the results equal the grouped form's bitwise. Rows whose expert is out of range
+    (GPU only: capacity mode's empty slots) are skipped and get zeros."""
+    R = x.shape[0]
+    if R == 0:
+        return _empty_rows_linked(x, (w1, w2, b1, b2))
+    index_dtype = torch.int32 if R < 2**31 else torch.int64
+    token_index = torch.arange(R, device=x.device, dtype=index_dtype)
+    scores = torch.ones(R, device=x.device, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    y, _ = moe_from_routing(x, w1, w2, token_index, expert_index.to(index_dtype), scores, b1, b2,
+                            max_experts_per_token=1, activation=activation, weight_layout=weight_layout,
+                            activation_memory=activation_memory, swiglu_alpha=swiglu_alpha,
+                            swiglu_limit=swiglu_limit)
+    return y
+
+
 def _local(t: Optional[Tensor]) -> Optional[Tensor]:
     """Plain tensors from DTensor parameters (FSDP2 gathers them before forward; torchtitan's EP plan leaves them
     as DTensors sharded on the expert dimension)."""
@@ -366,14 +418,38 @@ class GroupedExperts(nn.Module):
                 self.w1[i].normal_(0.0, 1.0 / math.sqrt(self.hidden_size), generator=g)
                 self.w2[i].normal_(0.0, 1.0 / math.sqrt(self.intermediate_size), generator=g)
 
-    def forward(self, x: Tensor, num_tokens_per_expert: Tensor, *, zero_padding: bool = True) -> Tensor:
-        """zero_padding=False leaves the padding rows' output unspecified (finite), for callers that discard it."""
+    def forward(self, x: Tensor, num_tokens_per_expert: Optional[Tensor] = None, *, zero_padding: bool = True,
+                expert_index: Optional[Tensor] = None) -> Tensor:
+        """zero_padding=False leaves the padding rows' output unspecified (finite), for callers that discard it.
+        With expert_index (rows,) instead of num_tokens_per_expert, the rows may come in any order: row i goes
+        through expert expert_index[i] (what ExpertParallelMoE's forward does with the rows as they arrive)."""
+        if expert_index is not None:
+            if num_tokens_per_expert is not None:
+                _fail("num_tokens_per_expert", "None when expert_index is given", "a tensor")
+            _check_indexed_call(x, expert_index, self.hidden_size)
+            return _run_indexed(x, expert_index, _local(self.w1), _local(self.w2), _local(self.b1), _local(self.b2),
+                                activation=self.activation, weight_layout=self.weight_layout,
+                                activation_memory=self.activation_memory,
+                                swiglu_alpha=getattr(self, "swiglu_alpha", None),
+                                swiglu_limit=getattr(self, "swiglu_limit", None))
         _check_grouped_call(x, num_tokens_per_expert, self.num_experts, self.hidden_size)
         return _run_grouped(x, num_tokens_per_expert, _local(self.w1), _local(self.w2), _local(self.b1),
                             _local(self.b2), activation=self.activation, weight_layout=self.weight_layout,
                             activation_memory=self.activation_memory, zero_padding=zero_padding,
                             swiglu_alpha=getattr(self, "swiglu_alpha", None),
                             swiglu_limit=getattr(self, "swiglu_limit", None))
+
+
+def _check_indexed_call(x, expert_index, hidden):
+    if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != hidden:
+        _fail("x", f"a (rows, {hidden}) tensor", getattr(x, "shape", type(x).__name__))
+    if not isinstance(expert_index, Tensor) or tuple(expert_index.shape) != (x.shape[0],):
+        _fail("expert_index", f"a ({x.shape[0]},) tensor (one expert per row of x)",
+              getattr(expert_index, "shape", type(expert_index).__name__))
+    if expert_index.dtype not in (torch.int32, torch.int64):
+        _fail("expert_index", "integer indices (dtype int32 or int64)", expert_index.dtype)
+    if expert_index.device != x.device:
+        _fail("expert_index", f"a tensor on {x.device} (the device of x)", f"a tensor on {expert_index.device}")
 
 
 def _check_grouped_call(x, counts, num_experts, hidden):
@@ -486,6 +562,11 @@ class _Plan:
     grouped_to_recv: Tensor
     tokens_per_expert: Tensor           # (E_local,) rows received per local expert
     dropped_rows: Optional[Tensor]      # capacity mode: this rank's pairs that were not sent (0-d int64)
+    # Received row -> local expert, for the experts called on the rows in the order they arrived (the layer's own
+    # forward). Capacity mode's empty slots: E_local on the GPU (an out-of-range expert: the GPU layer skips the
+    # row, so the slot costs no expert work), the last local expert where out-of-range experts are errors (the CPU,
+    # and the GPU with index checking on); their outputs are discarded by the sender either way.
+    recv_expert: Optional[Tensor] = None
 
 
 def _plan(rt: _Routing, T: int, E: int, ep_size: int, capacity: Optional[int], group, top_k: int,
@@ -548,8 +629,11 @@ def _plan(rt: _Routing, T: int, E: int, ep_size: int, capacity: Optional[int], g
                                          output_size=received)
     row = torch.arange(received, device=device)
     recv_to_grouped = grouped_start.index_select(0, seg_of_row) + row - seg_start.index_select(0, seg_of_row)
+    recv_expert = torch.remainder(seg_of_row, El + 1)  # El: an empty slot
+    if capacity is not None and (device.type != "cuda" or torch.compiler.is_compiling() or index_checking_enabled()):
+        recv_expert = torch.clamp(recv_expert, max=El - 1)
     return _Plan(pairs, slot_token, slot_pair, slot_valid, pair_slot, pair_valid, send_splits, recv_splits,
-                 recv_to_grouped, _inverse_of(recv_to_grouped), recv.sum(0), dropped)
+                 recv_to_grouped, _inverse_of(recv_to_grouped), recv.sum(0), dropped, recv_expert)
 
 
 def _inverse_of(perm: Tensor) -> Tensor:
@@ -570,12 +654,14 @@ class ExpertParallelDispatch:
     group: object = field(default=None, repr=False)
     anchor: Optional[Tensor] = field(default=None, repr=False)
     input_shape: Optional[torch.Size] = field(default=None, repr=False)
+    x_received: Optional[Tensor] = field(default=None, repr=False)  # the rows as they arrived (source-major)
 
 
 def _dispatch(x: Tensor, router_weight: Tensor, *, ep_size: int, top_k: int, group, capacity: Optional[int],
-              score: str, routing: str, rounding: str, tile: int) -> ExpertParallelDispatch:
+              score: str, routing: str, rounding: str, tile: int, group_rows: bool = True) -> ExpertParallelDispatch:
     """Route this rank's tokens, exchange the counts (and, by default, read the split sizes: the host sync), send
-    the rows to their experts' ranks and group the received rows by local expert."""
+    the rows to their experts' ranks and (group_rows) group the received rows by local expert. Without group_rows,
+    x_grouped is None and the experts take x_received as it arrived, with plan.recv_expert (_run_indexed)."""
     E = router_weight.shape[0]
     _check_capacity_arg(capacity)
     _check_routing_options(top_k, E, score, routing, rounding, tile)
@@ -588,9 +674,10 @@ def _dispatch(x: Tensor, router_weight: Tensor, *, ep_size: int, top_k: int, gro
     send = _DispatchRows.apply(x, plan.slot_token, plan.slot_valid, plan.pair_slot, plan.pair_valid, pairs.top_k,
                                pairs.per_token)
     received = _exchange(send, router_weight, plan.recv_splits, plan.send_splits, group)
-    x_grouped = _RowPermute.apply(received, plan.grouped_to_recv, None, plan.recv_to_grouped, None)
+    x_grouped = _RowPermute.apply(received, plan.grouped_to_recv, None, plan.recv_to_grouped, None) \
+        if group_rows else None
     return ExpertParallelDispatch(x_grouped, plan.tokens_per_expert, logits, rt.counts.to(torch.int32),
-                                  plan.dropped_rows, plan, group, router_weight)
+                                  plan.dropped_rows, plan, group, router_weight, x_received=received)
 
 
 def expert_parallel_combine(dispatched: ExpertParallelDispatch, y_grouped: Tensor) -> Tensor:
@@ -606,8 +693,14 @@ def expert_parallel_combine(dispatched: ExpertParallelDispatch, y_grouped: Tenso
     if y_grouped.dtype != dispatched.x_grouped.dtype or y_grouped.device != dispatched.x_grouped.device:
         _fail("y_grouped", f"dtype {dispatched.x_grouped.dtype} on {dispatched.x_grouped.device}",
               f"{y_grouped.dtype} on {y_grouped.device}")
-    plan, pairs = dispatched.plan, dispatched.plan.pairs
+    plan = dispatched.plan
     y_received = _RowPermute.apply(y_grouped, plan.recv_to_grouped, None, plan.grouped_to_recv, None)
+    return _combine_received(dispatched, y_received)
+
+
+def _combine_received(dispatched: ExpertParallelDispatch, y_received: Tensor) -> Tensor:
+    """The combine stage from the experts' outputs in the order the rows arrived."""
+    plan, pairs = dispatched.plan, dispatched.plan.pairs
     y_sent = _exchange(y_received, dispatched.anchor, plan.send_splits, plan.recv_splits, dispatched.group)
     y_pairs = _RowPermute.apply(y_sent, plan.pair_slot, plan.pair_valid, plan.slot_pair, plan.slot_valid)
     T = dispatched.router_logits.shape[0]
@@ -647,11 +740,11 @@ def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor
         _check_tensor("b2", b2, (El, d), x)
 
     dispatched = _dispatch(x, router_weight, ep_size=ep_size, top_k=top_k, group=group, capacity=capacity,
-                           score=score, routing=routing, rounding=rounding, tile=tile)
-    y = _run_grouped(dispatched.x_grouped, dispatched.tokens_per_expert, w1, w2, b1, b2, activation=activation,
-                     weight_layout=weight_layout, activation_memory=activation_memory, zero_padding=False,
+                           score=score, routing=routing, rounding=rounding, tile=tile, group_rows=False)
+    y = _run_indexed(dispatched.x_received, dispatched.plan.recv_expert, w1, w2, b1, b2, activation=activation,
+                     weight_layout=weight_layout, activation_memory=activation_memory,
                      swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
-    return (expert_parallel_combine(dispatched, y), dispatched.router_logits, dispatched.expert_counts,
+    return (_combine_received(dispatched, y), dispatched.router_logits, dispatched.expert_counts,
             dispatched.dropped_rows)
 
 
@@ -835,6 +928,9 @@ class ExpertParallelMoE(nn.Module):
 
     def dispatch(self, x: Tensor) -> ExpertParallelDispatch:
         """Stage 1 of forward: route x (..., hidden_size), send its rows to their experts' ranks."""
+        return self._dispatch(x, group_rows=True)
+
+    def _dispatch(self, x: Tensor, group_rows: bool) -> ExpertParallelDispatch:
         shape = x.shape
         if shape[-1] != self.hidden_size:
             _fail("x", f"(..., {self.hidden_size})", tuple(shape))
@@ -844,13 +940,15 @@ class ExpertParallelMoE(nn.Module):
         _check_router(flat, router_weight, self.ep_size)
         dispatched = _dispatch(flat, router_weight, ep_size=self.ep_size, top_k=self.top_k, group=self.group,
                                capacity=self.capacity, score=self.score, routing=self.routing,
-                               rounding=self.rounding, tile=self.tile)
+                               rounding=self.rounding, tile=self.tile, group_rows=group_rows)
         dispatched.input_shape = shape
         return dispatched
 
     def combine(self, dispatched: ExpertParallelDispatch, y_grouped: Tensor) -> ExpertParallelOutput:
         """Stage 3 of forward (stage 2: y_grouped = self.experts(d.x_grouped, d.tokens_per_expert))."""
-        out = expert_parallel_combine(dispatched, y_grouped)
+        return self._output(dispatched, expert_parallel_combine(dispatched, y_grouped))
+
+    def _output(self, dispatched: ExpertParallelDispatch, out: Tensor) -> ExpertParallelOutput:
         logits, counts = dispatched.router_logits, dispatched.expert_counts
         result = ExpertParallelOutput(out.reshape(dispatched.input_shape), logits, counts,
                                       dropped_rows=dispatched.dropped_rows)
@@ -861,8 +959,10 @@ class ExpertParallelMoE(nn.Module):
         return result
 
     def forward(self, x: Tensor) -> ExpertParallelOutput:
-        dispatched = self.dispatch(x)
-        # The experts are called as a module, so that hooks on it run (FSDP2 gathers their shards here). The
-        # capacity mode's padding rows are discarded by their sender: no need to zero them.
-        y = self.experts(dispatched.x_grouped, dispatched.tokens_per_expert, zero_padding=False)
-        return self.combine(dispatched, y)
+        # The rows go through the experts in the order they arrive (no permutation to expert order and back; the
+        # same results as the staged dispatch / experts / combine, bitwise). The experts are called as a module, so
+        # that hooks on it run (FSDP2 gathers their shards here). Capacity mode's empty slots are discarded by their
+        # sender.
+        dispatched = self._dispatch(x, group_rows=False)
+        y = self.experts(dispatched.x_received, expert_index=dispatched.plan.recv_expert)
+        return self._output(dispatched, _combine_received(dispatched, y))

@@ -723,6 +723,36 @@ def test_grouped_experts_module_zero_rows():
     assert x.grad is not None and x.grad.shape == (0, D)
 
 
+@pytest.mark.parametrize("activation,layout", [("swiglu", "interleaved"), ("geglu", "concatenated")])
+def test_grouped_experts_module_rows_in_any_order(activation, layout):
+    """expert_index instead of counts (what ExpertParallelMoE's forward uses on the rows as they arrive): row i goes
+    through expert expert_index[i]; the result and every gradient equal the grouped call on the same rows sorted by
+    expert (stably), bitwise, and the float64 reference."""
+    torch.manual_seed(21)
+    ge = GroupedExperts(D, N, 3, activation, bias=True, weight_layout=layout, dtype=torch.float64)
+    with torch.no_grad():
+        ge.b1.normal_()
+        ge.b2.normal_()
+    expert = torch.tensor([2, 0, 2, 1, 0, 0, 2, 2, 1])  # no expert is contiguous
+    x = torch.randn(expert.shape[0], D, dtype=torch.float64, requires_grad=True)
+    y = ge(x, expert_index=expert)
+    order = torch.sort(expert, stable=True).indices
+    y_grouped = ge(x[order], torch.bincount(expert, minlength=3))
+    ref = torch.empty_like(y_grouped).index_copy_(0, order, y_grouped)
+    assert torch.equal(y, ref)
+    expected = reference_experts(x, torch.arange(x.shape[0]), expert, torch.ones(x.shape[0], dtype=x.dtype),
+                                 ge.w1, ge.w2, ge.b1, ge.b2, activation, layout)
+    assert_close("output", y, expected, 1e-13)
+    go = torch.randn_like(y)
+    params = [x] + list(ge.parameters())
+    for a, b in zip(torch.autograd.grad((y * go).sum(), params), torch.autograd.grad((ref * go).sum(), params)):
+        assert torch.equal(a, b)
+    empty = ge(x[:0], expert_index=expert[:0])  # no rows: zero gradients, not None
+    assert empty.shape == (0, D)
+    assert all(g is not None and g.abs().max() == 0
+               for g in torch.autograd.grad(empty.sum(), list(ge.parameters()), allow_unused=True))
+
+
 def test_grouped_experts_module_errors():
     ge = GroupedExperts(D, N, 2, dtype=torch.float64)
     x = torch.randn(4, D, dtype=torch.float64)
@@ -732,6 +762,12 @@ def test_grouped_experts_module_errors():
         ge(x[:, :3], torch.tensor([2, 2]))
     with pytest.raises(ValueError, match="'weight_layout'"):
         GroupedExperts(D, N, 2, "relu", weight_layout="concatenated")
+    with pytest.raises(ValueError, match="'expert_index': expected a \\(4,\\) tensor \\(one expert per row of x\\)"):
+        ge(x, expert_index=torch.tensor([0, 1, 1]))
+    with pytest.raises(ValueError, match="'expert_index': expected integer indices"):
+        ge(x, expert_index=torch.zeros(4))
+    with pytest.raises(ValueError, match="'num_tokens_per_expert': expected None when expert_index is given"):
+        ge(x, torch.tensor([2, 2]), expert_index=torch.tensor([0, 1, 1, 0]))
 
 
 def titan_reference(x, num_tokens_per_expert, w1, w2, w3):

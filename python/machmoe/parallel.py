@@ -558,8 +558,8 @@ class _Plan:
     pair_valid: Optional[Tensor]        # capacity mode: pairs that were sent
     send_splits: Optional[list]         # rows to each rank (host ints); None in capacity mode (equal blocks)
     recv_splits: Optional[list]
-    recv_to_grouped: Tensor             # received row -> row in expert-grouped order
-    grouped_to_recv: Tensor
+    recv_to_grouped: Optional[Tensor]   # received row -> row in expert-grouped order (None without group_rows)
+    grouped_to_recv: Optional[Tensor]
     tokens_per_expert: Tensor           # (E_local,) rows received per local expert
     dropped_rows: Optional[Tensor]      # capacity mode: this rank's pairs that were not sent (0-d int64)
     # Received row -> local expert, for the experts called on the rows in the order they arrived (the layer's own
@@ -570,7 +570,9 @@ class _Plan:
 
 
 def _plan(rt: _Routing, T: int, E: int, ep_size: int, capacity: Optional[int], group, top_k: int,
-          tile: int) -> _Plan:
+          tile: int, group_rows: bool = True) -> _Plan:
+    """group_rows: the permutations between the received rows and expert order (the staged API's grouped rows);
+    without it they are None and only recv_expert is built (the layer's forward)."""
     device = rt.counts.device
     W, El = ep_size, E // ep_size
     per_dest_expert = rt.counts.view(W, El)
@@ -617,23 +619,26 @@ def _plan(rt: _Routing, T: int, E: int, ep_size: int, capacity: Optional[int], g
         pair_valid = torch.empty_like(sent_sorted).scatter_(0, by_expert, sent_sorted)
     slot_token = _select(pairs.token, slot_pair)
 
-    # Received rows arrive source-major (source s, then local expert e); the experts want them expert-major.
-    # In capacity mode each source block ends with its empty slots; they are grouped last (padding rows).
+    # Received rows arrive source-major (source s, then local expert e); grouped, they are expert-major. In capacity
+    # mode each source block ends with its empty slots; they are grouped last (padding rows).
     padding = (capacity - recv.sum(1)) if capacity is not None else torch.zeros_like(recv[:, 0])
     segments = torch.cat([recv, padding.unsqueeze(1)], dim=1)                  # (W, El + 1), source-major
     seg_sizes = segments.reshape(-1)
-    seg_start = seg_sizes.cumsum(0) - seg_sizes
-    grouped_sizes = segments.t().reshape(-1)                                   # expert-major
-    grouped_start = (grouped_sizes.cumsum(0) - grouped_sizes).view(El + 1, W).t().reshape(-1)
     seg_of_row = torch.repeat_interleave(torch.arange(W * (El + 1), device=device), seg_sizes,
                                          output_size=received)
-    row = torch.arange(received, device=device)
-    recv_to_grouped = grouped_start.index_select(0, seg_of_row) + row - seg_start.index_select(0, seg_of_row)
+    recv_to_grouped = grouped_to_recv = None
+    if group_rows:
+        seg_start = seg_sizes.cumsum(0) - seg_sizes
+        grouped_sizes = segments.t().reshape(-1)                               # expert-major
+        grouped_start = (grouped_sizes.cumsum(0) - grouped_sizes).view(El + 1, W).t().reshape(-1)
+        row = torch.arange(received, device=device)
+        recv_to_grouped = grouped_start.index_select(0, seg_of_row) + row - seg_start.index_select(0, seg_of_row)
+        grouped_to_recv = _inverse_of(recv_to_grouped)
     recv_expert = torch.remainder(seg_of_row, El + 1)  # El: an empty slot
     if capacity is not None and (device.type != "cuda" or torch.compiler.is_compiling() or index_checking_enabled()):
         recv_expert = torch.clamp(recv_expert, max=El - 1)
     return _Plan(pairs, slot_token, slot_pair, slot_valid, pair_slot, pair_valid, send_splits, recv_splits,
-                 recv_to_grouped, _inverse_of(recv_to_grouped), recv.sum(0), dropped, recv_expert)
+                 recv_to_grouped, grouped_to_recv, recv.sum(0), dropped, recv_expert)
 
 
 def _inverse_of(perm: Tensor) -> Tensor:
@@ -669,7 +674,7 @@ def _dispatch(x: Tensor, router_weight: Tensor, *, ep_size: int, top_k: int, gro
         x = x.contiguous()
     logits = x @ router_weight.t()
     rt = _route_dense(logits, top_k, score, routing, rounding, tile)
-    plan = _plan(rt, x.shape[0], E, ep_size, capacity, group, top_k, tile)
+    plan = _plan(rt, x.shape[0], E, ep_size, capacity, group, top_k, tile, group_rows)
     pairs = plan.pairs
     send = _DispatchRows.apply(x, plan.slot_token, plan.slot_valid, plan.pair_slot, plan.pair_valid, pairs.top_k,
                                pairs.per_token)

@@ -1,6 +1,7 @@
 // Umbrella header of the torch-free machmoe C++ API.
 #pragma once
 
+#include "machmoe/combine.hpp"
 #include "machmoe/device.hpp"
 #include "machmoe/error.hpp"
 #include "machmoe/fallback.hpp"

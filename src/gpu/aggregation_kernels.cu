@@ -9,15 +9,22 @@
 namespace machmoe::gpu {
 namespace {
 
+/// v clamped to [0, bound].
+__device__ __forceinline__ std::int64_t clamp_index(std::int64_t v, std::int64_t bound) {
+  return v < 0 ? 0 : (v > bound ? bound : v);
+}
+
 /// out[t] = the weighted sum of token t's rows (fixed pair order, fp32).
 template <class T, int VEC>
 __device__ __forceinline__ void gather_sum_token(const T* __restrict__ rows, std::int64_t width,
                                                  const float* __restrict__ weights,
                                                  const std::int32_t* __restrict__ inverse,
                                                  const std::int32_t* __restrict__ token_offsets, std::int64_t K,
-                                                 T* __restrict__ out, std::int64_t ld_out, std::int64_t t) {
-  const std::int64_t p_begin = token_offsets ? token_offsets[t] : t * K;
-  const std::int64_t p_end = token_offsets ? token_offsets[t + 1] : (t + 1) * K;
+                                                 T* __restrict__ out, std::int64_t ld_out, std::int64_t t,
+                                                 std::int64_t row_bound, std::int64_t pair_bound) {
+  // The bounds keep caller-supplied indices (combine_rows) inside the buffers; the layer's own are in range.
+  const std::int64_t p_begin = clamp_index(token_offsets ? token_offsets[t] : t * K, pair_bound);
+  const std::int64_t p_end = clamp_index(token_offsets ? token_offsets[t + 1] : (t + 1) * K, pair_bound);
   for (std::int64_t c0 = static_cast<std::int64_t>(threadIdx.x) * VEC; c0 < width;
        c0 += static_cast<std::int64_t>(blockDim.x) * VEC) {
     float acc[VEC];
@@ -25,7 +32,7 @@ __device__ __forceinline__ void gather_sum_token(const T* __restrict__ rows, std
     for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
     for (std::int64_t p = p_begin; p < p_end; ++p) {
       const std::int32_t g = inverse[p];
-      if (g < 0) continue;
+      if (g < 0 || g >= row_bound) continue;
       const float w = weights ? weights[p] : 1.0f;
       const T* src = rows + static_cast<std::int64_t>(g) * width + c0;
       if constexpr (VEC > 1) {
@@ -56,10 +63,11 @@ __global__ void gather_sum_kernel(const T* __restrict__ rows, std::int64_t width
                                   const std::int32_t* __restrict__ inverse,
                                   const std::int32_t* __restrict__ token_offsets, std::int64_t K,
                                   T* __restrict__ out, std::int64_t ld_out,
-                                  const std::int32_t* __restrict__ token_range) {
+                                  const std::int32_t* __restrict__ token_range, std::int64_t row_bound,
+                                  std::int64_t pair_bound) {
   const std::int64_t t_end = token_range ? token_range[1] : static_cast<std::int64_t>(gridDim.x);
   for (std::int64_t t = (token_range ? token_range[0] : 0) + blockIdx.x; t < t_end; t += gridDim.x)
-    gather_sum_token<T, VEC>(rows, width, weights, inverse, token_offsets, K, out, ld_out, t);
+    gather_sum_token<T, VEC>(rows, width, weights, inverse, token_offsets, K, out, ld_out, t, row_bound, pair_bound);
 }
 
 /// Without b2: one thread per pair, its partials summed in order (float4 loads when a row of partials is a whole
@@ -145,12 +153,81 @@ __global__ void segment_column_sum_kernel(const T* __restrict__ m, std::int64_t 
 
 bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
+/// combine_rows' backward, one block per token. Pairs go in batches of kCombinePairBatch: for each pair every thread
+/// adds its columns' grad_out * row products and writes its columns of the row's gradient; the warps' partial dots
+/// (a fixed butterfly each) wait in shared memory, and after the batch one thread per pair sums them in warp order.
+/// grad_out[t] is re-read per pair: it stays in L1 between the token's pairs.
+constexpr int kCombineMaxThreads = 256;
+constexpr int kCombinePairBatch = 32;
+
+template <class T, int VEC>
+__global__ void __launch_bounds__(kCombineMaxThreads)
+    combine_rows_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ rows, std::int64_t R,
+                                 std::int64_t d, const float* __restrict__ scores,
+                                 const std::int32_t* __restrict__ row_of_pair,
+                                 const std::int32_t* __restrict__ token_offsets, std::int64_t top_k, std::int64_t P,
+                                 T* __restrict__ grad_rows, float* __restrict__ grad_scores) {
+  __shared__ float partial[kCombinePairBatch][kCombineMaxThreads / 32];
+  const std::int64_t t = blockIdx.x;
+  const std::int64_t p_begin = clamp_index(token_offsets ? token_offsets[t] : t * top_k, P);
+  const std::int64_t p_end = clamp_index(token_offsets ? token_offsets[t + 1] : (t + 1) * top_k, P);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  const T* g = grad_out + t * d;
+  for (std::int64_t b0 = p_begin; b0 < p_end; b0 += kCombinePairBatch) {
+    const std::int64_t b1 = b0 + kCombinePairBatch < p_end ? b0 + kCombinePairBatch : p_end;
+    for (std::int64_t p = b0; p < b1; ++p) {
+      const std::int32_t r = row_of_pair[p];  // the same for the whole block: no divergence below
+      float dot = 0.0f;
+      if (r >= 0 && r < R) {
+        const float s = scores[p];
+        const T* row = rows + static_cast<std::int64_t>(r) * d;
+        T* dst = grad_rows ? grad_rows + static_cast<std::int64_t>(r) * d : nullptr;
+        for (std::int64_t c0 = static_cast<std::int64_t>(threadIdx.x) * VEC; c0 < d;
+             c0 += static_cast<std::int64_t>(blockDim.x) * VEC) {
+          alignas(16) T gv[VEC];
+          alignas(16) T out[VEC];
+          if constexpr (VEC > 1) *reinterpret_cast<uint4*>(gv) = *reinterpret_cast<const uint4*>(g + c0);
+          else gv[0] = g[c0];
+          if (grad_scores) {
+            alignas(16) T rv[VEC];
+            if constexpr (VEC > 1) *reinterpret_cast<uint4*>(rv) = *reinterpret_cast<const uint4*>(row + c0);
+            else rv[0] = row[c0];
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) dot += to_float(gv[v]) * to_float(rv[v]);
+          }
+          if (dst) {
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) out[v] = from_float<T>(s * to_float(gv[v]));
+            if constexpr (VEC > 1) *reinterpret_cast<uint4*>(dst + c0) = *reinterpret_cast<const uint4*>(out);
+            else dst[c0] = out[0];
+          }
+        }
+      }
+      if (grad_scores) {
+        for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        if (lane == 0) partial[p - b0][warp] = dot;
+      }
+    }
+    if (grad_scores) {
+      __syncthreads();
+      if (threadIdx.x < b1 - b0) {
+        float sum = 0.0f;
+        for (int w = 0; w < warps; ++w) sum += partial[threadIdx.x][w];
+        grad_scores[b0 + threadIdx.x] = sum;  // 0 for a pair that reads no row
+      }
+      __syncthreads();  // the next batch reuses `partial`
+    }
+  }
+}
+
 }  // namespace
 
 void launch_gather_sum(DType dt, const void* rows, std::int64_t width, const float* weights,
                        const std::int32_t* inverse, const std::int32_t* token_offsets, std::int64_t K,
                        std::int64_t T, void* out, std::int64_t ld_out, cudaStream_t stream,
-                       const std::int32_t* token_range, std::int64_t range_blocks) {
+                       const std::int32_t* token_range, std::int64_t range_blocks, std::int64_t row_bound,
+                       std::int64_t pair_bound) {
   if (T == 0 || width == 0 || (token_range != nullptr && range_blocks <= 0)) return;
   dispatch_data_type(dt, [&](auto tag) {
     using Tp = decltype(tag);
@@ -162,13 +239,45 @@ void launch_gather_sum(DType dt, const void* rows, std::int64_t width, const flo
     if (vec)
       gather_sum_kernel<Tp, kVec><<<grid, threads, 0, stream>>>(static_cast<const Tp*>(rows), width, weights, inverse,
                                                                 token_offsets, K, static_cast<Tp*>(out), ld_out,
-                                                                token_range);
+                                                                token_range, row_bound, pair_bound);
     else
       gather_sum_kernel<Tp, 1><<<grid, threads, 0, stream>>>(static_cast<const Tp*>(rows), width, weights, inverse,
                                                              token_offsets, K, static_cast<Tp*>(out), ld_out,
-                                                             token_range);
+                                                             token_range, row_bound, pair_bound);
   });
   MACHMOE_CUDA_CHECK_LAUNCH("gather_sum");
+}
+
+void launch_combine_rows_backward(DType dt, const void* grad_out, const void* rows, std::int64_t R, std::int64_t d,
+                                  const float* scores, const std::int32_t* row_of_pair,
+                                  const std::int32_t* token_offsets, std::int64_t top_k, std::int64_t T,
+                                  std::int64_t P, void* grad_rows, float* grad_scores, cudaStream_t stream) {
+  if (grad_scores != nullptr && token_offsets != nullptr && P > 0)  // the padding pairs after the last token's
+    MACHMOE_CUDA_CHECK(cudaMemsetAsync(grad_scores, 0, static_cast<std::size_t>(P) * sizeof(float), stream));
+  if (T == 0 || (grad_rows == nullptr && grad_scores == nullptr)) return;
+  if (d == 0) {  // no columns: every dot is 0
+    if (grad_scores != nullptr && token_offsets == nullptr && P > 0)
+      MACHMOE_CUDA_CHECK(cudaMemsetAsync(grad_scores, 0, static_cast<std::size_t>(P) * sizeof(float), stream));
+    return;
+  }
+  dispatch_data_type(dt, [&](auto tag) {
+    using Tp = decltype(tag);
+    constexpr int kVec = 16 / sizeof(Tp);
+    const bool vec = d % kVec == 0 && aligned16(grad_out) && aligned16(rows) && aligned16(grad_rows);
+    const std::int64_t lanes = vec ? d / kVec : d;
+    const int threads = static_cast<int>(std::min<std::int64_t>(kCombineMaxThreads, (lanes + 31) / 32 * 32));
+    const auto grid = static_cast<unsigned>(T);
+    const auto* go = static_cast<const Tp*>(grad_out);
+    const auto* rw = static_cast<const Tp*>(rows);
+    auto* gr = static_cast<Tp*>(grad_rows);
+    if (vec)
+      combine_rows_backward_kernel<Tp, kVec><<<grid, threads, 0, stream>>>(go, rw, R, d, scores, row_of_pair,
+                                                                          token_offsets, top_k, P, gr, grad_scores);
+    else
+      combine_rows_backward_kernel<Tp, 1><<<grid, threads, 0, stream>>>(go, rw, R, d, scores, row_of_pair,
+                                                                       token_offsets, top_k, P, gr, grad_scores);
+  });
+  MACHMOE_CUDA_CHECK_LAUNCH("combine_rows_backward");
 }
 
 void launch_ds_reduce(DType dt, const float* partial, std::int64_t n_tiles, const std::int32_t* inverse,

@@ -98,10 +98,22 @@ void launch_dx_chunk_plan(const std::int32_t* expert_offsets, const std::int32_t
 /// no atomics. weights == null: unweighted. token_offsets == null: pairs of t are t*K .. t*K+K-1.
 /// token_range (device, 2 values; null: every token) restricts it to the tokens [token_range[0], token_range[1]),
 /// covered by `range_blocks` blocks (the range lives on the device; its length need not be known here).
+/// Pairs whose row is outside [0, row_bound) read nothing, and pair offsets are clamped to [0, pair_bound]: caller
+/// indices (combine_rows) never leave the buffers.
 void launch_gather_sum(DType dt, const void* rows, std::int64_t width, const float* weights,
                        const std::int32_t* inverse, const std::int32_t* token_offsets, std::int64_t K,
                        std::int64_t T, void* out, std::int64_t ld_out, cudaStream_t stream,
-                       const std::int32_t* token_range = nullptr, std::int64_t range_blocks = 0);
+                       const std::int32_t* token_range = nullptr, std::int64_t range_blocks = 0,
+                       std::int64_t row_bound = INT64_MAX, std::int64_t pair_bound = INT64_MAX);
+
+/// The gradients of combine_rows (include/machmoe/combine.hpp), one block per token: grad_rows[row_of_pair[p]] =
+/// scores[p] * grad_out[t] and grad_scores[p] = <grad_out[t], rows[row_of_pair[p]]> (fp32, a fixed reduction order),
+/// either output null when not wanted. Pairs reading a row outside [0, R) get grad_scores 0 and write no row; pair
+/// offsets are clamped to [0, P]; with token_offsets, grad_scores of the pairs at and after token_offsets[T] are 0.
+void launch_combine_rows_backward(DType dt, const void* grad_out, const void* rows, std::int64_t R, std::int64_t d,
+                                  const float* scores, const std::int32_t* row_of_pair,
+                                  const std::int32_t* token_offsets, std::int64_t top_k, std::int64_t T,
+                                  std::int64_t P, void* grad_rows, float* grad_scores, cudaStream_t stream);
 
 /// ds[p] = sum_tiles ds_partial[p, tile] (fixed order) + (b2 ? <grad_out[t], b2[e]> : 0); 0 for skipped pairs.
 void launch_ds_reduce(DType dt, const float* ds_partial, std::int64_t n_tiles, const std::int32_t* inverse,

@@ -687,4 +687,25 @@ void grouped_expert_index_cuda(const TensorView& counts, const TensorView& exper
                               expert_index.shape[0], index_check_for(counts.device.index, stream), stream);
 }
 
+void combine_rows_cuda(const TensorView& rows, const TensorView& scores, const TensorView& row_of_pair,
+                       const TensorView& token_offsets, std::int64_t top_k, const TensorView& out, void* stream_ptr) {
+  const DeviceGuard guard(rows.device.index);
+  launch_gather_sum(rows.dtype, rows.data, rows.shape[1], static_cast<const float*>(scores.data),
+                    static_cast<const std::int32_t*>(row_of_pair.data),
+                    static_cast<const std::int32_t*>(token_offsets.data), top_k, out.shape[0], out.data, out.shape[1],
+                    static_cast<cudaStream_t>(stream_ptr), nullptr, 0, rows.shape[0], row_of_pair.shape[0]);
+}
+
+void combine_rows_backward_cuda(const TensorView& grad_out, const TensorView& rows, const TensorView& scores,
+                                const TensorView& row_of_pair, const TensorView& token_offsets, std::int64_t top_k,
+                                const TensorView& grad_rows, const TensorView& grad_scores, void* stream_ptr) {
+  const DeviceGuard guard(rows.device.index);
+  launch_combine_rows_backward(rows.dtype, grad_out.data, rows.data, rows.shape[0], rows.shape[1],
+                               static_cast<const float*>(scores.data),
+                               static_cast<const std::int32_t*>(row_of_pair.data),
+                               static_cast<const std::int32_t*>(token_offsets.data), top_k, grad_out.shape[0],
+                               row_of_pair.shape[0], grad_rows.data, static_cast<float*>(grad_scores.data),
+                               static_cast<cudaStream_t>(stream_ptr));
+}
+
 }  // namespace machmoe::gpu

@@ -38,4 +38,11 @@ void check_device_errors_cuda(int ordinal, void* stream);
 /// grouped_expert_index() on CUDA views (validated by the caller).
 void grouped_expert_index_cuda(const TensorView& counts, const TensorView& expert_index, void* stream);
 
+/// combine_rows() / combine_rows_backward() (include/machmoe/combine.hpp) on CUDA views validated by the caller.
+void combine_rows_cuda(const TensorView& rows, const TensorView& scores, const TensorView& row_of_pair,
+                       const TensorView& token_offsets, std::int64_t top_k, const TensorView& out, void* stream);
+void combine_rows_backward_cuda(const TensorView& grad_out, const TensorView& rows, const TensorView& scores,
+                                const TensorView& row_of_pair, const TensorView& token_offsets, std::int64_t top_k,
+                                const TensorView& grad_rows, const TensorView& grad_scores, void* stream);
+
 }  // namespace machmoe::gpu

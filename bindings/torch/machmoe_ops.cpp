@@ -529,6 +529,39 @@ Tensor grouped_expert_index(const Tensor& counts, int64_t rows) {
   return index;
 }
 
+// ---- the combine step (machmoe/combine.hpp) ----------------------------------------------------------------------
+
+/// out (num_tokens, d) = each token's score-weighted sum of its pairs' rows (machmoe.parallel's combine).
+Tensor combine_rows(const Tensor& rows, const Tensor& scores, const Tensor& row_of_pair,
+                    const OptTensor& token_offsets, int64_t top_k, int64_t num_tokens) {
+  const char* op = "combine_rows";
+  check_rank(op, "rows", rows, 2, "an (R, d) tensor");
+  in_range(op, "num_tokens", num_tokens, 0, machmoe::Limits::kMaxTokens);
+  Tensor out = at::empty({num_tokens, rows.size(1)}, rows.options());
+  machmoe::combine_rows(view(op, "rows", rows), view(op, "scores", scores), view(op, "row_of_pair", row_of_pair),
+                        view(op, "token_offsets", token_offsets), top_k, view(op, "out", out), stream_for(rows));
+  return out;
+}
+
+/// (grad_rows, grad_scores) of combine_rows; either is an empty (0,) tensor when not wanted. zero_rows: grad_rows
+/// starts as zeros (some rows are read by no pair), else uninitialised (every row is read by one pair).
+std::tuple<Tensor, Tensor> combine_rows_backward(const Tensor& grad_out, const Tensor& rows, const Tensor& scores,
+                                                 const Tensor& row_of_pair, const OptTensor& token_offsets,
+                                                 int64_t top_k, bool want_rows, bool want_scores, bool zero_rows) {
+  const char* op = "combine_rows_backward";
+  check_rank(op, "rows", rows, 2, "an (R, d) tensor");
+  check_rank(op, "row_of_pair", row_of_pair, 1, "a (P,) tensor");
+  check_defined(op, "scores", scores);
+  Tensor grad_rows = !want_rows ? rows.new_empty({0}) : zero_rows ? at::zeros_like(rows) : at::empty_like(rows);
+  Tensor grad_scores = want_scores ? at::empty({row_of_pair.size(0)}, scores.options()) : scores.new_empty({0});
+  machmoe::combine_rows_backward(view(op, "grad_out", grad_out), view(op, "rows", rows), view(op, "scores", scores),
+                                 view(op, "row_of_pair", row_of_pair), view(op, "token_offsets", token_offsets),
+                                 top_k, want_rows ? view(op, "grad_rows", grad_rows) : machmoe::TensorView(),
+                                 want_scores ? view(op, "grad_scores", grad_scores) : machmoe::TensorView(),
+                                 stream_for(rows));
+  return {grad_rows, grad_scores};
+}
+
 // ---- benchmark helper: the C++ layer timed in the caller's process ------------------------------------------
 
 /// Times machmoe::forward and machmoe::backward themselves, as machmoe-bench does (benchmarks/gpu_bench.cu): every
@@ -662,10 +695,16 @@ TORCH_LIBRARY(machmoe, m) {
   m.def("check_device_errors(int device) -> ()");
   m.impl("check_device_errors", &check_device_errors);
   m.def("grouped_expert_index(Tensor counts, int rows) -> Tensor");
+  m.def("combine_rows(Tensor rows, Tensor scores, Tensor row_of_pair, Tensor? token_offsets, int top_k, "
+        "int num_tokens) -> Tensor");
+  m.def("combine_rows_backward(Tensor grad_out, Tensor rows, Tensor scores, Tensor row_of_pair, "
+        "Tensor? token_offsets, int top_k, bool want_rows, bool want_scores, bool zero_rows) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CPU, m) {
   m.impl("grouped_expert_index", &grouped_expert_index);
+  m.impl("combine_rows", &combine_rows);
+  m.impl("combine_rows_backward", &combine_rows_backward);
   m.impl("layer_forward", &layer_forward);
   m.impl("layer_backward", &layer_backward);
   m.impl("layer_backward_input", &layer_backward_input);
@@ -674,6 +713,8 @@ TORCH_LIBRARY_IMPL(machmoe, CPU, m) {
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("grouped_expert_index", &grouped_expert_index);
+  m.impl("combine_rows", &combine_rows);
+  m.impl("combine_rows_backward", &combine_rows_backward);
   m.impl("layer_forward", &layer_forward);
   m.impl("layer_backward", &layer_backward);
   m.impl("layer_backward_input", &layer_backward_input);

@@ -51,6 +51,19 @@ def _grouped_expert_index_fake(counts, rows):
     return counts.new_empty((rows,), dtype=torch.int32 if rows < 2**31 else torch.int64)
 
 
+@torch.library.register_fake("machmoe::combine_rows")
+def _combine_rows_fake(rows, scores, row_of_pair, token_offsets, top_k, num_tokens):
+    return rows.new_empty((num_tokens, rows.shape[1]))
+
+
+@torch.library.register_fake("machmoe::combine_rows_backward")
+def _combine_rows_backward_fake(grad_out, rows, scores, row_of_pair, token_offsets, top_k, want_rows, want_scores,
+                                zero_rows):
+    grad_rows = torch.empty_like(rows) if want_rows else rows.new_empty((0,))
+    grad_scores = scores.new_empty((row_of_pair.shape[0],)) if want_scores else scores.new_empty((0,))
+    return grad_rows, grad_scores
+
+
 @torch.library.register_fake("machmoe::layer_backward")
 def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores,
                          saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache,

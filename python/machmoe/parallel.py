@@ -227,52 +227,30 @@ class _DispatchRows(torch.autograd.Function):
         return dx, None, None, None, None, None, None
 
 
-class _Combine(torch.autograd.Function):
-    """out[t] = sum over t's pairs of score_p * y_p, accumulated in the score dtype. Saves y and the scores only.
-
-    Each elementwise step runs as one PyTorch kernel over the (pairs, d) rows: a product of a bf16 row and an fp32
-    score is computed in fp32 by type promotion (no separate fp32 copy of y), and with top-K the token gradient
-    reaches its K pairs by broadcasting (no gathered copy); the score gradient <grad_out_t, y_p> is a batched GEMV
-    with fp32 accumulation (cuBLAS, deterministic) for bf16/fp16 rows on the GPU. These passes were most of the layer's
-    time outside the exchanges and the experts (docs/PARALLEL.md, "Costs")."""
+class _CombineRows(torch.autograd.Function):
+    """out[t] = sum over t's pairs p of score_p * y_sent[row_of_pair[p]] (-1: a pair that was not sent), by the
+    library's combine_rows: one pass over the returned rows as they came back from the exchange (no gathered copy in
+    pair order), the products and the sum in fp32, in pair order, rounded once. Its backward is one pass too: each
+    row's gradient score_p * grad_out[t] and each pair's score gradient <grad_out[t], y_p> (fp32, fixed order).
+    Saves y_sent and the scores only. zero_rows: some rows are read by no pair (capacity mode's empty slots), so
+    their gradient starts as zeros."""
 
     @staticmethod
-    def forward(ctx, y, score, token, top_k, per_token, T):
-        acc = score.dtype
-        ctx.save_for_backward(y, score, token)
-        ctx.shape = (top_k, T)
-        return _cast(_segment_sum(torch.mul(y, score.unsqueeze(1)), top_k, per_token, T, acc), y.dtype)
+    def forward(ctx, y_sent, score, row_of_pair, token_offsets, top_k, T, zero_rows):
+        ctx.save_for_backward(y_sent, score, row_of_pair, token_offsets)
+        ctx.flags = (top_k, zero_rows)
+        return torch.ops.machmoe.combine_rows(y_sent, score, row_of_pair, token_offsets, top_k, T)
 
     @staticmethod
     def backward(ctx, grad_out):
-        y, score, token = ctx.saved_tensors
-        top_k, T = ctx.shape
-        acc = score.dtype
-        grad_out = grad_out.contiguous()
-        grad_y = grad_score = None
-        if top_k and y.shape[0] == T * top_k:
-            d = y.shape[1]
-            if ctx.needs_input_grad[0]:
-                # grad_y[t, k] = score[t, k] * grad_out[t], in the score dtype, rounded once to y's dtype.
-                if torch.compiler.is_compiling():  # (the same values; traced graphs take no out= views)
-                    grad_y = _cast(torch.mul(grad_out.view(T, 1, d), score.view(T, top_k, 1)), y.dtype).view(y.shape)
-                else:
-                    grad_y = torch.empty_like(y)
-                    torch.mul(grad_out.view(T, 1, d), score.view(T, top_k, 1), out=grad_y.view(T, top_k, d))
-            if ctx.needs_input_grad[1]:
-                y3, g3 = y.view(T, top_k, d), grad_out.view(T, d, 1)
-                if y.is_cuda and y.dtype in (torch.bfloat16, torch.float16):
-                    grad_score = torch.bmm(y3, g3, out_dtype=acc).view(T * top_k)
-                else:
-                    grad_score = torch.bmm(_cast(y3, acc), _cast(g3, acc)).view(T * top_k)
-            return grad_y, grad_score, None, None, None, None
-        # Token rounding (pairs per token vary): each pair's output gradient gathered in pair order.
-        g = _cast(grad_out, acc).index_select(0, token)
-        if ctx.needs_input_grad[0]:
-            grad_y = _cast(g * score.unsqueeze(1), y.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_score = torch.mul(g, y).sum(1)
-        return grad_y, grad_score, None, None, None, None
+        y_sent, score, row_of_pair, token_offsets = ctx.saved_tensors
+        top_k, zero_rows = ctx.flags
+        want_rows, want_scores = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_rows, grad_scores = torch.ops.machmoe.combine_rows_backward(
+            grad_out.contiguous(), y_sent, score, row_of_pair, token_offsets, top_k, want_rows, want_scores,
+            zero_rows)
+        return (grad_rows if want_rows else None, grad_scores if want_scores else None, None, None, None, None,
+                None)
 
 
 def _all_to_all(rows: Tensor, out_splits, in_splits, group) -> Tensor:
@@ -567,6 +545,10 @@ class _Plan:
     # row, so the slot costs no expert work), the last local expert where out-of-range experts are errors (the CPU,
     # and the GPU with index checking on); their outputs are discarded by the sender either way.
     recv_expert: Optional[Tensor] = None
+    # The combine's indices (int32): pair -> row of the returned send buffer (-1: not sent), and with token
+    # rounding each token's first pair (T + 1 offsets; the padding entries after the last token's are ignored).
+    pair_row: Optional[Tensor] = None
+    token_offsets: Optional[Tensor] = None
 
 
 def _plan(rt: _Routing, T: int, E: int, ep_size: int, capacity: Optional[int], group, top_k: int,
@@ -637,8 +619,12 @@ def _plan(rt: _Routing, T: int, E: int, ep_size: int, capacity: Optional[int], g
     recv_expert = torch.remainder(seg_of_row, El + 1)  # El: an empty slot
     if capacity is not None and (device.type != "cuda" or torch.compiler.is_compiling() or index_checking_enabled()):
         recv_expert = torch.clamp(recv_expert, max=El - 1)
+    pair_row = (pair_slot if pair_valid is None else torch.where(pair_valid, pair_slot, -1)).to(torch.int32)
+    token_offsets = None
+    if not pairs.top_k:
+        token_offsets = torch.cat([pairs.per_token.new_zeros(1), pairs.per_token[:T].cumsum(0)]).to(torch.int32)
     return _Plan(pairs, slot_token, slot_pair, slot_valid, pair_slot, pair_valid, send_splits, recv_splits,
-                 recv_to_grouped, grouped_to_recv, recv.sum(0), dropped, recv_expert)
+                 recv_to_grouped, grouped_to_recv, recv.sum(0), dropped, recv_expert, pair_row, token_offsets)
 
 
 def _inverse_of(perm: Tensor) -> Tensor:
@@ -707,9 +693,9 @@ def _combine_received(dispatched: ExpertParallelDispatch, y_received: Tensor) ->
     """The combine stage from the experts' outputs in the order the rows arrived."""
     plan, pairs = dispatched.plan, dispatched.plan.pairs
     y_sent = _exchange(y_received, dispatched.anchor, plan.send_splits, plan.recv_splits, dispatched.group)
-    y_pairs = _RowPermute.apply(y_sent, plan.pair_slot, plan.pair_valid, plan.slot_pair, plan.slot_valid)
     T = dispatched.router_logits.shape[0]
-    return _Combine.apply(y_pairs, pairs.score, pairs.token, pairs.top_k, pairs.per_token, T)
+    return _CombineRows.apply(y_sent.contiguous(), pairs.score, plan.pair_row, plan.token_offsets, pairs.top_k, T,
+                              plan.slot_valid is not None)
 
 
 def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,

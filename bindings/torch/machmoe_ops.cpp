@@ -531,8 +531,9 @@ Tensor grouped_expert_index(const Tensor& counts, int64_t rows) {
 
 // ---- the combine step (machmoe/combine.hpp) ----------------------------------------------------------------------
 
-/// out (num_tokens, d) = each token's score-weighted sum of its pairs' rows (machmoe.parallel's combine).
-Tensor combine_rows(const Tensor& rows, const Tensor& scores, const Tensor& row_of_pair,
+/// out (num_tokens, d) = each token's score-weighted sum of its pairs' rows (machmoe.parallel's combine; without
+/// scores the plain sum: the gradient of its dispatch).
+Tensor combine_rows(const Tensor& rows, const OptTensor& scores, const Tensor& row_of_pair,
                     const OptTensor& token_offsets, int64_t top_k, int64_t num_tokens) {
   const char* op = "combine_rows";
   check_rank(op, "rows", rows, 2, "an (R, d) tensor");
@@ -695,7 +696,7 @@ TORCH_LIBRARY(machmoe, m) {
   m.def("check_device_errors(int device) -> ()");
   m.impl("check_device_errors", &check_device_errors);
   m.def("grouped_expert_index(Tensor counts, int rows) -> Tensor");
-  m.def("combine_rows(Tensor rows, Tensor scores, Tensor row_of_pair, Tensor? token_offsets, int top_k, "
+  m.def("combine_rows(Tensor rows, Tensor? scores, Tensor row_of_pair, Tensor? token_offsets, int top_k, "
         "int num_tokens) -> Tensor");
   m.def("combine_rows_backward(Tensor grad_out, Tensor rows, Tensor scores, Tensor row_of_pair, "
         "Tensor? token_offsets, int top_k, bool want_rows, bool want_scores, bool zero_rows) -> (Tensor, Tensor)");

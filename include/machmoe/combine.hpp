@@ -21,14 +21,15 @@
 namespace machmoe {
 
 /// out[t] = sum over the pairs p of token t of scores[p] * rows[row_of_pair[p]], rounded once to the rows' dtype.
-/// rows (R, d), scores (P,), row_of_pair (P,), token_offsets (T + 1,) or empty (then P = T * top_k), out (T, d).
+/// rows (R, d), scores (P,) or empty (every score 1: a plain sum, e.g. the gradient of a dispatch that sent a token's
+/// row to its pairs), row_of_pair (P,), token_offsets (T + 1,) or empty (then P = T * top_k), out (T, d).
 void combine_rows(const TensorView& rows, const TensorView& scores, const TensorView& row_of_pair,
                   const TensorView& token_offsets, std::int64_t top_k, const TensorView& out, void* stream = nullptr);
 
 /// The gradients of combine_rows, in one pass over the pairs:
 ///   grad_rows[row_of_pair[p]] = scores[p] * grad_out[t]   (rounded once to the rows' dtype)
 ///   grad_scores[p] = <grad_out[t], rows[row_of_pair[p]]>   (0 for pairs that read no row, and for padding pairs)
-/// Either output may be an empty view (not wanted). The rows that no pair reads are left as they are (zero the
+/// scores is required here. Either output may be an empty view (not wanted). The rows that no pair reads are left as they are (zero the
 /// buffer first where there are such rows, e.g. the empty slots of a fixed-capacity exchange), and each row may be
 /// read by at most one pair (the row's gradient is written, not summed; the cpu checks it).
 void combine_rows_backward(const TensorView& grad_out, const TensorView& rows, const TensorView& scores,

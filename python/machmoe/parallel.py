@@ -182,15 +182,6 @@ def _gather_rows(src: Tensor, index: Tensor, valid: Optional[Tensor]) -> Tensor:
     return rows if valid is None else torch.where(valid.unsqueeze(1), rows, rows.new_zeros(()))
 
 
-def _segment_sum(values: Tensor, top_k: int, per_token: Optional[Tensor], T: int, acc: torch.dtype) -> Tensor:
-    """Sum of each token's pair rows in ascending pair order (a fixed order: bitwise reproducible)."""
-    if top_k:
-        return values.reshape(T, top_k, values.shape[1]).sum(1, dtype=acc)
-    # Token rounding: a variable number of pairs per token; the last segment holds the padding entries.
-    summed = torch.segment_reduce(_cast(values, acc), "sum", lengths=per_token, axis=0, unsafe=True)
-    return summed[:T]
-
-
 class _RowPermute(torch.autograd.Function):
     """out[i] = src[index[i]] (0 where not valid). `index` must be injective on the valid rows and `inverse` its
     inverse (inverse[j] = i with index[i] = j; invalid where no i reads row j): the backward is then a gather too."""
@@ -210,21 +201,21 @@ class _RowPermute(torch.autograd.Function):
 
 class _DispatchRows(torch.autograd.Function):
     """The send buffer: row j = x[slot_token[j]] (0 for empty slots). A token fills up to K slots, so the backward
-    gathers each pair's slot gradient in pair order and sums per token (no scatter-add)."""
+    sums each token's slot gradients in pair order (the library's combine_rows without scores: one pass over the
+    slots as they are, fp32 sums, no scatter-add)."""
 
     @staticmethod
-    def forward(ctx, x, slot_token, slot_valid, pair_slot, pair_valid, top_k, per_token):
-        ctx.save_for_backward(pair_slot, pair_valid, per_token)
-        ctx.flags = (pair_valid is not None, top_k, x.shape[0], x.dtype)
+    def forward(ctx, x, slot_token, slot_valid, pair_row, token_offsets, top_k):
+        ctx.save_for_backward(pair_row, token_offsets)
+        ctx.flags = (top_k, x.shape[0])
         return _gather_rows(x, slot_token, slot_valid)
 
     @staticmethod
     def backward(ctx, grad):
-        pair_slot, pair_valid, per_token = ctx.saved_tensors
-        has_pair_valid, top_k, T, dtype = ctx.flags
-        g = _gather_rows(grad.contiguous(), pair_slot, pair_valid if has_pair_valid else None)
-        dx = _cast(_segment_sum(g, top_k, per_token, T, _acc_dtype(dtype)), dtype)
-        return dx, None, None, None, None, None, None
+        pair_row, token_offsets = ctx.saved_tensors
+        top_k, T = ctx.flags
+        dx = torch.ops.machmoe.combine_rows(grad.contiguous(), None, pair_row, token_offsets, top_k, T)
+        return dx, None, None, None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
@@ -662,8 +653,7 @@ def _dispatch(x: Tensor, router_weight: Tensor, *, ep_size: int, top_k: int, gro
     rt = _route_dense(logits, top_k, score, routing, rounding, tile)
     plan = _plan(rt, x.shape[0], E, ep_size, capacity, group, top_k, tile, group_rows)
     pairs = plan.pairs
-    send = _DispatchRows.apply(x, plan.slot_token, plan.slot_valid, plan.pair_slot, plan.pair_valid, pairs.top_k,
-                               pairs.per_token)
+    send = _DispatchRows.apply(x, plan.slot_token, plan.slot_valid, plan.pair_row, plan.token_offsets, pairs.top_k)
     received = _exchange(send, router_weight, plan.recv_splits, plan.send_splits, group)
     x_grouped = _RowPermute.apply(received, plan.grouped_to_recv, None, plan.recv_to_grouped, None) \
         if group_rows else None

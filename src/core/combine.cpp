@@ -30,10 +30,11 @@ void contiguous(const ArgChecker& c, const TensorView& t, const std::string& nam
   if (!t.empty() && !t.is_contiguous()) c.fail(name, "a contiguous tensor", "strides " + t.stride_string());
 }
 
-/// Everything but the index values; T is the rows of `tokens` (out or grad_out).
+/// Everything but the index values; T is the rows of `tokens` (out or grad_out). scores_optional: an empty scores
+/// view means every score 1 (the forward).
 CombineShape check_common(const ArgChecker& c, const TensorView& rows, const TensorView& scores,
                           const TensorView& row_of_pair, const TensorView& token_offsets, std::int64_t top_k,
-                          const TensorView& tokens, const char* tokens_name, void* stream) {
+                          const TensorView& tokens, const char* tokens_name, bool scores_optional, void* stream) {
   CombineShape s;
   if (rows.empty() || rows.rank != 2)
     c.fail("rows", "an (R, d) tensor", rows.empty() ? "an empty view" : rows.shape_string());
@@ -60,7 +61,7 @@ CombineShape check_common(const ArgChecker& c, const TensorView& rows, const Ten
   s.P = row_of_pair.shape[0];
   if (s.P > Limits::kMaxPairs) c.fail("row_of_pair", "at most 2^31 - 1 pairs", std::to_string(s.P) + " pairs");
   c.tensor(row_of_pair, "row_of_pair", {s.P}, DType::kInt32, s.device);
-  c.tensor(scores, "scores", {s.P}, s.score_dt, s.device);
+  if (!scores.empty() || !scores_optional) c.tensor(scores, "scores", {s.P}, s.score_dt, s.device);
   if (tokens.empty() || tokens.rank != 2)
     c.fail(tokens_name, "a (T, d) tensor", tokens.empty() ? "an empty view" : tokens.shape_string());
   s.T = tokens.shape[0];
@@ -114,7 +115,7 @@ void check_cpu_indices(const ArgChecker& c, const CombineShape& s, const TensorV
 void combine_rows(const TensorView& rows, const TensorView& scores, const TensorView& row_of_pair,
                   const TensorView& token_offsets, std::int64_t top_k, const TensorView& out, void* stream) {
   const ArgChecker c("combine_rows");
-  const CombineShape s = check_common(c, rows, scores, row_of_pair, token_offsets, top_k, out, "out", stream);
+  const CombineShape s = check_common(c, rows, scores, row_of_pair, token_offsets, top_k, out, "out", true, stream);
   if (s.device.type == DeviceType::kCUDA) {
 #ifdef MACHMOE_WITH_CUDA
     gpu::combine_rows_cuda(rows, scores, row_of_pair, token_offsets, top_k, out, stream);
@@ -137,7 +138,7 @@ void combine_rows_backward(const TensorView& grad_out, const TensorView& rows, c
                            const TensorView& grad_rows, const TensorView& grad_scores, void* stream) {
   const ArgChecker c("combine_rows_backward");
   const CombineShape s =
-      check_common(c, rows, scores, row_of_pair, token_offsets, top_k, grad_out, "grad_out", stream);
+      check_common(c, rows, scores, row_of_pair, token_offsets, top_k, grad_out, "grad_out", false, stream);
   if (!grad_rows.empty()) {
     c.tensor(grad_rows, "grad_rows", {s.R, s.d}, s.dt, s.device);
     contiguous(c, grad_rows, "grad_rows");

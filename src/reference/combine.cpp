@@ -22,7 +22,7 @@ void combine_rows(const R* rows, std::int64_t d, const R* scores, const std::int
       for (std::int64_t p = pair_begin(token_offsets, top_k, t); p < pair_begin(token_offsets, top_k, t + 1); ++p) {
         if (row_of_pair[p] < 0) continue;
         const R* row = rows + static_cast<std::int64_t>(row_of_pair[p]) * d;
-        const double s = static_cast<double>(scores[p]);
+        const double s = scores ? static_cast<double>(scores[p]) : 1.0;
         for (std::int64_t c = 0; c < d; ++c) acc[c] += s * static_cast<double>(row[c]);
       }
       for (std::int64_t c = 0; c < d; ++c) out[t * d + c] = static_cast<R>(acc[c]);

@@ -5,7 +5,8 @@
 
 namespace machmoe::ref {
 
-/// Contiguous host arrays; token_offsets null: top_k pairs per token. R is float or double.
+/// Contiguous host arrays; token_offsets null: top_k pairs per token; scores null: every score 1. R is float or
+/// double.
 template <class R>
 void combine_rows(const R* rows, std::int64_t d, const R* scores, const std::int32_t* row_of_pair,
                   const std::int32_t* token_offsets, std::int64_t top_k, std::int64_t T, R* out);

@@ -135,6 +135,25 @@ TEST(Combine, EitherGradientAlone) {
   for (double v : scores_only.grad_rows) ASSERT_EQ(v, 0.0);  // not asked for: untouched
 }
 
+TEST(Combine, WithoutScoresIsThePlainSum) {
+  CombineCase c = make_combine_case({15, 12, 0, 5, 3, 0.2, 2, 15});
+  std::vector<double> out_none(static_cast<std::size_t>(c.T * c.d));
+  std::vector<double> rows = c.rows;
+  std::vector<std::int32_t> rp = c.row_of_pair, off = c.token_offsets;
+  combine_rows(TensorView::contiguous(rows.data(), DType::kFP64, {c.R, c.d}), TensorView(),
+               TensorView::contiguous(rp.data(), DType::kInt32, {c.P}),
+               TensorView::contiguous(off.data(), DType::kInt32, {c.T + 1}), 0,
+               TensorView::contiguous(out_none.data(), DType::kFP64, {c.T, c.d}));
+  std::fill(c.scores.begin(), c.scores.end(), 1.0);
+  EXPECT_LT(rel_error(out_none, combine_oracle(c).out), 1e-15);
+  expect_error([&] {
+    combine_rows_backward(TensorView::contiguous(c.grad_out.data(), DType::kFP64, {c.T, c.d}),
+                          TensorView::contiguous(rows.data(), DType::kFP64, {c.R, c.d}), TensorView(),
+                          TensorView::contiguous(rp.data(), DType::kInt32, {c.P}),
+                          TensorView::contiguous(off.data(), DType::kInt32, {c.T + 1}), 0, TensorView(), TensorView());
+  }, {"combine_rows_backward", "scores"});
+}
+
 TEST(Combine, ZeroTokens) {
   CombineCase c = make_combine_case({0, 8, 2, 6, 0, 0.0, 3, 13});
   const HostRun<double> h = run_host<double>(c);

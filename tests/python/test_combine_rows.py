@@ -94,6 +94,13 @@ def test_cpu_float32_and_opcheck():
                                                       c["token_offsets"], 0, True, True, True))
 
 
+def test_without_scores_is_the_plain_sum():
+    c = make_case(T=11, d=10, top_k=0, max_pairs=4, padding=3, unsent=0.2, spare_rows=2, seed=3)
+    got = ops.combine_rows(c["rows"], None, c["row_of_pair"], c["token_offsets"], 0, 11)
+    c["scores"] = torch.ones_like(c["scores"])
+    assert rel(got, reference(c)[0]) < 1e-15
+
+
 @pytest.mark.parametrize("top_k", [3, 0])
 def test_autograd_gradcheck(top_k):
     c = make_case(T=5, d=6, top_k=top_k, max_pairs=4, padding=2, unsent=0.25, spare_rows=2, seed=7)
@@ -142,6 +149,10 @@ def test_gpu_against_float64_and_bitwise_reruns(cuda, dtype, case):
     second = run(c)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+    plain = ops.combine_rows(c["rows"], None, c["row_of_pair"], c["token_offsets"], c["top_k"], c["T"])
+    c["scores"] = torch.ones_like(c["scores"])
+    if c["T"]:
+        assert rel(plain, reference(c)[0]) < bound
 
 
 @pytest.mark.gpu

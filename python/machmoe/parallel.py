@@ -273,6 +273,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _exchange(rows: Tensor, anchor: Optional[Tensor], out_splits, in_splits, group) -> Tensor:
+    if dist.get_world_size(group) == 1:
+        return rows  # a group of one sends every row to itself: no copy, no collective (and no peer to wait for)
     if anchor is not None and torch.is_grad_enabled() and anchor.requires_grad:
         return _AllToAll.apply(rows, anchor, out_splits, in_splits, group)
     return _AllToAll.apply(rows, None, out_splits, in_splits, group)
@@ -558,7 +560,7 @@ def _plan(rt: _Routing, T: int, E: int, ep_size: int, capacity: Optional[int], g
         sent = torch.minimum(torch.clamp(capacity - before, min=0), per_dest_expert).reshape(E)
         dropped = rt.counts.sum() - sent.sum()
     # Rows each source rank sends to each of my local experts: recv[s, e].
-    recv = _all_to_all(sent, None, None, group).view(W, El)
+    recv = (sent if W == 1 else _all_to_all(sent, None, None, group)).view(W, El)
     if capacity is None:
         # THE host synchronisation of the layer: the row all-to-all takes its split sizes as host integers.
         sizes = torch.cat([per_dest_expert.sum(1), recv.sum(1)]).tolist()

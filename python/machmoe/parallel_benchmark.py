@@ -24,6 +24,7 @@ The all-to-all share, measured two ways:
     used for the share is the instrumented pass's own.
   * alone: the same exchanges (same split sizes, same dtype and width) run back to back without the layer, from the
     split sizes of the last timed forward: the transfer cost without the waiting.
+At EP = 1 the layer exchanges nothing (a group of one keeps its rows), so both are 0.
 Rank 0 writes the JSON (--json) and prints a summary. NCCL runs with NVLink multicast off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, set here before the process group exists).
 """
@@ -239,7 +240,8 @@ def run_config(cfg: Config, args, device: torch.device) -> dict:
             P._all_to_all(to_experts, recv, send, group)
             P._all_to_all(back, send, recv, group)
 
-    alone, _ = _step_times(exchanges, device, args.warmup, args.iters, clock)
+    # A group of one exchanges nothing (machmoe.parallel skips the collectives): no transfer to time.
+    alone = _step_times(exchanges, device, args.warmup, args.iters, clock)[0] if world > 1 else [0.0] * args.iters
     received = int(d.tokens_per_expert.sum())
     dropped = int(last["out"].dropped_rows) if last["out"].dropped_rows is not None else None
     finite = bool(torch.isfinite(last["out"].output).all())
@@ -269,9 +271,9 @@ def run_config(cfg: Config, args, device: torch.device) -> dict:
         "all_to_all": {
             "in_layer_ms": exch_ms, "instrumented_step_ms": instr_ms, "in_layer_share": exch_ms / instr_ms,
             "alone_ms": alone_ms, "alone_share": alone_ms / step_ms,
-            "exchanges_per_step": 5,
-            "row_bytes_sent_per_gpu": 4 * rows_sent * cfg.d * elem,
-            "alone_algbw_GBps": 4 * rows_sent * cfg.d * elem / (alone_ms * 1e-3) / 1e9,
+            "exchanges_per_step": 5 if world > 1 else 0,
+            "row_bytes_sent_per_gpu": 4 * rows_sent * cfg.d * elem if world > 1 else 0,
+            "alone_algbw_GBps": 4 * rows_sent * cfg.d * elem / (alone_ms * 1e-3) / 1e9 if world > 1 else None,
         },
         "received_rows": {"min": min(r["received"] for r in every), "max": max(r["received"] for r in every),
                           "mean": statistics.mean(r["received"] for r in every), "balanced": pairs},
@@ -394,11 +396,12 @@ def _print(e):
         return
     a = e["all_to_all"]
     eff = e.get("scaling_efficiency")
+    exchange = "no all-to-all (a group of one sends nothing)" if e["ep_size"] == 1 else (
+        f"all-to-all {100 * a['in_layer_share']:.1f}% in the layer ({a['in_layer_ms']:.3f} ms), "
+        f"{100 * a['alone_share']:.1f}% alone ({a['alone_ms']:.3f} ms, {a['alone_algbw_GBps']:.1f} GB/s)")
     print(f"{c['name']} (T={e['tokens_per_gpu']}/GPU d={c['d']} n={c['n']} E={c['E']} K={c['K']}) EP={e['ep_size']}: "
           f"fwd+bwd {e['step_ms']:.3f} ms, {e['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
-          f"{e['model_tflops_per_gpu']:.1f} TFLOP/s/GPU; all-to-all {100 * a['in_layer_share']:.1f}% in the layer "
-          f"({a['in_layer_ms']:.3f} ms), {100 * a['alone_share']:.1f}% alone ({a['alone_ms']:.3f} ms, "
-          f"{a['alone_algbw_GBps']:.1f} GB/s); scaling efficiency "
+          f"{e['model_tflops_per_gpu']:.1f} TFLOP/s/GPU; {exchange}; scaling efficiency "
           f"{'n/a' if eff is None else f'{eff:.3f}'}", flush=True)
 
 

@@ -12,6 +12,11 @@
 // and grad_scores are fp32 (fp64 with fp64 rows). row_of_pair and token_offsets are int32. Every tensor is
 // contiguous and on one device; stream is the CUDA stream (nullptr: the default stream; must be nullptr on cpu).
 // Neither call allocates or synchronises with the host.
+//
+// Index values: the cpu checks them (offsets from 0, non-decreasing, at most P; rows in [-1, R); in the backward no
+// row read by two pairs) and raises before writing anything. On cuda they stay on the device and are not checked:
+// a row outside [-1, R) reads and writes nothing and offsets are clamped to [0, P], so no index leaves the buffers,
+// but a row read by two pairs makes the backward's write to that row's gradient a race.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +36,7 @@ void combine_rows(const TensorView& rows, const TensorView& scores, const Tensor
 ///   grad_scores[p] = <grad_out[t], rows[row_of_pair[p]]>   (0 for pairs that read no row, and for padding pairs)
 /// scores is required here. Either output may be an empty view (not wanted). The rows that no pair reads are left as they are (zero the
 /// buffer first where there are such rows, e.g. the empty slots of a fixed-capacity exchange), and each row may be
-/// read by at most one pair (the row's gradient is written, not summed; the cpu checks it).
+/// read by at most one pair (the row's gradient is written, not summed).
 void combine_rows_backward(const TensorView& grad_out, const TensorView& rows, const TensorView& scores,
                            const TensorView& row_of_pair, const TensorView& token_offsets, std::int64_t top_k,
                            const TensorView& grad_rows, const TensorView& grad_scores, void* stream = nullptr);

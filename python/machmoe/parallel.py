@@ -211,6 +211,7 @@ class _DispatchRows(torch.autograd.Function):
         return _gather_rows(x, slot_token, slot_valid)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         pair_row, token_offsets = ctx.saved_tensors
         top_k, T = ctx.flags
@@ -233,6 +234,7 @@ class _CombineRows(torch.autograd.Function):
         return torch.ops.machmoe.combine_rows(y_sent, score, row_of_pair, token_offsets, top_k, T)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         y_sent, score, row_of_pair, token_offsets = ctx.saved_tensors
         top_k, zero_rows = ctx.flags

@@ -65,11 +65,14 @@ CombineShape check_common(const ArgChecker& c, const TensorView& rows, const Ten
   if (tokens.empty() || tokens.rank != 2)
     c.fail(tokens_name, "a (T, d) tensor", tokens.empty() ? "an empty view" : tokens.shape_string());
   s.T = tokens.shape[0];
+  if (s.T > Limits::kMaxTokens)
+    c.fail(tokens_name, "at most 2^31 - 1 tokens", std::to_string(s.T) + " rows");
   c.tensor(tokens, tokens_name, {s.T, s.d}, s.dt, s.device);
   contiguous(c, tokens, tokens_name);
   if (token_offsets.empty()) {
-    if (top_k < 1) c.fail("top_k", "K >= 1 pairs per token (token_offsets is empty)", std::to_string(top_k));
-    if (s.T * top_k != s.P)
+    if (top_k < 1 || top_k > Limits::kMaxPairs)
+      c.fail("top_k", "K in [1, 2^31 - 1] pairs per token (token_offsets is empty)", std::to_string(top_k));
+    if (s.T * top_k != s.P)  // both below 2^31: no overflow
       c.fail("row_of_pair", "T * top_k = " + std::to_string(s.T) + " * " + std::to_string(top_k) + " pairs",
              std::to_string(s.P) + " pairs");
   } else {
@@ -79,8 +82,8 @@ CombineShape check_common(const ArgChecker& c, const TensorView& rows, const Ten
   return s;
 }
 
-/// The index values, on the cpu: offsets from 0, non-decreasing, at most P; rows in [-1, R); with `injective`,
-/// no row read by two pairs.
+/// The index values, on the cpu: offsets from 0, non-decreasing, at most P; the rows of the routed pairs (before
+/// the last token's end: padding pairs are ignored) in [-1, R); with `injective`, no row read by two of them.
 void check_cpu_indices(const ArgChecker& c, const CombineShape& s, const TensorView& row_of_pair,
                        const TensorView& token_offsets, bool injective) {
   const auto* rp = static_cast<const std::int32_t*>(row_of_pair.data);
@@ -94,9 +97,11 @@ void check_cpu_indices(const ArgChecker& c, const CombineShape& s, const TensorV
                    std::to_string(s.P) + "]",
                std::to_string(off[t + 1]));
   }
+  const std::int64_t routed =
+      token_offsets.empty() ? s.P : static_cast<const std::int32_t*>(token_offsets.data)[s.T];
   std::vector<std::int64_t> reader;
   if (injective) reader.assign(static_cast<std::size_t>(s.R), -1);
-  for (std::int64_t p = 0; p < s.P; ++p) {
+  for (std::int64_t p = 0; p < routed; ++p) {
     const std::int64_t r = rp[p];
     if (r < -1 || r >= s.R)
       c.fail("row_of_pair[" + std::to_string(p) + "]", "a row in [0, " + std::to_string(s.R) + ") or -1 (no row)",

@@ -110,6 +110,29 @@ def test_autograd_gradcheck(top_k):
     assert torch.autograd.gradcheck(fn, (rows, scores))
 
 
+def test_double_backward_is_refused():
+    c = make_case(T=4, d=6, top_k=2)
+    rows = c["rows"].clone().requires_grad_()
+    scores = c["scores"].clone().requires_grad_()
+    out = _CombineRows.apply(rows, scores, c["row_of_pair"], None, 2, 4, False)
+    (g,) = torch.autograd.grad(out.square().sum(), rows, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+
+
+def test_cpu_ignores_padding_pairs_and_bounds_top_k():
+    c = make_case(T=6, d=4, top_k=0, max_pairs=3, padding=3, seed=5)
+    rp = c["row_of_pair"].clone()
+    rp[-1], rp[-2] = 10**6, rp[0]  # padding pairs: out of range, and a row another pair reads
+    want = reference(c)
+    c["row_of_pair"] = rp
+    for got, w in zip(run(c), want):
+        assert rel(got, w) < 1e-14
+    k = make_case(T=4, d=8, top_k=2)
+    with pytest.raises(ValueError, match=r"argument 'top_k': expected K in \[1, 2\^31 - 1\]"):
+        ops.combine_rows(k["rows"], k["scores"][:0], k["row_of_pair"][:0], None, 2**62, 4)
+
+
 def test_errors_name_the_argument():
     c = make_case(T=4, d=8, top_k=2)
     with pytest.raises(ValueError, match=r"combine_rows: argument 'row_of_pair': expected T \* top_k = 4 \* 3"):
@@ -146,6 +169,8 @@ def test_gpu_against_float64_and_bitwise_reruns(cuda, dtype, case):
     for name, got, w in zip(("out", "grad_rows", "grad_scores"), first, want):
         if w.numel() and w.norm() > 0:
             assert rel(got, w) < bound, name
+        else:  # (no pair at all: zeros written, not left over)
+            assert torch.equal(got.double().cpu(), w), name
     second = run(c)
     for a, b in zip(first, second):
         assert torch.equal(a, b)

@@ -525,10 +525,7 @@ class _Plan:
     pairs in expert order; in capacity mode ep_size blocks of `capacity` rows, block r for rank r."""
     pairs: _Pairs
     slot_token: Tensor                  # slot -> token (dispatch gather)
-    slot_pair: Tensor                   # slot -> pair (the inverse of pair_slot)
     slot_valid: Optional[Tensor]        # capacity mode: slots that hold a row
-    pair_slot: Tensor                   # pair -> slot
-    pair_valid: Optional[Tensor]        # capacity mode: pairs that were sent
     send_splits: Optional[list]         # rows to each rank (host ints); None in capacity mode (equal blocks)
     recv_splits: Optional[list]
     recv_to_grouped: Optional[Tensor]   # received row -> row in expert-grouped order (None without group_rows)
@@ -618,7 +615,7 @@ def _plan(rt: _Routing, T: int, E: int, ep_size: int, capacity: Optional[int], g
     token_offsets = None
     if not pairs.top_k:
         token_offsets = torch.cat([pairs.per_token.new_zeros(1), pairs.per_token[:T].cumsum(0)]).to(torch.int32)
-    return _Plan(pairs, slot_token, slot_pair, slot_valid, pair_slot, pair_valid, send_splits, recv_splits,
+    return _Plan(pairs, slot_token, slot_valid, send_splits, recv_splits,
                  recv_to_grouped, grouped_to_recv, recv.sum(0), dropped, recv_expert, pair_row, token_offsets)
 
 

@@ -239,6 +239,8 @@ class _CombineRows(torch.autograd.Function):
         y_sent, score, row_of_pair, token_offsets = ctx.saved_tensors
         top_k, zero_rows = ctx.flags
         want_rows, want_scores = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if score is None:  # a plain sum (the default mode's sum over ranks): every score 1
+            score = torch.ones(row_of_pair.shape[0], dtype=_acc_dtype(y_sent.dtype), device=y_sent.device)
         grad_rows, grad_scores = torch.ops.machmoe.combine_rows_backward(
             grad_out.contiguous(), y_sent, score, row_of_pair, token_offsets, top_k, want_rows, want_scores,
             zero_rows)
@@ -280,6 +282,35 @@ def _exchange(rows: Tensor, anchor: Optional[Tensor], out_splits, in_splits, gro
     if anchor is not None and torch.is_grad_enabled() and anchor.requires_grad:
         return _AllToAll.apply(rows, anchor, out_splits, in_splits, group)
     return _AllToAll.apply(rows, None, out_splits, in_splits, group)
+
+
+class _DispatchExchange(torch.autograd.Function):
+    """The default mode's dispatch in one autograd node: the rows (one per token and destination rank) and, with
+    them, each pair's (row within its source's block, local expert) and score, whose gradient goes back. One node
+    for both exchanges keeps their backward collectives in one fixed order on every rank (two nodes could be run in
+    either order by the autograd engine, and NCCL needs the same order everywhere). `anchor` as in _AllToAll."""
+
+    @staticmethod
+    def forward(ctx, rows, scores, pair_info, anchor, row_splits, pair_splits, group):
+        send_rows, recv_rows = row_splits
+        send_pairs, recv_pairs = pair_splits
+        ctx.splits, ctx.group = (row_splits, pair_splits), group
+        received = _all_to_all(rows, recv_rows, send_rows, group)
+        # Scores travel with the int32 pair info, as raw bits (one exchange for both).
+        bits = scores.detach().contiguous().view(torch.int32).reshape(scores.shape[0], scores.element_size() // 4)
+        info = _all_to_all(torch.cat([pair_info, bits], 1), recv_pairs, send_pairs, group)
+        recv_scores = info[:, 2:].contiguous().view(scores.dtype).reshape(-1)
+        recv_info = info[:, :2].contiguous()
+        ctx.mark_non_differentiable(recv_info)
+        return received, recv_scores, recv_info
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_rows, grad_scores, _):
+        (send_rows, recv_rows), (send_pairs, recv_pairs) = ctx.splits
+        d_rows = _all_to_all(grad_rows, send_rows, recv_rows, ctx.group)
+        d_scores = _all_to_all(grad_scores, send_pairs, recv_pairs, ctx.group)
+        return d_rows, d_scores, None, None, None, None, None
 
 
 # ---- the grouped experts (the pre-dispatched seam) -------------------------------------------------------------
@@ -339,6 +370,27 @@ def _run_indexed(x: Tensor, expert_index: Tensor, w1: Tensor, w2: Tensor, b1: Op
     return y
 
 
+def _run_pairs(x: Tensor, token_index: Tensor, expert_index: Tensor, scores: Tensor, max_pairs_per_row: int,
+               w1: Tensor, w2: Tensor, b1: Optional[Tensor], b2: Optional[Tensor], *, activation: str,
+               weight_layout: str, activation_memory: str, swiglu_alpha: Optional[float] = None,
+               swiglu_limit: Optional[float] = None) -> Tensor:
+    """out[i] = sum over the pairs p with token_index[p] = i of scores[p] * expert_{expert_index[p]}(x[i]): the
+    library's layer on caller routing (gather in the up-projection, the scores' products and the per-row sum in its
+    aggregation), rows of x as its tokens. The expert-parallel layer's receiving side: one row per (token, rank), its
+    pairs on this rank's experts, the weighted partial sum sent back. token_index ascending."""
+    R = x.shape[0]
+    if R == 0 or token_index.shape[0] == 0:
+        out = _empty_rows_linked(x, (w1, w2, b1, b2, scores))
+        return out if R == 0 else out.new_zeros((R, x.shape[1])) + out.sum() * 0
+    index_dtype = torch.int32 if R < 2**31 else torch.int64
+    y, _ = moe_from_routing(x, w1, w2, token_index.to(index_dtype).contiguous(),
+                            expert_index.to(index_dtype).contiguous(), scores.contiguous(), b1, b2,
+                            max_experts_per_token=max_pairs_per_row, activation=activation,
+                            weight_layout=weight_layout, activation_memory=activation_memory,
+                            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+    return y
+
+
 def _local(t: Optional[Tensor]) -> Optional[Tensor]:
     """Plain tensors from DTensor parameters (FSDP2 gathers them before forward; torchtitan's EP plan leaves them
     as DTensors sharded on the expert dimension)."""
@@ -392,10 +444,26 @@ class GroupedExperts(nn.Module):
                 self.w2[i].normal_(0.0, 1.0 / math.sqrt(self.intermediate_size), generator=g)
 
     def forward(self, x: Tensor, num_tokens_per_expert: Optional[Tensor] = None, *, zero_padding: bool = True,
-                expert_index: Optional[Tensor] = None) -> Tensor:
+                expert_index: Optional[Tensor] = None, token_index: Optional[Tensor] = None,
+                scores: Optional[Tensor] = None, max_pairs_per_row: Optional[int] = None) -> Tensor:
         """zero_padding=False leaves the padding rows' output unspecified (finite), for callers that discard it.
         With expert_index (rows,) instead of num_tokens_per_expert, the rows may come in any order: row i goes
-        through expert expert_index[i] (what ExpertParallelMoE's forward does with the rows as they arrive)."""
+        through expert expert_index[i] (capacity mode of ExpertParallelMoE, on the rows as they arrive).
+        With pairs instead — token_index, expert_index, scores (P,), token_index ascending, at most
+        max_pairs_per_row pairs per row — row i of the result is the sum over its pairs p of
+        scores[p] * expert_{expert_index[p]}(x[i]), differentiable w.r.t. the scores too (ExpertParallelMoE's
+        default mode: one row per token and rank, its pairs on this rank's experts)."""
+        if token_index is not None or scores is not None:
+            if num_tokens_per_expert is not None:
+                _fail("num_tokens_per_expert", "None when pairs (token_index, expert_index, scores) are given",
+                      "a tensor")
+            _check_pairs_call(x, token_index, expert_index, scores, max_pairs_per_row, self.num_experts,
+                              self.hidden_size)
+            return _run_pairs(x, token_index, expert_index, scores, max_pairs_per_row, _local(self.w1),
+                              _local(self.w2), _local(self.b1), _local(self.b2), activation=self.activation,
+                              weight_layout=self.weight_layout, activation_memory=self.activation_memory,
+                              swiglu_alpha=getattr(self, "swiglu_alpha", None),
+                              swiglu_limit=getattr(self, "swiglu_limit", None))
         if expert_index is not None:
             if num_tokens_per_expert is not None:
                 _fail("num_tokens_per_expert", "None when expert_index is given", "a tensor")
@@ -423,6 +491,27 @@ def _check_indexed_call(x, expert_index, hidden):
         _fail("expert_index", "integer indices (dtype int32 or int64)", expert_index.dtype)
     if expert_index.device != x.device:
         _fail("expert_index", f"a tensor on {x.device} (the device of x)", f"a tensor on {expert_index.device}")
+
+
+def _check_pairs_call(x, token_index, expert_index, scores, max_pairs_per_row, num_experts, hidden):
+    if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != hidden:
+        _fail("x", f"a (rows, {hidden}) tensor", getattr(x, "shape", type(x).__name__))
+    for name, t in (("token_index", token_index), ("expert_index", expert_index), ("scores", scores)):
+        if not isinstance(t, Tensor) or t.dim() != 1:
+            _fail(name, "a 1-D tensor (one entry per pair; token_index, expert_index and scores go together)",
+                  getattr(t, "shape", type(t).__name__))
+        if t.device != x.device:
+            _fail(name, f"a tensor on {x.device} (the device of x)", f"a tensor on {t.device}")
+    P = token_index.shape[0]
+    for name, t in (("expert_index", expert_index), ("scores", scores)):
+        if t.shape[0] != P:
+            _fail(name, f"({P},) entries (as token_index)", f"shape {tuple(t.shape)}")
+    for name, t in (("token_index", token_index), ("expert_index", expert_index)):
+        if t.dtype not in (torch.int32, torch.int64):
+            _fail(name, "integer indices (dtype int32 or int64)", t.dtype)
+    if (not isinstance(max_pairs_per_row, int) or isinstance(max_pairs_per_row, bool)
+            or not 1 <= max_pairs_per_row <= num_experts):
+        _fail("max_pairs_per_row", f"an integer in [1, {num_experts}] (the number of experts)", max_pairs_per_row)
 
 
 def _check_grouped_call(x, counts, num_experts, hidden):
@@ -689,6 +778,92 @@ def _combine_received(dispatched: ExpertParallelDispatch, y_received: Tensor) ->
                               plan.slot_valid is not None)
 
 
+# Eager inside torch.compile: the split sizes are host integers read mid-layer, so the graph breaks there anyway;
+# breaking around the whole layer instead keeps the integer bookkeeping out of inductor (whose Triton code generator
+# failed on this function's graph, torch 2.11: "list indices must be integers or slices, not NoneType"). Capacity
+# mode (static shapes, no host read) is what compiles into one graph.
+@torch.compiler.disable
+def _rows_forward(x: Tensor, router_weight: Tensor, experts, *, ep_size: int, top_k: int, group, score: str,
+                  routing: str, rounding: str, tile: int):
+    """The layer's forward in the default mode: route, then send each token's row once to every rank that owns at
+    least one of its experts (not once per pair), with the pairs' (row, local expert, score); that rank runs the
+    whole single-GPU layer on the rows it received (`experts(rows, token_index=, expert_index=, scores=,
+    max_pairs_per_row=)`: gather, expert MLPs, and the score-weighted sum of each row's pairs) and sends one partial
+    sum per row back, which the token's rank adds up over ranks (combine_rows, in rank order). A token routed to
+    k_r of rank r's experts thus crosses the links once instead of k_r times each way: with random routing a
+    top-8 token reaches about 2.0 of 2 ranks, 3.6 of 4 and 5.3 of 8 (docs/PARALLEL.md).
+    Returns (out (T, d), router_logits, expert_counts (E,) int32)."""
+    T, E = x.shape[0], router_weight.shape[0]
+    W, El = ep_size, E // ep_size
+    _check_routing_options(top_k, E, score, routing, rounding, tile)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    logits = x @ router_weight.t()
+    rt = _route_dense(logits, top_k, score, routing, rounding, tile)
+    counts = rt.counts.to(torch.int32)
+    # At most this many pairs of one token meet on one rank.
+    per_row = min(top_k, El) if routing == "topk" else El
+    if W == 1:
+        # A group of one: the tokens are the rows, nothing moves (top-K needs no host synchronisation at all).
+        num_pairs = None if routing == "topk" else rt.counts.sum().tolist()
+        pairs = _pairs(rt, T, E, num_pairs, exact=True)
+        out = experts(x, token_index=pairs.token, expert_index=pairs.expert, scores=pairs.score,
+                      max_pairs_per_row=per_row)
+        return out, logits, counts
+    device = x.device
+    # uses[r, t]: token t has a pair on rank r's experts, i.e. a row to send there. Rank-major, so that the running
+    # count below scans along the inner dimension (a scan down the outer dimension of a (T, W) tensor runs one
+    # thread per column: 4 ms for T = 24576, W = 4 on an H100).
+    if rt.top_k_order is not None:
+        dest_of_choice = torch.div(rt.top_k_order, El, rounding_mode="floor")
+        uses = torch.zeros(W, T, dtype=torch.bool, device=device).scatter_(0, dest_of_choice.t(), True)
+    else:
+        uses = rt.keep.view(T, W, El).any(2).t().contiguous()
+    uses_count = uses.to(torch.int64)
+    rows_to = uses_count.sum(1)
+    pairs_to = rt.counts.view(W, El).sum(1)
+    # What each source sends me: pairs per local expert (for the record) and rows, in one exchange of counts.
+    recv = _all_to_all(torch.cat([rt.counts.view(W, El), rows_to.unsqueeze(1)], 1).reshape(-1), None, None,
+                       group).view(W, El + 1)
+    recv_pairs_from, recv_rows_from = recv[:, :El].sum(1), recv[:, El]
+    # THE host synchronisation of the layer: the exchanges take their split sizes as host integers.
+    sizes = torch.cat([pairs_to, rows_to, recv_pairs_from, recv_rows_from]).tolist()
+    send_pairs, send_rows = sizes[:W], sizes[W:2 * W]
+    recv_pairs, recv_rows = sizes[2 * W:3 * W], sizes[3 * W:]
+    pairs = _pairs(rt, T, E, sum(send_pairs), exact=True)
+
+    # Send rows: destination-major, tokens ascending within a destination.
+    within = uses_count.cumsum(1) - uses_count                       # (W, T): row of (r, t) within r's block
+    row_start = (rows_to.cumsum(0) - rows_to).unsqueeze(1)
+    token_rank_row = torch.where(uses, within + row_start, -1).t().to(torch.int32).reshape(-1)  # (t, r) order
+    R_send = sum(send_rows)
+    slot = torch.where(uses, within + row_start, R_send).reshape(-1)  # R_send: a discarded slot
+    row_token = torch.empty(R_send + 1, dtype=torch.int64, device=device).scatter_(
+        0, slot, torch.arange(T, device=device).repeat(W))[:R_send]
+    # Pairs: destination-major, pair (token-major) order within a destination (stable sort), so that on the
+    # receiving rank the pairs' rows ascend.
+    dest = torch.div(pairs.expert, El, rounding_mode="floor")
+    order = torch.sort(dest, stable=True).indices
+    dest_sorted, token_sorted = dest.index_select(0, order), pairs.token.index_select(0, order)
+    pair_info = torch.stack([within.reshape(-1).index_select(0, dest_sorted * T + token_sorted),
+                             pairs.expert.index_select(0, order) - dest_sorted * El], 1).to(torch.int32)
+    send = _DispatchRows.apply(x, row_token, None, token_rank_row, None, W)
+    received, recv_scores, recv_info = _DispatchExchange.apply(
+        send, pairs.score.index_select(0, order), pair_info, router_weight, (send_rows, recv_rows),
+        (send_pairs, recv_pairs), group)
+
+    # My pairs' rows in the receive buffer: the source's block start + the row within the block.
+    P_recv = recv_info.shape[0]
+    source = torch.repeat_interleave(torch.arange(W, device=device), recv_pairs_from, output_size=P_recv)
+    block_start = recv_rows_from.cumsum(0) - recv_rows_from
+    token_index = recv_info[:, 0].to(torch.int64) + block_start.index_select(0, source)
+    y = experts(received, token_index=token_index, expert_index=recv_info[:, 1], scores=recv_scores,
+                max_pairs_per_row=per_row)
+    y_back = _exchange(y, router_weight, send_rows, recv_rows, group)
+    out = _CombineRows.apply(y_back.contiguous(), None, token_rank_row, None, W, T, False)
+    return out, logits, counts
+
+
 def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,
                         b2: Optional[Tensor] = None, *, top_k: int, group=None, capacity: Optional[int] = None,
                         activation: str = "swiglu", score: str = "softmax_topk", routing: str = "topk",
@@ -721,6 +896,15 @@ def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor
     if b2 is not None:
         _check_tensor("b2", b2, (El, d), x)
 
+    if capacity is None:
+        def experts(rows, **pairs):
+            return _run_pairs(rows, pairs["token_index"], pairs["expert_index"], pairs["scores"],
+                              pairs["max_pairs_per_row"], w1, w2, b1, b2, activation=activation,
+                              weight_layout=weight_layout, activation_memory=activation_memory,
+                              swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+        out, logits, counts = _rows_forward(x, router_weight, experts, ep_size=ep_size, top_k=top_k, group=group,
+                                            score=score, routing=routing, rounding=rounding, tile=tile)
+        return out, logits, counts, None
     dispatched = _dispatch(x, router_weight, ep_size=ep_size, top_k=top_k, group=group, capacity=capacity,
                            score=score, routing=routing, rounding=rounding, tile=tile, group_rows=False)
     y = _run_indexed(dispatched.x_received, dispatched.plan.recv_expert, w1, w2, b1, b2, activation=activation,
@@ -931,9 +1115,11 @@ class ExpertParallelMoE(nn.Module):
         return self._output(dispatched, expert_parallel_combine(dispatched, y_grouped))
 
     def _output(self, dispatched: ExpertParallelDispatch, out: Tensor) -> ExpertParallelOutput:
-        logits, counts = dispatched.router_logits, dispatched.expert_counts
-        result = ExpertParallelOutput(out.reshape(dispatched.input_shape), logits, counts,
-                                      dropped_rows=dispatched.dropped_rows)
+        return self._result(out.reshape(dispatched.input_shape), dispatched.router_logits, dispatched.expert_counts,
+                            dispatched.dropped_rows)
+
+    def _result(self, out: Tensor, logits: Tensor, counts: Tensor, dropped: Optional[Tensor]) -> ExpertParallelOutput:
+        result = ExpertParallelOutput(out, logits, counts, dropped_rows=dropped)
         if self.aux_loss_coef > 0:
             result.aux_loss = self.aux_loss_coef * load_balancing_loss(logits, counts)
         if self.z_loss_coef > 0:
@@ -941,10 +1127,23 @@ class ExpertParallelMoE(nn.Module):
         return result
 
     def forward(self, x: Tensor) -> ExpertParallelOutput:
-        # The rows go through the experts in the order they arrive (no permutation to expert order and back; the
-        # same results as the staged dispatch / experts / combine, bitwise). The experts are called as a module, so
-        # that hooks on it run (FSDP2 gathers their shards here). Capacity mode's empty slots are discarded by their
-        # sender.
+        # The experts are called as a module, so that hooks on it run (FSDP2 gathers their shards here).
+        if self.capacity is None:
+            # One row per (token, rank) each way; the receiving rank sums a row's pairs (_rows_forward).
+            shape = x.shape
+            if shape[-1] != self.hidden_size:
+                _fail("x", f"(..., {self.hidden_size})", tuple(shape))
+            flat = x.reshape(-1, self.hidden_size)
+            _check_x(flat)
+            router_weight = _local(self.router_weight)
+            _check_router(flat, router_weight, self.ep_size)
+            out, logits, counts = _rows_forward(flat, router_weight, self.experts, ep_size=self.ep_size,
+                                                top_k=self.top_k, group=self.group, score=self.score,
+                                                routing=self.routing, rounding=self.rounding, tile=self.tile)
+            return self._result(out.reshape(shape), logits, counts, None)
+        # Capacity mode: one row per pair in static blocks; the rows go through the experts in the order they
+        # arrive (no permutation to expert order and back; the same results as the staged dispatch / experts /
+        # combine, bitwise). Its empty slots are discarded by their sender.
         dispatched = self._dispatch(x, group_rows=False)
         y = self.experts(dispatched.x_received, expert_index=dispatched.plan.recv_expert)
         return self._output(dispatched, _combine_received(dispatched, y))

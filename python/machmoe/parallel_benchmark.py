@@ -19,11 +19,11 @@ it); the figure is the median over iterations. CUDA events on the GPU, perf_coun
 
 The all-to-all share, measured two ways:
   * in the layer: a separate pass of the same iterations with every exchange of machmoe.parallel (the counts
-    exchange, dispatch and combine in forward, their two reverses in backward) bracketed by events. This includes
-    waiting for a slower partner (load imbalance, skew); the events themselves cost a little, so the layer time
-    used for the share is the instrumented pass's own.
-  * alone: the same exchanges (same split sizes, same dtype and width) run back to back without the layer, from the
-    split sizes of the last timed forward: the transfer cost without the waiting.
+    exchange, the dispatch of rows and pair data and the return of rows in forward, their reverses in backward)
+    bracketed by events. This includes waiting for a slower partner (load imbalance, skew); the events themselves
+    cost a little, so the layer time used for the share is the instrumented pass's own.
+  * alone: the exchanges recorded in the last instrumented iteration (same shapes, dtypes and split sizes) run back
+    to back without the layer: the transfer cost without the waiting.
 At EP = 1 the layer exchanges nothing (a group of one keeps its rows), so both are 0.
 Rank 0 writes the JSON (--json) and prints a summary. NCCL runs with NVLink multicast off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, set here before the process group exists).
@@ -50,7 +50,7 @@ import torch.distributed as dist  # noqa: E402
 from . import parallel as P  # noqa: E402
 from .benchmark.configs import ALL, Config  # noqa: E402
 
-FORMAT = 1
+FORMAT = 2  # 2: exchange bytes from the recorded exchanges (the default mode sends a row per token and rank)
 DEFAULT_CONFIGS = ["7B-256", "30B-256"]
 # --tiny (CPU, gloo): small enough for a 2-core CI machine; E divisible by 1, 2, 4 and 8.
 TINY = [Config("tiny-64", 256, 64, 32, 8, 2, "cpu", "tiny"), Config("tiny-128", 192, 128, 64, 16, 4, "cpu", "tiny")]
@@ -125,10 +125,12 @@ class _Clock:
 
 class _ExchangeTimer:
     """Brackets every exchange of machmoe.parallel (its module-level _all_to_all: counts, dispatch, combine and
-    their backward reverses) with clock marks while active."""
+    their backward reverses) with clock marks while active, and records each one's (shape, dtype, output splits,
+    input splits), so that the last iteration's exchanges can be replayed alone."""
 
     def __init__(self, clock: _Clock):
         self.clock, self.marks, self.active = clock, [], False
+        self.calls, self.last_calls = [], []
         self._original = P._all_to_all
 
     def __enter__(self):
@@ -140,6 +142,7 @@ class _ExchangeTimer:
             a = timer.clock.mark()
             out = original(rows, out_splits, in_splits, group)
             timer.marks.append((a, timer.clock.mark()))
+            timer.calls.append((tuple(rows.shape), rows.dtype, out_splits, in_splits))
             return out
 
         P._all_to_all = timed
@@ -151,7 +154,17 @@ class _ExchangeTimer:
     def take_ms(self) -> float:
         total = sum(self.clock.elapsed(a, b) for a, b in self.marks)
         self.marks = []
+        self.last_calls, self.calls = self.calls, []
         return total
+
+
+def _call_bytes(call, rank: int, world: int):
+    """(bytes a rank sends in one recorded exchange, its own share included; the bytes that leave it)."""
+    shape, dtype, _, in_splits = call
+    rows = shape[0] if shape else 0
+    row_bytes = (math.prod(shape[1:]) if len(shape) > 1 else 1) * torch.empty((), dtype=dtype).element_size()
+    own = in_splits[rank] if in_splits is not None else rows // world
+    return rows * row_bytes, (rows - own) * row_bytes
 
 
 def _sync(device):
@@ -222,33 +235,35 @@ def run_config(cfg: Config, args, device: torch.device) -> dict:
     with _ExchangeTimer(clock) as timer:
         times_instr, exchange = _step_times(step, device, 1, args.iters, clock, timer)
 
-    # The exchanges alone, with the split sizes of the last forward. Default mode: the plan's host split sizes.
-    # Capacity mode: equal blocks of C rows. Per layer forward + backward: counts (E int64), then twice
-    # rows-to-experts (dispatch; the combine's gradient) and twice rows-back (combine; the dispatch's gradient).
-    d = layer.dispatch(x.detach())
-    plan = d.plan
-    send = plan.send_splits if capacity is None else [capacity] * world
-    recv = plan.recv_splits if capacity is None else [capacity] * world
+    # The exchanges alone: those of the last instrumented iteration, replayed with the same shapes and splits.
     group = dist.group.WORLD
-    counts = torch.zeros(cfg.E, dtype=torch.int64, device=device)
-    to_experts = torch.randn(sum(send), cfg.d, generator=g, device=device, dtype=dtype)
-    back = torch.randn(sum(recv), cfg.d, generator=g, device=device, dtype=dtype)
+    calls = timer.last_calls
+    buffers = [torch.zeros(shape, dtype=dtype_, device=device) for shape, dtype_, _, _ in calls]
 
     def exchanges():
-        P._all_to_all(counts, None, None, group)
-        for _ in range(2):
-            P._all_to_all(to_experts, recv, send, group)
-            P._all_to_all(back, send, recv, group)
+        for buf, (_, _, out_splits, in_splits) in zip(buffers, calls):
+            P._all_to_all(buf, out_splits, in_splits, group)
 
     # A group of one exchanges nothing (machmoe.parallel skips the collectives): no transfer to time.
-    alone = _step_times(exchanges, device, args.warmup, args.iters, clock)[0] if world > 1 else [0.0] * args.iters
-    received = int(d.tokens_per_expert.sum())
+    alone = _step_times(exchanges, device, args.warmup, args.iters, clock)[0] if calls else [0.0] * args.iters
+    sent_bytes = sum(_call_bytes(c, rank, world)[0] for c in calls)
+    leaving_bytes = sum(_call_bytes(c, rank, world)[1] for c in calls)
+    # Rows my experts received in the forward: the first exchange of rows of width d (the dispatch).
+    dispatch = next((c for c in calls if len(c[0]) == 2 and c[0][1] == cfg.d and c[1] == dtype), None)
+    received = None if dispatch is None else (sum(dispatch[2]) if dispatch[2] is not None else dispatch[0][0])
+    # Pairs my experts received: every rank's pairs per expert, summed, my experts' share.
+    counts = last["out"].expert_counts.to(torch.int64)
+    if world > 1:
+        dist.all_reduce(counts, group=group)
+    El = cfg.E // world
+    received_pairs = int(counts[rank * El:(rank + 1) * El].sum())
     dropped = int(last["out"].dropped_rows) if last["out"].dropped_rows is not None else None
     finite = bool(torch.isfinite(last["out"].output).all())
-    del d, to_experts, back
+    del buffers
 
     mine = {"times": times, "times_instr": times_instr, "exchange": exchange, "alone": alone, "received": received,
-            "sent": sum(send), "dropped": dropped, "finite": finite,
+            "received_pairs": received_pairs, "sent_bytes": sent_bytes, "leaving_bytes": leaving_bytes,
+            "exchanges": len(calls), "dropped": dropped, "finite": finite,
             "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     every = _gather(mine)
     if rank != 0:
@@ -257,10 +272,12 @@ def run_config(cfg: Config, args, device: torch.device) -> dict:
     instr_ms = _slowest_median([r["times_instr"] for r in every])
     exch_ms = statistics.median(statistics.mean(v) for v in zip(*[r["exchange"] for r in every]))
     alone_ms = _slowest_median([r["alone"] for r in every])
-    elem = torch.empty((), dtype=dtype).element_size()
-    # Rows each rank sends per forward + backward (4 exchanges of rows), its own share (a local copy) included.
-    rows_sent = statistics.mean(r["sent"] for r in every)
+    # Bytes each rank sends per forward + backward (every exchange), its own share (a local copy) included, and
+    # the bytes that leave it.
+    sent_bytes = statistics.mean(r["sent_bytes"] for r in every)
+    leaving_bytes = statistics.mean(r["leaving_bytes"] for r in every)
     pairs = T * cfg.K
+    rows = [r["received"] for r in every if r["received"] is not None]
     return {
         "status": "ok" if all(r["finite"] for r in every) else "non_finite_output",
         "ep_size": world, "tokens_per_gpu": T, "experts_per_gpu": cfg.E // world, "capacity": capacity,
@@ -271,12 +288,17 @@ def run_config(cfg: Config, args, device: torch.device) -> dict:
         "all_to_all": {
             "in_layer_ms": exch_ms, "instrumented_step_ms": instr_ms, "in_layer_share": exch_ms / instr_ms,
             "alone_ms": alone_ms, "alone_share": alone_ms / step_ms,
-            "exchanges_per_step": 5 if world > 1 else 0,
-            "row_bytes_sent_per_gpu": 4 * rows_sent * cfg.d * elem if world > 1 else 0,
-            "alone_algbw_GBps": 4 * rows_sent * cfg.d * elem / (alone_ms * 1e-3) / 1e9 if world > 1 else None,
+            "exchanges_per_step": max(r["exchanges"] for r in every),
+            "bytes_sent_per_gpu": sent_bytes, "bytes_leaving_per_gpu": leaving_bytes,
+            "alone_algbw_GBps": sent_bytes / (alone_ms * 1e-3) / 1e9 if alone_ms > 0 else None,
+            "alone_leaving_GBps": leaving_bytes / (alone_ms * 1e-3) / 1e9 if alone_ms > 0 else None,
         },
-        "received_rows": {"min": min(r["received"] for r in every), "max": max(r["received"] for r in every),
-                          "mean": statistics.mean(r["received"] for r in every), "balanced": pairs},
+        # Rows that reached a rank's experts (one per token and rank in the default mode, one per pair in capacity
+        # mode; none at EP = 1, where nothing moves) and the pairs they carry (routing imbalance: against T*K).
+        "received_rows": {"min": min(rows), "max": max(rows), "mean": statistics.mean(rows)} if rows else None,
+        "received_pairs": {"min": min(r["received_pairs"] for r in every),
+                           "max": max(r["received_pairs"] for r in every),
+                           "mean": statistics.mean(r["received_pairs"] for r in every), "balanced": pairs},
         "dropped_rows": None if capacity is None else sum(r["dropped"] for r in every),
         "peak_bytes_max": max(r["peak_bytes"] for r in every) if device.type == "cuda" else None,
     }
@@ -398,7 +420,8 @@ def _print(e):
     eff = e.get("scaling_efficiency")
     exchange = "no all-to-all (a group of one sends nothing)" if e["ep_size"] == 1 else (
         f"all-to-all {100 * a['in_layer_share']:.1f}% in the layer ({a['in_layer_ms']:.3f} ms), "
-        f"{100 * a['alone_share']:.1f}% alone ({a['alone_ms']:.3f} ms, {a['alone_algbw_GBps']:.1f} GB/s)")
+        f"{100 * a['alone_share']:.1f}% alone ({a['alone_ms']:.3f} ms, {a['bytes_sent_per_gpu'] / 1e9:.3f} GB sent "
+        f"per GPU, {a['bytes_leaving_per_gpu'] / 1e9:.3f} GB leaving it at {a['alone_leaving_GBps']:.1f} GB/s)")
     print(f"{c['name']} (T={e['tokens_per_gpu']}/GPU d={c['d']} n={c['n']} E={c['E']} K={c['K']}) EP={e['ep_size']}: "
           f"fwd+bwd {e['step_ms']:.3f} ms, {e['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
           f"{e['model_tflops_per_gpu']:.1f} TFLOP/s/GPU; {exchange}; scaling efficiency "

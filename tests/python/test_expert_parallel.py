@@ -440,22 +440,38 @@ def scenario_input_requires_grad_on_one_rank_only(rank, world):
 
 def scenario_staged_micro_batches_interleaved(rank, world):
     """The overlap schedule's order (docs/PARALLEL.md): dispatch A, experts A, dispatch B, combine A, experts B,
-    combine B — equals two plain forwards bitwise, gradients included; and combine rejects a wrong y_grouped."""
+    combine B — equals the stages one micro-batch after the other bitwise, gradients included, and two plain
+    forwards: bitwise in capacity mode (the same rows, in the same order), to rounding in the default mode (whose
+    forward sums a token's pairs per rank before the exchange back, the stages after it); and combine rejects a
+    wrong y_grouped."""
+    def staged(ep, x):
+        d = ep.dispatch(x)
+        return ep.combine(d, ep.experts(d.x_grouped, d.tokens_per_expert)).output
+
     for capacity in (None, 24):
         m = make_layer(18, E=2 * world)
         xa, xb = (make_inputs(s, per_rank([9, 7, 8, 6], world))[rank].requires_grad_() for s in (18, 19))
         ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
+        params = [xa, xb] + list(ep.parameters())
         plain = [ep(xa).output, ep(xb).output]
-        g_plain = torch.autograd.grad(plain[0].square().sum() + plain[1].sum(), [xa, xb] + list(ep.parameters()))
+        g_plain = torch.autograd.grad(plain[0].square().sum() + plain[1].sum(), params)
+        one_after_other = [staged(ep, xa), staged(ep, xb)]
+        g_one = torch.autograd.grad(one_after_other[0].square().sum() + one_after_other[1].sum(), params)
         da = ep.dispatch(xa)
         ya = ep.experts(da.x_grouped, da.tokens_per_expert)
         db = ep.dispatch(xb)
         oa = ep.combine(da, ya)
         yb = ep.experts(db.x_grouped, db.tokens_per_expert)
         ob = ep.combine(db, yb)
-        g = torch.autograd.grad(oa.output.square().sum() + ob.output.sum(), [xa, xb] + list(ep.parameters()))
-        assert torch.equal(oa.output, plain[0]) and torch.equal(ob.output, plain[1])
-        assert all(torch.equal(u, v) for u, v in zip(g, g_plain))
+        g = torch.autograd.grad(oa.output.square().sum() + ob.output.sum(), params)
+        assert torch.equal(oa.output, one_after_other[0]) and torch.equal(ob.output, one_after_other[1])
+        assert all(torch.equal(u, v) for u, v in zip(g, g_one))
+        for name, u, v in zip(["out a", "out b"] + [f"grad {i}" for i in range(len(g))], [oa.output, ob.output] + list(g),
+                              plain + list(g_plain)):
+            if capacity is None:
+                assert_close(name, u, v, 1e-13)
+            else:
+                assert torch.equal(u, v), name
     try:
         ep.combine(da, ya[:-1])
     except ValueError as e:

@@ -45,8 +45,15 @@ def _check(doc, ep_size, configs=TINY):
             for key in ("in_layer_ms", "alone_ms", "alone_algbw_GBps"):
                 assert a[key] > 0, (key, a)
             assert 0 < a["in_layer_share"] < 1, a
-        r = e["received_rows"]
+            assert a["exchanges_per_step"] > 0 and a["bytes_sent_per_gpu"] > a["bytes_leaving_per_gpu"] > 0, a
+            assert a["alone_leaving_GBps"] > 0, a
+        r = e["received_pairs"]
         assert r["mean"] == r["balanced"] == c["T"] * c["K"] and r["min"] <= r["mean"] <= r["max"]
+        rows = e["received_rows"]
+        if ep_size == 1:  # nothing is received
+            assert rows is None, rows
+        elif e["capacity"] is None:  # one row per token and rank: at most one per pair, at least one per token
+            assert c["T"] <= rows["mean"] <= c["T"] * c["K"] and rows["min"] <= rows["mean"] <= rows["max"], rows
     return doc
 
 

@@ -566,15 +566,50 @@ def scenario_fsdp2_experts_outside_fsdp(rank, world):
     check_fsdp2_training(rank, world, mesh, None, mesh, per_rank([8, 6, 7, 9], world))
 
 
+def scenario_one_row_per_token_and_rank(rank, world):
+    """The default mode sends a token's row once to each rank that owns at least one of its experts, not once per
+    pair, and gets one row back from each: the two row exchanges of the forward carry exactly the distinct
+    (token, rank) pairs of the routing (docs/PARALLEL.md). Capacity mode keeps one row per pair."""
+    import machmoe.parallel as P
+    for routing, capacity in (("topk", None), ("token_rounding", None), ("topk", 64)):
+        m = make_layer(21, E=2 * world, K=3, routing=routing, tile=8)
+        x = make_inputs(21, per_rank([11, 9, 13, 7], world))[rank]
+        ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
+        calls, original = [], P._all_to_all
+
+        def recording(rows, out_splits, in_splits, group):
+            calls.append((tuple(rows.shape), rows.dtype, out_splits, in_splits))
+            return original(rows, out_splits, in_splits, group)
+
+        P._all_to_all = recording
+        try:
+            ep(x)
+        finally:
+            P._all_to_all = original
+        token, expert, _, _ = route(x @ m.router_weight.t(), top_k=3, routing=routing, rounding=m.rounding, tile=8)
+        dest = torch.div(expert, m.num_experts // world, rounding_mode="floor")
+        row_calls = [c for c in calls if len(c[0]) == 2 and c[0][1] == D and c[1] == x.dtype]
+        assert len(row_calls) == 2, calls  # rows out, rows back
+        if capacity is None:
+            distinct = torch.unique(token * world + dest)
+            rows_to = torch.bincount(distinct % world, minlength=world).tolist()
+            assert row_calls[0][3] == rows_to and row_calls[1][2] == rows_to, (routing, row_calls, rows_to)
+            if world == 2 and routing == "topk":  # 3 experts on 2 ranks: every token has two pairs on one rank
+                assert sum(rows_to) == x.shape[0] * 2 - int((dest.view(-1, 3) == dest.view(-1, 3)[:, :1]).all(1).sum())
+                assert sum(rows_to) < token.shape[0]
+        else:
+            assert row_calls[0][0][0] == world * capacity  # the static blocks of one row per pair
+
+
 SCENARIOS_2 = [
     "topk_float64", "topk_float32_geglu_concatenated", "token_rounding_float64", "token_rounding_up_relu",
     "skewed_routing", "rank_without_tokens", "rank_receives_nothing", "num_experts_not_divisible",
     "argument_errors", "functional_equals_module", "bitwise_reruns", "capacity_without_overflow",
     "capacity_overflow", "host_synchronisations", "input_requires_grad_on_one_rank_only", "torch_compile",
-    "staged_micro_batches_interleaved", "fsdp2_experts_outside_fsdp",
+    "staged_micro_batches_interleaved", "fsdp2_experts_outside_fsdp", "one_row_per_token_and_rank",
 ]
 SCENARIOS_4 = ["topk_float64", "token_rounding_float64", "rank_without_tokens", "capacity_overflow",
-               "fsdp2_two_dimensional_mesh"]
+               "fsdp2_two_dimensional_mesh", "one_row_per_token_and_rank"]
 # 8 ranks (the size of one 8-GPU host): the layer against the single process, skewed routing, ranks without tokens
 # and ranks whose experts receive nothing, capacity overflow, bitwise reruns, FSDP2 on a 2 x 4 mesh.
 SCENARIOS_8 = ["topk_float64", "token_rounding_float64", "skewed_routing", "rank_without_tokens",

@@ -1,20 +1,23 @@
 """Expert parallelism over torch.distributed: machmoe.parallel.
 
-Each rank of an expert-parallel (EP) process group routes its own tokens with the replicated router, sends every
-routed (token, expert) row to the rank that owns the expert (all-to-all), runs its E / ep_size local experts on the
-rows it received with machmoe.grouped_experts (rows grouped by local expert, the pre-dispatched seam), sends the
-results back (the reverse all-to-all) and combines them with the routing scores. Every row movement is an autograd
-Function whose backward is the reverse movement, so gradients reach x, the router and the experts. docs/PARALLEL.md
-describes the design; the same code runs over gloo (CPU tensors, the CPU reference) and NCCL (CUDA tensors).
+Each rank of an expert-parallel (EP) process group routes its own tokens with the replicated router and sends
+them to the ranks that own their experts (all-to-all); each rank runs its E / ep_size local experts on the rows it
+received, the results go back (the reverse all-to-all) and are combined with the routing scores. Every row movement
+is an autograd Function whose backward is the reverse movement, so gradients reach x, the router and the experts.
+docs/PARALLEL.md describes the design; the same code runs over gloo (CPU tensors, the CPU reference) and NCCL (CUDA
+tensors).
 
 Two exchange modes:
-  * capacity=None (default): the per-destination row counts are exchanged on the device, then copied to the host
-    once per forward (the split sizes of the row all-to-all must be host integers). That copy is the layer's only
-    host synchronisation; the reverse exchange and the whole backward reuse the split sizes.
-  * capacity=C: a static bound of C rows per (source rank, destination rank) pair. Every shape is static and nothing
-    is copied to the host (meant for CUDA-graph capture). Rows beyond the bound are not sent: they contribute nothing to
-    the output (like a capacity-factor token drop), and the number of dropped rows is reported on the device
-    (ExpertParallelOutput.dropped_rows, check_capacity()).
+  * capacity=None (default): a token's row goes once to each rank that owns at least one of its experts, with its
+    pairs (row, local expert, score); that rank runs the library's whole layer on its rows (the pairs' sum with
+    their scores included) and returns one partial sum per row, which the token's rank adds over ranks
+    (_rows_forward). The per-destination counts are exchanged on the device, then copied to the host once per
+    forward (the split sizes of the all-to-alls must be host integers). That copy is the layer's only host
+    synchronisation; the reverse exchanges and the whole backward reuse the split sizes.
+  * capacity=C: one row per (token, expert) pair, and a static bound of C rows per (source rank, destination rank)
+    pair. Every shape is static and nothing is copied to the host (meant for CUDA-graph capture). Rows beyond the
+    bound are not sent: they contribute nothing to the output (like a capacity-factor token drop), and the number of
+    dropped rows is reported on the device (ExpertParallelOutput.dropped_rows, check_capacity()).
 
 Row order conventions (docs/SPEC.md §1): *pair order* is token-major (top-K: p = t*K + k; token rounding: (token,
 expert) ascending); *expert order* is the pairs stably sorted by global expert, which also groups them by

@@ -41,7 +41,7 @@ from .functional import (_check_tensor, _fail, grouped_experts, index_checking_e
                          moe_from_routing, router_z_loss)
 from .module import MoE, MoEOutput
 
-__all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "ExpertParallelDispatch", "GroupedExperts",
+__all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "ExpertParallelDispatch", "ExpertPairs", "GroupedExperts",
            "TorchTitanGroupedExperts", "torchtitan_experts_forward", "expert_parallel_moe", "expert_parallel_dispatch",
            "expert_parallel_combine", "check_capacity", "route", "shard_experts_fsdp2"]
 
@@ -382,6 +382,8 @@ def _run_pairs(x: Tensor, token_index: Tensor, expert_index: Tensor, scores: Ten
     aggregation), rows of x as its tokens. The expert-parallel layer's receiving side: one row per (token, rank), its
     pairs on this rank's experts, the weighted partial sum sent back. token_index ascending."""
     R = x.shape[0]
+    # The library's score dtype for x (the routing's scores may be float64 where FSDP2 runs the experts in float32).
+    scores = _cast(scores, _acc_dtype(x.dtype))
     if R == 0 or token_index.shape[0] == 0:
         out = _empty_rows_linked(x, (w1, w2, b1, b2, scores))
         return out if R == 0 else out.new_zeros((R, x.shape[1])) + out.sum() * 0
@@ -398,6 +400,18 @@ def _local(t: Optional[Tensor]) -> Optional[Tensor]:
     """Plain tensors from DTensor parameters (FSDP2 gathers them before forward; torchtitan's EP plan leaves them
     as DTensors sharded on the expert dimension)."""
     return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
+class ExpertPairs:
+    """The pairs form of GroupedExperts.forward: (token_index, expert_index, scores) of P pairs, token_index
+    ascending into the rows of x, at most max_pairs_per_row pairs per row. A plain class on purpose, not a tuple,
+    dict or dataclass: FSDP2's mixed precision (cast_forward_inputs) casts every floating-point tensor it can reach
+    in a module's forward arguments to the parameters' dtype, which would round float32 scores to bf16."""
+    __slots__ = ("token_index", "expert_index", "scores", "max_pairs_per_row")
+
+    def __init__(self, token_index: Tensor, expert_index: Tensor, scores: Tensor, max_pairs_per_row: int):
+        self.token_index, self.expert_index, self.scores = token_index, expert_index, scores
+        self.max_pairs_per_row = max_pairs_per_row
 
 
 class GroupedExperts(nn.Module):
@@ -447,19 +461,23 @@ class GroupedExperts(nn.Module):
                 self.w2[i].normal_(0.0, 1.0 / math.sqrt(self.intermediate_size), generator=g)
 
     def forward(self, x: Tensor, num_tokens_per_expert: Optional[Tensor] = None, *, zero_padding: bool = True,
-                expert_index: Optional[Tensor] = None, token_index: Optional[Tensor] = None,
-                scores: Optional[Tensor] = None, max_pairs_per_row: Optional[int] = None) -> Tensor:
+                expert_index: Optional[Tensor] = None, pairs: Optional[ExpertPairs] = None) -> Tensor:
         """zero_padding=False leaves the padding rows' output unspecified (finite), for callers that discard it.
         With expert_index (rows,) instead of num_tokens_per_expert, the rows may come in any order: row i goes
         through expert expert_index[i] (capacity mode of ExpertParallelMoE, on the rows as they arrive).
-        With pairs instead — token_index, expert_index, scores (P,), token_index ascending, at most
-        max_pairs_per_row pairs per row — row i of the result is the sum over its pairs p of
+        With pairs=ExpertPairs(token_index, expert_index, scores, max_pairs_per_row) instead — token_index
+        ascending, at most max_pairs_per_row pairs per row — row i of the result is the sum over its pairs p of
         scores[p] * expert_{expert_index[p]}(x[i]), differentiable w.r.t. the scores too (ExpertParallelMoE's
-        default mode: one row per token and rank, its pairs on this rank's experts)."""
-        if token_index is not None or scores is not None:
-            if num_tokens_per_expert is not None:
-                _fail("num_tokens_per_expert", "None when pairs (token_index, expert_index, scores) are given",
-                      "a tensor")
+        default mode: one row per token and rank, its pairs on this rank's experts). The scores are used in the
+        library's score dtype for x (float32; float64 for float64 x)."""
+        if pairs is not None:
+            if num_tokens_per_expert is not None or expert_index is not None:
+                _fail("pairs", "no num_tokens_per_expert or expert_index beside it", "both")
+            if not isinstance(pairs, ExpertPairs):
+                raise TypeError(f"machmoe: argument 'pairs': expected a machmoe.parallel.ExpertPairs, got "
+                                f"{type(pairs).__name__}")
+            token_index, expert_index, scores = pairs.token_index, pairs.expert_index, pairs.scores
+            max_pairs_per_row = pairs.max_pairs_per_row
             _check_pairs_call(x, token_index, expert_index, scores, max_pairs_per_row, self.num_experts,
                               self.hidden_size)
             return _run_pairs(x, token_index, expert_index, scores, max_pairs_per_row, _local(self.w1),
@@ -790,11 +808,11 @@ def _rows_forward(x: Tensor, router_weight: Tensor, experts, *, ep_size: int, to
                   routing: str, rounding: str, tile: int):
     """The layer's forward in the default mode: route, then send each token's row once to every rank that owns at
     least one of its experts (not once per pair), with the pairs' (row, local expert, score); that rank runs the
-    whole single-GPU layer on the rows it received (`experts(rows, token_index=, expert_index=, scores=,
-    max_pairs_per_row=)`: gather, expert MLPs, and the score-weighted sum of each row's pairs) and sends one partial
-    sum per row back, which the token's rank adds up over ranks (combine_rows, in rank order). A token routed to
-    k_r of rank r's experts thus crosses the links once instead of k_r times each way: with random routing a
-    top-8 token reaches about 2.0 of 2 ranks, 3.6 of 4 and 5.3 of 8 (docs/PARALLEL.md).
+    whole single-GPU layer on the rows it received (`experts(rows, pairs=ExpertPairs(...))`: gather, expert MLPs,
+    and the score-weighted sum of each row's pairs) and sends one partial sum per row back, which the token's rank
+    adds up over ranks (combine_rows, in rank order). A token routed to k_r of rank r's experts thus crosses the
+    links once instead of k_r times each way: with random routing a top-8 token of 128 experts reaches about 2.0 of
+    2 ranks, 3.6 of 4 and 5.3 of 8 (docs/PARALLEL.md).
     Returns (out (T, d), router_logits, expert_counts (E,) int32)."""
     T, E = x.shape[0], router_weight.shape[0]
     W, El = ep_size, E // ep_size
@@ -810,8 +828,7 @@ def _rows_forward(x: Tensor, router_weight: Tensor, experts, *, ep_size: int, to
         # A group of one: the tokens are the rows, nothing moves (top-K needs no host synchronisation at all).
         num_pairs = None if routing == "topk" else rt.counts.sum().tolist()
         pairs = _pairs(rt, T, E, num_pairs, exact=True)
-        out = experts(x, token_index=pairs.token, expert_index=pairs.expert, scores=pairs.score,
-                      max_pairs_per_row=per_row)
+        out = experts(x, pairs=ExpertPairs(pairs.token, pairs.expert, pairs.score, per_row))
         return out, logits, counts
     device = x.device
     # uses[r, t]: token t has a pair on rank r's experts, i.e. a row to send there. Rank-major, so that the running
@@ -852,7 +869,8 @@ def _rows_forward(x: Tensor, router_weight: Tensor, experts, *, ep_size: int, to
                              pairs.expert.index_select(0, order) - dest_sorted * El], 1).to(torch.int32)
     send = _DispatchRows.apply(x, row_token, None, token_rank_row, None, W)
     received, recv_scores, recv_info = _DispatchExchange.apply(
-        send, pairs.score.index_select(0, order), pair_info, router_weight, (send_rows, recv_rows),
+        send, _RowPermute.apply(pairs.score, order, None, _inverse_of(order), None), pair_info, router_weight,
+        (send_rows, recv_rows),
         (send_pairs, recv_pairs), group)
 
     # My pairs' rows in the receive buffer: the source's block start + the row within the block.
@@ -860,8 +878,7 @@ def _rows_forward(x: Tensor, router_weight: Tensor, experts, *, ep_size: int, to
     source = torch.repeat_interleave(torch.arange(W, device=device), recv_pairs_from, output_size=P_recv)
     block_start = recv_rows_from.cumsum(0) - recv_rows_from
     token_index = recv_info[:, 0].to(torch.int64) + block_start.index_select(0, source)
-    y = experts(received, token_index=token_index, expert_index=recv_info[:, 1], scores=recv_scores,
-                max_pairs_per_row=per_row)
+    y = experts(received, pairs=ExpertPairs(token_index, recv_info[:, 1], recv_scores, per_row))
     y_back = _exchange(y, router_weight, send_rows, recv_rows, group)
     out = _CombineRows.apply(y_back.contiguous(), None, token_rank_row, None, W, T, False)
     return out, logits, counts
@@ -900,9 +917,9 @@ def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor
         _check_tensor("b2", b2, (El, d), x)
 
     if capacity is None:
-        def experts(rows, **pairs):
-            return _run_pairs(rows, pairs["token_index"], pairs["expert_index"], pairs["scores"],
-                              pairs["max_pairs_per_row"], w1, w2, b1, b2, activation=activation,
+        def experts(rows, pairs):
+            return _run_pairs(rows, pairs.token_index, pairs.expert_index, pairs.scores, pairs.max_pairs_per_row,
+                              w1, w2, b1, b2, activation=activation,
                               weight_layout=weight_layout, activation_memory=activation_memory,
                               swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         out, logits, counts = _rows_forward(x, router_weight, experts, ep_size=ep_size, top_k=top_k, group=group,

@@ -248,9 +248,15 @@ def run_config(cfg: Config, args, device: torch.device) -> dict:
     alone = _step_times(exchanges, device, args.warmup, args.iters, clock)[0] if calls else [0.0] * args.iters
     sent_bytes = sum(_call_bytes(c, rank, world)[0] for c in calls)
     leaving_bytes = sum(_call_bytes(c, rank, world)[1] for c in calls)
-    # Rows my experts received in the forward: the first exchange of rows of width d (the dispatch).
+    # Rows my experts received in the forward: the first exchange of rows of width d (the dispatch) in the default
+    # mode; in capacity mode that exchange is the static blocks, empty slots included, so the plan's count.
     dispatch = next((c for c in calls if len(c[0]) == 2 and c[0][1] == cfg.d and c[1] == dtype), None)
-    received = None if dispatch is None else (sum(dispatch[2]) if dispatch[2] is not None else dispatch[0][0])
+    if dispatch is None:
+        received = None
+    elif capacity is None:
+        received = sum(dispatch[2])
+    else:
+        received = int(layer.dispatch(x.detach()).tokens_per_expert.sum())
     # Pairs my experts received: every rank's pairs per expert, summed, my experts' share.
     counts = last["out"].expert_counts.to(torch.int64)
     if world > 1:
@@ -293,8 +299,9 @@ def run_config(cfg: Config, args, device: torch.device) -> dict:
             "alone_algbw_GBps": sent_bytes / (alone_ms * 1e-3) / 1e9 if alone_ms > 0 else None,
             "alone_leaving_GBps": leaving_bytes / (alone_ms * 1e-3) / 1e9 if alone_ms > 0 else None,
         },
-        # Rows that reached a rank's experts (one per token and rank in the default mode, one per pair in capacity
-        # mode; none at EP = 1, where nothing moves) and the pairs they carry (routing imbalance: against T*K).
+        # Rows that reached a rank's experts (one per token and rank in the default mode, one per sent pair in
+        # capacity mode; none at EP = 1, where nothing moves) and the pairs they carry (routing imbalance: against
+        # T*K).
         "received_rows": {"min": min(rows), "max": max(rows), "mean": statistics.mean(rows)} if rows else None,
         "received_pairs": {"min": min(r["received_pairs"] for r in every),
                            "max": max(r["received_pairs"] for r in every),

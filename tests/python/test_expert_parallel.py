@@ -601,6 +601,41 @@ def scenario_one_row_per_token_and_rank(rank, world):
             assert row_calls[0][0][0] == world * capacity  # the static blocks of one row per pair
 
 
+def scenario_fsdp2_mixed_precision_keeps_scores(rank, world):
+    """FSDP2 mixed precision on the experts (float32 compute for a float64 layer, as bf16 for float32 would be on
+    GPUs): the rows reach the experts cast, the pairs' scores as the routing made them (ExpertPairs is not walked by
+    FSDP2's input cast; a keyword tensor would be rounded), and output and input gradient match the float64 layer
+    to float32's level."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    import machmoe.parallel as P
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("expert_fsdp", "ep"))
+    m = make_layer(23, E=2 * (world // 2))
+    x = make_inputs(23, per_rank([8, 6, 7, 9], world))[rank].requires_grad_()
+    ep = ExpertParallelMoE.from_moe(m, group=mesh["ep"].get_group())
+    shard_experts_fsdp2(ep, mesh["expert_fsdp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    seen, original = [], P._run_pairs
+
+    def spy(rows, token_index, expert_index, scores, *args, **kwargs):
+        seen.append((rows.dtype, scores.dtype))
+        return original(rows, token_index, expert_index, scores, *args, **kwargs)
+
+    P._run_pairs = spy
+    try:
+        out = ep(x).output
+    finally:
+        P._run_pairs = original
+    assert seen == [(torch.float32, torch.float64)], seen
+    g = upstream(23, rank, x.shape[0], 2, torch.float64)[0]
+    (dx,) = torch.autograd.grad((out * g).sum(), [x])
+    ref_x = x.detach().clone().requires_grad_()
+    ref = m(ref_x).output
+    (ref_dx,) = torch.autograd.grad((ref * g).sum(), [ref_x])
+    assert out.dtype == torch.float32
+    assert_close("output", out.double(), ref, 1e-5)
+    assert_close("grad x", dx, ref_dx, 1e-5)
+
+
 SCENARIOS_2 = [
     "topk_float64", "topk_float32_geglu_concatenated", "token_rounding_float64", "token_rounding_up_relu",
     "skewed_routing", "rank_without_tokens", "rank_receives_nothing", "num_experts_not_divisible",
@@ -609,7 +644,7 @@ SCENARIOS_2 = [
     "staged_micro_batches_interleaved", "fsdp2_experts_outside_fsdp", "one_row_per_token_and_rank",
 ]
 SCENARIOS_4 = ["topk_float64", "token_rounding_float64", "rank_without_tokens", "capacity_overflow",
-               "fsdp2_two_dimensional_mesh", "one_row_per_token_and_rank"]
+               "fsdp2_two_dimensional_mesh", "one_row_per_token_and_rank", "fsdp2_mixed_precision_keeps_scores"]
 # 8 ranks (the size of one 8-GPU host): the layer against the single process, skewed routing, ranks without tokens
 # and ranks whose experts receive nothing, capacity overflow, bitwise reruns, FSDP2 on a 2 x 4 mesh.
 SCENARIOS_8 = ["topk_float64", "token_rounding_float64", "skewed_routing", "rank_without_tokens",

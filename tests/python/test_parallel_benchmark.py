@@ -54,6 +54,8 @@ def _check(doc, ep_size, configs=TINY):
             assert rows is None, rows
         elif e["capacity"] is None:  # one row per token and rank: at most one per pair, at least one per token
             assert c["T"] <= rows["mean"] <= c["T"] * c["K"] and rows["min"] <= rows["mean"] <= rows["max"], rows
+        else:  # one row per sent pair: every pair when nothing is dropped
+            assert e["dropped_rows"] != 0 or (rows["min"], rows["max"]) == (r["min"], r["max"]), (rows, r)
     return doc
 
 
@@ -78,6 +80,13 @@ def test_capacity_mode_and_refusals(tmp_path):
           "--warmup", "0", "--iters", "1", "--capacity-factor", "2", "--json", str(out)])
     e = _check(json.loads(out.read_text()), 1, ["tiny-64"])["configs"][0]
     assert e["capacity"] == 2 * 256 * 2 and e["dropped_rows"] == 0
+    out2 = tmp_path / "cap2.json"
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+          "machmoe.parallel_benchmark", "--device", "cpu", "--configs", "tiny-64", "--warmup", "0", "--iters", "1",
+          "--capacity-factor", "2", "--json", str(out2)])
+    e2 = _check(json.loads(out2.read_text()), 2, ["tiny-64"])["configs"][0]
+    assert e2["capacity"] == 2 * 256 * 2 // 2 and e2["dropped_rows"] == 0
+    assert e2["all_to_all"]["exchanges_per_step"] == 5  # counts, rows out and back, and their two gradients
     p = subprocess.run([sys.executable, "-m", "machmoe.parallel_benchmark", "--device", "cpu", "--configs", "7B-999"],
                        capture_output=True, text=True, timeout=120, env=_env())
     assert p.returncode != 0 and "unknown configuration '7B-999'" in p.stderr

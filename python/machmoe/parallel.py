@@ -1116,14 +1116,19 @@ class ExpertParallelMoE(nn.Module):
         """Stage 1 of forward: route x (..., hidden_size), send its rows to their experts' ranks."""
         return self._dispatch(x, group_rows=True)
 
-    def _dispatch(self, x: Tensor, group_rows: bool) -> ExpertParallelDispatch:
-        shape = x.shape
-        if shape[-1] != self.hidden_size:
-            _fail("x", f"(..., {self.hidden_size})", tuple(shape))
+    def _checked_input(self, x: Tensor):
+        """(x as (tokens, hidden), the router weight as a plain tensor), both checked."""
+        if x.shape[-1] != self.hidden_size:
+            _fail("x", f"(..., {self.hidden_size})", tuple(x.shape))
         flat = x.reshape(-1, self.hidden_size)
         _check_x(flat)
         router_weight = _local(self.router_weight)
         _check_router(flat, router_weight, self.ep_size)
+        return flat, router_weight
+
+    def _dispatch(self, x: Tensor, group_rows: bool) -> ExpertParallelDispatch:
+        shape = x.shape
+        flat, router_weight = self._checked_input(x)
         dispatched = _dispatch(flat, router_weight, ep_size=self.ep_size, top_k=self.top_k, group=self.group,
                                capacity=self.capacity, score=self.score, routing=self.routing,
                                rounding=self.rounding, tile=self.tile, group_rows=group_rows)
@@ -1150,17 +1155,11 @@ class ExpertParallelMoE(nn.Module):
         # The experts are called as a module, so that hooks on it run (FSDP2 gathers their shards here).
         if self.capacity is None:
             # One row per (token, rank) each way; the receiving rank sums a row's pairs (_rows_forward).
-            shape = x.shape
-            if shape[-1] != self.hidden_size:
-                _fail("x", f"(..., {self.hidden_size})", tuple(shape))
-            flat = x.reshape(-1, self.hidden_size)
-            _check_x(flat)
-            router_weight = _local(self.router_weight)
-            _check_router(flat, router_weight, self.ep_size)
+            flat, router_weight = self._checked_input(x)
             out, logits, counts = _rows_forward(flat, router_weight, self.experts, ep_size=self.ep_size,
                                                 top_k=self.top_k, group=self.group, score=self.score,
                                                 routing=self.routing, rounding=self.rounding, tile=self.tile)
-            return self._result(out.reshape(shape), logits, counts, None)
+            return self._result(out.reshape(x.shape), logits, counts, None)
         # Capacity mode: one row per pair in static blocks; the rows go through the experts in the order they
         # arrive (no permutation to expert order and back; the same results as the staged dispatch / experts /
         # combine, bitwise). Its empty slots are discarded by their sender.

@@ -854,10 +854,10 @@ def _rows_forward(x: Tensor, router_weight: Tensor, experts, *, ep_size: int, to
 
     # Send rows: destination-major, tokens ascending within a destination.
     within = uses_count.cumsum(1) - uses_count                       # (W, T): row of (r, t) within r's block
-    row_start = (rows_to.cumsum(0) - rows_to).unsqueeze(1)
-    token_rank_row = torch.where(uses, within + row_start, -1).t().to(torch.int32).reshape(-1)  # (t, r) order
+    row = within + (rows_to.cumsum(0) - rows_to).unsqueeze(1)        # (W, T): row of (r, t) in the send buffer
+    token_rank_row = torch.where(uses, row, -1).t().to(torch.int32).reshape(-1)  # (t, r) order
     R_send = sum(send_rows)
-    slot = torch.where(uses, within + row_start, R_send).reshape(-1)  # R_send: a discarded slot
+    slot = torch.where(uses, row, R_send).reshape(-1)  # R_send: a discarded slot
     row_token = torch.empty(R_send + 1, dtype=torch.int64, device=device).scatter_(
         0, slot, torch.arange(T, device=device).repeat(W))[:R_send]
     # Pairs: destination-major, pair (token-major) order within a destination (stable sort), so that on the
@@ -868,10 +868,9 @@ def _rows_forward(x: Tensor, router_weight: Tensor, experts, *, ep_size: int, to
     pair_info = torch.stack([within.reshape(-1).index_select(0, dest_sorted * T + token_sorted),
                              pairs.expert.index_select(0, order) - dest_sorted * El], 1).to(torch.int32)
     send = _DispatchRows.apply(x, row_token, None, token_rank_row, None, W)
+    score_sorted = _RowPermute.apply(pairs.score, order, None, _inverse_of(order), None)
     received, recv_scores, recv_info = _DispatchExchange.apply(
-        send, _RowPermute.apply(pairs.score, order, None, _inverse_of(order), None), pair_info, router_weight,
-        (send_rows, recv_rows),
-        (send_pairs, recv_pairs), group)
+        send, score_sorted, pair_info, router_weight, (send_rows, recv_rows), (send_pairs, recv_pairs), group)
 
     # My pairs' rows in the receive buffer: the source's block start + the row within the block.
     P_recv = recv_info.shape[0]

@@ -750,6 +750,16 @@ class ExpertParallelDispatch:
     x_received: Optional[Tensor] = field(default=None, repr=False)  # the rows as they arrived (source-major)
 
 
+def _route_tokens(x: Tensor, router_weight: Tensor, top_k: int, score: str, routing: str, rounding: str,
+                  tile: int):
+    """(x with unit stride along d, the router logits, the dense routing) for this rank's tokens."""
+    _check_routing_options(top_k, router_weight.shape[0], score, routing, rounding, tile)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    logits = x @ router_weight.t()
+    return x, logits, _route_dense(logits, top_k, score, routing, rounding, tile)
+
+
 def _dispatch(x: Tensor, router_weight: Tensor, *, ep_size: int, top_k: int, group, capacity: Optional[int],
               score: str, routing: str, rounding: str, tile: int, group_rows: bool = True) -> ExpertParallelDispatch:
     """Route this rank's tokens, exchange the counts (and, by default, read the split sizes: the host sync), send
@@ -757,11 +767,7 @@ def _dispatch(x: Tensor, router_weight: Tensor, *, ep_size: int, top_k: int, gro
     x_grouped is None and the experts take x_received as it arrived, with plan.recv_expert (_run_indexed)."""
     E = router_weight.shape[0]
     _check_capacity_arg(capacity)
-    _check_routing_options(top_k, E, score, routing, rounding, tile)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    logits = x @ router_weight.t()
-    rt = _route_dense(logits, top_k, score, routing, rounding, tile)
+    x, logits, rt = _route_tokens(x, router_weight, top_k, score, routing, rounding, tile)
     plan = _plan(rt, x.shape[0], E, ep_size, capacity, group, top_k, tile, group_rows)
     pairs = plan.pairs
     send = _DispatchRows.apply(x, plan.slot_token, plan.slot_valid, plan.pair_row, plan.token_offsets, pairs.top_k)
@@ -816,11 +822,7 @@ def _rows_forward(x: Tensor, router_weight: Tensor, experts, *, ep_size: int, to
     Returns (out (T, d), router_logits, expert_counts (E,) int32)."""
     T, E = x.shape[0], router_weight.shape[0]
     W, El = ep_size, E // ep_size
-    _check_routing_options(top_k, E, score, routing, rounding, tile)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    logits = x @ router_weight.t()
-    rt = _route_dense(logits, top_k, score, routing, rounding, tile)
+    x, logits, rt = _route_tokens(x, router_weight, top_k, score, routing, rounding, tile)
     counts = rt.counts.to(torch.int32)
     # At most this many pairs of one token meet on one rank.
     per_row = min(top_k, El) if routing == "topk" else El

@@ -246,8 +246,8 @@ def run_config(cfg: Config, args, device: torch.device) -> dict:
 
     # A group of one exchanges nothing (machmoe.parallel skips the collectives): no transfer to time.
     alone = _step_times(exchanges, device, args.warmup, args.iters, clock)[0] if calls else [0.0] * args.iters
-    sent_bytes = sum(_call_bytes(c, rank, world)[0] for c in calls)
-    leaving_bytes = sum(_call_bytes(c, rank, world)[1] for c in calls)
+    call_bytes = [_call_bytes(c, rank, world) for c in calls]
+    sent_bytes, leaving_bytes = sum(b[0] for b in call_bytes), sum(b[1] for b in call_bytes)
     # Rows my experts received in the forward: the first exchange of rows of width d (the dispatch) in the default
     # mode; in capacity mode that exchange is the static blocks, empty slots included, so the plan's count.
     dispatch = next((c for c in calls if len(c[0]) == 2 and c[0][1] == cfg.d and c[1] == dtype), None)

@@ -237,8 +237,7 @@ def scenario_bitwise_reruns(rank, world):
 
 def scenario_host_synchronisations(rank, world):
     """Default mode: one synchronising call per forward (the split sizes; none in a group of one with top-K, which
-    needs none), none in backward. Capacity mode: none
-    (CUDA sync debug mode set to raise). Only CUDA's own report of a synchronising call is counted (SYNC_WARNING):
+    needs none), none in backward. Capacity mode: none (CUDA sync debug mode set to raise). Only CUDA's own report of a synchronising call is counted (SYNC_WARNING):
     the first set_sync_debug_mode call of a process also warns, once, that the mode "does not yet detect all
     synchronizing operations" (torch/csrc/cuda/Module.cpp), which is no synchronisation."""
     x = gpu_inputs(8, sizes_for(world), rank)[rank].requires_grad_()

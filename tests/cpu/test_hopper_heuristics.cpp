@@ -27,14 +27,22 @@ TEST(HopperHeuristics, WideTileWhereNAllowsIt) {
   }
 }
 
-TEST(HopperHeuristics, DhKernelTakesThePingPongTileWhateverTheShape) {
+TEST(HopperHeuristics, DhKernelTakesThePingPongTileUnlessDAndNAreLarge) {
   for (std::int64_t d : {768, 1536, 2048, 2880, 4096, 8192})
-    for (std::int64_t n : {8, 200, 256, 384, 512, 1024, 2048, 2880})
-      EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, n, d), {}).tile_n, 128) << n << " " << d;
+    for (std::int64_t n : {8, 200, 256, 384, 512, 1024, 2048, 2880, 4096}) {
+      // The wide tile only from d = 4096 and n = 2048 on (120B (2048,64,4)), and for n a multiple of 256.
+      const int expected = d >= 4096 && n >= 2048 && n % 256 == 0 ? 256 : 128;
+      EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, n, d), {}).tile_n, expected) << n << " " << d;
+    }
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 2048, 4096), {}).tile_n, 256);  // 120B (2048,64,4)
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 1024, 4096), {}).tile_n, 128);  // 120B (1024,128,8)
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 2880, 2880), {}).tile_n, 128);  // gpt-oss
   TileOverrides o;
   o.tile_n = 256;  // forced: the wide tile, whatever d is
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 256, 1536), o).tile_n, 256);
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 1024, 4096), o).tile_n, 256);
+  o.tile_n = 128;  // and the square one where the heuristic takes the wide one
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 2048, 4096), o).tile_n, 128);
 }
 
 TEST(HopperHeuristics, OverridesAreHonouredForEveryN) {
@@ -70,7 +78,7 @@ TEST(HopperHeuristics, OddNTakesTheTileWithTheLeastPadding) {
     EXPECT_EQ(choose_tiles(shape(f, 264, 136), {}).tile_n, 128);    // 512 against 384 (133 %)
     EXPECT_EQ(choose_tiles(shape(f, 1152, 2880), {}).tile_n, 128);  // 1280 against 1152: 111 %, past 110
     EXPECT_EQ(choose_tiles(shape(f, 1400, 2880), {}).tile_n, up ? 256 : 128);  // 1536 against 1408: 109 %
-    // Ties take the wide tile, except in the dH kernel, which always takes the ping-pong tile.
+    // Ties take the wide tile, except in the dH kernel, which takes the ping-pong tile below d = 4096, n = 2048.
     const int tie = f == KernelFamily::kDhKernel ? 128 : 256;
     EXPECT_EQ(choose_tiles(shape(f, 200, 72), {}).tile_n, tie);     // both pad 56
     EXPECT_EQ(choose_tiles(shape(f, 400, 136), {}).tile_n, tie);    // both pad 112

@@ -333,7 +333,6 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
     const std::int64_t dh_cols = is_glu(a.activation) ? 2 * a.N : a.N;
     p.epilogue.dh = output(a.out, dh_cols, a.ld_out);
     p.epilogue.a_prime = output(a.act_out, a.N, a.ld_act);
-    p.epilogue.h = a.h_in, p.epilogue.ld_h = a.ld_h;
     p.epilogue.tma_h = output(const_cast<void*>(a.h_in), dh_cols, a.ld_h).tma;  // the staging buffer's layout
     p.epilogue.scores = a.scores, p.epilogue.scatter = a.scatter;
     p.epilogue.ds_partial = a.ds_partial;
@@ -342,7 +341,7 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
     p.epilogue.N = static_cast<int>(a.N);
     p.epilogue.act_alpha = a.act_alpha, p.epilogue.act_limit = a.act_limit;
     if (tiles.tile_n == 256)
-      launch_dh<hopper::Tile128x256Cooperative>(a.activation, p, sm_count, stream);
+      launch_dh<hopper::Tile128x256CooperativeStagedH>(a.activation, p, sm_count, stream);
     else
       launch_dh<hopper::Tile128x128PingPong>(a.activation, p, sm_count, stream);
   } else {

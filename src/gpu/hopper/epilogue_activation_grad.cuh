@@ -7,23 +7,19 @@
 //   dS partials: <dA', A> over each 64-column block of the tile, one fp32 per (pair, block), reduced later in a
 //   fixed order (launch_ds_reduce), so dS is deterministic without atomics.
 //
-// H, ping-pong tile (small d): by TMA into the warpgroup's two staging buffers, a pass (64 rows x 128 dH columns) at
-// a time, ahead of use (kTmaH below): the first two passes of a tile before its mainloop, each later one as soon as
-// its buffer is free. dH is computed in place over H in the buffer and leaves by TMA store; a thread reads exactly
-// the H elements whose dH it then writes, so in-place mode (dH over H in global memory) stays safe: a tile loads the
-// H of its rows and columns before it stores their dH, and no other tile stores them.
-// H, cooperative tile (large d, no shared memory left for a second buffer): straight from global memory into
-// registers, one pass of staged columns at a time (8 bytes
-// per thread and row for a GLU, the gate/up pairs of its two accumulator columns; 4 bytes otherwise): a quad of lanes
-// covers 32 contiguous bytes of a row, so every sector is used whole. The loads of a pass are issued together before
-// any is used. They are plain loads, not the read-only path (ld.global.nc): dH may overwrite H in place (input-only
-// mode, memory.hpp), which is safe because a pass reads exactly the H columns whose dH it then stores, every element
-// before its own store, and no other tile touches them. Under the ping-pong schedule the other consumer
-// warpgroup's mainloop keeps the tensor cores busy meanwhile; under the cooperative one (used where d is large)
-// nothing does, and the epilogue is exposed. H is not prefetched: a bulk L2 prefetch of the tile's H rows by the
-// producer, one mainloop ahead, was evicted before the epilogue read it, so H came from HBM twice (ncu, H100,
-// 1.4B (256,128,8): 1.20 GB read from HBM with the prefetch, 0.87 GB without, and the kernel 12 % faster without;
-// docs/BENCHMARKS.md, session 28).
+// H: by TMA into the warpgroup's two staging buffers, a pass (64 rows x 128 dH columns) at a time, ahead of use: the
+// first two passes of a tile before its mainloop, each later one as soon as its buffer is free. dH is computed in
+// place over H in the buffer and leaves by TMA store; a thread reads exactly the H elements whose dH it then writes,
+// so in-place mode (dH over H in global memory, input-only mode, memory.hpp) stays safe: a tile loads the H of its
+// rows and columns before it stores their dH, and no other tile stores them. Under the ping-pong schedule (the
+// default tile) the other consumer warpgroup's mainloop keeps the tensor cores busy meanwhile; under the cooperative
+// one (Tile128x256CooperativeStagedH, where d and n are large: heuristics.hpp) nothing does, and the epilogue is
+// exposed, but its mainloop runs the GEMM at cuBLAS's rate. The cooperative tile once read H from global memory into
+// registers pass by pass (its 4-stage ring left no room for the buffers); with the ring at 3 stages and H staged like
+// the ping-pong tile's it measured 0.5 ms faster on 120B (2048,64,4) (H100, docs/BENCHMARKS.md, session 40). H is not
+// prefetched into L2: a bulk L2 prefetch of the tile's H rows by the producer, one mainloop ahead, was evicted before
+// the epilogue read it, so H came from HBM twice (ncu, H100, 1.4B (256,128,8): 1.20 GB read from HBM with the
+// prefetch, 0.87 GB without, and the kernel 12 % faster without; docs/BENCHMARKS.md, session 28).
 //
 // Scores: a row's pair index (scatter) is loaded in tile_start, before the tile's mainloop, and the scores of all the
 // thread's rows in one batch once the tile's first WGMMAs are issued (first_mma_issued), so that the rest of the
@@ -39,8 +35,6 @@
 // block wholly past n (j0 / 64 + b >= ds_tiles = ceil(n / 64)) is not written at all, since the partials of a pair
 // are ds_tiles wide and the next pair's follow (launch_ds_reduce reads exactly ds_tiles per pair).
 #pragma once
-
-#include <type_traits>
 
 #include "gpu/hopper/epilogue_staging.cuh"
 #include "gpu/hopper/fast_math.cuh"
@@ -59,28 +53,22 @@ struct EpilogueActivationGrad {
   static constexpr int kDsBlocks = kTileN / 64;               // dS partials per row and tile
   static_assert(kDhCols % Staging::kStageCols == 0 && kTileN % 64 == 0, "tile columns");
 
-  // H by TMA (the ping-pong tile): two staging buffers per warpgroup, into which TMA loads a pass of H (64 rows x 128
-  // dH columns, the staging layout); the pass's dH is computed in place and leaves by TMA store from the same buffer.
-  // A tile's passes and A' passes ("slots") take the two buffers in turn; the H of a tile's first two slots is loaded
-  // before its mainloop, and each later H slot's as soon as its buffer has been stored from, so the epilogue finds H
-  // in shared memory instead of waiting on global loads pass by pass. The cooperative tile's ring leaves no room for
-  // a second buffer: it reads H into registers (below).
-  static constexpr bool kTmaH = !TileTraits<Tile>::kCooperative;
+  // H by TMA: two staging buffers per warpgroup, into which TMA loads a pass of H (64 rows x 128 dH columns, the
+  // staging layout); the pass's dH is computed in place and leaves by TMA store from the same buffer. A tile's passes
+  // and A' passes ("slots") take the two buffers in turn; the H of a tile's first two slots is loaded before its
+  // mainloop, and each later H slot's as soon as its buffer has been stored from, so the epilogue finds H in shared
+  // memory instead of waiting on global loads pass by pass.
   static constexpr int kAPasses = kTileN / Staging::kStageCols;  // A' passes per row atom
   static constexpr int kSlotsPerAtom = kPasses + kAPasses;
   static constexpr int kSlots = Staging::kRowAtoms * kSlotsPerAtom;
   static constexpr std::uint32_t kHBytes = Staging::kRows * Staging::kStageCols * 2;
   __host__ __device__ static constexpr bool slot_is_h(int s) { return s % kSlotsPerAtom < kPasses; }
 
-  struct StorageTma {
+  struct Storage {
     typename Staging::Storage buf[2];
     std::uint64_t h_full[2];  // buffer b holds its slot's H (TMA complete_tx)
   };
-  struct StorageRegisters {
-    typename Staging::Storage buf[1];
-  };
-  using Storage = std::conditional_t<kTmaH, StorageTma, StorageRegisters>;
-  /// Per thread, across the warpgroup's tiles: the parity of each buffer's next H arrival (H by TMA), and the
+  /// Per thread, across the warpgroup's tiles: the parity of each buffer's next H arrival, and the
   /// current tile's pair index of each of the thread's rows (-1: past the tile's rows), loaded by tile_start, and
   /// their scores (0 past the rows), loaded by first_mma_issued.
   struct State {
@@ -118,16 +106,14 @@ struct EpilogueActivationGrad {
   }
 
   __device__ __forceinline__ static void init(Storage& st) {
-    if constexpr (kTmaH) {
-      mbar_init(&st.h_full[0], 1);
-      mbar_init(&st.h_full[1], 1);
-    }
+    mbar_init(&st.h_full[0], 1);
+    mbar_init(&st.h_full[1], 1);
   }
 
   /// Thread 0 of the warpgroup: the TMA loads of slot s's H (row atom s / kSlotsPerAtom, pass s % kSlotsPerAtom)
   /// into buffer s % 2. Rows past the tile's (another expert's H, or past P: zero-filled) and columns past 2n
   /// (zero-filled) are loaded but never stored.
-  __device__ __forceinline__ static void issue_h(const Params& p, StorageTma& st, const TileCoord& c, int row_base,
+  __device__ __forceinline__ static void issue_h(const Params& p, Storage& st, const TileCoord& c, int row_base,
                                                  int s) {
     const int b = s % 2, m = s / kSlotsPerAtom, pass = s % kSlotsPerAtom;
     const int row = static_cast<int>(c.row0) + row_base + m * Staging::kRows;
@@ -142,14 +128,12 @@ struct EpilogueActivationGrad {
   __device__ __forceinline__ static void tile_start(const Params& p, Storage& st, State& state, const TileCoord& c,
                                                     int row_base, int wg_thread, int barrier_id) {
     load_pairs(p, state, c, row_base, wg_thread);
-    if constexpr (kTmaH) {
-      fence_proxy_async_shared();  // this thread's accesses to the buffers, ordered before the TMA loads' writes
-      Staging::acquire(wg_thread, barrier_id);  // every thread is done with both buffers, the stores have read them
-      if (wg_thread == 0) {
+    fence_proxy_async_shared();  // this thread's accesses to the buffers, ordered before the TMA loads' writes
+    Staging::acquire(wg_thread, barrier_id);  // every thread is done with both buffers, the stores have read them
+    if (wg_thread == 0) {
 #pragma unroll
-        for (int s = 0; s < 2 && s < kSlots; ++s)
-          if (slot_is_h(s)) issue_h(p, st, c, row_base, s);
-      }
+      for (int s = 0; s < 2 && s < kSlots; ++s)
+        if (slot_is_h(s)) issue_h(p, st, c, row_base, s);
     }
   }
 
@@ -159,20 +143,11 @@ struct EpilogueActivationGrad {
     f(EpilogueVariant<false, false>{});
   }
 
-  /// row_base: the warpgroup's first row in the tile (cooperative: 0 or 64).
+  /// row_base: the warpgroup's first row in the tile (cooperative: 0 or 64). H from the staging buffers (loaded by
+  /// TMA, see Storage), dH computed in place.
   template <class Variant, class Accumulator>
   __device__ __forceinline__ static void apply(const Params& p, Storage& st, State& state, Accumulator& acc,
                                                const TileCoord& c, int row_base, int wg_thread, int barrier_id) {
-    if constexpr (kTmaH)
-      apply_tma(p, st, state, acc, c, row_base, wg_thread, barrier_id);
-    else
-      apply_registers(p, st.buf[0], state, acc, c, row_base, wg_thread, barrier_id);
-  }
-
-  /// The ping-pong tile: H from the staging buffers (loaded by TMA, see kTmaH), dH computed in place.
-  template <class Accumulator>
-  __device__ __forceinline__ static void apply_tma(const Params& p, Storage& st, State& state, Accumulator& acc,
-                                                   const TileCoord& c, int row_base, int wg_thread, int barrier_id) {
     using namespace cute;
     const int warp = wg_thread / 32, lane = wg_thread % 32;
     const int quad = lane % 4, row_in_warp = lane / 4;
@@ -302,130 +277,6 @@ struct EpilogueActivationGrad {
         if (quad == 0 && pair[v1] >= 0 && j0 / 64 + b < p.ds_tiles)
           p.ds_partial[static_cast<std::int64_t>(pair[v1]) * p.ds_tiles + j0 / 64 + b] = x;
       }
-    }
-  }
-
-  /// The cooperative tile: H from global memory into registers, pass by pass.
-  template <class Accumulator>
-  __device__ __forceinline__ static void apply_registers(const Params& p, typename Staging::Storage& st,
-                                                         const State& state, Accumulator& acc, const TileCoord& c,
-                                                         int row_base, int wg_thread, int barrier_id) {
-    using namespace cute;
-    const int warp = wg_thread / 32, lane = wg_thread % 32;
-    const int quad = lane % 4, row_in_warp = lane / 4;
-    const std::int64_t j0 = static_cast<std::int64_t>(c.n_tile) * kTileN;  // first A column of the tile
-    const std::int64_t dh_col0 = kGlu ? 2 * j0 : j0;
-    const __nv_bfloat16* h_base = static_cast<const __nv_bfloat16*>(p.h);
-    // Valid A columns of the tile: kTileN for a whole tile (every per-column test below passes), fewer for the edge
-    // tile. The thread's columns col, col + 1 share validity (col even, n a multiple of 8).
-    const int valid_j = p.N - j0 < kTileN ? static_cast<int>(p.N - j0) : kTileN;
-    const math::ActParams<float> ap{p.act_alpha, p.act_limit};  // read only by gptoss_swiglu
-
-    CUTE_UNROLL
-    for (int m = 0; m < Staging::kRowAtoms; ++m) {
-      const int rows = min(Staging::kRows, c.rows - row_base - m * Staging::kRows);
-      if (rows <= 0) break;  // uniform across the warpgroup
-      const std::int64_t g0 = c.row0 + row_base + m * Staging::kRows;
-      auto value = [&](int v0, int v1, int v2) __attribute__((always_inline)) -> float& {
-        return acc(make_coord(make_coord(v0, v1, v2), m, 0));
-      };
-      // The thread's two rows of this atom (v1 = 0, 1): their score (pair: state.pair[m]) and H row.
-      const float (&score)[2] = state.score[m];
-      const __nv_bfloat16* h_row[2];
-      float ds[2][kDsBlocks];
-      CUTE_UNROLL
-      for (int v1 = 0; v1 < 2; ++v1) {
-        const int r = warp * 16 + v1 * 8 + row_in_warp;
-        const bool ok = r < rows;
-        h_row[v1] = ok ? h_base + (g0 + r) * p.ld_h + dh_col0 : nullptr;
-        CUTE_UNROLL
-        for (int b = 0; b < kDsBlocks; ++b) ds[v1][b] = 0.0f;
-      }
-
-      // dH, in passes of kStageCols columns; A' = s A replaces dA' in the accumulator for the pass after.
-      CUTE_UNROLL
-      for (int pass = 0; pass < kPasses; ++pass) {
-        // An edge tile's pass whose A columns are all padding (uniform): nothing of it is stored, its dS blocks are
-        // not written, and the A' pass below clips its columns (they keep dA' = 0 in the accumulator).
-        if (pass * kV2PerPass * 8 >= valid_j) break;
-        // H of the pass, all loads issued before the first use; H = 0 for padded columns (never read past n).
-        std::uint32_t hv[2][kV2PerPass][kGlu ? 2 : 1];
-        CUTE_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1) {
-          CUTE_UNROLL
-          for (int i = 0; i < kV2PerPass; ++i) {
-            const int col = (pass * kV2PerPass + i) * 8 + quad * 2;  // accumulator (A) column in the tile
-            const bool ok = h_row[v1] != nullptr && col < valid_j;
-            if constexpr (kGlu) {
-              uint2 v = make_uint2(0u, 0u);
-              if (ok) v = *reinterpret_cast<const uint2*>(h_row[v1] + 2 * col);
-              hv[v1][i][0] = v.x, hv[v1][i][1] = v.y;
-            } else {
-              hv[v1][i][0] = ok ? *reinterpret_cast<const unsigned int*>(h_row[v1] + col) : 0u;
-            }
-          }
-        }
-        Staging::acquire(wg_thread, barrier_id);
-        CUTE_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1) {
-          const int r = warp * 16 + v1 * 8 + row_in_warp;
-          const float s = score[v1];
-          CUTE_UNROLL
-          for (int i = 0; i < kV2PerPass; ++i) {
-            const int v2 = pass * kV2PerPass + i;
-            const int col = v2 * 8 + quad * 2;
-            float a_val[2], d_hi[2][2];  // per accumulator column v0: A, and dH (gate, up) or (h, -)
-            CUTE_UNROLL
-            for (int v0 = 0; v0 < 2; ++v0) {
-              const float dap = value(v0, v1, v2), da = s * dap;
-              if constexpr (kGlu) {
-                const __nv_bfloat162 gu = *reinterpret_cast<const __nv_bfloat162*>(&hv[v1][i][v0]);
-                const math::GluGrad<float> f =
-                    math::glu_backward<kAct, FastMath>(__low2float(gu), __high2float(gu), da, ap);
-                a_val[v0] = f.value;
-                d_hi[v0][0] = f.d_gate;
-                d_hi[v0][1] = f.d_up;
-              } else {
-                const __nv_bfloat162 hh = *reinterpret_cast<const __nv_bfloat162*>(&hv[v1][i][0]);
-                const float h = v0 == 0 ? __low2float(hh) : __high2float(hh);
-                const math::ActValue<float> f = math::act_value_and_derivative<kAct, FastMath>(h);
-                a_val[v0] = f.value;
-                d_hi[v0][0] = da * f.derivative;
-              }
-              ds[v1][v2 / 8] += dap * a_val[v0];
-              value(v0, v1, v2) = s * a_val[v0];
-            }
-            if constexpr (kGlu) {  // dH columns 2 col .. 2 col + 3 of the tile
-              const int hc = 2 * col - pass * Staging::kStageCols;
-              Staging::put2(st, r, hc, d_hi[0][0], d_hi[0][1]);
-              Staging::put2(st, r, hc + 2, d_hi[1][0], d_hi[1][1]);
-            } else {
-              Staging::put2(st, r, col - pass * Staging::kStageCols, d_hi[0][0], d_hi[1][0]);
-            }
-          }
-        }
-        Staging::release(st, p.dh, Staging::kStageCols, rows, g0, dh_col0 + pass * Staging::kStageCols, wg_thread,
-                         barrier_id);
-      }
-
-      // A' (kTileN columns) from the accumulator, after dH: the dH passes left s A in place of dA', so H is read once.
-      CUTE_UNROLL
-      for (int pass = 0; pass < kTileN / Staging::kStageCols; ++pass) {
-        if (pass * Staging::kStageCols >= valid_j) break;  // an edge tile's all-padding pass (uniform)
-        Staging::acquire(wg_thread, barrier_id);
-        CUTE_UNROLL
-        for (int v2 = pass * (Staging::kStageCols / 8); v2 < (pass + 1) * (Staging::kStageCols / 8); ++v2) {
-          CUTE_UNROLL
-          for (int v1 = 0; v1 < 2; ++v1) {
-            const int r = warp * 16 + v1 * 8 + row_in_warp;
-            Staging::put2(st, r, v2 * 8 + quad * 2 - pass * Staging::kStageCols, value(0, v1, v2), value(1, v1, v2));
-          }
-        }
-        Staging::release(st, p.a_prime, Staging::kStageCols, rows, g0, j0 + pass * Staging::kStageCols, wg_thread,
-                         barrier_id);
-      }
-
-      store_ds(p, ds, state.pair[m], j0, quad);
     }
   }
 };

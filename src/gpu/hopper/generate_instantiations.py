@@ -32,7 +32,7 @@ TILES = {
     "down": [("Tile128x128PingPong", "down_128x128_pingpong"),
              ("Tile128x256Cooperative", "down_128x256_cooperative")],
     "dh": [("Tile128x128PingPong", "bwd_dh_128x128_pingpong"),
-           ("Tile128x256Cooperative", "bwd_dh_128x256_cooperative")],
+           ("Tile128x256CooperativeStagedH", "bwd_dh_128x256_cooperative")],
     "dx": [("Tile128x128PingPong", "bwd_dx_128x128_pingpong"),
            ("Tile128x256Cooperative", "bwd_dx_128x256_cooperative"),
            ("Tile128x128PingPongCluster2", "bwd_dx_128x128_pingpong_cluster2"),

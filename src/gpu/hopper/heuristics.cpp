@@ -44,10 +44,10 @@ TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides) 
     c.tile_n = overrides.tile_n;
     return c;
   }
-  // The dH kernel's epilogue (H read, activation gradient, A' and dS) is long: the ping-pong tile hides one
-  // warpgroup's epilogue behind the other's mainloop, whatever d and N (heuristics.hpp).
+  // The dH kernel: the ping-pong tile (its long epilogue hidden behind the other warpgroup's mainloop) except where
+  // the reduction d and the width n are both large (heuristics.hpp, kDhWideMinK / kDhWideMinN).
   if (shape.family == KernelFamily::kDhKernel) {
-    c.tile_n = 128;
+    c.tile_n = shape.K >= kDhWideMinK && shape.N >= kDhWideMinN && shape.N % 256 == 0 ? 256 : 128;
     return c;
   }
   // Otherwise the tile that pads the fewest columns, the wide one on a tie (every N that is a multiple of 256); the

@@ -57,13 +57,17 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// (n = 256). 128 x 128 ping-pong serves N that is a multiple of 128 but not of 256 (and a forced 128).
 /// Rasterisation: the families whose A arrives contiguous by TMA run in groups of kContiguousRasterM M-tiles (dX~
 /// always, the down-projection from K = kDownRasterMinK), the others along N (raster_m = 1).
-/// The dH kernel takes the ping-pong tile whatever d and N: its epilogue (H read, activation gradient, A' and dS) is
-/// long, and the ping-pong schedule hides one warpgroup's behind the other's mainloop. At d = 4096 the 2026-11-23
-/// H200 had measured the cooperative tile 15-25 % faster (the ping-pong epilogue then read H into registers pass by
-/// pass) and an H100 in session 29 the two within 4 % either way; with H staged by TMA and the pairs and scores loaded
-/// under the mainloop, an H100 (session 32, two rounds, forced tiles) measured the ping-pong tile faster at d = 4096
-/// on every configuration tried: 2-7 % on the 30B and 120B rows (4.00 against 4.19-4.24 ms on 120B (1024,128,8)),
-/// 24 % on (16384,4096,1024,256,4), where an expert has about two M-tiles (docs/BENCHMARKS.md).
+/// The dH kernel takes the ping-pong tile except where d >= kDhWideMinK and n >= kDhWideMinN (a multiple of 256): its
+/// epilogue (H read, activation gradient, A' and dS) is long, and the ping-pong schedule hides one warpgroup's behind
+/// the other's mainloop. The cooperative tile's mainloop is the faster one (H100, session 40, the epilogue switched
+/// off: 2.88 against 3.88 ms on 120B (2048,64,4), 0.247 against 0.311 on 7B (256,128,8); cuBLAS 2.96 and 0.31), but
+/// its epilogue runs with the tensor cores idle. With H staged by TMA in both (Tile128x256CooperativeStagedH), forced
+/// tiles, eight rounds in both orders: the wide tile 0.4-0.6 ms faster on 120B (2048,64,4) (4.34-4.62 against
+/// 4.66-5.22 ms), equal on 120B (1024,128,8) (4.40-4.44 against 4.26-4.43), slower on every other main row (30B
+/// (1024,64,4) 2.29 against 2.22-2.25, 7B (256,128,8) 0.533 against 0.447) and at gpt-oss's d = n = 2880 (2.68-2.79
+/// against 2.45-2.47); docs/BENCHMARKS.md. (Session 32, with the wide tile's H read into registers, had measured the
+/// ping-pong tile faster at d = 4096 on every row tried: 2-7 % on the 30B and 120B rows, 24 % on
+/// (16384,4096,1024,256,4), where an expert has about two M-tiles.)
 /// N that is no multiple of 256 (edge tiles, or a multiple of 128 only): the down-projection and dX~ take the tile
 /// that pads the fewest columns, the wide one on a tie (N = 256 q + r: 256 iff
 /// r > 128, i.e. ceil(N / 128) even; N = 2880 = 11 x 256 + 64 takes 128, 2944 columns where 256 would make 3072).
@@ -73,6 +77,10 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// one's: at N = 2n = 5760 (5888 against 5760 columns, 102 %) it was 7-10 % faster; where N is a multiple of 128
 /// only (N = 384: 133 %) the square tile stays. A forced tile (overrides.tile_n = 128 or 256) is honoured for every N.
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
+
+/// The dH kernel's wide tile from this reduction length d and this width n on (both measured on 120B (2048,64,4) only).
+inline constexpr std::int64_t kDhWideMinK = 4096;
+inline constexpr std::int64_t kDhWideMinN = 2048;
 
 /// The up-projection's and the weight gradients' limit on the wide tile's padded width, in % of the square tile's.
 inline constexpr std::int64_t kUpProjectionWidePercent = 110;

@@ -84,10 +84,8 @@ struct EpilogueActivationParams {
 struct EpilogueActivationGradParams {
   EpilogueOutput dh;       // (rows, w1_rows), gate/up-interleaved like H
   EpilogueOutput a_prime;  // (rows, n)
-  const void* h = nullptr;  // H (bf16, interleaved), row stride ld_h elements; read in grouped row order
-  std::int64_t ld_h = 0;
-  // H by TMA into the staging buffers (the ping-pong tile): 2D (dH columns, rows) map, box (64, 64), 128-byte
-  // swizzle, the layout of the staging buffer, so dH is computed in place and leaves by TMA store.
+  // H (bf16, interleaved, grouped row order) by TMA into the staging buffers: 2D (dH columns, rows) map, box
+  // (64, 64), 128-byte swizzle, the layout of the staging buffer, so dH is computed in place and leaves by TMA store.
   CUtensorMap tma_h;
   const float* scores = nullptr;          // pair order
   const std::int32_t* scatter = nullptr;  // grouped row -> pair

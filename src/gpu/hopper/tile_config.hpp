@@ -26,6 +26,13 @@ struct Tile128x256Cooperative {
   static constexpr int kClusterM = 1;
 };
 
+/// 128 x 256 tiles, cooperative, 3 stages: 3 x 48 KiB ring + 2 x 2 x 16 KiB staging. The dH kernel's wide tile: its
+/// epilogue stages H by TMA in two buffers per consumer warpgroup (epilogue_activation_grad.cuh), which a 4-stage
+/// ring leaves no room for.
+struct Tile128x256CooperativeStagedH : Tile128x256Cooperative {
+  static constexpr int kStages = 3;
+};
+
 /// The same in clusters of 2 CTAs along M: a cluster takes two M-adjacent tiles of one expert and N tile, and each
 /// CTA loads half of the shared weight tile and multicasts it to both (half the weight traffic from L2; measured
 /// equal on 1.4B/7B and 4 % faster on 120B (2048,64,4) than without clusters, docs/BENCHMARK_HISTORY.md).

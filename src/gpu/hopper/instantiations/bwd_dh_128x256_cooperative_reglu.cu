@@ -3,5 +3,5 @@
 #include "gpu/hopper/kernel_families.cuh"
 
 namespace machmoe::gpu::hopper {
-template void launch_dh_kernel<Tile128x256Cooperative, Activation::kReGLU>(const DhKernelParams&, int, cudaStream_t);
+template void launch_dh_kernel<Tile128x256CooperativeStagedH, Activation::kReGLU>(const DhKernelParams&, int, cudaStream_t);
 }  // namespace machmoe::gpu::hopper

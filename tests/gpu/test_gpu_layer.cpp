@@ -286,6 +286,44 @@ TEST(GpuLayerOddShapes, EveryGemmOnTheHopperKernelsMatchesFloat64) {
       }
 }
 
+// The dH kernel's wide tile (the cooperative 128 x 256 one with H staged by TMA, which the heuristic takes only where
+// d >= 4096 and n >= 2048) inside the whole layer: the backward writes dH over the saved H (and in input-only mode over
+// the recomputed H), so this is where its in-place path runs. Every family forced to its wide tile, small shapes with
+// a partial M-tile per expert and an n that is one wide tile, GLU and not, both layouts, bias on and off, both cache
+// modes, against the float64 reference.
+TEST(GpuLayerProperties, WideDhTileInTheLayerMatchesFloat64) {
+  REQUIRE_GPU();
+  struct TileGuard {
+    ~TileGuard() { gpu::set_hopper_tile_n(0); }
+  } tile_guard;
+  struct PolicyGuard {
+    FallbackPolicy saved = fallback_policy();
+    ~PolicyGuard() { set_fallback_policy(saved); }
+  } policy_guard;
+  set_fallback_policy(FallbackPolicy::kError);
+  gpu::set_hopper_tile_n(256);
+  for (Activation act : {Activation::kSwiGLU, Activation::kReLU, Activation::kGptOssSwiGLU})
+    for (WeightLayout layout : {WeightLayout::kInterleaved, WeightLayout::kConcatenated}) {
+      if (!is_glu(act) && layout == WeightLayout::kConcatenated) continue;
+      for (CacheMode cache : {CacheMode::kPreActivation, CacheMode::kInputOnly})
+        for (bool bias : {false, true}) {
+          SCOPED_TRACE(std::string(activation_name(act)) + " " + weight_layout_name(layout) + " " +
+                       cache_mode_name(cache) + (bias ? " bias" : ""));
+          MoEProblem p;
+          p.T = 333, p.d = 256, p.n = 256, p.E = 6, p.K = 2;
+          p.activation = act, p.weight_layout = layout, p.has_b1 = p.has_b2 = bias, p.cache = cache;
+          const LayerCase<double> c(p, 4050);
+          GpuRun g;
+          ASSERT_NO_THROW(g = run_on_gpu(c, DType::kBF16)) << "a GEMM fell back to the reference kernel";
+          const LayerCase<double> q = quantized_case(c, DType::kBF16);
+          // gptoss_swiglu's clamps: the reference reads H rounded as the GPU's backward does (see above).
+          compare_all(g, act == Activation::kGptOssSwiGLU ? reference_with_cached_h(q, g.logits, DType::kBF16)
+                                                          : reference_for(q, g.logits),
+                      DType::kBF16);
+        }
+    }
+}
+
 // ---- edge shapes -----------------------------------------------------------------------------------------------
 
 struct EdgeShape {

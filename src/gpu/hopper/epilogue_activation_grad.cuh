@@ -7,19 +7,20 @@
 //   dS partials: <dA', A> over each 64-column block of the tile, one fp32 per (pair, block), reduced later in a
 //   fixed order (launch_ds_reduce), so dS is deterministic without atomics.
 //
-// H: by TMA into the warpgroup's two staging buffers, a pass (64 rows x 128 dH columns) at a time, ahead of use: the
-// first two passes of a tile before its mainloop, each later one as soon as its buffer is free. dH is computed in
-// place over H in the buffer and leaves by TMA store; a thread reads exactly the H elements whose dH it then writes,
-// so in-place mode (dH over H in global memory, input-only mode, memory.hpp) stays safe: a tile loads the H of its
-// rows and columns before it stores their dH, and no other tile stores them. Under the ping-pong schedule (the
-// default tile) the other consumer warpgroup's mainloop keeps the tensor cores busy meanwhile; under the cooperative
-// one (Tile128x256CooperativeStagedH, where d and n are large: heuristics.hpp) nothing does, and the epilogue is
-// exposed, but its mainloop runs the GEMM at cuBLAS's rate. The cooperative tile once read H from global memory into
-// registers pass by pass (its 4-stage ring left no room for the buffers); with the ring at 3 stages and H staged like
-// the ping-pong tile's it measured 0.5 ms faster on 120B (2048,64,4) (H100, docs/BENCHMARKS.md, session 40). H is not
-// prefetched into L2: a bulk L2 prefetch of the tile's H rows by the producer, one mainloop ahead, was evicted before
-// the epilogue read it, so H came from HBM twice (ncu, H100, 1.4B (256,128,8): 1.20 GB read from HBM with the
-// prefetch, 0.87 GB without, and the kernel 12 % faster without; docs/BENCHMARKS.md, session 28).
+// H: by TMA into the warpgroup's two staging buffers, a pass (64 rows x kStageCols dH columns: 128 in the ping-pong
+// tile, 64 in the cooperative one) at a time, ahead of use: the first two passes of a tile before its mainloop, each
+// later one as soon as its buffer is free. dH is computed in place over H in the buffer and leaves by TMA store; a
+// thread reads exactly the H elements whose dH it then writes, so in-place mode (dH over H in global memory, input-only
+// mode, memory.hpp) stays safe: a tile loads the H of its rows and columns before it stores their dH, and no other tile
+// stores them. Under the ping-pong schedule (the default tile) the other consumer warpgroup's mainloop keeps the tensor
+// cores busy meanwhile; under the cooperative one (Tile128x256CooperativeStagedH, where d and n are large:
+// heuristics.hpp) nothing does, and the epilogue is exposed, but its mainloop runs the GEMM at cuBLAS's rate. The
+// cooperative tile once read H from global memory into registers pass by pass (its 4-stage ring left no room for 16 KiB
+// buffers); staged in 8 KiB buffers of 64 columns it measured 0.3-0.6 ms faster than the ping-pong tile on 120B
+// (2048,64,4) (H100, docs/BENCHMARKS.md, session 40). H is not prefetched into L2: a bulk L2 prefetch of the tile's H
+// rows by the producer, one mainloop ahead, was evicted before the epilogue read it, so H came from HBM twice (ncu,
+// H100, 1.4B (256,128,8): 1.20 GB read from HBM with the prefetch, 0.87 GB without, and the kernel 12 % faster without;
+// docs/BENCHMARKS.md, session 28).
 //
 // Scores: a row's pair index (scatter) is loaded in tile_start, before the tile's mainloop, and the scores of all the
 // thread's rows in one batch once the tile's first WGMMAs are issued (first_mma_issued), so that the rest of the
@@ -53,8 +54,8 @@ struct EpilogueActivationGrad {
   static constexpr int kDsBlocks = kTileN / 64;               // dS partials per row and tile
   static_assert(kDhCols % Staging::kStageCols == 0 && kTileN % 64 == 0, "tile columns");
 
-  // H by TMA: two staging buffers per warpgroup, into which TMA loads a pass of H (64 rows x 128 dH columns, the
-  // staging layout); the pass's dH is computed in place and leaves by TMA store from the same buffer. A tile's passes
+  // H by TMA: two staging buffers per warpgroup, into which TMA loads a pass of H (64 rows x kStageCols dH columns,
+  // the staging layout); the pass's dH is computed in place and leaves by TMA store from the same buffer. A tile's passes
   // and A' passes ("slots") take the two buffers in turn; the H of a tile's first two slots is loaded before its
   // mainloop, and each later H slot's as soon as its buffer has been stored from, so the epilogue finds H in shared
   // memory instead of waiting on global loads pass by pass.

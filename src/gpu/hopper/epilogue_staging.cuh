@@ -46,7 +46,8 @@ struct EpilogueStaging {
   // whole 64-row block leaves by TMA store (asynchronous: the warpgroup goes on to its next mainloop while the
   // copy engine drains it); a block cut by the end of the expert's segment leaves by predicated 16-byte stores.
   // The outputs of one tile take turns in it; the fp32 values stay in registers in between.
-  static constexpr int kStageCols = 128;
+  static constexpr int kStageCols = Tile::kEpilogueStageCols;
+  static_assert(kStageCols == 64 || kStageCols == 128, "one or two 64-column swizzle blocks");
   static constexpr int kBlockElems = kRows * 64;
 
   struct Storage {  // per consumer warpgroup; 1024-byte aligned (swizzle atoms)

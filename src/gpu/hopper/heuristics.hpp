@@ -61,13 +61,13 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// epilogue (H read, activation gradient, A' and dS) is long, and the ping-pong schedule hides one warpgroup's behind
 /// the other's mainloop. The cooperative tile's mainloop is the faster one (H100, session 40, the epilogue switched
 /// off: 2.88 against 3.88 ms on 120B (2048,64,4), 0.247 against 0.311 on 7B (256,128,8); cuBLAS 2.96 and 0.31), but
-/// its epilogue runs with the tensor cores idle. With H staged by TMA in both (Tile128x256CooperativeStagedH), forced
-/// tiles, eight rounds in both orders: the wide tile 0.4-0.6 ms faster on 120B (2048,64,4) (4.34-4.62 against
-/// 4.66-5.22 ms), equal on 120B (1024,128,8) (4.40-4.44 against 4.26-4.43), slower on every other main row (30B
-/// (1024,64,4) 2.29 against 2.22-2.25, 7B (256,128,8) 0.533 against 0.447) and at gpt-oss's d = n = 2880 (2.68-2.79
-/// against 2.45-2.47); docs/BENCHMARKS.md. (Session 32, with the wide tile's H read into registers, had measured the
-/// ping-pong tile faster at d = 4096 on every row tried: 2-7 % on the 30B and 120B rows, 24 % on
-/// (16384,4096,1024,256,4), where an expert has about two M-tiles.)
+/// its epilogue runs with the tensor cores idle. With H staged by TMA in both (the wide tile's ring keeps its four
+/// stages with 8 KiB buffers of 64 columns: Tile128x256CooperativeStagedH), forced tiles, two rounds: the wide tile
+/// 4.06-4.12 against 4.36-4.73 ms on 120B (2048,64,4), 4.01-4.05 against 4.07-4.12 on 120B (1024,128,8), equal within
+/// the rounds' spread on 120B (512,256,16) and the 30B rows, slower on 7B (256,128,8) (0.48 against 0.44) and at
+/// gpt-oss's d = n = 2880 (2.51-2.56 against 2.40); docs/BENCHMARKS.md. (Session 32, with the wide tile's H read into
+/// registers, had measured the ping-pong tile faster at d = 4096 on every row tried: 2-7 % on the 30B and 120B rows,
+/// 24 % on (16384,4096,1024,256,4), where an expert has about two M-tiles.)
 /// N that is no multiple of 256 (edge tiles, or a multiple of 128 only): the down-projection and dX~ take the tile
 /// that pads the fewest columns, the wide one on a tie (N = 256 q + r: 256 iff
 /// r > 128, i.e. ceil(N / 128) even; N = 2880 = 11 x 256 + 64 takes 128, 2944 columns where 256 would make 3072).
@@ -78,7 +78,8 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// only (N = 384: 133 %) the square tile stays. A forced tile (overrides.tile_n = 128 or 256) is honoured for every N.
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
 
-/// The dH kernel's wide tile from this reduction length d and this width n on (both measured on 120B (2048,64,4) only).
+/// The dH kernel's wide tile from this reduction length d and this width n on (a clear gain measured on 120B
+/// (2048,64,4) only; 120B (1024,128,8), 1-2 % faster in two rounds, keeps the ping-pong tile).
 inline constexpr std::int64_t kDhWideMinK = 4096;
 inline constexpr std::int64_t kDhWideMinN = 2048;
 

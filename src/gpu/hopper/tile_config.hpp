@@ -14,6 +14,7 @@ enum class Schedule : int { kPingPong, kCooperative };
 struct Tile128x128PingPong {
   static constexpr int kTileM = 128, kTileN = 128, kTileK = 64;
   static constexpr int kStages = 5;
+  static constexpr int kEpilogueStageCols = 128;  // columns of an epilogue staging buffer (64 rows)
   static constexpr Schedule kSchedule = Schedule::kPingPong;
   static constexpr int kClusterM = 1;
 };
@@ -22,15 +23,18 @@ struct Tile128x128PingPong {
 struct Tile128x256Cooperative {
   static constexpr int kTileM = 128, kTileN = 256, kTileK = 64;
   static constexpr int kStages = 4;
+  static constexpr int kEpilogueStageCols = 128;
   static constexpr Schedule kSchedule = Schedule::kCooperative;
   static constexpr int kClusterM = 1;
 };
 
-/// 128 x 256 tiles, cooperative, 3 stages: 3 x 48 KiB ring + 2 x 2 x 16 KiB staging. The dH kernel's wide tile: its
-/// epilogue stages H by TMA in two buffers per consumer warpgroup (epilogue_activation_grad.cuh), which a 4-stage
-/// ring leaves no room for.
+/// 128 x 256 tiles, cooperative, 4 stages, and epilogue staging buffers of 64 columns: 4 x 48 KiB ring + 2 x 2 x 8 KiB
+/// staging. The dH kernel's wide tile: its epilogue stages H by TMA in two buffers per consumer warpgroup
+/// (epilogue_activation_grad.cuh); buffers of 128 columns would have cost the ring a stage (measured slower on every
+/// 30B/120B row, docs/BENCHMARKS.md, session 40).
 struct Tile128x256CooperativeStagedH : Tile128x256Cooperative {
-  static constexpr int kStages = 3;
+  static constexpr int kStages = 4;
+  static constexpr int kEpilogueStageCols = 64;
 };
 
 /// The same in clusters of 2 CTAs along M: a cluster takes two M-adjacent tiles of one expert and N tile, and each

@@ -54,8 +54,8 @@ struct EpilogueActivationGrad {
   static constexpr int kDsBlocks = kTileN / 64;               // dS partials per row and tile
   static_assert(kDhCols % Staging::kStageCols == 0 && kTileN % 64 == 0, "tile columns");
 
-  // H by TMA: two staging buffers per warpgroup, into which TMA loads a pass of H (64 rows x kStageCols dH columns,
-  // the staging layout); the pass's dH is computed in place and leaves by TMA store from the same buffer. A tile's passes
+  // H by TMA: two staging buffers per warpgroup, into which TMA loads a pass of H (64 rows x kStageCols dH columns, the
+  // staging layout); the pass's dH is computed in place and leaves by TMA store from the same buffer. A tile's passes
   // and A' passes ("slots") take the two buffers in turn; the H of a tile's first two slots is loaded before its
   // mainloop, and each later H slot's as soon as its buffer has been stored from, so the epilogue finds H in shared
   // memory instead of waiting on global loads pass by pass.

@@ -33,8 +33,7 @@ struct Tile128x256Cooperative {
 /// (epilogue_activation_grad.cuh); buffers of 128 columns would have cost the ring a stage (measured slower on every
 /// 30B/120B row, docs/BENCHMARKS.md, session 40).
 struct Tile128x256CooperativeStagedH : Tile128x256Cooperative {
-  static constexpr int kStages = 4;
-  static constexpr int kEpilogueStageCols = 64;
+  static constexpr int kEpilogueStageCols = 64;  // the ring's four stages kept
 };
 
 /// The same in clusters of 2 CTAs along M: a cluster takes two M-adjacent tiles of one expert and N tile, and each

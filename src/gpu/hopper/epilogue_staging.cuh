@@ -42,7 +42,8 @@ struct EpilogueStaging {
   static constexpr int kRows = 64;  // one WGMMA atom of rows
   // Row atoms of one warpgroup: ping-pong, the whole 128-row tile; cooperative, its own 64-row half.
   static constexpr int kRowAtoms = TileTraits<Tile>::kCooperative ? 1 : Tile::kTileM / kRows;
-  // The staging buffer holds 64 rows x 128 columns as two 64 x 64 blocks in TMA's 128-byte-swizzled layout: a
+  // The staging buffer holds 64 rows x kStageCols columns (Tile::kEpilogueStageCols: 128, or 64 for the dH kernel's
+  // wide tile) as 64 x 64 blocks in TMA's 128-byte-swizzled layout: a
   // whole 64-row block leaves by TMA store (asynchronous: the warpgroup goes on to its next mainloop while the
   // copy engine drains it); a block cut by the end of the expert's segment leaves by predicated 16-byte stores.
   // The outputs of one tile take turns in it; the fp32 values stay in registers in between.

@@ -27,22 +27,33 @@ TEST(HopperHeuristics, WideTileWhereNAllowsIt) {
   }
 }
 
-TEST(HopperHeuristics, DhKernelTakesThePingPongTileUnlessDAndNAreLarge) {
+TEST(HopperHeuristics, DhKernelTakesThePingPongTileUnlessDNAndTheExpertsAreLarge) {
+  auto dh = [](std::int64_t n, std::int64_t d, std::int64_t rows, const TileOverrides& o = {}) {
+    GemmShape s = shape(KernelFamily::kDhKernel, n, d);
+    s.rows_per_expert = rows;
+    return choose_tiles(s, o).tile_n;
+  };
   for (std::int64_t d : {768, 1536, 2048, 2880, 4096, 8192})
-    for (std::int64_t n : {8, 200, 256, 384, 512, 1024, 2048, 2880, 4096}) {
-      // The wide tile only from d = 4096 and n = 2048 on (120B (2048,64,4)), and for n a multiple of 256.
-      const int expected = d >= 4096 && n >= 2048 && n % 256 == 0 ? 256 : 128;
-      EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, n, d), {}).tile_n, expected) << n << " " << d;
-    }
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 2048, 4096), {}).tile_n, 256);  // 120B (2048,64,4)
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 1024, 4096), {}).tile_n, 128);  // 120B (1024,128,8)
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 2880, 2880), {}).tile_n, 128);  // gpt-oss
+    for (std::int64_t n : {8, 200, 256, 384, 512, 1024, 1280, 2048, 2880, 4096})
+      for (std::int64_t rows : {0, 1, 256, 1023, 1024, 2048, 100000}) {
+        // The wide tile only from d = 4096, n = 1024 and 1024 rows per expert on, and for n a multiple of 256.
+        const int expected = d >= 4096 && n >= 1024 && n % 256 == 0 && rows >= 1024 ? 256 : 128;
+        EXPECT_EQ(dh(n, d, rows), expected) << n << " " << d << " " << rows;
+      }
+  EXPECT_EQ(dh(2048, 4096, 32768 * 4 / 64), 256);    // 120B (2048,64,4)
+  EXPECT_EQ(dh(1024, 4096, 32768 * 8 / 128), 256);   // 120B (1024,128,8)
+  EXPECT_EQ(dh(1024, 4096, 32768 * 4 / 64), 256);    // 30B (1024,64,4)
+  EXPECT_EQ(dh(512, 4096, 32768 * 16 / 256), 128);   // 120B (512,256,16)
+  EXPECT_EQ(dh(1024, 4096, 16384 * 4 / 256), 128);   // (16384,4096,1024,256,4): two M-tiles per expert
+  EXPECT_EQ(dh(1024, 4096, 16384 * 4 / 64), 256);    // (16384,4096,1024,64,4)
+  EXPECT_EQ(dh(2880, 2880, 16384 * 4 / 32), 128);    // gpt-oss
+  EXPECT_EQ(dh(2048, 4096, 0), 128);                 // rows unknown: the square tile
   TileOverrides o;
-  o.tile_n = 256;  // forced: the wide tile, whatever d is
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 256, 1536), o).tile_n, 256);
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 1024, 4096), o).tile_n, 256);
+  o.tile_n = 256;  // forced: the wide tile, whatever d and the rows are
+  EXPECT_EQ(dh(256, 1536, 2048, o), 256);
+  EXPECT_EQ(dh(1024, 4096, 256, o), 256);
   o.tile_n = 128;  // and the square one where the heuristic takes the wide one
-  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 2048, 4096), o).tile_n, 128);
+  EXPECT_EQ(dh(2048, 4096, 2048, o), 128);
 }
 
 TEST(HopperHeuristics, OverridesAreHonouredForEveryN) {

@@ -264,6 +264,7 @@ void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t st
                  : mn_major  ? hopper::KernelFamily::kDxExpanded
                              : hopper::KernelFamily::kDownProjection;
   shape.N = a.N, shape.K = a.K;
+  shape.rows_per_expert = a.E > 0 ? a.P_max / a.E : 0;
   const hopper::TileChoice tiles = hopper::choose_tiles(shape, tile_overrides());
 
   hopper::VarlenMSchedulerParams sched;

@@ -45,9 +45,12 @@ TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides) 
     return c;
   }
   // The dH kernel: the ping-pong tile (its long epilogue hidden behind the other warpgroup's mainloop) except where
-  // the reduction d and the width n are both large (heuristics.hpp, kDhWideMinK / kDhWideMinN).
+  // the reduction d, the width n and the experts' rows are all large (heuristics.hpp, kDhWideMin*).
   if (shape.family == KernelFamily::kDhKernel) {
-    c.tile_n = shape.K >= kDhWideMinK && shape.N >= kDhWideMinN && shape.N % 256 == 0 ? 256 : 128;
+    c.tile_n = shape.K >= kDhWideMinK && shape.N >= kDhWideMinN && shape.N % 256 == 0 &&
+                       shape.rows_per_expert >= kDhWideMinRowsPerExpert
+                   ? 256
+                   : 128;
     return c;
   }
   // Otherwise the tile that pads the fewest columns, the wide one on a tie (every N that is a multiple of 256); the

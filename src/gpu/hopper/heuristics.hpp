@@ -14,6 +14,9 @@ struct GemmShape {
   KernelFamily family = KernelFamily::kUpProjection;
   std::int64_t N = 0;  // output columns
   std::int64_t K = 0;  // reduction length
+  // Routed rows per expert on average (the rows reserved over E; 0: unknown). The counts themselves stay on the
+  // device: the host chooses from the shape.
+  std::int64_t rows_per_expert = 0;
 };
 
 /// Forced choices (0: the heuristic decides).
@@ -57,17 +60,19 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// (n = 256). 128 x 128 ping-pong serves N that is a multiple of 128 but not of 256 (and a forced 128).
 /// Rasterisation: the families whose A arrives contiguous by TMA run in groups of kContiguousRasterM M-tiles (dX~
 /// always, the down-projection from K = kDownRasterMinK), the others along N (raster_m = 1).
-/// The dH kernel takes the ping-pong tile except where d >= kDhWideMinK and n >= kDhWideMinN (a multiple of 256): its
-/// epilogue (H read, activation gradient, A' and dS) is long, and the ping-pong schedule hides one warpgroup's behind
-/// the other's mainloop. The cooperative tile's mainloop is the faster one (H100, session 40, the epilogue switched
-/// off: 2.88 against 3.88 ms on 120B (2048,64,4), 0.247 against 0.311 on 7B (256,128,8); cuBLAS 2.96 and 0.31), but
-/// its epilogue runs with the tensor cores idle. With H staged by TMA in both (the wide tile's ring keeps its four
-/// stages with 8 KiB buffers of 64 columns: Tile128x256CooperativeStagedH), forced tiles, two rounds: the wide tile
-/// 4.06-4.12 against 4.36-4.73 ms on 120B (2048,64,4), 4.01-4.05 against 4.07-4.12 on 120B (1024,128,8), equal within
-/// the rounds' spread on 120B (512,256,16) and the 30B rows, slower on 7B (256,128,8) (0.48 against 0.44) and at
-/// gpt-oss's d = n = 2880 (2.51-2.56 against 2.40); docs/BENCHMARKS.md. (Session 32, with the wide tile's H read into
-/// registers, had measured the ping-pong tile faster at d = 4096 on every row tried: 2-7 % on the 30B and 120B rows,
-/// 24 % on (16384,4096,1024,256,4), where an expert has about two M-tiles.)
+/// The dH kernel takes the ping-pong tile except where d >= kDhWideMinK, n >= kDhWideMinN (a multiple of 256) and
+/// the experts have at least kDhWideMinRowsPerExpert routed rows on average: its epilogue (H read, activation
+/// gradient, A' and dS) is long, and the ping-pong schedule hides one warpgroup's behind the other's mainloop. The
+/// cooperative tile's mainloop is the faster one (H100, session 40, the epilogue switched off: 2.88 against 3.88 ms
+/// on 120B (2048,64,4), 0.247 against 0.311 on 7B (256,128,8); cuBLAS 2.96 and 0.31), but its epilogue runs with the
+/// tensor cores idle. With H staged by TMA in both (the wide tile's ring keeps its four stages with 8 KiB buffers of
+/// 64 columns: Tile128x256CooperativeStagedH), forced tiles, H100 (docs/BENCHMARKS.md, sessions 40 and 41): the wide
+/// tile 4.06-4.12 against 4.36-4.73 ms on 120B (2048,64,4); 4.01-4.09 against 4.07-4.21 on 120B (1024,128,8) in six
+/// rounds of three calls (2-3 % in this session's five); 2.00-2.14 against 2.05-2.24 on 30B (1024,64,4) and 1.07-1.10
+/// against 1.05-1.16 on (16384,4096,1024,64,4) (1024 rows per expert); but 1.64-1.71 against 1.41-1.44 on
+/// (16384,4096,1024,256,4), where an expert's 256 rows make two M-tiles and the wide tile half as many tiles as the
+/// square one for 132 SMs; equal within the rounds' spread at n = 256 and 512 (30B and 120B rows); slower at d <= 2880
+/// (7B (256,128,8): 0.48 against 0.44; gpt-oss's d = n = 2880: 2.51-2.56 against 2.40).
 /// N that is no multiple of 256 (edge tiles, or a multiple of 128 only): the down-projection and dX~ take the tile
 /// that pads the fewest columns, the wide one on a tie (N = 256 q + r: 256 iff
 /// r > 128, i.e. ceil(N / 128) even; N = 2880 = 11 x 256 + 64 takes 128, 2944 columns where 256 would make 3072).
@@ -78,10 +83,11 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// only (N = 384: 133 %) the square tile stays. A forced tile (overrides.tile_n = 128 or 256) is honoured for every N.
 TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
 
-/// The dH kernel's wide tile from this reduction length d and this width n on (a clear gain measured on 120B
-/// (2048,64,4) only; 120B (1024,128,8), 1-2 % faster in two rounds, keeps the ping-pong tile).
+/// The dH kernel's wide tile from this reduction length d, this width n and this many routed rows per expert on
+/// average (choose_tiles above).
 inline constexpr std::int64_t kDhWideMinK = 4096;
-inline constexpr std::int64_t kDhWideMinN = 2048;
+inline constexpr std::int64_t kDhWideMinN = 1024;
+inline constexpr std::int64_t kDhWideMinRowsPerExpert = 1024;
 
 /// The up-projection's and the weight gradients' limit on the wide tile's padded width, in % of the square tile's.
 inline constexpr std::int64_t kUpProjectionWidePercent = 110;

@@ -67,8 +67,8 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// on 120B (2048,64,4), 0.247 against 0.311 on 7B (256,128,8); cuBLAS 2.96 and 0.31), but its epilogue runs with the
 /// tensor cores idle. With H staged by TMA in both (the wide tile's ring keeps its four stages with 8 KiB buffers of
 /// 64 columns: Tile128x256CooperativeStagedH), forced tiles, H100 (docs/BENCHMARKS.md, sessions 40 and 41): the wide
-/// tile 4.06-4.12 against 4.36-4.73 ms on 120B (2048,64,4); 4.01-4.09 against 4.07-4.21 on 120B (1024,128,8) in six
-/// rounds of three calls (2-3 % in this session's five); 2.00-2.14 against 2.05-2.24 on 30B (1024,64,4) and 1.07-1.10
+/// tile 4.06-4.12 against 4.36-4.73 ms on 120B (2048,64,4); 4.01-4.11 against 4.07-4.21 on 120B (1024,128,8) in seven
+/// rounds of three calls (2-3.5 % in session 41's five); 2.00-2.17 against 2.05-2.24 on 30B (1024,64,4) and 1.07-1.10
 /// against 1.05-1.16 on (16384,4096,1024,64,4) (1024 rows per expert); but 1.64-1.71 against 1.41-1.44 on
 /// (16384,4096,1024,256,4), where an expert's 256 rows make two M-tiles and the wide tile half as many tiles as the
 /// square one for 132 SMs; equal within the rounds' spread at n = 256 and 512 (30B and 120B rows); slower at d <= 2880

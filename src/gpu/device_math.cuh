@@ -60,6 +60,44 @@ __device__ __forceinline__ float key_value(std::uint64_t key) {  // NaN for the 
   return __uint_as_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
 }
 
+/// rank_key's order in the narrowest key a selection over elements of T can use, for rows of at most kMaxRow
+/// elements. Generic: rank_key itself (64 bits; a warp maximum is two redux instructions, value word then index word).
+/// key 0 ranks below every element (padding lanes).
+template <class T>
+struct RankKey {
+  using Type = std::uint64_t;
+  static constexpr int kMaxRow = 0x7fffffff;
+  __device__ __forceinline__ static Type make(float v, int i) { return rank_key(v, i); }
+  __device__ __forceinline__ static float value(Type k) { return key_value(k); }
+  __device__ __forceinline__ static int index(Type k) {
+    return static_cast<int>(0xffffffffu - static_cast<std::uint32_t>(k));
+  }
+  __device__ __forceinline__ static Type warp_max(Type k) {
+    const std::uint32_t hi = __reduce_max_sync(0xffffffffu, static_cast<std::uint32_t>(k >> 32));
+    const std::uint32_t lo =
+        __reduce_max_sync(0xffffffffu, static_cast<std::uint32_t>(k >> 32) == hi ? static_cast<std::uint32_t>(k) : 0u);
+    return (static_cast<std::uint64_t>(hi) << 32) | lo;
+  }
+};
+/// bf16: an element's float is its 16 high bits, so rank_key's monotone value word keeps its order in its high half
+/// (the low half is constant for a sign: 0 above zero, all ones below), and the complemented index fits the low 16
+/// bits for rows of up to 65535 elements (65535 - i >= 1 keeps even a NaN's key above the padding's 0). One 32-bit key:
+/// the same selections in the same order, half the compare work, and a warp maximum in one redux instruction.
+template <>
+struct RankKey<__nv_bfloat16> {
+  using Type = std::uint32_t;
+  static constexpr int kMaxRow = 0xffff;
+  __device__ __forceinline__ static Type make(float v, int i) {
+    return (static_cast<std::uint32_t>(rank_key(v, i) >> 32) & 0xffff0000u) | (0xffffu - static_cast<std::uint32_t>(i));
+  }
+  __device__ __forceinline__ static float value(Type k) {  // NaN for the NaN key (value half 0)
+    const std::uint32_t u = k >> 16;
+    return __uint_as_float(((u & 0x8000u) ? (u & 0x7fffu) : (~u & 0xffffu)) << 16);
+  }
+  __device__ __forceinline__ static int index(Type k) { return static_cast<int>(0xffffu - (k & 0xffffu)); }
+  __device__ __forceinline__ static Type warp_max(Type k) { return __reduce_max_sync(0xffffffffu, k); }
+};
+
 /// The next top-K selection of a row by one warp: the best candidate ranking after (prev_v, prev_i) (prev_i < 0: the
 /// first). Repeating it K times selects the top K in order with no marking, for any E and K. Every kernel that
 /// selects experts uses this one function, so the forward and the backward always agree on the selection.

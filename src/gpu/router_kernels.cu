@@ -24,30 +24,29 @@ __global__ void topk_scores_registers_kernel(const T* __restrict__ logits, std::
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (t >= T_) return;
   const T* z = logits + t * ld;
-  std::uint64_t key[PerLane];
+  using Key = RankKey<T>;  // rows here have at most 32 * kMaxPerLane elements
+  static_assert(32 * kMaxPerLane <= Key::kMaxRow, "row longer than the rank key holds");
+  typename Key::Type key[PerLane];
 #pragma unroll
   for (int j = 0; j < PerLane; ++j) {
     const int i = j * 32 + lane;
-    key[j] = i < E ? rank_key(to_float(z[i]), i) : 0u;  // 0: below every element of the row
+    key[j] = i < E ? Key::make(to_float(z[i]), i) : 0u;  // 0: below every element of the row
   }
-  std::uint64_t prev = ~std::uint64_t{0};
+  typename Key::Type prev = ~typename Key::Type{0};
   float first = 0.0f, sum = 0.0f, mine = 0.0f;
   float* s = scores + t * K;
   std::int32_t* x = experts + t * K;
   for (int r = 0; r < K; ++r) {
-    std::uint64_t best = 0;
+    typename Key::Type best = 0;
 #pragma unroll
     for (int j = 0; j < PerLane; ++j) best = (key[j] < prev && key[j] > best) ? key[j] : best;
-    const std::uint32_t hi = __reduce_max_sync(0xffffffffu, static_cast<std::uint32_t>(best >> 32));
-    const std::uint32_t lo = __reduce_max_sync(
-        0xffffffffu, static_cast<std::uint32_t>(best >> 32) == hi ? static_cast<std::uint32_t>(best) : 0u);
-    prev = (static_cast<std::uint64_t>(hi) << 32) | lo;
-    const float v = key_value(prev);
+    prev = Key::warp_max(best);
+    const float v = Key::value(prev);
     // Selections come in descending order, so the first is the maximum over the selection (NaN only when all are).
     if (r == 0) first = v;
     sum += expf(v - first);  // every lane, in selection order
     if ((r & 31) == lane) {
-      x[r] = static_cast<std::int32_t>(0xffffffffu - lo);
+      x[r] = static_cast<std::int32_t>(Key::index(prev));
       if (K <= 32) mine = v;
       else s[r] = v;  // K > 32: the raw logit, read back below by the lane that wrote it
     }

@@ -31,6 +31,7 @@
 // the token's pair gradients by expert in shared memory, and writes dz in one pass with fixed-order warp sums.
 #include <map>
 #include <mutex>
+#include <type_traits>
 
 #include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
@@ -96,11 +97,15 @@ __device__ __forceinline__ bool kept(std::uint32_t key, std::uint32_t thr, std::
 template <class T, int PerLane>
 struct RowSelection {
   static constexpr bool kRegs = PerLane > 0;
+  // Rows in registers have at most 512 elements: bf16's 32-bit key holds them. Rows read from memory may be longer.
+  using Key = RankKey<std::conditional_t<kRegs, T, float>>;
+  using KeyType = typename Key::Type;
+  static_assert(32 * PerLane <= Key::kMaxRow, "row longer than the rank key holds");
   const T* row;
   int E, lane, slots;
   float v[kRegs ? PerLane : 1];
-  std::uint64_t key[kRegs ? PerLane : 1];
-  std::uint64_t kth = ~std::uint64_t{0};
+  KeyType key[kRegs ? PerLane : 1];
+  KeyType kth = ~KeyType{0};
   float first = 0.0f, sum_k = 0.0f, m = -INFINITY, total = 0.0f;
 
   __device__ __forceinline__ RowSelection(const T* r, int E_, int lane_) : row(r), E(E_), lane(lane_) {
@@ -110,7 +115,7 @@ struct RowSelection {
       for (int j = 0; j < PerLane; ++j) {
         const int i = j * 32 + lane;
         v[j] = i < E ? to_float(row[i]) : 0.0f;
-        key[j] = i < E ? rank_key(v[j], i) : 0u;  // 0: below every element of the row
+        key[j] = i < E ? Key::make(v[j], i) : 0u;  // 0: below every element of the row
       }
     }
   }
@@ -118,9 +123,9 @@ struct RowSelection {
     if constexpr (kRegs) return v[j];
     else return to_float(row[j * 32 + lane]);
   }
-  __device__ __forceinline__ std::uint64_t rank(int j) const {
+  __device__ __forceinline__ KeyType rank(int j) const {
     if constexpr (kRegs) return key[j];
-    else return rank_key(to_float(row[j * 32 + lane]), j * 32 + lane);
+    else return Key::make(to_float(row[j * 32 + lane]), j * 32 + lane);
   }
   /// f(j) for the slots j in [lo, hi) that hold an element; constant slot indices for the register variant.
   template <class F>
@@ -135,18 +140,15 @@ struct RowSelection {
     }
   }
   __device__ __forceinline__ void select(int K) {
-    std::uint64_t prev = ~std::uint64_t{0};
+    KeyType prev = ~KeyType{0};
     for (int r = 0; r < K; ++r) {
-      std::uint64_t best = 0;
+      KeyType best = 0;
       for_each(0, slots, [&](int j) {
-        const std::uint64_t k = rank(j);
+        const KeyType k = rank(j);
         best = (k < prev && k > best) ? k : best;
       });
-      const std::uint32_t hi = __reduce_max_sync(kFull, static_cast<std::uint32_t>(best >> 32));
-      const std::uint32_t lo = __reduce_max_sync(
-          kFull, static_cast<std::uint32_t>(best >> 32) == hi ? static_cast<std::uint32_t>(best) : 0u);
-      prev = (static_cast<std::uint64_t>(hi) << 32) | lo;
-      const float sel = key_value(prev);
+      prev = Key::warp_max(best);
+      const float sel = Key::value(prev);
       if (r == 0) first = sel;  // selections come in descending order: the first is the selection's maximum
       sum_k += expf(sel - first);
     }

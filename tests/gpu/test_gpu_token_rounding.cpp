@@ -38,6 +38,7 @@ struct TrKernelCase {
   std::int64_t row_pad = 0;  // logits row stride E + row_pad
   std::int64_t repeat = 0;   // > 0: token t's logits are token (t % repeat)'s, so keys tie exactly across tokens
   const char* name = "";
+  bool bf16_values = false;  // the logits rounded to bf16 first (then stored in dt: the same values in another dtype)
 };
 
 template <class T>
@@ -70,6 +71,7 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
   for (std::int64_t t = 0; t < c.T; ++t)
     for (std::int64_t e = 0; e < c.E; ++e)
       z[t * ld + e] = c.repeat > 0 && t >= c.repeat ? z[(t % c.repeat) * ld + e] : nd(rng) + (e < 3 ? c.skew : 0.0);
+  if (c.bf16_values) z = quantize(z, DType::kBF16);
   TrRun run;
   const std::vector<double> zq = quantize(z, c.dt);
   run.logits.resize(static_cast<std::size_t>(c.T * c.E));
@@ -293,6 +295,70 @@ std::vector<TrKernelCase> kernel_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuTokenRoundingKernels, testing::ValuesIn(kernel_cases()),
                          [](const testing::TestParamInfo<TrKernelCase>& i) { return std::string(i.param.name); });
+
+// Rows in registers rank bf16 logits by 32-bit keys and fp32 logits by 64-bit ones (device_math.cuh, RankKey): on
+// the same values (bf16 logits, and those values stored as fp32) the kernels give bitwise the same routing and
+// scores, E = 8 to 512, with exact ties across tokens.
+TEST(GpuTokenRoundingKernels, Bf16KeysRouteAsTheFp32KeysDo) {
+  REQUIRE_GPU();
+  struct Shape {
+    std::int64_t T, E, K;
+    ScoreVariant sv;
+  };
+  for (const Shape& sh :
+       {Shape{3000, 8, 2, ScoreVariant::kSoftmaxOverTopK}, Shape{4096, 128, 8, ScoreVariant::kTopKOfSoftmax},
+        Shape{2500, 200, 7, ScoreVariant::kTopKOfSoftmaxRenorm}, Shape{1500, 512, 16, ScoreVariant::kTopKOfSoftmax}}) {
+    TrKernelCase c{sh.T, sh.E, sh.K, 64, RoundingRule::kNearest, sh.sv, DType::kBF16};
+    c.bf16_values = true;
+    c.repeat = sh.T / 3;  // exact ties across tokens too
+    const std::string what = "E=" + std::to_string(sh.E) + " K=" + std::to_string(sh.K);
+    const TrRun b = run_kernels(c, 99);
+    c.dt = DType::kFP32;
+    const TrRun f = run_kernels(c, 99);
+    ASSERT_EQ(b.logits, f.logits) << what;
+    EXPECT_TRUE(same_outputs(b.out, f.out)) << what << ": bf16 and fp32 logits of the same values route differently";
+  }
+}
+
+// The top-K kernel likewise: bf16 logits (32-bit keys) and the same values as fp32 (64-bit keys) select the same
+// experts in the same order with bitwise the same scores, for every score variant, rows of 20 to 512 experts, K up
+// to E, and values that stress the key: exact ties, +0 and -0, +inf and -inf, and NaN (ranked last).
+TEST(GpuRouterKernels, Bf16KeysSelectAsTheFp32KeysDo) {
+  REQUIRE_GPU();
+  struct Shape {
+    std::int64_t E, K;
+  };
+  std::mt19937_64 rng(7);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  for (const Shape& sh : {Shape{20, 5}, Shape{64, 64}, Shape{128, 8}, Shape{200, 7}, Shape{512, 40}})
+    for (ScoreVariant sv :
+         {ScoreVariant::kSoftmaxOverTopK, ScoreVariant::kTopKOfSoftmax, ScoreVariant::kTopKOfSoftmaxRenorm}) {
+      const std::int64_t T = 300, E = sh.E, K = sh.K;
+      std::vector<double> z(static_cast<std::size_t>(T * E));
+      for (double& v : z) v = std::round(nd(rng) * 4.0) / 4.0;  // few distinct values: many exact ties
+      for (std::int64_t t = 0; t < T; t += 7) {                  // special values in some rows
+        z[t * E + (t / 7) % E] = -0.0;
+        z[t * E + (t / 7 + 1) % E] = 0.0;
+        if (t % 21 == 0) z[t * E + (t / 7 + 2) % E] = INFINITY;
+        if (t % 35 == 0) z[t * E + (t / 7 + 3) % E] = -INFINITY;
+        if (t % 49 == 0) z[t * E + (t / 7 + 4) % E] = NAN;
+      }
+      const std::string what = "E=" + std::to_string(E) + " K=" + std::to_string(K) + " " + score_variant_name(sv);
+      std::vector<std::int32_t> experts[2];
+      std::vector<float> scores[2];
+      const DType dts[2] = {DType::kBF16, DType::kFP32};
+      for (int v = 0; v < 2; ++v) {
+        DeviceBuffer logits(encode(z, dts[v])), sc(T * K * 4), ex(T * K * 4);
+        gpu::launch_topk_scores(dts[v], logits.get(), E, T, E, K, sv, static_cast<float*>(sc.get()),
+                                static_cast<std::int32_t*>(ex.get()), nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+        experts[v] = download<std::int32_t>(ex, T * K);
+        scores[v] = download<float>(sc, T * K);
+      }
+      EXPECT_EQ(experts[0], experts[1]) << what;
+      EXPECT_EQ(std::memcmp(scores[0].data(), scores[1].data(), scores[0].size() * 4), 0) << what;
+    }
+}
 
 // The backward kernel against ref::token_rounding_backward on the forward's own pairs, every score variant, rows
 // in registers (E = 128) and from memory (E = 600, two windows of pair gradients), and a bitwise repeat.

@@ -33,6 +33,7 @@ struct Options {
   bool accumulate_grads = false;    // add the weight gradients into their buffers instead of overwriting them
   int iters = 3;             // resolved: 10 on the GPU, 3 on the CPU unless --iters says otherwise (<= kMaxRepetitions)
   int warmup = 1;            // resolved: 3 on the GPU, 1 on the CPU (<= kMaxRepetitions)
+  int warmup_ms = 0;         // GPU: the least time of untimed repetitions before each timing (default kGpuWarmupMs)
   int stage_runs = 5;        // GPU: instrumented runs of the stage table, median per stage (<= kMaxStageRuns)
   std::uint64_t seed = 0;
   bool all_configs = false;  // run the 12 main configurations
@@ -51,6 +52,14 @@ const std::vector<IntegerOption>& integer_options();
 
 /// The most repetitions --iters and --warmup take: enough for any measurement, few enough that a run ends.
 inline constexpr std::int64_t kMaxRepetitions = 100000;
+/// GPU: milliseconds of untimed repetitions before every timed measurement (the layer's forward and backward, each
+/// GEMM of the cuBLAS bound, the copy bandwidth), so that each is timed at the clock a sustained load holds. An H100
+/// at its 700 W cap under these GEMMs drops from 1980 MHz to 1400-1500 within 0.1 s of load and swings down to
+/// 1125-1260 when the power average reaches the cap after about a second (docs/BENCHMARKS.md, session 42): a
+/// measurement that starts on an idle board, or just after a memory-bound phase, runs faster than a training loop.
+inline constexpr std::int64_t kGpuWarmupMs = 1000;
+/// The most --warmup-ms takes.
+inline constexpr std::int64_t kMaxWarmupMs = 60000;
 /// The most instrumented runs --stage-runs takes (each is a whole forward + backward with an event per stage).
 inline constexpr std::int64_t kMaxStageRuns = 1000;
 

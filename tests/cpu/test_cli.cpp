@@ -178,6 +178,17 @@ TEST(Cli, RepetitionsAndSeedKeepTheirValue) {
   EXPECT_NE(error_of({"--seed", "18446744073709551615"}).find("beyond the 64-bit range"), std::string::npos);
 }
 
+TEST(Cli, WarmupMillisecondsBringTheGpuToItsSustainedClock) {
+  EXPECT_EQ(parse_options({}, true).warmup_ms, kGpuWarmupMs);
+  EXPECT_EQ(parse_options({"--warmup-ms", "0"}, true).warmup_ms, 0);
+  EXPECT_EQ(parse_options({"--warmup-ms", "60000"}, true).warmup_ms, 60000);
+  EXPECT_EQ(parse_options({}, false).warmup_ms, 0);  // the CPU reference has no power cap to reach
+  const std::string cpu = error_of({"--warmup-ms", "500"});
+  EXPECT_NE(cpu.find("'--warmup-ms': expected a GPU backend"), std::string::npos) << cpu;
+  EXPECT_NE(error_of({"--warmup-ms", "60001"}).find("'--warmup-ms': expected a decimal integer in [0, 60000]"),
+            std::string::npos);
+}
+
 TEST(Cli, StageRunsDefaultToFiveAndTakeTheirRange) {
   EXPECT_EQ(parse_options({}, false).stage_runs, 5);
   EXPECT_EQ(parse_options({"--stage-runs", "1"}, false).stage_runs, 1);

@@ -96,6 +96,7 @@ const std::vector<IntegerOption>& integer_options() {
       {"--iters", 1, kMaxRepetitions, "timed repetitions"},
       {"--warmup", 0, kMaxRepetitions, "untimed repetitions"},
       {"--warmup-ms", 0, kMaxWarmupMs, "milliseconds of untimed repetitions (GPU)"},
+      {"--time-ms", 0, kMaxWarmupMs, "milliseconds of timed repetitions (GPU)"},
       {"--stage-runs", 1, kMaxStageRuns, "instrumented runs of the stage timings, median per stage"},
       {"--seed", 0, std::numeric_limits<std::int64_t>::max(), "random seed"},
   };
@@ -154,6 +155,7 @@ std::string usage() {
       "  --backend NAME       auto (default: the GPU when one is present), gpu or cpu\n"
       "  --dtype NAME         GPU: bf16 (default), fp16, fp32; CPU reference: fp32 (default), fp64\n"
       "  --iters N            timed repetitions, median reported (default 10 on the GPU, 3 on the CPU)\n"
+      "  --time-ms N          GPU: and timed repetitions until N ms have passed (default 1000; 0: --iters only)\n"
       "  --warmup N           untimed repetitions first (default 3 on the GPU, 1 on the CPU)\n"
       "  --warmup-ms N        GPU: and untimed repetitions until N ms have passed, before every timed\n"
       "                       measurement (the layer's passes, each cuBLAS GEMM of the bound, the copy\n"
@@ -246,6 +248,7 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
     else if (name == "--iters") o.iters = static_cast<int>(v);  // <= kMaxRepetitions: fits an int
     else if (name == "--warmup") o.warmup = static_cast<int>(v);
     else if (name == "--warmup-ms") o.warmup_ms = static_cast<int>(v);
+    else if (name == "--time-ms") o.timed_ms = static_cast<int>(v);
     else if (name == "--stage-runs") o.stage_runs = static_cast<int>(v);
     else if (name == "--seed") o.seed = static_cast<std::uint64_t>(v);
   }
@@ -301,9 +304,11 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
   }
   if (!has("--iters")) o.iters = o.gpu ? 10 : 3;
   if (!has("--warmup")) o.warmup = o.gpu ? 3 : 1;
-  if (has("--warmup-ms") && !o.gpu)
-    bad("--warmup-ms", "a GPU backend (it brings the board to the clock of a sustained load)", "the CPU");
+  for (const char* gpu_only : {"--warmup-ms", "--time-ms"})
+    if (has(gpu_only) && !o.gpu)
+      bad(gpu_only, "a GPU backend (it times the board at the clock of a sustained load)", "the CPU");
   if (!has("--warmup-ms")) o.warmup_ms = o.gpu ? static_cast<int>(kGpuWarmupMs) : 0;
+  if (!has("--time-ms")) o.timed_ms = o.gpu ? static_cast<int>(kGpuTimedMs) : 0;
   if (o.all_configs && !o.gpu)
     bad("--all-configs", "a GPU backend (the CPU reference would take hours on the main configurations)", "the CPU");
   if (o.profile && !o.gpu) bad("--profile", "a GPU backend (it marks a CUDA profiler capture range)", "the CPU");

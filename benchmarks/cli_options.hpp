@@ -34,6 +34,7 @@ struct Options {
   int iters = 3;             // resolved: 10 on the GPU, 3 on the CPU unless --iters says otherwise (<= kMaxRepetitions)
   int warmup = 1;            // resolved: 3 on the GPU, 1 on the CPU (<= kMaxRepetitions)
   int warmup_ms = 0;         // GPU: the least time of untimed repetitions before each timing (default kGpuWarmupMs)
+  int timed_ms = 0;          // GPU: the least time of timed repetitions per timing (default kGpuTimedMs)
   int stage_runs = 5;        // GPU: instrumented runs of the stage table, median per stage (<= kMaxStageRuns)
   std::uint64_t seed = 0;
   bool all_configs = false;  // run the 12 main configurations
@@ -58,7 +59,11 @@ inline constexpr std::int64_t kMaxRepetitions = 100000;
 /// 1125-1260 when the power average reaches the cap after about a second (docs/BENCHMARKS.md, session 42): a
 /// measurement that starts on an idle board, or just after a memory-bound phase, runs faster than a training loop.
 inline constexpr std::int64_t kGpuWarmupMs = 1000;
-/// The most --warmup-ms takes.
+/// GPU: the least milliseconds of timed repetitions per measurement (at least --iters of them), whose median is reported.
+/// Under the cap the clock keeps swinging (1125-1530 MHz with a period of about a second on that H100), so ten calls
+/// of a 1 ms forward caught one phase of it: medians over a second of calls span the swings.
+inline constexpr std::int64_t kGpuTimedMs = 1000;
+/// The most --warmup-ms and --time-ms take.
 inline constexpr std::int64_t kMaxWarmupMs = 60000;
 /// The most instrumented runs --stage-runs takes (each is a whole forward + backward with an event per stage).
 inline constexpr std::int64_t kMaxStageRuns = 1000;

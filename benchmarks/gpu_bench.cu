@@ -85,10 +85,11 @@ std::size_t used_bytes() {
 }
 
 /// How a measurement repeats its work: `warmup` untimed calls, then untimed calls until `warmup_ms` have passed since
-/// the first (each waited for, as the timed calls are), then `iters` timed calls. The time-based warm-up brings the
-/// board to the clock it holds under sustained load (cli_options.hpp, kGpuWarmupMs) before any call is timed.
+/// the first (each waited for, as the timed calls are), then timed calls, at least `iters` and until `timed_ms` have
+/// passed. The time-based warm-up brings the board to the clock it holds under sustained load, and the timed window
+/// spans the power controller's swings of that clock (cli_options.hpp, kGpuWarmupMs and kGpuTimedMs).
 struct Repetitions {
-  int warmup = 2, iters = 10, warmup_ms = 0;
+  int warmup = 2, iters = 10, warmup_ms = 0, timed_ms = 0;
 };
 
 /// Median of the timed calls of f (CUDA events around each call, each waited for).
@@ -103,9 +104,12 @@ double median_ms(const Repetitions& rep, cudaStream_t s, const std::function<voi
     f();
     check(cudaStreamSynchronize(s), "warm-up");
   }
-  const int iters = rep.iters;
   std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
+  const auto timed_start = std::chrono::steady_clock::now();
+  for (int i = 0;; ++i) {
+    const double elapsed =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - timed_start).count();
+    if (i >= rep.iters && (elapsed >= rep.timed_ms || i >= kMaxRepetitions)) break;
     check(cudaEventRecord(a, s), "record");
     f();
     check(cudaEventRecord(b, s), "record");
@@ -120,11 +124,11 @@ double median_ms(const Repetitions& rep, cudaStream_t s, const std::function<voi
 }
 
 /// Device-to-device copy bandwidth, bytes read + written per second.
-double copy_bandwidth(cudaStream_t s, int warmup_ms) {
+double copy_bandwidth(cudaStream_t s, int warmup_ms, int timed_ms) {
   const std::size_t bytes = std::size_t{1} << 30;
   Dev a(bytes, "copy source"), b(bytes, "copy destination");
   check(cudaMemsetAsync(a.p, 1, bytes, s), "memset");
-  const double ms = median_ms({2, 10, warmup_ms}, s, [&] {
+  const double ms = median_ms({2, 10, warmup_ms, timed_ms}, s, [&] {
     check(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s), "copy");
   });
   return 2.0 * bytes / (ms * 1e-3);
@@ -132,7 +136,7 @@ double copy_bandwidth(cudaStream_t s, int warmup_ms) {
 
 /// Time of a strided-batched GEMM (batch E) of row-major (M x K) * (K x N), the data dtype, fp32 accumulation.
 double batched_gemm_ms(cublasHandle_t h, DType dt, std::int64_t E, std::int64_t M, std::int64_t N, std::int64_t K,
-                       cudaStream_t s, int warmup_ms) {
+                       cudaStream_t s, int warmup_ms, int timed_ms) {
   const std::size_t el = dtype_size(dt);
   Dev A(el * E * M * K, "cuBLAS bound A"), B(el * E * K * N, "cuBLAS bound B"), C(el * E * M * N, "cuBLAS bound C");
   fill_normal(dt, A, E * M * K, 1, 1.0f, s), fill_normal(dt, B, E * K * N, 2, 1.0f, s);
@@ -140,7 +144,7 @@ double batched_gemm_ms(cublasHandle_t h, DType dt, std::int64_t E, std::int64_t 
   const float alpha = 1, beta = 0;
   check(cublasSetStream(h, s), "cublasSetStream");
   // Row-major C = A B is column-major C^T = B^T A^T: m = N, n = M, k = K.
-  return median_ms({2, 10, warmup_ms}, s, [&] {
+  return median_ms({2, 10, warmup_ms, timed_ms}, s, [&] {
     check(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha, B.p, t, N, K * N, A.p, t, K, M * K,
                                      &beta, C.p, t, N, M * N, E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
           "cublasGemmStridedBatchedEx");
@@ -160,15 +164,16 @@ struct Bound {
   }
 };
 
-Bound cublas_bound(cublasHandle_t h, const MoEProblem& p, DType dt, double copy_bw, cudaStream_t s, int warmup_ms) {
+Bound cublas_bound(cublasHandle_t h, const MoEProblem& p, DType dt, double copy_bw, cudaStream_t s, int warmup_ms,
+                   int timed_ms) {
   const std::int64_t Te = std::max<std::int64_t>(1, p.T * p.K / p.E), r = p.w1_rows(), E = p.E;
   const double agg_ms = (2.0 * p.T * p.K * p.d + 2.0 * p.T * p.d) / copy_bw * 1e3;
-  const double up = batched_gemm_ms(h, dt, E, Te, r, p.d, s, warmup_ms);
-  const double down = batched_gemm_ms(h, dt, E, Te, p.d, p.n, s, warmup_ms);
-  const double da = batched_gemm_ms(h, dt, E, Te, p.n, p.d, s, warmup_ms);
-  const double dw2 = batched_gemm_ms(h, dt, E, p.d, p.n, Te, s, warmup_ms);
-  const double dxe = batched_gemm_ms(h, dt, E, Te, p.d, r, s, warmup_ms);
-  const double dw1 = batched_gemm_ms(h, dt, E, r, p.d, Te, s, warmup_ms);
+  const double up = batched_gemm_ms(h, dt, E, Te, r, p.d, s, warmup_ms, timed_ms);
+  const double down = batched_gemm_ms(h, dt, E, Te, p.d, p.n, s, warmup_ms, timed_ms);
+  const double da = batched_gemm_ms(h, dt, E, Te, p.n, p.d, s, warmup_ms, timed_ms);
+  const double dw2 = batched_gemm_ms(h, dt, E, p.d, p.n, Te, s, warmup_ms, timed_ms);
+  const double dxe = batched_gemm_ms(h, dt, E, Te, p.d, r, s, warmup_ms, timed_ms);
+  const double dw1 = batched_gemm_ms(h, dt, E, r, p.d, Te, s, warmup_ms, timed_ms);
   return {up + down + agg_ms,
           da + dw2 + dxe + dw1 + agg_ms,
           {{"forward/up_projection", up},
@@ -300,12 +305,12 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
       bws(backward_workspace_bytes(p, dt, dev), "backward workspace");
   const ForwardBuffers fb{saved.p, saved.bytes, fws.p, fws.bytes};
   const BackwardBuffers bb{saved.p, saved.bytes, bws.p, bws.bytes};
-  std::fprintf(stderr, "  [%s] timing forward (%d + %d ms + %d)...\n", o.config_name.c_str(), o.warmup, o.warmup_ms,
-               o.iters);
-  const Repetitions rep{o.warmup, o.iters, o.warmup_ms};
+  std::fprintf(stderr, "  [%s] timing forward (%d + %d ms, then >= %d and >= %d ms)...\n", o.config_name.c_str(),
+               o.warmup, o.warmup_ms, o.iters, o.timed_ms);
+  const Repetitions rep{o.warmup, o.iters, o.warmup_ms, o.timed_ms};
   r.fwd_ms = median_ms(rep, s, [&] { forward(p, xv, w, nullptr, fo, fb, s); });
-  std::fprintf(stderr, "  [%s] timing backward (%d + %d ms + %d)...\n", o.config_name.c_str(), o.warmup, o.warmup_ms,
-               o.iters);
+  std::fprintf(stderr, "  [%s] timing backward (%d + %d ms, then >= %d and >= %d ms)...\n", o.config_name.c_str(),
+               o.warmup, o.warmup_ms, o.iters, o.timed_ms);
   r.bwd_ms = median_ms(rep, s, [&] { backward(p, xv, w, nullptr, bi, bo, bb, s); });
   if (o.profile) {
     // Diagnostics: the forward issued back to back (the host runs ahead, so its launch latency is hidden; the
@@ -347,7 +352,7 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   r.fwd_tflops = (is_glu(p.activation) ? 6.0 : 4.0) * unit / (r.fwd_ms * 1e9);
   r.bwd_tflops = (is_glu(p.activation) ? 12.0 : 8.0) * unit / (r.bwd_ms * 1e9);
   std::fprintf(stderr, "  [%s] cuBLAS bound...\n", o.config_name.c_str());
-  const Bound b = cublas_bound(h, p, dt, copy_bw, s, o.warmup_ms);
+  const Bound b = cublas_bound(h, p, dt, copy_bw, s, o.warmup_ms, o.timed_ms);
   r.bound_fwd = b.fwd_ms, r.bound_bwd = b.bwd_ms;
   r.bound = b;
   return r;
@@ -368,7 +373,7 @@ std::string json_of(const Result& r, const Options& o, const std::string& gpu, d
     << ",\"efficiency_backward\":" << r.bound_bwd / r.bwd_ms
     << ",\"activation_bytes_accounted\":" << r.act_accounted << ",\"activation_bytes_measured\":" << r.act_measured
     << ",\"peak_bytes\":" << r.peak_total << ",\"peak_transient_bytes\":" << r.peak_transient
-    << ",\"iters\":" << o.iters << ",\"warmup\":" << o.warmup << ",\"warmup_ms\":" << o.warmup_ms
+    << ",\"iters\":" << o.iters << ",\"warmup\":" << o.warmup << ",\"warmup_ms\":" << o.warmup_ms << ",\"timed_ms\":" << o.timed_ms
     << ",\"stage_runs\":" << o.stage_runs << ",\"stages_ms\":{";
   for (std::size_t i = 0; i < r.stages.size(); ++i)
     j << (i ? "," : "") << "\"" << r.stages[i].stage << "\":" << r.stages[i].ms;
@@ -401,7 +406,8 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
   const std::string gpu = cuda_device_description(0);
   std::printf("gpu:      %s\n", gpu.c_str());
   std::fflush(stdout);
-  const double bw = copy_bandwidth(s, runs.empty() ? 0 : runs.front().warmup_ms);
+  const double bw = copy_bandwidth(s, runs.empty() ? 0 : runs.front().warmup_ms,
+                                   runs.empty() ? 0 : runs.front().timed_ms);
   std::printf("copy bandwidth (device-to-device, read+write): %.0f GB/s\n", bw * 1e-9);
   std::vector<Result> results;
   for (std::size_t i = 0; i < runs.size(); ++i) {

@@ -182,9 +182,14 @@ TEST(Cli, WarmupMillisecondsBringTheGpuToItsSustainedClock) {
   EXPECT_EQ(parse_options({}, true).warmup_ms, kGpuWarmupMs);
   EXPECT_EQ(parse_options({"--warmup-ms", "0"}, true).warmup_ms, 0);
   EXPECT_EQ(parse_options({"--warmup-ms", "60000"}, true).warmup_ms, 60000);
+  EXPECT_EQ(parse_options({}, true).timed_ms, kGpuTimedMs);
+  EXPECT_EQ(parse_options({"--time-ms", "0"}, true).timed_ms, 0);
   EXPECT_EQ(parse_options({}, false).warmup_ms, 0);  // the CPU reference has no power cap to reach
-  const std::string cpu = error_of({"--warmup-ms", "500"});
-  EXPECT_NE(cpu.find("'--warmup-ms': expected a GPU backend"), std::string::npos) << cpu;
+  EXPECT_EQ(parse_options({}, false).timed_ms, 0);
+  for (const char* gpu_only : {"--warmup-ms", "--time-ms"}) {
+    const std::string cpu = error_of({gpu_only, "500"});
+    EXPECT_NE(cpu.find("'" + std::string(gpu_only) + "': expected a GPU backend"), std::string::npos) << cpu;
+  }
   EXPECT_NE(error_of({"--warmup-ms", "60001"}).find("'--warmup-ms': expected a decimal integer in [0, 60000]"),
             std::string::npos);
 }

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,8 @@ def test_cpu_quick_end_to_end(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["device"]["type"] == "cpu" and doc["settings"]["dtype"] == "fp32"
+    # No power cap to reach on the CPU: no time-based warm-up or window there.
+    assert doc["settings"]["warmup_ms"] == 0 and doc["settings"]["time_ms"] == 0
     assert [e["config"]["name"] for e in doc["configs"]] == configs.QUICK_CPU
     # stderr is not a terminal here: one timestamped line per step (a batch log), the last one saying it finished
     steps = re.findall(r"^\[(\d+)/(\d+) \+\d+ s\] (\S+): ([^;\s]+)", p.stderr, re.M)
@@ -168,6 +171,9 @@ def test_usage_errors(capsys):
     assert "unknown configuration '7B-999'" in capsys.readouterr().err
     assert cli.main(["--device", "cpu", "--impls", "nope"]) == cli.EXIT_USAGE
     assert cli.main(["--device", "cpu", "--dtype", "bf16"]) == cli.EXIT_USAGE
+    for flag, v in (("--warmup-ms", "-1"), ("--time-ms", "nan"), ("--time-ms", "inf")):
+        assert cli.main(["--device", "cpu", flag, v]) == cli.EXIT_USAGE
+        assert f"{flag} must be a finite number >= 0" in capsys.readouterr().err
 
 
 def test_configuration_table():
@@ -198,6 +204,46 @@ def test_cublas_bound_follows_the_cpp_definition(monkeypatch):
     assert calls == [(4, Te, r, 16), (4, Te, 16, 8), (4, Te, 8, 16), (4, 16, 8, Te), (4, Te, 16, r), (4, r, 16, Te)]
     agg = (2 * 64 * 2 * 16 + 2 * 64 * 16) / 1e9 * 1e3
     assert b["forward_ms"] == pytest.approx(2 + agg) and b["backward_ms"] == pytest.approx(4 + agg)
+
+
+def test_timed_window_on_the_gpu_path(monkeypatch):
+    # time_ms on a GPU: untimed calls until warmup_ms, then timed calls until both iters and min_ms are reached.
+    # Simulated on the CPU: a device that says "cuda", events that time a fixed 2 ms, a clock that a call advances.
+    clock = {"t": 0.0}
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            self.at = None
+
+        def record(self):
+            self.at = clock["t"]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 2.0
+
+    class Stream:
+        def synchronize(self):
+            pass
+
+    calls = []
+
+    def fn():
+        calls.append(clock["t"])
+        clock["t"] += 0.002  # 2 ms per call
+
+    monkeypatch.setattr(baselines.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(baselines.torch.cuda, "Event", Event)
+    monkeypatch.setattr(baselines.torch.cuda, "current_stream", lambda device=None: Stream())
+    dev = types.SimpleNamespace(type="cuda")
+    assert baselines.time_ms(fn, dev, 3, 5, warmup_ms=100.0, min_ms=50.0) == 2.0
+    # 3 counted warm-up calls, 50 more for the 100 ms warm-up, then 25 timed ones (the 50 ms window beats 5 calls)
+    assert len(calls) == 3 + 50 + 25
+    calls.clear()
+    assert baselines.time_ms(fn, dev, 0, 5, warmup_ms=0.0, min_ms=0.0) == 2.0
+    assert len(calls) == 5  # without the windows: the counts alone
 
 
 @pytest.mark.gpu

@@ -146,14 +146,26 @@ class LoopMoE(_Base):
 
 # ---- the cuBLAS bound (docs/TARGETS.md; benchmarks/gpu_bench.cu) ------------------------------------------------
 
-def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    """Median time of fn() in ms: CUDA events on the current stream on a GPU, perf_counter on the CPU."""
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, warmup_ms: float = 0.0,
+            min_ms: float = 0.0) -> float:
+    """Median time of fn() in ms: CUDA events on the current stream on a GPU, perf_counter on the CPU.
+
+    On a GPU, after `warmup` calls the untimed calls go on until `warmup_ms` have passed, and the timed calls number
+    at least `iters` and last at least `min_ms` (each call waited for): a board at its power cap lowers its clock
+    within a second of sustained load and keeps swinging it (an H100: 1200-1530 MHz under these GEMMs), so figures
+    taken from an idle board, or over a few calls, catch another clock than a training loop runs at
+    (docs/BENCHMARKS.md, session 42; machmoe-bench's --warmup-ms and --time-ms)."""
     for _ in range(warmup):
         fn()
     times = []
     if device.type == "cuda":
+        t0 = time.perf_counter()
+        while (time.perf_counter() - t0) * 1e3 < warmup_ms:
+            fn()
+            torch.cuda.current_stream(device).synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(iters):
+        t0 = time.perf_counter()
+        while len(times) < iters or (time.perf_counter() - t0) * 1e3 < min_ms:
             start.record()
             fn()
             end.record()
@@ -167,34 +179,36 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: 
     return statistics.median(times)
 
 
-def copy_bandwidth(device: torch.device, nbytes: Optional[int] = None) -> float:
+def copy_bandwidth(device: torch.device, nbytes: Optional[int] = None, warmup_ms: float = 0.0,
+                   min_ms: float = 0.0) -> float:
     """Device-to-device copy bandwidth in bytes/s, bytes read + written (1 GiB on a GPU, as machmoe-bench)."""
     nbytes = nbytes or ((1 << 30) if device.type == "cuda" else (64 << 20))
     a = torch.full((nbytes,), 1, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    ms = time_ms(lambda: b.copy_(a), device, 2, 10)
+    ms = time_ms(lambda: b.copy_(a), device, 2, 10, warmup_ms, min_ms)
     del a, b
     return 2.0 * nbytes / (ms * 1e-3)
 
 
 def batched_gemm_ms(E: int, M: int, N: int, Kd: int, dtype: torch.dtype, device: torch.device,
-                    warmup: int = 2, iters: int = 10) -> float:
+                    warmup: int = 2, iters: int = 10, warmup_ms: float = 0.0, min_ms: float = 0.0) -> float:
     """Time of E row-major (M x Kd)(Kd x N) products as one strided-batched GEMM (torch.bmm -> cuBLAS)."""
     a = torch.randn(E, M, Kd, device=device, dtype=dtype)
     b = torch.randn(E, Kd, N, device=device, dtype=dtype)
     c = torch.empty(E, M, N, device=device, dtype=dtype)
-    ms = time_ms(lambda: torch.bmm(a, b, out=c), device, warmup, iters)
+    ms = time_ms(lambda: torch.bmm(a, b, out=c), device, warmup, iters, warmup_ms, min_ms)
     del a, b, c
     return ms
 
 
 def cublas_bound(T: int, d: int, n: int, E: int, K: int, dtype: torch.dtype, device: torch.device,
-                 copy_bw: float, warmup: int = 2, iters: int = 10) -> Dict[str, float]:
+                 copy_bw: float, warmup: int = 2, iters: int = 10, warmup_ms: float = 0.0,
+                 min_ms: float = 0.0) -> Dict[str, float]:
     """Idealised layer times (ms): every expert GEMM at cuBLAS speed with perfectly balanced routing
     (T_e = TK / E rows per expert), plus (2 TK d + 2 T d) bytes at the copy bandwidth, nothing else (SwiGLU)."""
     Te, r = max(1, T * K // E), 2 * n
     agg = (2.0 * T * K * d + 2.0 * T * d) / copy_bw * 1e3
-    g = lambda M, N, Kd: batched_gemm_ms(E, M, N, Kd, dtype, device, warmup, iters)  # noqa: E731
+    g = lambda M, N, Kd: batched_gemm_ms(E, M, N, Kd, dtype, device, warmup, iters, warmup_ms, min_ms)  # noqa: E731
     up, down = g(Te, r, d), g(Te, d, n)
     da, dw2, dxe, dw1 = g(Te, n, d), g(d, n, Te), g(Te, d, r), g(r, d, Te)
     return {"forward_ms": up + down + agg, "backward_ms": da + dw2 + dxe + dw1 + agg,

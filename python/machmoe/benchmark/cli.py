@@ -3,6 +3,7 @@ Markdown tables. `--help` lists the options; docs/BENCHMARKS.md says how the pub
 import argparse
 import datetime
 import json
+import math
 import os
 import shlex
 import sys
@@ -48,6 +49,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default="auto", help="auto (every installed peer), none, or a comma-separated list")
     p.add_argument("--warmup", type=int, default=None, help="untimed repetitions (default 3; --quick 2; CPU 1)")
     p.add_argument("--iters", type=int, default=None, help="timed repetitions, median (default 10; --quick 5; CPU 3)")
+    p.add_argument("--warmup-ms", type=float, default=None,
+                   help="GPU: untimed repetitions for at least this many ms before each timing, so each is taken at the "
+                        "clock the board holds under sustained load at its power cap (default 1000; --quick 300)")
+    p.add_argument("--time-ms", type=float, default=None,
+                   help="GPU: timed repetitions for at least this many ms, at least --iters of them, the median "
+                        "reported (default 1000; --quick 300)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every implementation and peer this many times in turn per configuration and report the "
                         "median round (a GPU at its power cap runs slower in some phases than in others: rounds spread "
@@ -119,8 +126,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_USAGE
     warmup = a.warmup if a.warmup is not None else (1 if cpu else 2 if a.quick else 3)
     iters = a.iters if a.iters is not None else (3 if cpu else 5 if a.quick else 10)
-    s = Settings(device=device, dtype=dtype, warmup=warmup, iters=iters, check_tokens=a.check_tokens, seed=a.seed,
-                 impls=impls, peers=peers, peer_timeout=a.peer_timeout)
+    for flag, v in (("--warmup-ms", a.warmup_ms), ("--time-ms", a.time_ms)):
+        if v is not None and (v < 0 or not math.isfinite(v)):
+            print(f"machmoe.benchmark: {flag} must be a finite number >= 0, got {v}", file=sys.stderr)
+            return EXIT_USAGE
+    warmup_ms = a.warmup_ms if a.warmup_ms is not None else (0.0 if cpu else 300.0 if a.quick else 1000.0)
+    time_ms = a.time_ms if a.time_ms is not None else (0.0 if cpu else 300.0 if a.quick else 1000.0)
+    s = Settings(device=device, dtype=dtype, warmup=warmup, iters=iters, warmup_ms=warmup_ms, time_ms=time_ms,
+                 check_tokens=a.check_tokens, seed=a.seed, impls=impls, peers=peers, peer_timeout=a.peer_timeout)
 
     json_path = a.json or os.path.join(a.out_dir, "results.json")
     out_dir = os.path.dirname(os.path.abspath(json_path))
@@ -129,7 +142,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     doc = {"schema": 1, "command": "python -m machmoe.benchmark " + " ".join(shlex.quote(x) for x in argv),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": device_info(s), "versions": _versions(), "settings": {
-               "device": device, "dtype": dtype, "warmup": warmup, "iters": iters, "rounds": a.rounds,
+               "device": device, "dtype": dtype, "warmup": warmup, "iters": iters, "warmup_ms": warmup_ms,
+               "time_ms": time_ms, "rounds": a.rounds,
                "check_tokens": a.check_tokens,
                "seed": a.seed, "impls": impls, "peers": peers, "peers_installed": installed},
            "definitions": {
@@ -146,8 +160,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(json_path) as f:
             previous = json.load(f)
         prev_s = previous.get("settings", {})
-        clash = [k for k in ("device", "dtype", "impls", "peers", "seed", "warmup", "iters", "rounds")
-                 if prev_s.get(k, 1 if k == "rounds" else None) != doc["settings"][k]]
+        # (files from before warmup_ms / time_ms existed were timed without them: 0)
+        clash = [k for k in ("device", "dtype", "impls", "peers", "seed", "warmup", "iters", "warmup_ms", "time_ms",
+                             "rounds")
+                 if prev_s.get(k, 1 if k == "rounds" else 0.0 if k.endswith("_ms") else None) != doc["settings"][k]]
         if previous.get("device", {}).get("name") != doc["device"].get("name"):
             print(f"machmoe.benchmark: --append: {json_path} was measured on {previous.get('device', {}).get('name')!r}, "
                   f"this is {doc['device'].get('name')!r}", file=sys.stderr)
@@ -172,7 +188,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     copy_bw = None
     try:
         if I.BOUND in impls:
-            copy_bw = copy_bandwidth(s.torch_device)
+            copy_bw = copy_bandwidth(s.torch_device, None, s.warmup_ms, s.time_ms)
             doc["device"]["copy_bandwidth_GBps"] = copy_bw * 1e-9
         for cfg in cfgs:
             entry = merge_rounds([run_config(cfg, s, progress, copy_bw) for _ in range(a.rounds)])

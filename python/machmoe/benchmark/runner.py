@@ -26,6 +26,8 @@ class Settings:
     dtype: str = "bf16"
     warmup: int = 3
     iters: int = 10
+    warmup_ms: float = 0.0  # GPU: untimed calls for at least this long before each timing (baselines.time_ms)
+    time_ms: float = 0.0    # GPU: timed calls for at least this long (and at least `iters` of them)
     check_tokens: int = 4096
     seed: int = 0
     impls: List[str] = field(default_factory=lambda: list(I.IN_PROCESS) + [I.BOUND])
@@ -100,12 +102,18 @@ def measure(impl: "I.Impl", x: torch.Tensor, go: torch.Tensor, cfg: Config, s: S
     res["pairs"] = int(counts.sum()) if counts is not None else cfg.T * cfg.K
     del first
 
-    res["forward_ms"] = time_ms(fwd, dev, s.warmup, s.iters)
-    # Backward alone: a fresh forward before each timed backward (outside the timing).
+    res["forward_ms"] = time_ms(fwd, dev, s.warmup, s.iters, s.warmup_ms, s.time_ms)
+    # Backward alone: a fresh forward before each timed backward (outside the timing); warm-up and window as
+    # time_ms's, counted in forward + backward steps.
     for _ in range(s.warmup):
         step()
+    t0 = time.perf_counter()
+    while dev.type == "cuda" and (time.perf_counter() - t0) * 1e3 < s.warmup_ms:
+        step()
+        _sync(dev)
     times = []
-    for _ in range(s.iters):
+    t0 = time.perf_counter()
+    while len(times) < s.iters or (dev.type == "cuda" and (time.perf_counter() - t0) * 1e3 < s.time_ms):
         impl.zero_grad()
         xr.grad = None
         o = fwd().output
@@ -113,7 +121,7 @@ def measure(impl: "I.Impl", x: torch.Tensor, go: torch.Tensor, cfg: Config, s: S
         times.append(time_ms(lambda: o.backward(go), dev, 0, 1))
         del o
     res["backward_ms"] = sorted(times)[len(times) // 2]
-    res["fwdbwd_ms"] = time_ms(step, dev, s.warmup, s.iters)
+    res["fwdbwd_ms"] = time_ms(step, dev, s.warmup, s.iters, s.warmup_ms, s.time_ms)
     flops = model_flops(res["pairs"], cfg)
     for k in ("forward", "backward", "fwdbwd"):
         res[f"{k}_tflops"] = flops[k] / (res[f"{k}_ms"] * 1e9)
@@ -205,7 +213,9 @@ def run_config(cfg: Config, s: Settings, progress=None, copy_bw: Optional[float]
             progress.step(f"{cfg.name}: {name}")
         if name == I.BOUND:
             try:
-                b = cublas_bound(cfg.T, cfg.d, cfg.n, cfg.E, cfg.K, dtype, dev, copy_bw or copy_bandwidth(dev))
+                b = cublas_bound(cfg.T, cfg.d, cfg.n, cfg.E, cfg.K, dtype, dev,
+                                 copy_bw or copy_bandwidth(dev, None, s.warmup_ms, s.time_ms), 2, 10, s.warmup_ms,
+                                 s.time_ms)
                 flops = model_flops(cfg.T * cfg.K, cfg)
                 b.update({f"{k}_tflops": flops[k] / (b[f"{k}_ms"] * 1e9) for k in ("forward", "backward", "fwdbwd")})
                 entry["results"][name] = {"status": "ok", "kind": "bound", **b}

@@ -59,7 +59,7 @@ inline constexpr std::int64_t kMaxRepetitions = 100000;
 /// 1125-1260 when the power average reaches the cap after about a second (docs/BENCHMARKS.md, session 42): a
 /// measurement that starts on an idle board, or just after a memory-bound phase, runs faster than a training loop.
 inline constexpr std::int64_t kGpuWarmupMs = 1000;
-/// GPU: the least milliseconds of timed repetitions per measurement (at least --iters of them), whose median is reported.
+/// GPU: the least milliseconds of timed repetitions per measurement (at least --iters of them, the median reported).
 /// Under the cap the clock keeps swinging (1125-1530 MHz with a period of about a second on that H100), so ten calls
 /// of a 1 ms forward caught one phase of it: medians over a second of calls span the swings.
 inline constexpr std::int64_t kGpuTimedMs = 1000;

@@ -373,7 +373,8 @@ std::string json_of(const Result& r, const Options& o, const std::string& gpu, d
     << ",\"efficiency_backward\":" << r.bound_bwd / r.bwd_ms
     << ",\"activation_bytes_accounted\":" << r.act_accounted << ",\"activation_bytes_measured\":" << r.act_measured
     << ",\"peak_bytes\":" << r.peak_total << ",\"peak_transient_bytes\":" << r.peak_transient
-    << ",\"iters\":" << o.iters << ",\"warmup\":" << o.warmup << ",\"warmup_ms\":" << o.warmup_ms << ",\"timed_ms\":" << o.timed_ms
+    << ",\"iters\":" << o.iters << ",\"warmup\":" << o.warmup << ",\"warmup_ms\":" << o.warmup_ms
+    << ",\"timed_ms\":" << o.timed_ms
     << ",\"stage_runs\":" << o.stage_runs << ",\"stages_ms\":{";
   for (std::size_t i = 0; i < r.stages.size(); ++i)
     j << (i ? "," : "") << "\"" << r.stages[i].stage << "\":" << r.stages[i].ms;

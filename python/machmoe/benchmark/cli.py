@@ -50,8 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="untimed repetitions (default 3; --quick 2; CPU 1)")
     p.add_argument("--iters", type=int, default=None, help="timed repetitions, median (default 10; --quick 5; CPU 3)")
     p.add_argument("--warmup-ms", type=float, default=None,
-                   help="GPU: untimed repetitions for at least this many ms before each timing, so each is taken at the "
-                        "clock the board holds under sustained load at its power cap (default 1000; --quick 300)")
+                   help="GPU: untimed repetitions for at least this many ms before each timing, so each is taken at "
+                        "the clock the board holds under sustained load at its power cap (default 1000; --quick 300)")
     p.add_argument("--time-ms", type=float, default=None,
                    help="GPU: timed repetitions for at least this many ms, at least --iters of them, the median "
                         "reported (default 1000; --quick 300)")

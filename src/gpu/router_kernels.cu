@@ -14,8 +14,9 @@ constexpr int kMaxPerLane = 16;  // rows of up to 512 experts are selected from 
 // Selection by repeated warp arg-max over a row held in registers as rank keys: lane l keeps elements l, l + 32,
 // ... (the order in which warp_row_max / warp_row_sumexp visit them, so the softmax sums are the backward's). Round
 // r takes the largest key below the previous selection's: no element is marked, and the selections are exactly
-// those of warp_next_selection. The warp maximum is two redux instructions (value word, then index word among the
-// lanes holding that value). Rows longer than 32 * kMaxPerLane take the kernel below.
+// those of warp_next_selection. The keys are RankKey<T>'s (device_math.cuh): 32 bits for bf16 rows, one redux
+// instruction per warp maximum; 64 bits otherwise, two (value word, then index word among the lanes holding that
+// value). Rows longer than 32 * kMaxPerLane take the kernel below.
 template <class T, int PerLane>
 __global__ void topk_scores_registers_kernel(const T* __restrict__ logits, std::int64_t ld, std::int64_t T_, int E,
                                              int K, ScoreVariant variant, float* __restrict__ scores,

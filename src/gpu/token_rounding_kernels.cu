@@ -9,9 +9,9 @@
 // The score a kept pair carries is in its key: the TC score (low 31 bits) or p.
 //
 // 1. keys (token-major; one warp per token, the row in registers for E <= 512): token choice by the top-K
-//    kernel's selection (64-bit rank keys, two redux per round), the TC scores of the score variant, the row's
-//    softmax, the keys, the token-choice counts f_e (a shared histogram per block, then one integer atomic per
-//    expert and block: sums, so the order of the atomics cannot show). The block writes its keys token-major and,
+//    kernel's selection (RankKey: 32-bit keys for bf16, one redux per round), the TC scores of the score variant,
+//    the row's softmax, the keys, the token-choice counts f_e (a shared histogram per block, then one integer atomic
+//    per expert and block: sums, so the order of the atomics cannot show). The block writes its keys token-major and,
 //    through a shared-memory transpose, expert-major. The last block to finish (a completion count) turns the
 //    counts into r_e, the expert offsets and the GEMM tiles (one-block scan), so no separate launch does it.
 // 2. select (one block per expert): the r_e-th key of the expert's column by a 3-pass radix select (12, 12 and 8

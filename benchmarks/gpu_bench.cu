@@ -333,15 +333,20 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
     check(cudaProfilerStop(), "cudaProfilerStop");
   }
   // Stage times: the median over o.stage_runs instrumented runs, per stage (one run's figures spread by up to 15 %,
-  // too much for an A/B of one kernel).
+  // too much for an A/B of one kernel). Each instrumented run is queued behind an uninstrumented forward + backward,
+  // so its first mark is passed when the GPU finishes that work, with the run's launches already queued: a stage is
+  // GPU time. Started on an idle GPU, the first stage (the router GEMM) also held the host's latency to its launch:
+  // 0.05-0.08 ms on the 1.4B rows where ncu timed the kernel at 0.027 ms (docs/BENCHMARKS.md, session 43).
   std::vector<std::vector<StageTime>> stage_runs;
-  enable_stage_timing(true);
   for (int i = 0; i < o.stage_runs; ++i) {
     forward(p, xv, w, nullptr, fo, fb, s);
     backward(p, xv, w, nullptr, bi, bo, bb, s);
+    enable_stage_timing(true);
+    forward(p, xv, w, nullptr, fo, fb, s);
+    backward(p, xv, w, nullptr, bi, bo, bb, s);
+    enable_stage_timing(false);
     stage_runs.push_back(collect_stage_timings());
   }
-  enable_stage_timing(false);
   r.stages = median_stage_times(stage_runs);
 
   std::vector<std::int32_t> hc(n(p.E));

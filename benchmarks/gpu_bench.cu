@@ -336,7 +336,7 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   // too much for an A/B of one kernel). Each instrumented run is queued behind an uninstrumented forward + backward,
   // so its first mark is passed when the GPU finishes that work, with the run's launches already queued: a stage is
   // GPU time. Started on an idle GPU, the first stage (the router GEMM) also held the host's latency to its launch:
-  // 0.05-0.08 ms on the 1.4B rows where ncu timed the kernel at 0.027 ms (docs/BENCHMARKS.md, session 43).
+  // 0.04-0.08 ms on the 1.4B rows where ncu timed the kernel at 0.027-0.031 ms (docs/BENCHMARKS.md, session 43).
   std::vector<std::vector<StageTime>> stage_runs;
   for (int i = 0; i < o.stage_runs; ++i) {
     forward(p, xv, w, nullptr, fo, fb, s);

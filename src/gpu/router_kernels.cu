@@ -11,14 +11,34 @@ constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxK = 64;        // selections held in shared memory per warp; larger K loops in chunks (see below)
 constexpr int kMaxPerLane = 16;  // rows of up to 512 experts are selected from registers
 
+/// The lane's keys in descending order: a bubble network over registers (PerLane (PerLane - 1) / 2 compare-exchanges,
+/// fully unrolled, so the keys never leave registers).
+template <int PerLane, class Key>
+__device__ __forceinline__ void sort_keys_descending(Key (&key)[PerLane]) {
+#pragma unroll
+  for (int i = 0; i < PerLane; ++i)
+#pragma unroll
+    for (int j = PerLane - 1; j > i; --j) {
+      const Key hi = key[j - 1] > key[j] ? key[j - 1] : key[j];
+      const Key lo = key[j - 1] > key[j] ? key[j] : key[j - 1];
+      key[j - 1] = hi, key[j] = lo;
+    }
+}
+
 // Selection by repeated warp arg-max over a row held in registers as rank keys: lane l keeps elements l, l + 32,
 // ... (the order in which warp_row_max / warp_row_sumexp visit them, so the softmax sums are the backward's). Round
-// r takes the largest key below the previous selection's: no element is marked, and the selections are exactly
-// those of warp_next_selection. The keys are RankKey<T>'s (device_math.cuh): 32 bits for bf16 rows, one redux
+// r takes the largest key below the previous selection's (for rows of up to 256, each lane's keys sorted once and the
+// round's candidates their first keys): no element is marked, and the selections are exactly those of
+// warp_next_selection. The keys are RankKey<T>'s (device_math.cuh): 32 bits for bf16 rows, one redux
 // instruction per warp maximum; 64 bits otherwise, two (value word, then index word among the lanes holding that
 // value). Rows longer than 32 * kMaxPerLane take the kernel below.
+//
+// The kernel is bound by instruction issue (ncu, H100: 0.8 warp instructions issued per scheduler cycle, stalls on
+// "not selected" and the math pipe), so a round does only the selection: lane r keeps selection r (K <= 32), and the
+// exponentials, the selection's sum (still added in selection order, so the scores are bitwise those of before and
+// of token rounding's RowSelection) and the stores come once after the rounds, one lane per selection.
 template <class T, int PerLane>
-__global__ void topk_scores_registers_kernel(const T* __restrict__ logits, std::int64_t ld, std::int64_t T_, int E,
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, PerLane <= 4 ? 16 : 1) topk_scores_registers_kernel(const T* __restrict__ logits, std::int64_t ld, std::int64_t T_, int E,
                                              int K, ScoreVariant variant, float* __restrict__ scores,
                                              std::int32_t* __restrict__ experts) {
   const int lane = threadIdx.x & 31;
@@ -26,47 +46,75 @@ __global__ void topk_scores_registers_kernel(const T* __restrict__ logits, std::
   if (t >= T_) return;
   const T* z = logits + t * ld;
   using Key = RankKey<T>;  // rows here have at most 32 * kMaxPerLane elements
+  using KeyType = typename Key::Type;
   static_assert(32 * kMaxPerLane <= Key::kMaxRow, "row longer than the rank key holds");
-  typename Key::Type key[PerLane];
+  KeyType key[PerLane];
+  float value[PerLane];  // the row's elements, for the full softmax
 #pragma unroll
   for (int j = 0; j < PerLane; ++j) {
     const int i = j * 32 + lane;
-    key[j] = i < E ? Key::make(to_float(z[i]), i) : 0u;  // 0: below every element of the row
+    value[j] = i < E ? to_float(z[i]) : 0.0f;
+    key[j] = i < E ? Key::make(value[j], i) : 0u;  // 0: below every element of the row
   }
-  typename Key::Type prev = ~typename Key::Type{0};
-  float first = 0.0f, sum = 0.0f, mine = 0.0f;
+  // Up to 8 keys a lane (rows of up to 256 experts): sorted once, so a round's candidate is the lane's first key and
+  // the winning lane (keys are distinct: each holds its index) moves its next one up: PerLane selects a round instead
+  // of a pass over every key below the previous selection. Longer rows keep that pass (sorting 16 costs more than
+  // it saves at the K they take). The selections and their order are the same either way.
+  constexpr bool kSorted = PerLane <= 8;
+  if constexpr (kSorted) sort_keys_descending<PerLane>(key);
+  KeyType prev = ~KeyType{0};
+  KeyType mine = 0;  // K <= 32: selection `lane` (lanes at or past K keep 0)
+  float first = 0.0f;
   float* s = scores + t * K;
   std::int32_t* x = experts + t * K;
   for (int r = 0; r < K; ++r) {
-    typename Key::Type best = 0;
+    if constexpr (kSorted) {
+      prev = Key::warp_max(key[0]);
+      if (key[0] == prev) {
 #pragma unroll
-    for (int j = 0; j < PerLane; ++j) best = (key[j] < prev && key[j] > best) ? key[j] : best;
-    prev = Key::warp_max(best);
-    const float v = Key::value(prev);
-    // Selections come in descending order, so the first is the maximum over the selection (NaN only when all are).
-    if (r == 0) first = v;
-    sum += expf(v - first);  // every lane, in selection order
-    if ((r & 31) == lane) {
+        for (int j = 0; j + 1 < PerLane; ++j) key[j] = key[j + 1];
+        key[PerLane - 1] = 0;  // below every element: this lane has nothing left
+      }
+    } else {
+      KeyType best = 0;
+#pragma unroll
+      for (int j = 0; j < PerLane; ++j) best = (key[j] < prev && key[j] > best) ? key[j] : best;
+      prev = Key::warp_max(best);
+    }
+    if (r == 0) first = Key::value(prev);  // selections descend: the first is the maximum (NaN only when all are)
+    if (K <= 32) {
+      mine = r == lane ? prev : mine;
+    } else if ((r & 31) == lane) {  // K > 32: written now, the raw logit read back below by the lane that wrote it
       x[r] = static_cast<std::int32_t>(Key::index(prev));
-      if (K <= 32) mine = v;
-      else s[r] = v;  // K > 32: the raw logit, read back below by the lane that wrote it
+      s[r] = Key::value(prev);
     }
   }
-  float m = first, total = sum;
-  if (variant == ScoreVariant::kTopKOfSoftmax) {  // the probabilities of the full softmax
-    m = -INFINITY;
+  const float v = K <= 32 ? Key::value(mine) : 0.0f;  // selection `lane`'s logit (K <= 32)
+  float m = first, total = 0.0f;
+  if (variant == ScoreVariant::kTopKOfSoftmax) {
+    // The full softmax's maximum is the first selection (keys rank NaN lowest; fmaxf over the row gives the same
+    // value, and an all-NaN row gives NaN scores either way); its sum in warp_row_sumexp's order.
 #pragma unroll
     for (int j = 0; j < PerLane; ++j)
-      if (j * 32 + lane < E) m = fmaxf(m, to_float(z[j * 32 + lane]));
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    total = 0.0f;
-#pragma unroll
-    for (int j = 0; j < PerLane; ++j)
-      if (j * 32 + lane < E) total += expf(to_float(z[j * 32 + lane]) - m);
+      if (j * 32 + lane < E) total += expf(value[j] - m);
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  } else if (K <= 32) {
+    // Softmax over the selection: exp(v_r - first) summed in selection order, r = 0, 1, ...
+    const float mine_exp = lane < K ? expf(v - first) : 0.0f;
+    for (int r = 0; r < K; ++r) total += __shfl_sync(0xffffffffu, mine_exp, r);
+  } else {
+    __syncwarp();  // the lanes' raw logits in s, written in the rounds
+    for (int r = 0; r < K; ++r) total += expf(s[r] - first);
   }
   // Renormalised (softmax over the selection, router.cpp) or the selection's full-softmax probabilities.
-  for (int r = lane; r < K; r += 32) s[r] = expf((K <= 32 ? mine : s[r]) - m) / total;
+  if (K <= 32) {
+    if (lane < K) {
+      x[lane] = static_cast<std::int32_t>(Key::index(mine));
+      s[lane] = expf(v - m) / total;
+    }
+  } else {
+    for (int r = lane; r < K; r += 32) s[r] = expf(s[r] - m) / total;
+  }
 }
 
 // The same selection for any E, reading the row from L1/L2 in each of the K rounds.

@@ -70,7 +70,7 @@ inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 ///   y_pair_rows   P                     int32       with C > 1 only: each pair's row in its chunk's Y
 ///   pair_expert   P                     int32       expert of each pair, pair order
 ///   pair_token    P                     int32       token of each pair (variable-K routing only)
-///   tile_hist     E x ceil(P / 256)     int32       per-tile expert histograms of the metadata build
+///   tile_hist     E x ceil(P / 256) + 1 int32       per-tile expert histograms of the metadata build, its scan's counter
 ///   expert_tiles  E + 1                 int32       GEMM M-tiles per expert, scanned
 ///   cublas        kCublasWorkspaceBytes             cuBLAS workspace of the router GEMM (not for caller-supplied)
 /// Token rounding only (src/gpu/token_rounding_kernels.cu; it builds the routing metadata itself, so pair_expert,

@@ -66,7 +66,8 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
   }
   l.pair_expert = b.add(P * 4);
   if (p.variable_k()) l.pair_token = b.add(P * 4);
-  l.tile_hist = b.add(u(p.E) * ((P + u(kMetadataTilePairs) - 1) / u(kMetadataTilePairs)) * 4);
+  const std::size_t metadata_tiles = (P + u(kMetadataTilePairs) - 1) / u(kMetadataTilePairs);
+  if (metadata_tiles > 0) l.tile_hist = b.add((u(p.E) * metadata_tiles + 1) * 4);  // + the scan's block counter
   l.expert_tiles = b.add(u(p.E + 1) * 4);
   if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
   if (p.routing == RoutingMode::kTokenRounding) {

@@ -39,26 +39,6 @@ void launch_router_backward(DType dt, ScoreVariant variant, const float* scores,
 
 // ---- routing metadata ------------------------------------------------------------------------------------------
 
-struct MetadataArgs {
-  std::int64_t T = 0, E = 0, P = 0;        // P: pairs in pair order
-  const std::int32_t* pair_expert = nullptr;  // (P); values outside [0, E) are skipped (sentinels)
-  const std::int32_t* pair_token = nullptr;   // (P) or null for top-K (token = p / K)
-  std::int64_t K = 1;
-  std::int32_t* tile_hist = nullptr;       // (E, ceil(P / kMetadataTile)) scratch
-  std::int32_t* expert_counts = nullptr;   // (E) output, may be null
-  std::int32_t* expert_offsets = nullptr;  // (E + 1)
-  std::int32_t* expert_tiles = nullptr;    // (E + 1): exclusive scan of ceil(count / kGemmTileM)
-  std::int32_t* scatter = nullptr;         // (P)
-  std::int32_t* inverse = nullptr;         // (P); -1 for skipped pairs
-  std::int32_t* gather = nullptr;          // (P)
-  std::int32_t* token_offsets = nullptr;   // (T + 1) or null
-};
-/// Deterministic metadata without a global sort: per-tile histograms, per-expert scans, in-tile stable ranks.
-void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream);
-/// expert_tiles from expert_offsets (the backward rebuilds it from what the forward kept).
-void launch_expert_tiles(const std::int32_t* expert_offsets, std::int64_t E, std::int32_t* expert_tiles,
-                         cudaStream_t stream);
-
 /// The backward's dX~ and the forward's Y in chunks of tokens (memory.hpp, backward_dx_chunks and forward_y_chunks).
 /// The plan buffer holds, for C chunks:
 ///   bounds   C + 1        chunk c's tokens are [bounds[c], bounds[c + 1])
@@ -82,6 +62,38 @@ struct DxChunkPlan {
   std::int32_t* chunk_tiles(std::int64_t c) const { return tiles + c * (E + 1); }
   std::int32_t* chunk_shifts(std::int64_t c) const { return shifts + c * E; }
 };
+
+struct MetadataArgs {
+  std::int64_t T = 0, E = 0, P = 0;        // P: pairs in pair order
+  const std::int32_t* pair_expert = nullptr;  // (P); values outside [0, E) are skipped (sentinels)
+  const std::int32_t* pair_token = nullptr;   // (P) or null for top-K (token = p / K)
+  std::int64_t K = 1;
+  std::int32_t* tile_hist = nullptr;       // (E, ceil(P / kMetadataTile)) scratch
+  std::int32_t* expert_counts = nullptr;   // (E) output, may be null
+  std::int32_t* expert_offsets = nullptr;  // (E + 1)
+  std::int32_t* expert_tiles = nullptr;    // (E + 1): exclusive scan of ceil(count / kGemmTileM)
+  std::int32_t* scatter = nullptr;         // (P)
+  std::int32_t* inverse = nullptr;         // (P); -1 for skipped pairs
+  std::int32_t* gather = nullptr;          // (P)
+  std::int32_t* token_offsets = nullptr;   // (T + 1) or null
+  // The forward's chunks of tokens (chunks > 1; memory.hpp, forward_y_chunks): the chunk plan and each pair's row in
+  // its chunk, as launch_dx_chunk_plan defines them, built from the tile histograms while the metadata is (no search
+  // over the grouped rows, no kernels of their own). Taken where E <= kFusedPlanMaxExperts (metadata_built_plan).
+  std::int64_t chunks = 0, pairs_per_chunk = 0;
+  DxChunkPlan plan;
+  std::int32_t* pair_rows = nullptr;  // (P): -1 for pairs routed nowhere
+};
+/// The most experts for which launch_routing_metadata builds the chunk plan itself (two E-int histograms of shared
+/// memory per block); above it the caller runs launch_dx_chunk_plan.
+inline constexpr std::int64_t kFusedPlanMaxExperts = 4096;
+inline bool metadata_built_plan(const MetadataArgs& a) { return a.chunks > 1 && a.E <= kFusedPlanMaxExperts; }
+/// Deterministic metadata without a global sort: per-tile histograms, per-expert scans, in-tile stable ranks; and,
+/// where metadata_built_plan(a), the chunk plan and pair rows of the forward's chunks of tokens.
+void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream);
+/// expert_tiles from expert_offsets (the backward rebuilds it from what the forward kept).
+void launch_expert_tiles(const std::int32_t* expert_offsets, std::int64_t E, std::int32_t* expert_tiles,
+                         cudaStream_t stream);
+
 /// Fills the plan of `chunks` chunks of tokens, chunk c holding the tokens whose first pair lies in
 /// [c * pairs_per_chunk, (c + 1) * pairs_per_chunk) (the last one every token left), and pair_rows (P_max): each
 /// routed pair's row in its chunk's dX~, -1 for pairs routed nowhere (every_pair_routed: there are none, as with

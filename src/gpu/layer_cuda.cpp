@@ -228,11 +228,12 @@ struct ChunkWorkspace {
 /// backward_dx_chunks): the chunk plan, then per chunk the GEMM over the chunk's rows of A where they lie (a per-expert
 /// row shift), its output rows packed (at most chunk_rows), and its tokens' sums finished before the next chunk
 /// overwrites them. gemm.P_max is the pair count on entry; the three names mark the GEMM's, the sum's and the plan's
-/// stages (and name the GEMM in a fallback notice).
+/// stages (and name the GEMM in a fallback notice). plan_built: the routing metadata already wrote the plan and the
+/// pair rows into ws (the forward's chunks, metadata_built_plan).
 void gemm_then_gather_sum(const MoEProblem& p, VarlenMArgs gemm, const char* gemm_stage, const char* sum_stage,
                           const char* plan_stage, std::int64_t chunks, std::int64_t chunk_rows,
                           const ChunkRouting& r, const ChunkWorkspace& ws, const float* weights,
-                          const TensorView& out, cudaStream_t stream) {
+                          const TensorView& out, cudaStream_t stream, bool plan_built = false) {
   const std::int64_t P = gemm.P_max;
   if (chunks == 1) {
     mark_stage(gemm_stage, stream);
@@ -244,9 +245,11 @@ void gemm_then_gather_sum(const MoEProblem& p, VarlenMArgs gemm, const char* gem
   }
   const DxChunkPlan plan = DxChunkPlan::in(ws.plan, chunks, p.E);
   const std::int64_t pairs_per_chunk = (P + chunks - 1) / chunks;
-  mark_stage(plan_stage, stream);
-  launch_dx_chunk_plan(r.expert_offsets, r.gather, r.scatter, r.token_offsets, p.K, p.T, p.E, P, chunks,
-                       pairs_per_chunk, plan, ws.pair_rows, p.routing == RoutingMode::kTopK, stream);
+  if (!plan_built) {
+    mark_stage(plan_stage, stream);
+    launch_dx_chunk_plan(r.expert_offsets, r.gather, r.scatter, r.token_offsets, p.K, p.T, p.E, P, chunks,
+                         pairs_per_chunk, plan, ws.pair_rows, p.routing == RoutingMode::kTopK, stream);
+  }
   gemm.P_max = chunk_rows;  // the chunk's rows: the extent of the output
   gemm.a_rows = P;          // A keeps every pair's row
   // Blocks of the chunk's gather-sum: its tokens for top-K (a chunk holds at most ceil(Q / K) + 1), a share of T
@@ -343,6 +346,15 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   m.inverse = at<std::int32_t>(buf.saved, sl.inverse);
   m.gather = at<std::int32_t>(buf.saved, sl.gather);
   m.token_offsets = at<std::int32_t>(buf.saved, sl.token_offsets);
+  // The forward's chunks of tokens (memory.hpp, forward_y_chunks): their plan is built with the metadata.
+  const std::int64_t y_chunks = forward_y_chunks(p);
+  std::int32_t* y_plan = at<std::int32_t>(buf.workspace, wl.y_chunk_plan);
+  std::int32_t* y_pair_rows = at<std::int32_t>(buf.workspace, wl.y_pair_rows);
+  if (y_chunks > 1 && p.routing != RoutingMode::kTokenRounding) {
+    m.chunks = y_chunks, m.pairs_per_chunk = (P + y_chunks - 1) / y_chunks;
+    m.plan = DxChunkPlan::in(y_plan, y_chunks, p.E);
+    m.pair_rows = y_pair_rows;
+  }
   if (p.routing != RoutingMode::kTokenRounding) {  // token rounding built the metadata itself
     mark_stage("forward/routing_metadata", stream);
     launch_routing_metadata(m, stream);
@@ -376,10 +388,9 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   // over the backward's dX~ chunk plan.
   gemm_then_gather_sum(p, down, "forward/down_projection", "forward/aggregation", "forward/y_chunk_plan",
                        forward_y_chunks(p), forward_y_chunk_rows(p),
-                       {m.expert_offsets, m.gather, m.scatter, m.inverse, m.token_offsets},
-                       {at<std::int32_t>(buf.workspace, wl.y_chunk_plan),
-                        at<std::int32_t>(buf.workspace, wl.y_pair_rows)},
-                       scores, out.out, stream);
+                       {m.expert_offsets, m.gather, m.scatter, m.inverse, m.token_offsets}, {y_plan, y_pair_rows},
+                       scores, out.out, stream,
+                       p.routing != RoutingMode::kTokenRounding && metadata_built_plan(m));
   mark_stage(nullptr, stream);
 }
 

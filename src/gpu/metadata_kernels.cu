@@ -4,6 +4,9 @@
 //   3. per tile, each pair's stable rank among same-expert pairs before it in the tile.
 // Grouped row of pair p = offsets[e] + (pairs of e in earlier tiles) + rank: ascending pair order inside each
 // expert, the order of the CPU reference. Integer atomics only (exact, so the result is deterministic).
+// With the forward's chunks of tokens, a step between 2 and 3 builds their plan from the scanned histograms (the pairs
+// of expert e before a chunk's first pair: the tile's prefix plus a count inside the boundary tile), and step 3 also
+// writes each pair's row in its chunk.
 #include <cub/block/block_scan.cuh>
 
 #include "gpu/cuda_check.hpp"
@@ -17,6 +20,47 @@ namespace {
 constexpr int kScanThreads = 256;
 using BlockScan = cub::BlockScan<std::int32_t, kScanThreads>;
 
+/// Smallest token t in [0, T] whose first pair is at or past q (first pair of t: token_offsets[t], or t K).
+__device__ std::int64_t first_token_at(std::int64_t q, const std::int32_t* token_offsets, std::int64_t K,
+                                       std::int64_t T) {
+  if (q <= 0) return 0;
+  if (token_offsets == nullptr) return min(T, (q + K - 1) / K);
+  std::int64_t lo = 0, hi = T;
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi) / 2;
+    if (token_offsets[mid] >= q) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
+/// Chunk c's part of a DxChunkPlan: its first token, the last chunk's end, and per expert the exclusive scans of its
+/// rows and GEMM tiles in the chunk and its shift. locate(e, first) returns expert e's rows in the chunk and sets
+/// `first` to the first of them in grouped order. Called by every thread of a kScanThreads block.
+template <class Locate>
+__device__ void write_chunk_plan(const DxChunkPlan& plan, int E, std::int64_t c, std::int64_t chunks, std::int64_t t0,
+                                 std::int64_t T, Locate locate) {
+  // (DxChunkPlan's accessors are host code: kernels.hpp is plain C++)
+  std::int32_t* off = plan.offsets + c * (E + 1);
+  std::int32_t* tiles = plan.tiles + c * (E + 1);
+  std::int32_t* shift = plan.shifts + c * E;
+  if (threadIdx.x == 0) {
+    plan.bounds[c] = static_cast<std::int32_t>(t0);
+    if (c == chunks - 1) plan.bounds[chunks] = static_cast<std::int32_t>(T);
+  }
+  std::int32_t first = 0;  // this thread's expert: the first grouped row of its rows in the chunk
+  std::int32_t total_rows, total_tiles;
+  scan_expert_rows_and_tiles<kScanThreads>(
+      E, [&](int e) { return locate(e, first); },
+      [&](int e, std::int32_t, std::int32_t, std::int32_t rows_before, std::int32_t tiles_before) {
+        off[e] = rows_before;
+        tiles[e] = tiles_before;
+        shift[e] = first - rows_before;
+      },
+      total_rows, total_tiles);
+  if (threadIdx.x == 0) off[E] = total_rows, tiles[E] = total_tiles;
+}
+
 __global__ void tile_histogram_kernel(const std::int32_t* __restrict__ pair_expert, std::int64_t P, int E,
                                       std::int64_t n_tiles, std::int32_t* __restrict__ hist) {
   const std::int64_t tile = blockIdx.x;
@@ -28,33 +72,14 @@ __global__ void tile_histogram_kernel(const std::int32_t* __restrict__ pair_expe
   if (e >= 0 && e < E && (__ffs(group) - 1) == lane) atomicAdd(&hist[e * n_tiles + tile], __popc(group));
 }
 
-/// Row e of hist: exclusive scan over tiles in place; the expert's total goes to offsets[e + 1].
-__global__ void scan_tiles_kernel(std::int32_t* __restrict__ hist, std::int64_t n_tiles,
-                                  std::int32_t* __restrict__ offsets) {
-  __shared__ typename BlockScan::TempStorage temp;
-  __shared__ std::int32_t carry;
-  std::int32_t* row = hist + static_cast<std::int64_t>(blockIdx.x) * n_tiles;
-  if (threadIdx.x == 0) carry = 0;
-  __syncthreads();
-  for (std::int64_t base = 0; base < n_tiles; base += kScanThreads) {
-    const std::int64_t i = base + threadIdx.x;
-    const std::int32_t v = i < n_tiles ? row[i] : 0;
-    std::int32_t excl, total;
-    BlockScan(temp).ExclusiveSum(v, excl, total);
-    if (i < n_tiles) row[i] = carry + excl;
-    __syncthreads();
-    if (threadIdx.x == 0) carry += total;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) offsets[blockIdx.x + 1] = carry;
-}
-
-/// In one block: counts (held in offsets[1..E]) -> exclusive offsets; also expert_counts and expert_tiles.
-__global__ void expert_offsets_kernel(std::int32_t* __restrict__ offsets, int E, std::int32_t* __restrict__ counts,
-                                      std::int32_t* __restrict__ tiles, bool counts_in_offsets) {
+/// In one block: counts (held in offsets[1..E]) -> exclusive offsets; also expert_counts and expert_tiles. `load`
+/// reads offsets (L2 for the scan's last block, which reads what the other blocks wrote).
+template <class Load>
+__device__ void expert_offsets_from_counts(std::int32_t* offsets, int E, std::int32_t* counts, std::int32_t* tiles,
+                                          bool counts_in_offsets, Load load) {
   std::int32_t total_rows, total_tiles;
   scan_expert_rows_and_tiles<kScanThreads>(
-      E, [&](int e) { return counts_in_offsets ? offsets[e + 1] : offsets[e + 1] - offsets[e]; },
+      E, [&](int e) { return counts_in_offsets ? load(offsets + e + 1) : load(offsets + e + 1) - load(offsets + e); },
       [&](int e, std::int32_t c, std::int32_t t, std::int32_t c_before, std::int32_t t_before) {
         if (counts) counts[e] = c;
         if (counts_in_offsets) offsets[e + 1] = c_before + c;
@@ -67,11 +92,64 @@ __global__ void expert_offsets_kernel(std::int32_t* __restrict__ offsets, int E,
   }
 }
 
+/// Row e of hist (one block per expert): exclusive scan over tiles in place, kScanThreads * Items tiles a step, every
+/// load of a step issued before its scan (one step covers 2048 tiles, 524288 pairs, at Items = 8); the expert's total
+/// goes to offsets[e + 1]. The last block to finish (an integer counter, zeroed with the histograms) then turns the
+/// counts into the expert offsets, counts and tiles, so no kernel of its own follows.
+template <int Items>
+__global__ void scan_tiles_kernel(std::int32_t* __restrict__ hist, std::int64_t n_tiles, std::int32_t* offsets, int E,
+                                  std::int32_t* __restrict__ counts, std::int32_t* __restrict__ tiles,
+                                  unsigned* __restrict__ blocks_done) {
+  __shared__ typename BlockScan::TempStorage temp;
+  __shared__ std::int32_t carry;
+  __shared__ bool last;
+  std::int32_t* row = hist + static_cast<std::int64_t>(blockIdx.x) * n_tiles;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (std::int64_t base = 0; base < n_tiles; base += kScanThreads * Items) {
+    const std::int64_t first = base + static_cast<std::int64_t>(threadIdx.x) * Items;  // blocked: Items in a row
+    std::int32_t v[Items];
+#pragma unroll
+    for (int j = 0; j < Items; ++j) v[j] = first + j < n_tiles ? row[first + j] : 0;
+    std::int32_t total;
+    BlockScan(temp).ExclusiveSum(v, v, total);
+#pragma unroll
+    for (int j = 0; j < Items; ++j)
+      if (first + j < n_tiles) row[first + j] = carry + v[j];
+    __syncthreads();
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    offsets[blockIdx.x + 1] = carry;
+    __threadfence();  // this count is visible before the counter says so
+    last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  expert_offsets_from_counts(offsets, E, counts, tiles, true, [](const std::int32_t* q) { return __ldcg(q); });
+}
+
+/// In one block: expert_offsets_from_counts (the routing metadata without pairs, and launch_expert_tiles).
+__global__ void expert_offsets_kernel(std::int32_t* __restrict__ offsets, int E, std::int32_t* __restrict__ counts,
+                                      std::int32_t* __restrict__ tiles, bool counts_in_offsets) {
+  expert_offsets_from_counts(offsets, E, counts, tiles, counts_in_offsets, [](const std::int32_t* q) { return *q; });
+}
+
+/// The forward's chunks of tokens, for the place kernel: each pair's row in its chunk (pair_rows null: none).
+struct ChunkRows {
+  const std::int32_t* bounds = nullptr;  // (chunks + 1) token bounds of the plan
+  const std::int32_t* shifts = nullptr;  // (chunks, E)
+  int chunks = 0;
+  std::int32_t* pair_rows = nullptr;
+};
+
 __global__ void place_kernel(const std::int32_t* __restrict__ pair_expert, const std::int32_t* __restrict__ pair_token,
                              std::int64_t P, std::int64_t K, int E, std::int64_t n_tiles,
                              const std::int32_t* __restrict__ hist, const std::int32_t* __restrict__ offsets,
                              std::int32_t* __restrict__ scatter, std::int32_t* __restrict__ inverse,
-                             std::int32_t* __restrict__ gather) {
+                             std::int32_t* __restrict__ gather, ChunkRows chunk_rows) {
   __shared__ alignas(16) std::int32_t tile_expert[kMetadataTile];
   const std::int64_t tile = blockIdx.x, base = tile * kMetadataTile;
   const int i = threadIdx.x, lane = i & 31, warp_begin = i & ~31;
@@ -91,12 +169,70 @@ __global__ void place_kernel(const std::int32_t* __restrict__ pair_expert, const
   if (p >= P) return;
   if (e < 0 || e >= E) {
     inverse[p] = -1;
+    if (chunk_rows.pair_rows) chunk_rows.pair_rows[p] = -1;  // routed nowhere: the gather-sum skips it
     return;
   }
   const std::int32_t g = offsets[e] + hist[e * n_tiles + tile] + rank;
+  const std::int32_t t = pair_token ? pair_token[p] : static_cast<std::int32_t>(p / K);
   inverse[p] = g;
   scatter[g] = static_cast<std::int32_t>(p);
-  gather[g] = pair_token ? pair_token[p] : static_cast<std::int32_t>(p / K);
+  gather[g] = t;
+  if (chunk_rows.pair_rows) {
+    int c = 0;  // the chunk holding token t: bounds ascend, bounds[0] = 0
+    while (c + 1 < chunk_rows.chunks && chunk_rows.bounds[c + 1] <= t) ++c;
+    chunk_rows.pair_rows[p] = g - chunk_rows.shifts[static_cast<std::int64_t>(c) * E + e];
+  }
+}
+
+/// Pairs of expert e before pair b (b in [0, P]): its tile's exclusive prefix (hist scanned in place) plus, from the
+/// boundary tile's histogram in shared memory, those of the tile's pairs before b. A boundary at or past the last
+/// tile counts every pair of e.
+__device__ std::int32_t pairs_before(const std::int32_t* hist, std::int64_t n_tiles, const std::int32_t* offsets,
+                                     int e, std::int64_t b, const std::int32_t* boundary_tile_hist) {
+  const std::int64_t tile = b / kMetadataTile;
+  if (tile >= n_tiles) return offsets[e + 1] - offsets[e];
+  return hist[e * n_tiles + tile] + boundary_tile_hist[e];
+}
+
+/// One block per chunk of tokens: the plan launch_dx_chunk_plan builds by searching each expert's grouped rows,
+/// here from counts. Chunk c holds the tokens [t0, t1), i.e. the pairs [b0, b1) (pairs ascend in token); an
+/// expert's rows in the chunk are its pairs in [b0, b1), the first of them at grouped row offsets[e] + (its pairs
+/// before b0). Runs after the tile scan and the expert offsets, before the place kernel (which reads the shifts).
+__global__ void chunk_plan_from_histograms_kernel(const std::int32_t* __restrict__ pair_expert, std::int64_t P, int E,
+                                                  std::int64_t n_tiles, const std::int32_t* __restrict__ hist,
+                                                  const std::int32_t* __restrict__ offsets,
+                                                  const std::int32_t* __restrict__ token_offsets, std::int64_t K,
+                                                  std::int64_t T, std::int64_t chunks, std::int64_t pairs_per_chunk,
+                                                  DxChunkPlan plan) {
+  extern __shared__ std::int32_t boundary_hist[];  // 2 E: the pairs of each expert before b0, then before b1,
+  std::int32_t* before_b0 = boundary_hist;          // inside their boundary tiles
+  std::int32_t* before_b1 = boundary_hist + E;
+  const std::int64_t c = blockIdx.x;
+  const std::int64_t t0 = first_token_at(c * pairs_per_chunk, token_offsets, K, T);
+  const std::int64_t t1 = c == chunks - 1 ? T : first_token_at((c + 1) * pairs_per_chunk, token_offsets, K, T);
+  const std::int64_t b0 = token_offsets ? token_offsets[t0] : t0 * K;
+  const std::int64_t b1 = token_offsets ? token_offsets[t1] : t1 * K;
+  for (int e = threadIdx.x; e < 2 * E; e += blockDim.x) boundary_hist[e] = 0;
+  __syncthreads();
+  // Each boundary tile's pairs before the boundary (fewer than kMetadataTile), counted by integer atomics.
+  const std::int64_t q0 = (b0 / kMetadataTile) * kMetadataTile + threadIdx.x;
+  const std::int64_t q1 = (b1 / kMetadataTile) * kMetadataTile + threadIdx.x;
+  static_assert(kScanThreads >= kMetadataTile, "one thread per pair of a boundary tile");
+  if (threadIdx.x < kMetadataTile && q0 < b0 && q0 < P) {
+    const std::int32_t e = pair_expert[q0];
+    if (e >= 0 && e < E) atomicAdd(&before_b0[e], 1);
+  }
+  if (threadIdx.x < kMetadataTile && q1 < b1 && q1 < P) {
+    const std::int32_t e = pair_expert[q1];
+    if (e >= 0 && e < E) atomicAdd(&before_b1[e], 1);
+  }
+  __syncthreads();
+  write_chunk_plan(plan, E, c, chunks, t0, T, [&](int e, std::int32_t& first) {
+    const std::int32_t before0 = pairs_before(hist, n_tiles, offsets, e, b0, before_b0);
+    const std::int32_t before1 = pairs_before(hist, n_tiles, offsets, e, b1, before_b1);
+    first = offsets[e] + before0;
+    return before1 - before0;  // b1 >= b0
+  });
 }
 
 /// token_offsets[t] = first pair whose token is >= t (pair tokens ascending).
@@ -118,51 +254,85 @@ __global__ void token_offsets_kernel(const std::int32_t* __restrict__ pair_token
 void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream) {
   const std::int64_t n_tiles = (a.P + kMetadataTile - 1) / kMetadataTile;
   const int E = static_cast<int>(a.E);
-  MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_offsets, 0, sizeof(std::int32_t) * (a.E + 1), stream));
+  const bool plan = metadata_built_plan(a) && n_tiles > 0;
+  if (a.token_offsets) {  // first: the chunk plan reads it
+    token_offsets_kernel<<<ceil_div(a.T + 1, 256), 256, 0, stream>>>(a.pair_token, a.P, a.T, a.token_offsets);
+    MACHMOE_CUDA_CHECK_LAUNCH("token_offsets");
+  }
+  // The tile scan writes every expert's count into offsets[e + 1], and its last block the offsets.
   if (n_tiles > 0) {
-    MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.tile_hist, 0, sizeof(std::int32_t) * a.E * n_tiles, stream));
+    // The histograms and, after them, the scan's counter of finished blocks.
+    auto* blocks_done = reinterpret_cast<unsigned*>(a.tile_hist + a.E * n_tiles);
+    MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.tile_hist, 0, sizeof(std::int32_t) * (a.E * n_tiles + 1), stream));
     tile_histogram_kernel<<<static_cast<unsigned>(n_tiles), kMetadataTile, 0, stream>>>(a.pair_expert, a.P, E,
                                                                                        n_tiles, a.tile_hist);
     MACHMOE_CUDA_CHECK_LAUNCH("tile_histogram");
-    scan_tiles_kernel<<<E, kScanThreads, 0, stream>>>(a.tile_hist, n_tiles, a.expert_offsets);
+    auto scan = [&](auto kernel) {
+      kernel<<<E, kScanThreads, 0, stream>>>(a.tile_hist, n_tiles, a.expert_offsets, E, a.expert_counts,
+                                             a.expert_tiles, blocks_done);
+    };
+    if (n_tiles <= kScanThreads) scan(scan_tiles_kernel<1>);
+    else if (n_tiles <= 2 * kScanThreads) scan(scan_tiles_kernel<2>);
+    else if (n_tiles <= 4 * kScanThreads) scan(scan_tiles_kernel<4>);
+    else scan(scan_tiles_kernel<8>);
     MACHMOE_CUDA_CHECK_LAUNCH("scan_tiles");
+  } else {
+    // No pairs: no tile is scanned, and the counts (offsets[1..E]) are zeros.
+    MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_offsets, 0, sizeof(std::int32_t) * (a.E + 1), stream));
+    expert_offsets_kernel<<<1, kScanThreads, 0, stream>>>(a.expert_offsets, E, a.expert_counts, a.expert_tiles, true);
+    MACHMOE_CUDA_CHECK_LAUNCH("expert_offsets");
   }
-  expert_offsets_kernel<<<1, kScanThreads, 0, stream>>>(a.expert_offsets, E, a.expert_counts, a.expert_tiles, true);
-  MACHMOE_CUDA_CHECK_LAUNCH("expert_offsets");
+  ChunkRows chunk_rows;
+  if (plan) {
+    chunk_plan_from_histograms_kernel<<<static_cast<unsigned>(a.chunks), kScanThreads,
+                                        2 * sizeof(std::int32_t) * static_cast<std::size_t>(a.E), stream>>>(
+        a.pair_expert, a.P, E, n_tiles, a.tile_hist, a.expert_offsets, a.token_offsets, a.K, a.T, a.chunks,
+        a.pairs_per_chunk, a.plan);
+    MACHMOE_CUDA_CHECK_LAUNCH("chunk_plan_from_histograms");
+    chunk_rows.bounds = a.plan.bounds, chunk_rows.shifts = a.plan.shifts;
+    chunk_rows.chunks = static_cast<int>(a.chunks), chunk_rows.pair_rows = a.pair_rows;
+  }
   if (n_tiles > 0) {
     place_kernel<<<static_cast<unsigned>(n_tiles), kMetadataTile, 0, stream>>>(
         a.pair_expert, a.pair_token, a.P, a.K, E, n_tiles, a.tile_hist, a.expert_offsets, a.scatter, a.inverse,
-        a.gather);
+        a.gather, chunk_rows);
     MACHMOE_CUDA_CHECK_LAUNCH("place");
-  }
-  if (a.token_offsets) {
-    token_offsets_kernel<<<ceil_div(a.T + 1, 256), 256, 0, stream>>>(a.pair_token, a.P, a.T, a.token_offsets);
-    MACHMOE_CUDA_CHECK_LAUNCH("token_offsets");
   }
 }
 
 namespace {
 
-/// Smallest token t in [0, T] whose first pair is at or past q (first pair of t: token_offsets[t], or t K).
-__device__ std::int64_t first_token_at(std::int64_t q, const std::int32_t* token_offsets, std::int64_t K,
-                                       std::int64_t T) {
-  if (q <= 0) return 0;
-  if (token_offsets == nullptr) return min(T, (q + K - 1) / K);
-  std::int64_t lo = 0, hi = T;
-  while (lo < hi) {
-    const std::int64_t mid = (lo + hi) / 2;
-    if (token_offsets[mid] >= q) hi = mid;
-    else lo = mid + 1;
-  }
-  return lo;
-}
-
-/// The first positions in gather[lo, hi) (ascending tokens) holding a token >= t0 and >= t1: both binary searches
-/// in lockstep, so each step's two loads are in flight together (the plan kernel is latency-bound: one thread per
-/// expert, a dependent load per step).
+/// The first positions in gather[lo, hi) (ascending tokens) holding a token >= t0 and >= t1. The plan kernel is
+/// latency-bound (one thread per expert, each step's loads depending on the last), so both searches run in lockstep
+/// and each wide step probes 7 evenly spaced positions at once, keeping the eighth of the range they bracket: about
+/// log8 of the segment's length in dependent steps (4 for 2560 rows, where halving took 12), then binary steps below
+/// 8 positions. The same lower bounds as a binary search.
 __device__ void lower_bound_tokens(const std::int32_t* gather, std::int32_t lo, std::int32_t hi, std::int64_t t0,
                                    std::int64_t t1, std::int32_t& first, std::int32_t& end) {
+  constexpr int kProbes = 7;
   std::int32_t lo0 = lo, hi0 = hi, lo1 = lo, hi1 = hi;
+  // Invariant of each search: positions before lo hold tokens < t, positions at or past hi tokens >= t.
+  auto narrow = [](const std::int32_t (&g)[kProbes], std::int64_t t, std::int32_t step, std::int32_t& l,
+                   std::int32_t& h) {
+    int below = 0;  // probes holding tokens < t: a prefix of them, tokens ascending
+#pragma unroll
+    for (int j = 0; j < kProbes; ++j) below += g[j] < t;
+    const std::int32_t new_lo = below > 0 ? l + step * below + 1 : l;
+    const std::int32_t new_hi = below < kProbes ? l + step * (below + 1) : h;
+    l = new_lo, h = new_hi;
+  };
+  for (;;) {
+    const std::int32_t s0 = (hi0 - lo0) / (kProbes + 1), s1 = (hi1 - lo1) / (kProbes + 1);
+    if (s0 == 0 && s1 == 0) break;
+    std::int32_t g0[kProbes], g1[kProbes];
+#pragma unroll
+    for (int j = 0; j < kProbes; ++j) {  // every load of the step before any compare
+      g0[j] = s0 > 0 ? gather[lo0 + s0 * (j + 1)] : 0;
+      g1[j] = s1 > 0 ? gather[lo1 + s1 * (j + 1)] : 0;
+    }
+    if (s0 > 0) narrow(g0, t0, s0, lo0, hi0);
+    if (s1 > 0) narrow(g1, t1, s1, lo1, hi1);
+  }
   while (lo0 < hi0 || lo1 < hi1) {
     const std::int32_t mid0 = lo0 + (hi0 - lo0) / 2, mid1 = lo1 + (hi1 - lo1) / 2;
     const std::int32_t g0 = lo0 < hi0 ? gather[mid0] : 0, g1 = lo1 < hi1 ? gather[mid1] : 0;
@@ -186,41 +356,37 @@ __global__ void dx_chunk_plan_kernel(const std::int32_t* __restrict__ offsets, c
   const std::int64_t c = blockIdx.x;
   const std::int64_t t0 = first_token_at(c * pairs_per_chunk, token_offsets, K, T);
   const std::int64_t t1 = c == chunks - 1 ? T : first_token_at((c + 1) * pairs_per_chunk, token_offsets, K, T);
-  // (DxChunkPlan's accessors are host code: kernels.hpp is plain C++)
-  std::int32_t* off = plan.offsets + c * (E + 1);
-  std::int32_t* tiles = plan.tiles + c * (E + 1);
-  std::int32_t* shift = plan.shifts + c * E;
-  if (threadIdx.x == 0) {
-    plan.bounds[c] = static_cast<std::int32_t>(t0);
-    if (c == chunks - 1) plan.bounds[chunks] = static_cast<std::int32_t>(T);
-  }
-  std::int32_t first = 0;  // this thread's expert: the first row of its segment in the chunk
-  std::int32_t total_rows, total_tiles;
-  scan_expert_rows_and_tiles<kScanThreads>(
-      E,
-      [&](int e) {
-        std::int32_t end = 0;
-        lower_bound_tokens(gather, offsets[e], offsets[e + 1], t0, t1, first, end);
-        return end - first;  // t1 >= t0: end >= first
-      },
-      [&](int e, std::int32_t, std::int32_t, std::int32_t rows_before, std::int32_t tiles_before) {
-        off[e] = rows_before;
-        tiles[e] = tiles_before;
-        shift[e] = first - rows_before;
-      },
-      total_rows, total_tiles);
-  if (threadIdx.x == 0) off[E] = total_rows, tiles[E] = total_tiles;
+  write_chunk_plan(plan, E, c, chunks, t0, T, [&](int e, std::int32_t& first) {
+    std::int32_t end = 0;
+    lower_bound_tokens(gather, offsets[e], offsets[e + 1], t0, t1, first, end);
+    return end - first;  // t1 >= t0: end >= first
+  });
 }
 
-/// Block (e, c): pair_rows[scatter[g]] = g - shift for the rows g of expert e in chunk c.
+/// Block (e, c): pair_rows[scatter[g]] = g - shift for the rows g of expert e in chunk c. Each thread loads
+/// kPairRowsUnroll scatter entries before storing any (a block covers about a thousand rows: the loads of a round are
+/// in flight together instead of one load-store chain per row).
+constexpr int kPairRowsThreads = 256, kPairRowsUnroll = 4;
 __global__ void dx_pair_rows_kernel(const std::int32_t* __restrict__ scatter, DxChunkPlan plan,
                                     std::int32_t* __restrict__ pair_rows) {
   const std::int64_t e = blockIdx.x, c = blockIdx.y;
   const std::int32_t* off = plan.offsets + c * (plan.E + 1);
   const std::int32_t shift = plan.shifts[c * plan.E + e];
-  for (std::int32_t r = off[e] + static_cast<std::int32_t>(threadIdx.x); r < off[e + 1];
-       r += static_cast<std::int32_t>(blockDim.x))
-    pair_rows[scatter[r + shift]] = r;
+  const std::int32_t stop = off[e + 1];
+  for (std::int32_t r0 = off[e] + static_cast<std::int32_t>(threadIdx.x); r0 < stop;
+       r0 += kPairRowsThreads * kPairRowsUnroll) {
+    std::int32_t pair[kPairRowsUnroll];
+#pragma unroll
+    for (int u = 0; u < kPairRowsUnroll; ++u) {
+      const std::int32_t r = r0 + u * kPairRowsThreads;
+      pair[u] = r < stop ? scatter[r + shift] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kPairRowsUnroll; ++u) {
+      const std::int32_t r = r0 + u * kPairRowsThreads;
+      if (r < stop) pair_rows[pair[u]] = r;
+    }
+  }
 }
 
 }  // namespace
@@ -239,7 +405,7 @@ void launch_dx_chunk_plan(const std::int32_t* expert_offsets, const std::int32_t
   // routed (top-K), the kernel below writes every entry and the fill is not needed.
   if (!every_pair_routed)
     MACHMOE_CUDA_CHECK(cudaMemsetAsync(pair_rows, 0xff, static_cast<std::size_t>(P_max) * 4, stream));
-  dx_pair_rows_kernel<<<dim3(static_cast<unsigned>(E), static_cast<unsigned>(chunks)), 128, 0, stream>>>(
+  dx_pair_rows_kernel<<<dim3(static_cast<unsigned>(E), static_cast<unsigned>(chunks)), kPairRowsThreads, 0, stream>>>(
       scatter, plan, pair_rows);
   MACHMOE_CUDA_CHECK_LAUNCH("dx_pair_rows");
 }

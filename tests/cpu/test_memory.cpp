@@ -105,7 +105,7 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_EQ(f.y.bytes, 2 * P * 1024);
   EXPECT_EQ(f.pair_expert.bytes, 4 * P);
   EXPECT_FALSE(f.pair_token.present());
-  EXPECT_EQ(f.tile_hist.bytes, 4u * 64 * (P / 256));  // kMetadataTilePairs = 256 pairs per tile
+  EXPECT_EQ(f.tile_hist.bytes, 4u * (64 * (P / 256) + 1));  // 256 pairs per tile, and the scan's block counter
   EXPECT_EQ(f.expert_tiles.bytes, 4u * 65);
   EXPECT_FALSE(f.tr_keys.present());
   EXPECT_FALSE(f.tr_keys_by_expert.present());

@@ -1,0 +1,190 @@
+// The routing metadata kernels (src/gpu/metadata_kernels.cu) launched directly: the chunk plan of the forward's
+// chunks of tokens, built from the tile histograms inside launch_routing_metadata, against the plan
+// launch_dx_chunk_plan builds by searching each expert's grouped rows (what the backward runs): the same plan
+// buffer and pair rows, bitwise, and the metadata itself unchanged by building it. Top-K pairs (K per token) and
+// caller pairs (0..K per token, some routed nowhere); chunk boundaries inside a histogram tile and on its edge, more
+// chunks than tokens (empty chunks), one token, more experts than a block scans at once.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu/kernels.hpp"
+#include "gpu_support.hpp"
+
+namespace machmoe::test {
+namespace {
+
+using gpu::DxChunkPlan;
+using gpu::kFusedPlanMaxExperts;
+using gpu::kMetadataTile;
+using gpu::MetadataArgs;
+using gpu::metadata_built_plan;
+
+struct MetadataCase {
+  std::int64_t T, E, K, chunks;
+  bool caller;  // variable pairs per token (pair_token), a tenth of them routed nowhere
+  const char* name;
+};
+
+std::vector<unsigned char> bytes_of(const std::vector<std::int32_t>& v) {
+  std::vector<unsigned char> b(v.size() * 4);
+  if (!v.empty()) std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+std::vector<std::int32_t> ints_of(const DeviceBuffer& d) {
+  const std::vector<unsigned char> raw = d.download();
+  std::vector<std::int32_t> v(raw.size() / 4);
+  if (!v.empty()) std::memcpy(v.data(), raw.data(), v.size() * 4);
+  return v;
+}
+
+/// Pairs in pair order: top-K (K distinct experts per token) or caller (0..K distinct experts per token, ascending
+/// tokens, every tenth expert replaced by -1 or E: routed nowhere).
+void make_pairs(const MetadataCase& c, std::vector<std::int32_t>& expert, std::vector<std::int32_t>& token) {
+  std::mt19937 rng(static_cast<std::uint32_t>(c.T * 131 + c.E * 7 + c.K));
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(c.E));
+  for (std::int64_t t = 0; t < c.T; ++t) {
+    for (std::int64_t e = 0; e < c.E; ++e) ids[e] = static_cast<std::int32_t>(e);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    const std::int64_t k = c.caller ? static_cast<std::int64_t>(rng() % (c.K + 1)) : c.K;
+    for (std::int64_t j = 0; j < k; ++j) {
+      std::int32_t e = ids[j];
+      if (c.caller && rng() % 10 == 0) e = rng() % 2 ? -1 : static_cast<std::int32_t>(c.E);
+      expert.push_back(e);
+      token.push_back(static_cast<std::int32_t>(t));
+    }
+  }
+}
+
+/// The metadata buffers of one launch.
+struct Metadata {
+  DeviceBuffer hist, counts, offsets, tiles, scatter, inverse, gather, token_offsets, plan, pair_rows;
+  Metadata(const MetadataCase& c, std::int64_t P)
+      : hist(static_cast<std::size_t>(c.E * ((P + kMetadataTile - 1) / kMetadataTile)) * 4 + 4),
+        counts(static_cast<std::size_t>(c.E) * 4),
+        offsets(static_cast<std::size_t>(c.E + 1) * 4),
+        tiles(static_cast<std::size_t>(c.E + 1) * 4),
+        scatter(static_cast<std::size_t>(P) * 4 + 4),
+        inverse(static_cast<std::size_t>(P) * 4 + 4),
+        gather(static_cast<std::size_t>(P) * 4 + 4),
+        token_offsets(static_cast<std::size_t>(c.T + 1) * 4),
+        plan(static_cast<std::size_t>(c.chunks + 1 + c.chunks * (3 * c.E + 2)) * 4),
+        pair_rows(static_cast<std::size_t>(P) * 4 + 4) {}
+  MetadataArgs args(const MetadataCase& c, std::int64_t P, const DeviceBuffer& expert, const DeviceBuffer& token) {
+    MetadataArgs a;
+    a.T = c.T, a.E = c.E, a.P = P, a.K = c.K;
+    a.pair_expert = static_cast<const std::int32_t*>(expert.get());
+    a.pair_token = c.caller ? static_cast<const std::int32_t*>(token.get()) : nullptr;
+    a.tile_hist = static_cast<std::int32_t*>(hist.get());
+    a.expert_counts = static_cast<std::int32_t*>(counts.get());
+    a.expert_offsets = static_cast<std::int32_t*>(offsets.get());
+    a.expert_tiles = static_cast<std::int32_t*>(tiles.get());
+    a.scatter = static_cast<std::int32_t*>(scatter.get());
+    a.inverse = static_cast<std::int32_t*>(inverse.get());
+    a.gather = static_cast<std::int32_t*>(gather.get());
+    a.token_offsets = c.caller ? static_cast<std::int32_t*>(token_offsets.get()) : nullptr;
+    return a;
+  }
+};
+
+class GpuRoutingMetadata : public testing::TestWithParam<MetadataCase> {
+ protected:
+  void SetUp() override { REQUIRE_GPU(); }
+};
+
+TEST_P(GpuRoutingMetadata, ChunkPlanFromHistogramsIsTheSearchedPlan) {
+  const MetadataCase& c = GetParam();
+  std::vector<std::int32_t> expert, token;
+  make_pairs(c, expert, token);
+  const std::int64_t P = static_cast<std::int64_t>(expert.size());
+  ASSERT_GT(P, 0);
+  const DeviceBuffer d_expert(bytes_of(expert)), d_token(bytes_of(token));
+  const std::int64_t pairs_per_chunk = (P + c.chunks - 1) / c.chunks;
+  progress("routing metadata " + std::string(c.name) + ": P " + std::to_string(P));
+
+  // Fused: the plan built with the metadata.
+  Metadata fused(c, P);
+  MetadataArgs a = fused.args(c, P, d_expert, d_token);
+  a.chunks = c.chunks, a.pairs_per_chunk = pairs_per_chunk;
+  a.plan = DxChunkPlan::in(static_cast<std::int32_t*>(fused.plan.get()), c.chunks, c.E);
+  a.pair_rows = static_cast<std::int32_t*>(fused.pair_rows.get());
+  ASSERT_TRUE(metadata_built_plan(a));
+  gpu::launch_routing_metadata(a, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  // Searched: the metadata alone, then the backward's plan kernel over it.
+  Metadata searched(c, P);
+  const MetadataArgs b = searched.args(c, P, d_expert, d_token);
+  ASSERT_FALSE(metadata_built_plan(b));
+  gpu::launch_routing_metadata(b, nullptr);
+  gpu::launch_dx_chunk_plan(b.expert_offsets, b.gather, b.scatter, b.token_offsets, c.K, c.T, c.E, P, c.chunks,
+                            pairs_per_chunk,
+                            DxChunkPlan::in(static_cast<std::int32_t*>(searched.plan.get()), c.chunks, c.E),
+                            static_cast<std::int32_t*>(searched.pair_rows.get()), !c.caller, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  EXPECT_EQ(ints_of(fused.counts), ints_of(searched.counts));
+  EXPECT_EQ(ints_of(fused.offsets), ints_of(searched.offsets));
+  EXPECT_EQ(ints_of(fused.tiles), ints_of(searched.tiles));
+  EXPECT_EQ(ints_of(fused.scatter), ints_of(searched.scatter));
+  EXPECT_EQ(ints_of(fused.inverse), ints_of(searched.inverse));
+  EXPECT_EQ(ints_of(fused.gather), ints_of(searched.gather));
+  if (c.caller) {
+    EXPECT_EQ(ints_of(fused.token_offsets), ints_of(searched.token_offsets));
+  }
+  EXPECT_EQ(ints_of(fused.plan), ints_of(searched.plan)) << "bounds, offsets, tiles and shifts of every chunk";
+  EXPECT_EQ(ints_of(fused.pair_rows), ints_of(searched.pair_rows));
+  EXPECT_TRUE(fused.plan.canary_intact());
+  EXPECT_TRUE(fused.pair_rows.canary_intact());
+
+  // And what the plan means: every routed pair's row lies inside its chunk's rows, each chunk's rows once.
+  const std::vector<std::int32_t> plan = ints_of(fused.plan), rows = ints_of(fused.pair_rows);
+  const std::vector<std::int32_t> inverse = ints_of(fused.inverse);
+  const DxChunkPlan v = DxChunkPlan::in(const_cast<std::int32_t*>(plan.data()), c.chunks, c.E);
+  std::vector<std::vector<int>> seen(static_cast<std::size_t>(c.chunks));
+  for (std::int64_t ch = 0; ch < c.chunks; ++ch) seen[ch].assign(static_cast<std::size_t>(v.chunk_offsets(ch)[c.E]), 0);
+  for (std::int64_t p = 0; p < P; ++p) {
+    if (inverse[p] < 0) {
+      EXPECT_EQ(rows[p], -1) << "pair " << p << " is routed nowhere";
+      continue;
+    }
+    std::int64_t ch = 0;
+    while (ch + 1 < c.chunks && v.bounds[ch + 1] <= token[p]) ++ch;
+    ASSERT_GE(rows[p], 0);
+    ASSERT_LT(rows[p], static_cast<std::int32_t>(seen[ch].size())) << "pair " << p << ", chunk " << ch;
+    ++seen[ch][rows[p]];
+  }
+  for (std::int64_t ch = 0; ch < c.chunks; ++ch)
+    for (int n : seen[ch]) ASSERT_EQ(n, 1) << "chunk " << ch;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, GpuRoutingMetadata,
+    testing::Values(MetadataCase{1000, 8, 2, 2, false, "topk_boundary_inside_a_tile"},
+                    MetadataCase{1024, 64, 4, 4, false, "topk_boundaries_on_tile_edges"},
+                    MetadataCase{40960 / 8, 128, 8, 2, false, "topk_small_row_shape"},
+                    MetadataCase{3, 4, 1, 5, false, "topk_more_chunks_than_tokens"},
+                    MetadataCase{1, 16, 16, 2, false, "topk_one_token_K_equals_E"},
+                    MetadataCase{300, 600, 3, 3, false, "topk_more_experts_than_a_block"},
+                    MetadataCase{500, 16, 4, 3, true, "caller_variable_pairs"},
+                    MetadataCase{2000, 256, 8, 2, true, "caller_many_experts"}),
+    [](const testing::TestParamInfo<MetadataCase>& i) { return std::string(i.param.name); });
+
+TEST(GpuRoutingMetadataLimits, PlanLeftToTheSearchAboveTheSharedMemoryLimit) {
+  MetadataArgs a;
+  a.chunks = 2, a.E = kFusedPlanMaxExperts;
+  EXPECT_TRUE(metadata_built_plan(a));
+  a.E = kFusedPlanMaxExperts + 1;
+  EXPECT_FALSE(metadata_built_plan(a)) << "two E-int histograms no longer fit a block's shared memory";
+  a.E = 8, a.chunks = 1;
+  EXPECT_FALSE(metadata_built_plan(a)) << "one pass: no plan";
+}
+
+}  // namespace
+}  // namespace machmoe::test

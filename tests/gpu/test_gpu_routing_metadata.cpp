@@ -3,7 +3,8 @@
 // launch_dx_chunk_plan builds by searching each expert's grouped rows (what the backward runs): the same plan
 // buffer and pair rows, bitwise, and the metadata itself unchanged by building it. Top-K pairs (K per token) and
 // caller pairs (0..K per token, some routed nowhere); chunk boundaries inside a histogram tile and on its edge, more
-// chunks than tokens (empty chunks), one token, more experts than a block scans at once.
+// chunks than tokens (empty chunks), one token, more experts than a block scans at once. And the metadata itself
+// against a plain CPU layout, for every width of the tile scan.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -174,6 +175,84 @@ INSTANTIATE_TEST_SUITE_P(
                     MetadataCase{300, 600, 3, 3, false, "topk_more_experts_than_a_block"},
                     MetadataCase{500, 16, 4, 3, true, "caller_variable_pairs"},
                     MetadataCase{2000, 256, 8, 2, true, "caller_many_experts"}),
+    [](const testing::TestParamInfo<MetadataCase>& i) { return std::string(i.param.name); });
+
+// The metadata itself against a plain CPU layout (each expert's pairs in ascending pair order, experts in
+// ascending order; GEMM tiles of kGemmTileM rows), for tile counts that take each width of the tile scan (up to
+// 256, 512, 1024 and 2048 tiles a step, and more than one step of 2048), top-K and caller pairs: counts,
+// offsets, tiles, scatter, gather and inverse, and a repeat that gives the same bytes (the scan's last-block
+// counter left ready by the histograms' zero fill).
+class GpuRoutingMetadataLayout : public testing::TestWithParam<MetadataCase> {
+ protected:
+  void SetUp() override { REQUIRE_GPU(); }
+};
+
+TEST_P(GpuRoutingMetadataLayout, MatchesAStableCpuLayout) {
+  const MetadataCase& c = GetParam();
+  std::vector<std::int32_t> expert, token;
+  make_pairs(c, expert, token);
+  const std::int64_t P = static_cast<std::int64_t>(expert.size());
+  const std::int64_t n_tiles = (P + kMetadataTile - 1) / kMetadataTile;
+  progress("routing metadata layout " + std::string(c.name) + ": P " + std::to_string(P) + ", " +
+           std::to_string(n_tiles) + " tiles");
+  const DeviceBuffer d_expert(bytes_of(expert)), d_token(bytes_of(token));
+
+  // CPU: counts, offsets, tiles, and each routed pair's grouped row.
+  const std::size_t E = static_cast<std::size_t>(c.E);
+  std::vector<std::int32_t> counts(E, 0), offsets(E + 1, 0), tiles(E + 1, 0);
+  for (std::int32_t e : expert)
+    if (e >= 0 && e < c.E) ++counts[static_cast<std::size_t>(e)];
+  for (std::size_t e = 0; e < E; ++e) {
+    offsets[e + 1] = offsets[e] + counts[e];
+    tiles[e + 1] = tiles[e] + (counts[e] + gpu::kGemmTileM - 1) / gpu::kGemmTileM;
+  }
+  const std::int32_t routed = offsets[E];
+  std::vector<std::int32_t> inverse(static_cast<std::size_t>(P), -1), scatter(static_cast<std::size_t>(routed)),
+      gather(static_cast<std::size_t>(routed));
+  std::vector<std::int32_t> next(offsets.begin(), offsets.end() - 1);
+  for (std::int64_t p = 0; p < P; ++p) {
+    const std::int32_t e = expert[static_cast<std::size_t>(p)];
+    if (e < 0 || e >= c.E) continue;
+    const std::int32_t g = next[static_cast<std::size_t>(e)]++;
+    inverse[static_cast<std::size_t>(p)] = g;
+    scatter[static_cast<std::size_t>(g)] = static_cast<std::int32_t>(p);
+    gather[static_cast<std::size_t>(g)] = token[static_cast<std::size_t>(p)];
+  }
+
+  Metadata m(c, P);
+  const MetadataArgs a = m.args(c, P, d_expert, d_token);
+  std::vector<std::int32_t> first[6];
+  for (int run = 0; run < 2; ++run) {
+    gpu::launch_routing_metadata(a, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<std::int32_t> got[6] = {ints_of(m.counts),  ints_of(m.offsets), ints_of(m.tiles),
+                                              ints_of(m.scatter), ints_of(m.gather),  ints_of(m.inverse)};
+    if (run == 0) {
+      EXPECT_EQ(got[0], counts);
+      EXPECT_EQ(got[1], offsets);
+      EXPECT_EQ(got[2], tiles);
+      EXPECT_EQ(std::vector<std::int32_t>(got[3].begin(), got[3].begin() + routed), scatter);
+      EXPECT_EQ(std::vector<std::int32_t>(got[4].begin(), got[4].begin() + routed), gather);
+      EXPECT_EQ(std::vector<std::int32_t>(got[5].begin(), got[5].begin() + P), inverse);
+      for (int i = 0; i < 6; ++i) first[i] = got[i];
+    } else {
+      for (int i = 0; i < 6; ++i) EXPECT_EQ(got[i], first[i]) << "a repeat changed output " << i;
+    }
+  }
+  EXPECT_TRUE(m.scatter.canary_intact());
+  EXPECT_TRUE(m.gather.canary_intact());
+  EXPECT_TRUE(m.inverse.canary_intact());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, GpuRoutingMetadataLayout,
+    testing::Values(MetadataCase{7, 8, 2, 1, false, "one_tile"},
+                    MetadataCase{40000, 64, 4, 1, false, "scan_width_1024"},
+                    MetadataCase{15000, 32, 8, 1, false, "scan_width_512"},
+                    MetadataCase{60000, 128, 8, 1, false, "scan_width_2048"},
+                    MetadataCase{70000, 128, 8, 1, false, "scan_two_steps_of_2048"},
+                    MetadataCase{9000, 600, 6, 1, true, "caller_more_experts_than_a_block"},
+                    MetadataCase{200000, 16, 6, 1, true, "caller_scan_two_steps"}),
     [](const testing::TestParamInfo<MetadataCase>& i) { return std::string(i.param.name); });
 
 TEST(GpuRoutingMetadataLimits, PlanLeftToTheSearchAboveTheSharedMemoryLimit) {

@@ -1,6 +1,6 @@
 // Routing metadata without a global sort and without host synchronisation (docs/SPEC.md §2.2):
 //   1. per-tile expert histograms (tiles of kMetadataTile pairs, one thread per pair),
-//   2. per-expert exclusive scans over tiles, then an exclusive scan over experts -> offsets,
+//   2. per-expert exclusive scans over tiles, then (the scan's last block) an exclusive scan over experts -> offsets,
 //   3. per tile, each pair's stable rank among same-expert pairs before it in the tile.
 // Grouped row of pair p = offsets[e] + (pairs of e in earlier tiles) + rank: ascending pair order inside each
 // expert, the order of the CPU reference. Integer atomics only (exact, so the result is deterministic).

@@ -38,9 +38,9 @@ __device__ __forceinline__ void sort_keys_descending(Key (&key)[PerLane]) {
 // exponentials, the selection's sum (still added in selection order, so the scores are bitwise those of before and
 // of token rounding's RowSelection) and the stores come once after the rounds, one lane per selection.
 template <class T, int PerLane>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, PerLane <= 4 ? 16 : 1) topk_scores_registers_kernel(const T* __restrict__ logits, std::int64_t ld, std::int64_t T_, int E,
-                                             int K, ScoreVariant variant, float* __restrict__ scores,
-                                             std::int32_t* __restrict__ experts) {
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, PerLane <= 4 ? 16 : 1)
+    topk_scores_registers_kernel(const T* __restrict__ logits, std::int64_t ld, std::int64_t T_, int E, int K,
+                                 ScoreVariant variant, float* __restrict__ scores, std::int32_t* __restrict__ experts) {
   const int lane = threadIdx.x & 31;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (t >= T_) return;
@@ -230,7 +230,9 @@ void launch_topk_scores(DType dt, const void* logits, std::int64_t ld, std::int6
     const unsigned grid = ceil_div(T, kWarpsPerBlock);
     const auto* z = static_cast<const Tp*>(logits);
     const int e = static_cast<int>(E), k = static_cast<int>(K);
-    auto run = [&](auto kernel) { kernel<<<grid, 32 * kWarpsPerBlock, 0, stream>>>(z, ld, T, e, k, variant, scores, experts); };
+    auto run = [&](auto kernel) {
+      kernel<<<grid, 32 * kWarpsPerBlock, 0, stream>>>(z, ld, T, e, k, variant, scores, experts);
+    };
     if (E <= 32) run(topk_scores_registers_kernel<Tp, 1>);
     else if (E <= 64) run(topk_scores_registers_kernel<Tp, 2>);
     else if (E <= 128) run(topk_scores_registers_kernel<Tp, 4>);

@@ -68,7 +68,7 @@ struct MetadataArgs {
   const std::int32_t* pair_expert = nullptr;  // (P); values outside [0, E) are skipped (sentinels)
   const std::int32_t* pair_token = nullptr;   // (P) or null for top-K (token = p / K)
   std::int64_t K = 1;
-  std::int32_t* tile_hist = nullptr;       // (E, ceil(P / kMetadataTile)) scratch
+  std::int32_t* tile_hist = nullptr;       // (E, ceil(P / kMetadataTile)) scratch, then the scan's counter (1)
   std::int32_t* expert_counts = nullptr;   // (E) output, may be null
   std::int32_t* expert_offsets = nullptr;  // (E + 1)
   std::int32_t* expert_tiles = nullptr;    // (E + 1): exclusive scan of ceil(count / kGemmTileM)

@@ -98,6 +98,21 @@ struct RankKey<__nv_bfloat16> {
   __device__ __forceinline__ static Type warp_max(Type k) { return __reduce_max_sync(0xffffffffu, k); }
 };
 
+/// The lane's keys in descending order: a bubble network over registers (PerLane (PerLane - 1) / 2 compare-exchanges,
+/// fully unrolled, so the keys never leave registers). The top-K kernel and token rounding's row selection sort each
+/// lane's rank keys once with it, so a selection round only compares the lanes' first keys.
+template <int PerLane, class Key>
+__device__ __forceinline__ void sort_keys_descending(Key (&key)[PerLane]) {
+#pragma unroll
+  for (int i = 0; i < PerLane; ++i)
+#pragma unroll
+    for (int j = PerLane - 1; j > i; --j) {
+      const Key hi = key[j - 1] > key[j] ? key[j - 1] : key[j];
+      const Key lo = key[j - 1] > key[j] ? key[j] : key[j - 1];
+      key[j - 1] = hi, key[j] = lo;
+    }
+}
+
 /// The next top-K selection of a row by one warp: the best candidate ranking after (prev_v, prev_i) (prev_i < 0: the
 /// first). Repeating it K times selects the top K in order with no marking, for any E and K. Every kernel that
 /// selects experts uses this one function, so the forward and the backward always agree on the selection.

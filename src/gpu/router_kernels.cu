@@ -11,20 +11,6 @@ constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxK = 64;        // selections held in shared memory per warp; larger K loops in chunks (see below)
 constexpr int kMaxPerLane = 16;  // rows of up to 512 experts are selected from registers
 
-/// The lane's keys in descending order: a bubble network over registers (PerLane (PerLane - 1) / 2 compare-exchanges,
-/// fully unrolled, so the keys never leave registers).
-template <int PerLane, class Key>
-__device__ __forceinline__ void sort_keys_descending(Key (&key)[PerLane]) {
-#pragma unroll
-  for (int i = 0; i < PerLane; ++i)
-#pragma unroll
-    for (int j = PerLane - 1; j > i; --j) {
-      const Key hi = key[j - 1] > key[j] ? key[j - 1] : key[j];
-      const Key lo = key[j - 1] > key[j] ? key[j] : key[j - 1];
-      key[j - 1] = hi, key[j] = lo;
-    }
-}
-
 // Selection by repeated warp arg-max over a row held in registers as rank keys: lane l keeps elements l, l + 32,
 // ... (the order in which warp_row_max / warp_row_sumexp visit them, so the softmax sums are the backward's). Round
 // r takes the largest key below the previous selection's (for rows of up to 256, each lane's keys sorted once and the

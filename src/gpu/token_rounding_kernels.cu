@@ -9,11 +9,13 @@
 // The score a kept pair carries is in its key: the TC score (low 31 bits) or p.
 //
 // 1. keys (token-major; one warp per token, the row in registers for E <= 512): token choice by the top-K
-//    kernel's selection (RankKey: 32-bit keys for bf16, one redux per round), the TC scores of the score variant,
-//    the row's softmax, the keys, the token-choice counts f_e (a shared histogram per block, then one integer atomic
-//    per expert and block: sums, so the order of the atomics cannot show). The block writes its keys token-major and,
-//    through a shared-memory transpose, expert-major. The last block to finish (a completion count) turns the
-//    counts into r_e, the expert offsets and the GEMM tiles (one-block scan), so no separate launch does it.
+//    kernel's selection (RankKey: 32-bit keys for bf16, one redux per round; for rows of up to 256 each lane's keys
+//    sorted once, as the top-K kernel does), the TC scores of the score variant, the row's softmax (each exp kept for
+//    the keys), the keys, the token-choice counts f_e (a shared histogram per block, then one integer atomic per
+//    expert and block: sums, so the order of the atomics cannot show). The block writes its keys token-major and,
+//    through a shared-memory transpose filled from the registers that hold them, expert-major. The last block to
+//    finish (a completion count) turns the counts into r_e, the expert offsets and the GEMM tiles (one-block scan),
+//    so no separate launch does it.
 // 2. select (one block per expert): the r_e-th key of the expert's column by a 3-pass radix select (12, 12 and 8
 //    bits, a shared histogram with one atomic per distinct digit of a warp) over the column, held in shared
 //    memory when it fits. Experts whose count needs no rounding (r_e = f_e, 0 or T) skip it. When keys tie at the
@@ -104,6 +106,7 @@ struct RowSelection {
   const T* row;
   int E, lane, slots;
   float v[kRegs ? PerLane : 1];
+  float ex[kRegs ? PerLane : 1];  // exp(v - max), kept by select
   KeyType key[kRegs ? PerLane : 1];
   KeyType kth = ~KeyType{0};
   float first = 0.0f, sum_k = 0.0f, m = -INFINITY, total = 0.0f;
@@ -140,34 +143,71 @@ struct RowSelection {
     }
   }
   __device__ __forceinline__ void select(int K) {
-    KeyType prev = ~KeyType{0};
-    for (int r = 0; r < K; ++r) {
-      KeyType best = 0;
-      for_each(0, slots, [&](int j) {
-        const KeyType k = rank(j);
-        best = (k < prev && k > best) ? k : best;
-      });
-      prev = Key::warp_max(best);
-      const float sel = Key::value(prev);
-      if (r == 0) first = sel;  // selections come in descending order: the first is the selection's maximum
-      sum_k += expf(sel - first);
+    if constexpr (kRegs && PerLane <= 8) {
+      // As the top-K kernel selects (router_kernels.cu): each lane's keys sorted once, so a round's candidate is the
+      // lane's first key and the winning lane moves its next one up; lane r keeps selection r (K <= 32), and the
+      // selection's exponentials come once after the rounds, summed in selection order. The same selections, kth,
+      // first and sum_k as the pass below, bit for bit.
+      KeyType sorted[PerLane];
+#pragma unroll
+      for (int j = 0; j < PerLane; ++j) sorted[j] = key[j];
+      sort_keys_descending<PerLane>(sorted);
+      KeyType prev = ~KeyType{0}, mine = 0;
+      for (int r = 0; r < K; ++r) {
+        prev = Key::warp_max(sorted[0]);
+        if (sorted[0] == prev) {
+#pragma unroll
+          for (int j = 0; j + 1 < PerLane; ++j) sorted[j] = sorted[j + 1];
+          sorted[PerLane - 1] = 0;  // below every element: this lane has nothing left
+        }
+        if (r == 0) first = Key::value(prev);
+        if (K <= 32) mine = r == lane ? prev : mine;
+        else sum_k += expf(Key::value(prev) - first);
+      }
+      if (K <= 32) {
+        const float mine_exp = lane < K ? expf(Key::value(mine) - first) : 0.0f;
+        for (int r = 0; r < K; ++r) sum_k += __shfl_sync(kFull, mine_exp, r);
+      }
+      kth = prev;
+    } else {
+      KeyType prev = ~KeyType{0};
+      for (int r = 0; r < K; ++r) {
+        KeyType best = 0;
+        for_each(0, slots, [&](int j) {
+          const KeyType k = rank(j);
+          best = (k < prev && k > best) ? k : best;
+        });
+        prev = Key::warp_max(best);
+        const float sel = Key::value(prev);
+        if (r == 0) first = sel;  // selections come in descending order: the first is the selection's maximum
+        sum_k += expf(sel - first);
+      }
+      kth = prev;
     }
-    kth = prev;
-    // The full softmax, in the order of warp_row_max / warp_row_sumexp (per-lane slots, then a fixed butterfly).
+    // The full softmax, in the order of warp_row_max / warp_row_sumexp (per-lane slots, then a fixed butterfly). Rows
+    // in registers keep each exp(x - max) for prob_at.
     float mx = -INFINITY;
     for_each(0, slots, [&](int j) { mx = fmaxf(mx, value(j)); });
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
     float s = 0.0f;
-    for_each(0, slots, [&](int j) { s += expf(value(j) - mx); });
+    for_each(0, slots, [&](int j) {
+      const float x = expf(value(j) - mx);
+      if constexpr (kRegs) ex[j] = x;
+      s += x;
+    });
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
     m = mx, total = s;
   }
   __device__ __forceinline__ bool chosen(int j) const { return rank(j) >= kth; }
-  __device__ __forceinline__ float prob(float x) const { return expf(x - m) / total; }
-  /// TC score of a chosen element of value x: the softmax over the selection (renormalised variants, as
+  /// Slot j's full-softmax probability, exp(x - max) / sum (the exponential kept by select for rows in registers).
+  __device__ __forceinline__ float prob(int j) const {
+    if constexpr (kRegs) return ex[j] / total;
+    else return expf(value(j) - m) / total;
+  }
+  /// TC score of slot j, a chosen element: the softmax over the selection (renormalised variants, as
   /// launch_topk_scores computes it) or the full-softmax probability.
-  __device__ __forceinline__ float tc_score(ScoreVariant variant, float x) const {
-    return variant == ScoreVariant::kTopKOfSoftmax ? prob(x) : expf(x - first) / sum_k;
+  __device__ __forceinline__ float tc_score(ScoreVariant variant, int j) const {
+    return variant == ScoreVariant::kTopKOfSoftmax ? prob(j) : expf(value(j) - first) / sum_k;
   }
 };
 
@@ -188,6 +228,10 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
     for (int i = threadIdx.x; i < E; i += blockDim.x) hist[i] = 0;
   __syncthreads();
   const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kKeyTokens;
+  constexpr bool kRegs = PerLane > 0;
+  // Rows in registers keep their keys there for the transpose below (slot j of token r: kk[r][j]).
+  std::uint32_t kk[kKeyTokensPerWarp][kRegs ? PerLane : 1];
+#pragma unroll
   for (int r = 0; r < kKeyTokensPerWarp; ++r) {
     const std::int64_t t = t0 + warp * kKeyTokensPerWarp + r;
     if (t >= T_) break;  // warp-uniform
@@ -196,36 +240,56 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
     std::uint32_t* out = keys + t * E;
     row.for_each(0, row.slots, [&](int j) {
       const int i = j * 32 + lane;
-      const float x = row.value(j);
       std::uint32_t key;
       if (row.chosen(j)) {
-        key = kChosen | __float_as_uint(row.tc_score(variant, x));
+        key = kChosen | __float_as_uint(row.tc_score(variant, j));
         if (local_hist) atomicAdd(&hist[i], 1);
         else atomicAdd(&tc_count[i], 1);
       } else {
-        key = __float_as_uint(row.prob(x));
+        key = __float_as_uint(row.prob(j));
       }
       out[i] = key;
+      if constexpr (kRegs) kk[r][j] = key;
     });
   }
   __syncthreads();  // also makes this block's key rows visible to all its threads
   if (local_hist)
     for (int i = threadIdx.x; i < E; i += blockDim.x)
       if (hist[i] != 0) atomicAdd(&tc_count[i], hist[i]);
-  // Transpose the block's rows into the expert-major keys: 64 experts x 32 tokens at a time, one 128-byte row
-  // segment per expert written by a warp. The loads do not take the read-only path: this kernel wrote them.
+  // Transpose the block's keys into the expert-major keys: 64 experts x 32 tokens at a time, one 128-byte row
+  // segment per expert written by a warp. Rows in registers fill the tile from there (experts [64 g, 64 g + 64) are
+  // slots 2 g and 2 g + 1); longer rows read back the key rows this block wrote (not through the read-only path).
   const int nt = static_cast<int>(min(static_cast<std::int64_t>(kKeyTokens), T_ - t0));
-  for (int e0 = 0; e0 < E; e0 += kTransposeExperts) {
-    for (int i = threadIdx.x; i < kTransposeExperts * kKeyTokens; i += blockDim.x) {
-      const int tl = i / kTransposeExperts, ec = i % kTransposeExperts;
-      if (tl < nt && e0 + ec < E) tile[ec][tl] = keys[(t0 + tl) * E + e0 + ec];
-    }
+  auto write_tile = [&](int e0) {
     __syncthreads();
     for (int i = threadIdx.x; i < kTransposeExperts * kKeyTokens; i += blockDim.x) {
       const int ec = i / kKeyTokens, tl = i % kKeyTokens;
       if (tl < nt && e0 + ec < E) keys_by_expert[static_cast<std::int64_t>(e0 + ec) * T_ + t0 + tl] = tile[ec][tl];
     }
     __syncthreads();
+  };
+  if constexpr (kRegs) {
+    static_assert(kTransposeExperts == 64, "a tile is two slots of a row in registers");
+#pragma unroll
+    for (int g = 0; g < (PerLane + 1) / 2; ++g) {
+      if (64 * g >= E) break;  // uniform
+#pragma unroll
+      for (int r = 0; r < kKeyTokensPerWarp; ++r) {
+        const int tl = warp * kKeyTokensPerWarp + r;
+#pragma unroll
+        for (int j = 2 * g; j < 2 * g + 2 && j < PerLane; ++j)
+          if (tl < nt && j * 32 + lane < E) tile[j * 32 + lane - 64 * g][tl] = kk[r][j];
+      }
+      write_tile(64 * g);
+    }
+  } else {
+    for (int e0 = 0; e0 < E; e0 += kTransposeExperts) {
+      for (int i = threadIdx.x; i < kTransposeExperts * kKeyTokens; i += blockDim.x) {
+        const int tl = i / kTransposeExperts, ec = i % kTransposeExperts;
+        if (tl < nt && e0 + ec < E) tile[ec][tl] = keys[(t0 + tl) * E + e0 + ec];
+      }
+      write_tile(e0);
+    }
   }
   // The last block to get here sees every block's counts (each fenced its atomics before counting itself done).
   __threadfence();
@@ -638,9 +702,9 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
   for (int w0 = 0; w0 < E; w0 += kBwdWindow) {
     place(w0);
     row.for_each(w0 / 32, (w0 + kBwdWindow) / 32, [&](int j) {
-      const float x = row.value(j), g = dp[j * 32 + lane - w0], p = row.prob(x);
+      const float g = dp[j * 32 + lane - w0], p = row.prob(j);
       if (variant == ScoreVariant::kTopKOfSoftmax || !row.chosen(j)) dot += g * p;
-      else gs += g * row.tc_score(variant, x);
+      else gs += g * row.tc_score(variant, j);
     });
   }
   for (int o = 16; o > 0; o >>= 1) {
@@ -653,10 +717,10 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
     if (E > kBwdWindow) place(w0);  // one window: dp still holds it
     row.for_each(w0 / 32, (w0 + kBwdWindow) / 32, [&](int j) {
       const int i = j * 32 + lane;
-      const float x = row.value(j), p = row.prob(x);
+      const float p = row.prob(j);
       float g = dp[i - w0], direct = 0.0f;
       if (variant != ScoreVariant::kTopKOfSoftmax && row.chosen(j)) {
-        direct = row.tc_score(variant, x) * (g - gs);  // dz_k = s_k (g_k - sum_j g_j s_j)
+        direct = row.tc_score(variant, j) * (g - gs);  // dz_k = s_k (g_k - sum_j g_j s_j)
         g = 0.0f;                                      // not part of the full softmax
       }
       out[i] = from_float<T>((u ? to_float(u[i]) : 0.0f) + direct + p * (g - dot));

@@ -185,7 +185,7 @@ struct RowSelection {
       kth = prev;
     }
     // The full softmax, in the order of warp_row_max / warp_row_sumexp (per-lane slots, then a fixed butterfly). Rows
-    // in registers keep each exp(x - max) for prob_at.
+    // in registers keep each exp(x - max) for prob.
     float mx = -INFINITY;
     for_each(0, slots, [&](int j) { mx = fmaxf(mx, value(j)); });
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));

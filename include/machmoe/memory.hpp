@@ -78,12 +78,14 @@ inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 ///   tr_keys            T x E    uint32  each (token, expert)'s ranking key, token-major
 ///   tr_keys_by_expert  E x T    uint32  the same keys expert-major; overwritten with the grouped row of kept pairs
 ///   tr_thresholds      E x 2    uint32  per expert: the kept keys' threshold and the tie cut
-///   tr_counters        E + 4 int32 and ceil(T / kTokenRoundingEmitTokens) uint64: token-choice counts, a
-///                                       completion count, a block ticket and the emit pass's look-back states;
-///                                       zeroed at the start of every call
+///   tr_bounds          E x ceil(T / 32) x 2 uint32  per expert and block of 32 tokens: the largest key not chosen
+///                                       and the smallest chosen key (they bound where an expert's threshold lies)
+///   tr_counters        2E + 4 int32 and ceil(T / kTokenRoundingEmitTokens) uint64: token-choice counts, a
+///                                       completion count, a block ticket, the experts selected over their whole
+///                                       column and the emit pass's look-back states; zeroed at the start of every call
 struct ForwardWorkspaceLayout {
   BufferRegion a, y, y_chunk_plan, y_pair_rows, pair_expert, pair_token, tile_hist, expert_tiles, cublas;
-  BufferRegion tr_keys, tr_keys_by_expert, tr_thresholds, tr_counters;
+  BufferRegion tr_keys, tr_keys_by_expert, tr_thresholds, tr_bounds, tr_counters;
   std::size_t total_bytes = 0;
 };
 ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& problem, DType data_dtype);

@@ -287,6 +287,8 @@ struct TokenRoundingArgs {
   std::uint32_t* keys = nullptr;            // (T, E)
   std::uint32_t* keys_by_expert = nullptr;  // (E, T)
   std::uint32_t* thresholds = nullptr;      // (E, 2)
+  std::uint32_t* bounds = nullptr;          // (E, ceil(T / 32), 2): per block of 32 tokens, largest unchosen and
+                                            // smallest chosen key
   void* counters = nullptr;                 // zeroed here: look-back states, counts, completion count, ticket
   std::size_t counters_bytes = 0;
   // outputs

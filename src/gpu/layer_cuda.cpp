@@ -316,6 +316,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
     tr.keys = at<std::uint32_t>(buf.workspace, wl.tr_keys);
     tr.keys_by_expert = at<std::uint32_t>(buf.workspace, wl.tr_keys_by_expert);
     tr.thresholds = at<std::uint32_t>(buf.workspace, wl.tr_thresholds);
+    tr.bounds = at<std::uint32_t>(buf.workspace, wl.tr_bounds);
     tr.counters = at(buf.workspace, wl.tr_counters), tr.counters_bytes = wl.tr_counters.bytes;
     tr.expert_counts = static_cast<std::int32_t*>(out.expert_counts.data);
     tr.expert_offsets = at<std::int32_t>(buf.saved, sl.expert_offsets);

@@ -16,7 +16,11 @@
 //    through a shared-memory transpose filled from the registers that hold them, expert-major. The last block to
 //    finish (a completion count) turns the counts into r_e, the expert offsets and the GEMM tiles (one-block scan),
 //    so no separate launch does it.
-// 2. select (one block per expert): the r_e-th key of the expert's column by a 3-pass radix select (12, 12 and 8
+// 2. select, bounded (one block per expert; see tr_select_bounded_kernel): the keys kernel also writes, per expert
+//    and block of 32 tokens, the largest unchosen and the smallest chosen key; from them the few keys that can hold
+//    the threshold are found in one pass over the column, the threshold among them, and the kept tokens written in a
+//    second pass. Experts with too many such keys (repeated tokens) are flagged for the full select:
+// 2'. select (one block per expert): the r_e-th key of the expert's column by a 3-pass radix select (12, 12 and 8
 //    bits, a shared histogram with one atomic per distinct digit of a warp) over the column, held in shared
 //    memory when it fits. Experts whose count needs no rounding (r_e = f_e, 0 or T) skip it. When keys tie at the
 //    threshold and only some of the ties are kept, one ordered pass finds the token where they stop (the cut).
@@ -76,7 +80,7 @@ static_assert(kEmitTokens == kEmitWarps * kEmitTokensPerWarp, "memory.hpp sizes 
 constexpr int kBwdWarps = 8;
 constexpr int kBwdWindow = 512;  // experts whose pair gradients a warp holds in shared memory at a time
 
-static_assert(kKeyTokens == 32, "the transpose writes one 32-token row segment per expert");
+static_assert(kKeyTokens == 32, "the transpose writes one 32-token row segment per expert, a warp's");
 static_assert(kEmitWarps == 32, "warp 0 scans the emit block's per-warp counts");
 
 __device__ __forceinline__ std::int64_t rounded_count(std::int64_t f, std::int64_t T, std::int64_t M,
@@ -217,7 +221,7 @@ template <class T, int PerLane>
 __global__ void __launch_bounds__(32 * kKeyWarps)
     tr_keys_kernel(const T* __restrict__ z, std::int64_t ld, std::int64_t T_, int E, int K, ScoreVariant variant,
                    std::int64_t M, RoundingRule rule, std::uint32_t* keys, std::uint32_t* keys_by_expert,
-                   std::int32_t* tc_count, std::uint32_t* done, std::int32_t* expert_counts,
+                   std::uint32_t* bounds, std::int32_t* tc_count, std::uint32_t* done, std::int32_t* expert_counts,
                    std::int32_t* expert_offsets, std::int32_t* expert_tiles) {
   __shared__ std::int32_t hist[kKeyHistBins];
   __shared__ std::uint32_t tile[kTransposeExperts][kKeyTokens + 1];
@@ -262,9 +266,20 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
   const int nt = static_cast<int>(min(static_cast<std::int64_t>(kKeyTokens), T_ - t0));
   auto write_tile = [&](int e0) {
     __syncthreads();
+    // A warp holds one expert's row of the tile (kKeyTokens == 32 lanes) and reduces the block's bounds from it: the
+    // largest key not chosen (0 if none) and the smallest chosen key (all ones if none), per (expert, block).
     for (int i = threadIdx.x; i < kTransposeExperts * kKeyTokens; i += blockDim.x) {
       const int ec = i / kKeyTokens, tl = i % kKeyTokens;
-      if (tl < nt && e0 + ec < E) keys_by_expert[static_cast<std::int64_t>(e0 + ec) * T_ + t0 + tl] = tile[ec][tl];
+      const bool valid = tl < nt && e0 + ec < E;
+      const std::uint32_t key = valid ? tile[ec][tl] : 0u;
+      if (valid) keys_by_expert[static_cast<std::int64_t>(e0 + ec) * T_ + t0 + tl] = key;
+      const bool chosen = (key & kChosen) != 0u;
+      const std::uint32_t hi = __reduce_max_sync(kFull, valid && !chosen ? key : 0u);
+      const std::uint32_t lo = __reduce_min_sync(kFull, valid && chosen ? key : ~0u);
+      if (tl == 0 && e0 + ec < E) {
+        std::uint32_t* b = bounds + 2 * (static_cast<std::int64_t>(e0 + ec) * gridDim.x + blockIdx.x);
+        b[0] = hi, b[1] = lo;
+      }
     }
     __syncthreads();
   };
@@ -340,6 +355,118 @@ __device__ void find_digit(const std::int32_t* hist, int bins, std::int32_t need
   __syncthreads();
 }
 
+/// Block-wide radix select, 12 + 12 + 8 bits from the top: the need-th largest of the n keys key_at(i) (1 <= need <=
+/// n). After each pass's histogram of this CTA's keys, total_of(bins) returns the histogram to search (this CTA's,
+/// or a cluster's sum) and sync_all() runs once the digit is taken (the next pass clears hist). Returns the key; need
+/// becomes how many of the keys equal to it the need-th largest takes, ties their count.
+template <class Scan, class KeyAt, class TotalOf, class SyncAll>
+__device__ std::uint32_t radix_select(KeyAt&& key_at, std::int64_t n, std::int32_t& need, std::int32_t& ties,
+                                      std::int32_t* hist, typename Scan::TempStorage& scan_tmp, std::uint32_t& digit_s,
+                                      std::int32_t& need_s, TotalOf&& total_of, SyncAll&& sync_all) {
+  const int lane = threadIdx.x & 31;
+  std::uint32_t prefix = 0;
+  const int shifts[3] = {20, 8, 0}, widths[3] = {12, 12, 8};
+#pragma unroll
+  for (int pass = 0; pass < 3; ++pass) {
+    const int shift = shifts[pass], bins = 1 << widths[pass];
+    const std::uint32_t high = pass == 0 ? 0u : ~((1u << (shift + widths[pass])) - 1u);
+    for (int b = threadIdx.x; b < bins; b += kSelectThreads) hist[b] = 0;
+    __syncthreads();
+    // kSelectUnroll keys per thread and trip, loaded and matched independently: the loop is bound by the latency
+    // of load -> match -> atomic, which the independent chains overlap.
+    const unsigned lanes_below = (1u << lane) - 1u;
+    for (std::int64_t base = 0; base < n; base += kSelectUnroll * kSelectThreads) {  // uniform trip count
+      std::uint32_t d[kSelectUnroll];
+      bool in[kSelectUnroll];
+#pragma unroll
+      for (int u = 0; u < kSelectUnroll; ++u) {
+        const std::int64_t i = base + u * kSelectThreads + threadIdx.x;
+        d[u] = 0xffffffffu;
+        in[u] = false;
+        if (i < n) {
+          const std::uint32_t key = key_at(i);
+          in[u] = ((key ^ prefix) & high) == 0u;
+          if (in[u]) d[u] = (key >> shift) & static_cast<std::uint32_t>(bins - 1);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kSelectUnroll; ++u) {
+        // One shared atomic per distinct digit of the warp (its lowest lane): keys crowd into few digits (similar
+        // scores). Integer adds: the histogram does not depend on their order.
+        const unsigned group = __match_any_sync(kFull, d[u]);
+        if (in[u] && (group & lanes_below) == 0u) atomicAdd(&hist[d[u]], __popc(group));
+      }
+    }
+    const std::int32_t* total = total_of(bins);
+    __syncthreads();
+    find_digit<Scan>(total, bins, need, scan_tmp, digit_s, need_s);
+    prefix |= digit_s << shift;
+    need = need_s;
+    if (pass == 2) ties = total[digit_s];
+    sync_all();  // hist is cleared by the next pass, once every CTA has read it
+  }
+  return prefix;
+}
+
+/// Block-wide radix select for short lists (a few thousand keys at most, the bounded select's): 8 + 8 + 8 + 8 bits
+/// from the top, 256 bins, each digit found by warp 0 alone (8 bins a lane and a shuffle scan): one pass more than
+/// radix_select, but no block-wide scan of 4096 bins per pass. Same contract as radix_select for one CTA.
+template <class KeyAt>
+__device__ std::uint32_t short_radix_select(KeyAt&& key_at, std::int32_t n, std::int32_t& need, std::int32_t& ties,
+                                            std::int32_t* hist, std::uint32_t& digit_s, std::int32_t& need_s) {
+  constexpr int kBins = 256, kPerLane = kBins / 32;
+  const int lane = threadIdx.x & 31;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  std::uint32_t prefix = 0;
+#pragma unroll
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = 24 - 8 * pass;
+    const std::uint32_t high = pass == 0 ? 0u : ~((1u << (shift + 8)) - 1u);
+    for (int b = threadIdx.x; b < kBins; b += kSelectThreads) hist[b] = 0;
+    __syncthreads();
+    for (std::int32_t base = 0; base < n; base += kSelectThreads) {  // uniform trip count
+      const std::int32_t i = base + static_cast<std::int32_t>(threadIdx.x);
+      std::uint32_t d = 0xffffffffu;
+      bool in = false;
+      if (i < n) {
+        const std::uint32_t key = key_at(i);
+        in = ((key ^ prefix) & high) == 0u;
+        if (in) d = (key >> shift) & static_cast<std::uint32_t>(kBins - 1);
+      }
+      const unsigned group = __match_any_sync(kFull, d);
+      if (in && (group & lanes_below) == 0u) atomicAdd(&hist[d], __popc(group));
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // Lane l holds bins 255 - 8 l down to 248 - 8 l; the lanes below it hold the larger digits.
+      const int top = kBins - 1 - kPerLane * lane;
+      std::int32_t h[kPerLane], s = 0;
+#pragma unroll
+      for (int q = 0; q < kPerLane; ++q) h[q] = hist[top - q], s += h[q];
+      std::int32_t incl = s;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const std::int32_t v = __shfl_up_sync(kFull, incl, o);
+        if (lane >= o) incl += v;
+      }
+      std::int32_t acc = incl - s;  // keys in the larger digits
+      if (acc < need && need <= incl) {
+#pragma unroll
+        for (int q = 0; q < kPerLane; ++q) {
+          if (acc < need && need <= acc + h[q]) digit_s = static_cast<std::uint32_t>(top - q), need_s = need - acc;
+          acc += h[q];
+        }
+      }
+    }
+    __syncthreads();
+    prefix |= digit_s << shift;
+    need = need_s;
+    if (pass == 3) ties = hist[digit_s];
+    __syncthreads();  // hist is cleared by the next pass once every thread has read it
+  }
+  return prefix;
+}
+
 // A cluster of `ranks` CTAs per expert (1, 2 or 4: the launcher spreads few experts over the GPU): CTA rank q owns
 // the expert's tokens [q S, (q + 1) S), S = T / ranks rounded up to 32, and caches that slice. Each radix pass
 // counts its slice into its own histogram; after a cluster barrier every CTA adds up the cluster's histograms
@@ -349,7 +476,7 @@ __device__ void find_digit(const std::int32_t* hist, int bins, std::int32_t need
 __global__ void __launch_bounds__(kSelectThreads)
     tr_select_kernel(std::uint32_t* keys_by_expert, std::int64_t T_, const std::int32_t* __restrict__ tc_count,
                      const std::int32_t* __restrict__ expert_offsets, std::uint32_t* __restrict__ thresholds,
-                     std::int32_t* __restrict__ gather, bool cache) {
+                     std::int32_t* __restrict__ gather, bool cache, const std::int32_t* __restrict__ only) {
   namespace cg = cooperative_groups;
   using Scan = cub::BlockScan<std::int32_t, kSelectThreads>;
   // Dynamic: the cluster's summed histogram (clusters only), then the slice's keys when `cache`.
@@ -366,6 +493,7 @@ __global__ void __launch_bounds__(kSelectThreads)
   const int rank = static_cast<int>(cluster.block_rank());
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int e = static_cast<int>(blockIdx.x) / ranks;
+  if (only != nullptr && only[e] == 0) return;  // resolved by the bounded select (uniform across the cluster)
   std::uint32_t* gcol = keys_by_expert + static_cast<std::int64_t>(e) * T_;
   const std::int64_t f = tc_count[e];
   const std::int64_t g0 = expert_offsets[e];
@@ -412,57 +540,22 @@ __global__ void __launch_bounds__(kSelectThreads)
   } else if (r >= T_) {
     thr = 0u, cut = T_;  // every token
   } else {
-    // Radix select of the r-th largest key, 12 + 12 + 8 bits from the top.
-    std::uint32_t prefix = 0;
-    std::int32_t need = static_cast<std::int32_t>(r);
-    const int shifts[3] = {20, 8, 0}, widths[3] = {12, 12, 8};
-    std::int32_t ties = 0;
-#pragma unroll
-    for (int pass = 0; pass < 3; ++pass) {
-      const int shift = shifts[pass], bins = 1 << widths[pass];
-      const std::uint32_t high = pass == 0 ? 0u : ~((1u << (shift + widths[pass])) - 1u);
-      for (int b = threadIdx.x; b < bins; b += kSelectThreads) hist[b] = 0;
-      __syncthreads();
-      // kSelectUnroll keys per thread and trip, loaded and matched independently: the loop is bound by the latency
-      // of load -> match -> atomic, which the independent chains overlap.
-      const unsigned lanes_below = (1u << lane) - 1u;
-      for (std::int64_t base = 0; base < n; base += kSelectUnroll * kSelectThreads) {  // uniform trip count
-        std::uint32_t d[kSelectUnroll];
-        bool in[kSelectUnroll];
-#pragma unroll
-        for (int u = 0; u < kSelectUnroll; ++u) {
-          const std::int64_t i = base + u * kSelectThreads + threadIdx.x;
-          d[u] = 0xffffffffu;
-          in[u] = false;
-          if (i < n) {
-            const std::uint32_t key = col[i];
-            in[u] = ((key ^ prefix) & high) == 0u;
-            if (in[u]) d[u] = (key >> shift) & static_cast<std::uint32_t>(bins - 1);
+    // Radix select of the r-th largest key.
+    std::int32_t need = static_cast<std::int32_t>(r), ties = 0;
+    const std::uint32_t prefix = radix_select<Scan>(
+        [&](std::int64_t i) { return col[i]; }, n, need, ties, hist, scan_tmp, digit_s, need_s,
+        [&](int bins) -> const std::int32_t* {
+          if (ranks > 1) {
+            cluster.sync();  // every CTA's histogram is complete
+            for (int b = threadIdx.x; b < bins; b += kSelectThreads) {
+              std::int32_t sum = 0;
+              for (int q = 0; q < ranks; ++q) sum += cluster.map_shared_rank(hist, q)[b];
+              total[b] = sum;
+            }
           }
-        }
-#pragma unroll
-        for (int u = 0; u < kSelectUnroll; ++u) {
-          // One shared atomic per distinct digit of the warp (its lowest lane): keys crowd into few digits (similar
-          // scores). Integer adds: the histogram does not depend on their order.
-          const unsigned group = __match_any_sync(kFull, d[u]);
-          if (in[u] && (group & lanes_below) == 0u) atomicAdd(&hist[d[u]], __popc(group));
-        }
-      }
-      if (ranks > 1) {
-        cluster.sync();  // every CTA's histogram is complete
-        for (int b = threadIdx.x; b < bins; b += kSelectThreads) {
-          std::int32_t sum = 0;
-          for (int q = 0; q < ranks; ++q) sum += cluster.map_shared_rank(hist, q)[b];
-          total[b] = sum;
-        }
-      }
-      __syncthreads();
-      find_digit<Scan>(total, bins, need, scan_tmp, digit_s, need_s);
-      prefix |= digit_s << shift;
-      need = need_s;
-      if (pass == 2) ties = total[digit_s];
-      sync_all();  // hist is cleared by the next pass, once every CTA has read it
-    }
+          return total;
+        },
+        sync_all);
     thr = prefix;
     if (need == ties) {
       cut = T_;  // every key equal to the threshold is kept
@@ -556,6 +649,176 @@ __global__ void __launch_bounds__(kSelectThreads)
     pos += __popc(b);
   }
   if (ranks > 1) cluster.sync();  // no CTA leaves while another may still read its shared memory
+}
+
+// Pass 2, bounded: nearest rounding moves at most tile / 2 pairs of an expert, so its threshold lies among a few keys
+// at the boundary of the expert's choices, and the keys kernel's per-block bounds tell which they are before any
+// pass over the column. With k = r - f > 0 (tokens added), the k-th largest of the blocks' largest unchosen keys, B,
+// is at most the k-th largest unchosen key (k blocks hold a key >= B), so every unchosen key above the threshold, and
+// every key equal to it, is >= B; with k = f - r > 0 (tokens dropped), the (k + 1)-th smallest of the blocks'
+// smallest chosen keys bounds the (k + 1)-th smallest chosen key, the threshold, from above the same way. One pass
+// over the column stages those candidates (in token order, per warp) and counts each warp's chosen keys; the
+// threshold and the tie cut come from the candidates alone (short_radix_select), each warp's kept count from its
+// chosen count and its kept candidates, and a second pass writes the kept tokens. Where a warp's candidates pass
+// kBoundedCandidates (many equal keys: repeated tokens), the expert is flagged and tr_select_kernel, launched after,
+// selects it over the whole column.
+constexpr int kBoundedCandidates = 64;  // per warp
+constexpr int kBoundedUnroll = 8;       // keys per lane loaded before any is used (the column comes from L2)
+
+__global__ void __launch_bounds__(kSelectThreads)
+    tr_select_bounded_kernel(std::uint32_t* keys_by_expert, std::int64_t T_, const std::int32_t* __restrict__ tc_count,
+                             const std::int32_t* __restrict__ expert_offsets, const std::uint32_t* __restrict__ bounds,
+                             std::int64_t n_blocks, std::uint32_t* __restrict__ thresholds,
+                             std::int32_t* __restrict__ gather, std::int32_t* __restrict__ fallback) {
+  __shared__ std::int32_t hist[256];  // short_radix_select's
+  __shared__ std::uint32_t staged_key[kSelectWarps][kBoundedCandidates];
+  __shared__ std::int32_t staged_token[kSelectWarps][kBoundedCandidates];
+  __shared__ std::uint32_t cand_key[kSelectWarps * kBoundedCandidates];
+  __shared__ std::int32_t cand_token[kSelectWarps * kBoundedCandidates];
+  __shared__ std::int32_t warp_cand[kSelectWarps], warp_kept[kSelectWarps];
+  __shared__ std::uint32_t digit_s;
+  __shared__ std::int32_t need_s;
+  __shared__ std::int64_t cut_s;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const unsigned below = (1u << lane) - 1u;
+  const int e = static_cast<int>(blockIdx.x);
+  std::uint32_t* gcol = keys_by_expert + static_cast<std::int64_t>(e) * T_;
+  const std::int64_t f = tc_count[e];
+  const std::int64_t g0 = expert_offsets[e];
+  const std::int64_t r = expert_offsets[e + 1] - g0;
+  if (r == 0) {  // nothing kept (the words tr_select_kernel writes: f = 0 counts as "exactly the choices")
+    if (threadIdx.x == 0) thresholds[2 * e] = f == 0 ? 0x7fffffffu : 0xffffffffu, thresholds[2 * e + 1] = 0u;
+    return;
+  }
+  const bool trivial = r == f || r >= T_;
+  const bool drop = r < f;
+  const std::int64_t k = drop ? f - r : r - f;
+  // Per-warp contiguous chunks of the column (multiples of 32), in token order.
+  const std::int64_t chunk = ((T_ + kSelectWarps - 1) / kSelectWarps + 31) / 32 * 32;
+  const std::int64_t w_begin = min(T_, warp * chunk), w_end = min(T_, (warp + 1) * chunk);
+
+  // 1. The bound (the side's k-th or (k + 1)-th value of the blocks' bounds; the smallest chosen keys complemented,
+  //    so that both are a k-th largest). Fewer blocks than that: no bound, every key of the side is a candidate.
+  std::uint32_t bound = drop ? 0xffffffffu : 0u;
+  const std::int64_t need_b = drop ? k + 1 : k;
+  if (!trivial && need_b <= n_blocks) {
+    const std::uint32_t* b = bounds + 2 * static_cast<std::int64_t>(e) * n_blocks + (drop ? 1 : 0);
+    std::int32_t need = static_cast<std::int32_t>(need_b), ties = 0;
+    const std::uint32_t v = short_radix_select([&](std::int32_t i) { return drop ? ~b[2 * i] : b[2 * i]; },
+                                               static_cast<std::int32_t>(n_blocks), need, ties, hist, digit_s, need_s);
+    bound = drop ? ~v : v;
+  }
+  // 2. One pass: each warp's chosen keys counted, its candidates staged in token order.
+  std::int32_t n_chosen = 0, n_cand = 0;
+  for (std::int64_t base = w_begin; base < w_end; base += kBoundedUnroll * 32) {
+    std::uint32_t key[kBoundedUnroll];
+#pragma unroll
+    for (int u = 0; u < kBoundedUnroll; ++u) {
+      const std::int64_t i = base + u * 32 + lane;
+      key[u] = i < w_end ? gcol[i] : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < kBoundedUnroll; ++u) {
+      const std::int64_t i = base + u * 32 + lane;
+      const bool valid = i < w_end;
+      const bool chosen = valid && (key[u] & kChosen) != 0u;
+      const bool cand = !trivial && valid && (drop ? chosen && key[u] <= bound : !chosen && key[u] >= bound);
+      n_chosen += __popc(__ballot_sync(kFull, chosen));
+      const unsigned c = __ballot_sync(kFull, cand);
+      const std::int32_t slot = n_cand + __popc(c & below);
+      if (cand && slot < kBoundedCandidates)
+        staged_key[warp][slot] = key[u], staged_token[warp][slot] = static_cast<std::int32_t>(i);
+      n_cand += __popc(c);
+    }
+  }
+  if (lane == 0) warp_cand[warp] = n_cand;
+  __syncthreads();
+  std::int32_t cand_before = 0, n_cands = 0;
+  bool overflow = false;
+  for (int w = 0; w < kSelectWarps; ++w) {
+    overflow = overflow || warp_cand[w] > kBoundedCandidates;
+    if (w < warp) cand_before += warp_cand[w];
+    n_cands += warp_cand[w];
+  }
+  if (overflow) {  // uniform: tr_select_kernel takes this expert
+    if (threadIdx.x == 0) fallback[e] = 1;
+    return;
+  }
+  // 3. The threshold and the tie cut from the candidates, contiguous in token order.
+  std::uint32_t thr;
+  std::int64_t cut;
+  if (r == f) {
+    thr = 0x7fffffffu, cut = 0;  // exactly the token choices
+  } else if (r >= T_) {
+    thr = 0u, cut = T_;  // every token
+  } else {
+    for (int j = lane; j < n_cand; j += 32)
+      cand_key[cand_before + j] = staged_key[warp][j], cand_token[cand_before + j] = staged_token[warp][j];
+    __syncthreads();
+    // Added tokens: the k-th largest unchosen key. Dropped: the (k + 1)-th smallest chosen key, the candidates being
+    // the n_cands smallest chosen keys.
+    std::int32_t need = static_cast<std::int32_t>(drop ? n_cands - k : k), ties = 0;
+    thr = short_radix_select([&](std::int32_t i) { return cand_key[i]; }, n_cands, need, ties, hist, digit_s, need_s);
+    if (need == ties) {
+      cut = T_;  // every key equal to the threshold is kept
+    } else {
+      // The token of tie number `need` (0-based) in token order: the first `need` ties are kept.
+      if (warp == 0) {
+        std::int32_t seen = 0;
+        for (std::int32_t base = 0; base < n_cands; base += 32) {
+          const std::int32_t i = base + lane;
+          unsigned b = __ballot_sync(kFull, i < n_cands && cand_key[i] == thr);
+          const int cnt = __popc(b);
+          if (seen + cnt > need) {
+            for (int q = 0; q < need - seen; ++q) b &= b - 1;
+            if (lane == 0) cut_s = cand_token[base + __ffs(b) - 1];
+            break;
+          }
+          seen += cnt;
+        }
+      }
+      __syncthreads();
+      cut = cut_s;
+    }
+  }
+  if (threadIdx.x == 0) {
+    thresholds[2 * e] = thr;
+    thresholds[2 * e + 1] = static_cast<std::uint32_t>(cut);
+  }
+  // 4. Each warp's kept count: every chosen key is kept when tokens are added, every chosen key above the
+  //    candidates when tokens are dropped; of the candidates, those kept(). r >= T_: the whole chunk.
+  std::int32_t kept_c = 0;
+  if (!trivial)
+    for (int j = lane; j < n_cand; j += 32)
+      kept_c += kept(staged_key[warp][j], thr, static_cast<std::uint32_t>(cut), staged_token[warp][j]) ? 1 : 0;
+  for (int o = 16; o > 0; o >>= 1) kept_c += __shfl_xor_sync(kFull, kept_c, o);
+  if (lane == 0)
+    warp_kept[warp] = r >= T_ ? static_cast<std::int32_t>(w_end - w_begin)
+                              : (drop ? n_chosen - n_cand : n_chosen) + (trivial ? 0 : kept_c);
+  __syncthreads();
+  // 5. The kept tokens in ascending order -> gather[g0 ...]; their expert-major key -> their grouped row.
+  std::int64_t pos = g0;
+  for (int w = 0; w < warp; ++w) pos += warp_kept[w];
+  for (std::int64_t base = w_begin; base < w_end; base += kBoundedUnroll * 32) {
+    std::uint32_t key[kBoundedUnroll];  // all loaded before any is used or overwritten (each lane its own tokens)
+#pragma unroll
+    for (int u = 0; u < kBoundedUnroll; ++u) {
+      const std::int64_t t = base + u * 32 + lane;
+      key[u] = t < w_end ? gcol[t] : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < kBoundedUnroll; ++u) {
+      const std::int64_t t = base + u * 32 + lane;
+      const bool k_ = t < w_end && kept(key[u], thr, static_cast<std::uint32_t>(cut), t);
+      const unsigned b = __ballot_sync(kFull, k_);
+      if (k_) {
+        const std::int64_t g = pos + __popc(b & below);
+        gather[g] = static_cast<std::int32_t>(t);
+        gcol[t] = static_cast<std::uint32_t>(g);
+      }
+      pos += __popc(b);
+    }
+  }
 }
 
 // ---- pass 3: pair order ---------------------------------------------------------------------------------------------
@@ -779,22 +1042,29 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   if (a.T == 0) return;
   const int E = static_cast<int>(a.E), K = static_cast<int>(a.K);
   const std::int64_t emit_blocks = (a.T + kEmitTokens - 1) / kEmitTokens;
-  // Counters region: look-back states (uint64, first for alignment), then f_e, the completion count, the ticket.
+  // Counters region: look-back states (uint64, first for alignment), then f_e, the completion count, the ticket, the
+  // experts the bounded select leaves to tr_select_kernel.
   auto* status = static_cast<std::uint64_t*>(a.counters);
   auto* tc_count = reinterpret_cast<std::int32_t*>(status + emit_blocks);
   auto* done = reinterpret_cast<std::uint32_t*>(tc_count + a.E);
   auto* ticket = done + 1;
+  auto* fallback = reinterpret_cast<std::int32_t*>(ticket + 1);
   MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.counters, 0, a.counters_bytes, stream));
   dispatch_data_type(a.dt, [&](auto tag) {
     using Tp = decltype(tag);
     const auto* z = static_cast<const Tp*>(a.logits);
     by_row_width<KeysKernel, Tp>(a.E, [&](auto kernel) {
       kernel<<<ceil_div(a.T, kKeyTokens), 32 * kKeyWarps, 0, stream>>>(
-          z, a.ld_logits, a.T, E, K, a.variant, a.tile_m, a.rule, a.keys, a.keys_by_expert, tc_count, done,
+          z, a.ld_logits, a.T, E, K, a.variant, a.tile_m, a.rule, a.keys, a.keys_by_expert, a.bounds, tc_count, done,
           a.expert_counts, a.expert_offsets, a.expert_tiles);
     });
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_keys");
+  const std::int32_t* counts = tc_count;
+  const std::int32_t* offsets = a.expert_offsets;
+  tr_select_bounded_kernel<<<static_cast<unsigned>(E), kSelectThreads, 0, stream>>>(
+      a.keys_by_expert, a.T, counts, offsets, a.bounds, ceil_div(a.T, kKeyTokens), a.thresholds, a.gather, fallback);
+  MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select_bounded");
   // Few experts: a cluster of 2 or 4 CTAs per expert, each on a slice of its column (up to one CTA per SM; a column
   // of fewer than kSelectClusterMinTokens keys is not worth the cluster barriers). The slice's keys in shared memory
   // when they fit beside the kernel's static arrays (and, with a cluster, the summed histogram).
@@ -818,10 +1088,9 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   cluster_attr[0].val.clusterDim.x = static_cast<unsigned>(ranks);
   cluster_attr[0].val.clusterDim.y = 1, cluster_attr[0].val.clusterDim.z = 1;
   cfg.attrs = cluster_attr, cfg.numAttrs = ranks > 1 ? 1 : 0;
-  const std::int32_t* counts = tc_count;
-  const std::int32_t* offsets = a.expert_offsets;
+  // Only the experts the bounded select flagged (their CTAs of the others return at once).
   MACHMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tr_select_kernel, a.keys_by_expert, a.T, counts, offsets, a.thresholds,
-                                        a.gather, cache));
+                                        a.gather, cache, static_cast<const std::int32_t*>(fallback)));
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select");
   tr_emit_kernel<<<static_cast<unsigned>(emit_blocks), 32 * kEmitWarps, 0, stream>>>(
       a.keys, a.keys_by_expert, a.thresholds, a.T, E, a.expert_offsets, a.P_max, ticket, status, a.scores,

@@ -109,6 +109,7 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_EQ(f.expert_tiles.bytes, 4u * 65);
   EXPECT_FALSE(f.tr_keys.present());
   EXPECT_FALSE(f.tr_keys_by_expert.present());
+  EXPECT_FALSE(f.tr_bounds.present());
   EXPECT_FALSE(f.tr_counters.present());
   EXPECT_EQ(f.cublas.bytes, kCublasWorkspaceBytes);
   const BackwardWorkspaceLayout b = backward_workspace_layout(p, DType::kBF16);
@@ -149,7 +150,8 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_EQ(tr.tr_keys_by_expert.bytes, 4u * 4096 * 64);
   EXPECT_EQ(tr.tr_thresholds.bytes, 8u * 64);
   // Look-back states (one uint64 per 32-token block), then E + 4 int32 counters.
-  EXPECT_EQ(tr.tr_counters.bytes, 8u * (4096 / 64) + 4u * (64 + 4));
+  EXPECT_EQ(tr.tr_bounds.bytes, 8u * 64 * (4096 / 32));
+  EXPECT_EQ(tr.tr_counters.bytes, 8u * (4096 / 64) + 4u * (2 * 64 + 4));
   EXPECT_EQ(tr.pair_token.bytes, 4 * static_cast<std::size_t>(p.max_pairs()));
   EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cpu()), 0u) << "the CPU reference needs no workspace";
   EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cuda(0)), forward_workspace_layout(p, DType::kBF16).total_bytes);

@@ -53,6 +53,7 @@ struct TrOutputs {
   std::vector<std::int32_t> counts, offsets, tiles, scatter, inverse, gather, token_offsets;
   std::vector<float> scores;
   bool canaries = true;
+  std::int64_t full_select_experts = 0;  // experts the bounded select flagged for the select over the whole column
 };
 
 struct TrRun {
@@ -91,6 +92,7 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
   a.keys = reinterpret_cast<std::uint32_t*>(at(wl.tr_keys));
   a.keys_by_expert = reinterpret_cast<std::uint32_t*>(at(wl.tr_keys_by_expert));
   a.thresholds = reinterpret_cast<std::uint32_t*>(at(wl.tr_thresholds));
+  a.bounds = reinterpret_cast<std::uint32_t*>(at(wl.tr_bounds));
   a.counters = at(wl.tr_counters), a.counters_bytes = wl.tr_counters.bytes;
   a.expert_counts = static_cast<std::int32_t*>(counts.get());
   a.expert_offsets = static_cast<std::int32_t*>(offsets.get());
@@ -112,6 +114,13 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
   o.gather = download<std::int32_t>(gather, P);
   o.token_offsets = download<std::int32_t>(token_offsets, c.T + 1);
   o.scores = download<float>(scores, P);
+  {  // the flags after the counters region's look-back states, f_e, the completion count and the ticket
+    const auto emit_blocks = static_cast<std::size_t>((c.T + kTokenRoundingEmitTokens - 1) / kTokenRoundingEmitTokens);
+    std::vector<std::int32_t> flags(static_cast<std::size_t>(c.E));
+    cudaMemcpy(flags.data(), at(wl.tr_counters) + emit_blocks * 8 + (c.E + 2) * 4, flags.size() * 4,
+               cudaMemcpyDeviceToHost);
+    for (std::int32_t x : flags) o.full_select_experts += x != 0;
+  }
   for (const DeviceBuffer* b : {&logits, &ws, &counts, &offsets, &tiles, &scatter, &inverse, &gather, &token_offsets,
                                 &scores})
     o.canaries = o.canaries && b->canary_intact();
@@ -238,6 +247,10 @@ TEST_P(GpuTokenRoundingKernels, MatchTheReferenceAndRepeatBitwise) {
   const TrKernelCase& c = GetParam();
   const TrRun a = run_kernels(c, 1234 + static_cast<std::uint64_t>(c.T * 7 + c.E));
   check_against_reference(c, a);
+  // The bounded select takes every expert of random logits; repeated tokens (thousands of equal keys at a threshold)
+  // send some to the full select, and both must give the reference's routing.
+  if (c.repeat == 0) EXPECT_EQ(a.out.full_select_experts, 0) << c.name;
+  if (c.repeat > 0 && c.T >= 30000) EXPECT_GT(a.out.full_select_experts, 0) << c.name;
   const TrRun b = run_kernels(c, 1234 + static_cast<std::uint64_t>(c.T * 7 + c.E));
   EXPECT_TRUE(same_outputs(a.out, b.out)) << c.name << ": a second launch on the same logits differs";
 }

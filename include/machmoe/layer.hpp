@@ -56,7 +56,8 @@ struct ForwardOutputs {
 };
 
 /// Caller memory for the forward. `saved` must hold saved_layout(...).total_bytes and stays untouched by the
-/// caller until backward() returns; `workspace` must hold forward_workspace_bytes(...).
+/// caller until backward() returns; `workspace` must hold forward_workspace_bytes(...). Every caller buffer (these,
+/// the backward's and the deferred one) starts at a multiple of kBufferAlignment (16) bytes (memory.hpp).
 struct ForwardBuffers {
   void* saved = nullptr;
   std::size_t saved_bytes = 0;

@@ -13,6 +13,10 @@ namespace machmoe {
 
 /// Regions start at multiples of this many bytes (TMA and 16-byte vector loads want aligned bases).
 inline constexpr std::size_t kRegionAlignment = 256;
+/// The caller's buffers (saved, workspace, deferred) must start at a multiple of this many bytes: the regions above
+/// are aligned relative to a buffer's start, and the GPU kernels access them in 16-byte vectors and through TMA.
+/// cudaMalloc, PyTorch's allocator and operator new all return such pointers; the entry points reject others.
+inline constexpr std::size_t kBufferAlignment = 16;
 
 struct BufferRegion {
   std::size_t offset = 0;  // from the buffer's base

@@ -3,6 +3,7 @@
 #include "machmoe/layer.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -22,6 +23,15 @@ namespace {
 using detail::ArgChecker;
 
 std::string bytes_str(std::size_t b) { return std::to_string(b) + " bytes"; }
+
+/// A caller buffer's start: a misaligned one would fault in the GPU kernels' 16-byte accesses, far from the cause.
+void check_buffer_start(const ArgChecker& c, const char* name, const void* ptr) {
+  const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+  if (address % kBufferAlignment != 0)
+    c.fail(name, "a pointer aligned to kBufferAlignment = " + std::to_string(kBufferAlignment) + " bytes",
+           "address " + std::to_string(address) + " (" + std::to_string(address % kBufferAlignment) +
+               " bytes past a multiple)");
+}
 
 /// Checks shared by forward and backward; returns the layer's data dtype.
 DType validate_inputs(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const LayerWeights& w,
@@ -298,6 +308,7 @@ void check_deferred(const ArgChecker& c, const MoEProblem& p, DType dt, const De
     c.fail("deferred.bytes", "at least deferred_layout(problem, dtype).total_bytes = " + bytes_str(need),
            bytes_str(deferred.bytes));
   if (deferred.data == nullptr && need > 0) c.fail("deferred.data", "a non-null pointer", "nullptr");
+  check_buffer_start(c, "deferred.data", deferred.data);
 }
 
 void check_saved(const ArgChecker& c, const MoEProblem& p, DType dt, const void* saved, std::size_t bytes) {
@@ -306,6 +317,7 @@ void check_saved(const ArgChecker& c, const MoEProblem& p, DType dt, const void*
     c.fail("buffers.saved_bytes", "at least saved_layout(problem, dtype).total_bytes = " + bytes_str(need),
            bytes_str(bytes));
   if (saved == nullptr) c.fail("buffers.saved", "the buffer forward() filled", "nullptr");
+  check_buffer_start(c, "buffers.saved", saved);
 }
 
 /// W1's gradients (w1, and b1 with a bias), or their absence where they come from another call (`why_absent`).
@@ -367,11 +379,13 @@ void forward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, co
     c.fail("buffers.saved_bytes", "at least saved_layout(problem, dtype).total_bytes = " + bytes_str(saved_need),
            bytes_str(buffers.saved_bytes));
   if (buffers.saved == nullptr && saved_need > 0) c.fail("buffers.saved", "a non-null pointer", "nullptr");
+  check_buffer_start(c, "buffers.saved", buffers.saved);
   const std::size_t ws_need = forward_workspace_bytes(p, dt, x.device);
   if (buffers.workspace_bytes < ws_need)
     c.fail("buffers.workspace_bytes", "at least forward_workspace_bytes(...) = " + bytes_str(ws_need),
            bytes_str(buffers.workspace_bytes));
   if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
+  check_buffer_start(c, "buffers.workspace", buffers.workspace);
 #ifdef MACHMOE_WITH_CUDA
   if (x.device.type == DeviceType::kCUDA) {
     // Index values stay on the device (checking them here would synchronise); out-of-range pairs are skipped, and
@@ -415,6 +429,7 @@ void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, c
                (buffers.consume_saved ? "true" : "false") + ") = " + bytes_str(ws_need),
            bytes_str(buffers.workspace_bytes));
   if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
+  check_buffer_start(c, "buffers.workspace", buffers.workspace);
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
     gpu::raise_recorded_index_violation(dev.index, "backward", stream);
@@ -450,6 +465,7 @@ void backward_input(const MoEProblem& p, const TensorView& x, const LayerWeights
     c.fail("buffers.workspace_bytes", "at least backward_input_workspace_bytes(...) = " + bytes_str(ws_need),
            bytes_str(buffers.workspace_bytes));
   if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
+  check_buffer_start(c, "buffers.workspace", buffers.workspace);
   check_deferred(c, p, dt, deferred);
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {

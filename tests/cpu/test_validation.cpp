@@ -355,6 +355,22 @@ TEST(Validation, BuffersAndStream) {
     std::memset(c.saved.data(), 0xFF, c.saved.size());
     expect_error([&] { c.backward_call(); }, {"'buffers.saved'", "forward() filled"});
   }
+  {
+    // Buffers must start at a multiple of kBufferAlignment (the GPU kernels' 16-byte accesses), forward and backward;
+    // 8 bytes past an aligned start is rejected, with the offset named.
+    Call c;
+    static_assert(kBufferAlignment == 16, "the message below names 16");
+    std::vector<unsigned char> slack(c.saved.size() + 2 * kBufferAlignment);
+    const auto base = reinterpret_cast<std::uintptr_t>(slack.data());
+    unsigned char* aligned = slack.data() + (kBufferAlignment - base % kBufferAlignment) % kBufferAlignment;
+    c.fb.saved = aligned + 8;
+    expect_error([&] { c.forward_call(); }, {"'buffers.saved'", "aligned to kBufferAlignment = 16 bytes",
+                                             "8 bytes past a multiple"});
+    c.fb.saved = aligned;
+    c.forward_call();  // the aligned start of the same memory passes
+    c.bb.saved = aligned + 8;  // rejected before anything reads it
+    expect_error([&] { c.backward_call(); }, {"'buffers.saved'", "aligned to kBufferAlignment"});
+  }
 }
 
 TEST(Validation, BackwardArguments) {

@@ -302,6 +302,16 @@ void backward_weight_cpu(const ArgChecker& c, const MoEProblem& p, const TensorV
   write_weight_grads(p, out, g.dw1, g.db1, g.dw2, g.db2);
 }
 
+/// The workspace: at least `need` bytes (`formula` says which function sizes it), non-null where it holds any, and
+/// aligned.
+void check_workspace(const ArgChecker& c, const void* workspace, std::size_t bytes, std::size_t need,
+                     const std::string& formula) {
+  if (bytes < need)
+    c.fail("buffers.workspace_bytes", "at least " + formula + " = " + bytes_str(need), bytes_str(bytes));
+  if (workspace == nullptr && need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
+  check_buffer_start(c, "buffers.workspace", workspace);
+}
+
 void check_deferred(const ArgChecker& c, const MoEProblem& p, DType dt, const DeferredBuffer& deferred) {
   const std::size_t need = deferred_layout(p, dt).total_bytes;
   if (deferred.bytes < need)
@@ -380,12 +390,8 @@ void forward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, co
            bytes_str(buffers.saved_bytes));
   if (buffers.saved == nullptr && saved_need > 0) c.fail("buffers.saved", "a non-null pointer", "nullptr");
   check_buffer_start(c, "buffers.saved", buffers.saved);
-  const std::size_t ws_need = forward_workspace_bytes(p, dt, x.device);
-  if (buffers.workspace_bytes < ws_need)
-    c.fail("buffers.workspace_bytes", "at least forward_workspace_bytes(...) = " + bytes_str(ws_need),
-           bytes_str(buffers.workspace_bytes));
-  if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
-  check_buffer_start(c, "buffers.workspace", buffers.workspace);
+  check_workspace(c, buffers.workspace, buffers.workspace_bytes, forward_workspace_bytes(p, dt, x.device),
+                  "forward_workspace_bytes(...)");
 #ifdef MACHMOE_WITH_CUDA
   if (x.device.type == DeviceType::kCUDA) {
     // Index values stay on the device (checking them here would synchronise); out-of-range pairs are skipped, and
@@ -422,14 +428,10 @@ void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, c
   }
   check_w2_grads(c, p, dt, dev, out.grad_weights);
   check_saved(c, p, dt, buffers.saved, buffers.saved_bytes);
-  const std::size_t ws_need = backward_workspace_bytes(p, dt, dev, buffers.consume_saved);
-  if (buffers.workspace_bytes < ws_need)
-    c.fail("buffers.workspace_bytes",
-           std::string("at least backward_workspace_bytes(..., consume_saved = ") +
-               (buffers.consume_saved ? "true" : "false") + ") = " + bytes_str(ws_need),
-           bytes_str(buffers.workspace_bytes));
-  if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
-  check_buffer_start(c, "buffers.workspace", buffers.workspace);
+  check_workspace(c, buffers.workspace, buffers.workspace_bytes,
+                  backward_workspace_bytes(p, dt, dev, buffers.consume_saved),
+                  std::string("backward_workspace_bytes(..., consume_saved = ") +
+                      (buffers.consume_saved ? "true" : "false") + ")");
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
     gpu::raise_recorded_index_violation(dev.index, "backward", stream);
@@ -460,12 +462,8 @@ void backward_input(const MoEProblem& p, const TensorView& x, const LayerWeights
     c.fail("buffers.consume_saved", "false (backward_weight() reads the saved buffer after backward_input())",
            "true");
   check_saved(c, p, dt, buffers.saved, buffers.saved_bytes);
-  const std::size_t ws_need = backward_input_workspace_bytes(p, dt, dev);
-  if (buffers.workspace_bytes < ws_need)
-    c.fail("buffers.workspace_bytes", "at least backward_input_workspace_bytes(...) = " + bytes_str(ws_need),
-           bytes_str(buffers.workspace_bytes));
-  if (buffers.workspace == nullptr && ws_need > 0) c.fail("buffers.workspace", "a non-null pointer", "nullptr");
-  check_buffer_start(c, "buffers.workspace", buffers.workspace);
+  check_workspace(c, buffers.workspace, buffers.workspace_bytes, backward_input_workspace_bytes(p, dt, dev),
+                  "backward_input_workspace_bytes(...)");
   check_deferred(c, p, dt, deferred);
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {

@@ -63,6 +63,10 @@ inline constexpr std::int64_t kMetadataTilePairs = 256;
 /// Tokens per block of token rounding's emit pass (its look-back states are one uint64 per block).
 inline constexpr std::int64_t kTokenRoundingEmitTokens = 64;
 
+/// Token rounding's keys kernel holds a token's row in registers up to this many experts; above it the row goes
+/// through memory (the token-major keys region).
+inline constexpr std::int64_t kTokenRoundingRegisterExperts = 512;
+
 /// Workspace handed to cuBLAS for the router GEMMs (so it allocates nothing itself).
 inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 
@@ -79,17 +83,21 @@ inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 ///   cublas        kCublasWorkspaceBytes             cuBLAS workspace of the router GEMM (not for caller-supplied)
 /// Token rounding only (src/gpu/token_rounding_kernels.cu; it builds the routing metadata itself, so pair_expert,
 /// pair_token and tile_hist are not used by it):
-///   tr_keys            T x E    uint32  each (token, expert)'s ranking key, token-major
-///   tr_keys_by_expert  E x T    uint32  the same keys expert-major; overwritten with the grouped row of kept pairs
+///   tr_keys            T x E    uint32  each (token, expert)'s ranking key, token-major: only where E is above
+///                                       kTokenRoundingRegisterExperts (the keys kernel's transpose reads it back)
+///   tr_keys_by_expert  E x T    uint32  the keys expert-major; overwritten with the grouped row of kept pairs
 ///   tr_thresholds      E x 2    uint32  per expert: the kept keys' threshold and the tie cut
-///   tr_bounds          E x ceil(T / 32) x 2 uint32  per expert and block of 32 tokens: the largest key not chosen
-///                                       and the smallest chosen key (they bound where an expert's threshold lies)
+///   tr_bounds          E x ceil(T / 32) x 4 uint32  per expert and block of 32 tokens: the largest key not chosen
+///                                       and the smallest chosen key (they bound where an expert's threshold lies),
+///                                       the mask of the block's tokens that chose the expert, and the mask of
+///                                       those the expert keeps (written by the select, read by the emit pass)
+///   tr_row_scores      P        fp32    the score of each grouped row's pair (written by the select)
 ///   tr_counters        2E + 4 int32 and ceil(T / kTokenRoundingEmitTokens) uint64: token-choice counts, a
 ///                                       completion count, a block ticket, the experts selected over their whole
 ///                                       column and the emit pass's look-back states; zeroed at the start of every call
 struct ForwardWorkspaceLayout {
   BufferRegion a, y, y_chunk_plan, y_pair_rows, pair_expert, pair_token, tile_hist, expert_tiles, cublas;
-  BufferRegion tr_keys, tr_keys_by_expert, tr_thresholds, tr_bounds, tr_counters;
+  BufferRegion tr_keys, tr_keys_by_expert, tr_thresholds, tr_bounds, tr_row_scores, tr_counters;
   std::size_t total_bytes = 0;
 };
 ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& problem, DType data_dtype);

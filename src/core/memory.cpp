@@ -71,10 +71,11 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
   l.expert_tiles = b.add(u(p.E + 1) * 4);
   if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
   if (p.routing == RoutingMode::kTokenRounding) {
-    l.tr_keys = b.add(u(p.T) * u(p.E) * 4);
+    if (p.E > kTokenRoundingRegisterExperts) l.tr_keys = b.add(u(p.T) * u(p.E) * 4);
     l.tr_keys_by_expert = b.add(u(p.T) * u(p.E) * 4);
     l.tr_thresholds = b.add(u(p.E) * 8);
-    l.tr_bounds = b.add(u(p.E) * ((u(p.T) + 31) / 32) * 8);
+    l.tr_bounds = b.add(u(p.E) * ((u(p.T) + 31) / 32) * 16);
+    l.tr_row_scores = b.add(P * 4);
     const std::size_t emit_blocks = (u(p.T) + u(kTokenRoundingEmitTokens) - 1) / u(kTokenRoundingEmitTokens);
     l.tr_counters = b.add((2 * u(p.E) + 4) * 4 + emit_blocks * 8);
   }

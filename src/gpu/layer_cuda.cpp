@@ -313,7 +313,8 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
     tr.T = p.T, tr.E = p.E, tr.K = p.K, tr.tile_m = p.tile_m, tr.P_max = P;
     tr.variant = p.score, tr.rule = p.rounding;
     tr.logits = out.router_logits.data, tr.ld_logits = out.router_logits.stride[0];
-    tr.keys = at<std::uint32_t>(buf.workspace, wl.tr_keys);
+    if (wl.tr_keys.present()) tr.keys = at<std::uint32_t>(buf.workspace, wl.tr_keys);
+    tr.row_scores = at<float>(buf.workspace, wl.tr_row_scores);
     tr.keys_by_expert = at<std::uint32_t>(buf.workspace, wl.tr_keys_by_expert);
     tr.thresholds = at<std::uint32_t>(buf.workspace, wl.tr_thresholds);
     tr.bounds = at<std::uint32_t>(buf.workspace, wl.tr_bounds);

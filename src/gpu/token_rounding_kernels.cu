@@ -8,30 +8,33 @@
 // is the same order without the fp32 cancellation of p - 1 (which would tie every p closer than 6e-8).
 // The score a kept pair carries is in its key: the TC score (low 31 bits) or p.
 //
-// 1. keys (token-major; one warp per token, the row in registers for E <= 512): token choice by the top-K
+// 1. keys (one warp per token, the row in registers for E <= 512): token choice by the top-K
 //    kernel's selection (RankKey: 32-bit keys for bf16, one redux per round; for rows of up to 256 each lane's keys
 //    sorted once, as the top-K kernel does), the TC scores of the score variant, the row's softmax (each exp kept for
 //    the keys), the keys, the token-choice counts f_e (a shared histogram per block, then one integer atomic per
-//    expert and block: sums, so the order of the atomics cannot show). The block writes its keys token-major and,
-//    through a shared-memory transpose filled from the registers that hold them, expert-major. The last block to
+//    expert and block: sums, so the order of the atomics cannot show). The block writes its keys expert-major
+//    through a shared-memory transpose filled from the registers that hold them (rows of more than 512 experts go
+//    through the token-major keys in memory instead, and the transpose reads them back). The last block to
 //    finish (a completion count) turns the counts into r_e, the expert offsets and the GEMM tiles (one-block scan),
 //    so no separate launch does it.
 // 2. select, bounded (one block per expert; see tr_select_bounded_kernel): the keys kernel also writes, per expert
-//    and block of 32 tokens, the largest unchosen and the smallest chosen key; from them the few keys that can hold
-//    the threshold are found in one pass over the column, the threshold among them, and the kept tokens written in a
-//    second pass. Experts with too many such keys (repeated tokens) are flagged for the full select:
+//    and block of 32 tokens, the largest unchosen and the smallest chosen key and the mask of chosen tokens; from
+//    them the few keys that can hold the threshold are read (only the blocks that can hold one), the threshold found
+//    among them, and the kept tokens written from the masks. Each select writes, per expert and block, the mask of
+//    the kept tokens, and per grouped row the pair's score (read from its key before the row overwrites it).
+//    Experts with too many such keys (repeated tokens) are flagged for the full select:
 // 2'. select (one block per expert): the r_e-th key of the expert's column by a 3-pass radix select (12, 12 and 8
 //    bits, a shared histogram with one atomic per distinct digit of a warp) over the column, held in shared
 //    memory when it fits. Experts whose count needs no rounding (r_e = f_e, 0 or T) skip it. When keys tie at the
 //    threshold and only some of the ties are kept, one ordered pass finds the token where they stop (the cut).
 //    Then the kept tokens, ascending, go to gather at the expert's offset (per-warp chunks, ballots), and each
 //    kept entry of the expert-major keys is overwritten with its grouped row.
-// 3. emit (32 warps per block, each over 2 consecutive tokens): kept(t, e) = key > thr_e or (key = thr_e and
-//    t < cut_e), counted per token, scanned across blocks by a decoupled look-back (integer sums: the result does
-//    not depend on timing), then every kept pair in (token, expert) order gets its score, inverse and scatter, and
-//    the token offsets are written. Slots past the pair count get expert -1 semantics (inverse -1, score 0).
-// Cost: the logits are read once, the keys written twice and read about twice (they stay in L2 on the main
-// configurations); no per-expert loop runs over the token-choice lists.
+// 3. emit (32 warps per block, each over 2 consecutive tokens): kept(t, e) from the select's kept masks, counted
+//    per token, scanned across blocks by a decoupled look-back (integer sums: the result does not depend on
+//    timing), then every kept pair in (token, expert) order gets its score, inverse and scatter, and the token
+//    offsets are written. Slots past the pair count get expert -1 semantics (inverse -1, score 0).
+// Cost: the logits are read once, the keys written once expert-major (twice for E > 512) and read back only at the
+// experts' boundaries and for the kept pairs; no per-expert loop runs over the token-choice lists.
 //
 // Backward: one warp per token recomputes the token's choices and softmax the same way (row in registers), places
 // the token's pair gradients by expert in shared memory, and writes dz in one pass with fixed-order warp sums.
@@ -241,7 +244,6 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
     if (t >= T_) break;  // warp-uniform
     RowSelection<T, PerLane> row(z + t * ld, E, lane);
     row.select(K);
-    std::uint32_t* out = keys + t * E;
     row.for_each(0, row.slots, [&](int j) {
       const int i = j * 32 + lane;
       std::uint32_t key;
@@ -252,8 +254,10 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
       } else {
         key = __float_as_uint(row.prob(j));
       }
-      out[i] = key;
-      if constexpr (kRegs) kk[r][j] = key;
+      if constexpr (kRegs)
+        kk[r][j] = key;
+      else
+        keys[t * E + i] = key;  // the token-major row, read back by the transpose below
     });
   }
   __syncthreads();  // also makes this block's key rows visible to all its threads
@@ -266,20 +270,23 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
   const int nt = static_cast<int>(min(static_cast<std::int64_t>(kKeyTokens), T_ - t0));
   auto write_tile = [&](int e0) {
     __syncthreads();
-    // A warp holds one expert's row of the tile (kKeyTokens == 32 lanes) and reduces the block's bounds from it: the
-    // largest key not chosen (0 if none) and the smallest chosen key (all ones if none), per (expert, block).
-    for (int i = threadIdx.x; i < kTransposeExperts * kKeyTokens; i += blockDim.x) {
-      const int ec = i / kKeyTokens, tl = i % kKeyTokens;
-      const bool valid = tl < nt && e0 + ec < E;
-      const std::uint32_t key = valid ? tile[ec][tl] : 0u;
-      if (valid) keys_by_expert[static_cast<std::int64_t>(e0 + ec) * T_ + t0 + tl] = key;
+    // Warp w writes the tile rows of experts e0 + w, e0 + w + kKeyWarps, ... (kKeyTokens == 32 tokens, a lane each)
+    // and reduces the block's bounds from each: the largest key not chosen (0 if none), the smallest chosen key (all
+    // ones if none) and the mask of chosen tokens, per (expert, block). Lanes past the last token hold key 0, neutral
+    // to all three.
+    const bool token = lane < nt;
+    for (int ec = warp; ec < kTransposeExperts; ec += kKeyWarps) {
+      const int e = e0 + ec;
+      if (e >= E) break;  // warp-uniform
+      const std::uint32_t key = token ? tile[ec][lane] : 0u;
+      if (token) keys_by_expert[static_cast<std::int64_t>(e) * T_ + t0 + lane] = key;
       const bool chosen = (key & kChosen) != 0u;
-      const std::uint32_t hi = __reduce_max_sync(kFull, valid && !chosen ? key : 0u);
-      const std::uint32_t lo = __reduce_min_sync(kFull, valid && chosen ? key : ~0u);
-      if (tl == 0 && e0 + ec < E) {
-        std::uint32_t* b = bounds + 2 * (static_cast<std::int64_t>(e0 + ec) * gridDim.x + blockIdx.x);
-        b[0] = hi, b[1] = lo;
-      }
+      const std::uint32_t hi = __reduce_max_sync(kFull, chosen ? 0u : key);
+      const std::uint32_t lo = __reduce_min_sync(kFull, chosen ? key : ~0u);
+      const unsigned mask = __ballot_sync(kFull, chosen);
+      if (lane == 0)
+        *reinterpret_cast<uint4*>(bounds + 4 * (static_cast<std::int64_t>(e) * gridDim.x + blockIdx.x)) =
+            make_uint4(hi, lo, mask, 0u);
     }
     __syncthreads();
   };
@@ -422,9 +429,9 @@ __device__ std::uint32_t short_radix_select(KeyAt&& key_at, std::int32_t n, std:
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = 24 - 8 * pass;
     const std::uint32_t high = pass == 0 ? 0u : ~((1u << (shift + 8)) - 1u);
-    for (int b = threadIdx.x; b < kBins; b += kSelectThreads) hist[b] = 0;
+    for (int b = threadIdx.x; b < kBins; b += blockDim.x) hist[b] = 0;
     __syncthreads();
-    for (std::int32_t base = 0; base < n; base += kSelectThreads) {  // uniform trip count
+    for (std::int32_t base = 0; base < n; base += static_cast<std::int32_t>(blockDim.x)) {  // uniform trip count
       const std::int32_t i = base + static_cast<std::int32_t>(threadIdx.x);
       std::uint32_t d = 0xffffffffu;
       bool in = false;
@@ -476,7 +483,9 @@ __device__ std::uint32_t short_radix_select(KeyAt&& key_at, std::int32_t n, std:
 __global__ void __launch_bounds__(kSelectThreads)
     tr_select_kernel(std::uint32_t* keys_by_expert, std::int64_t T_, const std::int32_t* __restrict__ tc_count,
                      const std::int32_t* __restrict__ expert_offsets, std::uint32_t* __restrict__ thresholds,
-                     std::int32_t* __restrict__ gather, bool cache, const std::int32_t* __restrict__ only) {
+                     std::int32_t* __restrict__ gather, float* __restrict__ row_scores,
+                     std::uint32_t* __restrict__ bounds, std::int64_t n_blocks, bool cache,
+                     const std::int32_t* __restrict__ only) {
   namespace cg = cooperative_groups;
   using Scan = cub::BlockScan<std::int32_t, kSelectThreads>;
   // Dynamic: the cluster's summed histogram (clusters only), then the slice's keys when `cache`.
@@ -636,14 +645,20 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
   for (int w = 0; w < warp; ++w) pos += warp_count[w];
   const unsigned below = (1u << lane) - 1u;
+  // Each trip is one block of 32 tokens (slices and chunks start at multiples of 32): its kept mask goes to word 3
+  // of the block's bounds, for the emit pass.
+  std::uint32_t* kept_masks = bounds + 4 * static_cast<std::int64_t>(e) * n_blocks + 3;
   for (std::int64_t base = w_begin; base < w_end; base += 32) {
     const std::int64_t i = base + lane;
     const std::int64_t t = s_begin + i;
-    const bool k = i < w_end && kept(col[i], thr, static_cast<std::uint32_t>(cut), t);
+    const std::uint32_t key = i < w_end ? col[i] : 0u;
+    const bool k = i < w_end && kept(key, thr, static_cast<std::uint32_t>(cut), t);
     const unsigned b = __ballot_sync(kFull, k);
+    if (lane == 0) kept_masks[4 * ((s_begin + base) / 32)] = b;
     if (k) {
       const std::int64_t g = pos + __popc(b & below);
       gather[g] = static_cast<std::int32_t>(t);
+      row_scores[g] = __uint_as_float(key & ~kChosen);  // the TC score of a chosen pair, p of an added one
       gcol[t] = static_cast<std::uint32_t>(g);  // read above (or from the cache) before it is overwritten
     }
     pos += __popc(b);
@@ -656,26 +671,32 @@ __global__ void __launch_bounds__(kSelectThreads)
 // pass over the column. With k = r - f > 0 (tokens added), the k-th largest of the blocks' largest unchosen keys, B,
 // is at most the k-th largest unchosen key (k blocks hold a key >= B), so every unchosen key above the threshold, and
 // every key equal to it, is >= B; with k = f - r > 0 (tokens dropped), the (k + 1)-th smallest of the blocks'
-// smallest chosen keys bounds the (k + 1)-th smallest chosen key, the threshold, from above the same way. One pass
-// over the column stages those candidates (in token order, per warp) and counts each warp's chosen keys; the
-// threshold and the tie cut come from the candidates alone (short_radix_select), each warp's kept count from its
-// chosen count and its kept candidates, and a second pass writes the kept tokens. Where a warp's candidates pass
-// kBoundedCandidates (many equal keys: repeated tokens), the expert is flagged and tr_select_kernel, launched after,
-// selects it over the whole column.
+// smallest chosen keys bounds the (k + 1)-th smallest chosen key, the threshold, from above the same way. A block
+// holds such a candidate only if its own bound reaches B, so each warp reads the keys of those blocks alone, stages
+// the candidates (in token order) and counts its chosen keys from the blocks' choice masks; the threshold and the tie
+// cut come from the candidates alone (short_radix_select), each warp's kept count from its chosen count and its kept
+// candidates. Every key outside the candidates keeps its chosen state (above the threshold if chosen, below if not),
+// so a block's kept tokens are its choice mask corrected at the candidates, and the write reads masks, and keys only
+// where they are kept (each kept pair's score goes to row_scores at its grouped row).
+// Where a warp's candidates pass kBoundedCandidates (many equal keys: repeated tokens), the expert is flagged and
+// tr_select_kernel, launched after, selects it over the whole column.
 constexpr int kBoundedCandidates = 64;  // per warp
-constexpr int kBoundedUnroll = 8;       // keys per lane loaded before any is used (the column comes from L2)
+constexpr int kBoundedBatch = 8;        // blocks whose kept keys the write loads before it writes any
 
-__global__ void __launch_bounds__(kSelectThreads)
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
     tr_select_bounded_kernel(std::uint32_t* keys_by_expert, std::int64_t T_, const std::int32_t* __restrict__ tc_count,
-                             const std::int32_t* __restrict__ expert_offsets, const std::uint32_t* __restrict__ bounds,
+                             const std::int32_t* __restrict__ expert_offsets, std::uint32_t* __restrict__ bounds,
                              std::int64_t n_blocks, std::uint32_t* __restrict__ thresholds,
-                             std::int32_t* __restrict__ gather, std::int32_t* __restrict__ fallback) {
+                             std::int32_t* __restrict__ gather, float* __restrict__ row_scores,
+                             std::int32_t* __restrict__ fallback) {
+  constexpr int kWarps = Threads / 32;
   __shared__ std::int32_t hist[256];  // short_radix_select's
-  __shared__ std::uint32_t staged_key[kSelectWarps][kBoundedCandidates];
-  __shared__ std::int32_t staged_token[kSelectWarps][kBoundedCandidates];
-  __shared__ std::uint32_t cand_key[kSelectWarps * kBoundedCandidates];
-  __shared__ std::int32_t cand_token[kSelectWarps * kBoundedCandidates];
-  __shared__ std::int32_t warp_cand[kSelectWarps], warp_kept[kSelectWarps];
+  __shared__ std::uint32_t staged_key[kWarps][kBoundedCandidates];
+  __shared__ std::int32_t staged_token[kWarps][kBoundedCandidates];
+  __shared__ std::uint32_t cand_key[kWarps * kBoundedCandidates];
+  __shared__ std::int32_t cand_token[kWarps * kBoundedCandidates];
+  __shared__ std::int32_t warp_cand[kWarps], warp_kept[kWarps];
   __shared__ std::uint32_t digit_s;
   __shared__ std::int32_t need_s;
   __shared__ std::int64_t cut_s;
@@ -694,7 +715,7 @@ __global__ void __launch_bounds__(kSelectThreads)
   const bool drop = r < f;
   const std::int64_t k = drop ? f - r : r - f;
   // Per-warp contiguous chunks of the column (multiples of 32), in token order.
-  const std::int64_t chunk = ((T_ + kSelectWarps - 1) / kSelectWarps + 31) / 32 * 32;
+  const std::int64_t chunk = ((T_ + kWarps - 1) / kWarps + 31) / 32 * 32;
   const std::int64_t w_begin = min(T_, warp * chunk), w_end = min(T_, (warp + 1) * chunk);
 
   // 1. The bound (the side's k-th or (k + 1)-th value of the blocks' bounds; the smallest chosen keys complemented,
@@ -702,40 +723,43 @@ __global__ void __launch_bounds__(kSelectThreads)
   std::uint32_t bound = drop ? 0xffffffffu : 0u;
   const std::int64_t need_b = drop ? k + 1 : k;
   if (!trivial && need_b <= n_blocks) {
-    const std::uint32_t* b = bounds + 2 * static_cast<std::int64_t>(e) * n_blocks + (drop ? 1 : 0);
+    const std::uint32_t* b = bounds + 4 * static_cast<std::int64_t>(e) * n_blocks + (drop ? 1 : 0);
     std::int32_t need = static_cast<std::int32_t>(need_b), ties = 0;
-    const std::uint32_t v = short_radix_select([&](std::int32_t i) { return drop ? ~b[2 * i] : b[2 * i]; },
+    const std::uint32_t v = short_radix_select([&](std::int32_t i) { return drop ? ~b[4 * i] : b[4 * i]; },
                                                static_cast<std::int32_t>(n_blocks), need, ties, hist, digit_s, need_s);
     bound = drop ? ~v : v;
   }
-  // 2. One pass: each warp's chosen keys counted, its candidates staged in token order.
+  // 2. Each warp over its blocks' bounds: its chosen keys counted from the blocks' choice masks, and only the blocks
+  //    whose bound reaches past the expert's bound read, their candidates staged in token order.
+  const uint4* block_bounds = reinterpret_cast<const uint4*>(bounds) + static_cast<std::int64_t>(e) * n_blocks;
+  std::uint32_t* kept_masks = bounds + 4 * static_cast<std::int64_t>(e) * n_blocks + 3;  // word 3 of each block's
+  // An empty chunk (w_begin == w_end == T_ past the last warp with tokens) has no blocks, even with T_ % 32 != 0.
+  const std::int64_t blk_begin = w_begin / 32, blk_end = w_end > w_begin ? (w_end + 31) / 32 : blk_begin;
   std::int32_t n_chosen = 0, n_cand = 0;
-  for (std::int64_t base = w_begin; base < w_end; base += kBoundedUnroll * 32) {
-    std::uint32_t key[kBoundedUnroll];
-#pragma unroll
-    for (int u = 0; u < kBoundedUnroll; ++u) {
-      const std::int64_t i = base + u * 32 + lane;
-      key[u] = i < w_end ? gcol[i] : 0u;
-    }
-#pragma unroll
-    for (int u = 0; u < kBoundedUnroll; ++u) {
-      const std::int64_t i = base + u * 32 + lane;
+  for (std::int64_t c0 = blk_begin; c0 < blk_end; c0 += 32) {  // uniform trip count
+    const std::int64_t blk = c0 + lane;
+    const uint4 bd = blk < blk_end ? block_bounds[blk] : make_uint4(0u, ~0u, 0u, 0u);
+    n_chosen += __popc(bd.z);
+    const bool reaches = !trivial && blk < blk_end && (drop ? bd.y <= bound : bd.x >= bound);
+    for (unsigned todo = __ballot_sync(kFull, reaches); todo != 0u; todo &= todo - 1u) {  // uniform, in block order
+      const std::int64_t i = (c0 + __ffs(todo) - 1) * 32 + lane;
       const bool valid = i < w_end;
-      const bool chosen = valid && (key[u] & kChosen) != 0u;
-      const bool cand = !trivial && valid && (drop ? chosen && key[u] <= bound : !chosen && key[u] >= bound);
-      n_chosen += __popc(__ballot_sync(kFull, chosen));
+      const std::uint32_t key = valid ? gcol[i] : 0u;
+      const bool chosen = (key & kChosen) != 0u;
+      const bool cand = valid && (drop ? chosen && key <= bound : !chosen && key >= bound);
       const unsigned c = __ballot_sync(kFull, cand);
       const std::int32_t slot = n_cand + __popc(c & below);
       if (cand && slot < kBoundedCandidates)
-        staged_key[warp][slot] = key[u], staged_token[warp][slot] = static_cast<std::int32_t>(i);
+        staged_key[warp][slot] = key, staged_token[warp][slot] = static_cast<std::int32_t>(i);
       n_cand += __popc(c);
     }
   }
+  for (int o = 16; o > 0; o >>= 1) n_chosen += __shfl_xor_sync(kFull, n_chosen, o);
   if (lane == 0) warp_cand[warp] = n_cand;
   __syncthreads();
   std::int32_t cand_before = 0, n_cands = 0;
   bool overflow = false;
-  for (int w = 0; w < kSelectWarps; ++w) {
+  for (int w = 0; w < kWarps; ++w) {
     overflow = overflow || warp_cand[w] > kBoundedCandidates;
     if (w < warp) cand_before += warp_cand[w];
     n_cands += warp_cand[w];
@@ -796,28 +820,61 @@ __global__ void __launch_bounds__(kSelectThreads)
     warp_kept[warp] = r >= T_ ? static_cast<std::int32_t>(w_end - w_begin)
                               : (drop ? n_chosen - n_cand : n_chosen) + (trivial ? 0 : kept_c);
   __syncthreads();
-  // 5. The kept tokens in ascending order -> gather[g0 ...]; their expert-major key -> their grouped row.
+  // 5. The kept tokens in ascending order -> gather[g0 ...]; their expert-major key -> their grouped row. A block's
+  //    kept tokens are its chosen ones (every token when r >= T_) with the kept candidates added and the others
+  //    removed: outside the candidates only the kept tokens' keys are read (for their scores). 32 blocks at a time,
+  //    lane i holding block c0 + i's mask.
   std::int64_t pos = g0;
   for (int w = 0; w < warp; ++w) pos += warp_kept[w];
-  for (std::int64_t base = w_begin; base < w_end; base += kBoundedUnroll * 32) {
-    std::uint32_t key[kBoundedUnroll];  // all loaded before any is used or overwritten (each lane its own tokens)
-#pragma unroll
-    for (int u = 0; u < kBoundedUnroll; ++u) {
-      const std::int64_t t = base + u * 32 + lane;
-      key[u] = t < w_end ? gcol[t] : 0u;
+  std::int32_t next = 0;  // the warp's first staged candidate not yet applied (they are in token order)
+  for (std::int64_t c0 = blk_begin; c0 < blk_end; c0 += 32) {  // uniform trip count
+    const std::int64_t blk = c0 + lane;
+    std::uint32_t m = 0u;
+    if (blk < blk_end) {
+      const std::int64_t nt = min(static_cast<std::int64_t>(32), T_ - blk * 32);
+      m = r >= T_ ? (nt == 32 ? ~0u : (1u << nt) - 1u) : block_bounds[blk].z;
     }
-#pragma unroll
-    for (int u = 0; u < kBoundedUnroll; ++u) {
-      const std::int64_t t = base + u * 32 + lane;
-      const bool k_ = t < w_end && kept(key[u], thr, static_cast<std::uint32_t>(cut), t);
-      const unsigned b = __ballot_sync(kFull, k_);
-      if (k_) {
-        const std::int64_t g = pos + __popc(b & below);
-        gather[g] = static_cast<std::int32_t>(t);
-        gcol[t] = static_cast<std::uint32_t>(g);
+    if (!trivial) {
+      const std::int64_t chunk_end = min(c0 + 32, blk_end) * 32;
+      for (; next < n_cand && staged_token[warp][next] < chunk_end; ++next) {  // uniform
+        const std::int32_t tok = staged_token[warp][next];
+        if (tok / 32 == blk) {
+          const std::uint32_t bit = 1u << (tok & 31);
+          m = kept(staged_key[warp][next], thr, static_cast<std::uint32_t>(cut), tok) ? (m | bit) : (m & ~bit);
+        }
       }
-      pos += __popc(b);
     }
+    std::int32_t incl = __popc(m);
+    for (int o = 1; o < 32; o <<= 1) {
+      const std::int32_t v = __shfl_up_sync(kFull, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const std::int32_t before = incl - __popc(m);  // kept tokens of the chunk's earlier blocks
+    if (blk < blk_end) kept_masks[4 * blk] = m;  // for the emit pass
+    // kBoundedBatch blocks at a time: the kept tokens' keys (for their scores) all loaded before any row is
+    // written over them, so that the loads overlap instead of waiting one block after another.
+    for (int i0 = 0; i0 < 32; i0 += kBoundedBatch) {
+      std::uint32_t key[kBoundedBatch];
+#pragma unroll
+      for (int u = 0; u < kBoundedBatch; ++u) {
+        const std::uint32_t mi = __shfl_sync(kFull, m, i0 + u);
+        key[u] = (mi >> lane) & 1u ? gcol[(c0 + i0 + u) * 32 + lane] : 0u;
+      }
+#pragma unroll
+      for (int u = 0; u < kBoundedBatch; ++u) {
+        const int i = i0 + u;
+        const std::uint32_t mi = __shfl_sync(kFull, m, i);
+        const std::int32_t bi = __shfl_sync(kFull, before, i);
+        if ((mi >> lane) & 1u) {
+          const std::int64_t t = (c0 + i) * 32 + lane;
+          const std::int64_t g = pos + bi + __popc(mi & below);
+          gather[g] = static_cast<std::int32_t>(t);
+          row_scores[g] = __uint_as_float(key[u] & ~kChosen);  // the TC score of a chosen pair, p of an added one
+          gcol[t] = static_cast<std::uint32_t>(g);
+        }
+      }
+    }
+    pos += __shfl_sync(kFull, incl, 31);
   }
 }
 
@@ -830,12 +887,24 @@ __device__ __forceinline__ void publish(std::uint64_t* status, std::uint64_t fla
   *reinterpret_cast<volatile std::uint64_t*>(status) = (flag << 32) | value;
 }
 
-__global__ void __launch_bounds__(32 * kEmitWarps)
-    tr_emit_kernel(const std::uint32_t* __restrict__ keys, const std::uint32_t* __restrict__ grouped,
-                   const std::uint32_t* __restrict__ thresholds, std::int64_t T_, int E,
-                   const std::int32_t* __restrict__ expert_offsets, std::int64_t P_max, std::uint32_t* ticket,
+// The kept pairs come from the select's kept masks (word 3 of each expert's block bounds: bit i of expert e's mask
+// of block B is token 32 B + i), so no (token, expert) key is read: a warp's tokens lie in one block of 32 and share
+// its masks. PerLane > 0 (E <= 32 PerLane): each lane loads the masks of its experts once, all before the count that
+// sits on the look-back's critical path (a block publishes its sum only after it). PerLane = 0: 32 experts at a
+// time, twice. A kept pair's grouped row is in the expert-major keys where the select wrote it, its score in
+// row_scores at that row.
+// Two CTAs an SM up to 8 masks a lane: the 8-mask variant then spills 40 bytes to the stack, and still runs faster
+// than at half the occupancy (ncu, H100, (16384,4096,1024,256,4): 22.7 us against 29.2 with one CTA an SM).
+template <int PerLane>
+__global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
+    tr_emit_kernel(const std::uint32_t* __restrict__ bounds, std::int64_t n_blocks,
+                   const std::uint32_t* __restrict__ grouped, const float* __restrict__ row_scores, std::int64_t T_,
+                   int E, const std::int32_t* __restrict__ expert_offsets, std::int64_t P_max, std::uint32_t* ticket,
                    std::uint64_t* status, float* __restrict__ scores, std::int32_t* __restrict__ inverse,
                    std::int32_t* __restrict__ scatter, std::int32_t* __restrict__ token_offsets) {
+  constexpr bool kRegs = PerLane > 0;
+  static_assert(PerLane <= 32, "a token's kept experts of a lane are the bits of one word");
+  static_assert(32 % kEmitTokensPerWarp == 0 && kEmitTokens % 32 == 0, "a warp's tokens lie in one block of 32");
   __shared__ std::int32_t offset_s[kEmitWarps];
   __shared__ std::uint32_t block_s;
   __shared__ std::int64_t prefix_s;
@@ -845,22 +914,38 @@ __global__ void __launch_bounds__(32 * kEmitWarps)
   __syncthreads();
   const std::int64_t b = block_s;
   const std::int64_t t0 = b * kEmitTokens + warp * kEmitTokensPerWarp;  // this warp's first token
-  auto kept_at = [&](std::int64_t t, int e, std::uint32_t& key) {
-    key = keys[t * E + e];
-    return kept(key, thresholds[2 * e], thresholds[2 * e + 1], t);
-  };
-  // Kept pairs of each of the warp's tokens (0 past T), every lane holding all of them.
+  const std::int64_t blk = t0 / 32;
+  auto kept_mask = [&](int e) { return bounds[4 * (static_cast<std::int64_t>(e) * n_blocks + blk) + 3]; };
+  std::uint32_t masks[kRegs ? PerLane : 1];  // register variant: slot s is expert 32 s + lane
+  if constexpr (kRegs) {
+#pragma unroll
+    for (int sl = 0; sl < PerLane; ++sl) {
+      const int e = 32 * sl + lane;
+      masks[sl] = t0 < T_ && e < E ? kept_mask(e) : 0u;
+    }
+  }
+  // Kept pairs of each of the warp's tokens (0 past T), every lane holding all of them; the register variant also
+  // keeps, per token, bit s set where the pair with expert 32 s + lane is kept (the masks themselves die here).
   std::int32_t n[kEmitTokensPerWarp];
+  std::uint32_t kept_bits[kEmitTokensPerWarp];
 #pragma unroll
   for (int j = 0; j < kEmitTokensPerWarp; ++j) {
     const std::int64_t t = t0 + j;
-    n[j] = 0;
-    if (t < T_)
+    const int bit = static_cast<int>(t & 31);
+    n[j] = 0, kept_bits[j] = 0u;
+    if constexpr (kRegs) {
+#pragma unroll
+      for (int sl = 0; sl < PerLane; ++sl) {
+        const bool k = t < T_ && (masks[sl] >> bit) & 1u;
+        kept_bits[j] |= static_cast<std::uint32_t>(k) << sl;
+        n[j] += __popc(__ballot_sync(kFull, k));
+      }
+    } else if (t < T_) {
       for (int e0 = 0; e0 < E; e0 += 32) {
         const int e = e0 + lane;
-        std::uint32_t key;
-        n[j] += __popc(__ballot_sync(kFull, e < E && kept_at(t, e, key)));
+        n[j] += __popc(__ballot_sync(kFull, e < E && (kept_mask(e) >> bit) & 1u));
       }
+    }
   }
   std::int32_t warp_total = 0;
 #pragma unroll
@@ -905,19 +990,30 @@ __global__ void __launch_bounds__(32 * kEmitWarps)
     const std::int64_t t = t0 + j;
     if (t >= T_) break;  // warp-uniform
     if (lane == 0) token_offsets[t] = static_cast<std::int32_t>(q);
-    for (int e0 = 0; e0 < E; e0 += 32) {
-      const int e = e0 + lane;
-      std::uint32_t key = 0;
-      const bool k = e < E && kept_at(t, e, key);
-      const unsigned bal = __ballot_sync(kFull, k);
+    // The kept pair with expert e -> slot p in pair order, its score, its grouped row g both ways.
+    const int bit = static_cast<int>(t & 31);
+    auto emit = [&](int e, bool k, unsigned bal) {
       if (k) {
         const std::int64_t p = q + __popc(bal & below);
         const std::int32_t g = static_cast<std::int32_t>(grouped[static_cast<std::int64_t>(e) * T_ + t]);
-        scores[p] = __uint_as_float(key & ~kChosen);  // the TC score of a chosen pair, p of a padded one
+        scores[p] = row_scores[g];
         inverse[p] = g;
         scatter[g] = static_cast<std::int32_t>(p);
       }
       q += __popc(bal);
+    };
+    if constexpr (kRegs) {
+#pragma unroll
+      for (int sl = 0; sl < PerLane; ++sl) {
+        const bool k = (kept_bits[j] >> sl) & 1u;
+        emit(32 * sl + lane, k, __ballot_sync(kFull, k));
+      }
+    } else {
+      for (int e0 = 0; e0 < E; e0 += 32) {
+        const int e = e0 + lane;
+        const bool k = e < E && (kept_mask(e) >> bit) & 1u;
+        emit(e, k, __ballot_sync(kFull, k));
+      }
     }
   }
   // Past the routed pairs: sentinel slots (inverse -1 is skipped by every kernel), and the last token offset.
@@ -991,24 +1087,18 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
   }
 }
 
-/// Calls run(kernel-of-PerLane) for the register variant that holds a row of E experts (0: read from memory).
-template <template <class, int> class Kernel, class Tp, class F>
+/// Calls run(std::integral_constant<int, PerLane>) for the register variant that holds a row of E experts, PerLane
+/// keys a lane (0: read from memory).
+template <class F>
 void by_row_width(std::int64_t E, F&& run) {
-  if (E <= 32) run(Kernel<Tp, 1>::get());
-  else if (E <= 64) run(Kernel<Tp, 2>::get());
-  else if (E <= 128) run(Kernel<Tp, 4>::get());
-  else if (E <= 256) run(Kernel<Tp, 8>::get());
-  else if (E <= 512) run(Kernel<Tp, 16>::get());
-  else run(Kernel<Tp, 0>::get());
+  static_assert(kTokenRoundingRegisterExperts == 32 * 16, "the widest register variant holds 16 keys a lane");
+  if (E <= 32) run(std::integral_constant<int, 1>{});
+  else if (E <= 64) run(std::integral_constant<int, 2>{});
+  else if (E <= 128) run(std::integral_constant<int, 4>{});
+  else if (E <= 256) run(std::integral_constant<int, 8>{});
+  else if (E <= kTokenRoundingRegisterExperts) run(std::integral_constant<int, 16>{});
+  else run(std::integral_constant<int, 0>{});
 }
-template <class Tp, int PerLane>
-struct KeysKernel {
-  static auto get() { return tr_keys_kernel<Tp, PerLane>; }
-};
-template <class Tp, int PerLane>
-struct BackwardKernel {
-  static auto get() { return tr_backward_kernel<Tp, PerLane>; }
-};
 
 /// The select kernel's static shared memory and the most shared memory a block may opt into on a device, queried
 /// once per device. The default limit of 48 KiB counts static and dynamic shared memory together, so a dynamic size
@@ -1040,6 +1130,9 @@ SelectSharedMemory select_shared_memory() {
 
 void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   if (a.T == 0) return;
+  if (a.E > kTokenRoundingRegisterExperts && a.keys == nullptr)  // a layout bug, not a caller's: rows in memory need it
+    throw RuntimeError("machmoe: token rounding with E = " + std::to_string(a.E) +
+                       " needs the token-major keys region (ForwardWorkspaceLayout::tr_keys), given none");
   const int E = static_cast<int>(a.E), K = static_cast<int>(a.K);
   const std::int64_t emit_blocks = (a.T + kEmitTokens - 1) / kEmitTokens;
   // Counters region: look-back states (uint64, first for alignment), then f_e, the completion count, the ticket, the
@@ -1053,8 +1146,8 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   dispatch_data_type(a.dt, [&](auto tag) {
     using Tp = decltype(tag);
     const auto* z = static_cast<const Tp*>(a.logits);
-    by_row_width<KeysKernel, Tp>(a.E, [&](auto kernel) {
-      kernel<<<ceil_div(a.T, kKeyTokens), 32 * kKeyWarps, 0, stream>>>(
+    by_row_width(a.E, [&](auto per_lane) {
+      tr_keys_kernel<Tp, decltype(per_lane)::value><<<ceil_div(a.T, kKeyTokens), 32 * kKeyWarps, 0, stream>>>(
           z, a.ld_logits, a.T, E, K, a.variant, a.tile_m, a.rule, a.keys, a.keys_by_expert, a.bounds, tc_count, done,
           a.expert_counts, a.expert_offsets, a.expert_tiles);
     });
@@ -1062,13 +1155,22 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_keys");
   const std::int32_t* counts = tc_count;
   const std::int32_t* offsets = a.expert_offsets;
-  tr_select_bounded_kernel<<<static_cast<unsigned>(E), kSelectThreads, 0, stream>>>(
-      a.keys_by_expert, a.T, counts, offsets, a.bounds, ceil_div(a.T, kKeyTokens), a.thresholds, a.gather, fallback);
+  const SelectSharedMemory smem = select_shared_memory();
+  // One CTA per expert; 1024 threads where the experts fit one wave at one CTA an SM (the kernel is bound by each
+  // warp's walk over its chunk of the column: more warps, shorter chunks), else 512 (two CTAs an SM).
+  auto launch_bounded = [&](auto threads) {
+    tr_select_bounded_kernel<decltype(threads)::value><<<static_cast<unsigned>(E), threads.value, 0, stream>>>(
+        a.keys_by_expert, a.T, counts, offsets, a.bounds, ceil_div(a.T, kKeyTokens), a.thresholds, a.gather,
+        a.row_scores, fallback);
+  };
+  if (E <= smem.sm_count)
+    launch_bounded(std::integral_constant<int, 2 * kSelectThreads>{});
+  else
+    launch_bounded(std::integral_constant<int, kSelectThreads>{});
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select_bounded");
   // Few experts: a cluster of 2 or 4 CTAs per expert, each on a slice of its column (up to one CTA per SM; a column
   // of fewer than kSelectClusterMinTokens keys is not worth the cluster barriers). The slice's keys in shared memory
   // when they fit beside the kernel's static arrays (and, with a cluster, the summed histogram).
-  const SelectSharedMemory smem = select_shared_memory();
   int ranks = 1;
   if (a.T >= kSelectClusterMinTokens)
     while (ranks < kSelectMaxCluster && static_cast<std::int64_t>(E) * ranks * 2 <= smem.sm_count) ranks *= 2;
@@ -1090,11 +1192,14 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   cfg.attrs = cluster_attr, cfg.numAttrs = ranks > 1 ? 1 : 0;
   // Only the experts the bounded select flagged (their CTAs of the others return at once).
   MACHMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tr_select_kernel, a.keys_by_expert, a.T, counts, offsets, a.thresholds,
-                                        a.gather, cache, static_cast<const std::int32_t*>(fallback)));
+                                        a.gather, a.row_scores, a.bounds, ceil_div(a.T, kKeyTokens), cache,
+                                        static_cast<const std::int32_t*>(fallback)));
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select");
-  tr_emit_kernel<<<static_cast<unsigned>(emit_blocks), 32 * kEmitWarps, 0, stream>>>(
-      a.keys, a.keys_by_expert, a.thresholds, a.T, E, a.expert_offsets, a.P_max, ticket, status, a.scores,
-      a.inverse, a.scatter, a.token_offsets);
+  by_row_width(a.E, [&](auto per_lane) {
+    tr_emit_kernel<decltype(per_lane)::value><<<static_cast<unsigned>(emit_blocks), 32 * kEmitWarps, 0, stream>>>(
+        a.bounds, ceil_div(a.T, kKeyTokens), a.keys_by_expert, a.row_scores, a.T, E, a.expert_offsets, a.P_max,
+        ticket, status, a.scores, a.inverse, a.scatter, a.token_offsets);
+  });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_emit");
 }
 
@@ -1106,8 +1211,8 @@ void launch_token_rounding_backward(DType dt, ScoreVariant variant, const void* 
   if (T == 0) return;
   dispatch_data_type(dt, [&](auto tag) {
     using Tp = decltype(tag);
-    by_row_width<BackwardKernel, Tp>(E, [&](auto kernel) {
-      kernel<<<ceil_div(T, kBwdWarps), 32 * kBwdWarps, 0, stream>>>(
+    by_row_width(E, [&](auto per_lane) {
+      tr_backward_kernel<Tp, decltype(per_lane)::value><<<ceil_div(T, kBwdWarps), 32 * kBwdWarps, 0, stream>>>(
           variant, static_cast<const Tp*>(logits), T, static_cast<int>(E), static_cast<int>(K), ds, inverse,
           offsets, token_offsets, static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits));
     });

@@ -110,6 +110,7 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_FALSE(f.tr_keys.present());
   EXPECT_FALSE(f.tr_keys_by_expert.present());
   EXPECT_FALSE(f.tr_bounds.present());
+  EXPECT_FALSE(f.tr_row_scores.present());
   EXPECT_FALSE(f.tr_counters.present());
   EXPECT_EQ(f.cublas.bytes, kCublasWorkspaceBytes);
   const BackwardWorkspaceLayout b = backward_workspace_layout(p, DType::kBF16);
@@ -146,13 +147,17 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
       << "input-only mode keeps no H to write over";
   p.routing = RoutingMode::kTokenRounding;
   const ForwardWorkspaceLayout tr = forward_workspace_layout(p, DType::kBF16);
-  EXPECT_EQ(tr.tr_keys.bytes, 4u * 4096 * 64);
+  EXPECT_FALSE(tr.tr_keys.present()) << "E = 64 rows stay in registers: no token-major keys";
   EXPECT_EQ(tr.tr_keys_by_expert.bytes, 4u * 4096 * 64);
   EXPECT_EQ(tr.tr_thresholds.bytes, 8u * 64);
-  // Look-back states (one uint64 per 32-token block), then E + 4 int32 counters.
-  EXPECT_EQ(tr.tr_bounds.bytes, 8u * 64 * (4096 / 32));
+  EXPECT_EQ(tr.tr_bounds.bytes, 16u * 64 * (4096 / 32));
+  EXPECT_EQ(tr.tr_row_scores.bytes, 4 * static_cast<std::size_t>(p.max_pairs()));
+  // Look-back states (one uint64 per 64-token block), then 2E + 4 int32 counters.
   EXPECT_EQ(tr.tr_counters.bytes, 8u * (4096 / 64) + 4u * (2 * 64 + 4));
   EXPECT_EQ(tr.pair_token.bytes, 4 * static_cast<std::size_t>(p.max_pairs()));
+  MoEProblem wide = p;  // rows past the registers: the keys kernel's transpose reads the token-major keys back
+  wide.E = kTokenRoundingRegisterExperts + 1, wide.K = 2;
+  EXPECT_EQ(forward_workspace_layout(wide, DType::kBF16).tr_keys.bytes, 4u * 4096 * wide.E);
   EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cpu()), 0u) << "the CPU reference needs no workspace";
   EXPECT_EQ(forward_workspace_bytes(p, DType::kBF16, Device::cuda(0)), forward_workspace_layout(p, DType::kBF16).total_bytes);
 }

@@ -89,7 +89,8 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
   a.T = c.T, a.E = c.E, a.K = c.K, a.tile_m = c.M, a.P_max = P;
   a.variant = c.score, a.rule = c.rule;
   a.logits = logits.get(), a.ld_logits = ld;
-  a.keys = reinterpret_cast<std::uint32_t*>(at(wl.tr_keys));
+  if (wl.tr_keys.present()) a.keys = reinterpret_cast<std::uint32_t*>(at(wl.tr_keys));
+  a.row_scores = reinterpret_cast<float*>(at(wl.tr_row_scores));
   a.keys_by_expert = reinterpret_cast<std::uint32_t*>(at(wl.tr_keys_by_expert));
   a.thresholds = reinterpret_cast<std::uint32_t*>(at(wl.tr_thresholds));
   a.bounds = reinterpret_cast<std::uint32_t*>(at(wl.tr_bounds));
@@ -294,6 +295,10 @@ std::vector<TrKernelCase> kernel_cases() {
     padded.row_pad = 24;
     add(padded, "padded_rows");
     add({100, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T_below_tile");
+    // The bounded select's blocks of 32 tokens: a last block of one token, and warps past it with empty chunks, on
+    // 1024 threads a CTA (E = 128 <= SMs) and on 512 (E = 200).
+    add({4097, 128, 8, 64, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T4097_E128_last_block_one_token");
+    add({4129, 200, 4, 32, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32}, "T4129_E200_last_block_one_token");
     // Exact ties across tokens (every token repeats one of 3 logit rows): the threshold's digit holds about T / 3 keys
     // of a column. With T = 3000 they fit the select kernel's copy of the first pass's digit; with T = 30000 (slices of
     // 15000 or 7500 keys in clusters of 2 or 4 CTAs, E = 16) they do not, and the later passes count the whole slice.
@@ -302,6 +307,10 @@ std::vector<TrKernelCase> kernel_cases() {
     add(tied, "exact_ties_in_the_digit");
     tied.T = 30000;
     add(tied, "exact_ties_past_the_digit_copy");
+    // The same ties on slices too long for shared memory (E = 8: clusters of 4 CTAs, 50000 keys each): the experts
+    // the bounded select flags are selected, and their kept masks and row scores written, from global memory.
+    tied.T = 200000, tied.E = 8;
+    add(tied, "exact_ties_cluster_slices_in_global");
   }
   return v;
 }

@@ -27,6 +27,10 @@ struct BufferRegion {
 /// Dtype of router scores and their gradients: fp32, or fp64 when the layer's data are fp64.
 DType score_dtype(DType data_dtype);
 
+/// Bytes per token of the saved token_selection region: a 64-bit rank key and four fp32 (gpu/kernels.hpp's
+/// TokenSelectionStats).
+inline constexpr std::size_t kTokenSelectionStatsBytes = 24;
+
 /// Layout of the buffer the forward fills for the backward ("saved"). Pair count P = problem.max_pairs().
 ///   h              P x w1_rows   data dtype   pre-activation H, grouped order (kPreActivation only)
 ///   router_logits  T x E         data dtype   only when problem.keeps_router_logits()
@@ -36,9 +40,13 @@ DType score_dtype(DType data_dtype);
 ///   gather         P             int32        grouped row -> token (gamma)
 ///   expert_offsets E + 1         int32        expert_offsets[E] is the routed pair count
 ///   token_offsets  T + 1         int32        only for variable-K routing (token rounding, caller-supplied)
+///   token_selection T x kTokenSelectionStatsBytes  token rounding only: each token's top-K selection as the
+///                                       forward found it (the K-th rank key, the top value and the selection's sum of
+///                                       exp, the row's max and sum of exp), so the router backward does not select
+///                                       again; written by the GPU forward (the CPU backend's backward selects anew)
 /// The expert of a pair is not stored: it is the segment of expert_offsets that holds inverse[p].
 struct SavedLayout {
-  BufferRegion h, router_logits, scores, scatter, inverse, gather, expert_offsets, token_offsets;
+  BufferRegion h, router_logits, scores, scatter, inverse, gather, expert_offsets, token_offsets, token_selection;
   std::size_t total_bytes = 0;
 };
 SavedLayout saved_layout(const MoEProblem& problem, DType data_dtype);

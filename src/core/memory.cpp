@@ -38,6 +38,7 @@ SavedLayout saved_layout(const MoEProblem& p, DType data_dtype) {
   l.gather = b.add(P * i32);
   l.expert_offsets = b.add(u(p.E + 1) * i32);
   if (p.variable_k()) l.token_offsets = b.add(u(p.T + 1) * i32);
+  if (p.routing == RoutingMode::kTokenRounding) l.token_selection = b.add(u(p.T) * kTokenSelectionStatsBytes);
   l.total_bytes = b.total();
   return l;
 }

@@ -276,6 +276,17 @@ inline constexpr int kTokenRoundingMaxK = 64;
 /// Token rounding and its whole routing metadata (token_rounding_kernels.cu): three kernels after one memset; no
 /// routing-metadata launch follows it. Pair order is (token, expert) ascending; grouped order is by expert, tokens
 /// ascending, as launch_routing_metadata would build it from the same pairs.
+/// One token's top-K selection as token rounding's keys kernel finds it, saved for the router backward
+/// (SavedLayout::token_selection): the K-th selected rank key (zero-extended where the key has 32 bits), the top
+/// selected value and the selection's sum of exp(x - top), the row's max and sum of exp(x - max). The backward
+/// derives every choice, TC score and probability from these bit for bit as the forward did.
+struct TokenSelectionStats {
+  std::uint64_t kth = 0;
+  float first = 0.0f, sum_k = 0.0f, max = 0.0f, sum = 0.0f;
+};
+static_assert(sizeof(TokenSelectionStats) == kTokenSelectionStatsBytes && alignof(TokenSelectionStats) == 8,
+              "the saved region's bytes per token");
+
 struct TokenRoundingArgs {
   DType dt = DType::kBF16;
   std::int64_t T = 0, E = 0, K = 0, tile_m = 128, P_max = 0;
@@ -302,15 +313,16 @@ struct TokenRoundingArgs {
   std::int32_t* gather = nullptr;          // (P_max) grouped row -> token, the first expert_offsets[E] written
   std::int32_t* token_offsets = nullptr;   // (T + 1)
   float* scores = nullptr;                 // (P_max) pair order: TC score, or the softmax probability if padded; 0 past
+  TokenSelectionStats* selection = nullptr;  // (T) each token's selection, for the backward (8-byte aligned)
 };
 void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream);
 
-/// dlogits (T, E) of token rounding: the token-choice scores' backward (recomputed from the kept logits) plus the
-/// full-softmax backward of padded pairs, plus the upstream grad_logits.
+/// dlogits (T, E) of token rounding: the token-choice scores' backward (from the kept logits and each token's saved
+/// selection) plus the full-softmax backward of padded pairs, plus the upstream grad_logits.
 void launch_token_rounding_backward(DType dt, ScoreVariant variant, const void* logits, std::int64_t T,
-                                    std::int64_t E, std::int64_t K, const float* ds, const std::int32_t* inverse,
-                                    const std::int32_t* expert_offsets, const std::int32_t* token_offsets,
-                                    const void* grad_logits, std::int64_t ld_grad, void* dlogits,
-                                    cudaStream_t stream);
+                                    std::int64_t E, const TokenSelectionStats* selection, const float* ds,
+                                    const std::int32_t* inverse, const std::int32_t* expert_offsets,
+                                    const std::int32_t* token_offsets, const void* grad_logits, std::int64_t ld_grad,
+                                    void* dlogits, cudaStream_t stream);
 
 }  // namespace machmoe::gpu

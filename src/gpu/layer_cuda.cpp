@@ -327,6 +327,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
     tr.gather = at<std::int32_t>(buf.saved, sl.gather);
     tr.token_offsets = at<std::int32_t>(buf.saved, sl.token_offsets);
     tr.scores = scores;
+    tr.selection = at<TokenSelectionStats>(buf.saved, sl.token_selection);
     launch_token_rounding(tr, stream);
   } else {
     mark_stage("forward/caller_routing", stream);
@@ -407,13 +408,15 @@ struct SavedState {
   const float* scores;
   const std::int32_t *offsets, *scatter, *inverse, *gather, *token_offsets;
   const void *h, *router_logits;
+  const TokenSelectionStats* token_selection;  // token rounding only
 };
 SavedState saved_state(const MoEProblem& p, DType dt, const void* saved) {
   const SavedLayout sl = saved_layout(p, dt);
   return {at<float>(saved, sl.scores),         at<std::int32_t>(saved, sl.expert_offsets),
           at<std::int32_t>(saved, sl.scatter), at<std::int32_t>(saved, sl.inverse),
           at<std::int32_t>(saved, sl.gather),  at<std::int32_t>(saved, sl.token_offsets),
-          at(saved, sl.h),                     at(saved, sl.router_logits)};
+          at(saved, sl.h),                     at(saved, sl.router_logits),
+          at<TokenSelectionStats>(saved, sl.token_selection)};
 }
 
 /// dH: expert tiles, H (recomputed in input-only mode, where dH then overwrites it in place), the dH kernel (dH and
@@ -525,8 +528,8 @@ void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
   const void* upstream = in.grad_router_logits.empty() ? nullptr : in.grad_router_logits.data;
   const std::int64_t ld_up = in.grad_router_logits.empty() ? 0 : in.grad_router_logits.stride[0];
   if (p.routing == RoutingMode::kTokenRounding)
-    launch_token_rounding_backward(dt, p.score, sv.router_logits, p.T, p.E, p.K, ds, inverse, offsets,
-                                   token_offsets, upstream, ld_up, dlogits, stream);
+    launch_token_rounding_backward(dt, p.score, sv.router_logits, p.T, p.E, sv.token_selection, ds, inverse,
+                                   offsets, token_offsets, upstream, ld_up, dlogits, stream);
   else
     launch_router_backward(dt, p.score, scores, ds, inverse, offsets, sv.router_logits, p.T, p.E, p.K,
                            upstream, ld_up, dlogits, stream);

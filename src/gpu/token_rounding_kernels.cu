@@ -11,7 +11,7 @@
 // 1. keys (one warp per token, the row in registers for E <= 512): token choice by the top-K
 //    kernel's selection (RankKey: 32-bit keys for bf16, one redux per round; for rows of up to 256 each lane's keys
 //    sorted once, as the top-K kernel does), the TC scores of the score variant, the row's softmax (each exp kept for
-//    the keys), the keys, the token-choice counts f_e (a shared histogram per block, then one integer atomic per
+//    the keys), the keys, the selection's statistics for the backward, the token-choice counts f_e (a shared histogram per block, then one integer atomic per
 //    expert and block: sums, so the order of the atomics cannot show). The block writes its keys expert-major
 //    through a shared-memory transpose filled from the registers that hold them (rows of more than 512 experts go
 //    through the token-major keys in memory instead, and the transpose reads them back). The last block to
@@ -36,8 +36,10 @@
 // Cost: the logits are read once, the keys written once expert-major (twice for E > 512) and read back only at the
 // experts' boundaries and for the kept pairs; no per-expert loop runs over the token-choice lists.
 //
-// Backward: one warp per token recomputes the token's choices and softmax the same way (row in registers), places
-// the token's pair gradients by expert in shared memory, and writes dz in one pass with fixed-order warp sums.
+// Backward: one warp per token takes the token's choices from the statistics the keys kernel saved (the K-th
+// choice's rank key, the sums of exp, the row's max; the exponentials recomputed by the same expression, so every
+// score is bitwise the forward's), places the token's pair gradients by expert in shared memory, and writes dz in
+// one pass with fixed-order warp sums.
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -205,6 +207,16 @@ struct RowSelection {
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
     m = mx, total = s;
   }
+  /// The selection as select(K) left it, for the router backward: everything but the exponentials comes from the
+  /// forward's saved statistics; those are exp(x - max) again, the same expression, so every probability, TC score
+  /// and choice below is bitwise the forward's.
+  __device__ __forceinline__ TokenSelectionStats stats() const {
+    return {static_cast<std::uint64_t>(kth), first, sum_k, m, total};
+  }
+  __device__ __forceinline__ void restore(const TokenSelectionStats& s) {
+    kth = static_cast<KeyType>(s.kth), first = s.first, sum_k = s.sum_k, m = s.max, total = s.sum;
+    if constexpr (kRegs) for_each(0, slots, [&](int j) { ex[j] = expf(value(j) - m); });
+  }
   __device__ __forceinline__ bool chosen(int j) const { return rank(j) >= kth; }
   /// Slot j's full-softmax probability, exp(x - max) / sum (the exponential kept by select for rows in registers).
   __device__ __forceinline__ float prob(int j) const {
@@ -224,8 +236,9 @@ template <class T, int PerLane>
 __global__ void __launch_bounds__(32 * kKeyWarps)
     tr_keys_kernel(const T* __restrict__ z, std::int64_t ld, std::int64_t T_, int E, int K, ScoreVariant variant,
                    std::int64_t M, RoundingRule rule, std::uint32_t* keys, std::uint32_t* keys_by_expert,
-                   std::uint32_t* bounds, std::int32_t* tc_count, std::uint32_t* done, std::int32_t* expert_counts,
-                   std::int32_t* expert_offsets, std::int32_t* expert_tiles) {
+                   std::uint32_t* bounds, TokenSelectionStats* __restrict__ selection, std::int32_t* tc_count,
+                   std::uint32_t* done, std::int32_t* expert_counts, std::int32_t* expert_offsets,
+                   std::int32_t* expert_tiles) {
   __shared__ std::int32_t hist[kKeyHistBins];
   __shared__ std::uint32_t tile[kTransposeExperts][kKeyTokens + 1];
   __shared__ bool last_s;
@@ -244,6 +257,7 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
     if (t >= T_) break;  // warp-uniform
     RowSelection<T, PerLane> row(z + t * ld, E, lane);
     row.select(K);
+    if (lane == 0) selection[t] = row.stats();  // for the router backward
     row.for_each(0, row.slots, [&](int j) {
       const int i = j * 32 + lane;
       std::uint32_t key;
@@ -1030,9 +1044,11 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
 
 /// One warp per token: dz = upstream + the TC scores' backward at the choices + the full softmax's backward of the
 /// padded pairs (dp_i = the pair's gradient; for kTopKOfSoftmax the choices are full-softmax probabilities too).
+/// The token's selection comes from the forward's saved statistics, not from selecting again.
 template <class T, int PerLane>
 __global__ void __launch_bounds__(32 * kBwdWarps)
-    tr_backward_kernel(ScoreVariant variant, const T* __restrict__ z, std::int64_t T_, int E, int K,
+    tr_backward_kernel(ScoreVariant variant, const T* __restrict__ z, std::int64_t T_, int E,
+                       const TokenSelectionStats* __restrict__ selection,
                        const float* __restrict__ ds, const std::int32_t* __restrict__ inverse,
                        const std::int32_t* __restrict__ offsets, const std::int32_t* __restrict__ token_offsets,
                        const T* __restrict__ up, std::int64_t ld_up, T* __restrict__ dlogits) {
@@ -1041,7 +1057,7 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kBwdWarps + warp;
   if (t >= T_) return;  // warp-uniform; no block-wide synchronisation below
   RowSelection<T, PerLane> row(z + t * E, E, lane);
-  row.select(K);
+  row.restore(selection[t]);
   const std::int64_t q0 = token_offsets[t], q1 = token_offsets[t + 1];
   float* dp = dp_s[warp];
   // The token's pair gradients of experts [w0, w0 + kBwdWindow) into dp (zero where the token has no pair).
@@ -1148,8 +1164,8 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
     const auto* z = static_cast<const Tp*>(a.logits);
     by_row_width(a.E, [&](auto per_lane) {
       tr_keys_kernel<Tp, decltype(per_lane)::value><<<ceil_div(a.T, kKeyTokens), 32 * kKeyWarps, 0, stream>>>(
-          z, a.ld_logits, a.T, E, K, a.variant, a.tile_m, a.rule, a.keys, a.keys_by_expert, a.bounds, tc_count, done,
-          a.expert_counts, a.expert_offsets, a.expert_tiles);
+          z, a.ld_logits, a.T, E, K, a.variant, a.tile_m, a.rule, a.keys, a.keys_by_expert, a.bounds, a.selection,
+          tc_count, done, a.expert_counts, a.expert_offsets, a.expert_tiles);
     });
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_keys");
@@ -1204,17 +1220,17 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
 }
 
 void launch_token_rounding_backward(DType dt, ScoreVariant variant, const void* logits, std::int64_t T,
-                                    std::int64_t E, std::int64_t K, const float* ds, const std::int32_t* inverse,
-                                    const std::int32_t* offsets, const std::int32_t* token_offsets,
-                                    const void* grad_logits, std::int64_t ld_grad, void* dlogits,
-                                    cudaStream_t stream) {
+                                    std::int64_t E, const TokenSelectionStats* selection, const float* ds,
+                                    const std::int32_t* inverse, const std::int32_t* offsets,
+                                    const std::int32_t* token_offsets, const void* grad_logits, std::int64_t ld_grad,
+                                    void* dlogits, cudaStream_t stream) {
   if (T == 0) return;
   dispatch_data_type(dt, [&](auto tag) {
     using Tp = decltype(tag);
     by_row_width(E, [&](auto per_lane) {
       tr_backward_kernel<Tp, decltype(per_lane)::value><<<ceil_div(T, kBwdWarps), 32 * kBwdWarps, 0, stream>>>(
-          variant, static_cast<const Tp*>(logits), T, static_cast<int>(E), static_cast<int>(K), ds, inverse,
-          offsets, token_offsets, static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits));
+          variant, static_cast<const Tp*>(logits), T, static_cast<int>(E), selection, ds, inverse, offsets,
+          token_offsets, static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits));
     });
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_backward");

@@ -63,6 +63,9 @@ TEST(MemoryAccounting, KeptLogitsAndVariableKRegions) {
   EXPECT_TRUE(l.router_logits.present());
   EXPECT_EQ(l.token_offsets.bytes, 4u * 1001);
   EXPECT_EQ(l.scores.bytes, 4u * static_cast<std::size_t>(p.max_pairs()));
+  EXPECT_EQ(l.token_selection.bytes, kTokenSelectionStatsBytes * 1000) << "each token's selection, for the backward";
+  p.routing = RoutingMode::kTopK;
+  EXPECT_FALSE(saved_layout(p, DType::kBF16).token_selection.present()) << "top-K's backward reads its scores";
 }
 
 TEST(MemoryAccounting, RegionsAreAlignedDisjointAndInsideTheTotal) {
@@ -72,7 +75,7 @@ TEST(MemoryAccounting, RegionsAreAlignedDisjointAndInsideTheTotal) {
     p.score = ScoreVariant::kTopKOfSoftmax;
     const SavedLayout l = saved_layout(p, DType::kBF16);
     const BufferRegion regions[] = {l.h, l.router_logits, l.scores, l.scatter, l.inverse,
-                                    l.gather, l.expert_offsets, l.token_offsets};
+                                    l.gather, l.expert_offsets, l.token_offsets, l.token_selection};
     std::size_t end = 0;
     for (const BufferRegion& reg : regions) {
       if (!reg.present()) continue;

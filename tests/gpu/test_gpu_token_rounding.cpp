@@ -52,6 +52,7 @@ std::vector<T> download(const DeviceBuffer& b, std::size_t n) {
 struct TrOutputs {
   std::vector<std::int32_t> counts, offsets, tiles, scatter, inverse, gather, token_offsets;
   std::vector<float> scores;
+  std::vector<gpu::TokenSelectionStats> selection;  // per token, as saved for the backward
   bool canaries = true;
   std::int64_t full_select_experts = 0;  // experts the bounded select flagged for the select over the whole column
 };
@@ -82,7 +83,8 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
   const ForwardWorkspaceLayout wl = forward_workspace_layout(p, c.dt);
   DeviceBuffer logits(encode(z, c.dt)), ws(wl.total_bytes);
   DeviceBuffer counts(c.E * 4), offsets((c.E + 1) * 4), tiles((c.E + 1) * 4), scatter(P * 4), inverse(P * 4),
-      gather(P * 4), token_offsets((c.T + 1) * 4), scores(P * 4);
+      gather(P * 4), token_offsets((c.T + 1) * 4), scores(P * 4),
+      selection(c.T * static_cast<std::int64_t>(sizeof(gpu::TokenSelectionStats)));
   auto at = [&](const BufferRegion& r) { return static_cast<char*>(ws.get()) + r.offset; };
   gpu::TokenRoundingArgs a;
   a.dt = c.dt;
@@ -103,6 +105,7 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
   a.gather = static_cast<std::int32_t*>(gather.get());
   a.token_offsets = static_cast<std::int32_t*>(token_offsets.get());
   a.scores = static_cast<float*>(scores.get());
+  a.selection = static_cast<gpu::TokenSelectionStats*>(selection.get());
   gpu::launch_token_rounding(a, nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
@@ -115,6 +118,7 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
   o.gather = download<std::int32_t>(gather, P);
   o.token_offsets = download<std::int32_t>(token_offsets, c.T + 1);
   o.scores = download<float>(scores, P);
+  o.selection = download<gpu::TokenSelectionStats>(selection, c.T);
   {  // the flags after the counters region's look-back states, f_e, the completion count and the ticket
     const auto emit_blocks = static_cast<std::size_t>((c.T + kTokenRoundingEmitTokens - 1) / kTokenRoundingEmitTokens);
     std::vector<std::int32_t> flags(static_cast<std::size_t>(c.E));
@@ -123,7 +127,7 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
     for (std::int32_t x : flags) o.full_select_experts += x != 0;
   }
   for (const DeviceBuffer* b : {&logits, &ws, &counts, &offsets, &tiles, &scatter, &inverse, &gather, &token_offsets,
-                                &scores})
+                                &scores, &selection})
     o.canaries = o.canaries && b->canary_intact();
   return run;
 }
@@ -237,6 +241,31 @@ void check_against_reference(const TrKernelCase& c, const TrRun& run) {
     for (std::int64_t i = 0; i < P; ++i) worst = std::max(worst, std::abs(o.scores[i] - tr.score[i]));
     EXPECT_LT(worst, 2e-6) << c.name << ": fp32 scores against the float64 scores of the same logits";
   }
+
+  // Each token's saved selection (what the backward uses instead of selecting again): the K-th choice's rank key
+  // names the reference's K-th expert (32-bit keys, the index complemented in the low 16 bits, for bf16 rows held in
+  // registers; else 64-bit keys, the index complemented in the low 32 bits), the top choice is the row's maximum,
+  // and the two sums of exponentials are the reference's to fp32 accuracy.
+  ASSERT_EQ(o.selection.size(), static_cast<std::size_t>(T));
+  const bool short_keys = c.dt == DType::kBF16 && E <= kTokenRoundingRegisterExperts;
+  double worst_sum = 0, worst_sum_k = 0;
+  for (std::int64_t t = 0; t < T; ++t) {
+    const gpu::TokenSelectionStats& st = o.selection[static_cast<std::size_t>(t)];
+    const double* z = run.logits.data() + t * E;
+    const std::int64_t kth_index =
+        short_keys ? 0xffff - static_cast<std::int64_t>(st.kth & 0xffffu) : 0xffffffffll - static_cast<std::int64_t>(st.kth & 0xffffffffu);
+    ASSERT_EQ(kth_index, topk[t * K + K - 1]) << c.name << ": token " << t << "'s K-th choice";
+    const double mx = *std::max_element(z, z + E);
+    ASSERT_EQ(st.max, static_cast<float>(mx)) << c.name << ": token " << t;
+    ASSERT_EQ(st.first, st.max) << c.name << ": token " << t;
+    double sum = 0, sum_k = 0;
+    for (std::int64_t e = 0; e < E; ++e) sum += std::exp(z[e] - mx);
+    for (std::int64_t k = 0; k < K; ++k) sum_k += std::exp(z[topk[t * K + k]] - mx);
+    worst_sum = std::max(worst_sum, std::abs(st.sum - sum) / sum);
+    worst_sum_k = std::max(worst_sum_k, std::abs(st.sum_k - sum_k) / sum_k);
+  }
+  EXPECT_LT(worst_sum, 1e-5) << c.name << ": the rows' sums of exp";
+  EXPECT_LT(worst_sum_k, 1e-5) << c.name << ": the selections' sums of exp";
 }
 
 class GpuTokenRoundingKernels : public testing::TestWithParam<TrKernelCase> {
@@ -254,6 +283,10 @@ TEST_P(GpuTokenRoundingKernels, MatchTheReferenceAndRepeatBitwise) {
   if (c.repeat > 0 && c.T >= 30000) EXPECT_GT(a.out.full_select_experts, 0) << c.name;
   const TrRun b = run_kernels(c, 1234 + static_cast<std::uint64_t>(c.T * 7 + c.E));
   EXPECT_TRUE(same_outputs(a.out, b.out)) << c.name << ": a second launch on the same logits differs";
+  EXPECT_EQ(std::memcmp(a.out.selection.data(), b.out.selection.data(),
+                        sizeof(a.out.selection[0]) * a.out.selection.size()),
+            0)
+      << c.name << ": a second launch saves another selection";
 }
 
 std::vector<TrKernelCase> kernel_cases() {
@@ -339,6 +372,12 @@ TEST(GpuTokenRoundingKernels, Bf16KeysRouteAsTheFp32KeysDo) {
     const TrRun f = run_kernels(c, 99);
     ASSERT_EQ(b.logits, f.logits) << what;
     EXPECT_TRUE(same_outputs(b.out, f.out)) << what << ": bf16 and fp32 logits of the same values route differently";
+    // The saved selections: the same sums and maxima bit for bit (the K-th key's width differs: 32 and 64 bits).
+    for (std::int64_t t = 0; t < sh.T; ++t) {
+      const gpu::TokenSelectionStats &x = b.out.selection[t], &y = f.out.selection[t];
+      ASSERT_TRUE(x.first == y.first && x.sum_k == y.sum_k && x.max == y.max && x.sum == y.sum)
+          << what << ": token " << t << "'s saved selection";
+    }
   }
 }
 
@@ -408,7 +447,9 @@ TEST(GpuTokenRoundingKernels, BackwardMatchesTheReference) {
       const std::vector<double> want =
           ref::token_rounding_backward(sv, run.logits.data(), T, E, K, tok.data(), exp.data(), P, dsd.data());
       std::vector<unsigned char> zb = encode(run.logits, DType::kFP32);
-      DeviceBuffer z(zb), dsb(P * 4), inv(o.inverse.size() * 4), off((E + 1) * 4), toff((T + 1) * 4);
+      DeviceBuffer z(zb), dsb(P * 4), inv(o.inverse.size() * 4), off((E + 1) * 4), toff((T + 1) * 4),
+          sel(T * static_cast<std::int64_t>(sizeof(gpu::TokenSelectionStats)));
+      cudaMemcpy(sel.get(), o.selection.data(), T * sizeof(gpu::TokenSelectionStats), cudaMemcpyHostToDevice);
       cudaMemcpy(dsb.get(), ds.data(), P * 4, cudaMemcpyHostToDevice);
       cudaMemcpy(inv.get(), o.inverse.data(), o.inverse.size() * 4, cudaMemcpyHostToDevice);
       cudaMemcpy(off.get(), o.offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice);
@@ -416,7 +457,9 @@ TEST(GpuTokenRoundingKernels, BackwardMatchesTheReference) {
       std::vector<float> got[2];
       for (int rep = 0; rep < 2; ++rep) {
         DeviceBuffer dz(T * E * 4);
-        gpu::launch_token_rounding_backward(DType::kFP32, sv, z.get(), T, E, K, static_cast<const float*>(dsb.get()),
+        gpu::launch_token_rounding_backward(DType::kFP32, sv, z.get(), T, E,
+                                            static_cast<const gpu::TokenSelectionStats*>(sel.get()),
+                                            static_cast<const float*>(dsb.get()),
                                             static_cast<const std::int32_t*>(inv.get()),
                                             static_cast<const std::int32_t*>(off.get()),
                                             static_cast<const std::int32_t*>(toff.get()), nullptr, 0, dz.get(),

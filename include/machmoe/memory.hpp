@@ -93,12 +93,13 @@ inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 /// pair_token and tile_hist are not used by it):
 ///   tr_keys            T x E    uint32  each (token, expert)'s ranking key, token-major: only where E is above
 ///                                       kTokenRoundingRegisterExperts (the keys kernel's transpose reads it back)
-///   tr_keys_by_expert  E x T    uint32  the keys expert-major; overwritten with the grouped row of kept pairs
+///   tr_keys_by_expert  E x T    uint32  the keys expert-major
 ///   tr_thresholds      E x 2    uint32  per expert: the kept keys' threshold and the tie cut
 ///   tr_bounds          E x ceil(T / 32) x 4 uint32  per expert and block of 32 tokens: the largest key not chosen
 ///                                       and the smallest chosen key (they bound where an expert's threshold lies),
 ///                                       the mask of the block's tokens that chose the expert, and the mask of
-///                                       those the expert keeps (written by the select, read by the emit pass)
+///                                       those the expert keeps; the select writes the last and, over the first,
+///                                       the grouped row of the block's first kept token (both read by the emit)
 ///   tr_row_scores      P        fp32    the score of each grouped row's pair (written by the select)
 ///   tr_counters        2E + 4 int32 and ceil(T / kTokenRoundingEmitTokens) uint64: token-choice counts, a
 ///                                       completion count, a block ticket, the experts selected over their whole

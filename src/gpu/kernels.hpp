@@ -298,9 +298,9 @@ struct TokenRoundingArgs {
   std::uint32_t* keys = nullptr;            // (T, E), only for E > kTokenRoundingRegisterExperts (else unused)
   std::uint32_t* keys_by_expert = nullptr;  // (E, T)
   std::uint32_t* thresholds = nullptr;      // (E, 2)
-  std::uint32_t* bounds = nullptr;          // (E, ceil(T / 32), 4): per block of 32 tokens, largest unchosen and
-                                            // smallest chosen key, the chosen and the kept tokens' masks (16-byte
-                                            // aligned)
+  std::uint32_t* bounds = nullptr;          // (E, ceil(T / 32), 4): per block of 32 tokens, largest unchosen (after
+                                            // the select: the first kept token's grouped row) and smallest chosen
+                                            // key, the chosen and the kept tokens' masks (16-byte aligned)
   float* row_scores = nullptr;              // (P_max): the score of each grouped row's pair
   void* counters = nullptr;                 // zeroed here: look-back states, counts, completion count, ticket
   std::size_t counters_bytes = 0;

@@ -11,8 +11,9 @@
 // 1. keys (one warp per token, the row in registers for E <= 512): token choice by the top-K
 //    kernel's selection (RankKey: 32-bit keys for bf16, one redux per round; for rows of up to 256 each lane's keys
 //    sorted once, as the top-K kernel does), the TC scores of the score variant, the row's softmax (each exp kept for
-//    the keys), the keys, the selection's statistics for the backward, the token-choice counts f_e (a shared histogram per block, then one integer atomic per
-//    expert and block: sums, so the order of the atomics cannot show). The block writes its keys expert-major
+//    the keys), the keys, the selection's statistics for the backward, the token-choice counts f_e (a shared
+//    histogram per block, then one integer atomic per expert and block: sums, so the order of the atomics cannot
+//    show). The block writes its keys expert-major
 //    through a shared-memory transpose filled from the registers that hold them (rows of more than 512 experts go
 //    through the token-major keys in memory instead, and the transpose reads them back). The last block to
 //    finish (a completion count) turns the counts into r_e, the expert offsets and the GEMM tiles (one-block scan),
@@ -21,18 +22,19 @@
 //    and block of 32 tokens, the largest unchosen and the smallest chosen key and the mask of chosen tokens; from
 //    them the few keys that can hold the threshold are read (only the blocks that can hold one), the threshold found
 //    among them, and the kept tokens written from the masks. Each select writes, per expert and block, the mask of
-//    the kept tokens, and per grouped row the pair's score (read from its key before the row overwrites it).
+//    the kept tokens and the grouped row of the first of them, and per grouped row the pair's score.
 //    Experts with too many such keys (repeated tokens) are flagged for the full select:
 // 2'. select (one block per expert): the r_e-th key of the expert's column by a 3-pass radix select (12, 12 and 8
 //    bits, a shared histogram with one atomic per distinct digit of a warp) over the column, held in shared
 //    memory when it fits. Experts whose count needs no rounding (r_e = f_e, 0 or T) skip it. When keys tie at the
 //    threshold and only some of the ties are kept, one ordered pass finds the token where they stop (the cut).
-//    Then the kept tokens, ascending, go to gather at the expert's offset (per-warp chunks, ballots), and each
-//    kept entry of the expert-major keys is overwritten with its grouped row.
+//    Then the kept tokens, ascending, go to gather at the expert's offset (per-warp chunks, ballots), with the
+//    blocks' kept masks and first grouped rows as the bounded select writes them.
 // 3. emit (32 warps per block, each over 2 consecutive tokens): kept(t, e) from the select's kept masks, counted
 //    per token, scanned across blocks by a decoupled look-back (integer sums: the result does not depend on
-//    timing), then every kept pair in (token, expert) order gets its score, inverse and scatter, and the token
-//    offsets are written. Slots past the pair count get expert -1 semantics (inverse -1, score 0).
+//    timing), then every kept pair in (token, expert) order gets its grouped row (the block's first kept row plus
+//    the kept tokens before it in the mask), score, inverse and scatter, and the token offsets are written. Slots
+//    past the pair count get expert -1 semantics (inverse -1, score 0).
 // Cost: the logits are read once, the keys written once expert-major (twice for E > 512) and read back only at the
 // experts' boundaries and for the kept pairs; no per-expert loop runs over the token-choice lists.
 //
@@ -495,7 +497,8 @@ __device__ std::uint32_t short_radix_select(KeyAt&& key_at, std::int32_t n, std:
 // and the compaction take each CTA's count from the others in rank order (token order), so the result is the one
 // of a single CTA scanning the whole column.
 __global__ void __launch_bounds__(kSelectThreads)
-    tr_select_kernel(std::uint32_t* keys_by_expert, std::int64_t T_, const std::int32_t* __restrict__ tc_count,
+    tr_select_kernel(const std::uint32_t* __restrict__ keys_by_expert, std::int64_t T_,
+                     const std::int32_t* __restrict__ tc_count,
                      const std::int32_t* __restrict__ expert_offsets, std::uint32_t* __restrict__ thresholds,
                      std::int32_t* __restrict__ gather, float* __restrict__ row_scores,
                      std::uint32_t* __restrict__ bounds, std::int64_t n_blocks, bool cache,
@@ -517,7 +520,7 @@ __global__ void __launch_bounds__(kSelectThreads)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int e = static_cast<int>(blockIdx.x) / ranks;
   if (only != nullptr && only[e] == 0) return;  // resolved by the bounded select (uniform across the cluster)
-  std::uint32_t* gcol = keys_by_expert + static_cast<std::int64_t>(e) * T_;
+  const std::uint32_t* gcol = keys_by_expert + static_cast<std::int64_t>(e) * T_;
   const std::int64_t f = tc_count[e];
   const std::int64_t g0 = expert_offsets[e];
   const std::int64_t r = expert_offsets[e + 1] - g0;
@@ -645,7 +648,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     thresholds[2 * e + 1] = static_cast<std::uint32_t>(cut);
   }
   if (r == 0) return;  // uniform across the cluster: no CTA reads another's shared memory after this
-  // The kept tokens in ascending order -> gather[g0 ...]; their expert-major key -> their grouped row.
+  // The kept tokens in ascending order -> gather[g0 ...], their scores -> row_scores.
   std::int32_t c = 0;
   for (std::int64_t base = w_begin; base < w_end; base += 32) {
     const std::int64_t i = base + lane;
@@ -660,20 +663,22 @@ __global__ void __launch_bounds__(kSelectThreads)
   for (int w = 0; w < warp; ++w) pos += warp_count[w];
   const unsigned below = (1u << lane) - 1u;
   // Each trip is one block of 32 tokens (slices and chunks start at multiples of 32): its kept mask goes to word 3
-  // of the block's bounds, for the emit pass.
-  std::uint32_t* kept_masks = bounds + 4 * static_cast<std::int64_t>(e) * n_blocks + 3;
+  // of the block's bounds and the grouped row of its first kept token to word 0, for the emit pass.
+  std::uint32_t* block_words = bounds + 4 * static_cast<std::int64_t>(e) * n_blocks;
   for (std::int64_t base = w_begin; base < w_end; base += 32) {
     const std::int64_t i = base + lane;
     const std::int64_t t = s_begin + i;
     const std::uint32_t key = i < w_end ? col[i] : 0u;
     const bool k = i < w_end && kept(key, thr, static_cast<std::uint32_t>(cut), t);
     const unsigned b = __ballot_sync(kFull, k);
-    if (lane == 0) kept_masks[4 * ((s_begin + base) / 32)] = b;
+    if (lane == 0) {
+      std::uint32_t* w = block_words + 4 * ((s_begin + base) / 32);
+      w[0] = static_cast<std::uint32_t>(pos), w[3] = b;
+    }
     if (k) {
       const std::int64_t g = pos + __popc(b & below);
       gather[g] = static_cast<std::int32_t>(t);
       row_scores[g] = __uint_as_float(key & ~kChosen);  // the TC score of a chosen pair, p of an added one
-      gcol[t] = static_cast<std::uint32_t>(g);  // read above (or from the cache) before it is overwritten
     }
     pos += __popc(b);
   }
@@ -699,7 +704,8 @@ constexpr int kBoundedBatch = 8;        // blocks whose kept keys the write load
 
 template <int Threads>
 __global__ void __launch_bounds__(Threads)
-    tr_select_bounded_kernel(std::uint32_t* keys_by_expert, std::int64_t T_, const std::int32_t* __restrict__ tc_count,
+    tr_select_bounded_kernel(const std::uint32_t* __restrict__ keys_by_expert, std::int64_t T_,
+                             const std::int32_t* __restrict__ tc_count,
                              const std::int32_t* __restrict__ expert_offsets, std::uint32_t* __restrict__ bounds,
                              std::int64_t n_blocks, std::uint32_t* __restrict__ thresholds,
                              std::int32_t* __restrict__ gather, float* __restrict__ row_scores,
@@ -717,7 +723,7 @@ __global__ void __launch_bounds__(Threads)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const unsigned below = (1u << lane) - 1u;
   const int e = static_cast<int>(blockIdx.x);
-  std::uint32_t* gcol = keys_by_expert + static_cast<std::int64_t>(e) * T_;
+  const std::uint32_t* gcol = keys_by_expert + static_cast<std::int64_t>(e) * T_;
   const std::int64_t f = tc_count[e];
   const std::int64_t g0 = expert_offsets[e];
   const std::int64_t r = expert_offsets[e + 1] - g0;
@@ -746,7 +752,6 @@ __global__ void __launch_bounds__(Threads)
   // 2. Each warp over its blocks' bounds: its chosen keys counted from the blocks' choice masks, and only the blocks
   //    whose bound reaches past the expert's bound read, their candidates staged in token order.
   const uint4* block_bounds = reinterpret_cast<const uint4*>(bounds) + static_cast<std::int64_t>(e) * n_blocks;
-  std::uint32_t* kept_masks = bounds + 4 * static_cast<std::int64_t>(e) * n_blocks + 3;  // word 3 of each block's
   // An empty chunk (w_begin == w_end == T_ past the last warp with tokens) has no blocks, even with T_ % 32 != 0.
   const std::int64_t blk_begin = w_begin / 32, blk_end = w_end > w_begin ? (w_end + 31) / 32 : blk_begin;
   std::int32_t n_chosen = 0, n_cand = 0;
@@ -834,7 +839,8 @@ __global__ void __launch_bounds__(Threads)
     warp_kept[warp] = r >= T_ ? static_cast<std::int32_t>(w_end - w_begin)
                               : (drop ? n_chosen - n_cand : n_chosen) + (trivial ? 0 : kept_c);
   __syncthreads();
-  // 5. The kept tokens in ascending order -> gather[g0 ...]; their expert-major key -> their grouped row. A block's
+  // 5. The kept tokens in ascending order -> gather[g0 ...], their scores -> row_scores; per block, its kept mask
+  //    (word 3 of its bounds) and its first kept token's grouped row (word 0, read in steps 1-2 only). A block's
   //    kept tokens are its chosen ones (every token when r >= T_) with the kept candidates added and the others
   //    removed: outside the candidates only the kept tokens' keys are read (for their scores). 32 blocks at a time,
   //    lane i holding block c0 + i's mask.
@@ -864,7 +870,10 @@ __global__ void __launch_bounds__(Threads)
       if (lane >= o) incl += v;
     }
     const std::int32_t before = incl - __popc(m);  // kept tokens of the chunk's earlier blocks
-    if (blk < blk_end) kept_masks[4 * blk] = m;  // for the emit pass
+    if (blk < blk_end) {  // for the emit pass
+      std::uint32_t* w = bounds + 4 * (static_cast<std::int64_t>(e) * n_blocks + blk);
+      w[0] = static_cast<std::uint32_t>(pos + before), w[3] = m;
+    }
     // kBoundedBatch blocks at a time: the kept tokens' keys (for their scores) all loaded before any row is
     // written over them, so that the loads overlap instead of waiting one block after another.
     for (int i0 = 0; i0 < 32; i0 += kBoundedBatch) {
@@ -884,7 +893,6 @@ __global__ void __launch_bounds__(Threads)
           const std::int64_t g = pos + bi + __popc(mi & below);
           gather[g] = static_cast<std::int32_t>(t);
           row_scores[g] = __uint_as_float(key[u] & ~kChosen);  // the TC score of a chosen pair, p of an added one
-          gcol[t] = static_cast<std::uint32_t>(g);
         }
       }
     }
@@ -905,14 +913,14 @@ __device__ __forceinline__ void publish(std::uint64_t* status, std::uint64_t fla
 // of block B is token 32 B + i), so no (token, expert) key is read: a warp's tokens lie in one block of 32 and share
 // its masks. PerLane > 0 (E <= 32 PerLane): each lane loads the masks of its experts once, all before the count that
 // sits on the look-back's critical path (a block publishes its sum only after it). PerLane = 0: 32 experts at a
-// time, twice. A kept pair's grouped row is in the expert-major keys where the select wrote it, its score in
-// row_scores at that row.
+// time, twice. A kept pair's grouped row is the block's first kept row (word 0 of the same 16 bytes, written by the
+// select) plus the kept tokens before it in the block's mask; its score is in row_scores at that row.
 // Two CTAs an SM up to 8 masks a lane: the 8-mask variant then spills 40 bytes to the stack, and still runs faster
 // than at half the occupancy (ncu, H100, (16384,4096,1024,256,4): 22.7 us against 29.2 with one CTA an SM).
 template <int PerLane>
 __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
     tr_emit_kernel(const std::uint32_t* __restrict__ bounds, std::int64_t n_blocks,
-                   const std::uint32_t* __restrict__ grouped, const float* __restrict__ row_scores, std::int64_t T_,
+                   const float* __restrict__ row_scores, std::int64_t T_,
                    int E, const std::int32_t* __restrict__ expert_offsets, std::int64_t P_max, std::uint32_t* ticket,
                    std::uint64_t* status, float* __restrict__ scores, std::int32_t* __restrict__ inverse,
                    std::int32_t* __restrict__ scatter, std::int32_t* __restrict__ token_offsets) {
@@ -1009,7 +1017,8 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
     auto emit = [&](int e, bool k, unsigned bal) {
       if (k) {
         const std::int64_t p = q + __popc(bal & below);
-        const std::int32_t g = static_cast<std::int32_t>(grouped[static_cast<std::int64_t>(e) * T_ + t]);
+        const uint4 w = reinterpret_cast<const uint4*>(bounds)[static_cast<std::int64_t>(e) * n_blocks + blk];
+        const std::int32_t g = static_cast<std::int32_t>(w.x + __popc(w.w & ((1u << bit) - 1u)));
         scores[p] = row_scores[g];
         inverse[p] = g;
         scatter[g] = static_cast<std::int32_t>(p);
@@ -1213,7 +1222,7 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select");
   by_row_width(a.E, [&](auto per_lane) {
     tr_emit_kernel<decltype(per_lane)::value><<<static_cast<unsigned>(emit_blocks), 32 * kEmitWarps, 0, stream>>>(
-        a.bounds, ceil_div(a.T, kKeyTokens), a.keys_by_expert, a.row_scores, a.T, E, a.expert_offsets, a.P_max,
+        a.bounds, ceil_div(a.T, kKeyTokens), a.row_scores, a.T, E, a.expert_offsets, a.P_max,
         ticket, status, a.scores, a.inverse, a.scatter, a.token_offsets);
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_emit");

@@ -252,8 +252,8 @@ void check_against_reference(const TrKernelCase& c, const TrRun& run) {
   for (std::int64_t t = 0; t < T; ++t) {
     const gpu::TokenSelectionStats& st = o.selection[static_cast<std::size_t>(t)];
     const double* z = run.logits.data() + t * E;
-    const std::int64_t kth_index =
-        short_keys ? 0xffff - static_cast<std::int64_t>(st.kth & 0xffffu) : 0xffffffffll - static_cast<std::int64_t>(st.kth & 0xffffffffu);
+    const std::int64_t kth_index = short_keys ? 0xffff - static_cast<std::int64_t>(st.kth & 0xffffu)
+                                              : 0xffffffffll - static_cast<std::int64_t>(st.kth & 0xffffffffu);
     ASSERT_EQ(kth_index, topk[t * K + K - 1]) << c.name << ": token " << t << "'s K-th choice";
     const double mx = *std::max_element(z, z + E);
     ASSERT_EQ(st.max, static_cast<float>(mx)) << c.name << ": token " << t;
@@ -279,8 +279,12 @@ TEST_P(GpuTokenRoundingKernels, MatchTheReferenceAndRepeatBitwise) {
   check_against_reference(c, a);
   // The bounded select takes every expert of random logits; repeated tokens (thousands of equal keys at a threshold)
   // send some to the full select, and both must give the reference's routing.
-  if (c.repeat == 0) EXPECT_EQ(a.out.full_select_experts, 0) << c.name;
-  if (c.repeat > 0 && c.T >= 30000) EXPECT_GT(a.out.full_select_experts, 0) << c.name;
+  if (c.repeat == 0) {
+    EXPECT_EQ(a.out.full_select_experts, 0) << c.name;
+  }
+  if (c.repeat > 0 && c.T >= 30000) {
+    EXPECT_GT(a.out.full_select_experts, 0) << c.name;
+  }
   const TrRun b = run_kernels(c, 1234 + static_cast<std::uint64_t>(c.T * 7 + c.E));
   EXPECT_TRUE(same_outputs(a.out, b.out)) << c.name << ": a second launch on the same logits differs";
   EXPECT_EQ(std::memcmp(a.out.selection.data(), b.out.selection.data(),

@@ -273,9 +273,6 @@ namespace machmoe::gpu {
 /// Maximum K of token rounding on the GPU (the public checks refuse larger K on CUDA tensors).
 inline constexpr int kTokenRoundingMaxK = 64;
 
-/// Token rounding and its whole routing metadata (token_rounding_kernels.cu): three kernels after one memset; no
-/// routing-metadata launch follows it. Pair order is (token, expert) ascending; grouped order is by expert, tokens
-/// ascending, as launch_routing_metadata would build it from the same pairs.
 /// One token's top-K selection as token rounding's keys kernel finds it, saved for the router backward
 /// (SavedLayout::token_selection): the K-th selected rank key (zero-extended where the key has 32 bits), the top
 /// selected value and the selection's sum of exp(x - top), the row's max and sum of exp(x - max). The backward
@@ -287,6 +284,9 @@ struct TokenSelectionStats {
 static_assert(sizeof(TokenSelectionStats) == kTokenSelectionStatsBytes && alignof(TokenSelectionStats) == 8,
               "the saved region's bytes per token");
 
+/// Token rounding and its whole routing metadata (token_rounding_kernels.cu): three kernels after one memset; no
+/// routing-metadata launch follows it. Pair order is (token, expert) ascending; grouped order is by expert, tokens
+/// ascending, as launch_routing_metadata would build it from the same pairs.
 struct TokenRoundingArgs {
   DType dt = DType::kBF16;
   std::int64_t T = 0, E = 0, K = 0, tile_m = 128, P_max = 0;
@@ -313,7 +313,8 @@ struct TokenRoundingArgs {
   std::int32_t* gather = nullptr;          // (P_max) grouped row -> token, the first expert_offsets[E] written
   std::int32_t* token_offsets = nullptr;   // (T + 1)
   float* scores = nullptr;                 // (P_max) pair order: TC score, or the softmax probability if padded; 0 past
-  TokenSelectionStats* selection = nullptr;  // (T) each token's selection, for the backward (8-byte aligned)
+  TokenSelectionStats* selection = nullptr;  // (T) each token's selection, for the backward (8-byte aligned; required)
+  void* logits_copy = nullptr;  // (T, E) contiguous, may be null: the logits copied for the backward as they are read
 };
 void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream);
 

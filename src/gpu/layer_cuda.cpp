@@ -328,6 +328,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
     tr.token_offsets = at<std::int32_t>(buf.saved, sl.token_offsets);
     tr.scores = scores;
     tr.selection = at<TokenSelectionStats>(buf.saved, sl.token_selection);
+    tr.logits_copy = at(buf.saved, sl.router_logits);  // the keys kernel copies the logits as it reads them
     launch_token_rounding(tr, stream);
   } else {
     mark_stage("forward/caller_routing", stream);
@@ -362,7 +363,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
     mark_stage("forward/routing_metadata", stream);
     launch_routing_metadata(m, stream);
   }
-  if (sl.router_logits.present()) {
+  if (sl.router_logits.present() && p.routing != RoutingMode::kTokenRounding) {
     const std::size_t row = dtype_size(dt) * static_cast<std::size_t>(p.E);
     MACHMOE_CUDA_CHECK(cudaMemcpy2DAsync(at(buf.saved, sl.router_logits), row, out.router_logits.data,
                                           dtype_size(dt) * out.router_logits.stride[0], row, p.T,

@@ -8,16 +8,15 @@
 // is the same order without the fp32 cancellation of p - 1 (which would tie every p closer than 6e-8).
 // The score a kept pair carries is in its key: the TC score (low 31 bits) or p.
 //
-// 1. keys (one warp per token, the row in registers for E <= 512): token choice by the top-K
-//    kernel's selection (RankKey: 32-bit keys for bf16, one redux per round; for rows of up to 256 each lane's keys
-//    sorted once, as the top-K kernel does), the TC scores of the score variant, the row's softmax (each exp kept for
-//    the keys), the keys, the selection's statistics for the backward, the token-choice counts f_e (a shared
-//    histogram per block, then one integer atomic per expert and block: sums, so the order of the atomics cannot
-//    show). The block writes its keys expert-major
-//    through a shared-memory transpose filled from the registers that hold them (rows of more than 512 experts go
-//    through the token-major keys in memory instead, and the transpose reads them back). The last block to
-//    finish (a completion count) turns the counts into r_e, the expert offsets and the GEMM tiles (one-block scan),
-//    so no separate launch does it.
+// 1. keys (one warp per token, the row in registers for E <= 512): token choice by the top-K kernel's selection
+//    (RankKey: 32-bit keys for bf16, one redux per round; for rows of up to 256 each lane's keys sorted once, as the
+//    top-K kernel does), the TC scores of the score variant, the row's softmax (each exp kept for the keys), the keys,
+//    the selection's statistics and a copy of the logits for the backward (so no separate copy reads them again), the
+//    token-choice counts f_e (a shared histogram per block, then one integer atomic per expert and block: sums, so the
+//    order of the atomics cannot show). The block writes its keys expert-major through a shared-memory transpose filled
+//    from the registers that hold them (rows of more than 512 experts go through the token-major keys in memory
+//    instead, and the transpose reads them back). The last block to finish (a completion count) turns the counts into
+//    r_e, the expert offsets and the GEMM tiles (one-block scan), so no separate launch does it.
 // 2. select, bounded (one block per expert; see tr_select_bounded_kernel): the keys kernel also writes, per expert
 //    and block of 32 tokens, the largest unchosen and the smallest chosen key and the mask of chosen tokens; from
 //    them the few keys that can hold the threshold are read (only the blocks that can hold one), the threshold found
@@ -117,7 +116,7 @@ struct RowSelection {
   const T* row;
   int E, lane, slots;
   float v[kRegs ? PerLane : 1];
-  float ex[kRegs ? PerLane : 1];  // exp(v - max), kept by select
+  float ex[kRegs ? PerLane : 1];  // exp(v - max), kept by select (or restore)
   KeyType key[kRegs ? PerLane : 1];
   KeyType kth = ~KeyType{0};
   float first = 0.0f, sum_k = 0.0f, m = -INFINITY, total = 0.0f;
@@ -220,7 +219,8 @@ struct RowSelection {
     if constexpr (kRegs) for_each(0, slots, [&](int j) { ex[j] = expf(value(j) - m); });
   }
   __device__ __forceinline__ bool chosen(int j) const { return rank(j) >= kth; }
-  /// Slot j's full-softmax probability, exp(x - max) / sum (the exponential kept by select for rows in registers).
+  /// Slot j's full-softmax probability, exp(x - max) / sum (the exponential kept by select or restore for rows in
+  /// registers).
   __device__ __forceinline__ float prob(int j) const {
     if constexpr (kRegs) return ex[j] / total;
     else return expf(value(j) - m) / total;
@@ -238,9 +238,9 @@ template <class T, int PerLane>
 __global__ void __launch_bounds__(32 * kKeyWarps)
     tr_keys_kernel(const T* __restrict__ z, std::int64_t ld, std::int64_t T_, int E, int K, ScoreVariant variant,
                    std::int64_t M, RoundingRule rule, std::uint32_t* keys, std::uint32_t* keys_by_expert,
-                   std::uint32_t* bounds, TokenSelectionStats* __restrict__ selection, std::int32_t* tc_count,
-                   std::uint32_t* done, std::int32_t* expert_counts, std::int32_t* expert_offsets,
-                   std::int32_t* expert_tiles) {
+                   std::uint32_t* bounds, TokenSelectionStats* __restrict__ selection, T* __restrict__ logits_copy,
+                   std::int32_t* tc_count, std::uint32_t* done, std::int32_t* expert_counts,
+                   std::int32_t* expert_offsets, std::int32_t* expert_tiles) {
   __shared__ std::int32_t hist[kKeyHistBins];
   __shared__ std::uint32_t tile[kTransposeExperts][kKeyTokens + 1];
   __shared__ bool last_s;
@@ -258,6 +258,17 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
     const std::int64_t t = t0 + warp * kKeyTokensPerWarp + r;
     if (t >= T_) break;  // warp-uniform
     RowSelection<T, PerLane> row(z + t * ld, E, lane);
+    if (logits_copy) {  // the backward's copy, bit for bit, from the row just loaded (in L1)
+      T* copy = logits_copy + t * E;
+      const T* src = z + t * ld;
+      if constexpr (kRegs) {
+#pragma unroll
+        for (int j = 0; j < PerLane; ++j)
+          if (j * 32 + lane < E) copy[j * 32 + lane] = src[j * 32 + lane];
+      } else {
+        for (int i = lane; i < E; i += 32) copy[i] = src[i];
+      }
+    }
     row.select(K);
     if (lane == 0) selection[t] = row.stats();  // for the router backward
     row.for_each(0, row.slots, [&](int j) {
@@ -874,8 +885,8 @@ __global__ void __launch_bounds__(Threads)
       std::uint32_t* w = bounds + 4 * (static_cast<std::int64_t>(e) * n_blocks + blk);
       w[0] = static_cast<std::uint32_t>(pos + before), w[3] = m;
     }
-    // kBoundedBatch blocks at a time: the kept tokens' keys (for their scores) all loaded before any row is
-    // written over them, so that the loads overlap instead of waiting one block after another.
+    // kBoundedBatch blocks at a time: the kept tokens' keys (for their scores) all loaded before any is used, so
+    // that the loads overlap instead of waiting one block after another.
     for (int i0 = 0; i0 < 32; i0 += kBoundedBatch) {
       std::uint32_t key[kBoundedBatch];
 #pragma unroll
@@ -915,8 +926,8 @@ __device__ __forceinline__ void publish(std::uint64_t* status, std::uint64_t fla
 // sits on the look-back's critical path (a block publishes its sum only after it). PerLane = 0: 32 experts at a
 // time, twice. A kept pair's grouped row is the block's first kept row (word 0 of the same 16 bytes, written by the
 // select) plus the kept tokens before it in the block's mask; its score is in row_scores at that row.
-// Two CTAs an SM up to 8 masks a lane: the 8-mask variant then spills 40 bytes to the stack, and still runs faster
-// than at half the occupancy (ncu, H100, (16384,4096,1024,256,4): 22.7 us against 29.2 with one CTA an SM).
+// Two CTAs an SM up to 8 masks a lane (32 registers): faster than at half the occupancy, even when the 8-mask
+// variant spilled 40 bytes to the stack (ncu, H100, (16384,4096,1024,256,4): 22.7 us against 29.2 with one CTA an SM).
 template <int PerLane>
 __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
     tr_emit_kernel(const std::uint32_t* __restrict__ bounds, std::int64_t n_blocks,
@@ -1155,6 +1166,8 @@ SelectSharedMemory select_shared_memory() {
 
 void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   if (a.T == 0) return;
+  if (a.selection == nullptr)  // a layout bug, not a caller's: the router backward reads it
+    throw RuntimeError("machmoe: token rounding needs the saved token_selection region, given none");
   if (a.E > kTokenRoundingRegisterExperts && a.keys == nullptr)  // a layout bug, not a caller's: rows in memory need it
     throw RuntimeError("machmoe: token rounding with E = " + std::to_string(a.E) +
                        " needs the token-major keys region (ForwardWorkspaceLayout::tr_keys), given none");
@@ -1174,7 +1187,7 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
     by_row_width(a.E, [&](auto per_lane) {
       tr_keys_kernel<Tp, decltype(per_lane)::value><<<ceil_div(a.T, kKeyTokens), 32 * kKeyWarps, 0, stream>>>(
           z, a.ld_logits, a.T, E, K, a.variant, a.tile_m, a.rule, a.keys, a.keys_by_expert, a.bounds, a.selection,
-          tc_count, done, a.expert_counts, a.expert_offsets, a.expert_tiles);
+          static_cast<Tp*>(a.logits_copy), tc_count, done, a.expert_counts, a.expert_offsets, a.expert_tiles);
     });
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_keys");

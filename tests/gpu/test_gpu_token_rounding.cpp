@@ -53,6 +53,7 @@ struct TrOutputs {
   std::vector<std::int32_t> counts, offsets, tiles, scatter, inverse, gather, token_offsets;
   std::vector<float> scores;
   std::vector<gpu::TokenSelectionStats> selection;  // per token, as saved for the backward
+  bool logits_copy_exact = false;                   // the keys kernel's copy of the logits is them, bit for bit
   bool canaries = true;
   std::int64_t full_select_experts = 0;  // experts the bounded select flagged for the select over the whole column
 };
@@ -81,7 +82,9 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
     for (std::int64_t e = 0; e < c.E; ++e) run.logits[t * c.E + e] = zq[t * ld + e];
 
   const ForwardWorkspaceLayout wl = forward_workspace_layout(p, c.dt);
-  DeviceBuffer logits(encode(z, c.dt)), ws(wl.total_bytes);
+  const std::vector<unsigned char> z_bytes = encode(z, c.dt);
+  const std::size_t eb = dtype_size(c.dt);
+  DeviceBuffer logits(z_bytes), ws(wl.total_bytes), logits_copy(static_cast<std::size_t>(c.T * c.E) * eb);
   DeviceBuffer counts(c.E * 4), offsets((c.E + 1) * 4), tiles((c.E + 1) * 4), scatter(P * 4), inverse(P * 4),
       gather(P * 4), token_offsets((c.T + 1) * 4), scores(P * 4),
       selection(c.T * static_cast<std::int64_t>(sizeof(gpu::TokenSelectionStats)));
@@ -106,6 +109,7 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
   a.token_offsets = static_cast<std::int32_t*>(token_offsets.get());
   a.scores = static_cast<float*>(scores.get());
   a.selection = static_cast<gpu::TokenSelectionStats*>(selection.get());
+  a.logits_copy = logits_copy.get();
   gpu::launch_token_rounding(a, nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
@@ -119,6 +123,13 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
   o.token_offsets = download<std::int32_t>(token_offsets, c.T + 1);
   o.scores = download<float>(scores, P);
   o.selection = download<gpu::TokenSelectionStats>(selection, c.T);
+  {  // the copy is (T, E) contiguous; the logits have rows of ld elements
+    const std::vector<unsigned char> copy = logits_copy.download();
+    o.logits_copy_exact = true;
+    for (std::int64_t t = 0; t < c.T; ++t)
+      o.logits_copy_exact = o.logits_copy_exact &&
+                            std::memcmp(copy.data() + t * c.E * eb, z_bytes.data() + t * ld * eb, c.E * eb) == 0;
+  }
   {  // the flags after the counters region's look-back states, f_e, the completion count and the ticket
     const auto emit_blocks = static_cast<std::size_t>((c.T + kTokenRoundingEmitTokens - 1) / kTokenRoundingEmitTokens);
     std::vector<std::int32_t> flags(static_cast<std::size_t>(c.E));
@@ -127,7 +138,7 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
     for (std::int32_t x : flags) o.full_select_experts += x != 0;
   }
   for (const DeviceBuffer* b : {&logits, &ws, &counts, &offsets, &tiles, &scatter, &inverse, &gather, &token_offsets,
-                                &scores, &selection})
+                                &scores, &selection, &logits_copy})
     o.canaries = o.canaries && b->canary_intact();
   return run;
 }
@@ -147,6 +158,7 @@ void check_against_reference(const TrKernelCase& c, const TrRun& run) {
   p.T = T, p.E = E, p.K = K, p.routing = RoutingMode::kTokenRounding, p.rounding = c.rule, p.tile_m = c.M;
   const std::int64_t P_max = p.max_pairs();
   EXPECT_TRUE(o.canaries) << "a kernel wrote past a buffer";
+  EXPECT_TRUE(o.logits_copy_exact) << c.name << ": the keys kernel's copy of the logits";
 
   // The reference on the kernels' logits.
   const ref::TokenRoundingResult<double> tr =

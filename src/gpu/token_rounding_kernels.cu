@@ -85,6 +85,8 @@ static_assert(kEmitTokens == kEmitWarps * kEmitTokensPerWarp, "memory.hpp sizes 
 // Backward.
 constexpr int kBwdWarps = 8;
 constexpr int kBwdWindow = 512;  // experts whose pair gradients a warp holds in shared memory at a time
+template <int PerLane>
+constexpr bool kBwdGradientsInRegisters = PerLane >= 1 && PerLane <= 4;  // see tr_backward_kernel
 
 static_assert(kKeyTokens == 32, "the transpose writes one 32-token row segment per expert, a warp's");
 static_assert(kEmitWarps == 32, "warp 0 scans the emit block's per-warp counts");
@@ -1065,39 +1067,82 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
 /// One warp per token: dz = upstream + the TC scores' backward at the choices + the full softmax's backward of the
 /// padded pairs (dp_i = the pair's gradient; for kTopKOfSoftmax the choices are full-softmax probabilities too).
 /// The token's selection comes from the forward's saved statistics, not from selecting again.
+///
+/// Where the pair gradients go (kBwdGradientsInRegisters): up to 4 keys a lane, in registers, slot j of lane l for
+/// expert 32 j + l. Each of the token's few pairs (K and the rounding's padding) is broadcast to the warp and taken by
+/// the lane whose expert's grouped rows [offsets[e], offsets[e + 1]) hold the pair's row, so no pair searches the
+/// offsets for its expert (a chain of dependent loads: ncu put a quarter of this kernel's stall samples there on
+/// 1.4B (256,128,8)). Wider rows place them in a shared-memory window of kBwdWindow experts, each pair's expert found
+/// by binary search: with 8 keys a lane the registers' version needs 115 registers (two CTAs an SM) or spills, and
+/// ran 45-56 us against 40.5 (H100, ncu, (16384,4096,1024,256,4)). Each width's occupancy was measured too: 1 key a
+/// lane at five CTAs an SM (48 registers; 21.5 us against 31.5 on 1.4B (1024,32,2)), 2 and 4 at four (with 4 keys
+/// that spills 36 bytes: 47.4 us on 1.4B (256,128,8), 53.1 at three CTAs an SM without spilling, 50.0 with the
+/// shared-memory window).
 template <class T, int PerLane>
-__global__ void __launch_bounds__(32 * kBwdWarps)
-    tr_backward_kernel(ScoreVariant variant, const T* __restrict__ z, std::int64_t T_, int E,
-                       const TokenSelectionStats* __restrict__ selection,
-                       const float* __restrict__ ds, const std::int32_t* __restrict__ inverse,
-                       const std::int32_t* __restrict__ offsets, const std::int32_t* __restrict__ token_offsets,
-                       const T* __restrict__ up, std::int64_t ld_up, T* __restrict__ dlogits) {
-  __shared__ float dp_s[kBwdWarps][kBwdWindow];
+__device__ __forceinline__ void tr_backward_token(ScoreVariant variant, const T* __restrict__ z, std::int64_t T_,
+                                                  int E, const TokenSelectionStats* __restrict__ selection,
+                                                  const float* __restrict__ ds, const std::int32_t* __restrict__ inverse,
+                                                  const std::int32_t* __restrict__ offsets,
+                                                  const std::int32_t* __restrict__ token_offsets,
+                                                  const T* __restrict__ up, std::int64_t ld_up,
+                                                  T* __restrict__ dlogits) {
+  constexpr bool kRegs = kBwdGradientsInRegisters<PerLane>;
+  constexpr int kWindow = kRegs ? 32 * PerLane : kBwdWindow;  // experts whose pair gradients a warp holds at a time
+  __shared__ float dp_s[kRegs ? 1 : kBwdWarps][kRegs ? 1 : kBwdWindow];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kBwdWarps + warp;
   if (t >= T_) return;  // warp-uniform; no block-wide synchronisation below
   RowSelection<T, PerLane> row(z + t * E, E, lane);
   row.restore(selection[t]);
   const std::int64_t q0 = token_offsets[t], q1 = token_offsets[t + 1];
-  float* dp = dp_s[warp];
-  // The token's pair gradients of experts [w0, w0 + kBwdWindow) into dp (zero where the token has no pair).
+  float dp_r[kRegs ? PerLane : 1];
+  float* dp = dp_s[kRegs ? 0 : warp];
+  // The token's pair gradients of experts [w0, w0 + kWindow) (zero where the token has no pair).
   auto place = [&](int w0) {
-    for (int i = lane; i < kBwdWindow; i += 32) dp[i] = 0.0f;
-    __syncwarp();
-    for (std::int64_t q = q0 + lane; q < q1; q += 32) {
-      const std::int32_t g = inverse[q];
-      if (g < 0) continue;
-      const int e = expert_of_row(offsets, E, g);
-      if (e >= w0 && e < w0 + kBwdWindow) dp[e - w0] = ds[q];  // a token has at most one pair per expert
+    if constexpr (kRegs) {
+      std::int32_t lo[PerLane], hi[PerLane];  // slot j's expert's grouped rows; an empty range past E
+#pragma unroll
+      for (int j = 0; j < PerLane; ++j) {
+        const int e = j * 32 + lane;
+        lo[j] = e < E ? offsets[e] : 0;
+        hi[j] = e < E ? offsets[e + 1] : 0;
+        dp_r[j] = 0.0f;
+      }
+      for (std::int64_t base = q0; base < q1; base += 32) {
+        const std::int64_t q = base + lane;
+        const std::int32_t g = q < q1 ? inverse[q] : -1;  // -1: no pair, in no expert's range
+        const float d = q < q1 ? ds[q] : 0.0f;
+        const int n = static_cast<int>(min(static_cast<std::int64_t>(32), q1 - base));
+        for (int s = 0; s < n; ++s) {
+          const std::int32_t gs_ = __shfl_sync(kFull, g, s);
+          const float ds_ = __shfl_sync(kFull, d, s);
+#pragma unroll
+          for (int j = 0; j < PerLane; ++j)
+            if (gs_ >= lo[j] && gs_ < hi[j]) dp_r[j] = ds_;  // a token has at most one pair per expert
+        }
+      }
+    } else {
+      for (int i = lane; i < kBwdWindow; i += 32) dp[i] = 0.0f;
+      __syncwarp();
+      for (std::int64_t q = q0 + lane; q < q1; q += 32) {
+        const std::int32_t g = inverse[q];
+        if (g < 0) continue;
+        const int e = expert_of_row(offsets, E, g);
+        if (e >= w0 && e < w0 + kBwdWindow) dp[e - w0] = ds[q];  // a token has at most one pair per expert
+      }
+      __syncwarp();
     }
-    __syncwarp();
+  };
+  auto grad = [&](int j, int w0) -> float {
+    if constexpr (kRegs) return dp_r[j];
+    else return dp[j * 32 + lane - w0];
   };
   // Sums over the row: dot = sum_i dp_i p_i over the full-softmax part, gs = sum_k g_k s_k over the choices.
   float dot = 0.0f, gs = 0.0f;
-  for (int w0 = 0; w0 < E; w0 += kBwdWindow) {
+  for (int w0 = 0; w0 < E; w0 += kWindow) {
     place(w0);
-    row.for_each(w0 / 32, (w0 + kBwdWindow) / 32, [&](int j) {
-      const float g = dp[j * 32 + lane - w0], p = row.prob(j);
+    row.for_each(w0 / 32, (w0 + kWindow) / 32, [&](int j) {
+      const float g = grad(j, w0), p = row.prob(j);
       if (variant == ScoreVariant::kTopKOfSoftmax || !row.chosen(j)) dot += g * p;
       else gs += g * row.tc_score(variant, j);
     });
@@ -1108,12 +1153,12 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
   }
   T* out = dlogits + t * E;
   const T* u = up ? up + t * ld_up : nullptr;
-  for (int w0 = 0; w0 < E; w0 += kBwdWindow) {
-    if (E > kBwdWindow) place(w0);  // one window: dp still holds it
-    row.for_each(w0 / 32, (w0 + kBwdWindow) / 32, [&](int j) {
+  for (int w0 = 0; w0 < E; w0 += kWindow) {
+    if (E > kWindow) place(w0);  // one window: the gradients are still there
+    row.for_each(w0 / 32, (w0 + kWindow) / 32, [&](int j) {
       const int i = j * 32 + lane;
       const float p = row.prob(j);
-      float g = dp[i - w0], direct = 0.0f;
+      float g = grad(j, w0), direct = 0.0f;
       if (variant != ScoreVariant::kTopKOfSoftmax && row.chosen(j)) {
         direct = row.tc_score(variant, j) * (g - gs);  // dz_k = s_k (g_k - sum_j g_j s_j)
         g = 0.0f;                                      // not part of the full softmax
@@ -1121,6 +1166,32 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
       out[i] = from_float<T>((u ? to_float(u[i]) : 0.0f) + direct + p * (g - dot));
     });
   }
+}
+
+/// The router backward where the pair gradients sit in registers (1, 2 or 4 keys a lane), at the occupancy
+/// measured best for each width (tr_backward_token).
+template <class T, int PerLane>
+__global__ void __launch_bounds__(32 * kBwdWarps, PerLane == 1 ? 5 : 4)
+    tr_backward_kernel(ScoreVariant variant, const T* __restrict__ z, std::int64_t T_, int E,
+                       const TokenSelectionStats* __restrict__ selection, const float* __restrict__ ds,
+                       const std::int32_t* __restrict__ inverse, const std::int32_t* __restrict__ offsets,
+                       const std::int32_t* __restrict__ token_offsets, const T* __restrict__ up, std::int64_t ld_up,
+                       T* __restrict__ dlogits) {
+  static_assert(kBwdGradientsInRegisters<PerLane>, "wider rows use tr_backward_wide_kernel");
+  tr_backward_token<T, PerLane>(variant, z, T_, E, selection, ds, inverse, offsets, token_offsets, up, ld_up, dlogits);
+}
+
+/// The router backward for rows of 8 or 16 keys a lane or read from memory (pair gradients in shared memory); the
+/// compiler's own register budget.
+template <class T, int PerLane>
+__global__ void __launch_bounds__(32 * kBwdWarps)
+    tr_backward_wide_kernel(ScoreVariant variant, const T* __restrict__ z, std::int64_t T_, int E,
+                            const TokenSelectionStats* __restrict__ selection, const float* __restrict__ ds,
+                            const std::int32_t* __restrict__ inverse, const std::int32_t* __restrict__ offsets,
+                            const std::int32_t* __restrict__ token_offsets, const T* __restrict__ up,
+                            std::int64_t ld_up, T* __restrict__ dlogits) {
+  static_assert(!kBwdGradientsInRegisters<PerLane>, "narrow rows use tr_backward_kernel");
+  tr_backward_token<T, PerLane>(variant, z, T_, E, selection, ds, inverse, offsets, token_offsets, up, ld_up, dlogits);
 }
 
 /// Calls run(std::integral_constant<int, PerLane>) for the register variant that holds a row of E experts, PerLane
@@ -1250,9 +1321,16 @@ void launch_token_rounding_backward(DType dt, ScoreVariant variant, const void* 
   dispatch_data_type(dt, [&](auto tag) {
     using Tp = decltype(tag);
     by_row_width(E, [&](auto per_lane) {
-      tr_backward_kernel<Tp, decltype(per_lane)::value><<<ceil_div(T, kBwdWarps), 32 * kBwdWarps, 0, stream>>>(
-          variant, static_cast<const Tp*>(logits), T, static_cast<int>(E), selection, ds, inverse, offsets,
-          token_offsets, static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits));
+      constexpr int kPerLane = decltype(per_lane)::value;
+      auto launch = [&](auto kernel) {
+        kernel<<<ceil_div(T, kBwdWarps), 32 * kBwdWarps, 0, stream>>>(
+            variant, static_cast<const Tp*>(logits), T, static_cast<int>(E), selection, ds, inverse, offsets,
+            token_offsets, static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits));
+      };
+      if constexpr (kBwdGradientsInRegisters<kPerLane>)
+        launch(tr_backward_kernel<Tp, kPerLane>);
+      else
+        launch(tr_backward_wide_kernel<Tp, kPerLane>);
     });
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_backward");

@@ -39,8 +39,8 @@
 //
 // Backward: one warp per token takes the token's choices from the statistics the keys kernel saved (the K-th
 // choice's rank key, the sums of exp, the row's max; the exponentials recomputed by the same expression, so every
-// score is bitwise the forward's), places the token's pair gradients by expert in shared memory, and writes dz in
-// one pass with fixed-order warp sums.
+// score is bitwise the forward's), places the token's pair gradients by expert (in registers for rows of up to 128
+// experts, else in shared memory), and writes dz in one pass with fixed-order warp sums.
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -86,7 +86,7 @@ static_assert(kEmitTokens == kEmitWarps * kEmitTokensPerWarp, "memory.hpp sizes 
 constexpr int kBwdWarps = 8;
 constexpr int kBwdWindow = 512;  // experts whose pair gradients a warp holds in shared memory at a time
 template <int PerLane>
-constexpr bool kBwdGradientsInRegisters = PerLane >= 1 && PerLane <= 4;  // see tr_backward_kernel
+constexpr bool kBwdGradientsInRegisters = PerLane >= 1 && PerLane <= 4;  // see tr_backward_token
 
 static_assert(kKeyTokens == 32, "the transpose writes one 32-token row segment per expert, a warp's");
 static_assert(kEmitWarps == 32, "warp 0 scans the emit block's per-warp counts");

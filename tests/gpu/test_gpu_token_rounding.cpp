@@ -437,13 +437,14 @@ TEST(GpuRouterKernels, Bf16KeysSelectAsTheFp32KeysDo) {
     }
 }
 
-// The backward kernel against ref::token_rounding_backward on the forward's own pairs, every score variant, rows
-// in registers (E = 128) and from memory (E = 600, two windows of pair gradients), and a bitwise repeat.
+// The backward kernel against ref::token_rounding_backward on the forward's own pairs, every score variant, every
+// row width the kernel instantiates (1, 2 and 4 keys a lane with the pair gradients in registers, 8 and 16 keys a
+// lane, and rows from memory: E = 600, two windows of pair gradients), and a bitwise repeat.
 TEST(GpuTokenRoundingKernels, BackwardMatchesTheReference) {
   REQUIRE_GPU();
   for (ScoreVariant sv : {ScoreVariant::kSoftmaxOverTopK, ScoreVariant::kTopKOfSoftmax,
                           ScoreVariant::kTopKOfSoftmaxRenorm})
-    for (std::int64_t E : {128, 600}) {
+    for (std::int64_t E : {20, 50, 128, 200, 300, 600}) {
       TrKernelCase c{900, E, 4, 16, RoundingRule::kUp, sv, DType::kFP32};
       c.name = "backward";
       const TrRun run = run_kernels(c, 99 + static_cast<std::uint64_t>(E));

@@ -49,6 +49,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "gpu/cuda_check.hpp"
+#include "gpu/dependent_launch.cuh"
 #include "gpu/device_math.cuh"
 #include "gpu/expert_scan.cuh"
 #include "gpu/kernels.hpp"
@@ -353,10 +354,15 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
       write_tile(e0);
     }
   }
-  // The last block to get here sees every block's counts (each fenced its atomics before counting itself done).
-  __threadfence();
+  allow_dependent_launch();  // what is left is the completion count (and, in the last block, a short scan)
+  // The last block to get here sees every block's counts: the barrier orders the block's count atomics before thread
+  // 0's device-scope fence, which orders them before the block counts itself done (one fence a block, as
+  // cooperative groups' grid barrier does, rather than one per thread).
   __syncthreads();
-  if (threadIdx.x == 0) last_s = atomicAdd(done, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last_s = atomicAdd(done, 1u) == gridDim.x - 1;
+  }
   __syncthreads();
   if (!last_s) return;
   __threadfence();
@@ -543,6 +549,8 @@ __global__ void __launch_bounds__(kSelectThreads)
   const int rank = static_cast<int>(cluster.block_rank());
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int e = static_cast<int>(blockIdx.x) / ranks;
+  allow_dependent_launch();  // the emit's CTAs may be placed now; they wait for this grid before they read
+  wait_for_prior_grid();     // the bounded select's flags and bounds
   if (only != nullptr && only[e] == 0) return;  // resolved by the bounded select (uniform across the cluster)
   const std::uint32_t* gcol = keys_by_expert + static_cast<std::int64_t>(e) * T_;
   const std::int64_t f = tc_count[e];
@@ -748,6 +756,8 @@ __global__ void __launch_bounds__(Threads)
   const unsigned below = (1u << lane) - 1u;
   const int e = static_cast<int>(blockIdx.x);
   const std::uint32_t* gcol = keys_by_expert + static_cast<std::int64_t>(e) * T_;
+  wait_for_prior_grid();  // the keys kernel's keys, counts and offsets
+  allow_dependent_launch();
   const std::int64_t f = tc_count[e];
   const std::int64_t g0 = expert_offsets[e];
   const std::int64_t r = expert_offsets[e + 1] - g0;
@@ -955,6 +965,7 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
   __shared__ std::uint32_t block_s;
   __shared__ std::int64_t prefix_s;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  wait_for_prior_grid();  // the selects' kept masks and rows
   // Blocks take token ranges in the order they start, so every block a block waits for is already running.
   if (threadIdx.x == 0) block_s = atomicAdd(ticket, 1u);
   __syncthreads();
@@ -1279,9 +1290,9 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   // One CTA per expert; 1024 threads where the experts fit one wave at one CTA an SM (the kernel is bound by each
   // warp's walk over its chunk of the column: more warps, shorter chunks), else 512 (two CTAs an SM).
   auto launch_bounded = [&](auto threads) {
-    tr_select_bounded_kernel<decltype(threads)::value><<<static_cast<unsigned>(E), threads.value, 0, stream>>>(
-        a.keys_by_expert, a.T, counts, offsets, a.bounds, ceil_div(a.T, kKeyTokens), a.thresholds, a.gather,
-        a.row_scores, fallback);
+    launch_dependent(tr_select_bounded_kernel<decltype(threads)::value>, dim3(static_cast<unsigned>(E)),
+                     dim3(threads.value), 0, stream, a.keys_by_expert, a.T, counts, offsets, a.bounds,
+                     ceil_div(a.T, kKeyTokens), a.thresholds, a.gather, a.row_scores, fallback);
   };
   if (E <= smem.sm_count)
     launch_bounded(std::integral_constant<int, 2 * kSelectThreads>{});
@@ -1305,20 +1316,20 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   cfg.blockDim = dim3(kSelectThreads);
   cfg.dynamicSmemBytes = static_cast<std::size_t>(dyn);
   cfg.stream = stream;
-  cudaLaunchAttribute cluster_attr[1];
-  cluster_attr[0].id = cudaLaunchAttributeClusterDimension;
-  cluster_attr[0].val.clusterDim.x = static_cast<unsigned>(ranks);
-  cluster_attr[0].val.clusterDim.y = 1, cluster_attr[0].val.clusterDim.z = 1;
-  cfg.attrs = cluster_attr, cfg.numAttrs = ranks > 1 ? 1 : 0;
+  cudaLaunchAttribute attrs[2] = {dependent_launch_attribute(), {}};
+  attrs[1].id = cudaLaunchAttributeClusterDimension;
+  attrs[1].val.clusterDim.x = static_cast<unsigned>(ranks);
+  attrs[1].val.clusterDim.y = 1, attrs[1].val.clusterDim.z = 1;
+  cfg.attrs = attrs, cfg.numAttrs = ranks > 1 ? 2 : 1;
   // Only the experts the bounded select flagged (their CTAs of the others return at once).
   MACHMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tr_select_kernel, a.keys_by_expert, a.T, counts, offsets, a.thresholds,
                                         a.gather, a.row_scores, a.bounds, ceil_div(a.T, kKeyTokens), cache,
                                         static_cast<const std::int32_t*>(fallback)));
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select");
   by_row_width(a.E, [&](auto per_lane) {
-    tr_emit_kernel<decltype(per_lane)::value><<<static_cast<unsigned>(emit_blocks), 32 * kEmitWarps, 0, stream>>>(
-        a.bounds, ceil_div(a.T, kKeyTokens), a.row_scores, a.T, E, a.expert_offsets, a.P_max,
-        ticket, status, a.scores, a.inverse, a.scatter, a.token_offsets);
+    launch_dependent(tr_emit_kernel<decltype(per_lane)::value>, dim3(static_cast<unsigned>(emit_blocks)),
+                     dim3(32 * kEmitWarps), 0, stream, a.bounds, ceil_div(a.T, kKeyTokens), a.row_scores, a.T, E,
+                     a.expert_offsets, a.P_max, ticket, status, a.scores, a.inverse, a.scatter, a.token_offsets);
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_emit");
 }

@@ -34,6 +34,8 @@
 //    timing), then every kept pair in (token, expert) order gets its grouped row (the block's first kept row plus
 //    the kept tokens before it in the mask), score, inverse and scatter, and the token offsets are written. Slots
 //    past the pair count get expert -1 semantics (inverse -1, score 0).
+// Launches: the selects and the emit are programmatic dependent launches (dependent_launch.cuh): each may be placed
+// on the GPU while the kernel before it drains, and waits for that kernel's completion before it reads its results.
 // Cost: the logits are read once, the keys written once expert-major (twice for E > 512) and read back only at the
 // experts' boundaries and for the kept pairs; no per-expert loop runs over the token-choice lists.
 //

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# A/B of token rounding's kernels between this checkout ("new") and an older source tree ("base") on the GPU machine,
+# in steps that fit one device call each (a call runs 10 minutes at most): bash scripts/ab_token_rounding.sh STEP...
+#   basebg    build the base tree's machmoe-bench in the background (8 jobs; the base tree is extracted first from
+#             $AB_BASE_TAR, a `git archive --prefix=base/ REF -o FILE -- . ':!docs'` of the older code, into /tmp/base)
+#   build     build this checkout (all cores)          basewait  wait for basebg
+#   gf        the GPU tests matching $GF (default: every token-rounding test)
+#   equiv     session 48's equivalence check: forward and backward of token rounding, base against new, 594 cases
+#   ncu       per-kernel ncu times and instruction counts ($KRX: kernel regex, $KLC: launches) on $KCFGS, alternating
+#   tab       machmoe-bench --routing {token_rounding,topk} on $TCFGS, both sides, $ROUNDS rounds (T8's comparison)
+#   g0 g1     the whole gtest GPU suite in two shards      pyg  pytest's GPU tests (one GPU)
+#   san       compute-sanitizer memcheck and racecheck on the tests matching $SF
+#   pack      everything under $OUT into one archive (a device call returns at most 8 files)
+# Configurations: a name of machmoe-bench's (1.4B-256) or name=--T:16384:--d:4096:... for explicit sizes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD; OUT=${OUT:-$root/build/gpu-logs}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+base=/tmp/base
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
+bench_args() { case "$1" in *=*) echo "${1#*=}" | tr ':' ' ';; *) echo "--config $1";; esac; }
+cfg_name() { echo "${1%%=*}"; }
+bench_of() { if [ "$1" = base ]; then echo "$base/build/bin/machmoe-bench"; else echo ./build/bin/machmoe-bench; fi; }
+for step in "$@"; do
+  stamp "== $step"
+  case "$step" in
+  basebg)
+    if [ ! -f /tmp/base.done ]; then
+      ( rm -rf "$base"; tar -xf "${AB_BASE_TAR:?the base tree as a git archive}" -C /tmp; mkdir -p "$base/third_party"
+        cp -r third_party/cutlass "$base/third_party/"
+        cmake -S "$base" -B "$base/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMACHMOE_BUILD_TORCH=OFF > "$OUT/basebuild.log" 2>&1 &&
+          cmake --build "$base/build" --parallel 8 --target machmoe-bench >> "$OUT/basebuild.log" 2>&1
+        echo $? > /tmp/base.done ) &
+    fi;;
+  basewait) while [ ! -f /tmp/base.done ]; do sleep 2; done; echo "base build exit $(cat /tmp/base.done)";;
+  build) MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$OUT/build.log" 2>&1; echo "build exit $?"; tail -n 1 "$OUT/build.log";;
+  gf) timeout 300 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="${GF:-*TokenRounding*}" 2>&1 |
+        grep -v "reference GEMM" | tail -n 3;;
+  equiv) BASE_SEL=1 BASE_SRC=$base timeout 300 bash docs/measurements/2026-11-27-h100-session48/tr_equivalence_build.sh \
+        > "$OUT/equivalence.txt" 2>&1; echo "equivalence exit $?"; tail -n 2 "$OUT/equivalence.txt";;
+  ncu)
+    for cfg in ${KCFGS:-1.4B-256}; do for rep in 1 2; do for side in base new; do
+      ncu --clock-control none -k "regex:${KRX:-tr_}" --launch-count "${KLC:-5}" \
+        --metrics gpu__time_duration.sum,sm__inst_executed.sum,launch__registers_per_thread \
+        "$(bench_of $side)" $(bench_args "$cfg") --routing token_rounding --iters 1 --warmup 0 --warmup-ms 0 --time-ms 0 \
+        --stage-runs 1 > /tmp/ab_ncu.txt 2>&1
+      echo "-- $(cfg_name "$cfg") $side rep $rep"
+      grep -E "^  [a-z_]+.*<|tr_[a-z_]*kernel|gpu__time|sm__inst|registers" /tmp/ab_ncu.txt | grep -v "==PROF==" | cut -c1-120
+    done; done; done 2>&1 | tee -a "$OUT/ncu.txt";;
+  tab)
+    for r in $(seq 1 "${ROUNDS:-1}"); do for cfg in ${TCFGS:-1.4B-256}; do for side in ${SIDES:-base new}; do
+      for route in ${ROUTES:-token_rounding topk}; do
+        echo "== round $r cfg $(cfg_name "$cfg") $side $route"
+        "$(bench_of $side)" $(bench_args "$cfg") --routing "$route" --iters 10 --warmup 3 --stage-runs 3 2>&1 |
+          grep -E "^  (forward|backward) |forward/(token_rounding|topk|routing)|backward/router"
+      done; done; done; done 2>&1 | tee -a "$OUT/tab.txt";;
+  g0|g1) GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=${step#g} timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
+        > "$OUT/gtest_$step.log" 2>&1; echo "exit $?"; grep -v "reference GEMM" "$OUT/gtest_$step.log" | tail -n 2;;
+  pyg) MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so timeout 400 python3 -m pytest -q \
+        -p no:cacheprovider -m "gpu and not multigpu" tests/python > "$OUT/pytest_gpu.log" 2>&1; echo "exit $?"
+      tail -n 1 "$OUT/pytest_gpu.log";;
+  san) for tool in memcheck racecheck; do
+      timeout 280 compute-sanitizer --tool $tool --error-exitcode 9 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
+        --gtest_filter="${SF:-*TokenRounding*}" > "$OUT/sanitize_$tool.log" 2>&1
+      echo "$tool exit $? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/sanitize_$tool.log" | sort -u | tr '\n' ' ')"
+    done;;
+  pack) (cd "$OUT" && ls | grep -v '^pack.tar.xz$' > /tmp/ab_pack && tar -cJf pack.tar.xz -T /tmp/ab_pack && xargs rm -f < /tmp/ab_pack);;
+  *) echo "unknown step $step"; exit 2;;
+  esac
+done
+stamp done

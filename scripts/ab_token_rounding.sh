@@ -53,7 +53,7 @@ for step in "$@"; do
       for route in ${ROUTES:-token_rounding topk}; do
         echo "== round $r cfg $(cfg_name "$cfg") $side $route"
         "$(bench_of $side)" $(bench_args "$cfg") --routing "$route" --iters 10 --warmup 3 --stage-runs 3 2>&1 |
-          grep -E "^  (forward|backward) |forward/(token_rounding|topk|routing)|backward/router"
+          grep -E "^  (forward|backward) |forward/(token_rounding|topk|routing|y_chunk_plan)|backward/router"
       done; done; done; done 2>&1 | tee -a "$OUT/tab.txt";;
   g0|g1) GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=${step#g} timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
         > "$OUT/gtest_$step.log" 2>&1; echo "exit $?"; grep -v "reference GEMM" "$OUT/gtest_$step.log" | tail -n 2;;

@@ -315,7 +315,18 @@ struct TokenRoundingArgs {
   float* scores = nullptr;                 // (P_max) pair order: TC score, or the softmax probability if padded; 0 past
   TokenSelectionStats* selection = nullptr;  // (T) each token's selection, for the backward (8-byte aligned; required)
   void* logits_copy = nullptr;  // (T, E) contiguous, may be null: the logits copied for the backward as they are read
+  // The forward's chunks of tokens (chunks > 1; memory.hpp, forward_y_chunks): the chunk plan and each routed pair's
+  // row in its chunk, as launch_dx_chunk_plan defines them (pair_rows past the routed pairs is not written: nothing
+  // reads it), built after the emit from the selects' per-block kept masks and first rows (no search over the grouped
+  // rows, one kernel where launch_dx_chunk_plan takes two and a fill). Taken where E <= kFusedPlanMaxExperts
+  // (token_rounding_built_plan); otherwise the caller runs launch_dx_chunk_plan.
+  std::int64_t chunks = 0, pairs_per_chunk = 0;
+  DxChunkPlan plan;
+  std::int32_t* pair_rows = nullptr;  // (P_max)
 };
+inline bool token_rounding_built_plan(const TokenRoundingArgs& a) {
+  return a.chunks > 1 && a.E <= kFusedPlanMaxExperts && a.pair_rows != nullptr;
+}
 void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream);
 
 /// dlogits (T, E) of token rounding: the token-choice scores' backward (from the kept logits and each token's saved

@@ -292,6 +292,8 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   std::int32_t* pair_expert = at<std::int32_t>(buf.workspace, wl.pair_expert);
   std::int32_t* pair_token = at<std::int32_t>(buf.workspace, wl.pair_token);
 
+  bool tr_built_plan = false;  // token rounding built the plan of the forward's chunks of tokens
+
   // Router and routing.
   if (p.routing != RoutingMode::kCallerSupplied) {
     mark_stage("forward/router_gemm", stream);
@@ -329,6 +331,13 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
     tr.scores = scores;
     tr.selection = at<TokenSelectionStats>(buf.saved, sl.token_selection);
     tr.logits_copy = at(buf.saved, sl.router_logits);  // the keys kernel copies the logits as it reads them
+    const std::int64_t chunks = forward_y_chunks(p);
+    if (chunks > 1) {  // the forward's chunks of tokens: their plan built after the emit (token_rounding_built_plan)
+      tr.chunks = chunks, tr.pairs_per_chunk = (P + chunks - 1) / chunks;
+      tr.plan = DxChunkPlan::in(at<std::int32_t>(buf.workspace, wl.y_chunk_plan), chunks, p.E);
+      tr.pair_rows = at<std::int32_t>(buf.workspace, wl.y_pair_rows);
+    }
+    tr_built_plan = token_rounding_built_plan(tr);
     launch_token_rounding(tr, stream);
   } else {
     mark_stage("forward/caller_routing", stream);
@@ -394,7 +403,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
                        forward_y_chunks(p), forward_y_chunk_rows(p),
                        {m.expert_offsets, m.gather, m.scatter, m.inverse, m.token_offsets}, {y_plan, y_pair_rows},
                        scores, out.out, stream,
-                       p.routing != RoutingMode::kTokenRounding && metadata_built_plan(m));
+                       p.routing == RoutingMode::kTokenRounding ? tr_built_plan : metadata_built_plan(m));
   mark_stage(nullptr, stream);
 }
 

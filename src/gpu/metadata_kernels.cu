@@ -9,6 +9,7 @@
 // writes each pair's row in its chunk.
 #include <cub/block/block_scan.cuh>
 
+#include "gpu/chunk_plan.cuh"
 #include "gpu/cuda_check.hpp"
 #include "gpu/device_math.cuh"
 #include "gpu/expert_scan.cuh"
@@ -17,49 +18,8 @@
 namespace machmoe::gpu {
 namespace {
 
-constexpr int kScanThreads = 256;
+constexpr int kScanThreads = kChunkPlanThreads;  // the plan kernels write their plans with write_chunk_plan
 using BlockScan = cub::BlockScan<std::int32_t, kScanThreads>;
-
-/// Smallest token t in [0, T] whose first pair is at or past q (first pair of t: token_offsets[t], or t K).
-__device__ std::int64_t first_token_at(std::int64_t q, const std::int32_t* token_offsets, std::int64_t K,
-                                       std::int64_t T) {
-  if (q <= 0) return 0;
-  if (token_offsets == nullptr) return min(T, (q + K - 1) / K);
-  std::int64_t lo = 0, hi = T;
-  while (lo < hi) {
-    const std::int64_t mid = (lo + hi) / 2;
-    if (token_offsets[mid] >= q) hi = mid;
-    else lo = mid + 1;
-  }
-  return lo;
-}
-
-/// Chunk c's part of a DxChunkPlan: its first token, the last chunk's end, and per expert the exclusive scans of its
-/// rows and GEMM tiles in the chunk and its shift. locate(e, first) returns expert e's rows in the chunk and sets
-/// `first` to the first of them in grouped order. Called by every thread of a kScanThreads block.
-template <class Locate>
-__device__ void write_chunk_plan(const DxChunkPlan& plan, int E, std::int64_t c, std::int64_t chunks, std::int64_t t0,
-                                 std::int64_t T, Locate locate) {
-  // (DxChunkPlan's accessors are host code: kernels.hpp is plain C++)
-  std::int32_t* off = plan.offsets + c * (E + 1);
-  std::int32_t* tiles = plan.tiles + c * (E + 1);
-  std::int32_t* shift = plan.shifts + c * E;
-  if (threadIdx.x == 0) {
-    plan.bounds[c] = static_cast<std::int32_t>(t0);
-    if (c == chunks - 1) plan.bounds[chunks] = static_cast<std::int32_t>(T);
-  }
-  std::int32_t first = 0;  // this thread's expert: the first grouped row of its rows in the chunk
-  std::int32_t total_rows, total_tiles;
-  scan_expert_rows_and_tiles<kScanThreads>(
-      E, [&](int e) { return locate(e, first); },
-      [&](int e, std::int32_t, std::int32_t, std::int32_t rows_before, std::int32_t tiles_before) {
-        off[e] = rows_before;
-        tiles[e] = tiles_before;
-        shift[e] = first - rows_before;
-      },
-      total_rows, total_tiles);
-  if (threadIdx.x == 0) off[E] = total_rows, tiles[E] = total_tiles;
-}
 
 __global__ void tile_histogram_kernel(const std::int32_t* __restrict__ pair_expert, std::int64_t P, int E,
                                       std::int64_t n_tiles, std::int32_t* __restrict__ hist) {

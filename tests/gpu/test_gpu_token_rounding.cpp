@@ -2,7 +2,8 @@
 // token_rounding.cpp, routing_metadata.cpp), launched directly: every rounding rule and score variant, E in
 // {1, 8, 128, 512, 600 (rows read from memory)}, K = 1 and K = E, T = 1, experts without tokens, T = 65536 (the
 // expert's column no longer fits in shared memory), few experts over many tokens (the select kernel's clusters),
-// skewed routing, padded logit rows, bitwise repeats.
+// skewed routing, padded logit rows, bitwise repeats; and the plan of the forward's chunks of tokens the kernels build
+// after the emit, against the plan launch_dx_chunk_plan searches for over their metadata.
 //
 // What must be exact: the per-expert counts (they depend on the top-K selection alone, which compares logits
 // exactly), and every metadata array, which must be what ref::build_routing_metadata builds from the kernel's own
@@ -56,6 +57,9 @@ struct TrOutputs {
   bool logits_copy_exact = false;                   // the keys kernel's copy of the logits is them, bit for bit
   bool canaries = true;
   std::int64_t full_select_experts = 0;  // experts the bounded select flagged for the select over the whole column
+  // With chunks of tokens: the plan token rounding built and each routed pair's row in its chunk, and the same from
+  // launch_dx_chunk_plan's search over the kernels' own metadata (what the backward runs).
+  std::vector<std::int32_t> plan, pair_rows, searched_plan, searched_pair_rows;
 };
 
 struct TrRun {
@@ -63,7 +67,8 @@ struct TrRun {
   std::vector<double> logits;  // as the kernels saw them (rounded to dt), (T, E) contiguous
 };
 
-TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
+/// chunks > 1: the forward's chunk plan too (TokenRoundingArgs::chunks), for `chunks` chunks of the pairs.
+TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed, std::int64_t chunks = 0) {
   MoEProblem p;
   p.T = c.T, p.E = c.E, p.K = c.K, p.d = 1, p.n = 1, p.routing = RoutingMode::kTokenRounding;
   p.rounding = c.rule, p.tile_m = c.M, p.score = c.score;
@@ -110,10 +115,30 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
   a.scores = static_cast<float*>(scores.get());
   a.selection = static_cast<gpu::TokenSelectionStats*>(selection.get());
   a.logits_copy = logits_copy.get();
+  const std::size_t plan_bytes = chunks > 1 ? static_cast<std::size_t>(chunks + 1 + chunks * (3 * c.E + 2)) * 4 : 4;
+  DeviceBuffer plan(plan_bytes), pair_rows(P * 4), searched_plan(plan_bytes), searched_pair_rows(P * 4);
+  if (chunks > 1) {
+    a.chunks = chunks, a.pairs_per_chunk = (P + chunks - 1) / chunks;
+    a.plan = gpu::DxChunkPlan::in(static_cast<std::int32_t*>(plan.get()), chunks, c.E);
+    a.pair_rows = static_cast<std::int32_t*>(pair_rows.get());
+    EXPECT_TRUE(gpu::token_rounding_built_plan(a));
+  }
   gpu::launch_token_rounding(a, nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   TrOutputs& o = run.out;
+  if (chunks > 1) {
+    gpu::launch_dx_chunk_plan(a.expert_offsets, a.gather, a.scatter, a.token_offsets, c.K, c.T, c.E, P, chunks,
+                              a.pairs_per_chunk,
+                              gpu::DxChunkPlan::in(static_cast<std::int32_t*>(searched_plan.get()), chunks, c.E),
+                              static_cast<std::int32_t*>(searched_pair_rows.get()), false, nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::size_t routed = static_cast<std::size_t>(download<std::int32_t>(offsets, c.E + 1).back());
+    o.plan = download<std::int32_t>(plan, plan_bytes / 4);
+    o.pair_rows = download<std::int32_t>(pair_rows, routed);  // the slots past the routed pairs are not written
+    o.searched_plan = download<std::int32_t>(searched_plan, plan_bytes / 4);
+    o.searched_pair_rows = download<std::int32_t>(searched_pair_rows, routed);
+  }
   o.counts = download<std::int32_t>(counts, c.E);
   o.offsets = download<std::int32_t>(offsets, c.E + 1);
   o.tiles = download<std::int32_t>(tiles, c.E + 1);
@@ -138,7 +163,7 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed) {
     for (std::int32_t x : flags) o.full_select_experts += x != 0;
   }
   for (const DeviceBuffer* b : {&logits, &ws, &counts, &offsets, &tiles, &scatter, &inverse, &gather, &token_offsets,
-                                &scores, &selection, &logits_copy})
+                                &scores, &selection, &logits_copy, &plan, &pair_rows})
     o.canaries = o.canaries && b->canary_intact();
   return run;
 }
@@ -148,7 +173,8 @@ bool same_outputs(const TrOutputs& a, const TrOutputs& b) {
   auto head = [P](const std::vector<std::int32_t>& v) { return std::vector<std::int32_t>(v.begin(), v.begin() + P); };
   return a.counts == b.counts && a.offsets == b.offsets && a.tiles == b.tiles && head(a.scatter) == head(b.scatter) &&
          a.inverse == b.inverse && head(a.gather) == head(b.gather) && a.token_offsets == b.token_offsets &&
-         std::memcmp(a.scores.data(), b.scores.data(), 4 * a.scores.size()) == 0;
+         std::memcmp(a.scores.data(), b.scores.data(), 4 * a.scores.size()) == 0 && a.plan == b.plan &&
+         a.pair_rows == b.pair_rows;
 }
 
 void check_against_reference(const TrKernelCase& c, const TrRun& run) {
@@ -287,8 +313,13 @@ class GpuTokenRoundingKernels : public testing::TestWithParam<TrKernelCase> {
 
 TEST_P(GpuTokenRoundingKernels, MatchTheReferenceAndRepeatBitwise) {
   const TrKernelCase& c = GetParam();
-  const TrRun a = run_kernels(c, 1234 + static_cast<std::uint64_t>(c.T * 7 + c.E));
+  // Three chunks of tokens for the forward's chunk plan: boundaries inside 32-token blocks, and empty chunks where
+  // T < 3.
+  constexpr std::int64_t kChunks = 3;
+  const TrRun a = run_kernels(c, 1234 + static_cast<std::uint64_t>(c.T * 7 + c.E), kChunks);
   check_against_reference(c, a);
+  EXPECT_EQ(a.out.plan, a.out.searched_plan) << c.name << ": the chunk plan (bounds, offsets, tiles, shifts)";
+  EXPECT_EQ(a.out.pair_rows, a.out.searched_pair_rows) << c.name << ": the routed pairs' rows in their chunks";
   // The bounded select takes every expert of random logits; repeated tokens (thousands of equal keys at a threshold)
   // send some to the full select, and both must give the reference's routing.
   if (c.repeat == 0) {
@@ -297,7 +328,7 @@ TEST_P(GpuTokenRoundingKernels, MatchTheReferenceAndRepeatBitwise) {
   if (c.repeat > 0 && c.T >= 30000) {
     EXPECT_GT(a.out.full_select_experts, 0) << c.name;
   }
-  const TrRun b = run_kernels(c, 1234 + static_cast<std::uint64_t>(c.T * 7 + c.E));
+  const TrRun b = run_kernels(c, 1234 + static_cast<std::uint64_t>(c.T * 7 + c.E), kChunks);
   EXPECT_TRUE(same_outputs(a.out, b.out)) << c.name << ": a second launch on the same logits differs";
   EXPECT_EQ(std::memcmp(a.out.selection.data(), b.out.selection.data(),
                         sizeof(a.out.selection[0]) * a.out.selection.size()),

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "gpu/device_math.cuh"
 #include "gpu/expert_scan.cuh"
 #include "gpu/kernels.hpp"
 
@@ -101,6 +102,59 @@ __device__ void write_chunk_plan(const DxChunkPlan& plan, int E, std::int64_t c,
       },
       total_rows, total_tiles);
   if (write_plan && threadIdx.x == 0) off[E] = total_rows, tiles[E] = total_tiles;
+}
+
+/// Chunks of a plan built by plan_chunk_and_pair_rows, and the grid of blocks that builds it: chunks x splits blocks
+/// of kChunkPlanThreads, splits enough for about kChunkPlanPairsPerBlock pairs a block (at most kChunkPlanMaxSplits a
+/// chunk; the blocks of a chunk stride over its pairs), and the dynamic shared memory they need (E <=
+/// kFusedPlanMaxExperts).
+inline constexpr std::int64_t kChunkPlanPairsPerBlock = 1024;
+inline constexpr std::int64_t kChunkPlanMaxSplits = 256;
+inline dim3 chunk_plan_grid(std::int64_t chunks, std::int64_t pairs_per_chunk) {
+  const std::int64_t splits = (pairs_per_chunk + kChunkPlanPairsPerBlock - 1) / kChunkPlanPairsPerBlock;
+  return dim3(static_cast<unsigned>(chunks),
+              static_cast<unsigned>(splits < 1 ? 1 : splits > kChunkPlanMaxSplits ? kChunkPlanMaxSplits : splits));
+}
+inline std::size_t chunk_plan_shared_bytes(std::int64_t E) { return (2 * static_cast<std::size_t>(E) + 1) * 4; }
+
+/// Block (c, s) of a chunk plan and of the pairs' rows in their chunks, in one pass: chunk c's tokens [t0, t1) (t K
+/// pairs a token without token offsets, else block-wide searches of them), every expert's rows in the chunk from
+/// rows_in(offsets_s, e, t0, t1, first) (which returns them and sets `first` to the first, in grouped order; the
+/// expert offsets are in shared memory by then), their scan (write_chunk_plan; block s = 0 writes the plan); then a
+/// share of the chunk's pairs, strided over the chunk's blocks, gets each pair's row in its chunk, pair_rows[p] =
+/// inverse[p] - the shift of the pair's expert (found by binary search among the offsets in shared memory), or -1 for
+/// a pair routed nowhere. Needs chunk_plan_shared_bytes(E) of dynamic shared memory and the chunk_plan_grid.
+template <class RowsIn>
+__device__ void plan_chunk_and_pair_rows(const std::int32_t* expert_offsets, const std::int32_t* token_offsets,
+                                         std::int64_t K, std::int64_t T, int E, const std::int32_t* inverse,
+                                         std::int64_t chunks, std::int64_t pairs_per_chunk, const DxChunkPlan& plan,
+                                         std::int32_t* pair_rows, RowsIn rows_in) {
+  extern __shared__ std::int32_t plan_s[];  // the expert offsets (E + 1), then the chunk's shifts (E)
+  std::int32_t* offsets_s = plan_s;
+  std::int32_t* shift_s = plan_s + E + 1;
+  const std::int64_t c = blockIdx.x;
+  for (int e = threadIdx.x; e <= E; e += kChunkPlanThreads) offsets_s[e] = expert_offsets[e];
+  __syncthreads();
+  const std::int64_t q[2] = {c * pairs_per_chunk, c == chunks - 1 ? kPastLastToken : (c + 1) * pairs_per_chunk};
+  std::int64_t t[2];
+  if (token_offsets != nullptr) {
+    block_first_tokens_at<kChunkPlanThreads>(q, token_offsets, T, t);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) t[j] = q[j] == kPastLastToken ? T : first_token_at(q[j], nullptr, K, T);
+  }
+  write_chunk_plan(
+      plan, E, c, chunks, t[0], T, [&](int e, std::int32_t& first) { return rows_in(offsets_s, e, t[0], t[1], first); },
+      blockIdx.y == 0, shift_s);
+  __syncthreads();  // every shift in shared memory
+  const std::int64_t b0 = token_offsets ? token_offsets[t[0]] : t[0] * K;
+  const std::int64_t b1 = token_offsets ? token_offsets[t[1]] : t[1] * K;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.y) * kChunkPlanThreads;
+  for (std::int64_t p = b0 + static_cast<std::int64_t>(blockIdx.y) * kChunkPlanThreads + threadIdx.x; p < b1;
+       p += stride) {
+    const std::int32_t g = inverse[p];
+    pair_rows[p] = g < 0 ? -1 : g - shift_s[expert_of_row(offsets_s, E, g)];
+  }
 }
 
 }  // namespace machmoe::gpu

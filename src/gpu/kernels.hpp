@@ -97,9 +97,13 @@ void launch_expert_tiles(const std::int32_t* expert_offsets, std::int64_t E, std
 /// Fills the plan of `chunks` chunks of tokens, chunk c holding the tokens whose first pair lies in
 /// [c * pairs_per_chunk, (c + 1) * pairs_per_chunk) (the last one every token left), and pair_rows (P_max): each
 /// routed pair's row in its chunk's dX~, -1 for pairs routed nowhere (every_pair_routed: there are none, as with
-/// top-K: the -1 fill is skipped). token_offsets null: K pairs per token.
+/// top-K). token_offsets null: K pairs per token. Up to kFusedPlanMaxExperts experts one kernel does it all, each
+/// chunk's pairs a share of its blocks (plan_chunk_and_pair_rows, chunk_plan.cuh; pair_rows past the last token's
+/// pairs, which nothing reads, is not written); beyond, a plan kernel, a -1 fill unless every_pair_routed, and a
+/// pair-rows kernel.
 void launch_dx_chunk_plan(const std::int32_t* expert_offsets, const std::int32_t* gather,
-                          const std::int32_t* scatter, const std::int32_t* token_offsets, std::int64_t K,
+                          const std::int32_t* scatter, const std::int32_t* inverse,
+                          const std::int32_t* token_offsets, std::int64_t K,
                           std::int64_t T, std::int64_t E, std::int64_t P_max, std::int64_t chunks,
                           std::int64_t pairs_per_chunk, const DxChunkPlan& plan, std::int32_t* pair_rows,
                           bool every_pair_routed, cudaStream_t stream);

@@ -247,7 +247,7 @@ void gemm_then_gather_sum(const MoEProblem& p, VarlenMArgs gemm, const char* gem
   const std::int64_t pairs_per_chunk = (P + chunks - 1) / chunks;
   if (!plan_built) {
     mark_stage(plan_stage, stream);
-    launch_dx_chunk_plan(r.expert_offsets, r.gather, r.scatter, r.token_offsets, p.K, p.T, p.E, P, chunks,
+    launch_dx_chunk_plan(r.expert_offsets, r.gather, r.scatter, r.inverse, r.token_offsets, p.K, p.T, p.E, P, chunks,
                          pairs_per_chunk, plan, ws.pair_rows, p.routing == RoutingMode::kTopK, stream);
   }
   gemm.P_max = chunk_rows;  // the chunk's rows: the extent of the output

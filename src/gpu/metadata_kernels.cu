@@ -308,19 +308,39 @@ __device__ void lower_bound_tokens(const std::int32_t* gather, std::int32_t lo, 
   first = lo0, end = lo1;
 }
 
-/// One block per chunk: its token range, then per expert (256 at a time, scanned with a carry) the rows of its
-/// segment whose tokens fall in the range.
+/// Expert e's rows in the tokens [t0, t1): the positions of its segment's first token >= t0 and >= t1.
+__device__ std::int32_t rows_in_tokens(const std::int32_t* gather, const std::int32_t* offsets, int e, std::int64_t t0,
+                                       std::int64_t t1, std::int32_t& first) {
+  std::int32_t end = 0;
+  lower_bound_tokens(gather, offsets[e], offsets[e + 1], t0, t1, first, end);
+  return end - first;  // t1 >= t0: end >= first
+}
+
+/// The plan and the pairs' rows in their chunks in one pass (plan_chunk_and_pair_rows), each expert's rows in a
+/// chunk searched for among its grouped rows' tokens. E <= kFusedPlanMaxExperts (the offsets and the chunk's shifts
+/// in shared memory).
+__global__ void __launch_bounds__(kChunkPlanThreads)
+    chunk_plan_and_pair_rows_kernel(const std::int32_t* __restrict__ offsets, const std::int32_t* __restrict__ gather,
+                                    const std::int32_t* __restrict__ token_offsets,
+                                    const std::int32_t* __restrict__ inverse, std::int64_t K, std::int64_t T, int E,
+                                    std::int64_t chunks, std::int64_t pairs_per_chunk, DxChunkPlan plan,
+                                    std::int32_t* __restrict__ pair_rows) {
+  plan_chunk_and_pair_rows(offsets, token_offsets, K, T, E, inverse, chunks, pairs_per_chunk, plan, pair_rows,
+                           [&](const std::int32_t* offsets_s, int e, std::int64_t t0, std::int64_t t1,
+                               std::int32_t& first) { return rows_in_tokens(gather, offsets_s, e, t0, t1, first); });
+}
+
+/// More experts than plan_chunk_and_pair_rows holds in shared memory: one block per chunk, its token range, then per
+/// expert (256 at a time, scanned with a carry) the rows of its segment whose tokens fall in the range; the pairs'
+/// rows follow from dx_pair_rows_kernel.
 __global__ void dx_chunk_plan_kernel(const std::int32_t* __restrict__ offsets, const std::int32_t* __restrict__ gather,
                                      const std::int32_t* __restrict__ token_offsets, std::int64_t K, std::int64_t T,
                                      int E, std::int64_t chunks, std::int64_t pairs_per_chunk, DxChunkPlan plan) {
   const std::int64_t c = blockIdx.x;
   const std::int64_t t0 = first_token_at(c * pairs_per_chunk, token_offsets, K, T);
   const std::int64_t t1 = c == chunks - 1 ? T : first_token_at((c + 1) * pairs_per_chunk, token_offsets, K, T);
-  write_chunk_plan(plan, E, c, chunks, t0, T, [&](int e, std::int32_t& first) {
-    std::int32_t end = 0;
-    lower_bound_tokens(gather, offsets[e], offsets[e + 1], t0, t1, first, end);
-    return end - first;  // t1 >= t0: end >= first
-  });
+  write_chunk_plan(plan, E, c, chunks, t0, T,
+                   [&](int e, std::int32_t& first) { return rows_in_tokens(gather, offsets, e, t0, t1, first); });
 }
 
 /// Block (e, c): pair_rows[scatter[g]] = g - shift for the rows g of expert e in chunk c. Each thread loads
@@ -352,11 +372,21 @@ __global__ void dx_pair_rows_kernel(const std::int32_t* __restrict__ scatter, Dx
 }  // namespace
 
 void launch_dx_chunk_plan(const std::int32_t* expert_offsets, const std::int32_t* gather,
-                          const std::int32_t* scatter, const std::int32_t* token_offsets, std::int64_t K,
+                          const std::int32_t* scatter, const std::int32_t* inverse,
+                          const std::int32_t* token_offsets, std::int64_t K,
                           std::int64_t T, std::int64_t E, std::int64_t P_max, std::int64_t chunks,
                           std::int64_t pairs_per_chunk, const DxChunkPlan& plan, std::int32_t* pair_rows,
                           bool every_pair_routed, cudaStream_t stream) {
   if (chunks <= 0 || E <= 0) return;
+  if (E <= kFusedPlanMaxExperts) {
+    // One kernel: every chunk's pairs, and only they, are written (those routed nowhere with -1).
+    chunk_plan_and_pair_rows_kernel<<<chunk_plan_grid(chunks, pairs_per_chunk), kChunkPlanThreads,
+                                      chunk_plan_shared_bytes(E), stream>>>(
+        expert_offsets, gather, token_offsets, inverse, K, T, static_cast<int>(E), chunks, pairs_per_chunk, plan,
+        pair_rows);
+    MACHMOE_CUDA_CHECK_LAUNCH("chunk_plan_and_pair_rows");
+    return;
+  }
   dx_chunk_plan_kernel<<<static_cast<unsigned>(chunks), kScanThreads, 0, stream>>>(
       expert_offsets, gather, token_offsets, K, T, static_cast<int>(E), chunks, pairs_per_chunk, plan);
   MACHMOE_CUDA_CHECK_LAUNCH("dx_chunk_plan");

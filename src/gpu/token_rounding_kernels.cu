@@ -1094,55 +1094,31 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
 
 // ---- the forward's chunk plan ---------------------------------------------------------------------------------------
 
-// Block (c, s) of the plan of the forward's chunks of tokens (TokenRoundingArgs::chunks): chunk c's tokens [t0, t1)
-// from the emit's token offsets (block-wide searches), every expert's rows in the chunk from the 16-byte bounds of the
-// 32-token blocks holding t0 and t1 (the first kept row of the block, word 0, plus the kept tokens before the
-// boundary in its mask, word 3: the grouped row of the expert's first kept token at or past the boundary; no search
-// over the grouped rows), and their scan (write_chunk_plan; block s = 0 writes the plan). Then the chunk's pairs, a
-// share per s, get their rows in it: pair_rows[p] = inverse[p] - the shift of the pair's expert, found by binary
-// search among the expert offsets held in shared memory with the chunk's shifts.
-constexpr int kPlanThreads = kChunkPlanThreads;
-constexpr std::int64_t kPlanPairsPerBlock = 1024;  // pairs a block of a chunk's share takes (a grid of them per chunk)
-constexpr std::int64_t kPlanMaxSplits = 256;       // blocks a chunk at most (they stride over its pairs)
-
-__global__ void __launch_bounds__(kPlanThreads)
+// The plan of the forward's chunks of tokens (TokenRoundingArgs::chunks; plan_chunk_and_pair_rows), after the emit:
+// every expert's rows in a chunk from the 16-byte bounds of the 32-token blocks holding the chunk's first and end
+// token (the first kept row of the block, word 0, plus the kept tokens before the boundary in its mask, word 3: the
+// grouped row of the expert's first kept token at or past the boundary), no search over the grouped rows.
+__global__ void __launch_bounds__(kChunkPlanThreads)
     tr_chunk_plan_kernel(const std::uint32_t* __restrict__ bounds, std::int64_t n_blocks,
                          const std::int32_t* __restrict__ expert_offsets,
                          const std::int32_t* __restrict__ token_offsets, const std::int32_t* __restrict__ inverse,
                          std::int64_t T_, int E, std::int64_t chunks, std::int64_t pairs_per_chunk, DxChunkPlan plan,
                          std::int32_t* __restrict__ pair_rows) {
-  extern __shared__ std::int32_t plan_s[];  // the expert offsets (E + 1), then the chunk's shifts (E)
-  std::int32_t* offsets_s = plan_s;
-  std::int32_t* shift_s = plan_s + E + 1;
   wait_for_prior_grid();  // the emit's token offsets and pair rows, the selects' bounds before it
-  const std::int64_t c = blockIdx.x;
-  for (int e = threadIdx.x; e <= E; e += kPlanThreads) offsets_s[e] = expert_offsets[e];
-  __syncthreads();
-  const std::int64_t q[2] = {c * pairs_per_chunk, c == chunks - 1 ? kPastLastToken : (c + 1) * pairs_per_chunk};
-  std::int64_t t[2];
-  block_first_tokens_at<kPlanThreads>(q, token_offsets, T_, t);
   const uint4* block_bounds = reinterpret_cast<const uint4*>(bounds);
-  // Expert e's first kept row at or past tok. An expert that keeps no token has no bounds of its own (the selects
-  // return before they write them): its rows are empty everywhere.
-  auto first_row = [&](int e, std::int64_t tok) -> std::int32_t {
-    if (tok >= T_ || offsets_s[e] == offsets_s[e + 1]) return offsets_s[e + 1];
-    const uint4 w = block_bounds[static_cast<std::int64_t>(e) * n_blocks + (tok >> 5)];
-    return static_cast<std::int32_t>(w.x + __popc(w.w & ((1u << (tok & 31)) - 1u)));
-  };
-  write_chunk_plan(
-      plan, E, c, chunks, t[0], T_,
-      [&](int e, std::int32_t& first) {
-        first = first_row(e, t[0]);
-        return first_row(e, t[1]) - first;  // t1 >= t0
-      },
-      blockIdx.y == 0, shift_s);
-  __syncthreads();  // every shift in shared memory
-  const std::int64_t b0 = token_offsets[t[0]], b1 = token_offsets[t[1]];
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.y) * kPlanThreads;
-  for (std::int64_t p = b0 + static_cast<std::int64_t>(blockIdx.y) * kPlanThreads + threadIdx.x; p < b1; p += stride) {
-    const std::int32_t g = inverse[p];  // every pair below the routed count has a row
-    pair_rows[p] = g - shift_s[expert_of_row(offsets_s, E, g)];
-  }
+  plan_chunk_and_pair_rows(
+      expert_offsets, token_offsets, 0, T_, E, inverse, chunks, pairs_per_chunk, plan, pair_rows,
+      [&](const std::int32_t* offsets, int e, std::int64_t t0, std::int64_t t1, std::int32_t& first) {
+        // Expert e's first kept row at or past tok. An expert that keeps no token has no bounds of its own (the
+        // selects return before they write them): its rows are empty everywhere.
+        auto first_row = [&](std::int64_t tok) -> std::int32_t {
+          if (tok >= T_ || offsets[e] == offsets[e + 1]) return offsets[e + 1];
+          const uint4 w = block_bounds[static_cast<std::int64_t>(e) * n_blocks + (tok >> 5)];
+          return static_cast<std::int32_t>(w.x + __popc(w.w & ((1u << (tok & 31)) - 1u)));
+        };
+        first = first_row(t0);
+        return first_row(t1) - first;  // t1 >= t0
+      });
 }
 
 // ---- backward -------------------------------------------------------------------------------------------------------
@@ -1394,10 +1370,8 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_emit");
   if (token_rounding_built_plan(a)) {
-    const std::int64_t splits =
-        std::min(kPlanMaxSplits, std::max<std::int64_t>(1, ceil_div(a.pairs_per_chunk, kPlanPairsPerBlock)));
-    launch_dependent(tr_chunk_plan_kernel, dim3(static_cast<unsigned>(a.chunks), static_cast<unsigned>(splits)),
-                     dim3(kPlanThreads), (2 * static_cast<std::size_t>(E) + 1) * sizeof(std::int32_t), stream,
+    launch_dependent(tr_chunk_plan_kernel, chunk_plan_grid(a.chunks, a.pairs_per_chunk), dim3(kChunkPlanThreads),
+                     chunk_plan_shared_bytes(a.E), stream,
                      a.bounds, ceil_div(a.T, kKeyTokens), a.expert_offsets, a.token_offsets, a.inverse, a.T, E,
                      a.chunks, a.pairs_per_chunk, a.plan, a.pair_rows);
     MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_chunk_plan");

@@ -3,8 +3,9 @@
 // launch_dx_chunk_plan builds by searching each expert's grouped rows (what the backward runs): the same plan
 // buffer and pair rows, bitwise, and the metadata itself unchanged by building it. Top-K pairs (K per token) and
 // caller pairs (0..K per token, some routed nowhere); chunk boundaries inside a histogram tile and on its edge, more
-// chunks than tokens (empty chunks), one token, more experts than a block scans at once. And the metadata itself
-// against a plain CPU layout, for every width of the tile scan.
+// chunks than tokens (empty chunks), one token, more experts than a block scans at once, and more than the one-kernel
+// plan holds in shared memory (the plan's meaning checked). And the metadata itself against a plain CPU layout, for
+// every width of the tile scan.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -94,6 +95,9 @@ struct Metadata {
   }
 };
 
+void expect_plan_places_every_pair(const MetadataCase& c, std::int64_t P, const std::vector<std::int32_t>& token,
+                                   const Metadata& fused);
+
 class GpuRoutingMetadata : public testing::TestWithParam<MetadataCase> {
  protected:
   void SetUp() override { REQUIRE_GPU(); }
@@ -124,8 +128,8 @@ TEST_P(GpuRoutingMetadata, ChunkPlanFromHistogramsIsTheSearchedPlan) {
   const MetadataArgs b = searched.args(c, P, d_expert, d_token);
   ASSERT_FALSE(metadata_built_plan(b));
   gpu::launch_routing_metadata(b, nullptr);
-  gpu::launch_dx_chunk_plan(b.expert_offsets, b.gather, b.scatter, b.token_offsets, c.K, c.T, c.E, P, c.chunks,
-                            pairs_per_chunk,
+  gpu::launch_dx_chunk_plan(b.expert_offsets, b.gather, b.scatter, b.inverse, b.token_offsets, c.K, c.T, c.E, P,
+                            c.chunks, pairs_per_chunk,
                             DxChunkPlan::in(static_cast<std::int32_t*>(searched.plan.get()), c.chunks, c.E),
                             static_cast<std::int32_t*>(searched.pair_rows.get()), !c.caller, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -144,7 +148,34 @@ TEST_P(GpuRoutingMetadata, ChunkPlanFromHistogramsIsTheSearchedPlan) {
   EXPECT_TRUE(fused.plan.canary_intact());
   EXPECT_TRUE(fused.pair_rows.canary_intact());
 
-  // And what the plan means: every routed pair's row lies inside its chunk's rows, each chunk's rows once.
+  expect_plan_places_every_pair(c, P, token, fused);
+}
+
+// More experts than the one-kernel plan holds in shared memory (kFusedPlanMaxExperts): launch_dx_chunk_plan's plan
+// kernel, fill and pair-rows kernel, checked for what the plan means.
+TEST(GpuRoutingMetadataWide, ChunkPlanPastTheSharedMemoryExperts) {
+  REQUIRE_GPU();
+  const MetadataCase c{700, kFusedPlanMaxExperts + 904, 8, 3, true, "caller_past_shared_memory_experts"};
+  std::vector<std::int32_t> expert, token;
+  make_pairs(c, expert, token);
+  const std::int64_t P = static_cast<std::int64_t>(expert.size());
+  const DeviceBuffer d_expert(bytes_of(expert)), d_token(bytes_of(token));
+  Metadata m(c, P);
+  const MetadataArgs a = m.args(c, P, d_expert, d_token);
+  gpu::launch_routing_metadata(a, nullptr);
+  gpu::launch_dx_chunk_plan(a.expert_offsets, a.gather, a.scatter, a.inverse, a.token_offsets, c.K, c.T, c.E, P,
+                            c.chunks, (P + c.chunks - 1) / c.chunks,
+                            DxChunkPlan::in(static_cast<std::int32_t*>(m.plan.get()), c.chunks, c.E),
+                            static_cast<std::int32_t*>(m.pair_rows.get()), false, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(m.plan.canary_intact());
+  EXPECT_TRUE(m.pair_rows.canary_intact());
+  expect_plan_places_every_pair(c, P, token, m);
+}
+
+void expect_plan_places_every_pair(const MetadataCase& c, std::int64_t P, const std::vector<std::int32_t>& token,
+                                   const Metadata& fused) {
+  // What the plan means: every routed pair's row lies inside its chunk's rows, each chunk's rows once.
   const std::vector<std::int32_t> plan = ints_of(fused.plan), rows = ints_of(fused.pair_rows);
   const std::vector<std::int32_t> inverse = ints_of(fused.inverse);
   const DxChunkPlan v = DxChunkPlan::in(const_cast<std::int32_t*>(plan.data()), c.chunks, c.E);

@@ -128,8 +128,8 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed, std::int64_t chunks
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   TrOutputs& o = run.out;
   if (chunks > 1) {
-    gpu::launch_dx_chunk_plan(a.expert_offsets, a.gather, a.scatter, a.token_offsets, c.K, c.T, c.E, P, chunks,
-                              a.pairs_per_chunk,
+    gpu::launch_dx_chunk_plan(a.expert_offsets, a.gather, a.scatter, a.inverse, a.token_offsets, c.K, c.T, c.E, P,
+                              chunks, a.pairs_per_chunk,
                               gpu::DxChunkPlan::in(static_cast<std::int32_t*>(searched_plan.get()), chunks, c.E),
                               static_cast<std::int32_t*>(searched_pair_rows.get()), false, nullptr);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);

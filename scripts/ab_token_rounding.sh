@@ -6,7 +6,8 @@
 #   build     build this checkout (all cores)          basewait  wait for basebg
 #   gf        the GPU tests matching $GF (default: every token-rounding test)
 #   equiv     session 48's equivalence check: forward and backward of token rounding, base against new, 594 cases
-#   ncu       per-kernel ncu times and instruction counts ($KRX: kernel regex, $KLC: launches) on $KCFGS, alternating
+#   ncu       per-kernel ncu times and instruction counts ($KRX: kernel regex without ncu's "regex:" prefix, default tr_;
+#             $KLC: launches) on $KCFGS, alternating
 #   tab       machmoe-bench --routing {token_rounding,topk} on $TCFGS, both sides, $ROUNDS rounds (T8's comparison)
 #   g0 g1     the whole gtest GPU suite in two shards      pyg  pytest's GPU tests (one GPU)
 #   san       compute-sanitizer memcheck and racecheck on the tests matching $SF
@@ -60,8 +61,8 @@ for step in "$@"; do
   pyg) MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so timeout 400 python3 -m pytest -q \
         -p no:cacheprovider -m "gpu and not multigpu" tests/python > "$OUT/pytest_gpu.log" 2>&1; echo "exit $?"
       tail -n 1 "$OUT/pytest_gpu.log";;
-  san) for tool in memcheck racecheck; do
-      timeout 280 compute-sanitizer --tool $tool --error-exitcode 9 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
+  san) for tool in memcheck racecheck; do  # (the test binary's 120 s hang watchdog off: the tools slow tests past it)
+      MACHMOE_GPU_TEST_TIMEOUT_S=0 timeout 280 compute-sanitizer --tool $tool --error-exitcode 9 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
         --gtest_filter="${SF:-*TokenRounding*}" > "$OUT/sanitize_$tool.log" 2>&1
       echo "$tool exit $? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/sanitize_$tool.log" | sort -u | tr '\n' ' ')"
     done;;

@@ -223,5 +223,31 @@ TEST(HopperHeuristics, WeightGradOverridesAreHonouredForEveryN) {
   EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 200, 72), o).tile_n, 256);
 }
 
+TEST(HopperHeuristics, WeightGradGroupsOfMTilesWhereTheSegmentsAreShort) {
+  using gpu::hopper::choose_wgrad_tiles;
+  using gpu::hopper::kWgradMGroup;
+  auto group = [](std::int64_t E, std::int64_t M, std::int64_t N, std::int64_t rows, const TileOverrides& o = {}) {
+    gpu::hopper::WgradShape s = wgrad(E, M, N);
+    s.rows_per_expert = rows;
+    return choose_wgrad_tiles(s, o).wgrad_m_group;
+  };
+  // The wide tile's ring holds 4 k-blocks: groups up to 320 rows per expert on average (one k-block more).
+  EXPECT_EQ(group(256, 4096, 1024, 256), kWgradMGroup);  // (16384,4096,1024,256,4) dW2, top-K
+  EXPECT_EQ(group(256, 2048, 4096, 320), kWgradMGroup);  // its dW1, token rounding's reservation (TK + E 64)
+  EXPECT_EQ(group(256, 2048, 4096, 321), 1);
+  EXPECT_EQ(group(128, 2048, 4096, 512), 1);    // (16384,4096,1024,128,4)
+  EXPECT_EQ(group(128, 1536, 256, 1536), 1);    // 7B (256,128,8)
+  EXPECT_EQ(group(128, 1536, 256, 0), 1);       // rows unknown
+  // The square tile's ring holds 5: up to 384 rows.
+  EXPECT_EQ(group(512, 512, 384, 384), kWgradMGroup);
+  EXPECT_EQ(group(512, 512, 384, 385), 1);
+  TileOverrides o;
+  o.wgrad_m_group = 1;
+  EXPECT_EQ(group(256, 4096, 1024, 256, o), 1);
+  o.wgrad_m_group = 8;
+  EXPECT_EQ(group(128, 1536, 256, 1536, o), 8);
+  EXPECT_EQ(choose_wgrad_tiles(wgrad(128, 1536, 256), o).tile_n, 256);  // the group leaves the tile alone
+}
+
 }  // namespace
 }  // namespace machmoe::test

@@ -470,6 +470,36 @@ TEST_F(HopperWeightGrad, GptOssFactorsAndManyTilesPerCta) {
 
 // ---- dispatch ---------------------------------------------------------------------------------------------------
 
+// Groups of m-tiles (a CTA takes m_group m-tiles of one expert and n-tile back to back) and B kept on the ring:
+// where an expert's k-blocks divide the ring's stages (4 on the wide tile, 5 on the square one), a group's later tiles
+// load only A. Segments of 1, 2, 4 and 5 k-blocks, whole and partial, among others and empty experts; 8 m-tiles (the
+// last an edge tile) so that every forced group divides them or falls to a divisor (3 -> 2). Every group must give
+// the bytes of no group, and the full check (float64, reference, untouched bytes, reruns).
+TEST_F(HopperWeightGrad, GroupsOfMTilesKeepBOnTheRingBitwise) {
+  const std::vector<int> lengths = {256, 200, 0, 128, 100, 64, 1, 320, 300, 256, 0, 130, 193, 257, 40, 256};
+  for (bool dw1 : {false, true})
+    for (DType out_dt : {DType::kBF16, DType::kFP32}) {
+      SCOPED_TRACE(std::string(dw1 ? "dW1" : "dW2") + ", out " + dtype_name(out_dt));
+      WgradCase wc;
+      wc.dw1 = dw1, wc.M = 1000, wc.N = dw1 ? 520 : 264, wc.T = 1200, wc.lengths = lengths, wc.out_dt = out_dt;
+      wc.glu_n = dw1 ? 500 : 0, wc.pad = 8;
+      const WgradProblem prob(wc, 15);
+      for_each_tile(wc.N, [&] {
+        gpu::set_hopper_wgrad_m_group(1);
+        const std::vector<unsigned char> ungrouped = prob.run(Path::kHopper);
+        for (int group : {2, 3, 4, 8}) {
+          SCOPED_TRACE("m-tile group " + std::to_string(group));
+          gpu::set_hopper_wgrad_m_group(group);
+          EXPECT_TRUE(prob.run(Path::kHopper) == ungrouped) << "not bitwise the result without groups";
+          EXPECT_TRUE(prob.run(Path::kHopper, nullptr, /*contiguous_tma=*/false) == ungrouped)
+              << "the contiguous operand by cp.async: not bitwise the result without groups";
+        }
+        check_problem(prob);  // with the last group (8)
+      });
+      gpu::set_hopper_wgrad_m_group(0);
+    }
+}
+
 TEST(HopperWeightGradDispatch, NamesWhyAShapeFallsBack) {
   REQUIRE_GPU();
   gpu::set_hopper_kernels_enabled(true);

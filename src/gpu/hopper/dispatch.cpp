@@ -2,6 +2,7 @@
 
 #include <cuda.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -99,9 +100,10 @@ int env_int(const char* name) {
   return e ? std::atoi(e) : 0;
 }
 
-// The override layer of the tile heuristics (hopper/heuristics.hpp): MACHMOE_HOPPER_TILE_N=128|256 and
-// MACHMOE_HOPPER_RASTER_M=g and MACHMOE_HOPPER_CLUSTER_M=1|2 (dX~) from the environment, or set_hopper_tile_n,
-// set_hopper_raster_m and set_hopper_cluster_m (tests, tuning).
+// The override layer of the tile heuristics (hopper/heuristics.hpp): MACHMOE_HOPPER_TILE_N=128|256,
+// MACHMOE_HOPPER_RASTER_M=g, MACHMOE_HOPPER_CLUSTER_M=1|2 (dX~) and MACHMOE_HOPPER_WGRAD_M_GROUP=g (weight gradients)
+// from the environment, or set_hopper_tile_n, set_hopper_raster_m, set_hopper_cluster_m and
+// set_hopper_wgrad_m_group (tests, tuning).
 std::atomic<int>& forced_tile_n() {
   static std::atomic<int> v{env_int("MACHMOE_HOPPER_TILE_N")};
   return v;
@@ -114,11 +116,16 @@ std::atomic<int>& forced_cluster_m() {
   static std::atomic<int> v{env_int("MACHMOE_HOPPER_CLUSTER_M")};
   return v;
 }
+std::atomic<int>& forced_wgrad_m_group() {
+  static std::atomic<int> v{env_int("MACHMOE_HOPPER_WGRAD_M_GROUP")};
+  return v;
+}
 hopper::TileOverrides tile_overrides() {
   hopper::TileOverrides o;
   o.tile_n = forced_tile_n().load();
   o.raster_m = forced_raster_m().load();
   o.cluster_m = forced_cluster_m().load();
+  o.wgrad_m_group = forced_wgrad_m_group().load();
   return o;
 }
 
@@ -157,6 +164,7 @@ void launch_dh(Activation act, const hopper::DhKernelParams& p, int sms, cudaStr
 void set_hopper_tile_n(int tile_n) { forced_tile_n().store(tile_n); }
 void set_hopper_raster_m(int raster_m) { forced_raster_m().store(raster_m > 0 ? raster_m : 0); }
 void set_hopper_cluster_m(int cluster_m) { forced_cluster_m().store(cluster_m > 0 ? cluster_m : 0); }
+void set_hopper_wgrad_m_group(int m_group) { forced_wgrad_m_group().store(m_group > 0 ? m_group : 0); }
 
 void set_hopper_kernels_enabled(bool enabled) { enabled_flag().store(enabled ? 1 : 0); }
 
@@ -422,12 +430,20 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
   }
   hopper::WgradShape shape;
   shape.E = a.E, shape.M = a.M, shape.N = a.N, shape.sm_count = dev.sm_count;
+  shape.rows_per_expert = a.contiguous_rows / a.E;  // the rows reserved (0: unknown)
   const hopper::TileChoice tiles = hopper::choose_wgrad_tiles(shape, tile_overrides());
 
   hopper::WeightGradParams p;
   p.scheduler.E = static_cast<int>(a.E);
   p.scheduler.m_tiles = static_cast<int>(tiles_of(a.M, 128));  // the last m- and n-tiles may be edge tiles
   p.scheduler.n_tiles = static_cast<int>(tiles_of(a.N, tiles.tile_n));
+  // The scheduler's units are whole groups: the largest divisor of the m-tile count up to the heuristic's group.
+  p.scheduler.m_group = 1;
+  for (int g = std::min(tiles.wgrad_m_group, p.scheduler.m_tiles); g > 1; --g)
+    if (p.scheduler.m_tiles % g == 0) {
+      p.scheduler.m_group = g;
+      break;
+    }
   p.scheduler.expert_offsets = a.expert_offsets;
   p.mainloop.M = static_cast<int>(a.M), p.mainloop.N = static_cast<int>(a.N);
   p.mainloop.a = a.a, p.mainloop.lda = a.lda, p.mainloop.a_gather = a.a_gather;

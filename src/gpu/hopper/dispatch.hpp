@@ -45,6 +45,10 @@ void set_hopper_raster_m(int raster_m);
 /// Forces dX~'s CTA clusters along M (1 or 2: pairs sharing the weight tile by multicast); 0 restores the heuristic.
 /// Also set from the environment by MACHMOE_HOPPER_CLUSTER_M. The results are bitwise the same for every value.
 void set_hopper_cluster_m(int cluster_m);
+/// Forces the weight gradients' groups of m-tiles (m-tiles of one expert and n-tile that one CTA takes back to back,
+/// up to the largest divisor of the m-tile count; 1: none); 0 restores the heuristic. Also set from the environment
+/// by MACHMOE_HOPPER_WGRAD_M_GROUP. The results are bitwise the same for every value.
+void set_hopper_wgrad_m_group(int m_group);
 bool hopper_kernels_enabled();
 /// The backward's Hopper kernels (dX~, dW1, dW2): on by default; off with MACHMOE_HOPPER_BACKWARD=0 or this switch
 /// (tests compare both paths).

@@ -60,18 +60,22 @@ TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides) 
   return c;
 }
 
+namespace {
+int wgrad_tile_n(const WgradShape& shape, const TileOverrides& overrides) {
+  if (overrides.tile_n == 128 || overrides.tile_n == 256) return overrides.tile_n;
+  if (!wide_tile_within(shape.N, kWgradWidePercent)) return 128;
+  const std::int64_t wide_tiles = shape.E * tiles_of(shape.M, 128) * tiles_of(shape.N, 256);
+  return wide_tiles >= shape.sm_count ? 256 : 128;
+}
+}  // namespace
+
 TileChoice choose_wgrad_tiles(const WgradShape& shape, const TileOverrides& overrides) {
   TileChoice c;
-  c.raster_m = 1;  // the varlen-K scheduler has one order (m-tiles fastest inside an expert)
-  c.tile_n = 128;
-  if (overrides.tile_n == 128) return c;
-  if (overrides.tile_n == 256) {
-    c.tile_n = 256;
-    return c;
-  }
-  if (!wide_tile_within(shape.N, kWgradWidePercent)) return c;
-  const std::int64_t wide_tiles = shape.E * tiles_of(shape.M, 128) * tiles_of(shape.N, 256);
-  c.tile_n = wide_tiles >= shape.sm_count ? 256 : 128;
+  c.raster_m = 1;  // the varlen-K scheduler's order: m-tiles fastest inside an expert (in groups: wgrad_m_group)
+  c.tile_n = wgrad_tile_n(shape, overrides);
+  const bool short_segments = shape.rows_per_expert > 0 &&
+                              shape.rows_per_expert <= (wgrad_stages(c.tile_n) + 1) * std::int64_t{64};
+  c.wgrad_m_group = overrides.wgrad_m_group > 0 ? overrides.wgrad_m_group : short_segments ? kWgradMGroup : 1;
   return c;
 }
 

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "gpu/hopper/tile_config.hpp"
+
 namespace machmoe::gpu::hopper {
 
 enum class KernelFamily : int { kUpProjection, kDownProjection, kDxExpanded, kDhKernel };
@@ -24,6 +26,7 @@ struct TileOverrides {
   int tile_n = 0;    // 128 or 256
   int raster_m = 0;  // M-tiles per rasterisation group
   int cluster_m = 0;  // dX~ only: 1 or 2 CTAs per cluster along M
+  int wgrad_m_group = 0;  // weight gradients only: m-tiles of one (expert, n-tile) per CTA run (1: none grouped)
 };
 
 struct TileChoice {
@@ -31,6 +34,8 @@ struct TileChoice {
   int raster_m = 1;  // 1: along N
   int cluster_m = 1;  // dX~: 2 runs CTA pairs along M that share (multicast) the weight tile; the up-projection's
                       // wide tile always runs in pairs (Tile128x256CooperativeCluster2), the other families never
+  int wgrad_m_group = 1;  // weight gradients: at most this many m-tiles of one (expert, n-tile) back to back on a CTA
+                          // (the dispatcher takes the largest divisor of the m-tile count up to it)
 };
 
 /// The narrowest N tile.
@@ -124,6 +129,8 @@ inline constexpr std::int64_t kDownRasterMinK = 512;
 struct WgradShape {
   std::int64_t E = 0, M = 0, N = 0;  // M, N: multiples of kExtentGranule (edge tiles past them)
   int sm_count = 132;                // CTAs of the persistent grid
+  // Grouped rows per expert on average (the rows reserved over E; 0: unknown). The counts stay on the device.
+  std::int64_t rows_per_expert = 0;
 };
 
 /// The tile of a weight-gradient GEMM: 128 x 256 cooperative (tile_n 256) when N is a multiple of 256 and that tile
@@ -138,6 +145,19 @@ struct WgradShape {
 /// (session 23, forced tiles): at N = 2880 or 2944 (3072 columns against 2944, 104 %) the wide tile took dW2 and dW1
 /// 16-33 % faster than the square one; N = 384 (133 %) keeps the square tile.
 /// overrides.tile_n = 128 forces the square tile; 256 the wide one (for every N).
+/// Groups of m-tiles (wgrad_m_group): kWgradMGroup where the experts average at most one k-block more than the
+/// tile's ring holds (rows_per_expert <= (stages + 1) x 64: 320 rows on the wide tile's 4 stages, 384 on the square
+/// one's 5), else 1. There an expert's segment is a handful of k-blocks, every tile streams as many bytes of B as of
+/// A per FLOP, and a CTA's tiles of one group take B from the ring instead (mainloop_varlen_k.cuh). Where the
+/// segments are long the grouping would only move the m-tiles that share B in L2 from neighbouring CTAs onto one.
+/// overrides.wgrad_m_group > 0 forces the group (1: none).
 TileChoice choose_wgrad_tiles(const WgradShape& shape, const TileOverrides& overrides);
+
+/// The weight gradients' group of m-tiles where the segments are short (choose_wgrad_tiles).
+inline constexpr int kWgradMGroup = 4;
+/// Pipeline stages of the weight gradients' tile of this N width.
+constexpr int wgrad_stages(int tile_n) {
+  return tile_n == 256 ? Tile128x256Cooperative::kStages : Tile128x128PingPong::kStages;
+}
 
 }  // namespace machmoe::gpu::hopper

@@ -20,6 +20,12 @@
 // expect_tx and no arrival of its own; one gpt-oss-shaped dW1 test hung with it, reproducibly, on an H200.)
 // Without a tensor map (MainloopVarlenKParams::contiguous_tma false) both operands come by cp.async throughout.
 //
+// B kept on the ring: with the scheduler's groups of m-tiles (VarlenKSchedulerParams::m_group), a CTA's consecutive
+// tiles of one (expert, n-tile) need the same B k-blocks. Where an expert's k_tiles divides the ring's stages, tile
+// j's k-blocks land on the stages tile j - kStages / k_tiles used, and the producer then loads A alone (produce).
+// Short segments (a few k-blocks: many experts, few tokens) are where B's share of the operand traffic through L2
+// costs the most; longer ones keep streaming both operands.
+//
 // Consumers: as in the varlen-M mainloop, one WGMMA batch in flight, each stage released behind it. A tile of an
 // expert with no rows has no k-block: the epilogue writes exact zeros for it (or leaves the output, accumulating).
 //
@@ -198,29 +204,39 @@ struct MainloopVarlenK {
     const std::uint32_t swizzled_chunk = static_cast<std::uint32_t>((chunk ^ (row_in_pass & 7)) << 4);
     const Element* a_base = static_cast<const Element*>(p.a);
     const Element* b_base = static_cast<const Element*>(p.b);
+    int last_expert = -1, last_n_tile = -1;  // the previous tile on the ring
+    int run = 0;  // tiles on the ring right before this one with its (expert, n-tile)
     for (int i = 0;; ++i) {
       const VarlenKTileCoord c = sched.get(i);
       if (!c.valid()) break;
       if (c.k_tiles == 0) continue;  // an expert without rows: nothing on the ring
+      run = c.expert == last_expert && c.n_tile == last_n_tile ? run + 1 : 0;
+      last_expert = c.expert, last_n_tile = c.n_tile;
+      // B stays on the ring: where k_tiles divides the ring, the tile kStages / k_tiles tiles back put its k-blocks
+      // on the very stages this tile's take (ring positions kStages apart), and the tiles in between used the other
+      // stages. If that tile had this (expert, n-tile), its B operand (the same rows and columns, zero-filled the same
+      // way) is still there: only A is loaded. The consumers read the stages as always.
+      const bool keep_b = kStages % c.k_tiles == 0 && run >= kStages / c.k_tiles;
       const std::int64_t a_col0 = static_cast<std::int64_t>(c.m_tile) * kTileM;
       const std::int64_t b_col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
       const int a_valid = p.M - static_cast<int>(a_col0), b_valid = p.N - static_cast<int>(b_col0);  // edge tiles
       int rows_a[kRowsPerThread], rows_b[kRowsPerThread];
       source_rows<kOperandA>(p.a_gather, c, 0, row_in_pass, rows_a);
-      source_rows<kOperandB>(p.b_gather, c, 0, row_in_pass, rows_b);
+      if (!keep_b) source_rows<kOperandB>(p.b_gather, c, 0, row_in_pass, rows_b);
       std::uint32_t iter = c.ring;
       for (int kb = 0; kb < c.k_tiles; ++kb, ++iter) {
         // The next block's row indices: loads in flight while this block waits for its stage and is copied.
         int next_a[kRowsPerThread], next_b[kRowsPerThread];
         source_rows<kOperandA>(p.a_gather, c, kb + 1, row_in_pass, next_a);
-        source_rows<kOperandB>(p.b_gather, c, kb + 1, row_in_pass, next_b);
+        if (!keep_b) source_rows<kOperandB>(p.b_gather, c, kb + 1, row_in_pass, next_b);
         const int stage = static_cast<int>(iter % kStages);
         const std::uint32_t phase = (iter / kStages) & 1u;
         mbar_wait(&s.bar.empty[stage], phase ^ 1u, WaitSite::kProducerEmpty, iter);
         // A whole k-block of the segment: the contiguous operand's 64 rows are all this expert's routed rows.
         const bool by_tma = p.contiguous_tma && (kb + 1) * kTileK <= c.k_rows;
-        if (ptid == 0 && !by_tma) mbar_arrive(&s.bar.full[stage]);
-        if (by_tma && ptid == 0) {
+        const bool tma_now = by_tma && !(kContiguousB && keep_b);  // a kept contiguous B is not loaded at all
+        if (ptid == 0 && !tma_now) mbar_arrive(&s.bar.full[stage]);
+        if (tma_now && ptid == 0) {
           mbar_arrive_expect_tx(&s.bar.full[stage], kContiguousBytes);
           Element* dst = kContiguousA ? &s.t.a[stage][0] : &s.t.b[stage][0];
           const int col0 = static_cast<int>(kContiguousA ? a_col0 : b_col0);
@@ -232,7 +248,7 @@ struct MainloopVarlenK {
         if (!(kContiguousA && by_tma))
           copy_rows<kTileM>(smem_u32(&s.t.a[stage][0]), a_base, p.lda, a_col0, a_valid, rows_a, row_in_pass,
                             swizzled_chunk, chunk);
-        if (!(kContiguousB && by_tma))
+        if (!keep_b && !(kContiguousB && by_tma))
           copy_rows<kTileN>(smem_u32(&s.t.b[stage][0]), b_base, p.ldb, b_col0, b_valid, rows_b, row_in_pass,
                             swizzled_chunk, chunk);
         cp_async_arrive_noinc(&s.bar.full[stage]);

@@ -107,6 +107,10 @@ struct VarlenKSchedulerParams {
   int E = 0;
   int m_tiles = 0;  // ceil(M / kTileM)
   int n_tiles = 0;  // ceil(N / kTileN)
+  // M-tiles of one (expert, n-tile) that a CTA takes back to back (a divisor of m_tiles; 1: the m-tiles of an n-tile
+  // spread over neighbouring CTAs). Above 1, the mainloop keeps the shared B operand's k-blocks in the ring for the
+  // group's later tiles where an expert's k-blocks divide the ring (mainloop_varlen_k.cuh).
+  int m_group = 1;
   const std::int32_t* expert_offsets = nullptr;  // (E + 1), device
 };
 

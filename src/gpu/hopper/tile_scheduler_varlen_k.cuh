@@ -3,8 +3,11 @@
 // Every expert owns the same grid of m_tiles x n_tiles output tiles, whatever its number of rows: the work is that
 // grid for expert 0, then expert 1, ... (E m_tiles n_tiles tiles, a count the host knows without reading the routing),
 // and inside an expert the m-tiles run fastest (the m-tiles of one n-tile run side by side on neighbouring CTAs and
-// share that n-tile's operand rows in L2; dW1's gathered X slice is read from HBM once for all of them). CTA b takes
-// tiles b, b + grid, b + 2 grid, ...: a static persistent schedule, deterministic, no atomics. A tile's reduction
+// share that n-tile's operand rows in L2; dW1's gathered X slice is read from HBM once for all of them). The work is
+// cut into units of m_group consecutive m-tiles of one (expert, n-tile); CTA b takes units b, b + grid, b + 2 grid,
+// ..., each unit's tiles back to back: a static persistent schedule, deterministic, no atomics. With m_group = 1 that
+// is tiles b, b + grid, ...; with more, a CTA's consecutive tiles share their B operand (the n-tile's rows), which the
+// mainloop then need not load again where an expert's segment is short (mainloop_varlen_k.cuh). A tile's reduction
 // length, its expert's segment f_e = off[e+1] - off[e], is read on the device when the tile is decoded (no host
 // synchronisation); it is ceil(f_e / 64) k-blocks of the ring and may be zero: the tile still belongs to its CTA,
 // which writes zeros (or, accumulating, leaves the output as it is).
@@ -40,8 +43,9 @@ class VarlenKTiles {
 
   __device__ explicit VarlenKTiles(const Params& p)
       : p_(p),
-        tiles_per_expert_(p.m_tiles * p.n_tiles),
-        total_(static_cast<std::int64_t>(p.E) * p.m_tiles * p.n_tiles),
+        m_units_(p.m_tiles / p.m_group),
+        units_per_expert_(m_units_ * p.n_tiles),
+        total_units_(static_cast<std::int64_t>(p.E) * m_units_ * p.n_tiles),
         first_(static_cast<int>(blockIdx.x)),
         stride_(static_cast<int>(gridDim.x)) {}
 
@@ -70,15 +74,16 @@ class VarlenKTiles {
  private:
   __device__ VarlenKTileCoord decode(int i) const {
     VarlenKTileCoord c;
-    const std::int64_t t64 = static_cast<std::int64_t>(first_) + static_cast<std::int64_t>(i) * stride_;
-    if (t64 >= total_) return c;
+    const int group = i / p_.m_group, in_group = i - group * p_.m_group;
+    const std::int64_t u64 = static_cast<std::int64_t>(first_) + static_cast<std::int64_t>(group) * stride_;
+    if (u64 >= total_units_) return c;
     // The work is below 2^31 tiles (the dispatcher's limit): 32-bit divisions from here.
-    const int t = static_cast<int>(t64);
-    const int e = t / tiles_per_expert_;
-    const int local = t - e * tiles_per_expert_;
+    const int u = static_cast<int>(u64);
+    const int e = u / units_per_expert_;
+    const int local = u - e * units_per_expert_;
     c.expert = e;
-    c.m_tile = local % p_.m_tiles;
-    c.n_tile = local / p_.m_tiles;
+    c.m_tile = (local % m_units_) * p_.m_group + in_group;
+    c.n_tile = local / m_units_;
     const std::int32_t begin = __ldg(p_.expert_offsets + e), end = __ldg(p_.expert_offsets + e + 1);
     c.k_begin = begin;
     c.k_rows = end > begin ? end - begin : 0;
@@ -87,8 +92,9 @@ class VarlenKTiles {
   }
 
   Params p_;
-  int tiles_per_expert_;
-  std::int64_t total_;
+  int m_units_;           // units of m_group m-tiles per n-tile
+  int units_per_expert_;  // m_units_ x n_tiles
+  std::int64_t total_units_;
   int first_, stride_;
   int walked_ = 0;           // sequence tiles [0, walked_) are summed into ring_
   int last_ = -1;            // the tile the last call decoded, and its k-blocks

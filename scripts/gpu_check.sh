@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one go: build (all cores), the CPU and GPU test suites, compute-sanitizer (memcheck and
 # racecheck) on a representative subset, and the benchmark. Logs go to $OUT (the device tool's folder) or
-# build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|profile|detail|all] [gtest filter]
+# build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|profile|detail|t8|all] [gtest filter]
+# t8: token rounding against top-K on every main configuration and both sweeps (T8's table, scripts/t8_table.py).
 # profile: kernel by kernel durations of one forward of $BENCH_CONFIGS (ncu, unlocked clocks; nsys when present).
 # detail: ncu --set full of the kernels matching $KERNEL_REGEX and the instructions where they stall, in one archive
 # (built with -lineinfo, so that the stalls are also ranked by source line).
@@ -98,6 +99,28 @@ if [ "$what" = detail ]; then
     python3 scripts/ncu_hotspots.py "$out.cuda.csv" --by-line --top 12
   done
   tar -C "$logs" -cJf "$logs/detail.tar.xz" detail && rm -rf "$logs/detail"
+fi
+if [ "$what" = t8 ]; then
+  # T8 (docs/TARGETS.md): both routings of each configuration back to back, the 12 main configurations and both
+  # token-rounding sweeps, then the table (scripts/t8_table.py). T8_MAIN / T8_SWEEPS pick the rows (names of
+  # machmoe-bench's configurations; sweep rows as T:d:n:E:K), T8_SWEEP_MS the sweeps' --warmup-ms and --time-ms.
+  # The 40 runs took about 10 minutes on an H200 (session 52): split them over device calls with T8_MAIN= or
+  # T8_SWEEPS= (empty).
+  main_rows="${T8_MAIN-1.4B-256 1.4B-512 1.4B-1024 7B-256 7B-512 7B-1024 30B-256 30B-512 30B-1024 120B-512 120B-1024 120B-2048}"
+  sweep_rows="${T8_SWEEPS-16384:1536:256:64:8 16384:1536:256:128:8 16384:1536:256:256:8 16384:1536:256:512:8 16384:4096:1024:32:4 16384:4096:1024:64:4 16384:4096:1024:128:4 16384:4096:1024:256:4}"
+  for row in $main_rows $sweep_rows; do
+    case "$row" in
+      *:*) IFS=: read -r t d n e k <<< "$row"
+           args="--T $t --d $d --n $n --E $e --K $k --warmup-ms ${T8_SWEEP_MS:-500} --time-ms ${T8_SWEEP_MS:-500}";;
+      *) args="--config $row";;
+    esac
+    for routing in token_rounding topk; do
+      # shellcheck disable=SC2086
+      ./build/bin/machmoe-bench $args --routing "$routing" --iters 10 --warmup 3 --stage-runs 3 >> "$logs/t8_raw.txt" 2>&1 ||
+        status=1
+    done
+  done
+  python3 scripts/t8_table.py "$logs/t8_raw.txt" | tee "$logs/t8_table.md"
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   ./build/bin/machmoe-bench --all-configs --iters "${BENCH_ITERS:-3}" --warmup 1 --json "$logs/bench.json" 2>&1 |

@@ -105,7 +105,8 @@ if [ "$what" = t8 ]; then
   # token-rounding sweeps, then the table (scripts/t8_table.py). T8_MAIN / T8_SWEEPS pick the rows (names of
   # machmoe-bench's configurations; sweep rows as T:d:n:E:K), T8_SWEEP_MS the sweeps' --warmup-ms and --time-ms.
   # The 40 runs took about 10 minutes on an H200 (session 52): split them over device calls with T8_MAIN= or
-  # T8_SWEEPS= (empty).
+  # T8_SWEEPS= (empty), and give t8_table.py every call's t8_raw.txt.
+  : > "$logs/t8_raw.txt"
   main_rows="${T8_MAIN-1.4B-256 1.4B-512 1.4B-1024 7B-256 7B-512 7B-1024 30B-256 30B-512 30B-1024 120B-512 120B-1024 120B-2048}"
   sweep_rows="${T8_SWEEPS-16384:1536:256:64:8 16384:1536:256:128:8 16384:1536:256:256:8 16384:1536:256:512:8 16384:4096:1024:32:4 16384:4096:1024:64:4 16384:4096:1024:128:4 16384:4096:1024:256:4}"
   for row in $main_rows $sweep_rows; do

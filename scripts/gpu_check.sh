@@ -121,7 +121,7 @@ if [ "$what" = t8 ]; then
         status=1
     done
   done
-  python3 scripts/t8_table.py "$logs/t8_raw.txt" | tee "$logs/t8_table.md"
+  python3 scripts/t8_table.py "$logs/t8_raw.txt" | tee "$logs/t8_table.txt"
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   ./build/bin/machmoe-bench --all-configs --iters "${BENCH_ITERS:-3}" --warmup 1 --json "$logs/bench.json" 2>&1 |

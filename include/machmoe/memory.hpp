@@ -68,8 +68,25 @@ ActivationMemory activation_memory(const MoEProblem& problem, DType data_dtype);
 /// Pairs per tile of the GPU routing-metadata build (its per-tile expert histograms are E x ceil(P / this)).
 inline constexpr std::int64_t kMetadataTilePairs = 256;
 
-/// Tokens per block of token rounding's emit pass (its look-back states are one uint64 per block).
+/// Tokens per block of token rounding's emit pass.
 inline constexpr std::int64_t kTokenRoundingEmitTokens = 64;
+
+/// Token rounding's counters region (ForwardWorkspaceLayout::tr_counters), in int32 words from its start, zeroed at
+/// the start of every call: the kept pairs of each block of 32 tokens and of each group of 32 such blocks (the
+/// selects add them up; the emit pass takes its blocks' first pairs from them), the token-choice counts f_e, and the
+/// flags of the experts the bounded select leaves to the whole-column select.
+struct TokenRoundingCounters {
+  std::int64_t block_kept = 0, group_kept = 0, tc_count = 0, full_select = 0, words = 0;
+  static constexpr TokenRoundingCounters of(std::int64_t T, std::int64_t E) {
+    TokenRoundingCounters c;
+    const std::int64_t blocks = (T + 31) / 32;
+    c.group_kept = c.block_kept + blocks;
+    c.tc_count = c.group_kept + (blocks + 31) / 32;
+    c.full_select = c.tc_count + E;
+    c.words = c.full_select + E;
+    return c;
+  }
+};
 
 /// Token rounding's keys kernel holds a token's row in registers up to this many experts; above it the row goes
 /// through memory (the token-major keys region).
@@ -101,9 +118,9 @@ inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 ///                                       those the expert keeps; the select writes the last and, over the first,
 ///                                       the grouped row of the block's first kept token (both read by the emit)
 ///   tr_row_scores      P        fp32    the score of each grouped row's pair (written by the select)
-///   tr_counters        2E + 4 int32 and ceil(T / kTokenRoundingEmitTokens) uint64: token-choice counts, a
-///                                       completion count, a block ticket, the experts selected over their whole
-///                                       column and the emit pass's look-back states; zeroed at the start of every call
+///   tr_counters        2E + ceil(T / 32) + ceil(T / 1024) int32: kept pairs per block of 32 tokens and per
+///                                       group of 32 blocks, token-choice counts, the experts selected over their
+///                                       whole column (TokenRoundingCounters); zeroed at the start of every call
 struct ForwardWorkspaceLayout {
   BufferRegion a, y, y_chunk_plan, y_pair_rows, pair_expert, pair_token, tile_hist, expert_tiles, cublas;
   BufferRegion tr_keys, tr_keys_by_expert, tr_thresholds, tr_bounds, tr_row_scores, tr_counters;

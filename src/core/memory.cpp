@@ -77,8 +77,7 @@ ForwardWorkspaceLayout forward_workspace_layout(const MoEProblem& p, DType data_
     l.tr_thresholds = b.add(u(p.E) * 8);
     l.tr_bounds = b.add(u(p.E) * ((u(p.T) + 31) / 32) * 16);
     l.tr_row_scores = b.add(P * 4);
-    const std::size_t emit_blocks = (u(p.T) + u(kTokenRoundingEmitTokens) - 1) / u(kTokenRoundingEmitTokens);
-    l.tr_counters = b.add((2 * u(p.E) + 4) * 4 + emit_blocks * 8);
+    l.tr_counters = b.add(u(TokenRoundingCounters::of(p.T, p.E).words) * 4);
   }
   l.total_bytes = b.total();
   return l;

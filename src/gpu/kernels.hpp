@@ -306,7 +306,7 @@ struct TokenRoundingArgs {
                                             // the select: the first kept token's grouped row) and smallest chosen
                                             // key, the chosen and the kept tokens' masks (16-byte aligned)
   float* row_scores = nullptr;              // (P_max): the score of each grouped row's pair
-  void* counters = nullptr;                 // zeroed here: look-back states, counts, completion count, ticket
+  void* counters = nullptr;                 // (TokenRoundingCounters::of(T, E).words int32) zeroed here
   std::size_t counters_bytes = 0;
   // outputs
   std::int32_t* expert_counts = nullptr;   // (E) kept pairs per expert, may be null

@@ -15,13 +15,16 @@
 //    token-choice counts f_e (a shared histogram per block, then one integer atomic per expert and block: sums, so the
 //    order of the atomics cannot show). The block writes its keys expert-major through a shared-memory transpose filled
 //    from the registers that hold them (rows of more than 512 experts go through the token-major keys in memory
-//    instead, and the transpose reads them back). The last block to finish (a completion count) turns the counts into
-//    r_e, the expert offsets and the GEMM tiles (one-block scan), so no separate launch does it.
+//    instead, and the transpose reads them back).
 // 2. select, bounded (one block per expert; see tr_select_bounded_kernel): the keys kernel also writes, per expert
 //    and block of 32 tokens, the largest unchosen and the smallest chosen key and the mask of chosen tokens; from
 //    them the few keys that can hold the threshold are read (only the blocks that can hold one), the threshold found
-//    among them, and the kept tokens written from the masks. Each select writes, per expert and block, the mask of
-//    the kept tokens and the grouped row of the first of them, and per grouped row the pair's score.
+//    among them, and the kept tokens written from the masks. Each select CTA first sums the rounded counts r_e' and
+//    GEMM tiles of the experts before its own, and writes its expert's offset, tiles and count (so the keys kernel
+//    needs no completion count and no last-block scan, whose fence and barrier every one of its blocks paid). Each
+//    select writes, per expert and block, the mask of the kept tokens and the grouped row of the first of them, per
+//    grouped row the pair's score, and adds each block's kept pairs to that block's count and to its group's (32
+//    blocks), integer atomics whose order cannot show.
 //    Experts with too many such keys (repeated tokens) are flagged for the full select:
 // 2'. select (one block per expert): the r_e-th key of the expert's column by a 3-pass radix select (12, 12 and 8
 //    bits, a shared histogram with one atomic per distinct digit of a warp) over the column, held in shared
@@ -30,10 +33,12 @@
 //    Then the kept tokens, ascending, go to gather at the expert's offset (per-warp chunks, ballots), with the
 //    blocks' kept masks and first grouped rows as the bounded select writes them.
 // 3. emit (32 warps per block, each over 2 consecutive tokens): kept(t, e) from the select's kept masks, counted
-//    per token, scanned across blocks by a decoupled look-back (integer sums: the result does not depend on
-//    timing), then every kept pair in (token, expert) order gets its grouped row (the block's first kept row plus
-//    the kept tokens before it in the mask), score, inverse and scatter, and the token offsets are written. Slots
-//    past the pair count get expert -1 semantics (inverse -1, score 0).
+//    per token and scanned within the block; the block's first pair is the sum of the selects' kept counts of the
+//    groups and blocks before it, so no block waits for another (a decoupled look-back did that before: ncu put 37 %
+//    of the kernel's stall samples on the barrier behind it, H200, 1.4B (1024,32,2)). Then every kept pair in
+//    (token, expert) order gets its grouped row (the block's first kept row plus the kept tokens before it in the
+//    mask), score, inverse and scatter, and the token offsets are written. Slots past the pair count get expert -1
+//    semantics (inverse -1, score 0).
 // 4. Where the forward computes Y in chunks of tokens, their plan (tr_chunk_plan_kernel): each chunk's experts' rows
 //    from the per-block first kept rows and kept masks at the chunk's two boundary tokens, each routed pair's row in
 //    its chunk (what the top-K metadata builds from its tile histograms, and launch_dx_chunk_plan by searching).
@@ -59,7 +64,6 @@
 #include "gpu/cuda_check.hpp"
 #include "gpu/dependent_launch.cuh"
 #include "gpu/device_math.cuh"
-#include "gpu/expert_scan.cuh"
 #include "gpu/kernels.hpp"
 
 namespace machmoe::gpu {
@@ -81,16 +85,14 @@ constexpr int kSelectBins = 4096;
 constexpr int kSelectUnroll = 4;  // keys per thread and trip of a radix pass's histogram loop
 constexpr int kSelectMaxCluster = 4;              // CTAs per expert at most (a portable cluster size)
 constexpr std::int64_t kSelectClusterMinTokens = 8192;  // below this a column is one CTA's
-// Pass 3. Each warp takes kEmitTokensPerWarp consecutive tokens: a block's look-back waits on its predecessors' sums
-// with its other warps idle at the barrier, and with one token per warp (1280 blocks of 32 tokens on T = 40960, about
-// five waves of resident blocks) that wait was paid once per wave: ncu put 36-48 % of the kernel's stall samples on
-// the branch after the barrier (H100, 1.4B (1024,32,2) and (256,128,8)). Token-rounding stage with 1 / 2 / 4 / 8
-// tokens per warp (same call, two rounds; docs/BENCHMARKS.md, session 36): 2 is 1-6 % faster than 1 on every row
-// tried, 4 about as fast as 2, 8 is 12 % slower than 1 where E = 256 (more keys per token and warp).
+// Pass 3. Each warp takes kEmitTokensPerWarp consecutive tokens. Measured when the blocks still found their first pair
+// by a look-back over their predecessors (token-rounding stage with 1 / 2 / 4 / 8 tokens per warp, same call, two
+// rounds; docs/BENCHMARKS.md, session 36): 2 was 1-6 % faster than 1 on every row tried, 4 about as fast as 2, 8 12 %
+// slower than 1 where E = 256 (more keys per token and warp).
 constexpr int kEmitWarps = 32;
 constexpr int kEmitTokensPerWarp = 2;
 constexpr int kEmitTokens = static_cast<int>(kTokenRoundingEmitTokens);  // per block
-static_assert(kEmitTokens == kEmitWarps * kEmitTokensPerWarp, "memory.hpp sizes the look-back states by it");
+static_assert(kEmitTokens == kEmitWarps * kEmitTokensPerWarp, "the emit CTA's tokens are its warps' tokens");
 // Backward.
 constexpr int kBwdWarps = 8;
 constexpr int kBwdWindow = 512;  // experts whose pair gradients a warp holds in shared memory at a time
@@ -111,6 +113,23 @@ __device__ __forceinline__ std::int64_t rounded_count(std::int64_t f, std::int64
 
 __device__ __forceinline__ bool kept(std::uint32_t key, std::uint32_t thr, std::uint32_t cut, std::int64_t t) {
   return key > thr || (key == thr && t < static_cast<std::int64_t>(cut));
+}
+
+/// Warp-wide, lane l holding the kept mask m of block blk = c0 + l (0 past the warp's blocks): the block's kept pairs
+/// added to its count and to its group's (32 blocks), which the emit pass sums into its first pair. Integer adds: the
+/// totals do not depend on their order.
+__device__ __forceinline__ void add_kept_counts(std::int32_t* block_kept, std::int32_t* group_kept, std::int64_t c0,
+                                                std::int64_t blk, std::uint32_t m) {
+  const int n = __popc(m);
+  if (n != 0) atomicAdd(&block_kept[blk], n);
+  const std::int64_t first_group = c0 / 32;  // a warp's 32 blocks lie in at most two groups
+  const bool in_first = blk / 32 == first_group;
+  const int n_first = __reduce_add_sync(kFull, in_first ? n : 0);
+  const int n_second = __reduce_add_sync(kFull, in_first ? 0 : n);
+  if ((threadIdx.x & 31) == 0) {
+    if (n_first != 0) atomicAdd(&group_kept[first_group], n_first);
+    if (n_second != 0) atomicAdd(&group_kept[first_group + 1], n_second);
+  }
 }
 
 /// A token's row as the warp sees it: lane l owns elements l, l + 32, ... (slot j holds element 32 j + l), in
@@ -248,13 +267,10 @@ struct RowSelection {
 template <class T, int PerLane>
 __global__ void __launch_bounds__(32 * kKeyWarps)
     tr_keys_kernel(const T* __restrict__ z, std::int64_t ld, std::int64_t T_, int E, int K, ScoreVariant variant,
-                   std::int64_t M, RoundingRule rule, std::uint32_t* keys, std::uint32_t* keys_by_expert,
-                   std::uint32_t* bounds, TokenSelectionStats* __restrict__ selection, T* __restrict__ logits_copy,
-                   std::int32_t* tc_count, std::uint32_t* done, std::int32_t* expert_counts,
-                   std::int32_t* expert_offsets, std::int32_t* expert_tiles) {
+                   std::uint32_t* keys, std::uint32_t* keys_by_expert, std::uint32_t* bounds,
+                   TokenSelectionStats* __restrict__ selection, T* __restrict__ logits_copy, std::int32_t* tc_count) {
   __shared__ std::int32_t hist[kKeyHistBins];
   __shared__ std::uint32_t tile[kTransposeExperts][kKeyTokens + 1];
-  __shared__ bool last_s;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool local_hist = E <= kKeyHistBins;
   if (local_hist)
@@ -362,28 +378,7 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
       write_tile(e0);
     }
   }
-  allow_dependent_launch();  // what is left is the completion count (and, in the last block, a short scan)
-  // The last block to get here sees every block's counts: the barrier orders the block's count atomics before thread
-  // 0's device-scope fence, which orders them before the block counts itself done (one fence a block, as
-  // cooperative groups' grid barrier does, rather than one per thread).
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last_s = atomicAdd(done, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last_s) return;
-  __threadfence();
-  if (threadIdx.x == 0) expert_offsets[0] = 0, expert_tiles[0] = 0;
-  std::int32_t total_rows, total_tiles;
-  scan_expert_rows_and_tiles<32 * kKeyWarps>(
-      E, [&](int e) { return static_cast<std::int32_t>(rounded_count(__ldcg(&tc_count[e]), T_, M, rule)); },
-      [&](int e, std::int32_t r, std::int32_t tiles, std::int32_t rows_before, std::int32_t tiles_before) {
-        if (expert_counts) expert_counts[e] = r;
-        expert_offsets[e + 1] = rows_before + r;
-        expert_tiles[e + 1] = tiles_before + tiles;
-      },
-      total_rows, total_tiles);
+  allow_dependent_launch();
 }
 
 // ---- pass 2: per expert, the threshold and the grouped rows -------------------------------------------------------
@@ -540,7 +535,8 @@ __global__ void __launch_bounds__(kSelectThreads)
                      const std::int32_t* __restrict__ expert_offsets, std::uint32_t* __restrict__ thresholds,
                      std::int32_t* __restrict__ gather, float* __restrict__ row_scores,
                      std::uint32_t* __restrict__ bounds, std::int64_t n_blocks, bool cache,
-                     const std::int32_t* __restrict__ only) {
+                     const std::int32_t* __restrict__ only, std::int32_t* __restrict__ block_kept,
+                     std::int32_t* __restrict__ group_kept) {
   namespace cg = cooperative_groups;
   using Scan = cub::BlockScan<std::int32_t, kSelectThreads>;
   // Dynamic: the cluster's summed histogram (clusters only), then the slice's keys when `cache`.
@@ -712,8 +708,10 @@ __global__ void __launch_bounds__(kSelectThreads)
     const bool k = i < w_end && kept(key, thr, static_cast<std::uint32_t>(cut), t);
     const unsigned b = __ballot_sync(kFull, k);
     if (lane == 0) {
-      std::uint32_t* w = block_words + 4 * ((s_begin + base) / 32);
+      const std::int64_t blk = (s_begin + base) / 32;
+      std::uint32_t* w = block_words + 4 * blk;
       w[0] = static_cast<std::uint32_t>(pos), w[3] = b;
+      if (b != 0u) atomicAdd(&block_kept[blk], __popc(b)), atomicAdd(&group_kept[blk / 32], __popc(b));
     }
     if (k) {
       const std::int64_t g = pos + __popc(b & below);
@@ -745,11 +743,13 @@ constexpr int kBoundedBatch = 8;        // blocks whose kept keys the write load
 template <int Threads>
 __global__ void __launch_bounds__(Threads)
     tr_select_bounded_kernel(const std::uint32_t* __restrict__ keys_by_expert, std::int64_t T_,
-                             const std::int32_t* __restrict__ tc_count,
-                             const std::int32_t* __restrict__ expert_offsets, std::uint32_t* __restrict__ bounds,
+                             const std::int32_t* __restrict__ tc_count, std::int64_t M, RoundingRule rule,
+                             std::int32_t* __restrict__ expert_counts, std::int32_t* __restrict__ expert_offsets,
+                             std::int32_t* __restrict__ expert_tiles, std::uint32_t* __restrict__ bounds,
                              std::int64_t n_blocks, std::uint32_t* __restrict__ thresholds,
                              std::int32_t* __restrict__ gather, float* __restrict__ row_scores,
-                             std::int32_t* __restrict__ fallback) {
+                             std::int32_t* __restrict__ fallback, std::int32_t* __restrict__ block_kept,
+                             std::int32_t* __restrict__ group_kept) {
   constexpr int kWarps = Threads / 32;
   __shared__ std::int32_t hist[256];  // short_radix_select's
   __shared__ std::uint32_t staged_key[kWarps][kBoundedCandidates];
@@ -757,6 +757,7 @@ __global__ void __launch_bounds__(Threads)
   __shared__ std::uint32_t cand_key[kWarps * kBoundedCandidates];
   __shared__ std::int32_t cand_token[kWarps * kBoundedCandidates];
   __shared__ std::int32_t warp_cand[kWarps], warp_kept[kWarps];
+  __shared__ std::int32_t warp_rows[kWarps], warp_tiles[kWarps];
   __shared__ std::uint32_t digit_s;
   __shared__ std::int32_t need_s;
   __shared__ std::int64_t cut_s;
@@ -764,11 +765,34 @@ __global__ void __launch_bounds__(Threads)
   const unsigned below = (1u << lane) - 1u;
   const int e = static_cast<int>(blockIdx.x);
   const std::uint32_t* gcol = keys_by_expert + static_cast<std::int64_t>(e) * T_;
-  wait_for_prior_grid();  // the keys kernel's keys, counts and offsets
+  wait_for_prior_grid();  // the keys kernel's keys, bounds and token-choice counts
   allow_dependent_launch();
+  // The expert's rows r_e (its count rounded) and where they start: each CTA sums the rounded counts and GEMM tiles
+  // of the experts before its own (integer sums in a fixed order), so no kernel waits for a scan of them, and writes
+  // its own expert's entries of the offsets, the tiles and the counts.
   const std::int64_t f = tc_count[e];
-  const std::int64_t g0 = expert_offsets[e];
-  const std::int64_t r = expert_offsets[e + 1] - g0;
+  const std::int64_t r = rounded_count(f, T_, M, rule);
+  std::int64_t g0 = 0;
+  {
+    std::int32_t rows_before = 0, tiles_before = 0;
+    for (int i = static_cast<int>(threadIdx.x); i < e; i += Threads) {
+      const std::int32_t ri = static_cast<std::int32_t>(rounded_count(tc_count[i], T_, M, rule));
+      rows_before += ri, tiles_before += (ri + kGemmTileM - 1) / kGemmTileM;
+    }
+    rows_before = __reduce_add_sync(kFull, rows_before);
+    tiles_before = __reduce_add_sync(kFull, tiles_before);
+    if (lane == 0) warp_rows[warp] = rows_before, warp_tiles[warp] = tiles_before;
+    __syncthreads();
+    rows_before = tiles_before = 0;
+    for (int w = 0; w < kWarps; ++w) rows_before += warp_rows[w], tiles_before += warp_tiles[w];
+    g0 = rows_before;
+    if (threadIdx.x == 0) {
+      if (e == 0) expert_offsets[0] = 0, expert_tiles[0] = 0;
+      expert_offsets[e + 1] = rows_before + static_cast<std::int32_t>(r);
+      expert_tiles[e + 1] = tiles_before + static_cast<std::int32_t>((r + kGemmTileM - 1) / kGemmTileM);
+      if (expert_counts) expert_counts[e] = static_cast<std::int32_t>(r);
+    }
+  }
   if (r == 0) {  // nothing kept (the words tr_select_kernel writes: f = 0 counts as "exactly the choices")
     if (threadIdx.x == 0) thresholds[2 * e] = f == 0 ? 0x7fffffffu : 0xffffffffu, thresholds[2 * e + 1] = 0u;
     return;
@@ -916,6 +940,7 @@ __global__ void __launch_bounds__(Threads)
       std::uint32_t* w = bounds + 4 * (static_cast<std::int64_t>(e) * n_blocks + blk);
       w[0] = static_cast<std::uint32_t>(pos + before), w[3] = m;
     }
+    add_kept_counts(block_kept, group_kept, c0, blk, m);
     // kBoundedBatch blocks at a time: the kept tokens' keys (for their scores) all loaded before any is used, so
     // that the loads overlap instead of waiting one block after another.
     for (int i0 = 0; i0 < 32; i0 += kBoundedBatch) {
@@ -944,18 +969,10 @@ __global__ void __launch_bounds__(Threads)
 
 // ---- pass 3: pair order ---------------------------------------------------------------------------------------------
 
-constexpr std::uint64_t kAggregate = 1, kInclusive = 2;  // look-back flags (high word); 0: not published yet
-
-__device__ __forceinline__ void publish(std::uint64_t* status, std::uint64_t flag, std::uint32_t value) {
-  // One aligned 64-bit store: flag and value become visible together. Nothing else is published with it.
-  *reinterpret_cast<volatile std::uint64_t*>(status) = (flag << 32) | value;
-}
-
 // The kept pairs come from the select's kept masks (word 3 of each expert's block bounds: bit i of expert e's mask
 // of block B is token 32 B + i), so no (token, expert) key is read: a warp's tokens lie in one block of 32 and share
-// its masks. PerLane > 0 (E <= 32 PerLane): each lane loads the masks of its experts once, all before the count that
-// sits on the look-back's critical path (a block publishes its sum only after it). PerLane = 0: 32 experts at a
-// time, twice. A kept pair's grouped row is the block's first kept row (word 0 of the same 16 bytes, written by the
+// its masks. PerLane > 0 (E <= 32 PerLane): each lane loads the masks of its experts once, all before the count.
+// PerLane = 0: 32 experts at a time, twice. A kept pair's grouped row is the block's first kept row (word 0 of the same 16 bytes, written by the
 // select) plus the kept tokens before it in the block's mask; its score is in row_scores at that row.
 // Two CTAs an SM up to 8 masks a lane (32 registers): faster than at half the occupancy, even when the 8-mask
 // variant spilled 40 bytes to the stack (ncu, H100, (16384,4096,1024,256,4): 22.7 us against 29.2 with one CTA an SM).
@@ -963,22 +980,30 @@ template <int PerLane>
 __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
     tr_emit_kernel(const std::uint32_t* __restrict__ bounds, std::int64_t n_blocks,
                    const float* __restrict__ row_scores, std::int64_t T_,
-                   int E, const std::int32_t* __restrict__ expert_offsets, std::int64_t P_max, std::uint32_t* ticket,
-                   std::uint64_t* status, float* __restrict__ scores, std::int32_t* __restrict__ inverse,
+                   int E, const std::int32_t* __restrict__ expert_offsets, std::int64_t P_max,
+                   const std::int32_t* __restrict__ block_kept, const std::int32_t* __restrict__ group_kept,
+                   float* __restrict__ scores, std::int32_t* __restrict__ inverse,
                    std::int32_t* __restrict__ scatter, std::int32_t* __restrict__ token_offsets) {
   constexpr bool kRegs = PerLane > 0;
   static_assert(PerLane <= 32, "a token's kept experts of a lane are the bits of one word");
   static_assert(32 % kEmitTokensPerWarp == 0 && kEmitTokens % 32 == 0, "a warp's tokens lie in one block of 32");
+  static_assert(kEmitTokens <= 32 * 32, "a CTA's blocks of 32 tokens lie in one group of 32 blocks");
   __shared__ std::int32_t offset_s[kEmitWarps];
-  __shared__ std::uint32_t block_s;
+  __shared__ std::int64_t before_s[kEmitWarps];
   __shared__ std::int64_t prefix_s;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  wait_for_prior_grid();  // the selects' kept masks and rows
-  // Blocks take token ranges in the order they start, so every block a block waits for is already running.
-  if (threadIdx.x == 0) block_s = atomicAdd(ticket, 1u);
-  __syncthreads();
-  const std::int64_t b = block_s;
+  wait_for_prior_grid();  // the selects' kept masks, rows and kept counts
+  const std::int64_t b = blockIdx.x;
   const std::int64_t t0 = b * kEmitTokens + warp * kEmitTokensPerWarp;  // this warp's first token
+  // The CTA's first pair: the kept pairs of the 32-token blocks before its own, as the selects counted them, in
+  // whole groups of 32 blocks, then the blocks of its own group before it. Loaded first, summed after the masks'
+  // loads are issued; integer sums in a fixed order.
+  std::int64_t before = 0;
+  {
+    const std::int64_t first_blk = b * (kEmitTokens / 32), groups = first_blk / 32;
+    for (std::int64_t i = threadIdx.x; i < groups; i += blockDim.x) before += group_kept[i];
+    if (static_cast<std::int64_t>(threadIdx.x) < first_blk - 32 * groups) before += block_kept[32 * groups + threadIdx.x];
+  }
   const std::int64_t blk = t0 / 32;
   auto kept_mask = [&](int e) { return bounds[4 * (static_cast<std::int64_t>(e) * n_blocks + blk) + 3]; };
   std::uint32_t masks[kRegs ? PerLane : 1];  // register variant: slot s is expert 32 s + lane
@@ -1015,7 +1040,8 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
   std::int32_t warp_total = 0;
 #pragma unroll
   for (int j = 0; j < kEmitTokensPerWarp; ++j) warp_total += n[j];
-  if (lane == 0) offset_s[warp] = warp_total;
+  for (int o = 16; o > 0; o >>= 1) before += __shfl_xor_sync(kFull, before, o);
+  if (lane == 0) offset_s[warp] = warp_total, before_s[warp] = before;
   __syncthreads();
   if (warp == 0) {
     const std::int32_t mine = offset_s[lane];
@@ -1024,27 +1050,9 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
       const std::int32_t y = __shfl_up_sync(kFull, incl, o);
       if (lane >= o) incl += y;
     }
-    const std::uint32_t aggregate = static_cast<std::uint32_t>(__shfl_sync(kFull, incl, 31));
-    if (lane == 0) publish(&status[b], b == 0 ? kInclusive : kAggregate, aggregate);
-    // Look back over the 32 blocks before the window's top until one has published its inclusive prefix.
-    std::int64_t prefix = 0;
-    for (std::int64_t top = b - 1; top >= 0; top -= 32) {
-      const std::int64_t j = top - lane;
-      std::uint64_t word;
-      do {
-        word = j >= 0 ? *reinterpret_cast<const volatile std::uint64_t*>(&status[j]) : (kInclusive << 32);
-      } while (__any_sync(kFull, (word >> 32) == 0));
-      const unsigned inclusive = __ballot_sync(kFull, (word >> 32) == kInclusive);
-      const int stop = inclusive ? __ffs(inclusive) - 1 : 31;
-      std::int64_t v = lane <= stop ? static_cast<std::int64_t>(word & 0xffffffffu) : 0;
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-      prefix += v;
-      if (inclusive) break;
-    }
-    if (lane == 0) {
-      if (b > 0) publish(&status[b], kInclusive, static_cast<std::uint32_t>(prefix + aggregate));
-      prefix_s = prefix;
-    }
+    std::int64_t prefix = before_s[lane];
+    for (int o = 16; o > 0; o >>= 1) prefix += __shfl_xor_sync(kFull, prefix, o);
+    if (lane == 0) prefix_s = prefix;
     offset_s[lane] = incl - mine;
   }
   __syncthreads();
@@ -1303,33 +1311,37 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
                        " needs the token-major keys region (ForwardWorkspaceLayout::tr_keys), given none");
   const int E = static_cast<int>(a.E), K = static_cast<int>(a.K);
   const std::int64_t emit_blocks = (a.T + kEmitTokens - 1) / kEmitTokens;
-  // Counters region: look-back states (uint64, first for alignment), then f_e, the completion count, the ticket, the
+  // Counters region (TokenRoundingCounters): kept pairs per block of 32 tokens and per group of 32 blocks, f_e, the
   // experts the bounded select leaves to tr_select_kernel.
-  auto* status = static_cast<std::uint64_t*>(a.counters);
-  auto* tc_count = reinterpret_cast<std::int32_t*>(status + emit_blocks);
-  auto* done = reinterpret_cast<std::uint32_t*>(tc_count + a.E);
-  auto* ticket = done + 1;
-  auto* fallback = reinterpret_cast<std::int32_t*>(ticket + 1);
+  const TokenRoundingCounters words = TokenRoundingCounters::of(a.T, a.E);
+  if (a.counters_bytes < static_cast<std::size_t>(words.words) * 4)  // a layout bug, not a caller's
+    throw RuntimeError("machmoe: token rounding's counters region holds " + std::to_string(a.counters_bytes) +
+                       " bytes, needs " + std::to_string(words.words * 4));
+  auto* counter_words = static_cast<std::int32_t*>(a.counters);
+  std::int32_t* block_kept = counter_words + words.block_kept;
+  std::int32_t* group_kept = counter_words + words.group_kept;
+  std::int32_t* tc_count = counter_words + words.tc_count;
+  std::int32_t* fallback = counter_words + words.full_select;
   MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.counters, 0, a.counters_bytes, stream));
   dispatch_data_type(a.dt, [&](auto tag) {
     using Tp = decltype(tag);
     const auto* z = static_cast<const Tp*>(a.logits);
     by_row_width(a.E, [&](auto per_lane) {
       tr_keys_kernel<Tp, decltype(per_lane)::value><<<ceil_div(a.T, kKeyTokens), 32 * kKeyWarps, 0, stream>>>(
-          z, a.ld_logits, a.T, E, K, a.variant, a.tile_m, a.rule, a.keys, a.keys_by_expert, a.bounds, a.selection,
-          static_cast<Tp*>(a.logits_copy), tc_count, done, a.expert_counts, a.expert_offsets, a.expert_tiles);
+          z, a.ld_logits, a.T, E, K, a.variant, a.keys, a.keys_by_expert, a.bounds, a.selection,
+          static_cast<Tp*>(a.logits_copy), tc_count);
     });
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_keys");
   const std::int32_t* counts = tc_count;
-  const std::int32_t* offsets = a.expert_offsets;
   const SelectSharedMemory smem = select_shared_memory();
   // One CTA per expert; 1024 threads where the experts fit one wave at one CTA an SM (the kernel is bound by each
   // warp's walk over its chunk of the column: more warps, shorter chunks), else 512 (two CTAs an SM).
   auto launch_bounded = [&](auto threads) {
     launch_dependent(tr_select_bounded_kernel<decltype(threads)::value>, dim3(static_cast<unsigned>(E)),
-                     dim3(threads.value), 0, stream, a.keys_by_expert, a.T, counts, offsets, a.bounds,
-                     ceil_div(a.T, kKeyTokens), a.thresholds, a.gather, a.row_scores, fallback);
+                     dim3(threads.value), 0, stream, a.keys_by_expert, a.T, counts, a.tile_m, a.rule, a.expert_counts,
+                     a.expert_offsets, a.expert_tiles, a.bounds, ceil_div(a.T, kKeyTokens), a.thresholds, a.gather,
+                     a.row_scores, fallback, block_kept, group_kept);
   };
   if (E <= smem.sm_count)
     launch_bounded(std::integral_constant<int, 2 * kSelectThreads>{});
@@ -1359,14 +1371,16 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   attrs[1].val.clusterDim.y = 1, attrs[1].val.clusterDim.z = 1;
   cfg.attrs = attrs, cfg.numAttrs = ranks > 1 ? 2 : 1;
   // Only the experts the bounded select flagged (their CTAs of the others return at once).
-  MACHMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tr_select_kernel, a.keys_by_expert, a.T, counts, offsets, a.thresholds,
-                                        a.gather, a.row_scores, a.bounds, ceil_div(a.T, kKeyTokens), cache,
-                                        static_cast<const std::int32_t*>(fallback)));
+  MACHMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tr_select_kernel, a.keys_by_expert, a.T, counts,
+                                        static_cast<const std::int32_t*>(a.expert_offsets), a.thresholds, a.gather,
+                                        a.row_scores, a.bounds, ceil_div(a.T, kKeyTokens), cache,
+                                        static_cast<const std::int32_t*>(fallback), block_kept, group_kept));
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select");
   by_row_width(a.E, [&](auto per_lane) {
     launch_dependent(tr_emit_kernel<decltype(per_lane)::value>, dim3(static_cast<unsigned>(emit_blocks)),
                      dim3(32 * kEmitWarps), 0, stream, a.bounds, ceil_div(a.T, kKeyTokens), a.row_scores, a.T, E,
-                     a.expert_offsets, a.P_max, ticket, status, a.scores, a.inverse, a.scatter, a.token_offsets);
+                     a.expert_offsets, a.P_max, static_cast<const std::int32_t*>(block_kept),
+                     static_cast<const std::int32_t*>(group_kept), a.scores, a.inverse, a.scatter, a.token_offsets);
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_emit");
   if (token_rounding_built_plan(a)) {

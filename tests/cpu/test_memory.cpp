@@ -156,7 +156,7 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_EQ(tr.tr_bounds.bytes, 16u * 64 * (4096 / 32));
   EXPECT_EQ(tr.tr_row_scores.bytes, 4 * static_cast<std::size_t>(p.max_pairs()));
   // Look-back states (one uint64 per 64-token block), then 2E + 4 int32 counters.
-  EXPECT_EQ(tr.tr_counters.bytes, 8u * (4096 / 64) + 4u * (2 * 64 + 4));
+  EXPECT_EQ(tr.tr_counters.bytes, 4u * (4096 / 32 + 4096 / 1024 + 2 * 64));
   EXPECT_EQ(tr.pair_token.bytes, 4 * static_cast<std::size_t>(p.max_pairs()));
   MoEProblem wide = p;  // rows past the registers: the keys kernel's transpose reads the token-major keys back
   wide.E = kTokenRoundingRegisterExperts + 1, wide.K = 2;

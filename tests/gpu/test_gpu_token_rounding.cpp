@@ -155,11 +155,10 @@ TrRun run_kernels(const TrKernelCase& c, std::uint64_t seed, std::int64_t chunks
       o.logits_copy_exact = o.logits_copy_exact &&
                             std::memcmp(copy.data() + t * c.E * eb, z_bytes.data() + t * ld * eb, c.E * eb) == 0;
   }
-  {  // the flags after the counters region's look-back states, f_e, the completion count and the ticket
-    const auto emit_blocks = static_cast<std::size_t>((c.T + kTokenRoundingEmitTokens - 1) / kTokenRoundingEmitTokens);
+  {  // the whole-column select's flags in the counters region
+    const auto words = TokenRoundingCounters::of(c.T, c.E);
     std::vector<std::int32_t> flags(static_cast<std::size_t>(c.E));
-    cudaMemcpy(flags.data(), at(wl.tr_counters) + emit_blocks * 8 + (c.E + 2) * 4, flags.size() * 4,
-               cudaMemcpyDeviceToHost);
+    cudaMemcpy(flags.data(), at(wl.tr_counters) + words.full_select * 4, flags.size() * 4, cudaMemcpyDeviceToHost);
     for (std::int32_t x : flags) o.full_select_experts += x != 0;
   }
   for (const DeviceBuffer* b : {&logits, &ws, &counts, &offsets, &tiles, &scatter, &inverse, &gather, &token_offsets,

@@ -973,8 +973,9 @@ __global__ void __launch_bounds__(Threads)
 // The kept pairs come from the select's kept masks (word 3 of each expert's block bounds: bit i of expert e's mask
 // of block B is token 32 B + i), so no (token, expert) key is read: a warp's tokens lie in one block of 32 and share
 // its masks. PerLane > 0 (E <= 32 PerLane): each lane loads the masks of its experts once, all before the count.
-// PerLane = 0: 32 experts at a time, twice. A kept pair's grouped row is the block's first kept row (word 0 of the same 16 bytes, written by the
-// select) plus the kept tokens before it in the block's mask; its score is in row_scores at that row.
+// PerLane = 0: 32 experts at a time, twice. A kept pair's grouped row is the block's first kept row (word 0 of the
+// same 16 bytes, written by the select) plus the kept tokens before it in the block's mask; its score is in
+// row_scores at that row.
 // Two CTAs an SM up to 8 masks a lane (32 registers): faster than at half the occupancy, even when the 8-mask
 // variant spilled 40 bytes to the stack (ncu, H100, (16384,4096,1024,256,4): 22.7 us against 29.2 with one CTA an SM).
 template <int PerLane>
@@ -1003,7 +1004,8 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
   {
     const std::int64_t first_blk = b * (kEmitTokens / 32), groups = first_blk / 32;
     for (std::int64_t i = threadIdx.x; i < groups; i += blockDim.x) before += group_kept[i];
-    if (static_cast<std::int64_t>(threadIdx.x) < first_blk - 32 * groups) before += block_kept[32 * groups + threadIdx.x];
+    if (static_cast<std::int64_t>(threadIdx.x) < first_blk - 32 * groups)
+      before += block_kept[32 * groups + threadIdx.x];
   }
   const std::int64_t blk = t0 / 32;
   auto kept_mask = [&](int e) { return bounds[4 * (static_cast<std::int64_t>(e) * n_blocks + blk) + 3]; };

@@ -103,7 +103,9 @@ fi
 if [ "$what" = t8 ]; then
   # T8 (docs/TARGETS.md): both routings of each configuration back to back, the 12 main configurations and both
   # token-rounding sweeps, then the table (scripts/t8_table.py). T8_MAIN / T8_SWEEPS pick the rows (names of
-  # machmoe-bench's configurations; sweep rows as T:d:n:E:K), T8_SWEEP_MS the sweeps' --warmup-ms and --time-ms.
+  # machmoe-bench's configurations; sweep rows as T:d:n:E:K), T8_SWEEP_MS the sweeps' --warmup-ms and --time-ms,
+  # T8_MAIN_MS the main rows' (default: the benchmark's sustained timing; 300 took the 28 runs of the main rows and
+  # two sweep rows under 3 minutes on an H200, session 53).
   # The 40 runs took about 10 minutes on an H200 (session 52): split them over device calls with T8_MAIN= or
   # T8_SWEEPS= (empty), and give t8_table.py every call's t8_raw.txt.
   : > "$logs/t8_raw.txt"
@@ -113,7 +115,7 @@ if [ "$what" = t8 ]; then
     case "$row" in
       *:*) IFS=: read -r t d n e k <<< "$row"
            args="--T $t --d $d --n $n --E $e --K $k --warmup-ms ${T8_SWEEP_MS:-500} --time-ms ${T8_SWEEP_MS:-500}";;
-      *) args="--config $row";;
+      *) args="--config $row${T8_MAIN_MS:+ --warmup-ms $T8_MAIN_MS --time-ms $T8_MAIN_MS}";;
     esac
     for routing in token_rounding topk; do
       # shellcheck disable=SC2086

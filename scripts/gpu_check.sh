@@ -4,6 +4,8 @@
 # build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|profile|detail|t8|all] [gtest filter]
 # t8: token rounding against top-K on every main configuration and both sweeps (T8's table, scripts/t8_table.py).
 # profile: kernel by kernel durations of one forward of $BENCH_CONFIGS (ncu, unlocked clocks; nsys when present).
+#   BENCH_ARGS: more machmoe-bench arguments for profile and detail (e.g. "--routing token_rounding"), PROFILE_TAG a
+#   suffix of their files' names (so that two routings of a configuration keep both).
 # detail: ncu --set full of the kernels matching $KERNEL_REGEX and the instructions where they stall, in one archive
 # (built with -lineinfo, so that the stalls are also ranked by source line).
 # The whole GPU suite took 289 s on an H100 in two gtest shards (2026-11-25, its float64 references on all cores;
@@ -66,16 +68,19 @@ if [ "$what" = quick ]; then  # the Hopper kernel tests and one configuration's 
 fi
 if [ "$what" = profile ]; then
   for cfg in ${BENCH_CONFIGS:-7B-256}; do
-    echo "== $cfg"
+    echo "== $cfg ${BENCH_ARGS:-}"
+    name="$cfg${PROFILE_TAG:+_$PROFILE_TAG}"
+    # shellcheck disable=SC2086
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-      ./build/bin/machmoe-bench --config "$cfg" --iters 3 --warmup 1 --profile > "$logs/ncu_$cfg.csv" 2>&1
-    grep -E "back-to-back" "$logs/ncu_$cfg.csv"
-    python3 scripts/ncu_kernel_times.py "$logs/ncu_$cfg.csv"
+      ./build/bin/machmoe-bench --config "$cfg" ${BENCH_ARGS:-} --iters 3 --warmup 1 --profile > "$logs/ncu_$name.csv" 2>&1
+    grep -E "back-to-back" "$logs/ncu_$name.csv"
+    python3 scripts/ncu_kernel_times.py "$logs/ncu_$name.csv"
     if command -v nsys > /dev/null; then
-      nsys profile -o "$logs/nsys_$cfg" --force-overwrite true --capture-range=cudaProfilerApi \
-        ./build/bin/machmoe-bench --config "$cfg" --iters 3 --warmup 1 --profile > /dev/null 2>&1
-      nsys stats -q --report cuda_gpu_trace --format csv "$logs/nsys_$cfg.nsys-rep" > "$logs/nsys_$cfg.csv" 2>&1
-      head -n 40 "$logs/nsys_$cfg.csv"
+      # shellcheck disable=SC2086
+      nsys profile -o "$logs/nsys_$name" --force-overwrite true --capture-range=cudaProfilerApi \
+        ./build/bin/machmoe-bench --config "$cfg" ${BENCH_ARGS:-} --iters 3 --warmup 1 --profile > /dev/null 2>&1
+      nsys stats -q --report cuda_gpu_trace --format csv "$logs/nsys_$name.nsys-rep" > "$logs/nsys_$name.csv" 2>&1
+      head -n 40 "$logs/nsys_$name.csv"
     fi
   done
 fi
@@ -86,10 +91,11 @@ if [ "$what" = detail ]; then
   regex="${KERNEL_REGEX:-MainloopVarlenK}"
   mkdir -p "$logs/detail"
   for cfg in ${BENCH_CONFIGS:-120B-2048 7B-256}; do
-    out="$logs/detail/$cfg"
+    out="$logs/detail/$cfg${PROFILE_TAG:+_$PROFILE_TAG}"
+    # shellcheck disable=SC2086
     timeout "${DETAIL_TIMEOUT:-300}" ncu --clock-control none --kernel-name-base demangled -k "regex:$regex" \
       --launch-count "${LAUNCHES:-2}" --set full --import-source yes -f -o "$out" \
-      "./$bin/machmoe-bench" --config "$cfg" --iters 1 --warmup 0 > "$out.log" 2>&1
+      "./$bin/machmoe-bench" --config "$cfg" ${BENCH_ARGS:-} --iters 1 --warmup 0 > "$out.log" 2>&1
     echo "== $cfg: ncu exit $?"
     ncu -i "$out.ncu-rep" --print-details all > "$out.details.txt" 2>&1
     ncu -i "$out.ncu-rep" --page source --print-source sass --csv > "$out.sass.csv" 2>&1

@@ -68,9 +68,6 @@ ActivationMemory activation_memory(const MoEProblem& problem, DType data_dtype);
 /// Pairs per tile of the GPU routing-metadata build (its per-tile expert histograms are E x ceil(P / this)).
 inline constexpr std::int64_t kMetadataTilePairs = 256;
 
-/// Tokens per block of token rounding's emit pass.
-inline constexpr std::int64_t kTokenRoundingEmitTokens = 64;
-
 /// Token rounding's counters region (ForwardWorkspaceLayout::tr_counters), in int32 words from its start, zeroed at
 /// the start of every call: the kept pairs of each block of 32 tokens and of each group of 32 such blocks (the
 /// selects add them up; the emit pass takes its blocks' first pairs from them), the token-choice counts f_e, and the

@@ -91,8 +91,7 @@ constexpr std::int64_t kSelectClusterMinTokens = 8192;  // below this a column i
 // slower than 1 where E = 256 (more keys per token and warp).
 constexpr int kEmitWarps = 32;
 constexpr int kEmitTokensPerWarp = 2;
-constexpr int kEmitTokens = static_cast<int>(kTokenRoundingEmitTokens);  // per block
-static_assert(kEmitTokens == kEmitWarps * kEmitTokensPerWarp, "the emit CTA's tokens are its warps' tokens");
+constexpr int kEmitTokens = kEmitWarps * kEmitTokensPerWarp;  // per block
 // Backward.
 constexpr int kBwdWarps = 8;
 constexpr int kBwdWindow = 512;  // experts whose pair gradients a warp holds in shared memory at a time

@@ -8,7 +8,8 @@
 #   equiv     session 48's equivalence check: forward and backward of token rounding, base against new, 594 cases
 #   ncu       per-kernel ncu times and instruction counts ($KRX: kernel regex without ncu's "regex:" prefix, default tr_;
 #             $KLC: launches) on $KCFGS, alternating
-#   tab       machmoe-bench --routing {token_rounding,topk} on $TCFGS, both sides, $ROUNDS rounds (T8's comparison)
+#   tab       machmoe-bench --routing {token_rounding,topk} on $TCFGS, both sides, $ROUNDS rounds (T8's comparison);
+#             $SIDES and $ROUTES narrow it, $TAB_ARGS adds options (e.g. --warmup-ms 300 --time-ms 300)
 #   g0 g1     the whole gtest GPU suite in two shards      pyg  pytest's GPU tests (one GPU)
 #   san       compute-sanitizer memcheck and racecheck on the tests matching $SF
 #   pack      everything under $OUT into one archive (a device call returns at most 8 files)
@@ -53,7 +54,7 @@ for step in "$@"; do
     for r in $(seq 1 "${ROUNDS:-1}"); do for cfg in ${TCFGS:-1.4B-256}; do for side in ${SIDES:-base new}; do
       for route in ${ROUTES:-token_rounding topk}; do
         echo "== round $r cfg $(cfg_name "$cfg") $side $route"
-        "$(bench_of $side)" $(bench_args "$cfg") --routing "$route" --iters 10 --warmup 3 --stage-runs 3 2>&1 |
+        "$(bench_of $side)" $(bench_args "$cfg") --routing "$route" --iters 10 --warmup 3 --stage-runs 3 ${TAB_ARGS:-} 2>&1 |
           grep -E "^  (forward|backward) |forward/(token_rounding|topk|routing|y_chunk_plan)|backward/router"
       done; done; done; done 2>&1 | tee -a "$OUT/tab.txt";;
   g0|g1) GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=${step#g} timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \

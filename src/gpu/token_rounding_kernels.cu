@@ -25,15 +25,13 @@
 //    select writes, per expert and block, the mask of the kept tokens and the grouped row of the first of them, per
 //    grouped row the pair's score, and adds each block's kept pairs to that block's count and to its group's (32
 //    blocks), integer atomics whose order cannot show.
-//    Experts with too many such keys (repeated tokens) are flagged for the full select:
-// 2'. select (one block per expert): the r_e-th key of the expert's column by a 3-pass radix select (12, 12 and 8
-//    bits, a shared histogram with one atomic per distinct digit of a warp) over the column, held in shared
-//    memory when it fits. Experts whose count needs no rounding (r_e = f_e, 0 or T) skip it. When keys tie at the
-//    threshold and only some of the ties are kept, one ordered pass finds the token where they stop (the cut).
-//    Then the kept tokens, ascending, go to gather at the expert's offset (per-warp chunks, ballots), with the
-//    blocks' kept masks and first grouped rows as the bounded select writes them.
+//    The kept tokens' keys (their scores) are loaded with a lane per kept token, so a 32-block chunk's loads overlap.
+//    Experts with too many such keys (repeated tokens) are flagged and selected by the same CTA over the whole
+//    column: the r_e-th key by a 3-pass radix select (12, 12 and 8 bits, a shared histogram with one atomic per
+//    distinct digit of a warp); when keys tie at the threshold and only some of the ties are kept, one ordered pass
+//    finds the token where they stop (the cut); then the kept tokens, ascending, with the same per-block words.
 // 3. emit (32 warps per block, each over 2 consecutive tokens): kept(t, e) from the select's kept masks, counted
-//    per token and scanned within the block; the block's first pair is the sum of the selects' kept counts of the
+//    per token and scanned within the block; the block's first pair is the sum of the select's kept counts of the
 //    groups and blocks before it, so no block waits for another (a decoupled look-back did that before: ncu put 37 %
 //    of the kernel's stall samples on the barrier behind it, H200, 1.4B (1024,32,2)). Then every kept pair in
 //    (token, expert) order gets its grouped row (the block's first kept row plus the kept tokens before it in the
@@ -42,7 +40,7 @@
 // 4. Where the forward computes Y in chunks of tokens, their plan (tr_chunk_plan_kernel): each chunk's experts' rows
 //    from the per-block first kept rows and kept masks at the chunk's two boundary tokens, each routed pair's row in
 //    its chunk (what the top-K metadata builds from its tile histograms, and launch_dx_chunk_plan by searching).
-// Launches: the selects, the emit and the plan are programmatic dependent launches (dependent_launch.cuh): each may be
+// Launches: the select, the emit and the plan are programmatic dependent launches (dependent_launch.cuh): each may be
 // placed on the GPU while the kernel before it drains, and waits for that kernel's completion before it reads its
 // results.
 // Cost: the logits are read once, the keys written once expert-major (twice for E > 512) and read back only at the
@@ -57,7 +55,6 @@
 #include <mutex>
 #include <type_traits>
 
-#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 
 #include "gpu/chunk_plan.cuh"
@@ -79,12 +76,8 @@ constexpr int kKeyTokensPerWarp = kKeyTokens / kKeyWarps;
 constexpr int kKeyHistBins = 4096;  // block histogram of choices for E <= this; larger E adds to global directly
 constexpr int kTransposeExperts = 64;
 // Pass 2.
-constexpr int kSelectThreads = 512;
-constexpr int kSelectWarps = kSelectThreads / 32;
-constexpr int kSelectBins = 4096;
-constexpr int kSelectUnroll = 4;  // keys per thread and trip of a radix pass's histogram loop
-constexpr int kSelectMaxCluster = 4;              // CTAs per expert at most (a portable cluster size)
-constexpr std::int64_t kSelectClusterMinTokens = 8192;  // below this a column is one CTA's
+constexpr int kSelectBins = 4096;  // the whole-column radix select's first two passes (12 bits)
+constexpr int kSelectUnroll = 4;   // keys per thread and trip of a radix pass's histogram loop
 // Pass 3. Each warp takes kEmitTokensPerWarp consecutive tokens. Measured when the blocks still found their first pair
 // by a look-back over their predecessors (token-rounding stage with 1 / 2 / 4 / 8 tokens per warp, same call, two
 // rounds; docs/BENCHMARKS.md, session 36): 2 was 1-6 % faster than 1 on every row tried, 4 about as fast as 2, 8 12 %
@@ -382,12 +375,12 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
 
 // ---- pass 2: per expert, the threshold and the grouped rows -------------------------------------------------------
 
-/// Block-wide: the digit d of hist[0, bins) with (count above d) < need <= (count above d) + hist[d], scanning
-/// from the largest digit, and need minus the count above d. 1 <= need <= the histogram's total.
-template <class Scan>
+/// Block-wide (Threads threads): the digit d of hist[0, bins) with (count above d) < need <= (count above d) +
+/// hist[d], scanning from the largest digit, and need minus the count above d. 1 <= need <= the histogram's total.
+template <int Threads, class Scan>
 __device__ void find_digit(const std::int32_t* hist, int bins, std::int32_t need, typename Scan::TempStorage& tmp,
                            std::uint32_t& digit_s, std::int32_t& need_s) {
-  const int per = bins >= kSelectThreads ? bins / kSelectThreads : 1;
+  const int per = bins >= Threads ? bins / Threads : 1;
   const bool mine = static_cast<int>(threadIdx.x) * per < bins;
   const int top = bins - 1 - static_cast<int>(threadIdx.x) * per;  // this thread's bins: top, top - 1, ...
   std::int32_t s = 0;
@@ -410,14 +403,13 @@ __device__ void find_digit(const std::int32_t* hist, int bins, std::int32_t need
   __syncthreads();
 }
 
-/// Block-wide radix select, 12 + 12 + 8 bits from the top: the need-th largest of the n keys key_at(i) (1 <= need <=
-/// n). After each pass's histogram of this CTA's keys, total_of(bins) returns the histogram to search (this CTA's,
-/// or a cluster's sum) and sync_all() runs once the digit is taken (the next pass clears hist). Returns the key; need
-/// becomes how many of the keys equal to it the need-th largest takes, ties their count.
-template <class Scan, class KeyAt, class TotalOf, class SyncAll>
+/// Block-wide radix select (Threads threads), 12 + 12 + 8 bits from the top: the need-th largest of the n keys
+/// key_at(i) (1 <= need <= n). Returns the key; need becomes how many of the keys equal to it the need-th largest
+/// takes, ties their count.
+template <int Threads, class Scan, class KeyAt>
 __device__ std::uint32_t radix_select(KeyAt&& key_at, std::int64_t n, std::int32_t& need, std::int32_t& ties,
                                       std::int32_t* hist, typename Scan::TempStorage& scan_tmp, std::uint32_t& digit_s,
-                                      std::int32_t& need_s, TotalOf&& total_of, SyncAll&& sync_all) {
+                                      std::int32_t& need_s) {
   const int lane = threadIdx.x & 31;
   std::uint32_t prefix = 0;
   const int shifts[3] = {20, 8, 0}, widths[3] = {12, 12, 8};
@@ -425,17 +417,17 @@ __device__ std::uint32_t radix_select(KeyAt&& key_at, std::int64_t n, std::int32
   for (int pass = 0; pass < 3; ++pass) {
     const int shift = shifts[pass], bins = 1 << widths[pass];
     const std::uint32_t high = pass == 0 ? 0u : ~((1u << (shift + widths[pass])) - 1u);
-    for (int b = threadIdx.x; b < bins; b += kSelectThreads) hist[b] = 0;
+    for (int b = threadIdx.x; b < bins; b += Threads) hist[b] = 0;
     __syncthreads();
     // kSelectUnroll keys per thread and trip, loaded and matched independently: the loop is bound by the latency
     // of load -> match -> atomic, which the independent chains overlap.
     const unsigned lanes_below = (1u << lane) - 1u;
-    for (std::int64_t base = 0; base < n; base += kSelectUnroll * kSelectThreads) {  // uniform trip count
+    for (std::int64_t base = 0; base < n; base += kSelectUnroll * Threads) {  // uniform trip count
       std::uint32_t d[kSelectUnroll];
       bool in[kSelectUnroll];
 #pragma unroll
       for (int u = 0; u < kSelectUnroll; ++u) {
-        const std::int64_t i = base + u * kSelectThreads + threadIdx.x;
+        const std::int64_t i = base + u * Threads + threadIdx.x;
         d[u] = 0xffffffffu;
         in[u] = false;
         if (i < n) {
@@ -452,20 +444,19 @@ __device__ std::uint32_t radix_select(KeyAt&& key_at, std::int64_t n, std::int32
         if (in[u] && (group & lanes_below) == 0u) atomicAdd(&hist[d[u]], __popc(group));
       }
     }
-    const std::int32_t* total = total_of(bins);
     __syncthreads();
-    find_digit<Scan>(total, bins, need, scan_tmp, digit_s, need_s);
+    find_digit<Threads, Scan>(hist, bins, need, scan_tmp, digit_s, need_s);
     prefix |= digit_s << shift;
     need = need_s;
-    if (pass == 2) ties = total[digit_s];
-    sync_all();  // hist is cleared by the next pass, once every CTA has read it
+    if (pass == 2) ties = hist[digit_s];
+    __syncthreads();  // hist is cleared by the next pass once every thread has read it
   }
   return prefix;
 }
 
 /// Block-wide radix select for short lists (a few thousand keys at most, the bounded select's): 8 + 8 + 8 + 8 bits
 /// from the top, 256 bins, each digit found by warp 0 alone (8 bins a lane and a shuffle scan): one pass more than
-/// radix_select, but no block-wide scan of 4096 bins per pass. Same contract as radix_select for one CTA.
+/// radix_select, but no block-wide scan of 4096 bins per pass. Same contract as radix_select.
 template <class KeyAt>
 __device__ std::uint32_t short_radix_select(KeyAt&& key_at, std::int32_t n, std::int32_t& need, std::int32_t& ties,
                                             std::int32_t* hist, std::uint32_t& digit_s, std::int32_t& need_s) {
@@ -522,192 +513,154 @@ __device__ std::uint32_t short_radix_select(KeyAt&& key_at, std::int32_t n, std:
   return prefix;
 }
 
-// A cluster of `ranks` CTAs per expert (1, 2 or 4: the launcher spreads few experts over the GPU): CTA rank q owns
-// the expert's tokens [q S, (q + 1) S), S = T / ranks rounded up to 32, and caches that slice. Each radix pass
-// counts its slice into its own histogram; after a cluster barrier every CTA adds up the cluster's histograms
-// (distributed shared memory, integer sums: the same total in every CTA) and finds the digit itself. The tie cut
-// and the compaction take each CTA's count from the others in rank order (token order), so the result is the one
-// of a single CTA scanning the whole column.
-__global__ void __launch_bounds__(kSelectThreads)
-    tr_select_kernel(const std::uint32_t* __restrict__ keys_by_expert, std::int64_t T_,
-                     const std::int32_t* __restrict__ tc_count,
-                     const std::int32_t* __restrict__ expert_offsets, std::uint32_t* __restrict__ thresholds,
-                     std::int32_t* __restrict__ gather, float* __restrict__ row_scores,
-                     std::uint32_t* __restrict__ bounds, std::int64_t n_blocks, bool cache,
-                     const std::int32_t* __restrict__ only, std::int32_t* __restrict__ block_kept,
-                     std::int32_t* __restrict__ group_kept) {
-  namespace cg = cooperative_groups;
-  using Scan = cub::BlockScan<std::int32_t, kSelectThreads>;
-  // Dynamic: the cluster's summed histogram (clusters only), then the slice's keys when `cache`.
-  extern __shared__ std::uint32_t dyn_s[];
-  __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ std::int32_t hist[kSelectBins];
-  __shared__ std::int32_t warp_count[kSelectWarps];
-  __shared__ std::uint32_t digit_s;
-  __shared__ std::int32_t need_s, target_warp_s, target_rank_s;
-  __shared__ std::int32_t slice_count_s;  // this CTA's ties or kept tokens, read by the cluster
-  __shared__ std::int64_t cut_s;
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int ranks = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int e = static_cast<int>(blockIdx.x) / ranks;
-  allow_dependent_launch();  // the emit's CTAs may be placed now; they wait for this grid before they read
-  wait_for_prior_grid();     // the bounded select's flags and bounds
-  if (only != nullptr && only[e] == 0) return;  // resolved by the bounded select (uniform across the cluster)
-  const std::uint32_t* gcol = keys_by_expert + static_cast<std::int64_t>(e) * T_;
-  const std::int64_t f = tc_count[e];
-  const std::int64_t g0 = expert_offsets[e];
-  const std::int64_t r = expert_offsets[e + 1] - g0;
-  // This CTA's slice of tokens: local index i is token s_begin + i.
-  const std::int64_t slice = ((T_ + ranks - 1) / ranks + 31) / 32 * 32;
-  const std::int64_t s_begin = min(T_, rank * slice), n = min(T_, (rank + 1) * slice) - s_begin;
-  std::int32_t* total = ranks > 1 ? reinterpret_cast<std::int32_t*>(dyn_s) : hist;
-  std::uint32_t* column_s = dyn_s + (ranks > 1 ? kSelectBins : 0);
-  if (cache) {
-    for (std::int64_t i = threadIdx.x; i < n; i += kSelectThreads) column_s[i] = gcol[s_begin + i];
-    __syncthreads();
+/// The position of the n-th (0-based) set bit of m (n < popc(m)): the largest p with at most n set bits below it.
+__device__ __forceinline__ int nth_set_bit(std::uint32_t m, int n) {
+  int p = 0;
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1)
+    if (__popc(m & ((1u << (p + s)) - 1u)) <= n) p += s;
+  return p;
+}
+
+/// Warp-wide, lane l holding the kept mask m of block c0 + l, `before` the kept tokens of the blocks below it and
+/// `total` the chunk's kept tokens: every kept token of the chunk goes to gather[pos + j] (j its rank in token
+/// order) with its score (from its key) to row_scores[pos + j]. Lane l takes kept tokens l, l + 32, ...: it finds
+/// the block of its token by a binary search over the lanes' inclusive counts and the token by one over the mask's
+/// bits, and issues the keys' loads of two tokens before it writes either, so that the loads of the whole chunk
+/// overlap (one lane per block, loading whichever of its 32 tokens were kept, took a dependent load per 8 blocks)
+/// and the writes are contiguous.
+__device__ __forceinline__ void write_kept_tokens(const std::uint32_t* __restrict__ gcol, std::int64_t c0,
+                                                  std::uint32_t m, std::int32_t before, std::int32_t total,
+                                                  std::int64_t pos, std::int32_t* __restrict__ gather,
+                                                  float* __restrict__ row_scores) {
+  const int lane = threadIdx.x & 31;
+  const std::int32_t incl = before + __popc(m);
+  for (std::int32_t j0 = 0; j0 < total; j0 += 64) {  // uniform trip count
+    std::int32_t t[2];  // tokens (T < 2^31: gather holds them as int32)
+    std::uint32_t key[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const std::int32_t j = j0 + 32 * u + lane;
+      // The block: the number of lanes whose inclusive count is <= j (counts ascend with the lane).
+      int blk = 0;
+#pragma unroll
+      for (int s = 16; s > 0; s >>= 1)
+        if (__shfl_sync(kFull, incl, blk + s - 1) <= j) blk += s;
+      const std::uint32_t mb = __shfl_sync(kFull, m, blk);
+      const std::int32_t within = j - __shfl_sync(kFull, before, blk);
+      t[u] = j < total ? static_cast<std::int32_t>((c0 + blk) * 32 + nth_set_bit(mb, within)) : -1;
+      key[u] = t[u] >= 0 ? gcol[t[u]] : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (t[u] >= 0) {
+        const std::int64_t g = pos + j0 + 32 * u + lane;
+        gather[g] = t[u];
+        row_scores[g] = __uint_as_float(key[u] & ~kChosen);  // the TC score of a chosen pair, p of an added one
+      }
+    }
   }
-  const std::uint32_t* col = cache ? column_s : gcol + s_begin;
-  // Per-warp contiguous chunks of the slice (multiples of 32) for the ordered passes.
-  const std::int64_t chunk = ((n + kSelectWarps - 1) / kSelectWarps + 31) / 32 * 32;
-  const std::int64_t w_begin = min(n, warp * chunk), w_end = min(n, (warp + 1) * chunk);
-  // Every CTA of the cluster has written slice_count_s (and whatever else is read remotely): a cluster barrier, or
-  // the block's own barrier without a cluster.
-  auto sync_all = [&] {
-    if (ranks > 1)
-      cluster.sync();
-    else
-      __syncthreads();
-  };
-  // Each warp's count c to warp_count, and their sum, this CTA's count, to slice_count_s (the cluster reads it after
-  // a cluster barrier).
-  auto publish_counts = [&](std::int32_t c) {
-    if (lane == 0) warp_count[warp] = c;
+}
+
+/// Shared memory of whole_column_select.
+template <int Threads>
+struct WholeColumnShared {
+  using Scan = cub::BlockScan<std::int32_t, Threads>;
+  typename Scan::TempStorage scan_tmp;
+  std::int32_t hist[kSelectBins];
+  std::int32_t warp_count[Threads / 32];
+  std::uint32_t digit_s;
+  std::int32_t need_s, target_warp_s, target_rank_s;
+  std::int64_t cut_s;
+};
+
+/// The select over expert e's whole column by one CTA, for the experts whose threshold the bounded select cannot
+/// bound (too many candidates: many equal keys, such as repeated tokens): the r-th largest key of the column by a
+/// 3-pass radix select (12, 12 and 8 bits; a shared histogram with one atomic per distinct digit of a warp); when
+/// keys tie at the threshold and only some of the ties are kept, the token where the kept ties stop (the cut) by one
+/// ordered pass. Then the kept tokens, ascending, go to gather[g0 ...] (per-warp chunks, ballots), with each block's
+/// kept mask and first grouped row and kept counts, as the bounded select writes them. Needs 0 < r < T, r != f.
+/// This ran as a kernel of its own after the bounded select, over clusters of CTAs where experts were few, and the
+/// launch cost every call 2.6-3.6 us (ncu, H200) for the experts it was almost never given.
+template <int Threads>
+__device__ void whole_column_select(const std::uint32_t* __restrict__ gcol, std::int64_t T_, std::int64_t r,
+                                    std::int64_t g0, int e, std::uint32_t* __restrict__ thresholds,
+                                    std::int32_t* __restrict__ gather, float* __restrict__ row_scores,
+                                    std::uint32_t* __restrict__ bounds, std::int64_t n_blocks,
+                                    std::int32_t* __restrict__ block_kept, std::int32_t* __restrict__ group_kept,
+                                    WholeColumnShared<Threads>& sh) {
+  constexpr int kWarps = Threads / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // Per-warp contiguous chunks of the column (multiples of 32) for the ordered passes.
+  const std::int64_t chunk = ((T_ + kWarps - 1) / kWarps + 31) / 32 * 32;
+  const std::int64_t w_begin = min(T_, warp * chunk), w_end = min(T_, (warp + 1) * chunk);
+  std::int32_t need = static_cast<std::int32_t>(r), ties = 0;
+  const std::uint32_t thr = radix_select<Threads, typename WholeColumnShared<Threads>::Scan>(
+      [&](std::int64_t i) { return gcol[i]; }, T_, need, ties, sh.hist, sh.scan_tmp, sh.digit_s, sh.need_s);
+  std::int64_t cut = T_;  // need == ties: every key equal to the threshold is kept
+  if (need != ties) {
+    // Keep the first `need` ties in token order: the token of tie number `need` (0-based) is the cut.
+    std::int32_t c = 0;
+    for (std::int64_t base = w_begin; base < w_end; base += 32) {
+      const std::int64_t i = base + lane;
+      c += __popc(__ballot_sync(kFull, i < w_end && gcol[i] == thr));
+    }
+    if (lane == 0) sh.warp_count[warp] = c;
     __syncthreads();
     if (threadIdx.x == 0) {
-      std::int32_t sum = 0;
-      for (int w = 0; w < kSelectWarps; ++w) sum += warp_count[w];
-      slice_count_s = sum;
-    }
-  };
-
-  std::uint32_t thr;
-  std::int64_t cut;
-  if (r == f) {
-    thr = 0x7fffffffu, cut = 0;  // exactly the token choices: every chosen key is above, no other key is
-  } else if (r == 0) {
-    thr = 0xffffffffu, cut = 0;  // nothing
-  } else if (r >= T_) {
-    thr = 0u, cut = T_;  // every token
-  } else {
-    // Radix select of the r-th largest key.
-    std::int32_t need = static_cast<std::int32_t>(r), ties = 0;
-    const std::uint32_t prefix = radix_select<Scan>(
-        [&](std::int64_t i) { return col[i]; }, n, need, ties, hist, scan_tmp, digit_s, need_s,
-        [&](int bins) -> const std::int32_t* {
-          if (ranks > 1) {
-            cluster.sync();  // every CTA's histogram is complete
-            for (int b = threadIdx.x; b < bins; b += kSelectThreads) {
-              std::int32_t sum = 0;
-              for (int q = 0; q < ranks; ++q) sum += cluster.map_shared_rank(hist, q)[b];
-              total[b] = sum;
-            }
-          }
-          return total;
-        },
-        sync_all);
-    thr = prefix;
-    if (need == ties) {
-      cut = T_;  // every key equal to the threshold is kept
-    } else {
-      // Keep the first `need` ties in token order: find the token of tie number `need` (0-based), the cut.
-      std::int32_t c = 0;
-      for (std::int64_t base = w_begin; base < w_end; base += 32) {
-        const std::int64_t i = base + lane;
-        c += __popc(__ballot_sync(kFull, i < w_end && col[i] == thr));
-      }
-      publish_counts(c);
-      sync_all();
-      // The CTA whose slice holds tie number `need`, and the ties of the slices before it.
-      int target = 0;
-      std::int32_t before_slice = 0;
-      for (int q = 0; q < ranks; ++q) {
-        const std::int32_t cq = ranks > 1 ? *cluster.map_shared_rank(&slice_count_s, q) : slice_count_s;
-        if (need < before_slice + cq) {
-          target = q;
+      std::int32_t before = 0;
+      for (int w = 0; w < kWarps; ++w) {
+        if (need < before + sh.warp_count[w]) {
+          sh.target_warp_s = w, sh.target_rank_s = need - before;
           break;
         }
-        before_slice += cq;
+        before += sh.warp_count[w];
       }
-      if (rank == target) {  // uniform across the CTA
-        const std::int32_t local_need = need - before_slice;
-        if (threadIdx.x == 0) {
-          std::int32_t before = 0;
-          for (int w = 0; w < kSelectWarps; ++w) {
-            if (local_need < before + warp_count[w]) {
-              target_warp_s = w, target_rank_s = local_need - before;
-              break;
-            }
-            before += warp_count[w];
-          }
-        }
-        __syncthreads();
-        if (warp == target_warp_s) {
-          std::int32_t seen = 0;
-          for (std::int64_t base = w_begin; base < w_end; base += 32) {
-            const std::int64_t i = base + lane;
-            unsigned b = __ballot_sync(kFull, i < w_end && col[i] == thr);
-            const int cnt = __popc(b);
-            if (seen + cnt > target_rank_s) {
-              for (int k = 0; k < target_rank_s - seen; ++k) b &= b - 1;
-              if (lane == 0) {
-                const std::int64_t token = s_begin + base + (__ffs(b) - 1);
-                if (ranks > 1)
-                  for (int q = 0; q < ranks; ++q) *cluster.map_shared_rank(&cut_s, q) = token;
-                else
-                  cut_s = token;
-              }
-              break;
-            }
-            seen += cnt;
-          }
-        }
-      }
-      sync_all();  // the cut has reached every CTA
-      cut = cut_s;
     }
+    __syncthreads();
+    if (warp == sh.target_warp_s) {
+      std::int32_t seen = 0;
+      for (std::int64_t base = w_begin; base < w_end; base += 32) {
+        const std::int64_t i = base + lane;
+        unsigned b = __ballot_sync(kFull, i < w_end && gcol[i] == thr);
+        const int cnt = __popc(b);
+        if (seen + cnt > sh.target_rank_s) {
+          for (int k = 0; k < sh.target_rank_s - seen; ++k) b &= b - 1;
+          if (lane == 0) sh.cut_s = base + (__ffs(b) - 1);
+          break;
+        }
+        seen += cnt;
+      }
+    }
+    __syncthreads();
+    cut = sh.cut_s;
   }
-  if (rank == 0 && threadIdx.x == 0) {
+  if (threadIdx.x == 0) {
     thresholds[2 * e] = thr;
     thresholds[2 * e + 1] = static_cast<std::uint32_t>(cut);
   }
-  if (r == 0) return;  // uniform across the cluster: no CTA reads another's shared memory after this
-  // The kept tokens in ascending order -> gather[g0 ...], their scores -> row_scores.
+  // The kept tokens in ascending order -> gather[g0 ...], their scores -> row_scores. (warp_count's last readers
+  // passed a barrier since.)
   std::int32_t c = 0;
   for (std::int64_t base = w_begin; base < w_end; base += 32) {
     const std::int64_t i = base + lane;
-    c += __popc(__ballot_sync(kFull, i < w_end && kept(col[i], thr, static_cast<std::uint32_t>(cut), s_begin + i)));
+    c += __popc(__ballot_sync(kFull, i < w_end && kept(gcol[i], thr, static_cast<std::uint32_t>(cut), i)));
   }
-  publish_counts(c);
+  if (lane == 0) sh.warp_count[warp] = c;
+  __syncthreads();
   std::int64_t pos = g0;
-  if (ranks > 1) {
-    cluster.sync();
-    for (int q = 0; q < rank; ++q) pos += *cluster.map_shared_rank(&slice_count_s, q);
-  }
-  for (int w = 0; w < warp; ++w) pos += warp_count[w];
+  for (int w = 0; w < warp; ++w) pos += sh.warp_count[w];
   const unsigned below = (1u << lane) - 1u;
-  // Each trip is one block of 32 tokens (slices and chunks start at multiples of 32): its kept mask goes to word 3
-  // of the block's bounds and the grouped row of its first kept token to word 0, for the emit pass.
+  // Each trip is one block of 32 tokens (chunks start at multiples of 32): its kept mask goes to word 3 of the
+  // block's bounds and the grouped row of its first kept token to word 0, for the emit pass.
   std::uint32_t* block_words = bounds + 4 * static_cast<std::int64_t>(e) * n_blocks;
   for (std::int64_t base = w_begin; base < w_end; base += 32) {
-    const std::int64_t i = base + lane;
-    const std::int64_t t = s_begin + i;
-    const std::uint32_t key = i < w_end ? col[i] : 0u;
-    const bool k = i < w_end && kept(key, thr, static_cast<std::uint32_t>(cut), t);
+    const std::int64_t t = base + lane;
+    const std::uint32_t key = t < w_end ? gcol[t] : 0u;
+    const bool k = t < w_end && kept(key, thr, static_cast<std::uint32_t>(cut), t);
     const unsigned b = __ballot_sync(kFull, k);
     if (lane == 0) {
-      const std::int64_t blk = (s_begin + base) / 32;
+      const std::int64_t blk = base / 32;
       std::uint32_t* w = block_words + 4 * blk;
       w[0] = static_cast<std::uint32_t>(pos), w[3] = b;
       if (b != 0u) atomicAdd(&block_kept[blk], __popc(b)), atomicAdd(&group_kept[blk / 32], __popc(b));
@@ -719,7 +672,6 @@ __global__ void __launch_bounds__(kSelectThreads)
     }
     pos += __popc(b);
   }
-  if (ranks > 1) cluster.sync();  // no CTA leaves while another may still read its shared memory
 }
 
 // Pass 2, bounded: nearest rounding moves at most tile / 2 pairs of an expert, so its threshold lies among a few keys
@@ -735,9 +687,36 @@ __global__ void __launch_bounds__(kSelectThreads)
 // so a block's kept tokens are its choice mask corrected at the candidates, and the write reads masks, and keys only
 // where they are kept (each kept pair's score goes to row_scores at its grouped row).
 // Where a warp's candidates pass kBoundedCandidates (many equal keys: repeated tokens), the expert is flagged and
-// tr_select_kernel, launched after, selects it over the whole column.
+// the CTA selects it over the whole column (whole_column_select).
 constexpr int kBoundedCandidates = 64;  // per warp
-constexpr int kBoundedBatch = 8;        // blocks whose kept keys the write loads before it writes any
+constexpr int kBoundedReadBlocks = 4;   // candidate blocks whose keys a warp loads before it stages any
+
+template <int Threads>
+struct BoundedSelectShared {
+  static constexpr int kWarps = Threads / 32;
+  // The blocks' bounds that step 1 selects from (where they fit), then the candidates in token order (step 3 on).
+  static constexpr int kBoundCache = 2 * kWarps * kBoundedCandidates;
+  union {
+    struct {
+      std::uint32_t staged_key[kWarps][kBoundedCandidates];
+      std::int32_t staged_token[kWarps][kBoundedCandidates];
+      union {
+        std::uint32_t bound[kBoundCache];
+        struct {
+          std::uint32_t key[kWarps * kBoundedCandidates];
+          std::int32_t token[kWarps * kBoundedCandidates];
+        } cand;
+      };
+    } bounded;
+    WholeColumnShared<Threads> whole;  // only once the expert is flagged, after the last use of `bounded`
+  };
+  std::int32_t hist[256];  // short_radix_select's
+  std::int32_t warp_cand[kWarps], warp_kept[kWarps];
+  std::int32_t warp_rows[kWarps], warp_tiles[kWarps];
+  std::uint32_t digit_s;
+  std::int32_t need_s;
+  std::int64_t cut_s;
+};
 
 template <int Threads>
 __global__ void __launch_bounds__(Threads)
@@ -747,19 +726,13 @@ __global__ void __launch_bounds__(Threads)
                              std::int32_t* __restrict__ expert_tiles, std::uint32_t* __restrict__ bounds,
                              std::int64_t n_blocks, std::uint32_t* __restrict__ thresholds,
                              std::int32_t* __restrict__ gather, float* __restrict__ row_scores,
-                             std::int32_t* __restrict__ fallback, std::int32_t* __restrict__ block_kept,
+                             std::int32_t* __restrict__ full_select, std::int32_t* __restrict__ block_kept,
                              std::int32_t* __restrict__ group_kept) {
-  constexpr int kWarps = Threads / 32;
-  __shared__ std::int32_t hist[256];  // short_radix_select's
-  __shared__ std::uint32_t staged_key[kWarps][kBoundedCandidates];
-  __shared__ std::int32_t staged_token[kWarps][kBoundedCandidates];
-  __shared__ std::uint32_t cand_key[kWarps * kBoundedCandidates];
-  __shared__ std::int32_t cand_token[kWarps * kBoundedCandidates];
-  __shared__ std::int32_t warp_cand[kWarps], warp_kept[kWarps];
-  __shared__ std::int32_t warp_rows[kWarps], warp_tiles[kWarps];
-  __shared__ std::uint32_t digit_s;
-  __shared__ std::int32_t need_s;
-  __shared__ std::int64_t cut_s;
+  using Shared = BoundedSelectShared<Threads>;
+  constexpr int kWarps = Shared::kWarps;
+  __shared__ Shared sh;
+  auto& staged_key = sh.bounded.staged_key;
+  auto& staged_token = sh.bounded.staged_token;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const unsigned below = (1u << lane) - 1u;
   const int e = static_cast<int>(blockIdx.x);
@@ -781,10 +754,10 @@ __global__ void __launch_bounds__(Threads)
     }
     rows_before = __reduce_add_sync(kFull, rows_before);
     tiles_before = __reduce_add_sync(kFull, tiles_before);
-    if (lane == 0) warp_rows[warp] = rows_before, warp_tiles[warp] = tiles_before;
+    if (lane == 0) sh.warp_rows[warp] = rows_before, sh.warp_tiles[warp] = tiles_before;
     __syncthreads();
     rows_before = tiles_before = 0;
-    for (int w = 0; w < kWarps; ++w) rows_before += warp_rows[w], tiles_before += warp_tiles[w];
+    for (int w = 0; w < kWarps; ++w) rows_before += sh.warp_rows[w], tiles_before += sh.warp_tiles[w];
     g0 = rows_before;
     if (threadIdx.x == 0) {
       if (e == 0) expert_offsets[0] = 0, expert_tiles[0] = 0;
@@ -793,7 +766,7 @@ __global__ void __launch_bounds__(Threads)
       if (expert_counts) expert_counts[e] = static_cast<std::int32_t>(r);
     }
   }
-  if (r == 0) {  // nothing kept (the words tr_select_kernel writes: f = 0 counts as "exactly the choices")
+  if (r == 0) {  // nothing kept (f = 0 counts as "exactly the choices")
     if (threadIdx.x == 0) thresholds[2 * e] = f == 0 ? 0x7fffffffu : 0xffffffffu, thresholds[2 * e + 1] = 0u;
     return;
   }
@@ -806,17 +779,26 @@ __global__ void __launch_bounds__(Threads)
 
   // 1. The bound (the side's k-th or (k + 1)-th value of the blocks' bounds; the smallest chosen keys complemented,
   //    so that both are a k-th largest). Fewer blocks than that: no bound, every key of the side is a candidate.
+  //    The bounds are read from memory once, into shared memory where they fit (T <= 64 Threads), not once a pass.
   std::uint32_t bound = drop ? 0xffffffffu : 0u;
   const std::int64_t need_b = drop ? k + 1 : k;
   if (!trivial && need_b <= n_blocks) {
     const std::uint32_t* b = bounds + 4 * static_cast<std::int64_t>(e) * n_blocks + (drop ? 1 : 0);
+    const bool cached = n_blocks <= Shared::kBoundCache;  // uniform
+    if (cached) {
+      for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < n_blocks; i += Threads)
+        sh.bounded.bound[i] = drop ? ~b[4 * i] : b[4 * i];
+      __syncthreads();
+    }
     std::int32_t need = static_cast<std::int32_t>(need_b), ties = 0;
-    const std::uint32_t v = short_radix_select([&](std::int32_t i) { return drop ? ~b[4 * i] : b[4 * i]; },
-                                               static_cast<std::int32_t>(n_blocks), need, ties, hist, digit_s, need_s);
+    const std::uint32_t v = short_radix_select(
+        [&](std::int32_t i) { return cached ? sh.bounded.bound[i] : (drop ? ~b[4 * i] : b[4 * i]); },
+        static_cast<std::int32_t>(n_blocks), need, ties, sh.hist, sh.digit_s, sh.need_s);
     bound = drop ? ~v : v;
   }
   // 2. Each warp over its blocks' bounds: its chosen keys counted from the blocks' choice masks, and only the blocks
-  //    whose bound reaches past the expert's bound read, their candidates staged in token order.
+  //    whose bound reaches past the expert's bound read (kBoundedReadBlocks at a time, their loads overlapping),
+  //    their candidates staged in token order.
   const uint4* block_bounds = reinterpret_cast<const uint4*>(bounds) + static_cast<std::int64_t>(e) * n_blocks;
   // An empty chunk (w_begin == w_end == T_ past the last warp with tokens) has no blocks, even with T_ % 32 != 0.
   const std::int64_t blk_begin = w_begin / 32, blk_end = w_end > w_begin ? (w_end + 31) / 32 : blk_begin;
@@ -826,31 +808,41 @@ __global__ void __launch_bounds__(Threads)
     const uint4 bd = blk < blk_end ? block_bounds[blk] : make_uint4(0u, ~0u, 0u, 0u);
     n_chosen += __popc(bd.z);
     const bool reaches = !trivial && blk < blk_end && (drop ? bd.y <= bound : bd.x >= bound);
-    for (unsigned todo = __ballot_sync(kFull, reaches); todo != 0u; todo &= todo - 1u) {  // uniform, in block order
-      const std::int64_t i = (c0 + __ffs(todo) - 1) * 32 + lane;
-      const bool valid = i < w_end;
-      const std::uint32_t key = valid ? gcol[i] : 0u;
-      const bool chosen = (key & kChosen) != 0u;
-      const bool cand = valid && (drop ? chosen && key <= bound : !chosen && key >= bound);
-      const unsigned c = __ballot_sync(kFull, cand);
-      const std::int32_t slot = n_cand + __popc(c & below);
-      if (cand && slot < kBoundedCandidates)
-        staged_key[warp][slot] = key, staged_token[warp][slot] = static_cast<std::int32_t>(i);
-      n_cand += __popc(c);
+    for (unsigned todo = __ballot_sync(kFull, reaches); todo != 0u;) {  // uniform, in block order
+      std::int32_t i[kBoundedReadBlocks];  // tokens (T < 2^31: gather holds them as int32)
+      std::uint32_t key[kBoundedReadBlocks];
+#pragma unroll
+      for (int u = 0; u < kBoundedReadBlocks; ++u) {
+        i[u] = todo != 0u ? static_cast<std::int32_t>((c0 + __ffs(todo) - 1) * 32 + lane) : -1;
+        todo &= todo - 1u;
+        if (i[u] >= w_end) i[u] = -1;
+        key[u] = i[u] >= 0 ? gcol[i[u]] : 0u;
+      }
+#pragma unroll
+      for (int u = 0; u < kBoundedReadBlocks; ++u) {
+        const bool chosen = (key[u] & kChosen) != 0u;
+        const bool cand = i[u] >= 0 && (drop ? chosen && key[u] <= bound : !chosen && key[u] >= bound);
+        const unsigned c = __ballot_sync(kFull, cand);
+        const std::int32_t slot = n_cand + __popc(c & below);
+        if (cand && slot < kBoundedCandidates) staged_key[warp][slot] = key[u], staged_token[warp][slot] = i[u];
+        n_cand += __popc(c);
+      }
     }
   }
   for (int o = 16; o > 0; o >>= 1) n_chosen += __shfl_xor_sync(kFull, n_chosen, o);
-  if (lane == 0) warp_cand[warp] = n_cand;
+  if (lane == 0) sh.warp_cand[warp] = n_cand;
   __syncthreads();
   std::int32_t cand_before = 0, n_cands = 0;
   bool overflow = false;
   for (int w = 0; w < kWarps; ++w) {
-    overflow = overflow || warp_cand[w] > kBoundedCandidates;
-    if (w < warp) cand_before += warp_cand[w];
-    n_cands += warp_cand[w];
+    overflow = overflow || sh.warp_cand[w] > kBoundedCandidates;
+    if (w < warp) cand_before += sh.warp_cand[w];
+    n_cands += sh.warp_cand[w];
   }
-  if (overflow) {  // uniform: tr_select_kernel takes this expert
-    if (threadIdx.x == 0) fallback[e] = 1;
+  if (overflow) {  // uniform: the whole column. Every thread is past its last use of sh.bounded (the barrier above).
+    if (threadIdx.x == 0) full_select[e] = 1;
+    whole_column_select<Threads>(gcol, T_, r, g0, e, thresholds, gather, row_scores, bounds, n_blocks, block_kept,
+                                 group_kept, sh.whole);
     return;
   }
   // 3. The threshold and the tie cut from the candidates, contiguous in token order.
@@ -861,13 +853,15 @@ __global__ void __launch_bounds__(Threads)
   } else if (r >= T_) {
     thr = 0u, cut = T_;  // every token
   } else {
+    auto& cand = sh.bounded.cand;
     for (int j = lane; j < n_cand; j += 32)
-      cand_key[cand_before + j] = staged_key[warp][j], cand_token[cand_before + j] = staged_token[warp][j];
+      cand.key[cand_before + j] = staged_key[warp][j], cand.token[cand_before + j] = staged_token[warp][j];
     __syncthreads();
     // Added tokens: the k-th largest unchosen key. Dropped: the (k + 1)-th smallest chosen key, the candidates being
     // the n_cands smallest chosen keys.
     std::int32_t need = static_cast<std::int32_t>(drop ? n_cands - k : k), ties = 0;
-    thr = short_radix_select([&](std::int32_t i) { return cand_key[i]; }, n_cands, need, ties, hist, digit_s, need_s);
+    thr = short_radix_select([&](std::int32_t i) { return cand.key[i]; }, n_cands, need, ties, sh.hist, sh.digit_s,
+                             sh.need_s);
     if (need == ties) {
       cut = T_;  // every key equal to the threshold is kept
     } else {
@@ -876,18 +870,18 @@ __global__ void __launch_bounds__(Threads)
         std::int32_t seen = 0;
         for (std::int32_t base = 0; base < n_cands; base += 32) {
           const std::int32_t i = base + lane;
-          unsigned b = __ballot_sync(kFull, i < n_cands && cand_key[i] == thr);
+          unsigned b = __ballot_sync(kFull, i < n_cands && cand.key[i] == thr);
           const int cnt = __popc(b);
           if (seen + cnt > need) {
             for (int q = 0; q < need - seen; ++q) b &= b - 1;
-            if (lane == 0) cut_s = cand_token[base + __ffs(b) - 1];
+            if (lane == 0) sh.cut_s = cand.token[base + __ffs(b) - 1];
             break;
           }
           seen += cnt;
         }
       }
       __syncthreads();
-      cut = cut_s;
+      cut = sh.cut_s;
     }
   }
   if (threadIdx.x == 0) {
@@ -902,8 +896,8 @@ __global__ void __launch_bounds__(Threads)
       kept_c += kept(staged_key[warp][j], thr, static_cast<std::uint32_t>(cut), staged_token[warp][j]) ? 1 : 0;
   for (int o = 16; o > 0; o >>= 1) kept_c += __shfl_xor_sync(kFull, kept_c, o);
   if (lane == 0)
-    warp_kept[warp] = r >= T_ ? static_cast<std::int32_t>(w_end - w_begin)
-                              : (drop ? n_chosen - n_cand : n_chosen) + (trivial ? 0 : kept_c);
+    sh.warp_kept[warp] = r >= T_ ? static_cast<std::int32_t>(w_end - w_begin)
+                                 : (drop ? n_chosen - n_cand : n_chosen) + (trivial ? 0 : kept_c);
   __syncthreads();
   // 5. The kept tokens in ascending order -> gather[g0 ...], their scores -> row_scores; per block, its kept mask
   //    (word 3 of its bounds) and its first kept token's grouped row (word 0, read in steps 1-2 only). A block's
@@ -911,7 +905,7 @@ __global__ void __launch_bounds__(Threads)
   //    removed: outside the candidates only the kept tokens' keys are read (for their scores). 32 blocks at a time,
   //    lane i holding block c0 + i's mask.
   std::int64_t pos = g0;
-  for (int w = 0; w < warp; ++w) pos += warp_kept[w];
+  for (int w = 0; w < warp; ++w) pos += sh.warp_kept[w];
   std::int32_t next = 0;  // the warp's first staged candidate not yet applied (they are in token order)
   for (std::int64_t c0 = blk_begin; c0 < blk_end; c0 += 32) {  // uniform trip count
     const std::int64_t blk = c0 + lane;
@@ -941,29 +935,9 @@ __global__ void __launch_bounds__(Threads)
       w[0] = static_cast<std::uint32_t>(pos + before), w[3] = m;
     }
     add_kept_counts(block_kept, group_kept, c0, blk, m);
-    // kBoundedBatch blocks at a time: the kept tokens' keys (for their scores) all loaded before any is used, so
-    // that the loads overlap instead of waiting one block after another.
-    for (int i0 = 0; i0 < 32; i0 += kBoundedBatch) {
-      std::uint32_t key[kBoundedBatch];
-#pragma unroll
-      for (int u = 0; u < kBoundedBatch; ++u) {
-        const std::uint32_t mi = __shfl_sync(kFull, m, i0 + u);
-        key[u] = (mi >> lane) & 1u ? gcol[(c0 + i0 + u) * 32 + lane] : 0u;
-      }
-#pragma unroll
-      for (int u = 0; u < kBoundedBatch; ++u) {
-        const int i = i0 + u;
-        const std::uint32_t mi = __shfl_sync(kFull, m, i);
-        const std::int32_t bi = __shfl_sync(kFull, before, i);
-        if ((mi >> lane) & 1u) {
-          const std::int64_t t = (c0 + i) * 32 + lane;
-          const std::int64_t g = pos + bi + __popc(mi & below);
-          gather[g] = static_cast<std::int32_t>(t);
-          row_scores[g] = __uint_as_float(key[u] & ~kChosen);  // the TC score of a chosen pair, p of an added one
-        }
-      }
-    }
-    pos += __shfl_sync(kFull, incl, 31);
+    const std::int32_t total = __shfl_sync(kFull, incl, 31);
+    write_kept_tokens(gcol, c0, m, before, total, pos, gather, row_scores);
+    pos += total;
   }
 }
 
@@ -993,10 +967,10 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
   __shared__ std::int64_t before_s[kEmitWarps];
   __shared__ std::int64_t prefix_s;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  wait_for_prior_grid();  // the selects' kept masks, rows and kept counts
+  wait_for_prior_grid();  // the select's kept masks, rows and kept counts
   const std::int64_t b = blockIdx.x;
   const std::int64_t t0 = b * kEmitTokens + warp * kEmitTokensPerWarp;  // this warp's first token
-  // The CTA's first pair: the kept pairs of the 32-token blocks before its own, as the selects counted them, in
+  // The CTA's first pair: the kept pairs of the 32-token blocks before its own, as the select counted them, in
   // whole groups of 32 blocks, then the blocks of its own group before it. Loaded first, summed after the masks'
   // loads are issued; integer sums in a fixed order.
   std::int64_t before = 0;
@@ -1060,35 +1034,56 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
   __syncthreads();
   std::int64_t q = prefix_s + offset_s[warp];  // the warp's first pair
   const unsigned below = (1u << lane) - 1u;
-#pragma unroll
-  for (int j = 0; j < kEmitTokensPerWarp; ++j) {
-    const std::int64_t t = t0 + j;
-    if (t >= T_) break;  // warp-uniform
-    if (lane == 0) token_offsets[t] = static_cast<std::int32_t>(q);
-    // The kept pair with expert e -> slot p in pair order, its score, its grouped row g both ways.
+  // The kept pair with expert e of the warp's token t -> slot p in pair order, its score, its grouped row g both ways.
+  auto emit = [&](int e, std::int64_t t, std::int64_t p) {
     const int bit = static_cast<int>(t & 31);
-    auto emit = [&](int e, bool k, unsigned bal) {
-      if (k) {
-        const std::int64_t p = q + __popc(bal & below);
-        const uint4 w = reinterpret_cast<const uint4*>(bounds)[static_cast<std::int64_t>(e) * n_blocks + blk];
-        const std::int32_t g = static_cast<std::int32_t>(w.x + __popc(w.w & ((1u << bit) - 1u)));
-        scores[p] = row_scores[g];
-        inverse[p] = g;
-        scatter[g] = static_cast<std::int32_t>(p);
-      }
-      q += __popc(bal);
-    };
-    if constexpr (kRegs) {
+    const uint4 w = reinterpret_cast<const uint4*>(bounds)[static_cast<std::int64_t>(e) * n_blocks + blk];
+    const std::int32_t g = static_cast<std::int32_t>(w.x + __popc(w.w & ((1u << bit) - 1u)));
+    scores[p] = row_scores[g];
+    inverse[p] = g;
+    scatter[g] = static_cast<std::int32_t>(p);
+  };
+  if constexpr (kRegs) {
+    // Lane i emits the warp's kept pairs i, i + 32, ... (its tokens' pairs are consecutive slots): the pair's token,
+    // slot and expert from the ballots of the kept bits, so each pair's loads and stores are issued once, by one lane.
+    // (A lane per expert, as the PerLane = 0 variant below does, ran the emit's code once per slot holding any kept
+    // pair, for every token: 2 x 8 times a warp where E = 256, K = 16.)
+    std::int32_t total = 0;
 #pragma unroll
-      for (int sl = 0; sl < PerLane; ++sl) {
-        const bool k = (kept_bits[j] >> sl) & 1u;
-        emit(32 * sl + lane, k, __ballot_sync(kFull, k));
+    for (int j = 0; j < kEmitTokensPerWarp; ++j) {
+      if (lane == 0 && t0 + j < T_) token_offsets[t0 + j] = static_cast<std::int32_t>(q + total);
+      total += n[j];
+    }
+    for (std::int32_t i0 = 0; i0 < total; i0 += 32) {  // uniform trip count
+      const std::int32_t i = i0 + lane;
+      std::int32_t acc = 0, within = 0;
+      std::uint32_t hit = 0u;  // the ballot of the slot holding pair i
+      int token = 0, slot = 0;
+#pragma unroll
+      for (int j = 0; j < kEmitTokensPerWarp; ++j) {
+#pragma unroll
+        for (int sl = 0; sl < PerLane; ++sl) {
+          const std::uint32_t bal = __ballot_sync(kFull, (kept_bits[j] >> sl) & 1u);
+          const std::int32_t c = __popc(bal);
+          if (i >= acc && i < acc + c) hit = bal, within = i - acc, token = j, slot = sl;
+          acc += c;
+        }
       }
-    } else {
+      if (i < total) emit(32 * slot + nth_set_bit(hit, within), t0 + token, q + i);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kEmitTokensPerWarp; ++j) {
+      const std::int64_t t = t0 + j;
+      if (t >= T_) break;  // warp-uniform
+      if (lane == 0) token_offsets[t] = static_cast<std::int32_t>(q);
+      const int bit = static_cast<int>(t & 31);
       for (int e0 = 0; e0 < E; e0 += 32) {
         const int e = e0 + lane;
         const bool k = e < E && (kept_mask(e) >> bit) & 1u;
-        emit(e, k, __ballot_sync(kFull, k));
+        const unsigned bal = __ballot_sync(kFull, k);
+        if (k) emit(e, t, q + __popc(bal & below));
+        q += __popc(bal);
       }
     }
   }
@@ -1114,7 +1109,7 @@ __global__ void __launch_bounds__(kChunkPlanThreads)
                          const std::int32_t* __restrict__ token_offsets, const std::int32_t* __restrict__ inverse,
                          std::int64_t T_, int E, std::int64_t chunks, std::int64_t pairs_per_chunk, DxChunkPlan plan,
                          std::int32_t* __restrict__ pair_rows) {
-  wait_for_prior_grid();  // the emit's token offsets and pair rows, the selects' bounds before it
+  wait_for_prior_grid();  // the emit's token offsets and pair rows, the select's bounds before it
   const uint4* block_bounds = reinterpret_cast<const uint4*>(bounds);
   plan_chunk_and_pair_rows(
       expert_offsets, token_offsets, 0, T_, E, inverse, chunks, pairs_per_chunk, plan, pair_rows,
@@ -1276,30 +1271,19 @@ void by_row_width(std::int64_t E, F&& run) {
   else run(std::integral_constant<int, 0>{});
 }
 
-/// The select kernel's static shared memory and the most shared memory a block may opt into on a device, queried
-/// once per device. The default limit of 48 KiB counts static and dynamic shared memory together, so a dynamic size
-/// needs the opt-in whenever static + dynamic passes 48 KiB, not only when the dynamic part alone does.
-struct SelectSharedMemory {
-  int static_bytes = 0;
-  int optin = 0;
-  int sm_count = 0;
-};
-SelectSharedMemory select_shared_memory() {
+/// The device's SMs, queried once per device (the bounded select's block size depends on them).
+int sm_count() {
   int dev = 0;
   MACHMOE_CUDA_CHECK(cudaGetDevice(&dev));
   static std::mutex mu;
-  static std::map<int, SelectSharedMemory> known;
+  static std::map<int, int> known;
   const std::lock_guard<std::mutex> lock(mu);
   const auto it = known.find(dev);
   if (it != known.end()) return it->second;
-  SelectSharedMemory m;
-  cudaFuncAttributes attr{};
-  MACHMOE_CUDA_CHECK(cudaFuncGetAttributes(&attr, tr_select_kernel));
-  m.static_bytes = static_cast<int>(attr.sharedSizeBytes);
-  MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&m.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&m.sm_count, cudaDevAttrMultiProcessorCount, dev));
-  known.emplace(dev, m);
-  return m;
+  int n = 0;
+  MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  known.emplace(dev, n);
+  return n;
 }
 
 }  // namespace
@@ -1314,7 +1298,7 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   const int E = static_cast<int>(a.E), K = static_cast<int>(a.K);
   const std::int64_t emit_blocks = (a.T + kEmitTokens - 1) / kEmitTokens;
   // Counters region (TokenRoundingCounters): kept pairs per block of 32 tokens and per group of 32 blocks, f_e, the
-  // experts the bounded select leaves to tr_select_kernel.
+  // flags of the experts the bounded select selected over their whole column.
   const TokenRoundingCounters words = TokenRoundingCounters::of(a.T, a.E);
   if (a.counters_bytes < static_cast<std::size_t>(words.words) * 4)  // a layout bug, not a caller's
     throw RuntimeError("machmoe: token rounding's counters region holds " + std::to_string(a.counters_bytes) +
@@ -1323,7 +1307,7 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   std::int32_t* block_kept = counter_words + words.block_kept;
   std::int32_t* group_kept = counter_words + words.group_kept;
   std::int32_t* tc_count = counter_words + words.tc_count;
-  std::int32_t* fallback = counter_words + words.full_select;
+  std::int32_t* full_select = counter_words + words.full_select;
   MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.counters, 0, a.counters_bytes, stream));
   dispatch_data_type(a.dt, [&](auto tag) {
     using Tp = decltype(tag);
@@ -1336,48 +1320,19 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_keys");
   const std::int32_t* counts = tc_count;
-  const SelectSharedMemory smem = select_shared_memory();
   // One CTA per expert; 1024 threads where the experts fit one wave at one CTA an SM (the kernel is bound by each
   // warp's walk over its chunk of the column: more warps, shorter chunks), else 512 (two CTAs an SM).
   auto launch_bounded = [&](auto threads) {
     launch_dependent(tr_select_bounded_kernel<decltype(threads)::value>, dim3(static_cast<unsigned>(E)),
                      dim3(threads.value), 0, stream, a.keys_by_expert, a.T, counts, a.tile_m, a.rule, a.expert_counts,
                      a.expert_offsets, a.expert_tiles, a.bounds, ceil_div(a.T, kKeyTokens), a.thresholds, a.gather,
-                     a.row_scores, fallback, block_kept, group_kept);
+                     a.row_scores, full_select, block_kept, group_kept);
   };
-  if (E <= smem.sm_count)
-    launch_bounded(std::integral_constant<int, 2 * kSelectThreads>{});
+  if (E <= sm_count())
+    launch_bounded(std::integral_constant<int, 1024>{});
   else
-    launch_bounded(std::integral_constant<int, kSelectThreads>{});
+    launch_bounded(std::integral_constant<int, 512>{});
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select_bounded");
-  // Few experts: a cluster of 2 or 4 CTAs per expert, each on a slice of its column (up to one CTA per SM; a column
-  // of fewer than kSelectClusterMinTokens keys is not worth the cluster barriers). The slice's keys in shared memory
-  // when they fit beside the kernel's static arrays (and, with a cluster, the summed histogram).
-  int ranks = 1;
-  if (a.T >= kSelectClusterMinTokens)
-    while (ranks < kSelectMaxCluster && static_cast<std::int64_t>(E) * ranks * 2 <= smem.sm_count) ranks *= 2;
-  const std::int64_t slice = ((a.T + ranks - 1) / ranks + 31) / 32 * 32;
-  const int total_bytes = ranks > 1 ? kSelectBins * 4 : 0;
-  const bool cache = smem.static_bytes + total_bytes + slice * 4 <= smem.optin;
-  const int dyn = total_bytes + (cache ? static_cast<int>(slice * 4) : 0);
-  if (smem.static_bytes + dyn > (48 << 10))
-    MACHMOE_CUDA_CHECK(cudaFuncSetAttribute(tr_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(E * ranks));
-  cfg.blockDim = dim3(kSelectThreads);
-  cfg.dynamicSmemBytes = static_cast<std::size_t>(dyn);
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[2] = {dependent_launch_attribute(), {}};
-  attrs[1].id = cudaLaunchAttributeClusterDimension;
-  attrs[1].val.clusterDim.x = static_cast<unsigned>(ranks);
-  attrs[1].val.clusterDim.y = 1, attrs[1].val.clusterDim.z = 1;
-  cfg.attrs = attrs, cfg.numAttrs = ranks > 1 ? 2 : 1;
-  // Only the experts the bounded select flagged (their CTAs of the others return at once).
-  MACHMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tr_select_kernel, a.keys_by_expert, a.T, counts,
-                                        static_cast<const std::int32_t*>(a.expert_offsets), a.thresholds, a.gather,
-                                        a.row_scores, a.bounds, ceil_div(a.T, kKeyTokens), cache,
-                                        static_cast<const std::int32_t*>(fallback), block_kept, group_kept));
-  MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select");
   by_row_width(a.E, [&](auto per_lane) {
     launch_dependent(tr_emit_kernel<decltype(per_lane)::value>, dim3(static_cast<unsigned>(emit_blocks)),
                      dim3(32 * kEmitWarps), 0, stream, a.bounds, ceil_div(a.T, kKeyTokens), a.row_scores, a.T, E,

@@ -358,15 +358,15 @@ std::vector<TrKernelCase> kernel_cases() {
     add({2000, 512, 1, 8, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "E512_K1_empty_experts");
     add({1500, 512, 16, 32, r, ScoreVariant::kTopKOfSoftmax, DType::kBF16}, "E512_K16");
     add({700, 600, 6, 16, r, ScoreVariant::kSoftmaxOverTopK, DType::kFP32}, "E600_rows_from_memory");
-    // The select kernel's column of T keys plus its static shared memory pass the default 48 KiB (T = 8192: 32 KiB
-    // + ~18 KiB) while the column alone does not: the launch must opt in to more (it failed before).
-    add({8192, 64, 4, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T8192_static_plus_column_past_48KiB");
-    add({12289, 16, 2, 128, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32}, "T12289_column_past_48KiB");
-    add({65536, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T65536_E8_column_in_global");
+    // Long columns: the bounded select stages the blocks' bounds it selects from in shared memory up to 4096 blocks of
+    // 32 tokens on 1024 threads a CTA (E <= SMs) and 2048 on 512; T = 200000 (6250 blocks, 1024 threads) and
+    // T = 70000 with E = 160 (2188 blocks, 512 threads on a 132-SM GPU) read them from memory in every radix pass.
+    add({8192, 64, 4, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T8192_E64");
+    add({12289, 16, 2, 128, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32}, "T12289_E16");
+    add({65536, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T65536_E8");
     add({65536, 128, 4, 128, r, ScoreVariant::kTopKOfSoftmaxRenorm, DType::kBF16}, "T65536_E128");
-    // Few experts and many tokens: the select kernel spreads an expert over a cluster of CTAs (E = 64: 2, E = 16
-    // and E = 8: 4 on a 132-SM GPU), slices cached (T = 8192, 12289, 65536 above) or, here, read from memory.
-    add({200000, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T200000_E8_cluster_slices_in_global");
+    add({200000, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T200000_E8_bounds_from_memory");
+    add({70000, 160, 4, 128, r, ScoreVariant::kTopKOfSoftmax, DType::kBF16}, "T70000_E160_bounds_from_memory");
     TrKernelCase skew{5000, 64, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16};
     skew.skew = 3.0;  // experts 0..2 take most tokens; many others few or none
     add(skew, "skewed");
@@ -379,17 +379,15 @@ std::vector<TrKernelCase> kernel_cases() {
     add({4097, 128, 8, 64, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T4097_E128_last_block_one_token");
     add({4129, 200, 4, 32, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32}, "T4129_E200_last_block_one_token");
     // Exact ties across tokens (every token repeats one of 3 logit rows): the threshold's digit holds about T / 3 keys
-    // of a column. With T = 3000 they fit the select kernel's copy of the first pass's digit; with T = 30000 (slices of
-    // 15000 or 7500 keys in clusters of 2 or 4 CTAs, E = 16) they do not, and the later passes count the whole slice.
+    // of a column. Past the bounded select's staging (64 candidates a warp; asserted for T >= 30000 above) its CTA
+    // selects the expert over the whole column: T = 30000 with E = 16, and T = 200000 with E = 8.
     TrKernelCase tied{3000, 16, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16};
     tied.repeat = 3;
-    add(tied, "exact_ties_in_the_digit");
+    add(tied, "exact_ties_T3000");
     tied.T = 30000;
-    add(tied, "exact_ties_past_the_digit_copy");
-    // The same ties on slices too long for shared memory (E = 8: clusters of 4 CTAs, 50000 keys each): the experts
-    // the bounded select flags are selected, and their kept masks and row scores written, from global memory.
+    add(tied, "exact_ties_whole_column");
     tied.T = 200000, tied.E = 8;
-    add(tied, "exact_ties_cluster_slices_in_global");
+    add(tied, "exact_ties_whole_column_T200000");
   }
   return v;
 }

@@ -945,10 +945,12 @@ __global__ void __launch_bounds__(Threads)
 
 // The kept pairs come from the select's kept masks (word 3 of each expert's block bounds: bit i of expert e's mask
 // of block B is token 32 B + i), so no (token, expert) key is read: a warp's tokens lie in one block of 32 and share
-// its masks. PerLane > 0 (E <= 32 PerLane): each lane loads the masks of its experts once, all before the count.
-// PerLane = 0: 32 experts at a time, twice. A kept pair's grouped row is the block's first kept row (word 0 of the
-// same 16 bytes, written by the select) plus the kept tokens before it in the block's mask; its score is in
-// row_scores at that row.
+// its masks. PerLane > 0 (E <= 32 PerLane): the CTA stages every expert's first kept row and kept mask of its two
+// blocks in shared memory, one load a thread, and each lane reads the masks of its experts from there. (Each warp
+// loaded them itself before: 16 warps a block each issuing E loads of 32 lines apiece, which bound the kernel by its
+// L1 wavefronts where E = 256: 38 us on 30B (256,256,16), ncu, H200.) PerLane = 0: from memory, 32 experts at a time,
+// twice. A kept pair's grouped row is the block's first kept row (word 0 of the same 16 bytes, written by the select)
+// plus the kept tokens before it in the block's mask; its score is in row_scores at that row.
 // Two CTAs an SM up to 8 masks a lane (32 registers): faster than at half the occupancy, even when the 8-mask
 // variant spilled 40 bytes to the stack (ncu, H100, (16384,4096,1024,256,4): 22.7 us against 29.2 with one CTA an SM).
 template <int PerLane>
@@ -963,9 +965,12 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
   static_assert(PerLane <= 32, "a token's kept experts of a lane are the bits of one word");
   static_assert(32 % kEmitTokensPerWarp == 0 && kEmitTokens % 32 == 0, "a warp's tokens lie in one block of 32");
   static_assert(kEmitTokens <= 32 * 32, "a CTA's blocks of 32 tokens lie in one group of 32 blocks");
+  constexpr int kCtaBlocks = kEmitTokens / 32;       // blocks of 32 tokens a CTA
+  constexpr int kStagedExperts = kRegs ? 32 * PerLane : 1;
   __shared__ std::int32_t offset_s[kEmitWarps];
   __shared__ std::int64_t before_s[kEmitWarps];
   __shared__ std::int64_t prefix_s;
+  __shared__ uint2 words_s[kCtaBlocks][kStagedExperts];  // PerLane > 0: (first kept row, kept mask) of (block, e)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   wait_for_prior_grid();  // the select's kept masks, rows and kept counts
   const std::int64_t b = blockIdx.x;
@@ -981,13 +986,26 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
       before += block_kept[32 * groups + threadIdx.x];
   }
   const std::int64_t blk = t0 / 32;
+  const int cta_blk = static_cast<int>(blk - b * kCtaBlocks);
+  const uint4* block_words = reinterpret_cast<const uint4*>(bounds);
   auto kept_mask = [&](int e) { return bounds[4 * (static_cast<std::int64_t>(e) * n_blocks + blk) + 3]; };
   std::uint32_t masks[kRegs ? PerLane : 1];  // register variant: slot s is expert 32 s + lane
   if constexpr (kRegs) {
+    for (int i = static_cast<int>(threadIdx.x); i < kCtaBlocks * E; i += static_cast<int>(blockDim.x)) {
+      const int cb = i / E, e = i - cb * E;
+      const std::int64_t bk = b * kCtaBlocks + cb;
+      uint2 v = make_uint2(0u, 0u);
+      if (bk < n_blocks) {
+        const uint4 w = block_words[static_cast<std::int64_t>(e) * n_blocks + bk];
+        v = make_uint2(w.x, w.w);
+      }
+      words_s[cb][e] = v;
+    }
+    __syncthreads();
 #pragma unroll
     for (int sl = 0; sl < PerLane; ++sl) {
       const int e = 32 * sl + lane;
-      masks[sl] = t0 < T_ && e < E ? kept_mask(e) : 0u;
+      masks[sl] = t0 < T_ && e < E ? words_s[cta_blk][e].y : 0u;
     }
   }
   // Kept pairs of each of the warp's tokens (0 past T), every lane holding all of them; the register variant also
@@ -1037,8 +1055,14 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
   // The kept pair with expert e of the warp's token t -> slot p in pair order, its score, its grouped row g both ways.
   auto emit = [&](int e, std::int64_t t, std::int64_t p) {
     const int bit = static_cast<int>(t & 31);
-    const uint4 w = reinterpret_cast<const uint4*>(bounds)[static_cast<std::int64_t>(e) * n_blocks + blk];
-    const std::int32_t g = static_cast<std::int32_t>(w.x + __popc(w.w & ((1u << bit) - 1u)));
+    uint2 w;  // (the block's first kept row, its kept mask)
+    if constexpr (kRegs) {
+      w = words_s[cta_blk][e];
+    } else {
+      const uint4 w4 = block_words[static_cast<std::int64_t>(e) * n_blocks + blk];
+      w = make_uint2(w4.x, w4.w);
+    }
+    const std::int32_t g = static_cast<std::int32_t>(w.x + __popc(w.y & ((1u << bit) - 1u)));
     scores[p] = row_scores[g];
     inverse[p] = g;
     scatter[g] = static_cast<std::int32_t>(p);

@@ -70,7 +70,7 @@ inline constexpr std::int64_t kMetadataTilePairs = 256;
 
 /// Token rounding's counters region (ForwardWorkspaceLayout::tr_counters), in int32 words from its start, zeroed at
 /// the start of every call: the kept pairs of each block of 32 tokens and of each group of 32 such blocks (the
-/// selects add them up; the emit pass takes its blocks' first pairs from them), the token-choice counts f_e, and the
+/// select adds them up; the emit pass takes its blocks' first pairs from them), the token-choice counts f_e, and the
 /// flags of the experts the bounded select had to select over their whole column (repeated tokens).
 struct TokenRoundingCounters {
   std::int64_t block_kept = 0, group_kept = 0, tc_count = 0, full_select = 0, words = 0;

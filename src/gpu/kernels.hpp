@@ -321,7 +321,7 @@ struct TokenRoundingArgs {
   void* logits_copy = nullptr;  // (T, E) contiguous, may be null: the logits copied for the backward as they are read
   // The forward's chunks of tokens (chunks > 1; memory.hpp, forward_y_chunks): the chunk plan and each routed pair's
   // row in its chunk, as launch_dx_chunk_plan defines them (pair_rows past the routed pairs is not written: nothing
-  // reads it), built after the emit from the selects' per-block kept masks and first rows (no search over the grouped
+  // reads it), built after the emit from the select's per-block kept masks and first rows (no search over the grouped
   // rows, one kernel where launch_dx_chunk_plan takes two and a fill). Taken where E <= kFusedPlanMaxExperts
   // (token_rounding_built_plan); otherwise the caller runs launch_dx_chunk_plan.
   std::int64_t chunks = 0, pairs_per_chunk = 0;

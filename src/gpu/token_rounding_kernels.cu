@@ -1139,7 +1139,7 @@ __global__ void __launch_bounds__(kChunkPlanThreads)
       expert_offsets, token_offsets, 0, T_, E, inverse, chunks, pairs_per_chunk, plan, pair_rows,
       [&](const std::int32_t* offsets, int e, std::int64_t t0, std::int64_t t1, std::int32_t& first) {
         // Expert e's first kept row at or past tok. An expert that keeps no token has no bounds of its own (the
-        // selects return before they write them): its rows are empty everywhere.
+        // select returns before it writes them): its rows are empty everywhere.
         auto first_row = [&](std::int64_t tok) -> std::int32_t {
           if (tok >= T_ || offsets[e] == offsets[e + 1]) return offsets[e + 1];
           const uint4 w = block_bounds[static_cast<std::int64_t>(e) * n_blocks + (tok >> 5)];

@@ -66,9 +66,10 @@ def hotspots(rows: List[Dict[str, str]], top: int) -> str:
     return "\n".join(lines)
 
 
-def line_hotspots(text: str, top: int) -> str:
-    """The CUDA source lines with the most warp-stall samples, from the cuda source page: a "File Path" row names
-    the file of the rows that follow (line number, source, ..., samples)."""
+def line_hotspots(text: str, top: int, column: str = "Warp Stall Sampling (All") -> str:
+    """The CUDA source lines with the most of `column` (a prefix of a column's name: warp-stall samples by default,
+    or e.g. "Instructions Executed"), from the cuda source page: a "File Path" row names the file of the rows that
+    follow (line number, source, ..., values)."""
     rows = []
     path = "?"
     header: Optional[List[str]] = None
@@ -83,17 +84,17 @@ def line_hotspots(text: str, top: int) -> str:
             continue
         if header is None or not rec[0].isdigit():
             continue
-        col = next((i for i, c in enumerate(header) if c.startswith("Warp Stall Sampling (All")), None)
+        col = next((i for i, c in enumerate(header) if c.startswith(column)), None)
         if col is None or col >= len(rec):
             continue
         n = _number(rec[col]) or 0.0
         if n:
             rows.append((n, f"{path}:{rec[0]}", rec[1].strip()[:100]))
     total = sum(r[0] for r in rows)
-    lines = [f"{'samples':>8} {'share':>6}  file:line  source"]
+    lines = [f"{column[:24]:>24} {'share':>6}  file:line  source"]
     for n, where, src in sorted(rows, reverse=True)[:top]:
-        lines.append(f"{n:8.0f} {100 * n / total if total else 0:5.1f}%  {where}  {src}")
-    lines.append(f"{total:8.0f} samples on source lines")
+        lines.append(f"{n:24.0f} {100 * n / total if total else 0:5.1f}%  {where}  {src}")
+    lines.append(f"{total:24.0f} in all on source lines")
     return "\n".join(lines)
 
 
@@ -102,11 +103,13 @@ def main(argv=None) -> int:
     p.add_argument("csv", help="ncu --page source --print-source sass --csv output")
     p.add_argument("--top", type=int, default=25, help="instructions per kernel (default 25)")
     p.add_argument("--by-line", action="store_true", help="the input is the cuda source page: rank source lines")
+    p.add_argument("--column", default="Warp Stall Sampling (All",
+                   help="with --by-line: rank by the column whose name starts with this (default: stall samples)")
     a = p.parse_args(argv)
     with open(a.csv) as f:
         text = f.read()
     if a.by_line:
-        print(line_hotspots(text, a.top))
+        print(line_hotspots(text, a.top, a.column))
         return 0
     found = tables(text)
     if not found:

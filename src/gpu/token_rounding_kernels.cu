@@ -10,12 +10,15 @@
 //
 // 1. keys (one warp per token, the row in registers for E <= 512): token choice by the top-K kernel's selection
 //    (RankKey: 32-bit keys for bf16, one redux per round; for rows of up to 256 each lane's keys sorted once, as the
-//    top-K kernel does), the TC scores of the score variant, the row's softmax (each exp kept for the keys), the keys,
-//    the selection's statistics and a copy of the logits for the backward (so no separate copy reads them again), the
-//    token-choice counts f_e (a shared histogram per block, then one integer atomic per expert and block: sums, so the
-//    order of the atomics cannot show). The block writes its keys expert-major through a shared-memory transpose filled
-//    from the registers that hold them (rows of more than 512 experts go through the token-major keys in memory
-//    instead, and the transpose reads them back).
+//    top-K kernel does; for rows of 512 each lane's best two kept, a lane looking over its keys again only when it
+//    wins a third time), the TC scores of the score variant, the row's softmax, the keys, the selection's statistics
+//    and a copy of the logits for the backward (so no separate copy reads them again). Each key goes straight into a
+//    shared tile of the block's 32 tokens by expert (every expert of a row in registers; rows of more than 512
+//    experts go through token-major keys in memory, which the tile reads back 64 experts at a time); after one
+//    barrier each warp writes experts' 32-token rows of the expert-major keys from it, with the block's bounds (below)
+//    and chosen mask per expert, and the token-choice counts f_e (popcounts of the masks, added with one integer
+//    atomic per expert and block, a thread an expert so each atomic instruction covers 32 counters: sums, so the
+//    order of the atomics cannot show).
 // 2. select, bounded (one block per expert; see tr_select_bounded_kernel): the keys kernel also writes, per expert
 //    and block of 32 tokens, the largest unchosen and the smallest chosen key and the mask of chosen tokens; from
 //    them the few keys that can hold the threshold are read (only the blocks that can hold one), the threshold found
@@ -53,6 +56,8 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <set>
+#include <utility>
 #include <type_traits>
 
 #include <cub/block/block_scan.cuh>
@@ -73,8 +78,23 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kKeyWarps = 16;
 constexpr int kKeyTokens = 32;  // per block: 2 tokens per warp, one 32-token transpose
 constexpr int kKeyTokensPerWarp = kKeyTokens / kKeyWarps;
-constexpr int kKeyHistBins = 4096;  // block histogram of choices for E <= this; larger E adds to global directly
-constexpr int kTransposeExperts = 64;
+constexpr int kTransposeExperts = 64;  // rows read from memory: experts a block transposes at a time
+/// The keys kernel's shared tile holds every expert of a row in registers, kTransposeExperts of a longer one.
+template <int PerLane>
+constexpr int kKeyTileExperts = PerLane > 0 ? 32 * PerLane : kTransposeExperts;
+template <int PerLane>
+constexpr std::size_t key_tile_bytes() {
+  return static_cast<std::size_t>(kKeyTileExperts<PerLane>) * (kKeyTokens + 1) * sizeof(std::uint32_t);
+}
+/// Blocks of the keys kernel an SM should hold, for rows in registers with 32-bit (bf16) keys: rows of up to 64 fit 32
+/// registers (four blocks, all 64 warps an SM), rows of 512 fit 64 without spilling (two blocks: at 126 registers and
+/// one block the kernel issued on 38 % of cycles, ncu, H200, (16384,1536,256,512,8)). 64-bit keys (fp32 and fp16
+/// rows) would spill there; rows of 128 and 256 take 40 and 64 registers unasked (three blocks and two).
+template <class T, int PerLane>
+constexpr int kKeyMinBlocks = PerLane == 0 || sizeof(typename RankKey<T>::Type) != 4 ? 1
+                              : PerLane <= 2                                         ? 4
+                              : PerLane == 16                                        ? 2
+                                                                                     : 1;
 // Pass 2.
 constexpr int kSelectBins = 4096;  // the whole-column radix select's first two passes (12 bits)
 constexpr int kSelectUnroll = 4;   // keys per thread and trip of a radix pass's histogram loop
@@ -128,7 +148,11 @@ __device__ __forceinline__ void add_kept_counts(std::int32_t* block_kept, std::i
 /// registers for PerLane > 0, else read from memory on each use. Holds the top-K selection's outcome (the K-th
 /// selected rank key, the top value and the sum of exp over the selection) and the row's softmax (max, sum of
 /// exp), all computed in the order the top-K kernel uses, so the scores are bitwise those of launch_topk_scores.
-template <class T, int PerLane>
+/// KeepExp: rows in registers keep each exp(v - max) of the softmax for prob(); otherwise prob() computes it again
+/// (the same expression, so the same bits). The keys kernel, which calls prob() once a slot, keeps them for rows of up
+/// to 256 only (16 more registers a lane cost the 512-wide rows half their occupancy); the backward, which calls it
+/// up to three times a slot, always.
+template <class T, int PerLane, bool KeepExp = (PerLane <= 8)>
 struct RowSelection {
   static constexpr bool kRegs = PerLane > 0;
   // Rows in registers have at most 512 elements: bf16's 32-bit key holds them. Rows read from memory may be longer.
@@ -138,7 +162,8 @@ struct RowSelection {
   const T* row;
   int E, lane, slots;
   float v[kRegs ? PerLane : 1];
-  float ex[kRegs ? PerLane : 1];  // exp(v - max), kept by select (or restore)
+  static constexpr bool kKeepExp = kRegs && KeepExp;
+  float ex[kKeepExp ? PerLane : 1];
   KeyType key[kRegs ? PerLane : 1];
   KeyType kth = ~KeyType{0};
   float first = 0.0f, sum_k = 0.0f, m = -INFINITY, total = 0.0f;
@@ -201,6 +226,37 @@ struct RowSelection {
         for (int r = 0; r < K; ++r) sum_k += __shfl_sync(kFull, mine_exp, r);
       }
       kth = prev;
+    } else if constexpr (kRegs) {
+      // Rows of 16 keys a lane: a pass over every key a round (as the rows from memory below do) was about 400
+      // instructions a token and lane at K = 8. Instead each lane keeps its best two keys below the last selection
+      // (head, next): a round's winner moves its next up, and only a lane that wins again before refilling its next
+      // looks over its keys (the warp pays that pass in those rounds alone). The same selections in the same order,
+      // so kth, first and sum_k are bitwise those of the pass.
+      KeyType head = 0, next = 0;  // 0: below every element of the row
+#pragma unroll
+      for (int j = 0; j < PerLane; ++j) {
+        next = max(next, min(head, key[j]));
+        head = max(head, key[j]);
+      }
+      bool next_known = true;
+      KeyType prev = ~KeyType{0};
+      for (int r = 0; r < K; ++r) {
+        prev = Key::warp_max(head);
+        if (head == prev) {  // keys are distinct (each holds its index): one lane
+          if (next_known) {
+            head = next;
+            next_known = false;
+          } else {
+            head = 0;
+#pragma unroll
+            for (int j = 0; j < PerLane; ++j) head = (key[j] < prev && key[j] > head) ? key[j] : head;
+          }
+        }
+        const float sel = Key::value(prev);
+        if (r == 0) first = sel;
+        sum_k += expf(sel - first);
+      }
+      kth = prev;
     } else {
       KeyType prev = ~KeyType{0};
       for (int r = 0; r < K; ++r) {
@@ -224,7 +280,7 @@ struct RowSelection {
     float s = 0.0f;
     for_each(0, slots, [&](int j) {
       const float x = expf(value(j) - mx);
-      if constexpr (kRegs) ex[j] = x;
+      if constexpr (kKeepExp) ex[j] = x;
       s += x;
     });
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
@@ -238,13 +294,12 @@ struct RowSelection {
   }
   __device__ __forceinline__ void restore(const TokenSelectionStats& s) {
     kth = static_cast<KeyType>(s.kth), first = s.first, sum_k = s.sum_k, m = s.max, total = s.sum;
-    if constexpr (kRegs) for_each(0, slots, [&](int j) { ex[j] = expf(value(j) - m); });
+    if constexpr (kKeepExp) for_each(0, slots, [&](int j) { ex[j] = expf(value(j) - m); });
   }
   __device__ __forceinline__ bool chosen(int j) const { return rank(j) >= kth; }
-  /// Slot j's full-softmax probability, exp(x - max) / sum (the exponential kept by select or restore for rows in
-  /// registers).
+  /// Slot j's full-softmax probability, exp(x - max) / sum (the exponential kept by select or restore where kKeepExp).
   __device__ __forceinline__ float prob(int j) const {
-    if constexpr (kRegs) return ex[j] / total;
+    if constexpr (kKeepExp) return ex[j] / total;
     else return expf(value(j) - m) / total;
   }
   /// TC score of slot j, a chosen element: the softmax over the selection (renormalised variants, as
@@ -257,24 +312,23 @@ struct RowSelection {
 // ---- pass 1: keys, token-choice counts, expert offsets -----------------------------------------------------------
 
 template <class T, int PerLane>
-__global__ void __launch_bounds__(32 * kKeyWarps)
+__global__ void __launch_bounds__(32 * kKeyWarps, kKeyMinBlocks<T, PerLane>)
     tr_keys_kernel(const T* __restrict__ z, std::int64_t ld, std::int64_t T_, int E, int K, ScoreVariant variant,
                    std::uint32_t* keys, std::uint32_t* keys_by_expert, std::uint32_t* bounds,
                    TokenSelectionStats* __restrict__ selection, T* __restrict__ logits_copy, std::int32_t* tc_count) {
-  __shared__ std::int32_t hist[kKeyHistBins];
-  __shared__ std::uint32_t tile[kTransposeExperts][kKeyTokens + 1];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool local_hist = E <= kKeyHistBins;
-  if (local_hist)
-    for (int i = threadIdx.x; i < E; i += blockDim.x) hist[i] = 0;
-  __syncthreads();
-  const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kKeyTokens;
+  // The block's keys expert-major, key_tile_bytes<PerLane>() bytes: row ec holds expert e0 + ec's keys of the block's
+  // 32 tokens, padded to 33 words, so a warp's writes of one token's 32 experts and its reads of one expert's 32
+  // tokens each touch 32 distinct banks.
+  extern __shared__ std::uint32_t key_tile[];
+  __shared__ std::int32_t chosen_count[kKeyTileExperts<PerLane>];  // the block's choices of each of the tile's experts
+  constexpr int kRow = kKeyTokens + 1;
   constexpr bool kRegs = PerLane > 0;
-  // Rows in registers keep their keys there for the transpose below (slot j of token r: kk[r][j]).
-  std::uint32_t kk[kKeyTokensPerWarp][kRegs ? PerLane : 1];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kKeyTokens;
 #pragma unroll
   for (int r = 0; r < kKeyTokensPerWarp; ++r) {
-    const std::int64_t t = t0 + warp * kKeyTokensPerWarp + r;
+    const int tl = warp * kKeyTokensPerWarp + r;
+    const std::int64_t t = t0 + tl;
     if (t >= T_) break;  // warp-uniform
     RowSelection<T, PerLane> row(z + t * ld, E, lane);
     if (logits_copy) {  // the backward's copy, bit for bit, from the row just loaded (in L1)
@@ -292,82 +346,69 @@ __global__ void __launch_bounds__(32 * kKeyWarps)
     if (lane == 0) selection[t] = row.stats();  // for the router backward
     row.for_each(0, row.slots, [&](int j) {
       const int i = j * 32 + lane;
-      std::uint32_t key;
-      if (row.chosen(j)) {
-        key = kChosen | __float_as_uint(row.tc_score(variant, j));
-        if (local_hist) atomicAdd(&hist[i], 1);
-        else atomicAdd(&tc_count[i], 1);
-      } else {
-        key = __float_as_uint(row.prob(j));
-      }
+      const std::uint32_t key = row.chosen(j) ? kChosen | __float_as_uint(row.tc_score(variant, j))
+                                              : __float_as_uint(row.prob(j));
       if constexpr (kRegs)
-        kk[r][j] = key;
+        key_tile[i * kRow + tl] = key;  // the whole row fits the tile
       else
         keys[t * E + i] = key;  // the token-major row, read back by the transpose below
     });
   }
-  __syncthreads();  // also makes this block's key rows visible to all its threads
-  if (local_hist)
-    for (int i = threadIdx.x; i < E; i += blockDim.x)
-      if (hist[i] != 0) atomicAdd(&tc_count[i], hist[i]);
-  // Transpose the block's keys into the expert-major keys: 64 experts x 32 tokens at a time, one 128-byte row
-  // segment per expert written by a warp. Rows in registers fill the tile from there (experts [64 g, 64 g + 64) are
-  // slots 2 g and 2 g + 1); longer rows read back the key rows this block wrote (not through the read-only path).
+  __syncthreads();  // the tile (rows in registers), or this block's key rows (rows from memory), complete
+  // Warp w writes the expert-major keys of experts e0 + w, e0 + w + kKeyWarps, ... (one 128-byte row segment of 32
+  // tokens each, a lane a token) and reduces the block's words from each: the largest key not chosen (0 if none), the
+  // smallest chosen key (all ones if none) and the mask of chosen tokens, per (expert, block); and adds the block's
+  // choices of the expert to its token-choice count f_e (one integer atomic per expert and block that chose it: sums,
+  // so the order of the atomics cannot show). Lanes past the last token hold key 0, neutral to all of it.
+  // A warp's addresses are computed once and stepped by a fixed stride per expert, the experts unrolled: the per-expert
+  // loop with its 64-bit products was about a fifth of this kernel's executed instructions on 1.4B (256,128,8) (ncu
+  // source view, session 49).
   const int nt = static_cast<int>(min(static_cast<std::int64_t>(kKeyTokens), T_ - t0));
-  auto write_tile = [&](int e0) {
-    __syncthreads();
-    // Warp w writes the tile rows of experts e0 + w, e0 + w + kKeyWarps, ... (kKeyTokens == 32 tokens, a lane each)
-    // and reduces the block's bounds from each: the largest key not chosen (0 if none), the smallest chosen key (all
-    // ones if none) and the mask of chosen tokens, per (expert, block). Lanes past the last token hold key 0, neutral
-    // to all three.
-    // A warp's addresses are computed once per tile and stepped by a fixed stride per expert, the tile's experts
-    // unrolled: the per-expert loop with its 64-bit products was about a fifth of this kernel's executed instructions
-    // on 1.4B (256,128,8) (ncu source view).
-    const bool token = lane < nt;
-    const int experts = min(kTransposeExperts, E - e0);
+  const bool token = lane < nt;
+  auto write_experts = [&](int e0) {
+    constexpr int kPerWarp = kKeyTileExperts<PerLane> / kKeyWarps;
+    static_assert(kKeyTileExperts<PerLane> % kKeyWarps == 0, "every warp takes the same number of the tile's experts");
+    const int experts = min(kKeyTileExperts<PerLane>, E - e0);
     std::uint32_t* key_out = keys_by_expert + static_cast<std::int64_t>(e0 + warp) * T_ + t0 + lane;
     uint4* bounds_out =
         reinterpret_cast<uint4*>(bounds) + static_cast<std::int64_t>(e0 + warp) * gridDim.x + blockIdx.x;
     const std::int64_t key_step = static_cast<std::int64_t>(kKeyWarps) * T_;
     const std::int64_t bounds_step = static_cast<std::int64_t>(kKeyWarps) * gridDim.x;
-    static_assert(kTransposeExperts % kKeyWarps == 0, "every warp takes the same number of a tile's experts");
 #pragma unroll
-    for (int i = 0; i < kTransposeExperts / kKeyWarps; ++i) {
+    for (int i = 0; i < kPerWarp; ++i) {
       const int ec = warp + i * kKeyWarps;
       if (ec >= experts) break;  // warp-uniform
-      const std::uint32_t key = token ? tile[ec][lane] : 0u;
+      const std::uint32_t key = token ? key_tile[ec * kRow + lane] : 0u;
       if (token) *key_out = key;
       const bool chosen = (key & kChosen) != 0u;
       const std::uint32_t hi = __reduce_max_sync(kFull, chosen ? 0u : key);
       const std::uint32_t lo = __reduce_min_sync(kFull, chosen ? key : ~0u);
       const unsigned mask = __ballot_sync(kFull, chosen);
-      if (lane == 0) *bounds_out = make_uint4(hi, lo, mask, 0u);
+      if (lane == 0) {
+        *bounds_out = make_uint4(hi, lo, mask, 0u);
+        chosen_count[ec] = __popc(mask);
+      }
       key_out += key_step;
       bounds_out += bounds_step;
     }
+    // The counts go out after the block's barrier, a thread an expert, so each atomic instruction covers 32
+    // consecutive counters: one per expert from lane 0 of its warp (E single-address requests a block, on the few L2
+    // lines that hold f) made the kernel 1.4-1.6x slower on 1.4B and 30B rows (ncu, H200).
     __syncthreads();
+    for (int ec = threadIdx.x; ec < experts; ec += blockDim.x)
+      if (chosen_count[ec] != 0) atomicAdd(&tc_count[e0 + ec], chosen_count[ec]);
   };
   if constexpr (kRegs) {
-    static_assert(kTransposeExperts == 64, "a tile is two slots of a row in registers");
-#pragma unroll
-    for (int g = 0; g < (PerLane + 1) / 2; ++g) {
-      if (64 * g >= E) break;  // uniform
-#pragma unroll
-      for (int r = 0; r < kKeyTokensPerWarp; ++r) {
-        const int tl = warp * kKeyTokensPerWarp + r;
-#pragma unroll
-        for (int j = 2 * g; j < 2 * g + 2 && j < PerLane; ++j)
-          if (tl < nt && j * 32 + lane < E) tile[j * 32 + lane - 64 * g][tl] = kk[r][j];
-      }
-      write_tile(64 * g);
-    }
+    write_experts(0);
   } else {
     for (int e0 = 0; e0 < E; e0 += kTransposeExperts) {
+      if (e0 > 0) __syncthreads();  // the tile's previous experts and their counts read
       for (int i = threadIdx.x; i < kTransposeExperts * kKeyTokens; i += blockDim.x) {
         const int tl = i / kTransposeExperts, ec = i % kTransposeExperts;
-        if (tl < nt && e0 + ec < E) tile[ec][tl] = keys[(t0 + tl) * E + e0 + ec];
+        if (tl < nt && e0 + ec < E) key_tile[ec * kRow + tl] = keys[(t0 + tl) * E + e0 + ec];
       }
-      write_tile(e0);
+      __syncthreads();
+      write_experts(e0);
     }
   }
   allow_dependent_launch();
@@ -1180,7 +1221,7 @@ __device__ __forceinline__ void tr_backward_token(ScoreVariant variant, const T*
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kBwdWarps + warp;
   if (t >= T_) return;  // warp-uniform; no block-wide synchronisation below
-  RowSelection<T, PerLane> row(z + t * E, E, lane);
+  RowSelection<T, PerLane, /*KeepExp=*/true> row(z + t * E, E, lane);
   row.restore(selection[t]);
   const std::int64_t q0 = token_offsets[t], q1 = token_offsets[t + 1];
   float dp_r[kRegs ? PerLane : 1];
@@ -1310,6 +1351,22 @@ int sm_count() {
   return n;
 }
 
+/// Opts `kernel` in to `bytes` of dynamic shared memory on the current device (a per-device function attribute), once
+/// per kernel and device; nothing to do up to the 48 KiB every kernel may take.
+template <class Kernel>
+void allow_shared_bytes(Kernel* kernel, std::size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  int dev = 0;
+  MACHMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;
+  const std::lock_guard<std::mutex> lock(mu);
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), dev};
+  if (done.count(key) != 0) return;
+  MACHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  done.insert(key);
+}
+
 }  // namespace
 
 void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
@@ -1337,7 +1394,10 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
     using Tp = decltype(tag);
     const auto* z = static_cast<const Tp*>(a.logits);
     by_row_width(a.E, [&](auto per_lane) {
-      tr_keys_kernel<Tp, decltype(per_lane)::value><<<ceil_div(a.T, kKeyTokens), 32 * kKeyWarps, 0, stream>>>(
+      constexpr int kPerLane = decltype(per_lane)::value;
+      auto* kernel = tr_keys_kernel<Tp, kPerLane>;
+      allow_shared_bytes(kernel, key_tile_bytes<kPerLane>());
+      kernel<<<ceil_div(a.T, kKeyTokens), 32 * kKeyWarps, key_tile_bytes<kPerLane>(), stream>>>(
           z, a.ld_logits, a.T, E, K, a.variant, a.keys, a.keys_by_expert, a.bounds, a.selection,
           static_cast<Tp*>(a.logits_copy), tc_count);
     });

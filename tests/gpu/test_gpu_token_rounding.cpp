@@ -357,6 +357,10 @@ std::vector<TrKernelCase> kernel_cases() {
     add({3000, 128, 128, 64, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32}, "E128_KE");
     add({2000, 512, 1, 8, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "E512_K1_empty_experts");
     add({1500, 512, 16, 32, r, ScoreVariant::kTopKOfSoftmax, DType::kBF16}, "E512_K16");
+    // Rows of 512 keep each lane's best two keys below the last choice; a lane that wins a third time looks over its
+    // 16 keys again. K = 100 (about three choices a lane) takes that path in most rounds, for 32- and 64-bit keys.
+    add({600, 512, 100, 32, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "E512_K100_lanes_choose_again");
+    add({400, 512, 100, 16, r, ScoreVariant::kTopKOfSoftmaxRenorm, DType::kFP32}, "E512_K100_fp32");
     add({700, 600, 6, 16, r, ScoreVariant::kSoftmaxOverTopK, DType::kFP32}, "E600_rows_from_memory");
     // Long columns: the bounded select stages the blocks' bounds it selects from in shared memory up to 4096 blocks of
     // 32 tokens on 1024 threads a CTA (E <= SMs) and 2048 on 512; T = 200000 (6250 blocks, 1024 threads) and

@@ -10,7 +10,8 @@
 #             $KLC: launches) on $KCFGS, alternating
 #   tab       machmoe-bench --routing {token_rounding,topk} on $TCFGS, both sides, $ROUNDS rounds (T8's comparison);
 #             $SIDES and $ROUTES narrow it, $TAB_ARGS adds options (e.g. --warmup-ms 300 --time-ms 300)
-#   g0 g1     the whole gtest GPU suite in two shards      pyg  pytest's GPU tests (one GPU)
+#   g0 g1     the whole gtest GPU suite in two shards      gboth  both shards side by side (about 280 s on an H200)
+#   pyg       pytest's GPU tests (one GPU)
 #   san       compute-sanitizer memcheck and racecheck on the tests matching $SF
 #   pack      everything under $OUT into one archive (a device call returns at most 8 files)
 # Configurations: a name of machmoe-bench's (1.4B-256) or name=--T:16384:--d:4096:... for explicit sizes.
@@ -59,6 +60,15 @@ for step in "$@"; do
       done; done; done; done 2>&1 | tee -a "$OUT/tab.txt";;
   g0|g1) GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=${step#g} timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
         > "$OUT/gtest_$step.log" 2>&1; echo "exit $?"; grep -v "reference GEMM" "$OUT/gtest_$step.log" | tail -n 2;;
+  gboth) pids=()
+    for i in 0 1; do
+      GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$i timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
+        > "$OUT/gtest_g$i.log" 2>&1 &
+      pids+=($!)
+    done
+    for i in 0 1; do
+      wait "${pids[$i]}"; echo "g$i exit $?"; grep -v "reference GEMM" "$OUT/gtest_g$i.log" | tail -n 2
+    done;;
   pyg) MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so timeout 400 python3 -m pytest -q \
         -p no:cacheprovider -m "gpu and not multigpu" tests/python > "$OUT/pytest_gpu.log" 2>&1; echo "exit $?"
       tail -n 1 "$OUT/pytest_gpu.log";;

@@ -9,7 +9,8 @@
 #   ncu       per-kernel ncu times and instruction counts ($KRX: kernel regex without ncu's "regex:" prefix, default tr_;
 #             $KLC: launches) on $KCFGS, alternating
 #   tab       machmoe-bench --routing {token_rounding,topk} on $TCFGS, both sides, $ROUNDS rounds (T8's comparison);
-#             $SIDES and $ROUTES narrow it, $TAB_ARGS adds options (e.g. --warmup-ms 300 --time-ms 300)
+#             $SIDES and $ROUTES narrow it, $TAB_ARGS adds options (e.g. --warmup-ms 300 --time-ms 300);
+#             scripts/t8_table.py reads its tab.txt (one side's runs: SIDES=new)
 #   g0 g1     the whole gtest GPU suite in two shards      gboth  both shards side by side (about 280 s on an H200)
 #   pyg       pytest's GPU tests (one GPU)
 #   san       compute-sanitizer memcheck and racecheck on the tests matching $SF
@@ -56,7 +57,7 @@ for step in "$@"; do
       for route in ${ROUTES:-token_rounding topk}; do
         echo "== round $r cfg $(cfg_name "$cfg") $side $route"
         "$(bench_of $side)" $(bench_args "$cfg") --routing "$route" --iters 10 --warmup 3 --stage-runs 3 ${TAB_ARGS:-} 2>&1 |
-          grep -E "^  (forward|backward) |forward/(token_rounding|topk|routing|y_chunk_plan)|backward/router"
+          grep -E "^config |^  (forward|backward) |forward/(token_rounding|topk|routing|y_chunk_plan)|backward/router"
       done; done; done; done 2>&1 | tee -a "$OUT/tab.txt";;
   g0|g1) GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=${step#g} timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
         > "$OUT/gtest_$step.log" 2>&1; echo "exit $?"; grep -v "reference GEMM" "$OUT/gtest_$step.log" | tail -n 2;;

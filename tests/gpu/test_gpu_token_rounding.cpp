@@ -1,9 +1,9 @@
 // Token rounding's kernels (src/gpu/token_rounding_kernels.cu) against the CPU reference (src/reference/
 // token_rounding.cpp, routing_metadata.cpp), launched directly: every rounding rule and score variant, E in
-// {1, 8, 128, 512, 600 (rows read from memory)}, K = 1 and K = E, T = 1, experts without tokens, T = 65536 (the
-// expert's column no longer fits in shared memory), few experts over many tokens (the select kernel's clusters),
-// skewed routing, padded logit rows, bitwise repeats; and the plan of the forward's chunks of tokens the kernels build
-// after the emit, against the plan launch_dx_chunk_plan searches for over their metadata.
+// {1, 8, 128, 512, 600 (rows read from memory)}, K = 1 and K = E, K = 100 of 512 (lanes choosing again), T = 1,
+// experts without tokens, long columns (the blocks' bounds read from memory instead of shared memory), ties selected
+// over the whole column, skewed routing, padded logit rows, bitwise repeats; and the plan of the forward's chunks of
+// tokens the kernels build after the emit, against the plan launch_dx_chunk_plan searches for over their metadata.
 //
 // What must be exact: the per-expert counts (they depend on the top-K selection alone, which compares logits
 // exactly), and every metadata array, which must be what ref::build_routing_metadata builds from the kernel's own

@@ -49,3 +49,22 @@ def test_session52_sweep_row_and_main_rows():
     assert "| 2.1 % | 0.138 / 0.066 = 2.09× |" in rows["1.4B-256"]
     assert "| 2.4 % |" in rows["1.4B-256, round 2"]
     assert "0.224 / 0.063 = 3.56×" in rows["(16384,1536,256,512,8)"]
+
+
+def test_reads_the_ab_scripts_tab_output():
+    """scripts/ab_token_rounding.sh tab keeps only the config, pass and stage lines of each run, under its own
+    '== round' headers (session 55's (16384,1536,256,512,8) row)."""
+    def run(routing, fwd, bwd, stages):
+        lines = [f"== round 1 cfg sw512 new {routing}",
+                 "config 7B-256 (sizes overridden) (T=16384 d=1536 n=256 E=512 K=8 activation=swiglu "
+                 f"routing={routing} cache=preact, bf16)",
+                 f"  forward         {fwd:.3f}      333.1        0.726      0.776",
+                 f"  backward        {bwd:.3f}      342.8        1.478      0.814"]
+        lines += [f"    forward/{s:<30} {ms:.3f} ms" for s, ms in stages.items()]
+        lines.append("    backward/router_backward             0.059 ms")
+        return lines
+    text = "\n".join(run("token_rounding", 0.935, 1.816, {"token_rounding": 0.126}) +
+                     run("topk", 0.991, 1.966, {"topk_scores": 0.030, "routing_metadata": 0.029}))
+    table = t8.table(t8.runs(text)).splitlines()
+    assert table[2:] == ["| (16384,1536,256,512,8) | 0.935 + 1.816 = 2.751 | 0.991 + 1.966 = 2.957 | 1.075 | faster | "
+                         "0.126 / 0.059 = 2.14× |"]

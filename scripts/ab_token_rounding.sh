@@ -25,6 +25,11 @@ start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 bench_args() { case "$1" in *=*) echo "${1#*=}" | tr ':' ' ';; *) echo "--config $1";; esac; }
 cfg_name() { echo "${1%%=*}"; }
+gtest_shard() {  # shard $1 of 2 of the whole gtest GPU suite, into $OUT/gtest_g$1.log
+  GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$1 timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
+    > "$OUT/gtest_g$1.log" 2>&1
+}
+shard_summary() { grep -v "reference GEMM" "$OUT/gtest_g$1.log" | tail -n 2; }
 bench_of() { if [ "$1" = base ]; then echo "$base/build/bin/machmoe-bench"; else echo ./build/bin/machmoe-bench; fi; }
 for step in "$@"; do
   stamp "== $step"
@@ -59,17 +64,10 @@ for step in "$@"; do
         "$(bench_of $side)" $(bench_args "$cfg") --routing "$route" --iters 10 --warmup 3 --stage-runs 3 ${TAB_ARGS:-} 2>&1 |
           grep -E "^config |^  (forward|backward) |forward/(token_rounding|topk|routing|y_chunk_plan)|backward/router"
       done; done; done; done 2>&1 | tee -a "$OUT/tab.txt";;
-  g0|g1) GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=${step#g} timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
-        > "$OUT/gtest_$step.log" 2>&1; echo "exit $?"; grep -v "reference GEMM" "$OUT/gtest_$step.log" | tail -n 2;;
+  g0|g1) gtest_shard "${step#g}"; echo "exit $?"; shard_summary "${step#g}";;
   gboth) pids=()
-    for i in 0 1; do
-      GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$i timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
-        > "$OUT/gtest_g$i.log" 2>&1 &
-      pids+=($!)
-    done
-    for i in 0 1; do
-      wait "${pids[$i]}"; echo "g$i exit $?"; grep -v "reference GEMM" "$OUT/gtest_g$i.log" | tail -n 2
-    done;;
+    for i in 0 1; do gtest_shard "$i" & pids+=($!); done
+    for i in 0 1; do wait "${pids[$i]}"; echo "g$i exit $?"; shard_summary "$i"; done;;
   pyg) MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so timeout 400 python3 -m pytest -q \
         -p no:cacheprovider -m "gpu and not multigpu" tests/python > "$OUT/pytest_gpu.log" 2>&1; echo "exit $?"
       tail -n 1 "$OUT/pytest_gpu.log";;

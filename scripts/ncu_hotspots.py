@@ -85,7 +85,9 @@ def line_hotspots(text: str, top: int, column: str = "Warp Stall Sampling (All")
         if header is None or not rec[0].isdigit():
             continue
         col = next((i for i, c in enumerate(header) if c.startswith(column)), None)
-        if col is None or col >= len(rec):
+        if col is None:  # say so: a page without metric columns (ncu gave one in session 55) would print nothing
+            return f"no column starting with {column!r}; the page's columns: {', '.join(header)}"
+        if col >= len(rec):
             continue
         n = _number(rec[col]) or 0.0
         if n:

@@ -759,8 +759,21 @@ struct BoundedSelectShared {
   std::int64_t cut_s;
 };
 
+/// The bounded select's CTA size for E experts on a GPU of `sms` SMs: the largest of 1024, 512 and 256 threads at
+/// which the E CTAs fit one wave (1024 / Threads CTAs an SM), 256 past that. The kernel is a chain of dependent
+/// loads and barriers per CTA, bound by each warp's walk over its chunk of the column: more warps, shorter chunks,
+/// where the wave allows. At E = 512 on 132 SMs, 512 threads ran two waves (31 us, ncu, H200).
+constexpr int bounded_select_threads(std::int64_t E, std::int64_t sms) {
+  return E <= sms ? 1024 : E <= 2 * sms ? 512 : 256;
+}
+/// Four CTAs of 256 threads an SM need at most 64 registers a thread. The 512 and 1024 variants fit their two and
+/// one CTAs unasked (50 and 64 registers): 0 leaves them the compiler's choice (an explicit minimum, 1 or 2, gave the
+/// 512 variant 56-57 registers).
 template <int Threads>
-__global__ void __launch_bounds__(Threads)
+constexpr int kBoundedSelectMinBlocks = Threads == 256 ? 4 : 0;
+
+template <int Threads>
+__global__ void __launch_bounds__(Threads, kBoundedSelectMinBlocks<Threads>)
     tr_select_bounded_kernel(const std::uint32_t* __restrict__ keys_by_expert, std::int64_t T_,
                              const std::int32_t* __restrict__ tc_count, std::int64_t M, RoundingRule rule,
                              std::int32_t* __restrict__ expert_counts, std::int32_t* __restrict__ expert_offsets,
@@ -783,7 +796,7 @@ __global__ void __launch_bounds__(Threads)
   // The expert's rows r_e (its count rounded) and where they start: each CTA sums the rounded counts and GEMM tiles
   // of the experts before its own (integer sums in a fixed order), so no kernel waits for a scan of them, and writes
   // its own expert's entries of the offsets, the tiles and the counts. That is up to E loads a CTA, E^2 / 2 over the
-  // grid (at E = 4096 and 512 threads, 8 a thread), against the keys kernel's T E keys.
+  // grid (at E = 4096 and 256 threads, 16 a thread), against the keys kernel's T E keys.
   const std::int64_t f = tc_count[e];
   const std::int64_t r = rounded_count(f, T_, M, rule);
   std::int64_t g0 = 0;
@@ -1404,18 +1417,18 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_keys");
   const std::int32_t* counts = tc_count;
-  // One CTA per expert; 1024 threads where the experts fit one wave at one CTA an SM (the kernel is bound by each
-  // warp's walk over its chunk of the column: more warps, shorter chunks), else 512 (two CTAs an SM).
+  // One CTA per expert, as large as one wave of them allows (bounded_select_threads).
   auto launch_bounded = [&](auto threads) {
     launch_dependent(tr_select_bounded_kernel<decltype(threads)::value>, dim3(static_cast<unsigned>(E)),
                      dim3(threads.value), 0, stream, a.keys_by_expert, a.T, counts, a.tile_m, a.rule, a.expert_counts,
                      a.expert_offsets, a.expert_tiles, a.bounds, ceil_div(a.T, kKeyTokens), a.thresholds, a.gather,
                      a.row_scores, full_select, block_kept, group_kept);
   };
-  if (E <= sm_count())
-    launch_bounded(std::integral_constant<int, 1024>{});
-  else
-    launch_bounded(std::integral_constant<int, 512>{});
+  switch (bounded_select_threads(E, sm_count())) {
+    case 1024: launch_bounded(std::integral_constant<int, 1024>{}); break;
+    case 512: launch_bounded(std::integral_constant<int, 512>{}); break;
+    default: launch_bounded(std::integral_constant<int, 256>{}); break;
+  }
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select_bounded");
   by_row_width(a.E, [&](auto per_lane) {
     launch_dependent(tr_emit_kernel<decltype(per_lane)::value>, dim3(static_cast<unsigned>(emit_blocks)),

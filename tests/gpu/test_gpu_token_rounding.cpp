@@ -1,6 +1,6 @@
 // Token rounding's kernels (src/gpu/token_rounding_kernels.cu) against the CPU reference (src/reference/
 // token_rounding.cpp, routing_metadata.cpp), launched directly: every rounding rule and score variant, E in
-// {1, 8, 128, 512, 600 (rows read from memory)}, K = 1 and K = E, K = 100 of 512 (lanes choosing again), T = 1,
+// {1, 8, 128, 200, 300, 512, 600 (rows read from memory)} (the bounded select's CTA sizes), K = 1 and K = E, K = 100 of 512 (lanes choosing again), T = 1,
 // experts without tokens, long columns (the blocks' bounds read from memory instead of shared memory), ties selected
 // over the whole column, skewed routing, padded logit rows, bitwise repeats; and the plan of the forward's chunks of
 // tokens the kernels build after the emit, against the plan launch_dx_chunk_plan searches for over their metadata.
@@ -363,14 +363,16 @@ std::vector<TrKernelCase> kernel_cases() {
     add({400, 512, 100, 16, r, ScoreVariant::kTopKOfSoftmaxRenorm, DType::kFP32}, "E512_K100_fp32");
     add({700, 600, 6, 16, r, ScoreVariant::kSoftmaxOverTopK, DType::kFP32}, "E600_rows_from_memory");
     // Long columns: the bounded select stages the blocks' bounds it selects from in shared memory up to 4096 blocks of
-    // 32 tokens on 1024 threads a CTA (E <= SMs) and 2048 on 512; T = 200000 (6250 blocks, 1024 threads) and
-    // T = 70000 with E = 160 (2188 blocks, 512 threads on a 132-SM GPU) read them from memory in every radix pass.
+    // 32 tokens on 1024 threads a CTA (E <= SMs), 2048 on 512 (E <= 2 SMs) and 1024 on 256; T = 200000 (6250 blocks,
+    // 1024 threads), T = 70000 with E = 160 (2188 blocks, 512 threads on a 132-SM GPU) and T = 40000 with E = 300
+    // (1250 blocks, 256 threads) read them from memory in every radix pass.
     add({8192, 64, 4, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T8192_E64");
     add({12289, 16, 2, 128, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32}, "T12289_E16");
     add({65536, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T65536_E8");
     add({65536, 128, 4, 128, r, ScoreVariant::kTopKOfSoftmaxRenorm, DType::kBF16}, "T65536_E128");
     add({200000, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T200000_E8_bounds_from_memory");
     add({70000, 160, 4, 128, r, ScoreVariant::kTopKOfSoftmax, DType::kBF16}, "T70000_E160_bounds_from_memory");
+    add({40000, 300, 8, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T40000_E300_bounds_from_memory");
     TrKernelCase skew{5000, 64, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16};
     skew.skew = 3.0;  // experts 0..2 take most tokens; many others few or none
     add(skew, "skewed");
@@ -379,17 +381,22 @@ std::vector<TrKernelCase> kernel_cases() {
     add(padded, "padded_rows");
     add({100, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T_below_tile");
     // The bounded select's blocks of 32 tokens: a last block of one token, and warps past it with empty chunks, on
-    // 1024 threads a CTA (E = 128 <= SMs) and on 512 (E = 200).
+    // 1024 threads a CTA (E = 128 <= SMs), on 512 (E = 200) and on 256 (E = 300, past two CTAs an SM of 132 SMs).
     add({4097, 128, 8, 64, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T4097_E128_last_block_one_token");
     add({4129, 200, 4, 32, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32}, "T4129_E200_last_block_one_token");
+    add({4129, 300, 8, 64, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T4129_E300_last_block_one_token");
     // Exact ties across tokens (every token repeats one of 3 logit rows): the threshold's digit holds about T / 3 keys
     // of a column. Past the bounded select's staging (64 candidates a warp; asserted for T >= 30000 above) its CTA
-    // selects the expert over the whole column: T = 30000 with E = 16, and T = 200000 with E = 8.
+    // selects the expert over the whole column: T = 30000 with E = 16 (1024 threads a CTA) and E = 300 (256 threads),
+    // and T = 200000 with E = 8.
     TrKernelCase tied{3000, 16, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16};
     tied.repeat = 3;
     add(tied, "exact_ties_T3000");
     tied.T = 30000;
     add(tied, "exact_ties_whole_column");
+    tied.E = 300, tied.K = 8;
+    add(tied, "exact_ties_whole_column_E300");
+    tied.K = 2;
     tied.T = 200000, tied.E = 8;
     add(tied, "exact_ties_whole_column_T200000");
   }

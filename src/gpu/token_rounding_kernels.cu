@@ -727,25 +727,29 @@ __device__ void whole_column_select(const std::uint32_t* __restrict__ gcol, std:
 // candidates. Every key outside the candidates keeps its chosen state (above the threshold if chosen, below if not),
 // so a block's kept tokens are its choice mask corrected at the candidates, and the write reads masks, and keys only
 // where they are kept (each kept pair's score goes to row_scores at its grouped row).
-// Where a warp's candidates pass kBoundedCandidates (many equal keys: repeated tokens), the expert is flagged and
+// Where a warp's candidates pass its staging (many equal keys: repeated tokens), the expert is flagged and
 // the CTA selects it over the whole column (whole_column_select).
-constexpr int kBoundedCandidates = 64;  // per warp
+constexpr int kBoundedCandidates = 64;  // per warp of a CTA of 512 or 1024 threads; twice that at 256 (below)
 constexpr int kBoundedReadBlocks = 4;   // candidate blocks whose keys a warp loads before it stages any
 
 template <int Threads>
 struct BoundedSelectShared {
   static constexpr int kWarps = Threads / 32;
+  // Candidates a warp stages. A CTA of 256 threads gives each warp the chunk of the column two warps of 512 threads
+  // share, and the staging of both: with 64, random logits sent experts to the whole-column select (E = 512, T = 600,
+  // K = 100, rounding up: 144 of 512 experts).
+  static constexpr int kCandidates = Threads < 512 ? kBoundedCandidates * 512 / Threads : kBoundedCandidates;
   // The blocks' bounds that step 1 selects from (where they fit), then the candidates in token order (step 3 on).
   static constexpr int kBoundCache = 2 * kWarps * kBoundedCandidates;
   union {
     struct {
-      std::uint32_t staged_key[kWarps][kBoundedCandidates];
-      std::int32_t staged_token[kWarps][kBoundedCandidates];
+      std::uint32_t staged_key[kWarps][kCandidates];
+      std::int32_t staged_token[kWarps][kCandidates];
       union {
         std::uint32_t bound[kBoundCache];
         struct {
-          std::uint32_t key[kWarps * kBoundedCandidates];
-          std::int32_t token[kWarps * kBoundedCandidates];
+          std::uint32_t key[kWarps * kCandidates];
+          std::int32_t token[kWarps * kCandidates];
         } cand;
       };
     } bounded;
@@ -878,7 +882,7 @@ __global__ void __launch_bounds__(Threads, kBoundedSelectMinBlocks<Threads>)
         const bool cand = i[u] >= 0 && (drop ? chosen && key[u] <= bound : !chosen && key[u] >= bound);
         const unsigned c = __ballot_sync(kFull, cand);
         const std::int32_t slot = n_cand + __popc(c & below);
-        if (cand && slot < kBoundedCandidates) staged_key[warp][slot] = key[u], staged_token[warp][slot] = i[u];
+        if (cand && slot < Shared::kCandidates) staged_key[warp][slot] = key[u], staged_token[warp][slot] = i[u];
         n_cand += __popc(c);
       }
     }
@@ -889,7 +893,7 @@ __global__ void __launch_bounds__(Threads, kBoundedSelectMinBlocks<Threads>)
   std::int32_t cand_before = 0, n_cands = 0;
   bool overflow = false;
   for (int w = 0; w < kWarps; ++w) {
-    overflow = overflow || sh.warp_cand[w] > kBoundedCandidates;
+    overflow = overflow || sh.warp_cand[w] > Shared::kCandidates;
     if (w < warp) cand_before += sh.warp_cand[w];
     n_cands += sh.warp_cand[w];
   }

@@ -99,9 +99,16 @@ class DeviceBuffer {
     if (cudaMalloc(&ptr_, bytes + kCanary) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
     cudaMemset(ptr_, fill, bytes);
     cudaMemset(static_cast<char*>(ptr_) + bytes, kCanaryByte, kCanary);
+    // cudaMemset on device memory returns before it runs, on the legacy default stream, which does not order the
+    // non-blocking streams the layer runs on: a layer's zero-fill could land before this fill and be overwritten by
+    // it (GpuEmptyWork read the 0xFF poison as dW2 once, with the other gtest shard loading the GPU). Done here.
+    if (cudaStreamSynchronize(cudaStreamLegacy) != cudaSuccess) throw std::runtime_error("DeviceBuffer fill failed");
   }
   DeviceBuffer(const std::vector<unsigned char>& host, unsigned char fill = 0xFF) : DeviceBuffer(host.size(), fill) {
     cudaMemcpy(ptr_, host.data(), host.size(), cudaMemcpyHostToDevice);
+    // From pageable memory the copy may return before its DMA into ptr_ has finished (CUDA's API synchronisation
+    // rules); the non-blocking streams the layer runs on would not wait for it.
+    if (cudaStreamSynchronize(cudaStreamLegacy) != cudaSuccess) throw std::runtime_error("DeviceBuffer upload failed");
   }
   ~DeviceBuffer() { cudaFree(ptr_); }
   DeviceBuffer(const DeviceBuffer&) = delete;

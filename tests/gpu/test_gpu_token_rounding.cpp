@@ -1,9 +1,10 @@
 // Token rounding's kernels (src/gpu/token_rounding_kernels.cu) against the CPU reference (src/reference/
 // token_rounding.cpp, routing_metadata.cpp), launched directly: every rounding rule and score variant, E in
-// {1, 8, 128, 200, 300, 512, 600 (rows read from memory)} (the bounded select's CTA sizes), K = 1 and K = E, K = 100 of 512 (lanes choosing again), T = 1,
-// experts without tokens, long columns (the blocks' bounds read from memory instead of shared memory), ties selected
-// over the whole column, skewed routing, padded logit rows, bitwise repeats; and the plan of the forward's chunks of
-// tokens the kernels build after the emit, against the plan launch_dx_chunk_plan searches for over their metadata.
+// {1, 8, 128, 200, 300, 512, 600 (rows read from memory)} (128, 200 and 300: the bounded select's three CTA sizes on
+// a 132-SM GPU), K = 1 and K = E, K = 100 of 512 (lanes choosing again), T = 1, experts without tokens, long columns
+// (the blocks' bounds read from memory instead of shared memory), ties selected over the whole column, skewed routing,
+// padded logit rows, bitwise repeats; and the plan of the forward's chunks of tokens the kernels build after the
+// emit, against the plan launch_dx_chunk_plan searches for over their metadata.
 //
 // What must be exact: the per-expert counts (they depend on the top-K selection alone, which compares logits
 // exactly), and every metadata array, which must be what ref::build_routing_metadata builds from the kernel's own
@@ -386,9 +387,9 @@ std::vector<TrKernelCase> kernel_cases() {
     add({4129, 200, 4, 32, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32}, "T4129_E200_last_block_one_token");
     add({4129, 300, 8, 64, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T4129_E300_last_block_one_token");
     // Exact ties across tokens (every token repeats one of 3 logit rows): the threshold's digit holds about T / 3 keys
-    // of a column. Past the bounded select's staging (64 candidates a warp; asserted for T >= 30000 above) its CTA
-    // selects the expert over the whole column: T = 30000 with E = 16 (1024 threads a CTA) and E = 300 (256 threads),
-    // and T = 200000 with E = 8.
+    // of a column. Past the bounded select's staging (64 candidates a warp, 128 in a CTA of 256 threads; asserted for
+    // T >= 30000 above) its CTA selects the expert over the whole column: T = 30000 with E = 16 (1024 threads a CTA)
+    // and E = 300 (256 threads), and T = 200000 with E = 8.
     TrKernelCase tied{3000, 16, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16};
     tied.repeat = 3;
     add(tied, "exact_ties_T3000");

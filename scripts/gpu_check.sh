@@ -4,6 +4,7 @@
 # build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|profile|detail|t8|all] [gtest filter]
 # t8: token rounding against top-K on every main configuration and both sweeps (T8's table, scripts/t8_table.py).
 # profile: kernel by kernel durations of one forward of $BENCH_CONFIGS (ncu, unlocked clocks; nsys when present).
+#   BENCH_CONFIGS (profile, detail): names of machmoe-bench's configurations, or rows T:d:n:E:K (16384:1536:256:512:8).
 #   BENCH_ARGS: more machmoe-bench arguments for profile and detail (e.g. "--routing token_rounding"), PROFILE_TAG a
 #   suffix of their files' names (so that two routings of a configuration keep both).
 # detail: ncu --set full of the kernels matching $KERNEL_REGEX and the instructions where they stall, in one archive
@@ -22,6 +23,14 @@ cd "$root"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
 bash scripts/setup.sh
 bin=build/bin
+# machmoe-bench's arguments for a configuration of BENCH_CONFIGS, and a file name for it (no ':').
+config_args() {
+  case "$1" in
+    *:*) local t d n e k; IFS=: read -r t d n e k <<< "$1"; echo "--T $t --d $d --n $n --E $e --K $k";;
+    *) echo "--config $1";;
+  esac
+}
+config_file() { echo "${1//:/x}"; }
 if [ "$what" = detail ]; then  # its own build directory: -lineinfo stays out of build/'s cache
   bin=build-lineinfo/bin
   MACHMOE_BUILD_DIR="$root/build-lineinfo" MACHMOE_CMAKE_ARGS="-DCMAKE_CUDA_FLAGS=-lineinfo" MACHMOE_JOBS="$(nproc)" \
@@ -69,16 +78,16 @@ fi
 if [ "$what" = profile ]; then
   for cfg in ${BENCH_CONFIGS:-7B-256}; do
     echo "== $cfg ${BENCH_ARGS:-}"
-    name="$cfg${PROFILE_TAG:+_$PROFILE_TAG}"
-    # shellcheck disable=SC2086
+    name="$(config_file "$cfg")${PROFILE_TAG:+_$PROFILE_TAG}"
+    # shellcheck disable=SC2086,SC2046
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-      ./build/bin/machmoe-bench --config "$cfg" ${BENCH_ARGS:-} --iters 3 --warmup 1 --profile > "$logs/ncu_$name.csv" 2>&1
+      ./build/bin/machmoe-bench $(config_args "$cfg") ${BENCH_ARGS:-} --iters 3 --warmup 1 --profile > "$logs/ncu_$name.csv" 2>&1
     grep -E "back-to-back" "$logs/ncu_$name.csv"
     python3 scripts/ncu_kernel_times.py "$logs/ncu_$name.csv"
     if command -v nsys > /dev/null; then
-      # shellcheck disable=SC2086
+      # shellcheck disable=SC2086,SC2046
       nsys profile -o "$logs/nsys_$name" --force-overwrite true --capture-range=cudaProfilerApi \
-        ./build/bin/machmoe-bench --config "$cfg" ${BENCH_ARGS:-} --iters 3 --warmup 1 --profile > /dev/null 2>&1
+        ./build/bin/machmoe-bench $(config_args "$cfg") ${BENCH_ARGS:-} --iters 3 --warmup 1 --profile > /dev/null 2>&1
       nsys stats -q --report cuda_gpu_trace --format csv "$logs/nsys_$name.nsys-rep" > "$logs/nsys_$name.csv" 2>&1
       head -n 40 "$logs/nsys_$name.csv"
     fi
@@ -91,11 +100,11 @@ if [ "$what" = detail ]; then
   regex="${KERNEL_REGEX:-MainloopVarlenK}"
   mkdir -p "$logs/detail"
   for cfg in ${BENCH_CONFIGS:-120B-2048 7B-256}; do
-    out="$logs/detail/$cfg${PROFILE_TAG:+_$PROFILE_TAG}"
-    # shellcheck disable=SC2086
+    out="$logs/detail/$(config_file "$cfg")${PROFILE_TAG:+_$PROFILE_TAG}"
+    # shellcheck disable=SC2086,SC2046
     timeout "${DETAIL_TIMEOUT:-300}" ncu --clock-control none --kernel-name-base demangled -k "regex:$regex" \
       --launch-count "${LAUNCHES:-2}" --set full --import-source yes -f -o "$out" \
-      "./$bin/machmoe-bench" --config "$cfg" ${BENCH_ARGS:-} --iters 1 --warmup 0 > "$out.log" 2>&1
+      "./$bin/machmoe-bench" $(config_args "$cfg") ${BENCH_ARGS:-} --iters 1 --warmup 0 > "$out.log" 2>&1
     echo "== $cfg: ncu exit $?"
     ncu -i "$out.ncu-rep" --print-details all > "$out.details.txt" 2>&1
     ncu -i "$out.ncu-rep" --page source --print-source sass --csv > "$out.sass.csv" 2>&1
@@ -119,9 +128,8 @@ if [ "$what" = t8 ]; then
   sweep_rows="${T8_SWEEPS-16384:1536:256:64:8 16384:1536:256:128:8 16384:1536:256:256:8 16384:1536:256:512:8 16384:4096:1024:32:4 16384:4096:1024:64:4 16384:4096:1024:128:4 16384:4096:1024:256:4}"
   for row in $main_rows $sweep_rows; do
     case "$row" in
-      *:*) IFS=: read -r t d n e k <<< "$row"
-           args="--T $t --d $d --n $n --E $e --K $k --warmup-ms ${T8_SWEEP_MS:-500} --time-ms ${T8_SWEEP_MS:-500}";;
-      *) args="--config $row${T8_MAIN_MS:+ --warmup-ms $T8_MAIN_MS --time-ms $T8_MAIN_MS}";;
+      *:*) args="$(config_args "$row") --warmup-ms ${T8_SWEEP_MS:-500} --time-ms ${T8_SWEEP_MS:-500}";;
+      *) args="$(config_args "$row")${T8_MAIN_MS:+ --warmup-ms $T8_MAIN_MS --time-ms $T8_MAIN_MS}";;
     esac
     for routing in token_rounding topk; do
       # shellcheck disable=SC2086

@@ -4,6 +4,13 @@
 #   basebg    build the base tree's machmoe-bench in the background (8 jobs; the base tree is extracted first from
 #             $AB_BASE_TAR, a `git archive --prefix=base/ REF -o FILE -- . ':!docs'` of the older code, into /tmp/base)
 #   build     build this checkout (all cores)          basewait  wait for basebg
+#   variants  one machmoe-bench per version of one source file, in this checkout's build/ (after build): $VARIANTS is
+#             "name=path ..." (each path a whole copy of $VARIANT_FILE, default src/gpu/token_rounding_kernels.cu);
+#             bench <name> goes to /tmp/bench_<name> and is a side for ncu and tab (SIDES="main rcp"). One translation
+#             unit and the links a variant, against a second tree's whole build for basebg. The checkout's own file
+#             is put back and build/ rebuilt from it, touched first: the device's copy of the tree carries the
+#             checkout's file times, older than an object compiled from a variant, which ninja would otherwise keep
+#             (session 57's whole-suite run tested such an object).
 #   gf        the GPU tests matching $GF (default: every token-rounding test)
 #   equiv     session 48's equivalence check: forward and backward of token rounding, base against new, 594 cases
 #   ncu       per-kernel ncu times and instruction counts ($KRX: kernel regex without ncu's "regex:" prefix, default tr_;
@@ -30,7 +37,13 @@ gtest_shard() {  # shard $1 of 2 of the whole gtest GPU suite, into $OUT/gtest_g
     > "$OUT/gtest_g$1.log" 2>&1
 }
 shard_summary() { grep -v "reference GEMM" "$OUT/gtest_g$1.log" | tail -n 2; }
-bench_of() { if [ "$1" = base ]; then echo "$base/build/bin/machmoe-bench"; else echo ./build/bin/machmoe-bench; fi; }
+bench_of() {
+  case "$1" in
+    base) echo "$base/build/bin/machmoe-bench";;
+    new) echo ./build/bin/machmoe-bench;;
+    *) echo "/tmp/bench_$1";;  # a variant's (the variants step)
+  esac
+}
 for step in "$@"; do
   stamp "== $step"
   case "$step" in
@@ -44,6 +57,17 @@ for step in "$@"; do
     fi;;
   basewait) while [ ! -f /tmp/base.done ]; do sleep 2; done; echo "base build exit $(cat /tmp/base.done)";;
   build) MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$OUT/build.log" 2>&1; echo "build exit $?"; tail -n 1 "$OUT/build.log";;
+  variants)
+    vf=${VARIANT_FILE:-src/gpu/token_rounding_kernels.cu}
+    cp "$vf" /tmp/variant_own
+    for v in ${VARIANTS:?name=path ...}; do
+      name=${v%%=*}
+      cp "${v#*=}" "$vf" && touch "$vf"
+      cmake --build build --target machmoe-bench > "$OUT/build_variant_$name.log" 2>&1
+      echo "variant $name: build exit $?"; cp build/bin/machmoe-bench "/tmp/bench_$name"
+    done
+    cp /tmp/variant_own "$vf" && touch "$vf"
+    cmake --build build > "$OUT/build_variant_own.log" 2>&1; echo "own version: build exit $?";;
   gf) timeout 300 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="${GF:-*TokenRounding*}" 2>&1 |
         grep -v "reference GEMM" | tail -n 3;;
   equiv) BASE_SEL=1 BASE_SRC=$base timeout 300 bash docs/measurements/2026-11-27-h100-session48/tr_equivalence_build.sh \

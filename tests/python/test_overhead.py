@@ -240,3 +240,72 @@ def test_queued_times_a_block_per_side_and_round():
     r = overhead.measure(case, warmup=2, iters=3, rounds=2, mode="queued")
     assert case.calls == [("cpp", 2, 3), ("module", 2, 3), ("module", 2, 3), ("cpp", 2, 3)]
     assert r["samples"] == 6
+
+
+# ---- --layers: each layer of the module path's forward against the C++ layer's -------------------------------------
+
+def test_parse_layers_flag():
+    assert overhead.parse([]).layers is False
+    assert overhead.parse(["--layers", "--configs", "7B-256"]).layers is True
+
+
+class _LayersCase:
+    """Stands in for overhead.Case in measure_layers: a small CPU module, and a log of what ran in which order."""
+
+    def __init__(self):
+        torch.manual_seed(3)
+        self.module = machmoe.MoE(16, 8, 4, 2)
+        self.x = torch.randn(6, 16, requires_grad=True)
+        self.log = []
+
+    def refill(self):
+        self.log.append("refill")
+
+    def module_step(self):
+        self.log.append("step")
+
+    def cpp(self, warmup, iters, isolated):
+        assert (warmup, iters, isolated) == (0, 1, True)
+        self.log.append("cpp")
+        return torch.tensor([[2.0, 5.0]], dtype=torch.float64)
+
+
+def test_measure_layers_times_each_layer_after_the_same_refill_and_backward():
+    case = _LayersCase()
+    outputs = []
+
+    def timer(fn):
+        case.log.append("time")
+        outputs.append(fn())  # each layer's call runs (the CPU operator on a small shape)
+        return 2.5
+
+    r = overhead.measure_layers(case, iters=2, timer=timer)
+    layer = ["refill", "time", "step"]
+    one_pass = ["cpp"] + layer * len(overhead.LAYER_ROWS)
+    # A warm-up pass, then one pass per repetition, the order reversed every other time.
+    assert case.log == one_pass + one_pass + layer * len(overhead.LAYER_ROWS) + ["cpp"]
+    assert list(r["rows"]) == ["cpp", *overhead.LAYER_ROWS] and r["iters"] == 2
+    assert r["rows"]["cpp"] == {"forward_ms": 2.0, "ratio": 1.0}
+    assert all(r["rows"][n] == {"forward_ms": 2.5, "ratio": 1.25} for n in overhead.LAYER_ROWS)
+    # Every layer returned the layer's output: the operator's four tensors below the functional API, (out, logits,
+    # counts) from it, MoEOutput from the module; the same output everywhere.
+    n = len(overhead.LAYER_ROWS)
+    below, functional, module = outputs[0], outputs[3], outputs[4]
+    assert len(outputs) == 3 * n and len(below) == 4 and len(functional) == 3
+    torch.testing.assert_close(below[0], functional[0].detach())
+    torch.testing.assert_close(module.output.detach(), functional[0].detach())
+
+
+def test_layers_markdown_gives_each_row_its_step_from_the_row_above():
+    layers = {"config": "7B-256", "iters": 40, "rows": {
+        "cpp": {"forward_ms": 1.0, "ratio": 1.0}, "op_below_autograd": {"forward_ms": 1.002, "ratio": 1.002},
+        "module_forward": {"forward_ms": 1.05, "ratio": 1.05}}}
+    text = "\n".join(overhead.layers_markdown(layers))
+    assert "(7B-256; median of 40" in text
+    assert "| cpp | the C++ layer" in text and "| 1.0000 | 1.000 |  |" in text
+    assert "| op_below_autograd |" in text and "| 1.0020 | 1.002 | +2.0 |" in text
+    assert "| module_forward | MoE.forward" in text and "| +48.0 |" in text
+    doc = {"device": {"name": "x"}, "versions": {"torch": "t"}, "settings": {"dtype": "bf16", "iters": 1, "rounds": 1,
+           "warmup": 0}, "date": "d", "command": "c", "configs": [], "verdict": overhead.verdict([], 1.03),
+           "layers": layers}
+    assert "Isolated forward of each layer" in overhead.markdown(doc)

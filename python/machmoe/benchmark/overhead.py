@@ -14,7 +14,10 @@ repetition. Two modes:
 Isolated, the two sides alternate repetition by repetition (which goes first swapped every time), so that the drift
 of an idle GPU's clocks falls on both; queued, they alternate in rounds of `--iters` repetitions each.
 `--machmoe-bench PATH` also runs the C++ benchmark binary per configuration in a subprocess as a cross-check of the
-in-process C++ timing. `--profile`
+in-process C++ timing. `--layers` times the isolated forward of each layer of the module path (the operator below
+autograd, without grad, with autograd, the functional API, the module) against the C++ layer's, for the first
+configuration, every repetition after the same refill and backward, so that consecutive rows differ by one layer's
+latency. `--profile`
 lists the kernels and CUDA API calls of one repetition of each side (torch.profiler) and their difference, which
 is where an extra launch, memset or copy of the module shows up.
 """
@@ -109,6 +112,10 @@ def parser() -> argparse.ArgumentParser:
                         "Python, the dispatcher, autograd and the binding, per call")
     p.add_argument("--host-shape", type=_host_shape, default=(0, 8, 8, 4, 2), metavar="T,d,n,E,K",
                    help="the --host-only shape (default 0,8,8,4,2: no tokens)")
+    p.add_argument("--layers", action="store_true",
+                   help="also time each layer of the module path's forward isolated (operator below autograd, "
+                        "without grad, with autograd, functional API, module) against the C++ layer's, for the "
+                        "first configuration, rounds x iters repetitions each")
     p.add_argument("--profile", action="store_true",
                    help="also list the kernels and CUDA API calls of one repetition of each side (torch.profiler) "
                         "for the first configuration, and their difference")
@@ -139,12 +146,18 @@ def _median(xs: List[float]) -> float:
     return statistics.median(xs)
 
 
+def operator_codes(m) -> tuple:
+    """The integer arguments of machmoe's layer operators (top_k and the option codes) for module m's options."""
+    from machmoe._options import ACTIVATIONS, ACTIVATION_MEMORY, ROUNDINGS, ROUTINGS, SCORES, WEIGHT_LAYOUTS
+    return (m.top_k, ACTIVATIONS[m.activation], WEIGHT_LAYOUTS[m.weight_layout], SCORES[m.score],
+            ROUTINGS[m.routing], ROUNDINGS[m.rounding], m.tile, ACTIVATION_MEMORY[m.activation_memory])
+
+
 class Case:
     """One configuration's module, inputs and the C++ layer's arguments, on one device."""
 
     def __init__(self, cfg: C.Config, device: torch.device, dtype: torch.dtype, seed: int):
         import machmoe
-        from machmoe._options import ACTIVATIONS, ACTIVATION_MEMORY, ROUNDINGS, ROUTINGS, SCORES, WEIGHT_LAYOUTS
         torch.manual_seed(seed)
         self.cfg = cfg
         self.module = machmoe.MoE(cfg.d, cfg.n, cfg.E, cfg.K, device=device, dtype=dtype)
@@ -154,8 +167,7 @@ class Case:
         # The C++ side writes fresh values into these in place (and the module side into x and go).
         self.cx = torch.empty_like(self.go)
         self.cgo = torch.empty_like(self.go)
-        self.codes = (cfg.K, ACTIVATIONS[m.activation], WEIGHT_LAYOUTS[m.weight_layout], SCORES[m.score],
-                      ROUTINGS[m.routing], ROUNDINGS[m.rounding], m.tile, ACTIVATION_MEMORY[m.activation_memory])
+        self.codes = operator_codes(m)
 
     def refill(self) -> None:
         with torch.no_grad():
@@ -241,6 +253,62 @@ def measure(case: Case, warmup: int, iters: int, rounds: int, mode: str) -> dict
     return res
 
 
+def _isolated_forward_ms(fn) -> float:
+    """GPU time of one call of fn between two events, the stream synchronised before and after (host latency counts)."""
+    stream = torch.cuda.current_stream()
+    stream.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    out = fn()
+    e1.record()
+    stream.synchronize()
+    del out
+    return e0.elapsed_time(e1)
+
+
+def measure_layers(case, iters: int, timer=_isolated_forward_ms) -> dict:
+    """The isolated forward of each LAYER_ROWS layer and of the C++ layer ("cpp"), one repetition of each in turn
+    (the order reversed every repetition), medians. Every timed forward follows the same state: the C++ layer's
+    repetition refills its inputs after the previous repetition's backward; a layer's is refilled the same way, and
+    an untimed forward + backward of the module follows it, so that the next starts after a backward too (a forward
+    right after another forward starts with its operands in L2 and measured 3-6 % faster, session 57)."""
+    fns = forward_layers(case.module, case.x)
+    rows = ("cpp",) + LAYER_ROWS
+
+    def run(name: str) -> float:
+        if name == "cpp":
+            return float(case.cpp(0, 1, True)[0, 0])
+        case.refill()
+        t = timer(fns[name])
+        case.module_step()
+        return t
+
+    for name in rows:  # warm-up
+        run(name)
+    times: Dict[str, List[float]] = {name: [] for name in rows}
+    for r in range(iters):
+        for name in (rows if r % 2 == 0 else rows[::-1]):
+            times[name].append(run(name))
+    cpp = _median(times["cpp"])
+    return {"iters": iters, "rows": {name: {"forward_ms": _median(times[name]),
+                                            "ratio": _median(times[name]) / cpp} for name in rows}}
+
+
+def layers_markdown(layers: dict) -> List[str]:
+    """The --layers table: each layer's isolated forward, its ratio to the C++ layer's and the step from the row above."""
+    what = dict(HOST_ROWS)
+    what["cpp"] = "the C++ layer (time_layer: machmoe::forward on buffers allocated once)"
+    lines = [f"Isolated forward of each layer of the module path ({layers['config']}; median of {layers['iters']}; "
+             "each after a refill and a backward):", "",
+             "| layer | what | forward ms | ratio to C++ | step from the row above, us |", "|---|---|---|---|---|"]
+    prev = None
+    for name, r in layers["rows"].items():
+        step = "" if prev is None else f"{(r['forward_ms'] - prev) * 1e3:+.1f}"
+        lines.append(f"| {name} | {what.get(name, '')} | {r['forward_ms']:.4f} | {r['ratio']:.3f} | {step} |")
+        prev = r["forward_ms"]
+    return lines
+
+
 def run_machmoe_bench(path: str, cfg: C.Config, warmup: int, iters: int) -> dict:
     """machmoe-bench on the same configuration (its own weights, a fixed x; forward and backward timed apart)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -272,31 +340,47 @@ HOST_ROWS = (
 )
 
 
+# The forward-only rows of HOST_ROWS, which --layers times on the GPU.
+LAYER_ROWS = ("op_below_autograd", "op_no_grad", "op_autograd", "functional", "module_forward")
+
+
+def forward_layers(m, x) -> Dict[str, object]:
+    """A call of each LAYER_ROWS layer of module m's forward on x (each returns what its layer returns)."""
+    from machmoe import functional as F
+    xd = x.detach()
+    rw, w1, w2 = m.router_weight, m.w1, m.w2
+    codes = operator_codes(m)
+    op = torch.ops.machmoe.layer_forward.default
+
+    def below_autograd():
+        with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
+            return op(xd, rw, w1, None, w2, None, None, None, None, *codes)
+
+    def no_grad():
+        with torch.no_grad():
+            return op(xd, rw, w1, None, w2, None, None, None, None, *codes)
+
+    return {"op_below_autograd": below_autograd, "op_no_grad": no_grad,
+            "op_autograd": lambda: op(x, rw, w1, None, w2, None, None, None, None, *codes),
+            "functional": lambda: F.moe(x, rw, w1, w2, top_k=m.top_k, activation=m.activation, score=m.score,
+                                        routing=m.routing, rounding=m.rounding, tile=m.tile,
+                                        weight_layout=m.weight_layout, activation_memory=m.activation_memory),
+            "module_forward": lambda: m(x)}
+
+
 def host_latency(shape, reps: int, rounds: int, seed: int = 0) -> Dict[str, dict]:
     """Host time per call (us) of each HOST_ROWS entry on CPU fp32 tensors of `shape` (T, d, n, E, K): min and
     median over `rounds` rounds of `reps` calls, after a warm-up round. The garbage collector is paused inside a
     round (its pauses would land on whichever call triggers them)."""
     import gc
     import machmoe
-    from machmoe import functional as F
     T, d, n, E, K = shape
     torch.manual_seed(seed)
     m = machmoe.MoE(d, n, E, K)
     acc = machmoe.MoE(d, n, E, K, accumulate_into_main_grad=True)
     acc.main_grads()
     x = torch.randn(T, d, requires_grad=True)
-    xd, go = x.detach(), torch.randn(T, d)
-    rw, w1, w2 = m.router_weight, m.w1, m.w2
-    codes = (K, 0, 0, 0, 0, 0, m.tile, 0)
-    op = torch.ops.machmoe.layer_forward.default
-
-    def below_autograd():
-        with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
-            op(xd, rw, w1, None, w2, None, None, None, None, *codes)
-
-    def no_grad():
-        with torch.no_grad():
-            op(xd, rw, w1, None, w2, None, None, None, None, *codes)
+    go = torch.randn(T, d)
 
     def step():
         for p in m.parameters():
@@ -304,10 +388,7 @@ def host_latency(shape, reps: int, rounds: int, seed: int = 0) -> Dict[str, dict
         x.grad = None
         m(x).output.backward(go)
 
-    fns = {"op_below_autograd": below_autograd, "op_no_grad": no_grad,
-           "op_autograd": lambda: op(x, rw, w1, None, w2, None, None, None, None, *codes),
-           "functional": lambda: F.moe(x, rw, w1, w2, top_k=K), "module_forward": lambda: m(x),
-           "module_forward_main_grad": lambda: acc(x), "module_step": step}
+    fns = dict(forward_layers(m, x), module_forward_main_grad=lambda: acc(x), module_step=step)
     out = {}
     for name, what in HOST_ROWS:
         fn = fns[name]
@@ -445,6 +526,8 @@ def markdown(doc: dict) -> str:
     v = doc["verdict"]
     lines += ["", f"T14 (isolated ratios <= {target}): " + ("met" if v["met"] else
               "not met: " + "; ".join(v["over_target"] + v["failed"]))]
+    if doc.get("layers"):
+        lines += [""] + layers_markdown(doc["layers"])
     prof = doc.get("profile")
     if prof:
         lines += ["", f"Profile of one repetition ({prof['config']}: fresh inputs, a forward, a forward + backward), "
@@ -501,6 +584,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             case = Case(cfg, device, dtype, a.seed)
             for mode in a.mode_list:
                 entry["results"][mode] = measure(case, a.warmup, a.iters, a.rounds, mode)
+            if a.layers and "layers" not in doc:
+                doc["layers"] = dict(measure_layers(case, a.iters * a.rounds), config=cfg.name)
             if a.profile and "profile" not in doc:
                 prof = profile_case(case)
                 prof["config"] = cfg.name

@@ -46,7 +46,7 @@ def test_overhead_module_end_to_end(cuda, tmp_path):
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python")] + [p for p in [env.get("PYTHONPATH")] if p])
     out = tmp_path / "overhead.json"
     p = subprocess.run([sys.executable, "-m", "machmoe.benchmark.overhead", "--shape", "2048,512,256,16,4",
-                        "--warmup", "1", "--iters", "3", "--rounds", "2", "--profile", "--target", "100",
+                        "--warmup", "1", "--iters", "3", "--rounds", "2", "--profile", "--layers", "--target", "100",
                         "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -58,4 +58,8 @@ def test_overhead_module_end_to_end(cuda, tmp_path):
             assert r[side]["forward_ms"] > 0 and r[side]["fwdbwd_ms"] > r[side]["forward_ms"]
         assert r["ratio"]["forward"] > 0 and r["ratio"]["fwdbwd"] > 0
     assert doc["verdict"]["met"] and doc["profile"]["diff"]["gpu"] == {}
+    layers = doc["layers"]
+    assert layers["iters"] == 6 and list(layers["rows"]) == ["cpp", *overhead.LAYER_ROWS]
+    assert all(r["forward_ms"] > 0 and r["ratio"] > 0 for r in layers["rows"].values())
+    assert "Isolated forward of each layer" in p.stdout
     assert "| custom-2048-512-256-16-4 | isolated |" in p.stdout and "T14 (isolated ratios <= 100.0): met" in p.stdout

@@ -167,6 +167,7 @@ struct RowSelection {
   KeyType key[kRegs ? PerLane : 1];
   KeyType kth = ~KeyType{0};
   float first = 0.0f, sum_k = 0.0f, m = -INFINITY, total = 0.0f;
+  float inv_total = 0.0f;  // 1 / total, once a row: prob() multiplies by it instead of dividing every element
 
   __device__ __forceinline__ RowSelection(const T* r, int E_, int lane_) : row(r), E(E_), lane(lane_) {
     slots = kRegs ? PerLane : (E + 31) / 32;
@@ -284,7 +285,7 @@ struct RowSelection {
       s += x;
     });
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
-    m = mx, total = s;
+    m = mx, total = s, inv_total = 1.0f / s;
   }
   /// The selection as select(K) left it, for the router backward: everything but the exponentials comes from the
   /// forward's saved statistics; those are exp(x - max) again, the same expression, so every probability, TC score
@@ -294,18 +295,24 @@ struct RowSelection {
   }
   __device__ __forceinline__ void restore(const TokenSelectionStats& s) {
     kth = static_cast<KeyType>(s.kth), first = s.first, sum_k = s.sum_k, m = s.max, total = s.sum;
+    inv_total = 1.0f / total;  // as select() computed it
     if constexpr (kKeepExp) for_each(0, slots, [&](int j) { ex[j] = expf(value(j) - m); });
   }
   __device__ __forceinline__ bool chosen(int j) const { return rank(j) >= kth; }
-  /// Slot j's full-softmax probability, exp(x - max) / sum (the exponential kept by select or restore where kKeepExp).
-  __device__ __forceinline__ float prob(int j) const {
-    if constexpr (kKeepExp) return ex[j] / total;
-    else return expf(value(j) - m) / total;
+  /// Slot j's exp(x - max) (kept by select or restore where kKeepExp).
+  __device__ __forceinline__ float exp_of(int j) const {
+    if constexpr (kKeepExp) return ex[j];
+    else return expf(value(j) - m);
   }
-  /// TC score of slot j, a chosen element: the softmax over the selection (renormalised variants, as
-  /// launch_topk_scores computes it) or the full-softmax probability.
+  /// Slot j's full-softmax probability as the ranking and the backward use it: exp(x - max) times the row's
+  /// reciprocal sum, within an ulp of the quotient. The keys kernel takes it for every element of the row that was
+  /// not chosen and the backward for every element; an IEEE division each (a reciprocal, two FMAs, a range check and
+  /// its branch) was about a tenth of the keys kernel's instructions at E = 512 (ncu, H200).
+  __device__ __forceinline__ float prob(int j) const { return exp_of(j) * inv_total; }
+  /// TC score of slot j, a chosen element, bitwise as launch_topk_scores computes it: the softmax over the selection
+  /// (renormalised variants) or the full-softmax quotient exp(x - max) / sum.
   __device__ __forceinline__ float tc_score(ScoreVariant variant, int j) const {
-    return variant == ScoreVariant::kTopKOfSoftmax ? prob(j) : expf(value(j) - first) / sum_k;
+    return variant == ScoreVariant::kTopKOfSoftmax ? exp_of(j) / total : expf(value(j) - first) / sum_k;
   }
 };
 

@@ -279,32 +279,47 @@ def test_measure_layers_times_each_layer_after_the_same_refill_and_backward():
         outputs.append(fn())  # each layer's call runs (the CPU operator on a small shape)
         return 2.5
 
-    r = overhead.measure_layers(case, iters=2, timer=timer)
-    layer = ["refill", "time", "step"]
+    hidden_calls = []
+
+    def hidden_timer(fn):
+        case.log.append("hidden")
+        hidden_calls.append(fn())
+        return 2.25, len(hidden_calls) % 2 == 0  # every other repetition not covered
+
+    r = overhead.measure_layers(case, iters=2, timer=timer, hidden_timer=hidden_timer)
+    layer = ["refill", "time", "step", "refill", "hidden", "step"]
     one_pass = ["cpp"] + layer * len(overhead.LAYER_ROWS)
-    # A warm-up pass, then one pass per repetition, the order reversed every other time.
+    # A warm-up pass, then one pass per repetition, the order reversed every other time; each layer timed isolated and
+    # then with its latency hidden, each after its own refill and followed by a backward.
     assert case.log == one_pass + one_pass + layer * len(overhead.LAYER_ROWS) + ["cpp"]
     assert list(r["rows"]) == ["cpp", *overhead.LAYER_ROWS] and r["iters"] == 2
     assert r["rows"]["cpp"] == {"forward_ms": 2.0, "ratio": 1.0}
-    assert all(r["rows"][n] == {"forward_ms": 2.5, "ratio": 1.25} for n in overhead.LAYER_ROWS)
+    for n in overhead.LAYER_ROWS:
+        row = r["rows"][n]
+        assert row["forward_ms"] == 2.5 and row["ratio"] == 1.25 and row["hidden_ms"] == 2.25
+        assert row["host_wait_us"] == pytest.approx(250.0) and 0.0 <= row["covered"] <= 1.0
+    assert sum(r["rows"][n]["covered"] for n in overhead.LAYER_ROWS) * 2 == len(overhead.LAYER_ROWS)
     # Every layer returned the layer's output: the operator's four tensors below the functional API, (out, logits,
-    # counts) from it, MoEOutput from the module; the same output everywhere.
+    # counts) from it, MoEOutput from the module; the same output everywhere, hidden or not.
     n = len(overhead.LAYER_ROWS)
     below, functional, module = outputs[0], outputs[3], outputs[4]
-    assert len(outputs) == 3 * n and len(below) == 4 and len(functional) == 3
+    assert len(outputs) == 3 * n and len(hidden_calls) == 3 * n and len(below) == 4 and len(functional) == 3
     torch.testing.assert_close(below[0], functional[0].detach())
     torch.testing.assert_close(module.output.detach(), functional[0].detach())
+    torch.testing.assert_close(hidden_calls[4].output.detach(), functional[0].detach())
 
 
 def test_layers_markdown_gives_each_row_its_step_from_the_row_above():
-    layers = {"config": "7B-256", "iters": 40, "rows": {
-        "cpp": {"forward_ms": 1.0, "ratio": 1.0}, "op_below_autograd": {"forward_ms": 1.002, "ratio": 1.002},
-        "module_forward": {"forward_ms": 1.05, "ratio": 1.05}}}
+    hidden = {"hidden_ms": 0.98, "host_wait_us": 22.0, "covered": 1.0}
+    layers = {"config": "7B-256", "iters": 40, "sleep_ms": 1.0, "rows": {
+        "cpp": {"forward_ms": 1.0, "ratio": 1.0},
+        "op_below_autograd": {"forward_ms": 1.002, "ratio": 1.002, **hidden},
+        "module_forward": {"forward_ms": 1.05, "ratio": 1.05, **dict(hidden, host_wait_us=70.0, covered=0.75)}}}
     text = "\n".join(overhead.layers_markdown(layers))
-    assert "(7B-256; median of 40" in text
-    assert "| cpp | the C++ layer" in text and "| 1.0000 | 1.000 |  |" in text
-    assert "| op_below_autograd |" in text and "| 1.0020 | 1.002 | +2.0 |" in text
-    assert "| module_forward | MoE.forward" in text and "| +48.0 |" in text
+    assert "(7B-256; median of 40" in text and "a 1-ms sleep kernel" in text
+    assert "| cpp | the C++ layer" in text and "| 1.0000 | 1.000 |  | – | – | – |" in text
+    assert "| op_below_autograd |" in text and "| 1.0020 | 1.002 | +2.0 | 0.9800 | 22.0 | 100% |" in text
+    assert "| module_forward | MoE.forward" in text and "| +48.0 | 0.9800 | 70.0 | 75% |" in text
     doc = {"device": {"name": "x"}, "versions": {"torch": "t"}, "settings": {"dtype": "bf16", "iters": 1, "rounds": 1,
            "warmup": 0}, "date": "d", "command": "c", "configs": [], "verdict": overhead.verdict([], 1.03),
            "layers": layers}

@@ -61,5 +61,26 @@ def test_overhead_module_end_to_end(cuda, tmp_path):
     layers = doc["layers"]
     assert layers["iters"] == 6 and list(layers["rows"]) == ["cpp", *overhead.LAYER_ROWS]
     assert all(r["forward_ms"] > 0 and r["ratio"] > 0 for r in layers["rows"].values())
+    for name in overhead.LAYER_ROWS:
+        r = layers["rows"][name]
+        assert r["hidden_ms"] > 0 and 0.0 <= r["covered"] <= 1.0
+        assert r["host_wait_us"] == pytest.approx((r["forward_ms"] - r["hidden_ms"]) * 1e3)
     assert "Isolated forward of each layer" in p.stdout
     assert "| custom-2048-512-256-16-4 | isolated |" in p.stdout and "T14 (isolated ratios <= 100.0): met" in p.stdout
+
+
+def test_hidden_latency_timer_times_the_gpu_work_behind_a_sleep(cuda):
+    """The --layers timer that hides the host's latency: a call whose host work ends long before the sleep does is
+    covered, and its figure is the GPU time of its own kernels (here one short kernel: well under the sleep's
+    millisecond, which does not count), while a call that keeps the host past the sleep is reported as not covered."""
+    timer = overhead.hidden_latency_timer(sleep_ms=1.0)
+    x = torch.ones(1 << 20, device=cuda)
+    ms, covered = timer(lambda: x * 2)
+    assert covered and 0 < ms < 0.5, (ms, covered)
+
+    def slow_host():
+        torch.cuda.current_stream().synchronize()  # the host waits for the sleep itself: nothing can stay hidden
+        return x * 2
+
+    ms, covered = timer(slow_host)
+    assert not covered and ms > 0, (ms, covered)

@@ -17,7 +17,8 @@ of an idle GPU's clocks falls on both; queued, they alternate in rounds of `--it
 in-process C++ timing. `--layers` times the isolated forward of each layer of the module path (the operator below
 autograd, without grad, with autograd, the functional API, the module) against the C++ layer's, for the first
 configuration, every repetition after the same refill and backward, so that consecutive rows differ by one layer's
-latency. `--profile`
+latency; and each layer again with a sleep kernel queued ahead of it, so that its host latency is hidden: what is left
+is GPU time, and the difference is what the GPU waited for the host. `--profile`
 lists the kernels and CUDA API calls of one repetition of each side (torch.profiler) and their difference, which
 is where an extra launch, memset or copy of the module shows up.
 """
@@ -115,7 +116,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", action="store_true",
                    help="also time each layer of the module path's forward isolated (operator below autograd, "
                         "without grad, with autograd, functional API, module) against the C++ layer's, for the "
-                        "first configuration, rounds x iters repetitions each")
+                        "first configuration, rounds x iters repetitions each; and each layer again with a sleep "
+                        "kernel queued ahead of it (its host latency hidden: GPU time only)")
     p.add_argument("--profile", action="store_true",
                    help="also list the kernels and CUDA API calls of one repetition of each side (torch.profiler) "
                         "for the first configuration, and their difference")
@@ -266,46 +268,120 @@ def _isolated_forward_ms(fn) -> float:
     return e0.elapsed_time(e1)
 
 
-def measure_layers(case, iters: int, timer=_isolated_forward_ms) -> dict:
+SLEEP_MS = 1.0  # the busy GPU ahead of a hidden-latency repetition: longer than any host path measured (<= 0.6 ms)
+
+
+def _sleep_cycles(ms: float) -> int:
+    """torch.cuda._sleep's argument (GPU clock cycles) for about `ms` milliseconds, from one timed sleep."""
+    stream = torch.cuda.current_stream()
+    probe = 200_000
+    stream.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    torch.cuda._sleep(probe)
+    e1.record()
+    stream.synchronize()
+    return max(1, int(probe * ms / max(e0.elapsed_time(e1), 1e-3)))
+
+
+def hidden_latency_timer(sleep_ms: float = SLEEP_MS):
+    """A timer for measure_layers whose call starts while the GPU is busy: after the synchronize, a sleep kernel of
+    about `sleep_ms` is queued, then an event, the call, an event. The host's work before the call's first kernel runs
+    while the sleep does, so the time between the events is the GPU's: the call's kernels and any wait for a launch
+    after the sleep has ended. Returns (ms, covered): covered is whether the sleep was still running when the call
+    returned, i.e. every launch of the call was queued behind it (False: the figure may still hold host latency)."""
+    cycles = None
+
+    def timer(fn):
+        nonlocal cycles
+        if cycles is None:
+            cycles = _sleep_cycles(sleep_ms)
+        stream = torch.cuda.current_stream()
+        stream.synchronize()
+        e1, e2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        e1.record()
+        out = fn()
+        covered = not e1.query()
+        e2.record()
+        stream.synchronize()
+        del out
+        return e1.elapsed_time(e2), covered
+
+    return timer
+
+
+def measure_layers(case, iters: int, timer=_isolated_forward_ms, hidden_timer=None) -> dict:
     """The isolated forward of each LAYER_ROWS layer and of the C++ layer ("cpp"), one repetition of each in turn
-    (the order reversed every repetition), medians. Every timed forward follows the same state: the C++ layer's
-    repetition refills its inputs after the previous repetition's backward; a layer's is refilled the same way, and
-    an untimed forward + backward of the module follows it, so that the next starts after a backward too. (Timed right
-    after another forward, with nothing refilled, the module's forward measured 1.03 and 0.99 of the C++ layer's on
-    1.4B-256 and 7B-256, against 1.09-1.10 after a backward: an H200, session 57.)"""
+    (the order reversed every repetition), medians; and each layer's forward again with the host's latency hidden
+    (hidden_timer, default hidden_latency_timer(): a sleep kernel queued ahead of the call), whose difference from the
+    isolated figure is the time the GPU waited for the host before and between the layer's kernels. Every timed
+    forward follows the same state: the C++ layer's repetition refills its inputs after the previous repetition's
+    backward; a layer's is refilled the same way, and an untimed forward + backward of the module follows it, so that
+    the next starts after a backward too. (Timed right after another forward, with nothing refilled, the module's
+    forward measured 1.03 and 0.99 of the C++ layer's on 1.4B-256 and 7B-256, against 1.09-1.10 after a backward: an
+    H200, session 57. With the latency hidden every layer took less GPU time than the C++ layer's isolated forward:
+    session 58.)"""
     fns = forward_layers(case.module, case.x)
     rows = ("cpp",) + LAYER_ROWS
+    if hidden_timer is None:
+        hidden_timer = hidden_latency_timer()
 
-    def run(name: str) -> float:
+    def run(name: str, t) -> object:
         if name == "cpp":
             return float(case.cpp(0, 1, True)[0, 0])
         case.refill()
-        t = timer(fns[name])
+        r = t(fns[name])
         case.module_step()
-        return t
+        return r
 
     for name in rows:  # warm-up
-        run(name)
+        run(name, timer)
+        if name != "cpp":
+            run(name, hidden_timer)
     times: Dict[str, List[float]] = {name: [] for name in rows}
+    hidden: Dict[str, List[float]] = {name: [] for name in LAYER_ROWS}
+    covered: Dict[str, int] = {name: 0 for name in LAYER_ROWS}
     for r in range(iters):
         for name in (rows if r % 2 == 0 else rows[::-1]):
-            times[name].append(run(name))
+            times[name].append(run(name, timer))
+            if name != "cpp":
+                ms, ok = run(name, hidden_timer)
+                hidden[name].append(ms)
+                covered[name] += bool(ok)
     cpp = _median(times["cpp"])
-    return {"iters": iters, "rows": {name: {"forward_ms": _median(times[name]),
-                                            "ratio": _median(times[name]) / cpp} for name in rows}}
+    out = {"iters": iters, "sleep_ms": SLEEP_MS, "rows": {}}
+    for name in rows:
+        row = {"forward_ms": _median(times[name]), "ratio": _median(times[name]) / cpp}
+        if name != "cpp":
+            row["hidden_ms"] = _median(hidden[name])
+            row["host_wait_us"] = (row["forward_ms"] - row["hidden_ms"]) * 1e3
+            row["covered"] = covered[name] / iters
+        out["rows"][name] = row
+    return out
 
 
 def layers_markdown(layers: dict) -> List[str]:
-    """The --layers table: each layer's isolated forward, its ratio to the C++ layer's and the step from the row above."""
+    """The --layers table: each layer's isolated forward, its ratio to the C++ layer's, the step from the row above,
+    and the same forward with the host's latency hidden (GPU time only) with the difference, the GPU's wait for the
+    host."""
     what = dict(HOST_ROWS)
     what["cpp"] = "the C++ layer (time_layer: machmoe::forward on buffers allocated once)"
+    sleep = layers.get("sleep_ms", SLEEP_MS)
     lines = [f"Isolated forward of each layer of the module path ({layers['config']}; median of {layers['iters']}; "
-             "each after a refill and a backward):", "",
-             "| layer | what | forward ms | ratio to C++ | step from the row above, us |", "|---|---|---|---|---|"]
+             "each after a refill and a backward), and the same forward with the host's latency hidden (a "
+             f"{sleep:g}-ms sleep kernel queued ahead of the call: GPU time only; 'covered' is the share of repetitions "
+             "whose every launch was queued while the sleep ran):", "",
+             "| layer | what | forward ms | ratio to C++ | step from the row above, us | latency hidden, ms | "
+             "GPU waiting for the host, us | covered |", "|---|---|---|---|---|---|---|---|"]
     prev = None
     for name, r in layers["rows"].items():
         step = "" if prev is None else f"{(r['forward_ms'] - prev) * 1e3:+.1f}"
-        lines.append(f"| {name} | {what.get(name, '')} | {r['forward_ms']:.4f} | {r['ratio']:.3f} | {step} |")
+        if "hidden_ms" in r:
+            rest = f"{r['hidden_ms']:.4f} | {r['host_wait_us']:.1f} | {r['covered']:.0%}"
+        else:
+            rest = "– | – | –"
+        lines.append(f"| {name} | {what.get(name, '')} | {r['forward_ms']:.4f} | {r['ratio']:.3f} | {step} | {rest} |")
         prev = r["forward_ms"]
     return lines
 

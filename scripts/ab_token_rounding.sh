@@ -11,6 +11,13 @@
 #             is put back and build/ rebuilt from it, touched first: the device's copy of the tree carries the
 #             checkout's file times, older than an object compiled from a variant, which ninja would otherwise keep
 #             (session 57's whole-suite run tested such an object).
+#   keep      copy this checkout's machmoe-bench to /tmp/bench_$KEEP (default main): a side for ncu and tab, e.g. main's
+#             binary before `apply` (SIDES="main new")
+#   apply     apply $AB_PATCH (a git diff of any number of files, such as one kept in a measurements folder) to this
+#             checkout, touch every file it names, and rebuild; `revert` takes it out again the same way. Both touch
+#             for the reason `variants` does, and a later call's fresh copy of the tree brings the checkout's own files
+#             back with their old times: after an `apply`, the next call on the same machine starts with `revert` or
+#             touches those files before it builds
 #   gf        the GPU tests matching $GF (default: every token-rounding test)
 #   equiv     session 48's equivalence check: forward and backward of token rounding, base against new, 594 cases
 #   ncu       per-kernel ncu times and instruction counts ($KRX: kernel regex without ncu's "regex:" prefix, default tr_;
@@ -68,6 +75,14 @@ for step in "$@"; do
     done
     cp /tmp/variant_own "$vf" && touch "$vf"
     cmake --build build > "$OUT/build_variant_own.log" 2>&1; echo "own version: build exit $?";;
+  keep) cp ./build/bin/machmoe-bench "/tmp/bench_${KEEP:-main}" && echo "kept /tmp/bench_${KEEP:-main}";;
+  apply|revert)
+    patch=${AB_PATCH:?a git diff to apply}
+    rev=(); [ "$step" = revert ] && rev=(-R)
+    git apply "${rev[@]}" "$patch" || { echo "$step: $patch does not apply"; exit 3; }
+    for f in $(git apply --numstat "$patch" | cut -f3); do [ -e "$f" ] && touch "$f"; done
+    MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$OUT/build_$step.log" 2>&1
+    echo "$step $patch: build exit $?"; tail -n 1 "$OUT/build_$step.log";;
   gf) timeout 300 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="${GF:-*TokenRounding*}" 2>&1 |
         grep -v "reference GEMM" | tail -n 3;;
   equiv) BASE_SEL=1 BASE_SRC=$base timeout 300 bash docs/measurements/2026-11-27-h100-session48/tr_equivalence_build.sh \

@@ -63,7 +63,9 @@ def test_overhead_module_end_to_end(cuda, tmp_path):
     assert all(r["forward_ms"] > 0 and r["ratio"] > 0 for r in layers["rows"].values())
     for name in overhead.LAYER_ROWS:
         r = layers["rows"][name]
-        assert r["hidden_ms"] > 0 and 0.0 <= r["covered"] <= 1.0
+        # The module path's host work before its last launch (< 0.6 ms measured) ends while the 1-ms sleep runs:
+        # most repetitions must be covered, or the "hidden" figure still holds the host's latency.
+        assert r["hidden_ms"] > 0 and 0.5 <= r["covered"] <= 1.0, (name, r)
         assert r["host_wait_us"] == pytest.approx((r["forward_ms"] - r["hidden_ms"]) * 1e3)
     assert "Isolated forward of each layer" in p.stdout
     assert "| custom-2048-512-256-16-4 | isolated |" in p.stdout and "T14 (isolated ratios <= 100.0): met" in p.stdout
@@ -75,6 +77,7 @@ def test_hidden_latency_timer_times_the_gpu_work_behind_a_sleep(cuda):
     millisecond, which does not count), while a call that keeps the host past the sleep is reported as not covered."""
     timer = overhead.hidden_latency_timer(sleep_ms=1.0)
     x = torch.ones(1 << 20, device=cuda)
+    timer(lambda: x * 2)  # warm-up: the multiply's first launch in the process may load its module
     ms, covered = timer(lambda: x * 2)
     assert covered and 0 < ms < 0.5, (ms, covered)
 
@@ -84,3 +87,24 @@ def test_hidden_latency_timer_times_the_gpu_work_behind_a_sleep(cuda):
 
     ms, covered = timer(slow_host)
     assert not covered and ms > 0, (ms, covered)
+
+
+def test_sleep_calibration_in_a_fresh_process_lasts_about_the_asked_time(cuda):
+    """The hidden-latency timer's sleep, calibrated first thing in a new process (where the sleep kernel's first launch
+    loads its module and once made the calibrated sleep a fraction of a millisecond), then timed behind another."""
+    env = dict(os.environ)
+    if env.get("MACHMOE_IN_TREE") == "1":
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    code = ("import torch\n"
+            "from machmoe.benchmark import overhead\n"
+            "cycles = overhead._sleep_cycles(1.0)\n"
+            "s = torch.cuda.current_stream(); times = []\n"
+            "for _ in range(5):\n"
+            "    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)\n"
+            "    torch.cuda._sleep(cycles); a.record(); torch.cuda._sleep(cycles); b.record(); s.synchronize()\n"
+            "    times.append(a.elapsed_time(b))\n"
+            "print(sorted(times)[2])\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    ms = float(p.stdout.strip().splitlines()[-1])
+    assert 0.7 < ms < 1.5, ms

@@ -272,16 +272,23 @@ SLEEP_MS = 1.0  # the busy GPU ahead of a hidden-latency repetition: longer than
 
 
 def _sleep_cycles(ms: float) -> int:
-    """torch.cuda._sleep's argument (GPU clock cycles) for about `ms` milliseconds, from one timed sleep."""
+    """torch.cuda._sleep's argument (GPU clock cycles) for about `ms` milliseconds, from timed sleeps queued behind a
+    first one: the first launch of the sleep kernel in a process loads its module (lazy loading), and an idle GPU
+    takes the launch's host latency too; either, inside the timed interval, made the calibrated sleep a fraction of
+    `ms` (session 59: every --layers repetition uncovered). The median of three probes, each while the GPU is busy."""
     stream = torch.cuda.current_stream()
     probe = 200_000
-    stream.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    torch.cuda._sleep(probe)
-    e1.record()
-    stream.synchronize()
-    return max(1, int(probe * ms / max(e0.elapsed_time(e1), 1e-3)))
+    times = []
+    for _ in range(3):
+        stream.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(probe)  # keeps the GPU busy while the timed one is queued
+        e0.record()
+        torch.cuda._sleep(probe)
+        e1.record()
+        stream.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return max(1, int(probe * ms / max(_median(times), 1e-3)))
 
 
 def hidden_latency_timer(sleep_ms: float = SLEEP_MS):

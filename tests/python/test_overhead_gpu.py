@@ -16,6 +16,14 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _subprocess_env() -> dict:
+    """The environment for a child Python process: in-tree runs get the tree's package on PYTHONPATH."""
+    env = dict(os.environ)
+    if env.get("MACHMOE_IN_TREE") == "1":
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
 def test_module_repetition_launches_exactly_the_cpp_layers_kernels(cuda):
     """One repetition of each side (fresh x and grad_out, a forward, a forward + backward), profiled: the GPU
     activities (kernels, memsets, memcpys) of the module equal those of machmoe::forward/backward called on
@@ -41,9 +49,7 @@ def test_time_layer_matches_module_outputs_shape_and_times_are_positive(cuda):
 
 
 def test_overhead_module_end_to_end(cuda, tmp_path):
-    env = dict(os.environ)
-    if env.get("MACHMOE_IN_TREE") == "1":
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = _subprocess_env()
     out = tmp_path / "overhead.json"
     p = subprocess.run([sys.executable, "-m", "machmoe.benchmark.overhead", "--shape", "2048,512,256,16,4",
                         "--warmup", "1", "--iters", "3", "--rounds", "2", "--profile", "--layers", "--target", "100",
@@ -92,9 +98,7 @@ def test_hidden_latency_timer_times_the_gpu_work_behind_a_sleep(cuda):
 def test_sleep_calibration_in_a_fresh_process_lasts_about_the_asked_time(cuda):
     """The hidden-latency timer's sleep, calibrated first thing in a new process (where the sleep kernel's first launch
     loads its module and once made the calibrated sleep a fraction of a millisecond), then timed behind another."""
-    env = dict(os.environ)
-    if env.get("MACHMOE_IN_TREE") == "1":
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = _subprocess_env()
     code = ("import torch\n"
             "from machmoe.benchmark import overhead\n"
             "cycles = overhead._sleep_cycles(1.0)\n"

@@ -111,6 +111,7 @@ if [ "$what" = detail ]; then
     ncu -i "$out.ncu-rep" --page source --print-source cuda --csv > "$out.cuda.csv" 2>&1
     grep -E "Duration|Compute \(SM\) Throughput|Registers Per Thread" "$out.details.txt" | head -12
     python3 scripts/ncu_hotspots.py "$out.sass.csv" --top 12
+    python3 scripts/ncu_hotspots.py "$out.sass.csv" --barriers --top 6
     python3 scripts/ncu_hotspots.py "$out.cuda.csv" --by-line --top 12
   done
   tar -C "$logs" -cJf "$logs/detail.tar.xz" detail && rm -rf "$logs/detail"

@@ -12,10 +12,16 @@ which the whole-kernel stall breakdown cannot: it mixes the producer's and the c
 With a build compiled with -lineinfo, the source lines instead (every file's lines, summed over their instructions):
 
     ncu -i REPORT.ncu-rep --page source --print-source cuda --csv > cuda.csv
-    python3 scripts/ncu_hotspots.py cuda.csv --by-line [--top 25]"""
+    python3 scripts/ncu_hotspots.py cuda.csv --by-line [--top 25]
+
+With --barriers, the samples spent waiting on each mbarrier instead: a wait is the SYNCS.PHASECHK.TRANS64.TRYWAIT
+and the predicated branch (@!Pn BRA) that retries it a few instructions on, both counted for the barrier's address
+expression. In the Hopper kernels the ring's 'full' barriers lie below its 'empty' ones (mainloop_varlen_m.cuh), so
+the two addresses tell the consumers' wait for operands from the producer's wait for a free slot."""
 import argparse
 import csv
 import io
+import re
 import sys
 from typing import Dict, List, Optional
 
@@ -66,6 +72,38 @@ def hotspots(rows: List[Dict[str, str]], top: int) -> str:
     return "\n".join(lines)
 
 
+_TRYWAIT = re.compile(r"TRYWAIT (P\d), \[([^\]]*)\]")
+_RETRY_WINDOW = 8  # instructions after a TRYWAIT within which its retry branch sits
+
+
+def barrier_waits(rows: List[Dict[str, str]], top: int) -> str:
+    """Stall samples per mbarrier waited on (see the module's doc), largest first, with their share of the kernel's."""
+    columns = list(rows[0].keys())
+    total_col = next((c for c in columns if c.startswith("Warp Stall Sampling (All")), None)
+    if total_col is None:
+        return f"no 'Warp Stall Sampling (All Samples)' column; columns: {', '.join(columns)}"
+    source_col = next((c for c in columns if c in ("Source", "SASS")), columns[1] if len(columns) > 1 else columns[0])
+    waits: Dict[str, float] = {}
+    barrier, pred, since = None, None, _RETRY_WINDOW + 1
+    total = 0.0
+    for r in rows:
+        src, n = r[source_col], _number(r[total_col]) or 0.0
+        total += n
+        m = _TRYWAIT.search(src)
+        if m:
+            pred, barrier, since = m.group(1), m.group(2), 0
+            waits[barrier] = waits.get(barrier, 0.0) + n
+            continue
+        since += 1
+        if barrier is not None and since <= _RETRY_WINDOW and re.search(rf"@!{pred}\s+BRA\b", src):
+            waits[barrier] += n
+    lines = [f"{'samples':>8} {'share':>6}  barrier (address expression of the wait)"]
+    for b, n in sorted(waits.items(), key=lambda kv: kv[1], reverse=True)[:top]:
+        lines.append(f"{n:8.0f} {100 * n / total if total else 0:5.1f}%  [{b}]")
+    lines.append(f"{total:8.0f} samples in the kernel")
+    return "\n".join(lines)
+
+
 def line_hotspots(text: str, top: int, column: str = "Warp Stall Sampling (All") -> str:
     """The CUDA source lines with the most of `column` (a prefix of a column's name: warp-stall samples by default,
     or e.g. "Instructions Executed"), from the cuda source page: a "File Path" row names the file of the rows that
@@ -105,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("csv", help="ncu --page source --print-source sass --csv output")
     p.add_argument("--top", type=int, default=25, help="instructions per kernel (default 25)")
     p.add_argument("--by-line", action="store_true", help="the input is the cuda source page: rank source lines")
+    p.add_argument("--barriers", action="store_true", help="samples spent waiting on each mbarrier (sass page)")
     p.add_argument("--column", default="Warp Stall Sampling (All",
                    help="with --by-line: rank by the column whose name starts with this (default: stall samples)")
     a = p.parse_args(argv)
@@ -119,7 +158,7 @@ def main(argv=None) -> int:
         return 1
     for i, t in enumerate(found):
         print(f"== launch {i + 1} of {len(found)}")
-        print(hotspots(t, a.top))
+        print(barrier_waits(t, a.top) if a.barriers else hotspots(t, a.top))
     return 0
 
 

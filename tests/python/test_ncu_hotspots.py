@@ -73,3 +73,32 @@ def test_by_line_ranks_source_lines_across_files(tmp_path, capsys):
     path.write_text(LINE_CSV)
     assert hot.main([str(path), "--by-line", "--top", "1"]) == 0
     assert "sm_20_intrinsics.hpp:151" in capsys.readouterr().out
+
+
+BARRIER_CSV = "\n".join([
+    HEADER,
+    '"0x10","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R5+UR6+0x38000], R2","40","40","0","40"',
+    '"0x20","ISETP.NE.AND P2, PT, R1, RZ, PT","7","7","0","0"',
+    '"0x30","@!P0  BRA 0x100","500","480","0","0"',
+    '"0x40","HGMMA.64x256x16.F32.BF16 R24, gdesc[UR4], R24","300","200","0","0"',
+    '"0x50","SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR29+0x38020], R2","10","10","0","10"',
+    '"0x60","@!P1  BRA 0x200","150","150","0","0"',
+    '"0x70","@!P0  BRA 0x300","99","99","0","0"',   # another predicate's branch: not this wait's retry
+    '"0x200","SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR29+0x38020], R2","20","20","0","20"',
+])
+
+
+def test_barrier_waits_add_each_trywait_and_its_retry_branch():
+    text = hot.barrier_waits(hot.tables(BARRIER_CSV)[0], top=5)
+    lines = text.splitlines()
+    assert "[R5+UR6+0x38000]" in lines[1] and lines[1].split()[0] == "540"   # 40 + 500, not the ISETP
+    assert "[UR29+0x38020]" in lines[2] and lines[2].split()[0] == "180"     # 10 + 150 + 20, not the @!P0 BRA
+    assert lines[-1].split()[0] == "1126"
+    assert "48.0%" in lines[1]
+
+
+def test_barrier_waits_from_the_command_line(tmp_path, capsys):
+    path = tmp_path / "sass.csv"
+    path.write_text(BARRIER_CSV)
+    assert hot.main([str(path), "--barriers"]) == 0
+    assert "[UR29+0x38020]" in capsys.readouterr().out

@@ -50,12 +50,21 @@ def tables(text: str) -> List[List[Dict[str, str]]]:
     return [t for t in out if t]
 
 
-def hotspots(rows: List[Dict[str, str]], top: int) -> str:
+def _sample_columns(rows: List[Dict[str, str]]):
+    """(the stall-sample column, the instruction column), or (None, a message naming the columns there are)."""
     columns = list(rows[0].keys())
     total_col = next((c for c in columns if c.startswith("Warp Stall Sampling (All")), None)
     if total_col is None:
-        return f"no 'Warp Stall Sampling (All Samples)' column; columns: {', '.join(columns)}"
+        return None, f"no 'Warp Stall Sampling (All Samples)' column; columns: {', '.join(columns)}"
     source_col = next((c for c in columns if c in ("Source", "SASS")), columns[1] if len(columns) > 1 else columns[0])
+    return total_col, source_col
+
+
+def hotspots(rows: List[Dict[str, str]], top: int) -> str:
+    total_col, source_col = _sample_columns(rows)
+    if total_col is None:
+        return source_col
+    columns = list(rows[0].keys())
     skip = {total_col, source_col, "Address", "#"}
     reason_cols = [c for c in columns if c not in skip and "Sampling" not in c
                    and any(_number(r.get(c, "")) not in (None, 0.0) for r in rows[:2000])]
@@ -78,11 +87,9 @@ _RETRY_WINDOW = 8  # instructions after a TRYWAIT within which its retry branch 
 
 def barrier_waits(rows: List[Dict[str, str]], top: int) -> str:
     """Stall samples per mbarrier waited on (see the module's doc), largest first, with their share of the kernel's."""
-    columns = list(rows[0].keys())
-    total_col = next((c for c in columns if c.startswith("Warp Stall Sampling (All")), None)
+    total_col, source_col = _sample_columns(rows)
     if total_col is None:
-        return f"no 'Warp Stall Sampling (All Samples)' column; columns: {', '.join(columns)}"
-    source_col = next((c for c in columns if c in ("Source", "SASS")), columns[1] if len(columns) > 1 else columns[0])
+        return source_col
     waits: Dict[str, float] = {}
     barrier, pred, since = None, None, _RETRY_WINDOW + 1
     total = 0.0

@@ -52,7 +52,7 @@ def test_session52_sweep_row_and_main_rows():
 
 
 def test_reads_the_ab_scripts_tab_output():
-    """scripts/ab_token_rounding.sh tab keeps only the config, pass and stage lines of each run, under its own
+    """scripts/ab.sh tab keeps only the config, pass and stage lines of each run, under its own
     '== round' headers (session 55's (16384,1536,256,512,8) row)."""
     def run(routing, fwd, bwd, stages):
         lines = [f"== round 1 cfg sw512 new {routing}",

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# A/B of kernels on the GPU machine: this checkout ("new") against an older source tree ("base"), against a diff applied
+# to this checkout (apply / revert), or against variants of one file; token rounding's T8 comparison (tab) and the GPU
+# suites in steps. Written for token rounding's kernels (sessions 48-58; scripts/ab_token_rounding.sh still calls this).
+# Steps that fit one device call each (a call runs 10 minutes at most): bash scripts/ab.sh STEP...
+#   basebg    build the base tree's machmoe-bench in the background (8 jobs; the base tree is extracted first from
+#             $AB_BASE_TAR, a `git archive --prefix=base/ REF -o FILE -- . ':!docs'` of the older code, into /tmp/base)
+#   build     build this checkout (all cores)          basewait  wait for basebg
+#   variants  one machmoe-bench per version of one source file, in this checkout's build/ (after build): $VARIANTS is
+#             "name=path ..." (each path a whole copy of $VARIANT_FILE, default src/gpu/token_rounding_kernels.cu);
+#             bench <name> goes to /tmp/bench_<name> and is a side for ncu and tab (SIDES="main rcp"). One translation
+#             unit and the links a variant, against a second tree's whole build for basebg. The checkout's own file
+#             is put back and build/ rebuilt from it, touched first: the device's copy of the tree carries the
+#             checkout's file times, older than an object compiled from a variant, which ninja would otherwise keep
+#             (session 57's whole-suite run tested such an object).
+#   keep      copy this checkout's machmoe-bench to /tmp/bench_$KEEP (default main): a side for ncu and tab, e.g. main's
+#             binary before `apply` (SIDES="main new")
+#   apply     apply $AB_PATCH (a git diff of any number of files, such as one kept in a measurements folder) to this
+#             checkout, touch every file it names, and rebuild; `revert` takes it out again the same way. Both touch
+#             for the reason `variants` does, and a later call's fresh copy of the tree brings the checkout's own files
+#             back with their old times: after an `apply`, the next call on the same machine starts with `revert` or
+#             touches those files before it builds
+#   gf        the GPU tests matching $GF (default: every token-rounding test)
+#   equiv     session 48's equivalence check: forward and backward of token rounding, base against new, 594 cases
+#   ncu       per-kernel ncu times and instruction counts ($KRX: kernel regex without ncu's "regex:" prefix, default tr_;
+#             $KLC: launches) on $KCFGS, alternating
+#   tab       machmoe-bench --routing {token_rounding,topk} on $TCFGS, both sides, $ROUNDS rounds (T8's comparison);
+#             $SIDES and $ROUTES narrow it, $TAB_ARGS adds options (e.g. --warmup-ms 300 --time-ms 300);
+#             scripts/t8_table.py reads its tab.txt (one side's runs: SIDES=new)
+#   g0 g1     the whole gtest GPU suite in two shards      gboth  both shards side by side (about 280 s on an H200)
+#   pyg       pytest's GPU tests (one GPU)
+#   san       compute-sanitizer memcheck and racecheck on the tests matching $SF
+#   pack      everything under $OUT into one archive (a device call returns at most 8 files)
+# Configurations: a name of machmoe-bench's (1.4B-256) or name=--T:16384:--d:4096:... for explicit sizes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD; OUT=${OUT:-$root/build/gpu-logs}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+base=/tmp/base
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
+bench_args() { case "$1" in *=*) echo "${1#*=}" | tr ':' ' ';; *) echo "--config $1";; esac; }
+cfg_name() { echo "${1%%=*}"; }
+gtest_shard() {  # shard $1 of 2 of the whole gtest GPU suite, into $OUT/gtest_g$1.log
+  GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$1 timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
+    > "$OUT/gtest_g$1.log" 2>&1
+}
+shard_summary() { grep -v "reference GEMM" "$OUT/gtest_g$1.log" | tail -n 2; }
+bench_of() {
+  case "$1" in
+    base) echo "$base/build/bin/machmoe-bench";;
+    new) echo ./build/bin/machmoe-bench;;
+    *) echo "/tmp/bench_$1";;  # a variant's (the variants step)
+  esac
+}
+for step in "$@"; do
+  stamp "== $step"
+  case "$step" in
+  basebg)
+    if [ ! -f /tmp/base.done ]; then
+      ( rm -rf "$base"; tar -xf "${AB_BASE_TAR:?the base tree as a git archive}" -C /tmp; mkdir -p "$base/third_party"
+        cp -r third_party/cutlass "$base/third_party/"
+        cmake -S "$base" -B "$base/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMACHMOE_BUILD_TORCH=OFF > "$OUT/basebuild.log" 2>&1 &&
+          cmake --build "$base/build" --parallel 8 --target machmoe-bench >> "$OUT/basebuild.log" 2>&1
+        echo $? > /tmp/base.done ) &
+    fi;;
+  basewait) while [ ! -f /tmp/base.done ]; do sleep 2; done; echo "base build exit $(cat /tmp/base.done)";;
+  build) MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$OUT/build.log" 2>&1; echo "build exit $?"; tail -n 1 "$OUT/build.log";;
+  variants)
+    vf=${VARIANT_FILE:-src/gpu/token_rounding_kernels.cu}
+    cp "$vf" /tmp/variant_own
+    for v in ${VARIANTS:?name=path ...}; do
+      name=${v%%=*}
+      cp "${v#*=}" "$vf" && touch "$vf"
+      cmake --build build --target machmoe-bench > "$OUT/build_variant_$name.log" 2>&1
+      echo "variant $name: build exit $?"; cp build/bin/machmoe-bench "/tmp/bench_$name"
+    done
+    cp /tmp/variant_own "$vf" && touch "$vf"
+    cmake --build build > "$OUT/build_variant_own.log" 2>&1; echo "own version: build exit $?";;
+  keep) cp ./build/bin/machmoe-bench "/tmp/bench_${KEEP:-main}" && echo "kept /tmp/bench_${KEEP:-main}";;
+  apply|revert)
+    patch=${AB_PATCH:?a git diff to apply}
+    rev=(); [ "$step" = revert ] && rev=(-R)
+    git apply "${rev[@]}" "$patch" || { echo "$step: $patch does not apply"; exit 3; }
+    for f in $(git apply --numstat "$patch" | cut -f3); do [ -e "$f" ] && touch "$f"; done
+    MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$OUT/build_$step.log" 2>&1
+    echo "$step $patch: build exit $?"; tail -n 1 "$OUT/build_$step.log";;
+  gf) timeout 300 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="${GF:-*TokenRounding*}" 2>&1 |
+        grep -v "reference GEMM" | tail -n 3;;
+  equiv) BASE_SEL=1 BASE_SRC=$base timeout 300 bash docs/measurements/2026-11-27-h100-session48/tr_equivalence_build.sh \
+        > "$OUT/equivalence.txt" 2>&1; echo "equivalence exit $?"; tail -n 2 "$OUT/equivalence.txt";;
+  ncu)
+    for cfg in ${KCFGS:-1.4B-256}; do for rep in 1 2; do for side in base new; do
+      ncu --clock-control none -k "regex:${KRX:-tr_}" --launch-count "${KLC:-5}" \
+        --metrics gpu__time_duration.sum,sm__inst_executed.sum,launch__registers_per_thread \
+        "$(bench_of $side)" $(bench_args "$cfg") --routing token_rounding --iters 1 --warmup 0 --warmup-ms 0 --time-ms 0 \
+        --stage-runs 1 > /tmp/ab_ncu.txt 2>&1
+      echo "-- $(cfg_name "$cfg") $side rep $rep"
+      grep -E "^  [a-z_]+.*<|tr_[a-z_]*kernel|gpu__time|sm__inst|registers" /tmp/ab_ncu.txt | grep -v "==PROF==" | cut -c1-120
+    done; done; done 2>&1 | tee -a "$OUT/ncu.txt";;
+  tab)
+    for r in $(seq 1 "${ROUNDS:-1}"); do for cfg in ${TCFGS:-1.4B-256}; do for side in ${SIDES:-base new}; do
+      for route in ${ROUTES:-token_rounding topk}; do
+        echo "== round $r cfg $(cfg_name "$cfg") $side $route"
+        "$(bench_of $side)" $(bench_args "$cfg") --routing "$route" --iters 10 --warmup 3 --stage-runs 3 ${TAB_ARGS:-} 2>&1 |
+          grep -E "^config |^  (forward|backward) |forward/(token_rounding|topk|routing|y_chunk_plan)|backward/router"
+      done; done; done; done 2>&1 | tee -a "$OUT/tab.txt";;
+  g0|g1) gtest_shard "${step#g}"; echo "exit $?"; shard_summary "${step#g}";;
+  gboth) pids=()
+    for i in 0 1; do gtest_shard "$i" & pids+=($!); done
+    for i in 0 1; do wait "${pids[$i]}"; echo "g$i exit $?"; shard_summary "$i"; done;;
+  pyg) MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so timeout 400 python3 -m pytest -q \
+        -p no:cacheprovider -m "gpu and not multigpu" tests/python > "$OUT/pytest_gpu.log" 2>&1; echo "exit $?"
+      tail -n 1 "$OUT/pytest_gpu.log";;
+  san) for tool in memcheck racecheck; do  # (the test binary's 120 s hang watchdog off: the tools slow tests past it)
+      MACHMOE_GPU_TEST_TIMEOUT_S=0 timeout 280 compute-sanitizer --tool $tool --error-exitcode 9 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
+        --gtest_filter="${SF:-*TokenRounding*}" > "$OUT/sanitize_$tool.log" 2>&1
+      echo "$tool exit $? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/sanitize_$tool.log" | sort -u | tr '\n' ' ')"
+    done;;
+  pack) (cd "$OUT" && ls | grep -v '^pack.tar.xz$' > /tmp/ab_pack && tar -cJf pack.tar.xz -T /tmp/ab_pack && xargs rm -f < /tmp/ab_pack);;
+  *) echo "unknown step $step"; exit 2;;
+  esac
+done
+stamp done

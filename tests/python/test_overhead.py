@@ -297,7 +297,8 @@ def test_measure_layers_times_each_layer_after_the_same_refill_and_backward():
     for n in overhead.LAYER_ROWS:
         row = r["rows"][n]
         assert row["forward_ms"] == 2.5 and row["ratio"] == 1.25 and row["hidden_ms"] == 2.25
-        assert row["host_wait_us"] == pytest.approx(250.0) and 0.0 <= row["covered"] <= 1.0
+        assert row["host_wait_us"] == pytest.approx(250.0) and row["covered"] == 0.5  # one of the two repetitions
+    assert r["sleep_ms"] is None  # a timer that does not say its sleep: the table names none
     assert sum(r["rows"][n]["covered"] for n in overhead.LAYER_ROWS) * 2 == len(overhead.LAYER_ROWS)
     # Every layer returned the layer's output: the operator's four tensors below the functional API, (out, logits,
     # counts) from it, MoEOutput from the module; the same output everywhere, hidden or not.
@@ -324,3 +325,4 @@ def test_layers_markdown_gives_each_row_its_step_from_the_row_above():
            "warmup": 0}, "date": "d", "command": "c", "configs": [], "verdict": overhead.verdict([], 1.03),
            "layers": layers}
     assert "Isolated forward of each layer" in overhead.markdown(doc)
+    assert "(a sleep kernel queued" in "\n".join(overhead.layers_markdown(dict(layers, sleep_ms=None)))

@@ -315,6 +315,7 @@ def hidden_latency_timer(sleep_ms: float = SLEEP_MS):
         del out
         return e1.elapsed_time(e2), covered
 
+    timer.sleep_ms = sleep_ms  # what measure_layers reports
     return timer
 
 
@@ -357,7 +358,7 @@ def measure_layers(case, iters: int, timer=_isolated_forward_ms, hidden_timer=No
                 hidden[name].append(ms)
                 covered[name] += bool(ok)
     cpp = _median(times["cpp"])
-    out = {"iters": iters, "sleep_ms": SLEEP_MS, "rows": {}}
+    out = {"iters": iters, "sleep_ms": getattr(hidden_timer, "sleep_ms", None), "rows": {}}
     for name in rows:
         row = {"forward_ms": _median(times[name]), "ratio": _median(times[name]) / cpp}
         if name != "cpp":
@@ -374,10 +375,11 @@ def layers_markdown(layers: dict) -> List[str]:
     host."""
     what = dict(HOST_ROWS)
     what["cpp"] = "the C++ layer (time_layer: machmoe::forward on buffers allocated once)"
-    sleep = layers.get("sleep_ms", SLEEP_MS)
+    sleep = layers.get("sleep_ms")
+    sleep_text = f"a {sleep:g}-ms sleep kernel" if sleep else "a sleep kernel"
     lines = [f"Isolated forward of each layer of the module path ({layers['config']}; median of {layers['iters']}; "
-             "each after a refill and a backward), and the same forward with the host's latency hidden (a "
-             f"{sleep:g}-ms sleep kernel queued ahead of the call: GPU time only; 'covered' is the share of repetitions "
+             "each after a refill and a backward), and the same forward with the host's latency hidden "
+             f"({sleep_text} queued ahead of the call: GPU time only; 'covered' is the share of repetitions "
              "whose every launch was queued while the sleep ran):", "",
              "| layer | what | forward ms | ratio to C++ | step from the row above, us | latency hidden, ms | "
              "GPU waiting for the host, us | covered |", "|---|---|---|---|---|---|---|---|"]

@@ -702,7 +702,10 @@ TORCH_LIBRARY(machmoe, m) {
         "Tensor? token_offsets, int top_k, bool want_rows, bool want_scores, bool zero_rows) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(machmoe, CPU, m) {
+namespace {
+/// The tensor operators' kernels, the same functions for CPU and CUDA tensors (each dispatches on its inputs' device).
+/// Not CompositeExplicitAutograd: that key would also take Meta tensors, which have the fake implementations instead.
+void register_tensor_kernels(torch::Library& m) {
   m.impl("grouped_expert_index", &grouped_expert_index);
   m.impl("combine_rows", &combine_rows);
   m.impl("combine_rows_backward", &combine_rows_backward);
@@ -711,16 +714,11 @@ TORCH_LIBRARY_IMPL(machmoe, CPU, m) {
   m.impl("layer_backward_input", &layer_backward_input);
   m.impl("layer_backward_weight", &layer_backward_weight);
 }
+}  // namespace
 
-TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
-  m.impl("grouped_expert_index", &grouped_expert_index);
-  m.impl("combine_rows", &combine_rows);
-  m.impl("combine_rows_backward", &combine_rows_backward);
-  m.impl("layer_forward", &layer_forward);
-  m.impl("layer_backward", &layer_backward);
-  m.impl("layer_backward_input", &layer_backward_input);
-  m.impl("layer_backward_weight", &layer_backward_weight);
-}
+TORCH_LIBRARY_IMPL(machmoe, CPU, m) { register_tensor_kernels(m); }
+
+TORCH_LIBRARY_IMPL(machmoe, CUDA, m) { register_tensor_kernels(m); }
 
 // The benchmark helper, apart from the layer's operators (python/machmoe/benchmark/overhead.py uses it).
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {

@@ -56,6 +56,56 @@ TEST(HopperHeuristics, DhKernelTakesThePingPongTileUnlessDNAndTheExpertsAreLarge
   EXPECT_EQ(dh(2048, 4096, 2048, o), 128);
 }
 
+// The down-projection and dX~ (A contiguous by TMA) take the ping-pong tile where d is wide and the reduction short
+// (heuristics.hpp, kContiguousPingPong*); elsewhere, and for the other families, the tile the padding rule gives.
+TEST(HopperHeuristics, ContiguousFamiliesTakeThePingPongTileWhereDIsWideAndKShort) {
+  using gpu::hopper::kContiguousPingPongMinN;
+  using gpu::hopper::kDownPingPongMaxK;
+  using gpu::hopper::kDxPingPongMaxK;
+  const auto down = [](std::int64_t N, std::int64_t K, const TileOverrides& o = {}) {
+    return choose_tiles(shape(KernelFamily::kDownProjection, N, K), o).tile_n;
+  };
+  const auto dx = [](std::int64_t N, std::int64_t K, const TileOverrides& o = {}) {
+    return choose_tiles(shape(KernelFamily::kDxExpanded, N, K), o).tile_n;
+  };
+  for (std::int64_t n : {256, 512}) {  // 30B (256,256,16), 30B (512,128,8), 120B (512,256,16): d = 4096
+    EXPECT_EQ(down(4096, n), 128) << n;
+    EXPECT_EQ(dx(4096, 2 * n), 128) << n;
+  }
+  for (std::int64_t n : {1024, 2048}) {  // 30B (1024,64,4), 120B (1024,128,8), 120B (2048,64,4)
+    EXPECT_EQ(down(4096, n), 256) << n;
+    EXPECT_EQ(dx(4096, 2 * n), 256) << n;
+  }
+  for (std::int64_t d : {768, 1536}) {  // the 1.4B and 7B rows
+    EXPECT_EQ(down(d, 256), 256) << d;
+    EXPECT_EQ(dx(d, 512), 256) << d;
+  }
+  // The bounds.
+  EXPECT_EQ(down(kContiguousPingPongMinN, kDownPingPongMaxK), 128);
+  EXPECT_EQ(down(kContiguousPingPongMinN, kDownPingPongMaxK + 8), 256);
+  EXPECT_EQ(dx(kContiguousPingPongMinN, kDxPingPongMaxK), 128);
+  EXPECT_EQ(dx(kContiguousPingPongMinN, kDxPingPongMaxK + 8), 256);
+  EXPECT_EQ(down(kContiguousPingPongMinN - 256, 256), 256);
+  EXPECT_EQ(down(8192, 256), 128);
+  EXPECT_EQ(down(4096 + 200, 8), 128);  // an edge N past the bound
+  // The gathered families keep theirs.
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kUpProjection, 4096, 256), {}).tile_n, 256);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDhKernel, 4096, 256), {}).tile_n, 128);
+  // A forced tile wins; the rasterisation and dX~'s clusters are the same whatever the tile.
+  TileOverrides o;
+  o.tile_n = 256;
+  EXPECT_EQ(down(4096, 256, o), 256);
+  EXPECT_EQ(dx(4096, 512, o), 256);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, 512), {}).raster_m, gpu::hopper::kContiguousRasterM);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 4096, 512), {}).raster_m,
+            gpu::hopper::kContiguousRasterM);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 4096, 256), {}).raster_m, 1);
+  TileOverrides pairs;
+  pairs.cluster_m = 2;
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, 512), pairs).cluster_m, 2);
+  EXPECT_EQ(choose_tiles(shape(KernelFamily::kDxExpanded, 4096, 512), pairs).tile_n, 128);
+}
+
 TEST(HopperHeuristics, OverridesAreHonouredForEveryN) {
   TileOverrides o;
   o.tile_n = 128;

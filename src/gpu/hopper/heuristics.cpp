@@ -53,6 +53,14 @@ TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides) 
                    : 128;
     return c;
   }
+  // The down-projection and dX~ where d is wide and the reduction short: the ping-pong tile (heuristics.hpp,
+  // kContiguousPingPong*).
+  const bool short_k = (shape.family == KernelFamily::kDownProjection && shape.K <= kDownPingPongMaxK) ||
+                       (shape.family == KernelFamily::kDxExpanded && shape.K <= kDxPingPongMaxK);
+  if (short_k && shape.N >= kContiguousPingPongMinN) {
+    c.tile_n = 128;
+    return c;
+  }
   // Otherwise the tile that pads the fewest columns, the wide one on a tie (every N that is a multiple of 256); the
   // up-projection takes the wide one while it pads at most kUpProjectionWidePercent % of the square one's width.
   const std::int64_t percent = shape.family == KernelFamily::kUpProjection ? kUpProjectionWidePercent : 100;

@@ -62,7 +62,9 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// (docs/BENCHMARK_HISTORY.md; docs/SPEC.md §6.2 was the starting point): the 128 x 256 cooperative tile halves the
 /// operand bytes per FLOP through L2 and shared memory, which the gathered up-projection needs (7B-256: 614 TFLOP/s
 /// against 515 with 128 x 128 ping-pong); for the down-projection it measured equal (n >= 512) or 2-4 % faster
-/// (n = 256). 128 x 128 ping-pong serves N that is a multiple of 128 but not of 256 (and a forced 128).
+/// (n = 256) at the time; since session 60 the down-projection and dX~ take the ping-pong tile where d >= 4096 and K
+/// is short (kContiguousPingPong* below). 128 x 128 ping-pong also serves N that is a multiple of 128 but not of 256
+/// (and a forced 128).
 /// Rasterisation: the families whose A arrives contiguous by TMA run in groups of kContiguousRasterM M-tiles (dX~
 /// always, the down-projection from K = kDownRasterMinK), the others along N (raster_m = 1).
 /// The dH kernel takes the ping-pong tile except where d >= kDhWideMinK, n >= kDhWideMinN (a multiple of 256) and
@@ -93,6 +95,21 @@ TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
 inline constexpr std::int64_t kDhWideMinK = 4096;
 inline constexpr std::int64_t kDhWideMinN = 1024;
 inline constexpr std::int64_t kDhWideMinRowsPerExpert = 1024;
+
+/// The down-projection (K = n) and dX~ (K = 2n for GLU) take the ping-pong tile where the output is d >=
+/// kContiguousPingPongMinN wide and K is at most kDownPingPongMaxK (down) or kDxPingPongMaxK (dX~): there a tile's
+/// mainloop is a few k-blocks and its epilogue (a 128 x 256 bf16 tile written by TMA) runs with the tensor cores idle
+/// on the cooperative tile, while the ping-pong tile hides one warpgroup's epilogue behind the other's mainloop.
+/// Measured on an H200 (docs/BENCHMARKS.md, session 60: both families forced together, two rounds, alternating, every
+/// main row): the stages 5-11 % faster on 30B (256,256,16), 30B (512,128,8) and 120B (512,256,16) (e.g. the
+/// down-projection 3.14, 3.18 against 2.87, 2.86 ms on 30B (256,256,16), dX~ 7.82, 7.87 against 7.50, 7.41 on 120B
+/// (512,256,16)), the layer's
+/// backward 1.4-4.2 % faster on 30B (256,256,16) and 120B (512,256,16) in both rounds; at n >= 1024 (K = 2n >= 2048
+/// for dX~) the square tile was no faster or slower (120B (2048,64,4): backward 2.5 % slower), and at d = 768 and 1536
+/// the stages and the layer moved within the rounds' spread, so the wide tile stays there.
+inline constexpr std::int64_t kContiguousPingPongMinN = 4096;
+inline constexpr std::int64_t kDownPingPongMaxK = 512;
+inline constexpr std::int64_t kDxPingPongMaxK = 1024;
 
 /// The up-projection's and the weight gradients' limit on the wide tile's padded width, in % of the square tile's.
 inline constexpr std::int64_t kUpProjectionWidePercent = 110;

@@ -101,12 +101,11 @@ inline constexpr std::int64_t kDhWideMinRowsPerExpert = 1024;
 /// mainloop is a few k-blocks and its epilogue (a 128 x 256 bf16 tile written by TMA) runs with the tensor cores idle
 /// on the cooperative tile, while the ping-pong tile hides one warpgroup's epilogue behind the other's mainloop.
 /// Measured on an H200 (docs/BENCHMARKS.md, session 60: both families forced together, two rounds, alternating, every
-/// main row): on 30B (256,256,16), 30B (512,128,8) and 120B (512,256,16) the stages 1-12 % faster (the down-projection
-/// 3.14, 3.18 against 2.87, 2.86 ms on 30B (256,256,16), dX~ 7.82, 7.87 against 7.50, 7.41 on 120B (512,256,16)) and
-/// the layer's backward 1.4-4.2 % faster on 30B (256,256,16) and 120B (512,256,16) in both rounds (30B (512,128,8): 1.8 %
-/// and 0 %). At n >= 1024 the layer was no faster (120B (2048,64,4): backward 2.5 % slower in both rounds), and at
-/// d = 768 and 1536 its times were level or up to 1.8 % slower (the stages faster at n = 1024, mixed at n = 256 and
-/// 512), so the wide tile stays there.
+/// main row): the layer's backward 1.4 and 2.0 % faster on 30B (256,256,16), 2.8 and 4.2 % on 120B (512,256,16) (its
+/// forward 1.4 and 2.4 %), level to 1.8 % faster on 30B (512,128,8), whose experts have 120B (512,256,16)'s shapes. At
+/// n >= 1024 the layer was no faster (120B (2048,64,4): backward 2.5 % slower in both rounds), and at d = 768 and 1536
+/// level or up to 1.8 % slower, although there too the two stages were faster against the stages the change does not
+/// touch (the down-projection 1.5-10 % on every row), so the wide tile stays there.
 inline constexpr std::int64_t kContiguousPingPongMinN = 4096;
 inline constexpr std::int64_t kDownPingPongMaxK = 512;
 inline constexpr std::int64_t kDxPingPongMaxK = 1024;

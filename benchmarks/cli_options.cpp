@@ -97,7 +97,8 @@ const std::vector<IntegerOption>& integer_options() {
       {"--warmup", 0, kMaxRepetitions, "untimed repetitions"},
       {"--warmup-ms", 0, kMaxWarmupMs, "milliseconds of untimed repetitions (GPU)"},
       {"--time-ms", 0, kMaxWarmupMs, "milliseconds of timed repetitions (GPU)"},
-      {"--stage-runs", 1, kMaxStageRuns, "instrumented runs of the stage timings, median per stage"},
+      {"--stage-runs", 1, kMaxStageRuns,
+       "least instrumented runs of the stage timings (which also last --time-ms), median per stage"},
       {"--seed", 0, std::numeric_limits<std::int64_t>::max(), "random seed"},
   };
   return options;

@@ -35,7 +35,8 @@ struct Options {
   int warmup = 1;            // resolved: 3 on the GPU, 1 on the CPU (<= kMaxRepetitions)
   int warmup_ms = 0;         // GPU: the least time of untimed repetitions before each timing (default kGpuWarmupMs)
   int timed_ms = 0;          // GPU: the least time of timed repetitions per timing (default kGpuTimedMs)
-  int stage_runs = 5;        // GPU: instrumented runs of the stage table, median per stage (<= kMaxStageRuns)
+  int stage_runs = 5;        // GPU: the least instrumented runs of the stage table, which also last at least timed_ms
+                             // (up to kMaxStageRuns runs); the median per stage
   std::uint64_t seed = 0;
   bool all_configs = false;  // run the 12 main configurations
   std::string json_path;     // write results as JSON here when set

@@ -191,6 +191,9 @@ struct Result {
   double fwd_ms = 0, bwd_ms = 0, fwd_tflops = 0, bwd_tflops = 0, bound_fwd = 0, bound_bwd = 0;
   double act_accounted = 0, act_measured = 0, peak_total = 0, peak_transient = 0;
   std::vector<StageTime> stages;
+  int stage_runs = 0;                   // instrumented runs taken (median per stage)
+  double stage_ms = 0;                  // wall time they took
+  double stage_sum_fwd = 0, stage_sum_bwd = 0;  // the medians of the forward's / backward's stages, added up
   Bound bound;
 };
 
@@ -332,13 +335,22 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
     check(cudaStreamSynchronize(s), "profiled forward");
     check(cudaProfilerStop(), "cudaProfilerStop");
   }
-  // Stage times: the median over o.stage_runs instrumented runs, per stage (one run's figures spread by up to 15 %,
-  // too much for an A/B of one kernel). Each instrumented run is queued behind an uninstrumented forward + backward,
-  // so its first mark is passed when the GPU finishes that work, with the run's launches already queued: a stage is
-  // GPU time. Started on an idle GPU, the first stage (the router GEMM) also held the host's latency to its launch:
-  // 0.04-0.08 ms on the 1.4B rows where ncu timed the kernel at 0.027-0.031 ms (docs/BENCHMARKS.md, session 43).
+  // Stage times: per stage, the median over instrumented runs that go on for at least o.stage_runs runs and, like the
+  // timed passes, at least o.timed_ms of wall time (one run's figures spread by up to 15 %, too much for an A/B of one
+  // kernel). The time matters as much as the count: under the power cap the board's clock swings within a second (an
+  // H200 at 700 W, session 61: 1110-1980 MHz), and five runs of a 20 ms forward + backward caught one phase of it, so
+  // their stages added up to 0.98-1.24x the timed passes, differently from row to row (docs/BENCHMARKS.md). Each
+  // instrumented run is queued behind an uninstrumented forward + backward, so its first mark is passed when the GPU
+  // finishes that work, with the run's launches already queued: a stage is GPU time. Started on an idle GPU, the
+  // first stage (the router GEMM) also held the host's latency to its launch: 0.04-0.08 ms on the 1.4B rows where ncu
+  // timed the kernel at 0.027-0.031 ms (docs/BENCHMARKS.md, session 43).
   std::vector<std::vector<StageTime>> stage_runs;
-  for (int i = 0; i < o.stage_runs; ++i) {
+  const auto stage_start = std::chrono::steady_clock::now();
+  const auto stage_elapsed_ms = [&] {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - stage_start).count();
+  };
+  while (static_cast<std::int64_t>(stage_runs.size()) < o.stage_runs ||
+         (stage_elapsed_ms() < o.timed_ms && static_cast<std::int64_t>(stage_runs.size()) < kMaxStageRuns)) {
     forward(p, xv, w, nullptr, fo, fb, s);
     backward(p, xv, w, nullptr, bi, bo, bb, s);
     enable_stage_timing(true);
@@ -347,7 +359,11 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
     enable_stage_timing(false);
     stage_runs.push_back(collect_stage_timings());
   }
+  r.stage_ms = stage_elapsed_ms();
+  r.stage_runs = static_cast<int>(stage_runs.size());
   r.stages = median_stage_times(stage_runs);
+  for (const StageTime& st : r.stages)
+    (st.stage.rfind("forward/", 0) == 0 ? r.stage_sum_fwd : r.stage_sum_bwd) += st.ms;
 
   std::vector<std::int32_t> hc(n(p.E));
   check(cudaMemcpy(hc.data(), counts.p, 4 * n(p.E), cudaMemcpyDeviceToHost), "counts");
@@ -380,7 +396,9 @@ std::string json_of(const Result& r, const Options& o, const std::string& gpu, d
     << ",\"peak_bytes\":" << r.peak_total << ",\"peak_transient_bytes\":" << r.peak_transient
     << ",\"iters\":" << o.iters << ",\"warmup\":" << o.warmup << ",\"warmup_ms\":" << o.warmup_ms
     << ",\"timed_ms\":" << o.timed_ms
-    << ",\"stage_runs\":" << o.stage_runs << ",\"stages_ms\":{";
+    << ",\"stage_runs\":" << r.stage_runs << ",\"stage_wall_ms\":" << r.stage_ms
+    << ",\"stage_sum_forward_ms\":" << r.stage_sum_fwd << ",\"stage_sum_backward_ms\":" << r.stage_sum_bwd
+    << ",\"stages_ms\":{";
   for (std::size_t i = 0; i < r.stages.size(); ++i)
     j << (i ? "," : "") << "\"" << r.stages[i].stage << "\":" << r.stages[i].ms;
   j << "},\"cublas_stage_ms\":{";
@@ -436,7 +454,9 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
                 r.bound_fwd / r.fwd_ms);
     std::printf("  %-10s %10.3f %10.1f %12.3f %10.3f\n", "backward", r.bwd_ms, r.bwd_tflops, r.bound_bwd,
                 r.bound_bwd / r.bwd_ms);
-    std::printf("  stages (median of %d instrumented runs):\n", o.stage_runs);
+    std::printf("  stages (median of %d instrumented runs over %.0f ms; they add up to %.3f ms forward, %.3f ms "
+                "backward):\n",
+                r.stage_runs, r.stage_ms, r.stage_sum_fwd, r.stage_sum_bwd);
     // Bytes the gather-sum kernels must move: read P rows of d, write T rows of d (plus 8 bytes of index and
     // score per pair), against the copy bandwidth measured above.
     const MoEProblem& p = o.problem;

@@ -17,7 +17,8 @@ def bench_block(name, routing, fwd, bwd, stages, overridden=False):
              "  pass               ms    TFLOP/s cuBLAS bound efficiency",
              f"  forward         {fwd:.3f}      500.0        1.000      0.900",
              f"  backward        {bwd:.3f}      500.0        1.000      0.900",
-             "  stages (median of 3 instrumented runs):"]
+             "  stages (median of 40 instrumented runs over 1003 ms; they add up to 1.000 ms forward, 1.000 ms "
+             "backward):"]
     lines += [f"    forward/{s:<30} {ms:.3f} ms" for s, ms in stages.items()]
     lines.append("    backward/dh_kernel                   0.500 ms    300.0 TFLOP/s   cuBLAS 0.400 ms = 0.80 of it")
     return "\n".join(lines)

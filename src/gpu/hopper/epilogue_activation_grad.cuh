@@ -20,7 +20,8 @@
 // (2048,64,4) (H100, docs/BENCHMARKS.md, session 40). H is not prefetched into L2: a bulk L2 prefetch of the tile's H
 // rows by the producer, one mainloop ahead, was evicted before the epilogue read it, so H came from HBM twice (ncu,
 // H100, 1.4B (256,128,8): 1.20 GB read from HBM with the prefetch, 0.87 GB without, and the kernel 12 % faster without;
-// docs/BENCHMARKS.md, session 28).
+// docs/BENCHMARKS.md, session 28); prefetched by TMA when the tile's own mainloop had 16 or 32 k-blocks left, it was
+// still evicted first (ncu, H200, session 61: 5-13 % more read from HBM, the kernel 0-2 % slower on four main rows).
 //
 // Scores: a row's pair index (scatter) is loaded in tile_start, before the tile's mainloop, and the scores of all the
 // thread's rows in one batch once the tile's first WGMMAs are issued (first_mma_issued), so that the rest of the

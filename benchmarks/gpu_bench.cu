@@ -338,12 +338,12 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   // Stage times: per stage, the median over instrumented runs that go on for at least o.stage_runs runs and, like the
   // timed passes, at least o.timed_ms of wall time (one run's figures spread by up to 15 %, too much for an A/B of one
   // kernel). The time matters as much as the count: under the power cap the board's clock swings within a second (an
-  // H200 at 700 W, session 61: 1110-1980 MHz), and five runs of a 20 ms forward + backward caught one phase of it, so
-  // their stages added up to 0.98-1.24x the timed passes, differently from row to row (docs/BENCHMARKS.md). Each
-  // instrumented run is queued behind an uninstrumented forward + backward, so its first mark is passed when the GPU
-  // finishes that work, with the run's launches already queued: a stage is GPU time. Started on an idle GPU, the
-  // first stage (the router GEMM) also held the host's latency to its launch: 0.04-0.08 ms on the 1.4B rows where ncu
-  // timed the kernel at 0.027-0.031 ms (docs/BENCHMARKS.md, session 43).
+  // H200 at 700 W, session 61: 1215-1920 MHz over a run of every main row), and three to five runs of a 20 ms forward +
+  // backward caught one phase of it, so their stages added up to 0.98-1.24x the timed passes, differently from row to
+  // row (docs/BENCHMARKS.md). Each instrumented run is queued behind an uninstrumented forward + backward, so its first
+  // mark is passed when the GPU finishes that work, with the run's launches already queued: a stage is GPU time.
+  // Started on an idle GPU, the first stage (the router GEMM) also held the host's latency to its launch: 0.04-0.08 ms
+  // on the 1.4B rows where ncu timed the kernel at 0.027-0.031 ms (docs/BENCHMARKS.md, session 43).
   std::vector<std::vector<StageTime>> stage_runs;
   const auto stage_start = std::chrono::steady_clock::now();
   const auto stage_elapsed_ms = [&] {

@@ -11,7 +11,7 @@
 // Each warp decodes its tile index on its own: the lanes load 32 experts' offsets at once, scan their tile counts
 // with shuffles, and the warp keeps the window's position, so that a CTA walks the expert list once over its life.
 //
-// The gathered families read a token's row once per routed pair, from HBM each time: its K experts run far apart in
+// The gathered families read a token's row once per routed pair, mostly from HBM: its K experts run far apart in
 // this order. Ordering their tiles in groups of experts, M-tile index first inside a group (an expert's m-th M-tile
 // covers about the same tokens as every other's), to serve a row to its other experts from L2, read more from HBM
 // instead (the group's weights lost from L2) and was no faster (H200, docs/BENCHMARKS.md, session 61).

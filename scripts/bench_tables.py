@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Markdown tables from machmoe-bench's JSON output (`--json PATH`), in the form docs/BENCHMARKS.md quotes them.
+
+  python3 scripts/bench_tables.py stages RUN.json
+      One row per configuration: the two passes (ms and efficiency against the cuBLAS bound), what the stage table
+      adds up to over each pass (1.0: the stages account for the pass; since session 61 the instrumented runs last
+      --time-ms like the passes, so they do within a few %), and each expert GEMM's stage with cuBLAS's time for the
+      same GEMM over it, plus the routing stages' sum (ROUTING_STAGES below).
+  python3 scripts/bench_tables.py compare BASE.json OTHER.json
+      One row per configuration in both files (matched by T, d, n, E, K, activation, dtypes and accumulation; the
+      JSON does not record the routing, so compare files of one routing): forward + backward of each and OTHER over
+      BASE; e.g. T7 with BASE the default cache and OTHER `--cache input_only` (docs/TARGETS.md).
+"""
+import json
+import re
+import sys
+
+# machmoe-bench's main configurations are named <model>-<n>; the docs name them <model> (n,E,K).
+MAIN_NAME = re.compile(r"^(1\.4B|7B|30B|120B)-\d+$")
+GEMM_STAGES = (("up-projection", "forward/up_projection"), ("down-projection", "forward/down_projection"),
+               ("dH kernel", "backward/dh_kernel"), ("dX̃", "backward/dx_expanded"), ("dW1", "backward/dw1"),
+               ("dW2", "backward/dw2"))
+# The routing stages: the router GEMM, the selection (top-K, token rounding or the caller's pairs), the metadata and,
+# where it is a stage of its own, the plan of the forward's chunks of tokens.
+ROUTING_STAGES = ("forward/router_gemm", "forward/topk_scores", "forward/routing_metadata", "forward/token_rounding",
+                  "forward/caller_routing", "forward/y_chunk_plan")
+
+
+def row_name(run):
+    """'1.4B (256,128,8)' for a main configuration, '(T,d,n,E,K)' for any other."""
+    m = MAIN_NAME.match(run["config"])
+    if m:
+        return f"{m.group(1)} ({run['n']},{run['E']},{run['K']})"
+    return "({},{},{},{},{})".format(run["T"], run["d"], run["n"], run["E"], run["K"])
+
+
+def stage_sums(run):
+    """(forward, backward) sums of the stage table: the benchmark's own since session 61, else added up here."""
+    if "stage_sum_forward_ms" in run:
+        return run["stage_sum_forward_ms"], run["stage_sum_backward_ms"]
+    stages = run.get("stages_ms", {})
+    fwd = sum(ms for s, ms in stages.items() if s.startswith("forward/"))
+    return fwd, sum(stages.values()) - fwd
+
+
+def stages_table(runs):
+    lines = ["| config | forward ms (eff.) | backward ms (eff.) | stages / passes, fwd · bwd (runs) | " +
+             " | ".join(name for name, _ in GEMM_STAGES) + " | routing ms |",
+             "|---" * (5 + len(GEMM_STAGES)) + "|"]
+    for r in runs:
+        fwd, bwd = stage_sums(r)
+        stages, cublas = r.get("stages_ms", {}), r.get("cublas_stage_ms", {})
+        cells = []
+        for _, key in GEMM_STAGES:
+            ms = stages.get(key)
+            if not ms:
+                cells.append("-")
+            elif cublas.get(key):
+                cells.append(f"{ms:.3f} ({cublas[key] / ms:.2f})")
+            else:
+                cells.append(f"{ms:.3f}")
+        routing = sum(stages.get(s, 0.0) for s in ROUTING_STAGES)
+        lines.append(f"| {row_name(r)} | {r['forward_ms']:.3f} ({r['efficiency_forward']:.3f}) | "
+                     f"{r['backward_ms']:.3f} ({r['efficiency_backward']:.3f}) | "
+                     f"{fwd / r['forward_ms']:.3f} · {bwd / r['backward_ms']:.3f} ({r.get('stage_runs', '-')}) | " +
+                     " | ".join(cells) + f" | {routing:.3f} |")
+    return "\n".join(lines)
+
+
+def match_key(run):
+    """What must agree for two runs to be compared: the sizes and every option but the cache mode."""
+    return (run["T"], run["d"], run["n"], run["E"], run["K"], run.get("activation"), run.get("dtype"),
+            run.get("grad_dtype"), run.get("accumulate_grads"))
+
+
+def compare_table(base_runs, other_runs):
+    others = {}
+    for r in other_runs:
+        others.setdefault(match_key(r), []).append(r)
+    lines = ["| config | base: forward + backward ms | other: forward + backward ms | other / base |",
+             "|---|---|---|---|"]
+    for b in base_runs:
+        for o in others.get(match_key(b), [])[:1]:
+            tb, to = b["forward_ms"] + b["backward_ms"], o["forward_ms"] + o["backward_ms"]
+            lines.append(f"| {row_name(b)} | {b['forward_ms']:.3f} + {b['backward_ms']:.3f} = {tb:.3f} | "
+                         f"{o['forward_ms']:.3f} + {o['backward_ms']:.3f} = {to:.3f} | {to / tb:.3f} |")
+    return "\n".join(lines)
+
+
+def load(path):
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, list) else [data]
+
+
+def main(argv):
+    if len(argv) == 2 and argv[0] == "stages":
+        print(stages_table(load(argv[1])))
+        return 0
+    if len(argv) == 3 and argv[0] == "compare":
+        print(compare_table(load(argv[1]), load(argv[2])))
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

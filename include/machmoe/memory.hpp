@@ -167,11 +167,15 @@ std::int64_t forward_y_chunk_rows(const MoEProblem& problem);
 ///   ds_partial   P x ceil(n / 64)   fp32         per-N-tile partial sums of <dA', A>
 ///   ds           P                  score dtype  router-score gradient, pair order
 ///   dlogits      T x E              data dtype   gradient of the router logits (not for caller-supplied routing)
+///   router_pair_terms  P x 8 bytes  fp32, int32  top-K with a score other than topk_softmax: each pair's logit
+///                                                gradient and expert, which the dX gather-sum turns into the
+///                                                router's term of dX (dz W_r[expert]) when no gradient of the
+///                                                logits comes from upstream
 ///   expert_tiles E + 1              int32        GEMM M-tiles per expert, scanned
 ///   cublas       kCublasWorkspaceBytes           cuBLAS workspace of the router GEMMs (not for caller-supplied)
 struct BackwardWorkspaceLayout {
   BufferRegion h_recompute, dh, a_prime, dx_expanded, dx_chunk_plan, dx_pair_rows, ds_partial, ds, dlogits,
-      expert_tiles, cublas;
+      router_pair_terms, expert_tiles, cublas;
   std::size_t total_bytes = 0;
 };
 /// split: the layout of backward_input(), without dh and a_prime (they live in the deferred buffer).

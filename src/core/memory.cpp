@@ -152,6 +152,9 @@ BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType dat
   l.ds_partial = b.add(P * ((u(p.n) + 63) / 64) * 4);
   l.ds = b.add(P * dtype_size(score_dtype(data_dtype)));
   if (p.routing != RoutingMode::kCallerSupplied) l.dlogits = b.add(u(p.T) * u(p.E) * elem);
+  // Each pair's dz and expert (8 bytes), for the router's term of dX inside the gather-sum, where the logits'
+  // gradient lives at the selections (top-K with a renormalised score; src/gpu/kernels.hpp, RouterPairTerm).
+  if (p.routing == RoutingMode::kTopK && p.score != ScoreVariant::kTopKOfSoftmax) l.router_pair_terms = b.add(P * 8);
   l.expert_tiles = b.add(u(p.E + 1) * 4);
   if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
   l.total_bytes = b.total();

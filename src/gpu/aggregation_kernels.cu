@@ -14,10 +14,26 @@ __device__ __forceinline__ std::int64_t clamp_index(std::int64_t v, std::int64_t
   return v < 0 ? 0 : (v > bound ? bound : v);
 }
 
-/// out[t] = the weighted sum of token t's rows (fixed pair order, fp32).
+/// VEC consecutive elements at src, added to acc with weight w.
+template <class T, int VEC>
+__device__ __forceinline__ void add_scaled(float (&acc)[VEC], const T* __restrict__ src, float w) {
+  if constexpr (VEC > 1) {
+    alignas(16) T vals[VEC];
+    *reinterpret_cast<uint4*>(vals) = *reinterpret_cast<const uint4*>(src);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[v] += w * to_float(vals[v]);
+  } else {
+    acc[0] += w * to_float(src[0]);
+  }
+}
+
+/// out[t] = the weighted sum of token t's rows (fixed pair order, fp32), each pair's router term (router_pairs
+/// non-null: dz * router_w[expert]) added right after its row.
 template <class T, int VEC>
 __device__ __forceinline__ void gather_sum_token(const T* __restrict__ rows, std::int64_t width,
                                                  const float* __restrict__ weights,
+                                                 const T* __restrict__ router_w, std::int64_t ld_router,
+                                                 const RouterPairTerm* __restrict__ router_pairs,
                                                  const std::int32_t* __restrict__ inverse,
                                                  const std::int32_t* __restrict__ token_offsets, std::int64_t K,
                                                  T* __restrict__ out, std::int64_t ld_out, std::int64_t t,
@@ -33,15 +49,10 @@ __device__ __forceinline__ void gather_sum_token(const T* __restrict__ rows, std
     for (std::int64_t p = p_begin; p < p_end; ++p) {
       const std::int32_t g = inverse[p];
       if (g < 0 || g >= row_bound) continue;
-      const float w = weights ? weights[p] : 1.0f;
-      const T* src = rows + static_cast<std::int64_t>(g) * width + c0;
-      if constexpr (VEC > 1) {
-        alignas(16) T vals[VEC];
-        *reinterpret_cast<uint4*>(vals) = *reinterpret_cast<const uint4*>(src);
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[v] += w * to_float(vals[v]);
-      } else {
-        acc[0] += w * to_float(src[0]);
+      add_scaled<T, VEC>(acc, rows + static_cast<std::int64_t>(g) * width + c0, weights ? weights[p] : 1.0f);
+      if (router_pairs) {
+        const RouterPairTerm r = router_pairs[p];
+        add_scaled<T, VEC>(acc, router_w + static_cast<std::int64_t>(r.expert) * ld_router + c0, r.dz);
       }
     }
     T* dst = out + t * ld_out + c0;
@@ -60,6 +71,8 @@ __device__ __forceinline__ void gather_sum_token(const T* __restrict__ rows, std
 /// (16-byte loads when VEC > 1).
 template <class T, int VEC>
 __global__ void gather_sum_kernel(const T* __restrict__ rows, std::int64_t width, const float* __restrict__ weights,
+                                  const T* __restrict__ router_w, std::int64_t ld_router,
+                                  const RouterPairTerm* __restrict__ router_pairs,
                                   const std::int32_t* __restrict__ inverse,
                                   const std::int32_t* __restrict__ token_offsets, std::int64_t K,
                                   T* __restrict__ out, std::int64_t ld_out,
@@ -67,7 +80,8 @@ __global__ void gather_sum_kernel(const T* __restrict__ rows, std::int64_t width
                                   std::int64_t pair_bound) {
   const std::int64_t t_end = token_range ? token_range[1] : static_cast<std::int64_t>(gridDim.x);
   for (std::int64_t t = (token_range ? token_range[0] : 0) + blockIdx.x; t < t_end; t += gridDim.x)
-    gather_sum_token<T, VEC>(rows, width, weights, inverse, token_offsets, K, out, ld_out, t, row_bound, pair_bound);
+    gather_sum_token<T, VEC>(rows, width, weights, router_w, ld_router, router_pairs, inverse, token_offsets, K, out,
+                             ld_out, t, row_bound, pair_bound);
 }
 
 /// Without b2: one thread per pair, its partials summed in order (float4 loads when a row of partials is a whole
@@ -224,26 +238,28 @@ __global__ void __launch_bounds__(kCombineMaxThreads)
 }  // namespace
 
 void launch_gather_sum(DType dt, const void* rows, std::int64_t width, const float* weights,
-                       const std::int32_t* inverse, const std::int32_t* token_offsets, std::int64_t K,
-                       std::int64_t T, void* out, std::int64_t ld_out, cudaStream_t stream,
-                       const std::int32_t* token_range, std::int64_t range_blocks, std::int64_t row_bound,
-                       std::int64_t pair_bound) {
+                       const GatherRouterTerm& router, const std::int32_t* inverse,
+                       const std::int32_t* token_offsets, std::int64_t K, std::int64_t T, void* out,
+                       std::int64_t ld_out, cudaStream_t stream, const std::int32_t* token_range,
+                       std::int64_t range_blocks, std::int64_t row_bound, std::int64_t pair_bound) {
   if (T == 0 || width == 0 || (token_range != nullptr && range_blocks <= 0)) return;
   dispatch_data_type(dt, [&](auto tag) {
     using Tp = decltype(tag);
     constexpr int kVec = 16 / sizeof(Tp);
-    const bool vec = width % kVec == 0 && ld_out % kVec == 0 && aligned16(rows) && aligned16(out);
+    const bool with_router = router.pairs != nullptr;
+    const bool vec = width % kVec == 0 && ld_out % kVec == 0 && aligned16(rows) && aligned16(out) &&
+                     (!with_router || (router.ld % kVec == 0 && aligned16(router.weight)));
     const std::int64_t lanes = vec ? width / kVec : width;
     const int threads = static_cast<int>(std::min<std::int64_t>(256, (lanes + 31) / 32 * 32));
     const auto grid = static_cast<unsigned>(token_range ? std::min(range_blocks, T) : T);
-    if (vec)
-      gather_sum_kernel<Tp, kVec><<<grid, threads, 0, stream>>>(static_cast<const Tp*>(rows), width, weights, inverse,
-                                                                token_offsets, K, static_cast<Tp*>(out), ld_out,
-                                                                token_range, row_bound, pair_bound);
-    else
-      gather_sum_kernel<Tp, 1><<<grid, threads, 0, stream>>>(static_cast<const Tp*>(rows), width, weights, inverse,
-                                                             token_offsets, K, static_cast<Tp*>(out), ld_out,
-                                                             token_range, row_bound, pair_bound);
+    auto run = [&](auto kernel) {
+      kernel<<<grid, threads, 0, stream>>>(static_cast<const Tp*>(rows), width, weights,
+                                           static_cast<const Tp*>(router.weight), router.ld, router.pairs, inverse,
+                                           token_offsets, K, static_cast<Tp*>(out), ld_out, token_range, row_bound,
+                                           pair_bound);
+    };
+    if (vec) run(gather_sum_kernel<Tp, kVec>);
+    else run(gather_sum_kernel<Tp, 1>);
   });
   MACHMOE_CUDA_CHECK_LAUNCH("gather_sum");
 }

@@ -30,12 +30,28 @@ void launch_topk_scores(DType dt, const void* logits, std::int64_t ld_logits, st
                         std::int64_t K, ScoreVariant variant, float* scores, std::int32_t* experts,
                         cudaStream_t stream);
 
+/// One pair's share of the router's term of dX when d scores / d logits is nonzero only at the token's selections
+/// (every score variant but kTopKOfSoftmax): dX[t] += dz * W_r[expert] for each pair of t. 8 bytes, read as one.
+struct alignas(8) RouterPairTerm {
+  float dz;             // d loss / d logit of the pair's expert (0 for a pair that reads no row)
+  std::int32_t expert;  // the pair's expert: its row of W_r
+};
+
+/// Whether the router's term of dX can be summed from the pairs (RouterPairTerm) instead of the dense product
+/// dlogits W_r: top-K routing, a score variant whose logit gradient lives at the selections only, and no upstream
+/// gradient of the logits (which would fill every element of dlogits).
+inline bool router_term_from_pairs(const MoEProblem& p, bool has_grad_logits) {
+  return p.routing == RoutingMode::kTopK && p.score != ScoreVariant::kTopKOfSoftmax && !has_grad_logits;
+}
+
 /// dlogits (T, E, data dtype, contiguous) = d scores / d logits applied to ds (pair order), plus the upstream
 /// grad_logits (T, E, ld_grad; may be null). Top-K routing only. logits (kept) are read for kTopKOfSoftmax.
+/// pair_terms (P, pair order; may be null, must be null for kTopKOfSoftmax): each pair's dz and expert as well, in
+/// fp32 (dlogits holds the same dz rounded to the data dtype, plus grad_logits).
 void launch_router_backward(DType dt, ScoreVariant variant, const float* scores, const float* ds,
                             const std::int32_t* inverse, const std::int32_t* expert_offsets, const void* logits,
                             std::int64_t T, std::int64_t E, std::int64_t K, const void* grad_logits,
-                            std::int64_t ld_grad, void* dlogits, cudaStream_t stream);
+                            std::int64_t ld_grad, void* dlogits, RouterPairTerm* pair_terms, cudaStream_t stream);
 
 // ---- routing metadata ------------------------------------------------------------------------------------------
 
@@ -110,14 +126,24 @@ void launch_dx_chunk_plan(const std::int32_t* expert_offsets, const std::int32_t
 
 // ---- aggregation and reductions --------------------------------------------------------------------------------
 
-/// out[t, :] = sum over the pairs p of token t (pair order) of w_p * rows[inverse[p], :], fp32 accumulation,
-/// no atomics. weights == null: unweighted. token_offsets == null: pairs of t are t*K .. t*K+K-1.
+/// A second sum over the pairs of the gather-sum, added in the same pass: dz_p * weight[expert_p, :] for each pair p
+/// that reads a row (the router's term of dX, RouterPairTerm). weight: E x width in the data dtype, row stride ld.
+struct GatherRouterTerm {
+  const void* weight = nullptr;
+  std::int64_t ld = 0;
+  const RouterPairTerm* pairs = nullptr;  // pair order; null: no term
+};
+
+/// out[t, :] = sum over the pairs p of token t (pair order) of w_p * rows[inverse[p], :] (+ router's term of p,
+/// right after p's row), fp32 accumulation, no atomics. weights == null: unweighted. token_offsets == null: pairs of
+/// t are t*K .. t*K+K-1.
 /// token_range (device, 2 values; null: every token) restricts it to the tokens [token_range[0], token_range[1]),
 /// covered by `range_blocks` blocks (the range lives on the device; its length need not be known here).
 /// Pairs whose row is outside [0, row_bound) read nothing, and pair offsets are clamped to [0, pair_bound]: caller
 /// indices (combine_rows) never leave the buffers.
 void launch_gather_sum(DType dt, const void* rows, std::int64_t width, const float* weights,
-                       const std::int32_t* inverse, const std::int32_t* token_offsets, std::int64_t K,
+                       const GatherRouterTerm& router, const std::int32_t* inverse,
+                       const std::int32_t* token_offsets, std::int64_t K,
                        std::int64_t T, void* out, std::int64_t ld_out, cudaStream_t stream,
                        const std::int32_t* token_range = nullptr, std::int64_t range_blocks = 0,
                        std::int64_t row_bound = INT64_MAX, std::int64_t pair_bound = INT64_MAX);

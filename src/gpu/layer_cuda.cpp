@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -229,17 +230,19 @@ struct ChunkWorkspace {
 /// row shift), its output rows packed (at most chunk_rows), and its tokens' sums finished before the next chunk
 /// overwrites them. gemm.P_max is the pair count on entry; the three names mark the GEMM's, the sum's and the plan's
 /// stages (and name the GEMM in a fallback notice). plan_built: the routing metadata already wrote the plan and the
-/// pair rows into ws (the forward's chunks, metadata_built_plan).
+/// pair rows into ws (the forward's chunks, metadata_built_plan). router: a second per-pair term the sum adds (the
+/// backward's router term of dX), or none.
 void gemm_then_gather_sum(const MoEProblem& p, VarlenMArgs gemm, const char* gemm_stage, const char* sum_stage,
                           const char* plan_stage, std::int64_t chunks, std::int64_t chunk_rows,
                           const ChunkRouting& r, const ChunkWorkspace& ws, const float* weights,
-                          const TensorView& out, cudaStream_t stream, bool plan_built = false) {
+                          const GatherRouterTerm& router, const TensorView& out, cudaStream_t stream,
+                          bool plan_built = false) {
   const std::int64_t P = gemm.P_max;
   if (chunks == 1) {
     mark_stage(gemm_stage, stream);
     launch_expert_gemm(gemm, gemm_stage, stream);
     mark_stage(sum_stage, stream);
-    launch_gather_sum(gemm.dt, gemm.out, p.d, weights, r.inverse, r.token_offsets, p.K, p.T, out.data,
+    launch_gather_sum(gemm.dt, gemm.out, p.d, weights, router, r.inverse, r.token_offsets, p.K, p.T, out.data,
                       out.stride[0], stream);
     return;
   }
@@ -262,7 +265,7 @@ void gemm_then_gather_sum(const MoEProblem& p, VarlenMArgs gemm, const char* gem
     mark_stage(gemm_stage, stream);
     launch_expert_gemm(gemm, gemm_stage, stream);
     mark_stage(sum_stage, stream);
-    launch_gather_sum(gemm.dt, gemm.out, p.d, weights, ws.pair_rows, r.token_offsets, p.K, p.T, out.data,
+    launch_gather_sum(gemm.dt, gemm.out, p.d, weights, router, ws.pair_rows, r.token_offsets, p.K, p.T, out.data,
                       out.stride[0], stream, plan.bounds + c, range_blocks);
   }
 }
@@ -402,7 +405,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   gemm_then_gather_sum(p, down, "forward/down_projection", "forward/aggregation", "forward/y_chunk_plan",
                        forward_y_chunks(p), forward_y_chunk_rows(p),
                        {m.expert_offsets, m.gather, m.scatter, m.inverse, m.token_offsets}, {y_plan, y_pair_rows},
-                       scores, out.out, stream,
+                       scores, {}, out.out, stream,
                        p.routing == RoutingMode::kTokenRounding ? tr_built_plan : metadata_built_plan(m));
   mark_stage(nullptr, stream);
 }
@@ -495,6 +498,11 @@ bool backward_dh_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
 
 /// dX: dX~ = dH W1_e (grouped), dX = gather-sum of dX~, and the router's gradients (dlogits from dS, dx += dlogits
 /// W_r, dW_r). Runs after backward_dh_phase returned true.
+/// Where dlogits is nonzero only at each token's selections (router_term_from_pairs: top-K, a renormalised score,
+/// no upstream gradient of the logits), the router's backward runs first and also leaves each pair's dz and expert,
+/// and the gather-sum adds dz W_r[expert] per pair as it sums the token's dX~ rows: dX is written once. The dense
+/// product dlogits W_r (a GEMM with beta = 1) read and wrote all of dX again after the gather-sum had written it:
+/// 4 T d bytes for a term of K rows of W_r per token. Otherwise that GEMM runs, after the gather-sum.
 void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const BackwardInputs& in,
                        const BackwardOutputs& out, const SavedState& sv, void* workspace,
                        const BackwardWorkspaceLayout& wl, const void* dh, cudaStream_t stream) {
@@ -506,8 +514,35 @@ void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
   const std::int32_t* tiles = at<std::int32_t>(workspace, wl.expert_tiles);
   const bool caller = p.routing == RoutingMode::kCallerSupplied;
   const float* ds = caller ? static_cast<const float*>(out.grad_scores.data) : at<float>(workspace, wl.ds);
+  void* dlogits = caller ? nullptr : at(workspace, wl.dlogits);
+  const void* upstream = in.grad_router_logits.empty() ? nullptr : in.grad_router_logits.data;
+  const std::int64_t ld_up = in.grad_router_logits.empty() ? 0 : in.grad_router_logits.stride[0];
 
-  // dX~ = dH W1_e (grouped), then dX = gather-sum of dX~: at once, or one chunk of tokens at a time (memory.hpp,
+  // dlogits from dS (+ the caller's gradient of the logits): first where the gather-sum takes the router's term.
+  auto router_backward = [&](RouterPairTerm* pair_terms) {
+    mark_stage("backward/router_backward", stream);
+    if (p.routing == RoutingMode::kTokenRounding)
+      launch_token_rounding_backward(dt, p.score, sv.router_logits, p.T, p.E, sv.token_selection, ds, inverse,
+                                     offsets, token_offsets, upstream, ld_up, dlogits, stream);
+    else
+      launch_router_backward(dt, p.score, scores, ds, inverse, offsets, sv.router_logits, p.T, p.E, p.K, upstream,
+                             ld_up, dlogits, pair_terms, stream);
+  };
+  GatherRouterTerm router_term;
+  // The gather-sum reads W_r's rows 16 bytes at a time where the other rows allow it; a router weight whose rows
+  // do not (an offset view) keeps the GEMM, so that it does not turn the whole sum to element-wise loads.
+  const std::int64_t vec = 16 / static_cast<std::int64_t>(dtype_size(dt));
+  const bool wr_rows_aligned = (reinterpret_cast<std::uintptr_t>(w.router_weight.data) & 15u) == 0 &&
+                               w.router_weight.stride[0] % vec == 0;
+  const bool term_in_sum =
+      router_term_from_pairs(p, upstream != nullptr) && wl.router_pair_terms.present() && wr_rows_aligned;
+  if (term_in_sum) {
+    auto* pair_terms = at<RouterPairTerm>(workspace, wl.router_pair_terms);
+    router_backward(pair_terms);
+    router_term = {w.router_weight.data, w.router_weight.stride[0], pair_terms};
+  }
+
+  // dX~ = dH W1_e (grouped), then dX = gather-sum of dX~, at once, or one chunk of tokens at a time (memory.hpp,
   // backward_dx_chunks), each chunk's rows packed in the dX~ region and its tokens' sums finished before the next.
   void* dxe = at(workspace, wl.dx_expanded);
   VarlenMArgs dxa;
@@ -524,30 +559,22 @@ void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
                        backward_dx_chunks(p), backward_dx_chunk_rows(p),
                        {offsets, sv.gather, sv.scatter, inverse, token_offsets},
                        {at<std::int32_t>(workspace, wl.dx_chunk_plan), at<std::int32_t>(workspace, wl.dx_pair_rows)},
-                       nullptr, out.grad_x, stream);
+                       nullptr, router_term, out.grad_x, stream);
 
-  // Router: dlogits from dS (+ the caller's gradient of the logits), then dx += dlogits W_r, dW_r = dlogits^T x.
   if (caller) {
     mark_stage(nullptr, stream);
     // No router in the layer: its gradient is zero, and accumulating zero leaves the buffer as it is.
     if (!accumulate) zero_view(out.grad_weights.router_weight, stream);
     return;
   }
-  void* dlogits = at(workspace, wl.dlogits);
-  mark_stage("backward/router_backward", stream);
-  const void* upstream = in.grad_router_logits.empty() ? nullptr : in.grad_router_logits.data;
-  const std::int64_t ld_up = in.grad_router_logits.empty() ? 0 : in.grad_router_logits.stride[0];
-  if (p.routing == RoutingMode::kTokenRounding)
-    launch_token_rounding_backward(dt, p.score, sv.router_logits, p.T, p.E, sv.token_selection, ds, inverse,
-                                   offsets, token_offsets, upstream, ld_up, dlogits, stream);
-  else
-    launch_router_backward(dt, p.score, scores, ds, inverse, offsets, sv.router_logits, p.T, p.E, p.K,
-                           upstream, ld_up, dlogits, stream);
+  if (!term_in_sum) router_backward(nullptr);
   mark_stage("backward/router_gemms", stream);
   cublasHandle_t hd = prepared_cublas(x.device.index, stream, at(workspace, wl.cublas));
-  // dx (T x d row-major = col-major d x T) += W_r^T-view: col-major (d x E) * dlogits^T-view (E x T).
-  gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_N, p.d, p.T, p.E, w.router_weight.data, w.router_weight.stride[0], dlogits,
-       p.E, 1.0f, out.grad_x.data, out.grad_x.stride[0], dt);
+  if (!term_in_sum) {
+    // dx (T x d row-major = col-major d x T) += W_r^T-view: col-major (d x E) * dlogits^T-view (E x T).
+    gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_N, p.d, p.T, p.E, w.router_weight.data, w.router_weight.stride[0], dlogits,
+         p.E, 1.0f, out.grad_x.data, out.grad_x.stride[0], dt);
+  }
   // dW_r (E x d row-major = col-major d x E) = x^T-view (d x T) * dlogits (T x E), (+ dW_r when accumulating).
   const TensorView& gr = out.grad_weights.router_weight;
   gemm(hd, dt, CUBLAS_OP_N, CUBLAS_OP_T, p.d, p.E, p.T, x.data, x.stride[0], dlogits, p.E, accumulate ? 1.0f : 0.0f,
@@ -716,7 +743,7 @@ void grouped_expert_index_cuda(const TensorView& counts, const TensorView& exper
 void combine_rows_cuda(const TensorView& rows, const TensorView& scores, const TensorView& row_of_pair,
                        const TensorView& token_offsets, std::int64_t top_k, const TensorView& out, void* stream_ptr) {
   const DeviceGuard guard(rows.device.index);
-  launch_gather_sum(rows.dtype, rows.data, rows.shape[1], static_cast<const float*>(scores.data),
+  launch_gather_sum(rows.dtype, rows.data, rows.shape[1], static_cast<const float*>(scores.data), {},
                     static_cast<const std::int32_t*>(row_of_pair.data),
                     static_cast<const std::int32_t*>(token_offsets.data), top_k, out.shape[0], out.data, out.shape[1],
                     static_cast<cudaStream_t>(stream_ptr), nullptr, 0, rows.shape[0], row_of_pair.shape[0]);

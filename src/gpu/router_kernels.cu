@@ -147,7 +147,8 @@ __global__ void router_backward_kernel(ScoreVariant variant, const float* __rest
                                        const float* __restrict__ ds, const std::int32_t* __restrict__ inverse,
                                        const std::int32_t* __restrict__ offsets, const T* __restrict__ logits,
                                        std::int64_t T_, int E, int K, const T* __restrict__ grad_logits,
-                                       std::int64_t ld_grad, T* __restrict__ dlogits) {
+                                       std::int64_t ld_grad, T* __restrict__ dlogits,
+                                       RouterPairTerm* __restrict__ pair_terms) {
   __shared__ int sel_e[kWarpsPerBlock][kMaxK];
   __shared__ float sel_g[kWarpsPerBlock][kMaxK];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -181,8 +182,12 @@ __global__ void router_backward_kernel(ScoreVariant variant, const float* __rest
     const int kn = min(kMaxK, K - k0);
     for (int k = lane; k < kn; k += 32) {
       const std::int32_t row = rows[k0 + k];
-      sel_e[warp][k] = row < 0 ? -1 : expert_of_row(offsets, E, row);
+      const int e = row < 0 ? -1 : expert_of_row(offsets, E, row);
+      sel_e[warp][k] = e;
       sel_g[warp][k] = g[k0 + k];
+      // The selection's dz as the loop below forms it at element e (experts are distinct within a token), in fp32.
+      if (pair_terms)
+        pair_terms[t * K + k0 + k] = {row < 0 ? 0.0f : s[k0 + k] * (g[k0 + k] - gs), row < 0 ? 0 : e};
     }
     __syncwarp();
     for (int i = lane; i < E; i += 32) {
@@ -232,13 +237,16 @@ void launch_topk_scores(DType dt, const void* logits, std::int64_t ld, std::int6
 void launch_router_backward(DType dt, ScoreVariant variant, const float* scores, const float* ds,
                             const std::int32_t* inverse, const std::int32_t* offsets, const void* logits,
                             std::int64_t T, std::int64_t E, std::int64_t K, const void* grad_logits,
-                            std::int64_t ld_grad, void* dlogits, cudaStream_t stream) {
+                            std::int64_t ld_grad, void* dlogits, RouterPairTerm* pair_terms, cudaStream_t stream) {
   if (T == 0) return;
+  if (pair_terms != nullptr && variant == ScoreVariant::kTopKOfSoftmax)
+    throw RuntimeError("machmoe: the router backward's pair terms need a score variant whose logit gradient lives "
+                       "at the selections (not topk_softmax)");
   dispatch_data_type(dt, [&](auto tag) {
     using Tp = decltype(tag);
     router_backward_kernel<Tp><<<ceil_div(T, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
         variant, scores, ds, inverse, offsets, static_cast<const Tp*>(logits), T, static_cast<int>(E),
-        static_cast<int>(K), static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits));
+        static_cast<int>(K), static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits), pair_terms);
   });
   MACHMOE_CUDA_CHECK_LAUNCH("router_backward");
 }

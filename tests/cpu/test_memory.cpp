@@ -123,6 +123,14 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_EQ(b.dx_expanded.bytes, 2 * P * 1024);
   EXPECT_EQ(b.ds_partial.bytes, 4 * P * 8);
   EXPECT_EQ(b.dlogits.bytes, 2u * 4096 * 64);
+  EXPECT_EQ(b.router_pair_terms.bytes, 8 * P);  // top-K, softmax over the selections: dz and expert per pair
+  {
+    MoEProblem dense = p;  // topk_softmax's logit gradient fills the row: dX takes dlogits W_r, no pair terms
+    dense.score = ScoreVariant::kTopKOfSoftmax;
+    const BackwardWorkspaceLayout d = backward_workspace_layout(dense, DType::kBF16);
+    EXPECT_FALSE(d.router_pair_terms.present());
+    EXPECT_EQ(d.total_bytes + 8 * P, b.total_bytes);
+  }
   EXPECT_EQ(b.expert_tiles.bytes, 4u * 65);
   // A' and dX~ share one region (the full backward runs dW2 before dX~); the split backward keeps dX~ apart.
   EXPECT_EQ(b.a_prime.offset, b.dx_expanded.offset);

@@ -262,7 +262,10 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
 
   BackwardInputs bi;
   bi.grad_out = TensorView::contiguous(gout.get(), dt, {p.T, p.d}, dev);
-  if (!caller) bi.grad_router_logits = TensorView::contiguous(glog.get(), dt, {p.T, p.E}, dev);
+  // A case without grad_logits (cleared by the test) has no upstream gradient of the logits: the backward then
+  // takes the router's term of dX from the pairs (src/gpu/kernels.hpp, router_term_from_pairs) where it can.
+  if (!caller && !c.grad_logits.empty())
+    bi.grad_router_logits = TensorView::contiguous(glog.get(), dt, {p.T, p.E}, dev);
   BackwardOutputs bo;
   bo.grad_x = TensorView::contiguous(dx.get(), dt, {p.T, p.d}, dev);
   if (!caller) bo.grad_weights.router_weight = TensorView::contiguous(dwr.get(), gt, {p.E, p.d}, dev);

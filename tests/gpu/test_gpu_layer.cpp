@@ -95,7 +95,10 @@ TEST_P(GpuLayer, MatchesFloat64Reference) {
   p.routing = gc.routing, p.score = gc.score, p.cache = gc.cache;
   p.rounding = gc.rounding, p.tile_m = 16;  // ~50 tokens per expert: rounding moves every count
   p.dx_chunks = gc.bias ? 3 : 0;  // half the cases with dX~ in chunks of tokens (the heuristic: one pass here)
-  const LayerCase<double> c(p, 2024);
+  LayerCase<double> c(p, 2024);
+  // Input-only mode's cases without an upstream gradient of the logits: with top-K and a renormalised score the
+  // router's term of dX is then summed from the pairs inside the gather-sum (the other cases: dlogits W_r).
+  if (gc.cache == CacheMode::kInputOnly) c.grad_logits.clear();
   const GpuRun g = run_on_gpu(c, gc.dt);
   const LayerCase<double> q = quantized_case(c, gc.dt);
   if (p.routing != RoutingMode::kCallerSupplied) {
@@ -368,13 +371,17 @@ TEST(GpuLayerProperties, TwoRunsAreBitwiseIdentical) {
   REQUIRE_GPU();
   MoEProblem p;
   p.T = 1000, p.d = 256, p.n = 128, p.E = 16, p.K = 4, p.has_b1 = p.has_b2 = true;
-  const LayerCase<double> c(p, 5);
-  const GpuRun a = run_on_gpu(c, DType::kBF16), b = run_on_gpu(c, DType::kBF16);
-  EXPECT_EQ(a.raw_out, b.raw_out);
-  EXPECT_EQ(a.raw_dx, b.raw_dx);
-  EXPECT_EQ(a.raw_dw1, b.raw_dw1);
-  EXPECT_EQ(a.raw_dw2, b.raw_dw2);
-  EXPECT_EQ(a.saved, b.saved);
+  LayerCase<double> c(p, 5);
+  for (bool upstream_logit_grad : {true, false}) {  // dX's router term from dlogits W_r, or summed from the pairs
+    if (!upstream_logit_grad) c.grad_logits.clear();
+    const GpuRun a = run_on_gpu(c, DType::kBF16), b = run_on_gpu(c, DType::kBF16);
+    EXPECT_EQ(a.raw_out, b.raw_out);
+    EXPECT_EQ(a.raw_dx, b.raw_dx) << upstream_logit_grad;
+    EXPECT_EQ(a.raw_dw1, b.raw_dw1);
+    EXPECT_EQ(a.raw_dw2, b.raw_dw2);
+    EXPECT_EQ(a.dwr, b.dwr) << upstream_logit_grad;
+    EXPECT_EQ(a.saved, b.saved);
+  }
 }
 
 // No allocation and no host synchronisation inside forward/backward: both run under CUDA-graph capture in global
@@ -408,7 +415,8 @@ TEST(GpuLayerProperties, SplitBackwardEqualsFullBackwardBitwise) {
       MoEProblem p;
       p.T = 1500, p.d = 192, p.n = 96, p.E = 12, p.K = 3, p.routing = r, p.cache = cm, p.tile_m = 64;
       p.has_b1 = p.has_b2 = true, p.weight_layout = WeightLayout::kConcatenated;
-      const LayerCase<double> c(p, 14);
+      LayerCase<double> c(p, 14);
+      if (cm == CacheMode::kInputOnly) c.grad_logits.clear();  // top-K: dX's router term summed from the pairs
       const GpuRun full = run_on_gpu(c, DType::kBF16);
       const GpuRun split = run_on_gpu(c, DType::kBF16, 0, false, /*split=*/true);
       EXPECT_TRUE(split.canaries_intact);
@@ -495,6 +503,7 @@ TEST(GpuLayerProperties, DxInChunksOfTokensIsBitwiseOnePass) {
           p.has_b1 = p.has_b2 = true;
           p.dx_chunks = 1, p.y_chunks = 1;
           LayerCase<double> c(p, 16);
+          if (cm == CacheMode::kInputOnly) c.grad_logits.clear();  // top-K: dX's router term summed from the pairs
           const GpuRun one = run_on_gpu(c, DType::kBF16);
           for (std::int64_t chunks : {2, 3, 7}) {
             c.problem.dx_chunks = chunks, c.problem.y_chunks = chunks;

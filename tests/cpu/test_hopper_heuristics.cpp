@@ -36,14 +36,18 @@ TEST(HopperHeuristics, DhKernelTakesThePingPongTileUnlessDNAndTheExpertsAreLarge
   for (std::int64_t d : {768, 1536, 2048, 2880, 4096, 8192})
     for (std::int64_t n : {8, 200, 256, 384, 512, 1024, 1280, 2048, 2880, 4096})
       for (std::int64_t rows : {0, 1, 256, 1023, 1024, 2048, 100000}) {
-        // The wide tile only from d = 4096, n = 1024 and 1024 rows per expert on, and for n a multiple of 256.
-        const int expected = d >= 4096 && n >= 1024 && n % 256 == 0 && rows >= 1024 ? 256 : 128;
+        // The wide tile only from d = 4096 and 1024 rows per expert on, and for n a multiple of 256.
+        const int expected = d >= 4096 && n % 256 == 0 && rows >= 1024 ? 256 : 128;
         EXPECT_EQ(dh(n, d, rows), expected) << n << " " << d << " " << rows;
       }
   EXPECT_EQ(dh(2048, 4096, 32768 * 4 / 64), 256);    // 120B (2048,64,4)
   EXPECT_EQ(dh(1024, 4096, 32768 * 8 / 128), 256);   // 120B (1024,128,8)
   EXPECT_EQ(dh(1024, 4096, 32768 * 4 / 64), 256);    // 30B (1024,64,4)
-  EXPECT_EQ(dh(512, 4096, 32768 * 16 / 256), 128);   // 120B (512,256,16)
+  EXPECT_EQ(dh(512, 4096, 32768 * 16 / 256), 256);   // 120B (512,256,16)
+  EXPECT_EQ(dh(512, 4096, 32768 * 8 / 128), 256);    // 30B (512,128,8)
+  EXPECT_EQ(dh(256, 4096, 32768 * 16 / 256), 256);   // 30B (256,256,16)
+  EXPECT_EQ(dh(256, 1536, 24576 * 8 / 128), 128);    // 7B (256,128,8)
+  EXPECT_EQ(dh(256, 768, 40960 * 8 / 128), 128);     // 1.4B (256,128,8)
   EXPECT_EQ(dh(1024, 4096, 16384 * 4 / 256), 128);   // (16384,4096,1024,256,4): two M-tiles per expert
   EXPECT_EQ(dh(1024, 4096, 16384 * 4 / 64), 256);    // (16384,4096,1024,64,4)
   EXPECT_EQ(dh(2880, 2880, 16384 * 4 / 32), 128);    // gpt-oss

@@ -290,7 +290,7 @@ TEST(GpuLayerOddShapes, EveryGemmOnTheHopperKernelsMatchesFloat64) {
 }
 
 // The dH kernel's wide tile (the cooperative 128 x 256 one with H staged by TMA, which the heuristic takes only where
-// d >= 4096 and n >= 2048) inside the whole layer: the backward writes dH over the saved H (and in input-only mode over
+// d >= 4096 and the experts average 1024 rows or more) inside the whole layer: the backward writes dH over the saved H (and in input-only mode over
 // the recomputed H), so this is where its in-place path runs. Every family forced to its wide tile, small shapes with
 // a partial M-tile per expert and an n that is one wide tile, GLU and not, both layouts, bias on and off, both cache
 // modes, against the float64 reference.

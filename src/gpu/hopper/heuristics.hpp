@@ -78,8 +78,11 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// rounds of three calls (2-3.5 % in session 41's five); 2.00-2.17 against 2.05-2.24 on 30B (1024,64,4) and 1.07-1.10
 /// against 1.05-1.16 on (16384,4096,1024,64,4) (1024 rows per expert); but 1.64-1.71 against 1.41-1.44 on
 /// (16384,4096,1024,256,4), where an expert's 256 rows make two M-tiles and the wide tile half as many tiles as the
-/// square one for 132 SMs; equal within the rounds' spread at n = 256 and 512 (30B and 120B rows); slower at d <= 2880
-/// (7B (256,128,8): 0.48 against 0.44; gpt-oss's d = n = 2880: 2.51-2.56 against 2.40).
+/// square one for 132 SMs; slower at d <= 2880 (7B (256,128,8): 0.48 against 0.44; gpt-oss's d = n = 2880: 2.51-2.56
+/// against 2.40). At n = 256 and 512 with d = 4096 (30B (256,256,16), (512,128,8), 120B (512,256,16)) it measured
+/// equal on the H100 (session 41) but faster on the H200 (session 63, the dH kernel alone forced, three rounds): dH
+/// 2.18-2.24 against 2.28-2.29 ms, the layer's backward 0.5-1.2 % faster in each of the nine pairs (ncu, one launch at
+/// the unlocked clock: 1.88 against 1.97, 1.79 against 1.91, 3.58 against 3.85 ms), so kDhWideMinN is 256 since.
 /// N that is no multiple of 256 (edge tiles, or a multiple of 128 only): the down-projection and dX~ take the tile
 /// that pads the fewest columns, the wide one on a tie (N = 256 q + r: 256 iff
 /// r > 128, i.e. ceil(N / 128) even; N = 2880 = 11 x 256 + 64 takes 128, 2944 columns where 256 would make 3072).
@@ -93,7 +96,7 @@ TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides);
 /// The dH kernel's wide tile from this reduction length d, this width n and this many routed rows per expert on
 /// average (choose_tiles above).
 inline constexpr std::int64_t kDhWideMinK = 4096;
-inline constexpr std::int64_t kDhWideMinN = 1024;
+inline constexpr std::int64_t kDhWideMinN = 256;
 inline constexpr std::int64_t kDhWideMinRowsPerExpert = 1024;
 
 /// The down-projection (K = n) and dX~ (K = 2n for GLU) take the ping-pong tile where the output is d >=

@@ -22,6 +22,9 @@
 // H100, 1.4B (256,128,8): 1.20 GB read from HBM with the prefetch, 0.87 GB without, and the kernel 12 % faster without;
 // docs/BENCHMARKS.md, session 28); prefetched by TMA when the tile's own mainloop had 16 or 32 k-blocks left, it was
 // still evicted first (ncu, H200, session 61: 5-13 % more read from HBM, the kernel 0-2 % slower on four main rows).
+// Nor is the cooperative tile short of H in flight: loading the tile's whole H (128 KiB) into three of the mainloop's
+// ring stages after its k-blocks, dH computed in place there, measured equal (ncu and the layer, H200, session 63,
+// docs/measurements/2026-11-29-h200-session63/dh_h_through_ring.diff).
 //
 // Scores: a row's pair index (scatter) is loaded in tile_start, before the tile's mainloop, and the scores of all the
 // thread's rows in one batch once the tile's first WGMMAs are issued (first_mma_issued), so that the rest of the

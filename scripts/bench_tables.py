@@ -6,6 +6,10 @@
       adds up to over each pass (1.0: the stages account for the pass; since session 61 the instrumented runs last
       --time-ms like the passes, so they do within a few %), and each expert GEMM's stage with cuBLAS's time for the
       same GEMM over it, plus the routing stages' sum (ROUTING_STAGES below).
+  python3 scripts/bench_tables.py passes RUN.json [RECOMPUTE.json]
+      One row per configuration: the two passes and their sum, activation memory (accounted by the layer, and the
+      driver's measurement) and the peak over forward + backward, in MiB; with a second run of the recompute mode
+      (`--cache input_only`), its forward + backward over RUN's (T7) and its memory beside RUN's.
   python3 scripts/bench_tables.py compare BASE.json OTHER.json
       One row per configuration in both files (matched by T, d, n, E, K, activation, dtypes and accumulation; the
       JSON does not record the routing, so compare files of one routing): forward + backward of each and OTHER over
@@ -67,6 +71,45 @@ def stages_table(runs):
     return "\n".join(lines)
 
 
+MIB = 1024.0 * 1024.0
+
+
+def passes_table(runs, recompute_runs=None):
+    others = {}
+    for r in recompute_runs or []:
+        others.setdefault(match_key(r), []).append(r)
+    with_other = recompute_runs is not None
+    header = "| config | forward ms (eff.) | backward ms (eff.) | forward + backward ms |"
+    if with_other:
+        header += (" recompute mode: forward + backward ms (over the default's, T7) | activation MiB, accounted /"
+                   " measured: default · recompute | peak MiB: default · recompute |")
+    else:
+        header += " activation MiB, accounted / measured | peak MiB |"
+    lines = [header, "|---" * (7 if with_other else 6) + "|"]
+
+    def memory(r):
+        return (f"{r['activation_bytes_accounted'] / MIB:.1f} / {r['activation_bytes_measured'] / MIB:.0f}",
+                f"{r['peak_bytes'] / MIB:.0f}")
+
+    for r in runs:
+        total = r["forward_ms"] + r["backward_ms"]
+        line = (f"| {row_name(r)} | {r['forward_ms']:.3f} ({r['efficiency_forward']:.3f}) | "
+                f"{r['backward_ms']:.3f} ({r['efficiency_backward']:.3f}) | {total:.3f} |")
+        act, peak = memory(r)
+        if with_other:
+            o = others.get(match_key(r), [None])[0]
+            if o is None:
+                line += f" - | {act} · - | {peak} · - |"
+            else:
+                o_total = o["forward_ms"] + o["backward_ms"]
+                o_act, o_peak = memory(o)
+                line += f" {o_total:.3f} ({o_total / total:.3f}) | {act} · {o_act} | {peak} · {o_peak} |"
+        else:
+            line += f" {act} | {peak} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def match_key(run):
     """What must agree for two runs to be compared: the sizes and every option but the cache mode."""
     return (run["T"], run["d"], run["n"], run["E"], run["K"], run.get("activation"), run.get("dtype"),
@@ -96,6 +139,9 @@ def load(path):
 def main(argv):
     if len(argv) == 2 and argv[0] == "stages":
         print(stages_table(load(argv[1])))
+        return 0
+    if len(argv) in (2, 3) and argv[0] == "passes":
+        print(passes_table(load(argv[1]), load(argv[2]) if len(argv) == 3 else None))
         return 0
     if len(argv) == 3 and argv[0] == "compare":
         print(compare_table(load(argv[1]), load(argv[2])))

@@ -1,4 +1,4 @@
-"""scripts/bench_tables.py (markdown tables from machmoe-bench's JSON) on session 61's H200 runs of every main
+"""scripts/bench_tables.py (markdown tables from machmoe-bench's JSON) on sessions 61's and 63's H200 runs of every main
 configuration, whose tables docs/BENCHMARKS.md quotes, and on a JSON object of an older format (no stage sums)."""
 import importlib.util
 import pathlib
@@ -9,6 +9,7 @@ bt = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bt)
 
 SESSION61 = ROOT / "docs" / "measurements" / "2026-11-29-h200-session61"
+SESSION63 = ROOT / "docs" / "measurements" / "2026-11-29-h200-session63"
 
 
 def rows(table):
@@ -37,6 +38,23 @@ def test_compare_gives_t7_of_session61():
                                     "1.194 |")
     assert r["1.4B (256,128,8)"].endswith("| 1.138 |")
     assert max(float(line.split(" | ")[-1].rstrip(" |")) for line in r.values()) == 1.197
+
+
+def test_passes_table_of_session63():
+    default = bt.load(SESSION63 / "callF_all_preact_1.json")
+    recompute = bt.load(SESSION63 / "callF_all_input_only_1.json")
+    table = bt.passes_table(default, recompute)
+    assert table.splitlines()[0].count("|") == table.splitlines()[1].count("|") == 8
+    r = rows(table)
+    assert len(r) == 12
+    assert r["120B (2048,64,4)"] == ("| 120B (2048,64,4) | 11.684 (0.909) | 24.255 (0.859) | 35.939 | 42.666 (1.187) | "
+                                     "1282.0 / 1284 · 258.0 / 260 | 9764 · 8740 |")
+    assert r["1.4B (1024,32,2)"].endswith("| 3.026 (1.172) | 381.3 / 382 · 61.3 / 60 | 1348 · 1026 |")
+    alone = bt.passes_table(default)
+    assert alone.splitlines()[0].count("|") == alone.splitlines()[1].count("|") == 7
+    assert rows(alone)["7B (256,128,8)"] == "| 7B (256,128,8) | 1.248 (0.853) | 2.297 (0.811) | 3.544 | 267.0 / 268 | 1564 |"
+    # A row the recompute file lacks keeps its own columns.
+    assert rows(bt.passes_table(default[:1], []))["1.4B (256,128,8)"].endswith("| - | 385.0 / 386 · - | 1516 · - |")
 
 
 def test_older_json_and_other_sizes():

@@ -81,8 +81,9 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// square one for 132 SMs; slower at d <= 2880 (7B (256,128,8): 0.48 against 0.44; gpt-oss's d = n = 2880: 2.51-2.56
 /// against 2.40). At n = 256 and 512 with d = 4096 (30B (256,256,16), (512,128,8), 120B (512,256,16)) it measured
 /// equal on the H100 (session 41) but faster on the H200 (session 63, the dH kernel alone forced, three rounds): dH
-/// 2.18-2.24 against 2.28-2.29 ms, the layer's backward 0.5-1.2 % faster in each of the nine pairs (ncu, one launch at
-/// the unlocked clock: 1.88 against 1.97, 1.79 against 1.91, 3.58 against 3.85 ms), so kDhWideMinN is 256 since.
+/// 2.18-2.24 against 2.28-2.29 ms on the 30B rows, 4.43 against 4.52-4.54 on 120B, the layer's backward 0.5-1.2 %
+/// faster in each of the nine pairs (ncu, one launch at the unlocked clock: 1.88 against 1.97, 1.79 against 1.91, 3.58
+/// against 3.85 ms), so kDhWideMinN is 256 since.
 /// N that is no multiple of 256 (edge tiles, or a multiple of 128 only): the down-projection and dX~ take the tile
 /// that pads the fewest columns, the wide one on a tie (N = 256 q + r: 256 iff
 /// r > 128, i.e. ceil(N / 128) even; N = 2880 = 11 x 256 + 64 takes 128, 2944 columns where 256 would make 3072).

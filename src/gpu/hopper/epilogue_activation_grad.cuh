@@ -56,6 +56,12 @@ struct EpilogueActivationGrad {
   static constexpr int kPasses = kDhCols / Staging::kStageCols;
   static constexpr int kV2PerPass = (kTileN / 8) / kPasses;   // accumulator column blocks of 8 per pass
   static constexpr int kDsBlocks = kTileN / 64;               // dS partials per row and tile
+  // Accumulator column blocks of 8 whose H a thread loads at once, before their dH goes back over it (see apply):
+  // 4 in the ping-pong tile, 2 in the cooperative one. H200, session 64, the layer's dH stage against loading pair by
+  // pair: 4 took 1.4B (256,128,8) 0.48 -> 0.42 ms and 7B (256,128,8) 0.42 -> 0.39 (2: 0.44, 0.39); in the wide tile 2
+  // took 120B (2048,64,4) 4.41 -> 4.22 where 4 took 4.28 (ncu: 3.50 against 3.59 ms, one launch). With 8 ptxas spilled
+  // 24 bytes in gptoss_swiglu's ping-pong kernel.
+  static constexpr int kHLoadBatch = Tile::kSchedule == Schedule::kPingPong ? 4 : 2;
   static_assert(kDhCols % Staging::kStageCols == 0 && kTileN % 64 == 0, "tile columns");
 
   // H by TMA: two staging buffers per warpgroup, into which TMA loads a pass of H (64 rows x kStageCols dH columns, the
@@ -192,48 +198,58 @@ struct EpilogueActivationGrad {
         mbar_wait(&st.h_full[b], (state.h_parity >> b) & 1u);
         state.h_parity ^= 1u << b;
         if (rows > 0 && pass * kV2PerPass * 8 < valid_j) {
+          // A row's H pairs are loaded kLoadBatch blocks at a time, before the batch's dH is stored. dH goes over H in
+          // the same buffer, and the compiler cannot prove a later pair's address apart from an earlier pair's store,
+          // so with load, math and store pair by pair it kept that order: every pair waited out its own shared-memory
+          // load, one warp alone on its scheduler (ncu, H200, session 63, 1.4B (256,128,8): the epilogue's samples 29 %
+          // short-scoreboard and 25 % fixed-latency waits, LDS and STS alternating in the SASS).
+          constexpr int kPairsPerBlock = kGlu ? 2 : 1;  // bf16 pairs per 8-column block of the accumulator
+          constexpr int kLoadBatch = kHLoadBatch < kV2PerPass ? kHLoadBatch : kV2PerPass;
+          static_assert(kV2PerPass % kLoadBatch == 0, "whole batches");
+          auto h_col = [&](int i, int v0) __attribute__((always_inline)) {
+            const int col = (pass * kV2PerPass + i) * 8 + quad * 2;
+            return (kGlu ? 2 * (col + v0) : col) - pass * Staging::kStageCols;
+          };
           CUTE_UNROLL
           for (int v1 = 0; v1 < 2; ++v1) {
             const int r = warp * 16 + v1 * 8 + row_in_warp;
             const float sc = score[v1];
             CUTE_UNROLL
-            for (int i = 0; i < kV2PerPass; ++i) {
-              const int v2 = pass * kV2PerPass + i;
-              const int col = v2 * 8 + quad * 2;
+            for (int i0 = 0; i0 < kV2PerPass; i0 += kLoadBatch) {
+              __nv_bfloat162 h[kLoadBatch][kPairsPerBlock];
               CUTE_UNROLL
-              for (int v0 = 0; v0 < 2; ++v0) {
-                const float dap = value(v0, v1, v2), da = sc * dap;
-                float a_val;
-                if constexpr (kGlu) {
-                  // gate/up of A column col + v0 at dH columns 2 (col + v0), + 1: read, then overwritten with dH
-                  const int hc = 2 * (col + v0) - pass * Staging::kStageCols;
-                  const __nv_bfloat162 gu =
-                      *reinterpret_cast<const __nv_bfloat162*>(&buf.staged[Staging::staged_index(r, hc)]);
-                  const math::GluGrad<float> f =
-                      math::glu_backward<kAct, FastMath>(__low2float(gu), __high2float(gu), da, ap);
-                  a_val = f.value;
-                  Staging::put2(buf, r, hc, f.d_gate, f.d_up);
-                  ds[v1][v2 / 8] += dap * a_val;
-                  value(v0, v1, v2) = sc * a_val;
-                } else {
-                  (void)v0;
-                }
-              }
-              if constexpr (!kGlu) {  // H columns col, col + 1: one bf16 pair, overwritten with their dH
-                const int hc = col - pass * Staging::kStageCols;
-                const __nv_bfloat162 hh =
-                    *reinterpret_cast<const __nv_bfloat162*>(&buf.staged[Staging::staged_index(r, hc)]);
-                float d[2];
+              for (int i = 0; i < kLoadBatch; ++i)
                 CUTE_UNROLL
-                for (int v0 = 0; v0 < 2; ++v0) {
-                  const float dap = value(v0, v1, v2);
-                  const math::ActValue<float> f =
-                      math::act_value_and_derivative<kAct, FastMath>(v0 == 0 ? __low2float(hh) : __high2float(hh));
-                  d[v0] = sc * dap * f.derivative;
-                  ds[v1][v2 / 8] += dap * f.value;
-                  value(v0, v1, v2) = sc * f.value;
+                for (int k = 0; k < kPairsPerBlock; ++k)
+                  h[i][k] = *reinterpret_cast<const __nv_bfloat162*>(
+                      &buf.staged[Staging::staged_index(r, h_col(i0 + i, k))]);
+              CUTE_UNROLL
+              for (int i = 0; i < kLoadBatch; ++i) {
+                const int v2 = pass * kV2PerPass + i0 + i;
+                if constexpr (kGlu) {
+                  CUTE_UNROLL
+                  for (int v0 = 0; v0 < 2; ++v0) {
+                    // gate/up of A column col + v0 at dH columns 2 (col + v0), + 1, overwritten with dH
+                    const float dap = value(v0, v1, v2), da = sc * dap;
+                    const math::GluGrad<float> f =
+                        math::glu_backward<kAct, FastMath>(__low2float(h[i][v0]), __high2float(h[i][v0]), da, ap);
+                    Staging::put2(buf, r, h_col(i0 + i, v0), f.d_gate, f.d_up);
+                    ds[v1][v2 / 8] += dap * f.value;
+                    value(v0, v1, v2) = sc * f.value;
+                  }
+                } else {  // H columns col, col + 1: one bf16 pair, overwritten with their dH
+                  float d[2];
+                  CUTE_UNROLL
+                  for (int v0 = 0; v0 < 2; ++v0) {
+                    const float dap = value(v0, v1, v2);
+                    const math::ActValue<float> f = math::act_value_and_derivative<kAct, FastMath>(
+                        v0 == 0 ? __low2float(h[i][0]) : __high2float(h[i][0]));
+                    d[v0] = sc * dap * f.derivative;
+                    ds[v1][v2 / 8] += dap * f.value;
+                    value(v0, v1, v2) = sc * f.value;
+                  }
+                  Staging::put2(buf, r, h_col(i0 + i, 0), d[0], d[1]);
                 }
-                Staging::put2(buf, r, hc, d[0], d[1]);
               }
             }
           }

@@ -203,7 +203,14 @@ struct EpilogueActivationGrad {
           // so with load, math and store pair by pair it kept that order: every pair waited out its own shared-memory
           // load, one warp alone on its scheduler (ncu, H200, session 63, 1.4B (256,128,8): the epilogue's samples 29 %
           // short-scoreboard and 25 % fixed-latency waits, LDS and STS alternating in the SASS).
-          constexpr int kPairsPerBlock = kGlu ? 2 : 1;  // bf16 pairs per 8-column block of the accumulator
+          // A thread's H of one 8-column block of the accumulator: one bf16 pair (columns col, col + 1), or with a GLU
+          // the two gate/up pairs of A columns col and col + 1, adjacent in H (columns 2 col .. 2 col + 3, 8-byte
+          // aligned: 2 col is a multiple of 4, and the swizzle moves whole 16-byte chunks), read and written back as
+          // one 8-byte access, which halves the epilogue's shared-memory instructions.
+          constexpr int kPairsPerBlock = kGlu ? 2 : 1;
+          struct alignas(4 * kPairsPerBlock) HPairs {
+            __nv_bfloat162 pair[kPairsPerBlock];
+          };
           constexpr int kLoadBatch = kHLoadBatch < kV2PerPass ? kHLoadBatch : kV2PerPass;
           static_assert(kV2PerPass % kLoadBatch == 0, "whole batches");
           auto h_col = [&](int i, int v0) __attribute__((always_inline)) {
@@ -216,34 +223,33 @@ struct EpilogueActivationGrad {
             const float sc = score[v1];
             CUTE_UNROLL
             for (int i0 = 0; i0 < kV2PerPass; i0 += kLoadBatch) {
-              __nv_bfloat162 h[kLoadBatch][kPairsPerBlock];
+              HPairs h[kLoadBatch];
               CUTE_UNROLL
               for (int i = 0; i < kLoadBatch; ++i)
-                CUTE_UNROLL
-                for (int k = 0; k < kPairsPerBlock; ++k)
-                  h[i][k] = *reinterpret_cast<const __nv_bfloat162*>(
-                      &buf.staged[Staging::staged_index(r, h_col(i0 + i, k))]);
+                h[i] = *reinterpret_cast<const HPairs*>(&buf.staged[Staging::staged_index(r, h_col(i0 + i, 0))]);
               CUTE_UNROLL
               for (int i = 0; i < kLoadBatch; ++i) {
                 const int v2 = pass * kV2PerPass + i0 + i;
                 if constexpr (kGlu) {
+                  HPairs dh;
                   CUTE_UNROLL
                   for (int v0 = 0; v0 < 2; ++v0) {
                     // gate/up of A column col + v0 at dH columns 2 (col + v0), + 1, overwritten with dH
                     const float dap = value(v0, v1, v2), da = sc * dap;
-                    const math::GluGrad<float> f =
-                        math::glu_backward<kAct, FastMath>(__low2float(h[i][v0]), __high2float(h[i][v0]), da, ap);
-                    Staging::put2(buf, r, h_col(i0 + i, v0), f.d_gate, f.d_up);
+                    const math::GluGrad<float> f = math::glu_backward<kAct, FastMath>(
+                        __low2float(h[i].pair[v0]), __high2float(h[i].pair[v0]), da, ap);
+                    dh.pair[v0] = __floats2bfloat162_rn(f.d_gate, f.d_up);
                     ds[v1][v2 / 8] += dap * f.value;
                     value(v0, v1, v2) = sc * f.value;
                   }
+                  *reinterpret_cast<HPairs*>(&buf.staged[Staging::staged_index(r, h_col(i0 + i, 0))]) = dh;
                 } else {  // H columns col, col + 1: one bf16 pair, overwritten with their dH
                   float d[2];
                   CUTE_UNROLL
                   for (int v0 = 0; v0 < 2; ++v0) {
                     const float dap = value(v0, v1, v2);
                     const math::ActValue<float> f = math::act_value_and_derivative<kAct, FastMath>(
-                        v0 == 0 ? __low2float(h[i][0]) : __high2float(h[i][0]));
+                        v0 == 0 ? __low2float(h[i].pair[0]) : __high2float(h[i].pair[0]));
                     d[v0] = sc * dap * f.derivative;
                     ds[v1][v2 / 8] += dap * f.value;
                     value(v0, v1, v2) = sc * f.value;

@@ -316,20 +316,25 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
                o.warmup, o.warmup_ms, o.iters, o.timed_ms);
   r.bwd_ms = median_ms(rep, s, [&] { backward(p, xv, w, nullptr, bi, bo, bb, s); });
   if (o.profile) {
-    // Diagnostics: the forward issued back to back (the host runs ahead, so its launch latency is hidden; the
-    // difference to fwd_ms is host time the GPU waits for), then one forward as the profiler's capture range.
+    // Diagnostics: the forward and the backward each issued back to back (the host runs ahead, so its launch
+    // latency is hidden; the difference to the timed call is host time the GPU waits for), then one forward as the
+    // profiler's capture range.
     const int reps = 20;
-    cudaEvent_t a, b;
-    check(cudaEventCreate(&a), "event"), check(cudaEventCreate(&b), "event");
-    check(cudaEventRecord(a, s), "record");
-    for (int i = 0; i < reps; ++i) forward(p, xv, w, nullptr, fo, fb, s);
-    check(cudaEventRecord(b, s), "record");
-    check(cudaEventSynchronize(b), "sync");
-    float t = 0;
-    check(cudaEventElapsedTime(&t, a, b), "elapsed");
-    cudaEventDestroy(a), cudaEventDestroy(b);
-    std::printf("  [%s] forward %d back-to-back: %.4f ms each (one timed call: %.4f ms)\n", o.config_name.c_str(),
-                reps, t / reps, r.fwd_ms);
+    const auto back_to_back_ms = [&](const char* pass, double timed_ms, const std::function<void()>& f) {
+      cudaEvent_t a, b;
+      check(cudaEventCreate(&a), "event"), check(cudaEventCreate(&b), "event");
+      check(cudaEventRecord(a, s), "record");
+      for (int i = 0; i < reps; ++i) f();
+      check(cudaEventRecord(b, s), "record");
+      check(cudaEventSynchronize(b), "sync");
+      float t = 0;
+      check(cudaEventElapsedTime(&t, a, b), "elapsed");
+      cudaEventDestroy(a), cudaEventDestroy(b);
+      std::printf("  [%s] %s %d back-to-back: %.4f ms each (one timed call: %.4f ms)\n", o.config_name.c_str(), pass,
+                  reps, t / reps, timed_ms);
+    };
+    back_to_back_ms("forward", r.fwd_ms, [&] { forward(p, xv, w, nullptr, fo, fb, s); });
+    back_to_back_ms("backward", r.bwd_ms, [&] { backward(p, xv, w, nullptr, bi, bo, bb, s); });
     check(cudaProfilerStart(), "cudaProfilerStart");
     forward(p, xv, w, nullptr, fo, fb, s);
     check(cudaStreamSynchronize(s), "profiled forward");

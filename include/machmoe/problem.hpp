@@ -113,6 +113,10 @@ struct MoEProblem {
   /// Whether the router's logits must be kept for the backward: top-K of the full softmax without
   /// renormalisation, and token rounding, have a dense gradient over all E logits.
   bool keeps_router_logits() const;
+  /// Whether the gradient of the router's logits is nonzero only at each token's K selections: top-K routing with
+  /// a score that is renormalised over the selections (every score variant but top-K of the full softmax). The
+  /// backward then sums the router's term of dX from the pairs (memory.hpp, router_pair_terms).
+  bool logit_grad_at_selections() const;
   /// Whether the routing produces a variable number of experts per token (per-token offsets needed).
   bool variable_k() const;
   std::string to_string() const;

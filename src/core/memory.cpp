@@ -154,7 +154,7 @@ BackwardWorkspaceLayout backward_workspace_layout(const MoEProblem& p, DType dat
   if (p.routing != RoutingMode::kCallerSupplied) l.dlogits = b.add(u(p.T) * u(p.E) * elem);
   // Each pair's dz and expert (8 bytes), for the router's term of dX inside the gather-sum, where the logits'
   // gradient lives at the selections (top-K with a renormalised score; src/gpu/kernels.hpp, RouterPairTerm).
-  if (p.routing == RoutingMode::kTopK && p.score != ScoreVariant::kTopKOfSoftmax) l.router_pair_terms = b.add(P * 8);
+  if (p.logit_grad_at_selections()) l.router_pair_terms = b.add(P * 8);
   l.expert_tiles = b.add(u(p.E + 1) * 4);
   if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
   l.total_bytes = b.total();

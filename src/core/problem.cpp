@@ -20,6 +20,10 @@ bool MoEProblem::keeps_router_logits() const {
          (routing == RoutingMode::kTopK && score == ScoreVariant::kTopKOfSoftmax);
 }
 
+bool MoEProblem::logit_grad_at_selections() const {
+  return routing == RoutingMode::kTopK && score != ScoreVariant::kTopKOfSoftmax;
+}
+
 bool MoEProblem::variable_k() const { return routing != RoutingMode::kTopK; }
 
 std::int64_t MoEProblem::max_pairs() const {

@@ -68,6 +68,35 @@ TEST(MemoryAccounting, KeptLogitsAndVariableKRegions) {
   EXPECT_FALSE(saved_layout(p, DType::kBF16).token_selection.present()) << "top-K's backward reads its scores";
 }
 
+// The backward's per-pair router terms exist exactly where the logits' gradient lives at the selections: top-K
+// routing with a score renormalised over them. Written out per case, so that the predicate is checked against the
+// table rather than against itself.
+TEST(MemoryAccounting, RouterPairTermsWhereTheLogitGradientIsAtTheSelections) {
+  struct Case {
+    RoutingMode routing;
+    ScoreVariant score;
+    bool at_selections;
+  };
+  const Case cases[] = {
+      {RoutingMode::kTopK, ScoreVariant::kSoftmaxOverTopK, true},
+      {RoutingMode::kTopK, ScoreVariant::kTopKOfSoftmaxRenorm, true},
+      {RoutingMode::kTopK, ScoreVariant::kTopKOfSoftmax, false},
+      {RoutingMode::kTokenRounding, ScoreVariant::kSoftmaxOverTopK, false},
+      {RoutingMode::kTokenRounding, ScoreVariant::kTopKOfSoftmax, false},
+      {RoutingMode::kCallerSupplied, ScoreVariant::kSoftmaxOverTopK, false},
+  };
+  for (const Case& c : cases) {
+    MoEProblem p = config(1000, 64, 32, 16, 2);
+    p.routing = c.routing, p.score = c.score;
+    if (c.routing == RoutingMode::kCallerSupplied) p.num_pairs = 2000;
+    const std::string what = std::string(routing_mode_name(c.routing)) + " / " + score_variant_name(c.score);
+    EXPECT_EQ(p.logit_grad_at_selections(), c.at_selections) << what;
+    const BackwardWorkspaceLayout b = backward_workspace_layout(p, DType::kBF16);
+    EXPECT_EQ(b.router_pair_terms.present(), c.at_selections) << what;
+    if (c.at_selections) EXPECT_EQ(b.router_pair_terms.bytes, 8u * static_cast<std::size_t>(p.max_pairs())) << what;
+  }
+}
+
 TEST(MemoryAccounting, RegionsAreAlignedDisjointAndInsideTheTotal) {
   for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding}) {
     MoEProblem p = config(777, 96, 40, 12, 3);

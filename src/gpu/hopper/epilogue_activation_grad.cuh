@@ -206,7 +206,8 @@ struct EpilogueActivationGrad {
           // A thread's H of one 8-column block of the accumulator: one bf16 pair (columns col, col + 1), or with a GLU
           // the two gate/up pairs of A columns col and col + 1, adjacent in H (columns 2 col .. 2 col + 3, 8-byte
           // aligned: 2 col is a multiple of 4, and the swizzle moves whole 16-byte chunks), read and written back as
-          // one 8-byte access, which halves the epilogue's shared-memory instructions.
+          // one 8-byte access: half the instructions of the H loads and dH stores (ncu, H200, session 65: the kernel's
+          // shared-memory instructions 8.2M -> 5.5M on 1.4B (256,128,8), the dH stage 1-3 % faster on four rows).
           constexpr int kPairsPerBlock = kGlu ? 2 : 1;
           struct alignas(4 * kPairsPerBlock) HPairs {
             __nv_bfloat162 pair[kPairsPerBlock];

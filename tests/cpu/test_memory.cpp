@@ -93,7 +93,9 @@ TEST(MemoryAccounting, RouterPairTermsWhereTheLogitGradientIsAtTheSelections) {
     EXPECT_EQ(p.logit_grad_at_selections(), c.at_selections) << what;
     const BackwardWorkspaceLayout b = backward_workspace_layout(p, DType::kBF16);
     EXPECT_EQ(b.router_pair_terms.present(), c.at_selections) << what;
-    if (c.at_selections) EXPECT_EQ(b.router_pair_terms.bytes, 8u * static_cast<std::size_t>(p.max_pairs())) << what;
+    if (c.at_selections) {
+      EXPECT_EQ(b.router_pair_terms.bytes, 8u * static_cast<std::size_t>(p.max_pairs())) << what;
+    }
   }
 }
 

@@ -38,10 +38,11 @@ struct alignas(8) RouterPairTerm {
 };
 
 /// Whether the router's term of dX can be summed from the pairs (RouterPairTerm) instead of the dense product
-/// dlogits W_r: top-K routing, a score variant whose logit gradient lives at the selections only, and no upstream
-/// gradient of the logits (which would fill every element of dlogits).
+/// dlogits W_r: the logit gradient lives at the selections only (MoEProblem::logit_grad_at_selections, the same rule
+/// that sizes the pair terms' workspace region), and there is no upstream gradient of the logits (which would fill
+/// every element of dlogits).
 inline bool router_term_from_pairs(const MoEProblem& p, bool has_grad_logits) {
-  return p.routing == RoutingMode::kTopK && p.score != ScoreVariant::kTopKOfSoftmax && !has_grad_logits;
+  return p.logit_grad_at_selections() && !has_grad_logits;
 }
 
 /// dlogits (T, E, data dtype, contiguous) = d scores / d logits applied to ds (pair order), plus the upstream

@@ -14,22 +14,56 @@ __device__ __forceinline__ std::int64_t clamp_index(std::int64_t v, std::int64_t
   return v < 0 ? 0 : (v > bound ? bound : v);
 }
 
-/// VEC consecutive elements at src, added to acc with weight w.
+/// VEC consecutive elements of a row, as one load (16 bytes when VEC > 1).
 template <class T, int VEC>
-__device__ __forceinline__ void add_scaled(float (&acc)[VEC], const T* __restrict__ src, float w) {
-  if constexpr (VEC > 1) {
-    alignas(16) T vals[VEC];
-    *reinterpret_cast<uint4*>(vals) = *reinterpret_cast<const uint4*>(src);
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) acc[v] += w * to_float(vals[v]);
-  } else {
-    acc[0] += w * to_float(src[0]);
-  }
+struct RowSlice {
+  alignas(16) T v[VEC];
+};
+
+template <class T, int VEC>
+__device__ __forceinline__ RowSlice<T, VEC> load_slice(const T* __restrict__ src) {
+  RowSlice<T, VEC> s;
+  if constexpr (VEC > 1) *reinterpret_cast<uint4*>(s.v) = *reinterpret_cast<const uint4*>(src);
+  else s.v[0] = src[0];
+  return s;
 }
 
-/// out[t] = the weighted sum of token t's rows (fixed pair order, fp32), each pair's router term (router_pairs
-/// non-null: dz * router_w[expert]) added right after its row.
+/// acc += w * slice, element by element (fp32).
 template <class T, int VEC>
+__device__ __forceinline__ void add_scaled(float (&acc)[VEC], const RowSlice<T, VEC>& s, float w) {
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) acc[v] += w * to_float(s.v[v]);
+}
+
+/// 16 bytes from global to shared memory without passing through registers (L2 only: the rows are read once).
+__device__ __forceinline__ void copy_async_16(void* smem, const void* gmem) {
+  const auto s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void wait_async_copies() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+/// Pairs whose rows a thread has in flight at once. A pair's index, then its row, are two dependent loads; one pair
+/// at a time kept a single 16-byte load in flight per thread, too few to cover the memory's latency (0.73-0.89 of
+/// copy bandwidth on the main rows, H200). A batch's indices are loaded, then all of its rows are copied into shared
+/// memory (the thread's own slots: no barrier), and then added in pair order, so the sums are bitwise those of one
+/// pair at a time. Held in registers instead, a batch of 4 rows took the kernel to 58-72 registers and halved its
+/// bandwidth (fewer threads an SM). Measured on an H200 (docs/BENCHMARKS.md, session 66): 4 pairs gave 0.89-1.01 of
+/// copy bandwidth forward and 0.80-0.88 backward (with the router's rows); 8 the same forward and less backward (its
+/// shared memory allows fewer blocks an SM), 16 less in both.
+constexpr int kGatherPairBatch = 4;
+
+/// Shared memory of a block: a batch of 16-byte slices per thread, twice with the router's rows.
+inline std::size_t gather_sum_smem_bytes(int threads, bool with_router) {
+  return static_cast<std::size_t>(kGatherPairBatch) * (with_router ? 2 : 1) * static_cast<std::size_t>(threads) * 16;
+}
+
+/// out[t] = the weighted sum of token t's rows (fixed pair order, fp32), each pair's router term (kRouter:
+/// router_pairs[p].dz * router_w[router_pairs[p].expert]) added right after its row. VEC > 1: 16-byte slices staged
+/// as above; VEC == 1 (rows not 16-byte aligned): one element at a time from registers.
+template <class T, int VEC, bool kRouter>
 __device__ __forceinline__ void gather_sum_token(const T* __restrict__ rows, std::int64_t width,
                                                  const float* __restrict__ weights,
                                                  const T* __restrict__ router_w, std::int64_t ld_router,
@@ -37,22 +71,54 @@ __device__ __forceinline__ void gather_sum_token(const T* __restrict__ rows, std
                                                  const std::int32_t* __restrict__ inverse,
                                                  const std::int32_t* __restrict__ token_offsets, std::int64_t K,
                                                  T* __restrict__ out, std::int64_t ld_out, std::int64_t t,
-                                                 std::int64_t row_bound, std::int64_t pair_bound) {
+                                                 std::int64_t row_bound, std::int64_t pair_bound, uint4* staged) {
+  constexpr int B = kGatherPairBatch;
   // The bounds keep caller-supplied indices (combine_rows) inside the buffers; the layer's own are in range.
   const std::int64_t p_begin = clamp_index(token_offsets ? token_offsets[t] : t * K, pair_bound);
   const std::int64_t p_end = clamp_index(token_offsets ? token_offsets[t + 1] : (t + 1) * K, pair_bound);
+  uint4* row_slot = staged + threadIdx.x;  // batch slot j at row_slot[j * blockDim.x]
+  uint4* router_slot = staged + B * blockDim.x + threadIdx.x;  // kRouter: the router rows after the batch's rows
   for (std::int64_t c0 = static_cast<std::int64_t>(threadIdx.x) * VEC; c0 < width;
        c0 += static_cast<std::int64_t>(blockDim.x) * VEC) {
     float acc[VEC];
 #pragma unroll
     for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
-    for (std::int64_t p = p_begin; p < p_end; ++p) {
-      const std::int32_t g = inverse[p];
-      if (g < 0 || g >= row_bound) continue;
-      add_scaled<T, VEC>(acc, rows + static_cast<std::int64_t>(g) * width + c0, weights ? weights[p] : 1.0f);
-      if (router_pairs) {
-        const RouterPairTerm r = router_pairs[p];
-        add_scaled<T, VEC>(acc, router_w + static_cast<std::int64_t>(r.expert) * ld_router + c0, r.dz);
+    for (std::int64_t p0 = p_begin; p0 < p_end; p0 += B) {
+      const std::int64_t left = p_end - p0;  // the batch's pairs at or past it belong to the next token
+      std::int32_t g[B];
+      float w[B];
+      RouterPairTerm r[B];
+#pragma unroll
+      for (int j = 0; j < B; ++j) {
+        g[j] = j < left ? inverse[p0 + j] : -1;
+        if (g[j] >= row_bound) g[j] = -1;  // reads nothing, and adds nothing below
+        w[j] = j < left && weights ? weights[p0 + j] : 1.0f;
+        if (kRouter && j < left) r[j] = router_pairs[p0 + j];
+      }
+      if constexpr (VEC > 1) {
+#pragma unroll
+        for (int j = 0; j < B; ++j) {
+          if (g[j] < 0) continue;
+          copy_async_16(row_slot + j * blockDim.x, rows + static_cast<std::int64_t>(g[j]) * width + c0);
+          if constexpr (kRouter)
+            copy_async_16(router_slot + j * blockDim.x,
+                          router_w + static_cast<std::int64_t>(r[j].expert) * ld_router + c0);
+        }
+        wait_async_copies();
+      }
+#pragma unroll
+      for (int j = 0; j < B; ++j) {
+        if (g[j] < 0) continue;
+        RowSlice<T, VEC> row;
+        if constexpr (VEC > 1) *reinterpret_cast<uint4*>(row.v) = row_slot[j * blockDim.x];
+        else row = load_slice<T, VEC>(rows + static_cast<std::int64_t>(g[j]) * width + c0);
+        add_scaled<T, VEC>(acc, row, w[j]);
+        if constexpr (kRouter) {
+          RowSlice<T, VEC> router_row;
+          if constexpr (VEC > 1) *reinterpret_cast<uint4*>(router_row.v) = router_slot[j * blockDim.x];
+          else router_row = load_slice<T, VEC>(router_w + static_cast<std::int64_t>(r[j].expert) * ld_router + c0);
+          add_scaled<T, VEC>(acc, router_row, r[j].dz);
+        }
       }
     }
     T* dst = out + t * ld_out + c0;
@@ -68,8 +134,8 @@ __device__ __forceinline__ void gather_sum_token(const T* __restrict__ rows, std
 }
 
 /// One block per token (a token range: blocks stride over it); each thread owns VEC consecutive columns per chunk
-/// (16-byte loads when VEC > 1).
-template <class T, int VEC>
+/// (16-byte loads when VEC > 1). Dynamic shared memory: gather_sum_smem_bytes when VEC > 1.
+template <class T, int VEC, bool kRouter>
 __global__ void gather_sum_kernel(const T* __restrict__ rows, std::int64_t width, const float* __restrict__ weights,
                                   const T* __restrict__ router_w, std::int64_t ld_router,
                                   const RouterPairTerm* __restrict__ router_pairs,
@@ -78,10 +144,11 @@ __global__ void gather_sum_kernel(const T* __restrict__ rows, std::int64_t width
                                   T* __restrict__ out, std::int64_t ld_out,
                                   const std::int32_t* __restrict__ token_range, std::int64_t row_bound,
                                   std::int64_t pair_bound) {
+  extern __shared__ uint4 staged[];
   const std::int64_t t_end = token_range ? token_range[1] : static_cast<std::int64_t>(gridDim.x);
   for (std::int64_t t = (token_range ? token_range[0] : 0) + blockIdx.x; t < t_end; t += gridDim.x)
-    gather_sum_token<T, VEC>(rows, width, weights, router_w, ld_router, router_pairs, inverse, token_offsets, K, out,
-                             ld_out, t, row_bound, pair_bound);
+    gather_sum_token<T, VEC, kRouter>(rows, width, weights, router_w, ld_router, router_pairs, inverse, token_offsets,
+                                      K, out, ld_out, t, row_bound, pair_bound, staged);
 }
 
 /// Without b2: one thread per pair, its partials summed in order (float4 loads when a row of partials is a whole
@@ -252,14 +319,18 @@ void launch_gather_sum(DType dt, const void* rows, std::int64_t width, const flo
     const std::int64_t lanes = vec ? width / kVec : width;
     const int threads = static_cast<int>(std::min<std::int64_t>(256, (lanes + 31) / 32 * 32));
     const auto grid = static_cast<unsigned>(token_range ? std::min(range_blocks, T) : T);
+    const std::size_t smem = vec ? gather_sum_smem_bytes(threads, with_router) : 0;
     auto run = [&](auto kernel) {
-      kernel<<<grid, threads, 0, stream>>>(static_cast<const Tp*>(rows), width, weights,
+      if (smem > 48 * 1024)  // above the default limit of dynamic shared memory (a per-kernel attribute; cheap)
+        MACHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(smem)));
+      kernel<<<grid, threads, smem, stream>>>(static_cast<const Tp*>(rows), width, weights,
                                            static_cast<const Tp*>(router.weight), router.ld, router.pairs, inverse,
                                            token_offsets, K, static_cast<Tp*>(out), ld_out, token_range, row_bound,
                                            pair_bound);
     };
-    if (vec) run(gather_sum_kernel<Tp, kVec>);
-    else run(gather_sum_kernel<Tp, 1>);
+    if (vec) with_router ? run(gather_sum_kernel<Tp, kVec, true>) : run(gather_sum_kernel<Tp, kVec, false>);
+    else with_router ? run(gather_sum_kernel<Tp, 1, true>) : run(gather_sum_kernel<Tp, 1, false>);
   });
   MACHMOE_CUDA_CHECK_LAUNCH("gather_sum");
 }

@@ -49,10 +49,10 @@ __device__ __forceinline__ void wait_async_copies() {
 /// at a time kept a single 16-byte load in flight per thread, too few to cover the memory's latency (0.73-0.89 of
 /// copy bandwidth on the main rows, H200). A batch's indices are loaded, then all of its rows are copied into shared
 /// memory (the thread's own slots: no barrier), and then added in pair order, so the sums are bitwise those of one
-/// pair at a time. Held in registers instead, a batch of 4 rows took the kernel to 58-72 registers and halved its
-/// bandwidth (fewer threads an SM). Measured on an H200 (docs/BENCHMARKS.md, session 66): 4 pairs gave 0.89-1.01 of
-/// copy bandwidth forward and 0.80-0.88 backward (with the router's rows); 8 the same forward and less backward (its
-/// shared memory allows fewer blocks an SM), 16 less in both.
+/// pair at a time. Held in registers instead, a batch of 4 rows took the kernel to 72 registers (118 with the
+/// router's rows) and halved its bandwidth (fewer threads an SM). Measured on an H200 (docs/BENCHMARKS.md, session
+/// 66): 4 pairs gave 0.89-1.01 of copy bandwidth forward and 0.80-0.88 backward (with the router's rows); 8 the same
+/// forward and less backward (its shared memory allows fewer blocks an SM), 16 less in both.
 constexpr int kGatherPairBatch = 4;
 
 /// Shared memory of a block: a batch of 16-byte slices per thread, twice with the router's rows.

@@ -2,7 +2,8 @@
 # Session 66, call A (fresh lease): the gather-sum (forward aggregation, backward dX aggregation) with a batch of
 # pairs' rows in flight per thread. One machmoe-bench per version of src/gpu/aggregation_kernels.cu (scripts/ab.sh
 # variants): main (one pair at a time), reg4 (a batch of 4 rows held in registers), async4 / new (8) / async16 (a batch
-# of rows copied into shared memory with cp.async). ncu of the gather-sum launches (unlocked clock) on two rows, then
+# of rows copied into shared memory with cp.async; the variant files are written by make_variants.sh, and the tree then
+# had kGatherPairBatch = 8). ncu of the gather-sum launches (unlocked clock) on two rows, then
 # the layer on four rows, 300 ms windows, round 1 all five sides, round 2 three sides in the reverse order.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."

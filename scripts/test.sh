@@ -10,7 +10,18 @@ case "${1:-}" in --gpu|--multigpu|--gpus4|--gpus8) labels=() ;; esac
 bash "$root/scripts/setup.sh"
 bash "$root/scripts/build.sh"
 build="${MACHMOE_BUILD_DIR:-$root/build}"
-(cd "$build" && ctest --output-on-failure --parallel "$(nproc)" ${labels[@]+"${labels[@]}"})
+if ! (cd "$build" && ctest --output-on-failure --parallel "$(nproc)" ${labels[@]+"${labels[@]}"}); then
+  # CTest lists each gtest binary's tests when it starts; when that fails, its message (the whole list) fills the
+  # end of the log. Say here, last, how the listing went: exit status and time.
+  for bin in "$build"/tests/machmoe_cpu_tests "$build"/tests/machmoe_gpu_tests; do
+    [ -x "$bin" ] || continue
+    start=$(date +%s%N); status=0
+    "$bin" --gtest_list_tests >/dev/null 2>&1 || status=$?
+    echo "test: $(basename "$bin") --gtest_list_tests: exit status $status after $(( ($(date +%s%N) - start) / 1000000 )) ms"
+  done
+  echo "test: ctest failed (see above)" >&2
+  exit 1
+fi
 # The PyTorch front end (pytest): the CPU part everywhere, the GPU part (marker gpu) with --gpu.
 if [ -f "$build/lib/libmachmoe_torch.so" ]; then
   echo "test: installing the machmoe package (pip install --no-build-isolation .)"

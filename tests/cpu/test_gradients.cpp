@@ -24,8 +24,7 @@ struct GradCase {
   double swiglu_limit = kGptOssSwiGLULimit;  // gptoss_swiglu only
 };
 
-std::string case_name(const testing::TestParamInfo<GradCase>& info) {
-  const GradCase& c = info.param;
+std::string describe(const GradCase& c) {
   std::string s = std::string(activation_name(c.activation)) +
                   (c.swiglu_limit != kGptOssSwiGLULimit ? "_limit" + std::to_string(int(c.swiglu_limit * 100)) : "") +
                   "_" + weight_layout_name(c.layout) +
@@ -33,6 +32,13 @@ std::string case_name(const testing::TestParamInfo<GradCase>& info) {
   if (c.routing != RoutingMode::kCallerSupplied) s += std::string("_") + score_variant_name(c.score);
   if (c.routing == RoutingMode::kTokenRounding) s += std::string("_") + rounding_rule_name(c.rounding);
   return s + "_" + c.shape_name;
+}
+
+std::string case_name(const testing::TestParamInfo<GradCase>& info) { return describe(info.param); }
+
+// gtest would print the struct's bytes (padding and a pointer among them), which differ from run to run.
+void PrintTo(const GradCase& c, std::ostream* os) {
+  *os << describe(c) << " (T=" << c.T << " d=" << c.d << " n=" << c.n << " E=" << c.E << " K=" << c.K << ")";
 }
 
 MoEProblem make_problem(const GradCase& c) {

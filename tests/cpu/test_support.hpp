@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -19,6 +20,17 @@
 #include "machmoe/layer.hpp"
 #include "machmoe/tensor.hpp"
 #include "machmoe/problem.hpp"
+
+namespace machmoe {
+// gtest prints test parameters in its listing and its failure messages; without these it prints enums as bytes.
+// They live in machmoe's namespace so that gtest finds them next to the enums.
+inline void PrintTo(Activation v, std::ostream* os) { *os << activation_name(v); }
+inline void PrintTo(WeightLayout v, std::ostream* os) { *os << weight_layout_name(v); }
+inline void PrintTo(ScoreVariant v, std::ostream* os) { *os << score_variant_name(v); }
+inline void PrintTo(RoutingMode v, std::ostream* os) { *os << routing_mode_name(v); }
+inline void PrintTo(RoundingRule v, std::ostream* os) { *os << rounding_rule_name(v); }
+inline void PrintTo(CacheMode v, std::ostream* os) { *os << cache_mode_name(v); }
+}  // namespace machmoe
 
 namespace machmoe::test {
 

@@ -1,6 +1,9 @@
 // Memory accounting: the bytes the forward keeps for the backward, and the workspace forward and backward need.
 // These are layouts, not estimates: the forward writes exactly these regions of the caller's `saved` buffer and
 // the backward reads nothing else, so the accounting cannot drift from what is really kept.
+// Every function below that takes a MoEProblem validates it first (validate_problem, under the function's own name),
+// and the data dtype where it takes one (bf16, fp16, fp32 or fp64), throwing machmoe::Error: a problem the layer
+// rejects has no size.
 #pragma once
 
 #include <cstddef>

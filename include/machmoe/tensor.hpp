@@ -50,6 +50,8 @@ struct TensorView {
                             std::initializer_list<std::int64_t> stride, Device device = Device::cpu());
 
   bool empty() const { return data == nullptr && rank == 0; }
+  /// These read the first `rank` extents, with rank clamped to [0, kMaxRank] (never past the arrays); the entry
+  /// points reject a view whose rank is outside that range, or with a negative extent, before using it.
   std::int64_t numel() const;
   bool is_contiguous() const;
   std::string shape_string() const;   // "(4, 8, 16)"

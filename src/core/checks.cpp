@@ -1,5 +1,10 @@
 #include "core/checks.hpp"
 
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "machmoe/device.hpp"
 #include "machmoe/error.hpp"
 
 namespace machmoe::detail {
@@ -15,15 +20,74 @@ void ArgChecker::fail(const std::string& name, const std::string& expected, cons
   throw_argument_error(where_, name, expected, got);
 }
 
+void ArgChecker::well_formed(const TensorView& t, const std::string& name) const {
+  // The rank first: shape_string() and numel() read rank entries of fixed arrays of kMaxRank.
+  if (t.rank < 0 || t.rank > kMaxRank)
+    fail(name, "a view of rank 0 to " + std::to_string(kMaxRank) + " (TensorView::rank)",
+         "rank " + std::to_string(t.rank));
+  bool any_zero = false;
+  for (int i = 0; i < t.rank; ++i) {
+    if (t.shape[i] < 0)
+      fail(name, "a shape of non-negative extents", "shape " + t.shape_string() + " (dimension " +
+                                                        std::to_string(i) + " is " + std::to_string(t.shape[i]) + ")");
+    any_zero = any_zero || t.shape[i] == 0;
+  }
+  // numel() must not wrap (to 0, say, which would pass a null pointer as "addresses nothing").
+  if (any_zero) return;
+  std::int64_t n = 1;
+  for (int i = 0; i < t.rank; ++i) {
+    if (n > std::numeric_limits<std::int64_t>::max() / t.shape[i])
+      fail(name, "a shape whose element count fits in 64 bits", "shape " + t.shape_string());
+    n *= t.shape[i];
+  }
+}
+
+void ArgChecker::ranked(const TensorView& t, const std::string& name, int rank, const std::string& expected) const {
+  if (t.empty()) fail(name, expected, "an empty view");
+  well_formed(t, name);
+  if (t.rank != rank) fail(name, expected, t.shape_string());
+}
+
+void ArgChecker::device(const Device& d, const std::string& name) const {
+  if (d.type == DeviceType::kCPU) {
+    if (d.index != 0) fail(name, "index 0 on the cpu (Device::cpu())", "cpu device index " + std::to_string(d.index));
+    return;
+  }
+  if (d.type != DeviceType::kCUDA)
+    fail(name, "a device of type cpu or cuda", "device type code " + std::to_string(static_cast<int>(d.type)));
+  const int count = cuda_device_count();
+  if (d.index < 0 || d.index >= count)
+    fail(name,
+         count == 0 ? std::string("a usable CUDA device (this process sees none: cuda_device_count() = 0)")
+                    : "a CUDA device ordinal in [0, " + std::to_string(count) + ") (cuda_device_count() = " +
+                          std::to_string(count) + ")",
+         device_name(d));
+}
+
+void ArgChecker::int32_row_stride(const TensorView& t, const std::string& name, const std::string& why) const {
+  if (t.empty() || t.rank < 2 || t.numel() == 0) return;
+  // The layout checks bound the row stride below by the row's length only where there are two rows or more; cuBLAS
+  // wants that bound (ld >= max(1, rows of the column-major operand)) for a single row too.
+  const std::int64_t ld = t.stride[t.rank - 2], lo = std::max<std::int64_t>(1, t.shape[t.rank - 1]);
+  const std::int64_t hi = std::numeric_limits<std::int32_t>::max();
+  if (ld < lo || ld > hi)
+    fail(name + ".stride",
+         "a row stride in [" + std::to_string(lo) + ", 2^31 - 1] elements on cuda (" + why +
+             ": cuBLAS takes it as an int leading dimension)",
+         t.stride_string());
+}
+
 void ArgChecker::layout(const TensorView& t, const std::string& name, std::initializer_list<std::int64_t> shape,
                         const Device& device) const {
   if (t.empty()) fail(name, "a tensor of shape " + shape_string(shape), "an empty view (absent)");
+  well_formed(t, name);
   bool same = t.rank == static_cast<int>(shape.size());
   int i = 0;
   for (std::int64_t s : shape) same = same && t.shape[i++] == s;
   if (!same) fail(name, "shape " + shape_string(shape), t.shape_string());
   if (t.device != device)
-    fail(name, "a tensor on " + device_name(device) + " (the device of x)", "a tensor on " + device_name(t.device));
+    fail(name, "a tensor on " + device_name(device) + " (the device of " + reference_ + ")",
+         "a tensor on " + device_name(t.device));
   if (t.numel() == 0) return;  // addresses nothing: any pointer and strides (autograd's (0, 0) expands) will do
   if (t.data == nullptr) fail(name, "a non-null data pointer", "nullptr");
   // Row-major, unit inner stride, rows may be padded but never overlap.
@@ -48,7 +112,7 @@ void ArgChecker::grad_tensor(const TensorView& t, const std::string& name, std::
                              DType data_dtype, const Device& device) const {
   layout(t, name, shape, device);
   if (t.dtype == data_dtype || t.dtype == DType::kFP32) return;
-  std::string expected = std::string("dtype ") + dtype_name(data_dtype) + " (the data dtype of x)";
+  std::string expected = std::string("dtype ") + dtype_name(data_dtype) + " (the data dtype of " + reference_ + ")";
   if (data_dtype != DType::kFP32) expected += " or fp32 (fp32 gradients, e.g. an fp32 main_grad to accumulate into)";
   fail(name, expected, dtype_name(t.dtype));
 }

@@ -36,8 +36,7 @@ CombineShape check_common(const ArgChecker& c, const TensorView& rows, const Ten
                           const TensorView& row_of_pair, const TensorView& token_offsets, std::int64_t top_k,
                           const TensorView& tokens, const char* tokens_name, bool scores_optional, void* stream) {
   CombineShape s;
-  if (rows.empty() || rows.rank != 2)
-    c.fail("rows", "an (R, d) tensor", rows.empty() ? "an empty view" : rows.shape_string());
+  c.ranked(rows, "rows", 2, "an (R, d) tensor");
   s.R = rows.shape[0], s.d = rows.shape[1], s.dt = rows.dtype, s.device = rows.device;
   if (s.device.type == DeviceType::kCUDA) {
 #ifndef MACHMOE_WITH_CUDA
@@ -46,7 +45,9 @@ CombineShape check_common(const ArgChecker& c, const TensorView& rows, const Ten
 #endif
     if (s.dt != DType::kBF16 && s.dt != DType::kFP16 && s.dt != DType::kFP32)
       c.fail("rows", "dtype bf16, fp16 or fp32 on cuda", dtype_name(s.dt));
+    c.device(s.device, "rows");
   } else {
+    c.device(s.device, "rows");
     if (s.dt != DType::kFP32 && s.dt != DType::kFP64)
       c.fail("rows", "dtype fp32 or fp64 on cpu (bf16 and fp16 run on cuda)", dtype_name(s.dt));
     if (stream != nullptr) c.fail("stream", "nullptr for cpu tensors", "a non-null stream");
@@ -56,14 +57,12 @@ CombineShape check_common(const ArgChecker& c, const TensorView& rows, const Ten
   contiguous(c, rows, "rows");
   if (s.R > Limits::kMaxPairs)
     c.fail("rows", "at most 2^31 - 1 rows (int32 row indices)", std::to_string(s.R) + " rows");
-  if (row_of_pair.empty() || row_of_pair.rank != 1)
-    c.fail("row_of_pair", "a (P,) tensor", row_of_pair.empty() ? "an empty view" : row_of_pair.shape_string());
+  c.ranked(row_of_pair, "row_of_pair", 1, "a (P,) tensor");
   s.P = row_of_pair.shape[0];
   if (s.P > Limits::kMaxPairs) c.fail("row_of_pair", "at most 2^31 - 1 pairs", std::to_string(s.P) + " pairs");
   c.tensor(row_of_pair, "row_of_pair", {s.P}, DType::kInt32, s.device);
   if (!scores.empty() || !scores_optional) c.tensor(scores, "scores", {s.P}, s.score_dt, s.device);
-  if (tokens.empty() || tokens.rank != 2)
-    c.fail(tokens_name, "a (T, d) tensor", tokens.empty() ? "an empty view" : tokens.shape_string());
+  c.ranked(tokens, tokens_name, 2, "a (T, d) tensor");
   s.T = tokens.shape[0];
   if (s.T > Limits::kMaxTokens)
     c.fail(tokens_name, "at most 2^31 - 1 tokens", std::to_string(s.T) + " rows");
@@ -119,7 +118,7 @@ void check_cpu_indices(const ArgChecker& c, const CombineShape& s, const TensorV
 
 void combine_rows(const TensorView& rows, const TensorView& scores, const TensorView& row_of_pair,
                   const TensorView& token_offsets, std::int64_t top_k, const TensorView& out, void* stream) {
-  const ArgChecker c("combine_rows");
+  const ArgChecker c("combine_rows", "rows");
   const CombineShape s = check_common(c, rows, scores, row_of_pair, token_offsets, top_k, out, "out", true, stream);
   if (s.device.type == DeviceType::kCUDA) {
 #ifdef MACHMOE_WITH_CUDA
@@ -141,7 +140,7 @@ void combine_rows(const TensorView& rows, const TensorView& scores, const Tensor
 void combine_rows_backward(const TensorView& grad_out, const TensorView& rows, const TensorView& scores,
                            const TensorView& row_of_pair, const TensorView& token_offsets, std::int64_t top_k,
                            const TensorView& grad_rows, const TensorView& grad_scores, void* stream) {
-  const ArgChecker c("combine_rows_backward");
+  const ArgChecker c("combine_rows_backward", "rows");
   const CombineShape s =
       check_common(c, rows, scores, row_of_pair, token_offsets, top_k, grad_out, "grad_out", false, stream);
   if (!grad_rows.empty()) {

@@ -32,12 +32,14 @@ void set_index_checking(bool enabled) { checking_flag().store(enabled); }
 bool index_checking_enabled() { return checking_flag().load(); }
 
 void check_device_errors(const Device& device, void* stream) {
+  const detail::ArgChecker c("check_device_errors", "device");
   if (device.type == DeviceType::kCPU) {
-    if (stream != nullptr)
-      throw_argument_error("check_device_errors", "stream", "nullptr for the cpu", "a non-null stream");
+    c.device(device, "device");
+    if (stream != nullptr) c.fail("stream", "nullptr for the cpu", "a non-null stream");
     return;
   }
 #ifdef MACHMOE_WITH_CUDA
+  c.device(device, "device");  // also an unknown device type
   gpu::check_device_errors_cuda(device.index, stream);
 #else
   throw_argument_error("check_device_errors", "device",
@@ -47,11 +49,9 @@ void check_device_errors(const Device& device, void* stream) {
 }
 
 void grouped_expert_index(const TensorView& counts, const TensorView& index, void* stream) {
-  const detail::ArgChecker c("grouped_expert_index");
-  if (counts.empty() || counts.rank != 1)
-    c.fail("expert_counts", "an (E,) tensor", counts.empty() ? "an empty view" : counts.shape_string());
-  if (index.empty() || index.rank != 1)
-    c.fail("expert_index", "a (rows,) tensor", index.empty() ? "an empty view" : index.shape_string());
+  const detail::ArgChecker c("grouped_expert_index", "expert_counts");
+  c.ranked(counts, "expert_counts", 1, "an (E,) tensor");
+  c.ranked(index, "expert_index", 1, "a (rows,) tensor");
   const std::int64_t E = counts.shape[0], rows = index.shape[0];
   if (E < 1 || E > Limits::kMaxExperts)
     c.fail("expert_counts", "between 1 and " + std::to_string(Limits::kMaxExperts) + " experts",
@@ -65,12 +65,14 @@ void grouped_expert_index(const TensorView& counts, const TensorView& index, voi
     c.fail("expert_index", "dtype int64 for more than 2^31 - 1 rows", "int32");
   if (counts.device.type == DeviceType::kCUDA) {
 #ifdef MACHMOE_WITH_CUDA
+    c.device(counts.device, "expert_counts");
     gpu::grouped_expert_index_cuda(counts, index, stream);
     return;
 #else
     c.fail("expert_counts", "a tensor on cpu (this build has no CUDA support)", device_name(counts.device));
 #endif
   }
+  c.device(counts.device, "expert_counts");
   if (stream != nullptr) c.fail("stream", "nullptr for cpu tensors", "a non-null stream");
   // Host data: validate everything before writing anything.
   const std::vector<std::int64_t> f = detail::read_index(counts);

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "core/checks.hpp"
 #include "core/host_io.hpp"
@@ -73,12 +75,24 @@ DType validate_inputs(const ArgChecker& c, const MoEProblem& p, const TensorView
       c.fail("x", "dtype bf16, fp16 or fp32 on cuda (fp64 runs on the CPU reference)", dtype_name(dt));
     if (p.routing == RoutingMode::kTokenRounding && p.K > 64)
       c.fail("problem.K", "K <= 64 for token rounding on cuda", std::to_string(p.K));
+    // Last: what the arguments say comes before what this machine has (a build with CUDA may run on one without).
+    c.device(dev, "x");
   } else {
+    c.device(dev, "x");
     if (dt != DType::kFP32 && dt != DType::kFP64)
       c.fail("x", "dtype fp32 or fp64 on cpu (the CPU reference; bf16/fp16 run on the GPU)", dtype_name(dt));
     if (stream != nullptr) c.fail("stream", "nullptr for cpu tensors", "a non-null stream");
   }
   return dt;
+}
+
+/// The views the GPU path hands to cuBLAS in the router GEMMs (src/gpu/layer_cuda.cpp: logits = x W_r^T in the
+/// forward; dX += dlogits W_r and dW_r = dlogits^T x in the backward), whose row strides it passes as int leading
+/// dimensions. Caller-supplied routing has no router GEMM.
+void check_router_gemm_strides(const ArgChecker& c, const MoEProblem& p, const Device& dev,
+                               std::initializer_list<std::pair<const TensorView*, const char*>> views) {
+  if (dev.type != DeviceType::kCUDA || p.routing == RoutingMode::kCallerSupplied) return;
+  for (const auto& [t, name] : views) c.int32_row_stride(*t, name, "an operand of the router GEMM");
 }
 
 /// Value checks of caller-supplied routing (host data): ranges, token order, at most K pairs per token.
@@ -355,8 +369,8 @@ void check_weight_grads(const ArgChecker& c, const MoEProblem& p, DType dt, cons
   check_w2_grads(c, p, dt, dev, gw);
 }
 
-void check_input_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const Device& dev,
-                       const BackwardInputs& bin, const BackwardOutputs& out) {
+void check_input_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const Device& dev, const TensorView& x,
+                       const LayerWeights& w, const BackwardInputs& bin, const BackwardOutputs& out) {
   c.tensor(bin.grad_out, "inputs.grad_out", {p.T, p.d}, dt, dev);
   if (p.routing == RoutingMode::kCallerSupplied)
     c.absent(bin.grad_router_logits, "inputs.grad_router_logits", "routing 'caller' has no router logits");
@@ -370,13 +384,16 @@ void check_input_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const
     c.tensor(out.grad_scores, "outputs.grad_scores", {p.num_pairs}, score_dtype(dt), dev);
   else
     c.absent(out.grad_scores, "outputs.grad_scores", "only routing 'caller' has caller-supplied scores");
+  check_router_gemm_strides(c, p, dev,
+                            {{&x, "x"}, {&w.router_weight, "weights.router_weight"}, {&out.grad_x, "outputs.grad_x"},
+                             {&gw.router_weight, "outputs.grad_weights.router_weight"}});
 }
 
 }  // namespace
 
 void forward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
              const ForwardOutputs& out, const ForwardBuffers& buffers, void* stream) {
-  const ArgChecker c("forward");
+  const ArgChecker c("forward", "x");
   const DType dt = validate_inputs(c, p, x, w, routing, stream);
   c.tensor(out.out, "outputs.out", {p.T, p.d}, dt, x.device);
   if (p.routing == RoutingMode::kCallerSupplied)
@@ -384,6 +401,9 @@ void forward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, co
   else
     c.tensor(out.router_logits, "outputs.router_logits", {p.T, p.E}, dt, x.device);
   c.tensor(out.expert_counts, "outputs.expert_counts", {p.E}, DType::kInt32, x.device);
+  check_router_gemm_strides(c, p, x.device,
+                            {{&x, "x"}, {&w.router_weight, "weights.router_weight"},
+                             {&out.router_logits, "outputs.router_logits"}});
   const std::size_t saved_need = saved_layout(p, dt).total_bytes;
   if (buffers.saved_bytes < saved_need)
     c.fail("buffers.saved_bytes", "at least saved_layout(problem, dtype).total_bytes = " + bytes_str(saved_need),
@@ -409,10 +429,10 @@ void forward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, co
 
 void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
               const BackwardInputs& bin, const BackwardOutputs& out, const BackwardBuffers& buffers, void* stream) {
-  const ArgChecker c("backward");
+  const ArgChecker c("backward", "x");
   const DType dt = validate_inputs(c, p, x, w, routing, stream);
   const Device dev = x.device;
-  check_input_grads(c, p, dt, dev, bin, out);
+  check_input_grads(c, p, dt, dev, x, w, bin, out);
   if (out.w1_grads_later) {
     // dH must outlive this call where finish_backward_w1() finds it: over the saved H, which only a consumed buffer
     // of the default cache mode offers (input-only mode keeps no H; its dH lives in the workspace).
@@ -448,10 +468,10 @@ void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, c
 void backward_input(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
                     const BackwardInputs& bin, const BackwardOutputs& out, const BackwardBuffers& buffers,
                     const DeferredBuffer& deferred, void* stream) {
-  const ArgChecker c("backward_input");
+  const ArgChecker c("backward_input", "x");
   const DType dt = validate_inputs(c, p, x, w, routing, stream);
   const Device dev = x.device;
-  check_input_grads(c, p, dt, dev, bin, out);
+  check_input_grads(c, p, dt, dev, x, w, bin, out);
   if (out.w1_grads_later) c.fail("outputs.w1_grads_later", "false (backward() only)", "true");
   const LayerWeightGrads& gw = out.grad_weights;
   for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&gw.w1, "outputs.grad_weights.w1"},
@@ -480,7 +500,7 @@ void backward_input(const MoEProblem& p, const TensorView& x, const LayerWeights
 void backward_weight(const MoEProblem& p, const TensorView& x, const LayerWeights& w, const RoutingTriples* routing,
                      const TensorView& grad_out, const BackwardOutputs& out, const void* saved,
                      std::size_t saved_bytes, const DeferredBuffer& deferred, void* stream) {
-  const ArgChecker c("backward_weight");
+  const ArgChecker c("backward_weight", "x");
   const DType dt = validate_inputs(c, p, x, w, routing, stream);
   const Device dev = x.device;
   c.tensor(grad_out, "grad_out", {p.T, p.d}, dt, dev);
@@ -506,7 +526,7 @@ void backward_weight(const MoEProblem& p, const TensorView& x, const LayerWeight
 void finish_backward_w1(const MoEProblem& p, const TensorView& x, const LayerWeights& w,
                         const RoutingTriples* routing, const BackwardOutputs& out, const void* saved,
                         std::size_t saved_bytes, void* stream) {
-  const ArgChecker c("finish_backward_w1");
+  const ArgChecker c("finish_backward_w1", "x");
   const DType dt = validate_inputs(c, p, x, w, routing, stream);
   const Device dev = x.device;
   if (p.cache != CacheMode::kPreActivation)

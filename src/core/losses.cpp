@@ -12,12 +12,15 @@ using detail::ArgChecker;
 
 DType validate_logits(const ArgChecker& c, const TensorView& logits, const TensorView& loss,
                       const TensorView& grad, void* stream) {
-  if (logits.empty() || logits.rank != 2)
-    c.fail("router_logits", "a (T, E) tensor", logits.empty() ? "an empty view" : logits.shape_string());
+  c.ranked(logits, "router_logits", 2, "a (T, E) tensor");
+  // E = 0 has no softmax to take (and no logsumexp): the losses are undefined, not 0. T = 0 is an empty batch.
+  if (logits.shape[1] < 1)
+    c.fail("router_logits", "a (T, E) tensor with E >= 1 experts", "shape " + logits.shape_string());
   const DType dt = logits.dtype;
   c.tensor(logits, "router_logits", {logits.shape[0], logits.shape[1]}, dt, logits.device);
   if (logits.device.type != DeviceType::kCPU)
     c.fail("router_logits", "a tensor on cpu (the CUDA losses come with the GPU runtime)", device_name(logits.device));
+  c.device(logits.device, "router_logits");
   if (dt != DType::kFP32 && dt != DType::kFP64) c.fail("router_logits", "dtype fp32 or fp64 on cpu", dtype_name(dt));
   c.tensor(loss, "loss", {1}, dt, logits.device);
   if (!grad.empty()) c.tensor(grad, "grad_logits", {logits.shape[0], logits.shape[1]}, dt, logits.device);
@@ -38,7 +41,7 @@ void emit(const ref::LossAndGrad<R>& r, const TensorView& loss, const TensorView
 
 void load_balancing_loss(const TensorView& logits, const TensorView& counts, const TensorView& loss,
                          const TensorView& grad, double grad_scale, bool accumulate, void* stream) {
-  const ArgChecker c("load_balancing_loss");
+  const ArgChecker c("load_balancing_loss", "router_logits");
   const DType dt = validate_logits(c, logits, loss, grad, stream);
   const std::int64_t T = logits.shape[0], E = logits.shape[1];
   c.tensor(counts, "expert_counts", {E}, DType::kInt32, logits.device);
@@ -55,7 +58,7 @@ void load_balancing_loss(const TensorView& logits, const TensorView& counts, con
 
 void router_z_loss(const TensorView& logits, const TensorView& loss, const TensorView& grad, double grad_scale,
                    bool accumulate, void* stream) {
-  const ArgChecker c("router_z_loss");
+  const ArgChecker c("router_z_loss", "router_logits");
   const DType dt = validate_logits(c, logits, loss, grad, stream);
   const std::int64_t T = logits.shape[0], E = logits.shape[1];
   if (dt == DType::kFP64)

@@ -203,14 +203,17 @@ static void validate_activation_parameters(const MoEProblem& p, const char* wher
                            number(p.swiglu_limit));
     return;
   }
-  const std::string why = " (swiglu_alpha and swiglu_limit are parameters of activation 'gptoss_swiglu' only; this "
-                          "problem has activation '" + std::string(activation_name(p.activation)) + "')";
+  // Built only on failure: the sizing functions (memory.hpp) validate the problem on every call.
+  const auto why = [&] {
+    return " (swiglu_alpha and swiglu_limit are parameters of activation 'gptoss_swiglu' only; this problem has "
+           "activation '" + std::string(activation_name(p.activation)) + "')";
+  };
   // Compared bitwise with the defaults on purpose: any other value was set by someone who meant it.
   if (!(p.swiglu_alpha == kGptOssSwiGLUAlpha))
-    throw_argument_error(where, "problem.swiglu_alpha", "the default " + number(kGptOssSwiGLUAlpha) + why,
+    throw_argument_error(where, "problem.swiglu_alpha", "the default " + number(kGptOssSwiGLUAlpha) + why(),
                          number(p.swiglu_alpha));
   if (!(p.swiglu_limit == kGptOssSwiGLULimit))
-    throw_argument_error(where, "problem.swiglu_limit", "the default " + number(kGptOssSwiGLULimit) + why,
+    throw_argument_error(where, "problem.swiglu_limit", "the default " + number(kGptOssSwiGLULimit) + why(),
                          number(p.swiglu_limit));
 }
 

@@ -31,7 +31,10 @@ const char* dtype_name(DType dtype) {
 bool is_floating(DType dtype) { return dtype != DType::kInt32 && dtype != DType::kInt64; }
 
 std::string device_name(const Device& device) {
-  return device.type == DeviceType::kCPU ? std::string("cpu") : "cuda:" + std::to_string(device.index);
+  if (device.type == DeviceType::kCPU) return "cpu";
+  if (device.type == DeviceType::kCUDA) return "cuda:" + std::to_string(device.index);
+  // A Device filled from an unchecked integer: say what it holds rather than call it cuda.
+  return "device of type code " + std::to_string(static_cast<int>(device.type)) + ":" + std::to_string(device.index);
 }
 
 static TensorView make_view(void* data, DType dtype, std::initializer_list<std::int64_t> shape, Device device) {
@@ -70,15 +73,19 @@ TensorView TensorView::strided(void* data, DType dtype, std::initializer_list<st
   return v;
 }
 
+/// The dimensions a view's loops may visit: its rank clamped to [0, kMaxRank], so that a malformed rank (a view
+/// filled by hand or by a binding) never reads past shape[] and stride[]. The public checks reject such a view.
+static int dims(int rank) { return rank < 0 ? 0 : rank > kMaxRank ? kMaxRank : rank; }
+
 std::int64_t TensorView::numel() const {
   std::int64_t n = 1;
-  for (int i = 0; i < rank; ++i) n *= shape[i];
+  for (int i = 0; i < dims(rank); ++i) n *= shape[i];
   return n;
 }
 
 bool TensorView::is_contiguous() const {
   std::int64_t s = 1;
-  for (int i = rank - 1; i >= 0; --i) {
+  for (int i = dims(rank) - 1; i >= 0; --i) {
     if (shape[i] != 1 && stride[i] != s) return false;
     s *= shape[i];
   }
@@ -91,7 +98,7 @@ static std::string join(const std::int64_t* v, int n) {
   return s + (n == 1 ? ",)" : ")");
 }
 
-std::string TensorView::shape_string() const { return join(shape, rank); }
-std::string TensorView::stride_string() const { return join(stride, rank); }
+std::string TensorView::shape_string() const { return join(shape, dims(rank)); }
+std::string TensorView::stride_string() const { return join(stride, dims(rank)); }
 
 }  // namespace machmoe

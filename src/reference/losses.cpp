@@ -13,7 +13,7 @@ LossAndGrad<R> load_balancing_loss(const R* logits, const std::int64_t* counts, 
   out.grad_logits.assign(static_cast<std::size_t>(T * E), R(0));
   R f_sum = 0;
   for (std::int64_t e = 0; e < E; ++e) f_sum += static_cast<R>(counts[e]);
-  if (f_sum == R(0) || T == 0) return out;
+  if (f_sum == R(0) || T == 0 || E == 0) return out;
   const std::vector<R> p = softmax_rows(logits, T, E);
   std::vector<R> P(static_cast<std::size_t>(E), R(0));
   for (std::int64_t t = 0; t < T; ++t)
@@ -39,7 +39,8 @@ template <class R>
 LossAndGrad<R> router_z_loss(const R* logits, std::int64_t T, std::int64_t E) {
   LossAndGrad<R> out;
   out.grad_logits.assign(static_cast<std::size_t>(T * E), R(0));
-  if (T == 0) return out;
+  // No experts: no logsumexp to take (the public entry rejects E = 0; this keeps max_element off an empty row).
+  if (T == 0 || E == 0) return out;
   const std::vector<R> p = softmax_rows(logits, T, E);
   for (std::int64_t t = 0; t < T; ++t) {
     const R* z = logits + t * E;

@@ -3,6 +3,8 @@
 import math
 import numbers
 
+from ._validation import as_int, fail
+
 ACTIVATIONS = {"swiglu": 0, "geglu": 1, "reglu": 2, "relu_squared": 3, "relu": 4, "gelu": 5, "silu": 6,
                "gptoss_swiglu": 7}
 GLU_ACTIVATIONS = {"swiglu", "geglu", "reglu", "gptoss_swiglu"}
@@ -15,12 +17,24 @@ SCORES = {"softmax_topk": 0, "topk_softmax": 1, "topk_softmax_renorm": 2}
 ROUTINGS = {"topk": 0, "token_rounding": 1, "caller": 2}
 ROUNDINGS = {"nearest": 0, "up": 1, "down": 2}
 ACTIVATION_MEMORY = {"preact": 0, "input_only": 1}
+# The largest token-rounding tile, machmoe::Limits::kMaxTileM (include/machmoe/problem.hpp): the operators refuse a
+# larger one, so a module built with it would fail in every forward rather than at construction.
+MAX_TILE = 4096
 
 
 def code(table: dict, name: str, argument: str) -> int:
     if not isinstance(name, str) or name not in table:  # (an unhashable value would fail the lookup itself)
         raise ValueError(f"machmoe: argument '{argument}': expected one of {sorted(table)}, got {name!r}")
     return table[name]
+
+
+def tile_option(tile) -> int:
+    """The token-rounding tile as an int: a multiple of 8 in [8, MAX_TILE], whatever the routing (as the operators
+    check it)."""
+    tile = as_int("tile", tile)
+    if not 8 <= tile <= MAX_TILE or tile % 8:
+        fail("tile", f"a multiple of 8 in [8, {MAX_TILE}]", tile)
+    return tile
 
 
 def name_of(table: dict, value: int) -> str:

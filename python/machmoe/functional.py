@@ -19,7 +19,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from ._options import (ACTIVATIONS, ACTIVATION_MEMORY, GLU_ACTIVATIONS, ROUNDINGS, ROUTINGS, SCORES, WEIGHT_LAYOUTS,
-                       activation_parameters, code)
+                       activation_parameters, code, tile_option)
 from ._validation import as_int, fail as _fail, require_tensor
 
 _CPU_DTYPES = (torch.float32, torch.float64)
@@ -238,9 +238,7 @@ def _moe(x, router_weight, w1, w2, b1, b2, top_k, activation, score, routing, ro
             _fail("routing", "'topk' or 'token_rounding' (use moe_from_routing for caller-supplied routing)",
                   repr(routing))
         _check_tensor("router_weight", router_weight, (w1.shape[0], x.shape[1]), x)
-        tile = as_int("tile", tile, low=8)
-        if tile % 8:
-            _fail("tile", "a positive multiple of 8", tile)
+        tile = tile_option(tile)
         codes = [code(SCORES, score, "score"), code(ROUTINGS, routing, "routing"),
                  code(ROUNDINGS, rounding, "rounding"), tile, code(ACTIVATION_MEMORY, activation_memory,
                                                                    "activation_memory")]
@@ -292,12 +290,24 @@ def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, exp
                      activation_memory: str = "preact",
                      accumulate_grads_into: Optional[Dict[str, Tensor]] = None, swiglu_alpha: Optional[float] = None,
                      swiglu_limit: Optional[float] = None) -> Tuple[Tensor, Tensor]:
-    """The layer from caller-supplied (token, expert, score) triples, token indices ascending and at most
-    max_experts_per_token per token. Returns (out (T, d), expert_counts (E,) int32). Differentiable w.r.t. x, w1, w2,
-    b1, b2 and scores (in the caller's order). On the GPU, pairs whose expert or token is out of range are skipped
-    (expert-parallel sentinels); on the CPU they raise, and so do they on the GPU, at the next call or
-    check_device_errors(), with set_index_checking(True). No pairs (or no tokens) give a zero output.
-    accumulate_grads_into, swiglu_alpha, swiglu_limit: as for moe() (keys 'w1', 'b1', 'w2', 'b2')."""
+    """The layer from caller-supplied (token, expert, score) triples. Returns (out (T, d), expert_counts (E,) int32).
+    Differentiable w.r.t. x, w1, w2, b1, b2 and scores (in the caller's order). No pairs (or no tokens) give a zero
+    output. accumulate_grads_into, swiglu_alpha, swiglu_limit: as for moe() (keys 'w1', 'b1', 'w2', 'b2').
+
+    The routing contract (docs/ROUTING.md, "Caller-supplied triples"): token_index ascending (the pairs sorted by
+    token; a token's pairs in any expert order, duplicates counting twice), token in [0, T), expert in [0, E), at
+    most max_experts_per_token (K) pairs per token.
+      * CPU: every index is checked before anything is computed; a violation raises ValueError naming the pair.
+      * GPU: the indices stay on the device and are not read back (that would synchronise). A pair whose token or
+        expert is out of range is skipped (never read out of bounds): it contributes nothing, which is how
+        expert-parallel callers mark sentinel pairs. Tokens out of order or more than K pairs of one token are not
+        detected: the output and the gradients are then unspecified.
+      * GPU with index checking on (MACHMOE_CHECK_INDICES=1 in the environment, read at the first call, or
+        machmoe.set_index_checking(True)): the kernel that reads the triples records the first violation of the
+        CPU's rules (range, sentinels included, order, more than K per token) on the device, without a host
+        synchronisation, and the next machmoe call on that device, or machmoe.check_device_errors(), raises
+        ValueError naming the argument, the position and the value. The call that launched the bad triples has
+        already returned (bad pairs skipped): discard its outputs."""
     act, layout, top_k, act_params = _check_common(x, w1, w2, b1, b2, activation, weight_layout,
                                                    max_experts_per_token, top_k_name="max_experts_per_token",
                                                    swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)

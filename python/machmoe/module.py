@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from . import functional as F
 from ._options import (GLU_ACTIVATIONS, ACTIVATIONS, ACTIVATION_MEMORY, ROUNDINGS, SCORES, WEIGHT_LAYOUTS,
-                       activation_parameters, code, name_of)
+                       activation_parameters, code, name_of, tile_option)
 from ._validation import as_int, as_nonnegative_real, fail, require_tensor, type_name
 
 
@@ -24,7 +24,35 @@ class MoEOutput:
 _LAYOUT_RECORD_FORMAT = 1  # first entry of the state-dict record of the weight layout (get_extra_state)
 
 
-class MoE(nn.Module):
+class _LossCoefficients:
+    """aux_loss_coef and z_loss_coef of a layer (MoE, ExpertParallelMoE), checked whenever they are set: forward
+    computes a loss only for a coefficient > 0, so a negative one (or a string) would otherwise be skipped
+    silently."""
+
+    def __setstate__(self, state):
+        for name in ("aux_loss_coef", "z_loss_coef"):  # modules pickled when these were plain attributes
+            if name in state:
+                state["_" + name] = state.pop(name)
+        super().__setstate__(state)
+
+    @property
+    def aux_loss_coef(self) -> float:
+        return self._aux_loss_coef
+
+    @aux_loss_coef.setter
+    def aux_loss_coef(self, value) -> None:
+        self._aux_loss_coef = as_nonnegative_real("aux_loss_coef", value)
+
+    @property
+    def z_loss_coef(self) -> float:
+        return self._z_loss_coef
+
+    @z_loss_coef.setter
+    def z_loss_coef(self, value) -> None:
+        self._z_loss_coef = as_nonnegative_real("z_loss_coef", value)
+
+
+class MoE(_LossCoefficients, nn.Module):
     """Token-choice MoE layer with gated (or plain) expert MLPs.
 
     Parameters are plain nn.Parameters (FSDP2's fully_shard shards them like any other): router_weight (E, d),
@@ -79,21 +107,20 @@ class MoE(nn.Module):
         self.swiglu_alpha, self.swiglu_limit = alpha_limit if activation == "gptoss_swiglu" else (None, None)
         if weight_layout == "concatenated" and activation not in GLU_ACTIVATIONS:
             fail("weight_layout", f"'interleaved' for the non-GLU activation {activation!r}", repr(weight_layout))
-        tile = as_int("tile", tile, low=8)
-        if tile % 8:
-            fail("tile", "a positive multiple of 8", tile)
+        tile = tile_option(tile)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.activation, self.score, self.routing, self.rounding, self.tile = activation, score, routing, rounding, tile
         self.weight_layout, self.activation_memory = weight_layout, activation_memory
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        if not isinstance(accumulate_into_main_grad, bool):
-            raise TypeError(f"machmoe: argument 'accumulate_into_main_grad': expected a bool, got "
-                            f"{type_name(accumulate_into_main_grad)}")
+        for name, flag in (("bias", bias), ("accumulate_into_main_grad", accumulate_into_main_grad)):
+            if not isinstance(flag, bool):  # bias="no" would create biases
+                raise TypeError(f"machmoe: argument '{name}': expected a bool, got {type_name(flag)}")
         if not isinstance(main_grad_dtype, torch.dtype) or not main_grad_dtype.is_floating_point:
             raise TypeError(f"machmoe: argument 'main_grad_dtype': expected a floating-point torch.dtype "
                             f"(torch.float32, or the parameters' dtype), got {main_grad_dtype!r}")
         self.accumulate_into_main_grad, self.main_grad_dtype = accumulate_into_main_grad, main_grad_dtype
+        _check_cpu_dtype(device, dtype)
         rows = 2 * intermediate_size if activation in GLU_ACTIVATIONS else intermediate_size
         kw = dict(device=device, dtype=dtype)
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
@@ -124,29 +151,6 @@ class MoE(nn.Module):
             if buf is not None:
                 grads[name] = buf
         return grads
-
-    def __setstate__(self, state):
-        for name in ("aux_loss_coef", "z_loss_coef"):  # modules pickled when these were plain attributes
-            if name in state:
-                state["_" + name] = state.pop(name)
-        super().__setstate__(state)
-
-    # The loss coefficients are checked whenever they are set: a negative one would otherwise be skipped by forward.
-    @property
-    def aux_loss_coef(self) -> float:
-        return self._aux_loss_coef
-
-    @aux_loss_coef.setter
-    def aux_loss_coef(self, value) -> None:
-        self._aux_loss_coef = as_nonnegative_real("aux_loss_coef", value)
-
-    @property
-    def z_loss_coef(self) -> float:
-        return self._z_loss_coef
-
-    @z_loss_coef.setter
-    def z_loss_coef(self, value) -> None:
-        self._z_loss_coef = as_nonnegative_real("z_loss_coef", value)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -179,6 +183,11 @@ class MoE(nn.Module):
         # A (tokens, hidden) input is passed as it is: reshape costs a view and an autograd node each way, a
         # measurable share of the host time of a call (tests/python/test_overhead.py).
         flat = x if len(shape) == 2 else x.reshape(-1, self.hidden_size)
+        if flat.stride(-1) != 1:
+            # The operators read rows with unit inner stride. reshape copies some strided inputs and views others,
+            # and a 2-D one (a transpose) is not reshaped at all: copy here so that every layout of x is accepted,
+            # as for the other PyTorch layers. The functional API leaves the copy to its caller.
+            flat = flat.contiguous()
         attrs = self.__dict__  # (getattr with a default: modules pickled before these options existed)
         into = None
         if attrs.get("accumulate_into_main_grad", False):
@@ -190,7 +199,7 @@ class MoE(nn.Module):
                                      self.routing, self.rounding, self.tile, self.weight_layout,
                                      self.activation_memory, None, into, attrs.get("swiglu_alpha"),
                                      attrs.get("swiglu_limit"))
-        result = MoEOutput(out if flat is x else out.reshape(shape), logits, counts)
+        result = MoEOutput(out if len(shape) == 2 else out.reshape(shape), logits, counts)
         if self.aux_loss_coef > 0:
             result.aux_loss = self.aux_loss_coef * F.load_balancing_loss(logits, counts)
         if self.z_loss_coef > 0:
@@ -332,16 +341,23 @@ class MoE(nn.Module):
 
     @classmethod
     def from_gpt_oss(cls, gate_up_proj: Tensor, gate_up_proj_bias: Tensor, down_proj: Tensor,
-                     down_proj_bias: Tensor, router_weight: Tensor, *, top_k: int,
-                     router_bias: Optional[Tensor] = None, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                     device=None, dtype=None, **options) -> "MoE":
+                     down_proj_bias: Tensor, router_weight: Tensor, *, top_k: int, router_bias: Optional[Tensor],
+                     swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, device=None, dtype=None,
+                     **options) -> "MoE":
         """A MoE computing gpt-oss's MoE block from its HF tensors (shapes as in ``load_gpt_oss_experts``): sizes
         from the tensors, activation="gptoss_swiglu" with the given alpha and limit (gpt-oss: 1.702 and
         config.swiglu_limit = 7.0), bias=True, score="softmax_topk" (HF GptOssTopKRouter: top-k of the logits, then a
         softmax over the k selected), top_k = config.num_experts_per_tok. device/dtype default to gate_up_proj's.
-        Other keyword arguments go to MoE() (weight_layout, activation_memory, aux_loss_coef, ...)."""
+        Other keyword arguments go to MoE() (weight_layout, activation_memory, aux_loss_coef, ...).
+
+        router_bias is required (keyword): HF's GptOssTopKRouter always has a bias (router.bias, (E,)), and
+        machmoe's router has none (logits = x router_weight^T), so a default of None would drop it silently. Pass
+        router.bias: all zeros is accepted, anything else raises (route outside and call machmoe.moe_from_routing,
+        as load_gpt_oss_experts says); pass None only for a router that has no bias."""
         require_tensor("gate_up_proj", gate_up_proj)
         require_tensor("down_proj", down_proj)
+        require_tensor("router_weight", router_weight)  # None would leave the new module's router random
+        require_tensor("router_bias", router_bias, optional=True)
         if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] % 2:
             fail("gate_up_proj", "an (experts, hidden, 2 * intermediate) tensor", f"shape {tuple(gate_up_proj.shape)}")
         E, d, two_n = gate_up_proj.shape
@@ -371,7 +387,8 @@ class MoE(nn.Module):
           w2[e] = down_proj[e].T             (d, n)
           b2[e] = down_proj_bias[e]
           router_weight = router.weight      (E, d)
-        Biases: given exactly when the module has them (bias=True). router_bias: this module's router has no bias
+        gate_up_proj and down_proj are required. Biases: given exactly when the module has them (bias=True).
+        router_weight: None keeps this module's router. router_bias: this module's router has no bias
         (logits = x router_weight^T); a router bias is accepted only if it is all zeros, and anything else raises
         (gpt-oss's trained routers have a nonzero bias: compute the routing outside and use
         machmoe.moe_from_routing for those). Every tensor is checked before anything is written."""
@@ -379,6 +396,10 @@ class MoE(nn.Module):
         if self.activation != "gptoss_swiglu":
             raise ValueError(f"machmoe: load_gpt_oss_experts: expected a MoE with activation='gptoss_swiglu' (gpt-oss's "
                              f"clamped SwiGLU with (up + 1)), got activation={self.activation!r}")
+        # Named here: load_hf_experts would take a None down_proj as "keep w2" and a None gate_up_proj as a call
+        # with gate_proj and up_proj, neither of which this loader has.
+        require_tensor("gate_up_proj", gate_up_proj)
+        require_tensor("down_proj", down_proj)
         has_bias = self.b1 is not None
         for name, t in (("gate_up_proj_bias", gate_up_proj_bias), ("down_proj_bias", down_proj_bias)):
             if (t is not None) != has_bias:
@@ -388,6 +409,8 @@ class MoE(nn.Module):
         if has_bias:
             _check_weight("gate_up_proj_bias", gate_up_proj_bias, (E, 2 * n))
             _check_weight("down_proj_bias", down_proj_bias, (E, d))
+        if router_weight is not None:  # (load_hf_experts would name it 'router', its own argument)
+            _check_weight("router_weight", router_weight, (E, d))
         if router_bias is not None:
             _check_weight("router_bias", router_bias, (E,))
             if bool(router_bias.ne(0).any()):
@@ -405,6 +428,18 @@ class MoE(nn.Module):
                 self.b1[:, n:].copy_(gate_up_proj_bias[:, 1::2])
             self.b2.copy_(down_proj_bias)
         return self
+
+
+def _check_cpu_dtype(device, dtype) -> None:
+    """A MoE placed on the CPU (device given) in a dtype the CPU path cannot run would be built, then refuse every
+    forward: say so at construction. Without a device nothing is decided here: a module built on the default device
+    in bfloat16 and moved to a GPU afterwards is an ordinary pattern."""
+    if device is None or torch.device(device).type != "cpu":
+        return
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    if dtype not in F._CPU_DTYPES:
+        fail("dtype", f"one of {F._CPU_DTYPES} for a MoE on the CPU (the CPU path runs float32 and float64; "
+             f"bfloat16 and float16 run on CUDA devices)", dtype)
 
 
 def _check_weight(name: str, t, shape) -> None:

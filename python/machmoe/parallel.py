@@ -36,10 +36,11 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from ._options import (ACTIVATION_MEMORY, ACTIVATIONS, GLU_ACTIVATIONS, ROUNDINGS, SCORES, WEIGHT_LAYOUTS,
-                       activation_parameters, code)
-from .functional import (_check_tensor, _fail, grouped_experts, index_checking_enabled, load_balancing_loss,
-                         moe_from_routing, router_z_loss)
-from .module import MoE, MoEOutput
+                       activation_parameters, code, tile_option)
+from ._validation import as_int, require_tensor, type_name
+from .functional import (_check_common, _check_tensor, _fail, grouped_experts, index_checking_enabled,
+                         load_balancing_loss, moe_from_routing, router_z_loss)
+from .module import MoE, MoEOutput, _LossCoefficients
 
 __all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "ExpertParallelDispatch", "ExpertPairs", "GroupedExperts",
            "TorchTitanGroupedExperts", "torchtitan_experts_forward", "expert_parallel_moe", "expert_parallel_dispatch",
@@ -147,7 +148,7 @@ def route(logits: Tensor, *, top_k: int, score: str = "softmax_topk", routing: s
     computes. Top-K needs no host synchronisation; token rounding synchronises once for its pair count."""
     if not isinstance(logits, Tensor) or logits.dim() != 2:
         _fail("logits", "a (tokens, experts) tensor", getattr(logits, "shape", logits))
-    _check_routing_options(top_k, logits.shape[1], score, routing, rounding, tile)
+    top_k, tile = _check_routing_options(top_k, logits.shape[1], score, routing, rounding, tile)
     rt = _route_dense(logits, top_k, score, routing, rounding, tile)
     num_pairs = None if routing == "topk" else int(rt.counts.sum())
     pairs = _pairs(rt, logits.shape[0], logits.shape[1], num_pairs, exact=True)
@@ -155,14 +156,36 @@ def route(logits: Tensor, *, top_k: int, score: str = "softmax_topk", routing: s
 
 
 def _check_routing_options(top_k, E, score, routing, rounding, tile):
+    """Checks the routing options as machmoe.MoE does; returns (top_k, tile) as ints (numpy integers and 0-d
+    tensors are accepted, as there)."""
     code(SCORES, score, "score")
     code(ROUNDINGS, rounding, "rounding")
     if routing not in ("topk", "token_rounding"):
         _fail("routing", "'topk' or 'token_rounding'", repr(routing))
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= E:
-        _fail("top_k", f"an integer in [1, {E}] (the number of experts)", top_k)
-    if not isinstance(tile, int) or tile <= 0 or tile % 8:
-        _fail("tile", "a positive multiple of 8", tile)
+    return as_int("top_k", top_k, low=1, high=E, what="(the number of experts)"), tile_option(tile)
+
+
+def _check_expert_options(activation, weight_layout, activation_memory, swiglu_alpha, swiglu_limit):
+    """The experts' options, checked as the library's experts call checks them; returns (swiglu_alpha,
+    swiglu_limit) as floats."""
+    code(ACTIVATIONS, activation, "activation")
+    alpha_limit = activation_parameters(activation, swiglu_alpha, swiglu_limit)
+    code(WEIGHT_LAYOUTS, weight_layout, "weight_layout")
+    code(ACTIVATION_MEMORY, activation_memory, "activation_memory")
+    if weight_layout == "concatenated" and activation not in GLU_ACTIVATIONS:
+        _fail("weight_layout", f"'interleaved' for the non-GLU activation {activation!r}", repr(weight_layout))
+    return alpha_limit
+
+
+def _check_expert_call(x, w1, w2, b1, b2, max_pairs_per_row, *, activation, weight_layout, activation_memory,
+                       swiglu_alpha, swiglu_limit) -> None:
+    """What the library's experts call (moe_from_routing, grouped_experts) checks of its arguments, for a rank that
+    has no rows and skips that call. Checked there too so that every rank of an expert-parallel group raises at the
+    same point: a rank that skipped the checks would go on to the return all-to-all and wait there for ranks that
+    raised (gloo: until the group's timeout; NCCL: for ever)."""
+    _check_common(x, w1, w2, b1, b2, activation, weight_layout, max_pairs_per_row,
+                  top_k_name="max_experts_per_token", swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+    code(ACTIVATION_MEMORY, activation_memory, "activation_memory")
 
 
 # ---- row movements with explicit backward ----------------------------------------------------------------------
@@ -339,6 +362,8 @@ def _run_grouped(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, b1: Optional
     P = x.shape[0]
     if P == 0:
         # grouped_experts may not accept P = 0 yet; nothing to compute, but keep the parameters in the graph.
+        _check_expert_call(x, w1, w2, b1, b2, 1, activation=activation, weight_layout=weight_layout,
+                           activation_memory=activation_memory, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         return _empty_rows_linked(x, (w1, w2, b1, b2))
     counts = counts.to(device=x.device, dtype=torch.int64)
     real = counts.sum()
@@ -362,6 +387,8 @@ def _run_indexed(x: Tensor, expert_index: Tensor, w1: Tensor, w2: Tensor, b1: Op
     (GPU only: capacity mode's empty slots) are skipped and get zeros."""
     R = x.shape[0]
     if R == 0:
+        _check_expert_call(x, w1, w2, b1, b2, 1, activation=activation, weight_layout=weight_layout,
+                           activation_memory=activation_memory, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         return _empty_rows_linked(x, (w1, w2, b1, b2))
     index_dtype = torch.int32 if R < 2**31 else torch.int64
     token_index = torch.arange(R, device=x.device, dtype=index_dtype)
@@ -385,6 +412,8 @@ def _run_pairs(x: Tensor, token_index: Tensor, expert_index: Tensor, scores: Ten
     # The library's score dtype for x (the routing's scores may be float64 where FSDP2 runs the experts in float32).
     scores = _cast(scores, _acc_dtype(x.dtype))
     if R == 0 or token_index.shape[0] == 0:
+        _check_expert_call(x, w1, w2, b1, b2, max_pairs_per_row, activation=activation, weight_layout=weight_layout,
+                           activation_memory=activation_memory, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         out = _empty_rows_linked(x, (w1, w2, b1, b2, scores))
         return out if R == 0 else out.new_zeros((R, x.shape[1])) + out.sum() * 0
     index_dtype = torch.int32 if R < 2**31 else torch.int64
@@ -425,13 +454,14 @@ class GroupedExperts(nn.Module):
                  device=None, dtype=None, *, swiglu_alpha: Optional[float] = None,
                  swiglu_limit: Optional[float] = None):
         super().__init__()
-        code(ACTIVATIONS, activation, "activation")
-        alpha_limit = activation_parameters(activation, swiglu_alpha, swiglu_limit)  # as machmoe.MoE
+        # As machmoe.MoE: sizes as ints (numpy integers and 0-d tensors too), the options by name.
+        hidden_size = as_int("hidden_size", hidden_size, low=1)
+        intermediate_size = as_int("intermediate_size", intermediate_size, low=1)
+        num_experts = as_int("num_experts", num_experts, low=1)
+        if not isinstance(bias, bool):  # bias="no" would create biases
+            raise TypeError(f"machmoe: argument 'bias': expected a bool, got {type_name(bias)}")
+        alpha_limit = _check_expert_options(activation, weight_layout, activation_memory, swiglu_alpha, swiglu_limit)
         self.swiglu_alpha, self.swiglu_limit = alpha_limit if activation == "gptoss_swiglu" else (None, None)
-        code(WEIGHT_LAYOUTS, weight_layout, "weight_layout")
-        code(ACTIVATION_MEMORY, activation_memory, "activation_memory")
-        if weight_layout == "concatenated" and activation not in GLU_ACTIVATIONS:
-            _fail("weight_layout", f"'interleaved' for the non-GLU activation {activation!r}", repr(weight_layout))
         self.hidden_size, self.intermediate_size, self.num_experts = hidden_size, intermediate_size, num_experts
         self.activation, self.weight_layout, self.activation_memory = activation, weight_layout, activation_memory
         rows = 2 * intermediate_size if activation in GLU_ACTIVATIONS else intermediate_size
@@ -624,9 +654,11 @@ def _check_divisible(num_experts: int, ep_size: int) -> None:
               "num_experts / ep_size experts)", num_experts)
 
 
-def _check_capacity_arg(capacity) -> None:
-    if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0):
-        _fail("capacity", "None or a positive int (rows per source/destination rank pair)", repr(capacity))
+def _check_capacity_arg(capacity) -> Optional[int]:
+    """capacity as None or an int >= 1 (numpy integers and 0-d tensors accepted, as for the other sizes)."""
+    if capacity is None:
+        return None
+    return as_int("capacity", capacity, low=1, what="or None (rows per source/destination rank pair)")
 
 
 @dataclass
@@ -752,8 +784,8 @@ class ExpertParallelDispatch:
 
 def _route_tokens(x: Tensor, router_weight: Tensor, top_k: int, score: str, routing: str, rounding: str,
                   tile: int):
-    """(x with unit stride along d, the router logits, the dense routing) for this rank's tokens."""
-    _check_routing_options(top_k, router_weight.shape[0], score, routing, rounding, tile)
+    """(x with unit stride along d, the router logits, the dense routing) for this rank's tokens; the options as
+    _check_routing_options returns them."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     logits = x @ router_weight.t()
@@ -766,7 +798,8 @@ def _dispatch(x: Tensor, router_weight: Tensor, *, ep_size: int, top_k: int, gro
     the rows to their experts' ranks and (group_rows) group the received rows by local expert. Without group_rows,
     x_grouped is None and the experts take x_received as it arrived, with plan.recv_expert (_run_indexed)."""
     E = router_weight.shape[0]
-    _check_capacity_arg(capacity)
+    capacity = _check_capacity_arg(capacity)
+    top_k, tile = _check_routing_options(top_k, E, score, routing, rounding, tile)
     x, logits, rt = _route_tokens(x, router_weight, top_k, score, routing, rounding, tile)
     plan = _plan(rt, x.shape[0], E, ep_size, capacity, group, top_k, tile, group_rows)
     pairs = plan.pairs
@@ -822,6 +855,7 @@ def _rows_forward(x: Tensor, router_weight: Tensor, experts, *, ep_size: int, to
     Returns (out (T, d), router_logits, expert_counts (E,) int32)."""
     T, E = x.shape[0], router_weight.shape[0]
     W, El = ep_size, E // ep_size
+    top_k, tile = _check_routing_options(top_k, E, score, routing, rounding, tile)
     x, logits, rt = _route_tokens(x, router_weight, top_k, score, routing, rounding, tile)
     counts = rt.counts.to(torch.int32)
     # At most this many pairs of one token meet on one rank.
@@ -901,9 +935,12 @@ def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor
     _check_x(x)
     E = _check_router(x, router_weight, ep_size)
     El, d = E // ep_size, x.shape[1]
-    code(ACTIVATIONS, activation, "activation")
-    activation_parameters(activation, swiglu_alpha, swiglu_limit)  # checked before any communication
-    code(WEIGHT_LAYOUTS, weight_layout, "weight_layout")
+    # Everything the experts call checks, checked here, before any communication and the same way on every rank:
+    # that call is skipped on a rank that received no rows, and if the others raised there it would wait for them
+    # in the return all-to-all (gloo: until the group's timeout; NCCL: for ever).
+    top_k, tile = _check_routing_options(top_k, E, score, routing, rounding, tile)
+    capacity = _check_capacity_arg(capacity)
+    _check_expert_options(activation, weight_layout, activation_memory, swiglu_alpha, swiglu_limit)
     if not isinstance(w2, Tensor) or w2.dim() != 3:
         _fail("w2", "an (E_local, d, n) tensor", getattr(w2, "shape", type(w2).__name__))
     rows = 2 * w2.shape[2] if activation in GLU_ACTIVATIONS else w2.shape[2]
@@ -1045,7 +1082,7 @@ class ExpertParallelOutput(MoEOutput):
 torch.utils._pytree.register_dataclass(ExpertParallelOutput)
 
 
-class ExpertParallelMoE(nn.Module):
+class ExpertParallelMoE(_LossCoefficients, nn.Module):
     """machmoe.MoE with its experts spread over an expert-parallel process group.
 
     Parameters: router_weight (E, d), replicated on every rank (data-parallel over the group: reduce its gradient
@@ -1068,9 +1105,12 @@ class ExpertParallelMoE(nn.Module):
                  swiglu_limit: Optional[float] = None):
         super().__init__()
         self.ep_size, self.ep_rank = _group_size_rank(group)
+        hidden_size = as_int("hidden_size", hidden_size, low=1)
+        intermediate_size = as_int("intermediate_size", intermediate_size, low=1)
+        num_experts = as_int("num_experts", num_experts, low=1)
         _check_divisible(num_experts, self.ep_size)
-        _check_capacity_arg(capacity)
-        _check_routing_options(top_k, num_experts, score, routing, rounding, tile)
+        capacity = _check_capacity_arg(capacity)
+        top_k, tile = _check_routing_options(top_k, num_experts, score, routing, rounding, tile)
         self.group, self.capacity = group, capacity
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
@@ -1118,18 +1158,41 @@ class ExpertParallelMoE(nn.Module):
         return self._dispatch(x, group_rows=True)
 
     def _checked_input(self, x: Tensor):
-        """(x as (tokens, hidden), the router weight as a plain tensor), both checked."""
-        if x.shape[-1] != self.hidden_size:
-            _fail("x", f"(..., {self.hidden_size})", tuple(x.shape))
+        """(x as (tokens, hidden), the router weight as a plain tensor), both checked, and the local experts'
+        weights against x."""
+        require_tensor("x", x)
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
+            _fail("x", f"a tensor of shape (..., {self.hidden_size})", f"shape {tuple(x.shape)}")
         flat = x.reshape(-1, self.hidden_size)
         _check_x(flat)
         router_weight = _local(self.router_weight)
         _check_router(flat, router_weight, self.ep_size)
+        self._check_experts_for(flat)
         return flat, router_weight
 
+    def _check_experts_for(self, x: Tensor) -> None:
+        """The local experts' weights against x's device and dtype, before any communication: the experts call that
+        checks them is skipped on a rank that received no rows, which would then wait in the return all-to-all for
+        the ranks that raised. Left to that call (which checks them on every rank, _check_expert_call) where a
+        forward pre-hook runs on the experts: FSDP2 gathers their shards and casts their input there, so what they
+        hold now is not what the call will use."""
+        experts = self.experts
+        if not isinstance(experts, GroupedExperts) or experts._forward_pre_hooks:
+            return
+        for name in ("w1", "w2", "b1", "b2"):
+            w = getattr(experts, name)
+            if w is None:
+                continue
+            if not isinstance(w, Tensor) or hasattr(w, "to_local"):  # DTensors: sharded, used through to_local()
+                return
+            if w.device != x.device:
+                _fail(f"experts.{name}", f"a tensor on {x.device} (the device of x)", f"a tensor on {w.device}")
+            if w.dtype != x.dtype:
+                _fail(f"experts.{name}", f"dtype {x.dtype} (the dtype of x)", w.dtype)
+
     def _dispatch(self, x: Tensor, group_rows: bool) -> ExpertParallelDispatch:
-        shape = x.shape
         flat, router_weight = self._checked_input(x)
+        shape = x.shape
         dispatched = _dispatch(flat, router_weight, ep_size=self.ep_size, top_k=self.top_k, group=self.group,
                                capacity=self.capacity, score=self.score, routing=self.routing,
                                rounding=self.rounding, tile=self.tile, group_rows=group_rows)

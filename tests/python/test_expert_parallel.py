@@ -12,10 +12,12 @@ import json
 import math
 import os
 import socket
+import time
 import traceback
 import warnings
 import zlib
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -256,11 +258,12 @@ def scenario_argument_errors(rank, world):
         assert f"'w1': expected the {El} local experts of rank {rank}" in str(e), str(e)
     else:
         raise AssertionError("no error for the full expert weights")
-    for bad in (0, -3, 2.5, True):
+    for bad in (0, -3, 2.5, True):  # wrong values raise ValueError, wrong kinds TypeError
         try:
             ExpertParallelMoE(D, N, 2 * world, 2, capacity=bad)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             assert "argument 'capacity'" in str(e)
+            assert isinstance(e, ValueError if isinstance(bad, int) and not isinstance(bad, bool) else TypeError)
         else:
             raise AssertionError(f"capacity={bad!r} accepted")
     try:
@@ -636,6 +639,144 @@ def scenario_fsdp2_mixed_precision_keeps_scores(rank, world):
     assert_close("grad x", dx, ref_dx, 1e-5)
 
 
+# ---- argument checks: every rank raises, before any communication ----------------------------------------------
+# These run in a group with a short timeout (CHECKS_TIMEOUT_S): a rank that does not raise while the others do waits
+# in a collective for them, and the timeout turns that hang into a failure.
+
+CHECKS_TIMEOUT_S = 10
+
+
+def rank0_only_layer(seed, world):
+    """A layer and inputs under which rank 0 alone has tokens, all routed to rank 0's experts: every other rank
+    receives no rows and skips the experts call (the case where checks made only there would not be made)."""
+    E = 2 * world
+    m = skewed_layer(seed, E, world, 8.0, bias=False)
+    x = skewed_inputs(seed, [6] + [0] * (world - 1), 0.2)
+    return m, E, x
+
+
+def expect_raised_on_every_rank(rank, error, match, fn):
+    """fn() raises error (message matching `match`) on this rank, promptly: well before the group's timeout, which a
+    rank still waiting in a collective for a rank that raised would reach. Then a collective that every rank enters
+    shows that none is still inside one."""
+    import re
+    start = time.monotonic()
+    try:
+        fn()
+    except error as e:
+        assert re.search(match, str(e)), f"rank {rank}: {e}"
+    else:
+        raise AssertionError(f"rank {rank}: no {error.__name__} matching {match!r}")
+    elapsed = time.monotonic() - start
+    assert elapsed < CHECKS_TIMEOUT_S / 2, f"rank {rank}: raised after {elapsed:.1f} s (waited in a collective?)"
+    flag = torch.ones(1)
+    dist.all_reduce(flag)
+    assert int(flag) == dist.get_world_size()
+
+
+def scenario_options_checked_on_every_rank(rank, world):
+    m, E, xs = rank0_only_layer(30, world)
+    El = E // world
+    x = xs[rank]
+    local = slice(rank * El, (rank + 1) * El)
+    w1, w2 = m.w1[local].detach(), m.w2[local].detach()
+    _, _, counts, _ = expert_parallel_moe(x, m.router_weight, w1, w2, top_k=2)
+    c = counts.to(torch.int64)
+    dist.all_reduce(c)
+    assert int(c[:El].sum()) == int(c.sum()) > 0, c  # as intended: only rank 0 receives rows
+    expect_raised_on_every_rank(rank, ValueError, "argument 'activation_memory': expected one of .*, got 'bogus'",
+                                lambda: expert_parallel_moe(x, m.router_weight, w1, w2, top_k=2,
+                                                            activation_memory="bogus"))
+    # relu experts have n rows in w1: the shapes are right, the layout is not (a GLU-only option).
+    w1_relu = w1[:, :N].contiguous()
+    expect_raised_on_every_rank(rank, ValueError, "argument 'weight_layout': expected 'interleaved' for the non-GLU "
+                                "activation 'relu'",
+                                lambda: expert_parallel_moe(x, m.router_weight, w1_relu, w2, top_k=2,
+                                                            activation="relu", weight_layout="concatenated"))
+    for capacity in (None, 16):
+        expect_raised_on_every_rank(rank, ValueError, "argument 'activation_memory'",
+                                    lambda: expert_parallel_moe(x, m.router_weight, w1, w2, top_k=2,
+                                                                capacity=capacity, activation_memory="bogus"))
+    out, _, _, _ = expert_parallel_moe(x, m.router_weight, w1, w2, top_k=2)  # the group still works
+    assert out.shape == x.shape
+
+
+def scenario_module_experts_checked_on_every_rank(rank, world):
+    m, _, xs = rank0_only_layer(31, world)
+    for capacity in (None, 16):
+        ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
+        ep.experts.float()  # experts in float32 under a float64 router and input: refused on every rank
+        expect_raised_on_every_rank(rank, ValueError, "argument 'experts.w1': expected dtype torch.float64 \\(the "
+                                    "dtype of x\\), got torch.float32", lambda: ep(xs[rank]))
+        # Where a pre-forward hook may change the experts (FSDP2 gathers and casts there), the experts call checks
+        # them instead, on every rank, the one without rows included.
+        handle = ep.experts.register_forward_pre_hook(lambda module, args: None)
+        expect_raised_on_every_rank(rank, ValueError, "argument 'w1': expected dtype torch.float64",
+                                    lambda: ep(xs[rank]))
+        handle.remove()
+        ep.experts.double()
+        assert ep(xs[rank]).output.shape == xs[rank].shape
+
+
+def scenario_loss_coefficients_checked(rank, world):
+    for name in ("aux_loss_coef", "z_loss_coef"):
+        with pytest.raises(ValueError, match=f"argument '{name}': expected a finite real number >= 0 .*, got -0.01"):
+            ExpertParallelMoE(D, N, 2 * world, 2, **{name: -0.01})
+        with pytest.raises(TypeError, match=f"argument '{name}': expected a real number >= 0, got '0.1' \\(str\\)"):
+            ExpertParallelMoE(D, N, 2 * world, 2, **{name: "0.1"})
+        ep = ExpertParallelMoE(D, N, 2 * world, 2, **{name: np.float32(0.5)})
+        assert getattr(ep, name) == 0.5 and type(getattr(ep, name)) is float
+        with pytest.raises(ValueError, match=f"argument '{name}'.*got -1"):
+            setattr(ep, name, -1)  # set later: checked too, where forward would have skipped the loss
+        with pytest.raises(TypeError, match=f"argument '{name}'"):
+            setattr(ep, name, "0.1")
+        assert getattr(ep, name) == 0.5
+
+
+def scenario_integer_like_options(rank, world):
+    m = make_layer(32, E=2 * world, routing="token_rounding", tile=8)
+    x = make_inputs(32, per_rank([9, 11, 4, 7], world))[rank]
+    for capacity in (None, 32):
+        ref = ExpertParallelMoE.from_moe(m, capacity=capacity)(x).output
+        for cast in (np.int64, np.int32, torch.tensor):
+            ep = ExpertParallelMoE(cast(D), cast(N), cast(2 * world), cast(2), routing="token_rounding",
+                                   tile=cast(8), capacity=None if capacity is None else cast(capacity),
+                                   dtype=torch.float64, bias=True)
+            assert all(type(v) is int for v in (ep.hidden_size, ep.num_experts, ep.top_k, ep.tile))
+            assert capacity is None or type(ep.capacity) is int
+            ep.load_state_dict(ExpertParallelMoE.from_moe(m, capacity=capacity).state_dict())
+            assert torch.equal(ep(x).output, ref)
+            out, _, _, _ = expert_parallel_moe(x, ep.router_weight, ep.experts.w1, ep.experts.w2, ep.experts.b1,
+                                               ep.experts.b2, top_k=cast(2), routing="token_rounding", tile=cast(8),
+                                               capacity=None if capacity is None else cast(capacity))
+            assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="argument 'top_k': expected an integer in \\[1, 4\\] \\(the number of "
+                                         "experts\\), got 5"):
+        ExpertParallelMoE(D, N, 4, np.int64(5))
+    with pytest.raises(TypeError, match="argument 'top_k': expected an integer, got 2.0"):
+        ExpertParallelMoE(D, N, 4, 2.0)
+    # The same bound on the tile as machmoe.MoE (and the operators): refused at construction, not in forward.
+    with pytest.raises(ValueError, match="argument 'tile': expected a multiple of 8 in \\[8, 4096\\], got 8192"):
+        ExpertParallelMoE(D, N, 4, 2, tile=8192)
+    with pytest.raises(ValueError, match="argument 'tile'"):
+        expert_parallel_moe(x, m.router_weight, m.w1[:2], m.w2[:2], top_k=2, tile=8192)
+
+
+def scenario_input_messages(rank, world):
+    ep = ExpertParallelMoE.from_moe(make_layer(33, E=2 * world))
+    with pytest.raises(TypeError, match="argument 'x': expected a torch.Tensor, got NoneType"):
+        ep(None)
+    with pytest.raises(ValueError, match=f"argument 'x': expected a tensor of shape \\(..., {D}\\), got shape "
+                                         "\\(\\)"):
+        ep(torch.tensor(1.0, dtype=torch.float64))
+    with pytest.raises(TypeError, match="argument 'x': expected a torch.Tensor, got list"):
+        ep.dispatch([[0.0] * D])
+
+
+SCENARIOS_2_CHECKS = ["options_checked_on_every_rank", "module_experts_checked_on_every_rank",
+                      "loss_coefficients_checked", "integer_like_options", "input_messages"]
+
+
 SCENARIOS_2 = [
     "topk_float64", "topk_float32_geglu_concatenated", "token_rounding_float64", "token_rounding_up_relu",
     "skewed_routing", "rank_without_tokens", "rank_receives_nothing", "num_experts_not_divisible",
@@ -653,14 +794,14 @@ SCENARIOS_8 = ["topk_float64", "token_rounding_float64", "skewed_routing", "rank
 
 # ---- the process harness ------------------------------------------------------------------------------------------
 
-def _worker(rank, world, port, module_name, names, out_dir, backend):
+def _worker(rank, world, port, module_name, names, out_dir, backend, timeout_s=120):
     """One rank: runs module_name's scenario_<name>(rank, world) for every name, recording each outcome."""
     import importlib
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=torch.device("cuda", rank) if backend == "nccl" else None)
     module = importlib.import_module(module_name)
     results, failed = {}, None
@@ -688,11 +829,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def spawn_scenarios(world, module_name, names, out_dir, backend="gloo"):
-    """Runs the scenarios on `world` processes; returns ({rank: {name: "ok" | traceback}}, error or None)."""
+def spawn_scenarios(world, module_name, names, out_dir, backend="gloo", timeout_s=120):
+    """Runs the scenarios on `world` processes, whose collectives fail after timeout_s; returns
+    ({rank: {name: "ok" | traceback}}, error or None)."""
     error = None
     try:
-        mp.spawn(_worker, args=(world, _free_port(), module_name, names, out_dir, backend), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), module_name, names, out_dir, backend, timeout_s), nprocs=world,
+                 join=True)
     except Exception as e:  # a crashed worker: its scenarios show up as missing
         error = f"worker processes failed: {e}"
     results = {}
@@ -715,6 +858,12 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def two_ranks_checks(tmp_path_factory):
+    return spawn_scenarios(2, __name__, SCENARIOS_2_CHECKS, str(tmp_path_factory.mktemp("ep2checks")),
+                           timeout_s=CHECKS_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     return spawn_scenarios(4, __name__, SCENARIOS_4, str(tmp_path_factory.mktemp("ep4")))
 
@@ -727,6 +876,11 @@ def eight_ranks(tmp_path_factory):
 @pytest.mark.parametrize("name", SCENARIOS_2)
 def test_two_ranks(two_ranks, name):
     assert_scenario(two_ranks, name)
+
+
+@pytest.mark.parametrize("name", SCENARIOS_2_CHECKS)
+def test_two_ranks_argument_checks(two_ranks_checks, name):
+    assert_scenario(two_ranks_checks, name)
 
 
 @pytest.mark.parametrize("name", SCENARIOS_4)
@@ -854,6 +1008,41 @@ def test_grouped_experts_module_errors():
         ge(x, expert_index=torch.zeros(4))
     with pytest.raises(ValueError, match="'num_tokens_per_expert': expected None when expert_index is given"):
         ge(x, torch.tensor([2, 2]), expert_index=torch.tensor([0, 1, 1, 0]))
+
+
+def test_grouped_experts_sizes_and_bias_checked():
+    """Sizes as machmoe.MoE takes them: numpy integers and 0-d tensors become ints; anything else is refused with
+    the argument's name, not a torch.empty error."""
+    ge = GroupedExperts(np.int64(D), torch.tensor(N), np.int32(2), dtype=torch.float64)
+    assert (ge.hidden_size, ge.intermediate_size, ge.num_experts) == (D, N, 2)
+    assert all(type(v) is int for v in (ge.hidden_size, ge.intermediate_size, ge.num_experts))
+    assert ge.w1.shape == (2, 2 * N, D)
+    with pytest.raises(ValueError, match="machmoe: argument 'hidden_size': expected an integer >= 1, got 0"):
+        GroupedExperts(0, N, 2)
+    with pytest.raises(ValueError, match="machmoe: argument 'num_experts': expected an integer >= 1, got -2"):
+        GroupedExperts(D, N, -2)
+    with pytest.raises(TypeError, match="machmoe: argument 'intermediate_size': expected an integer, got 4.0"):
+        GroupedExperts(D, 4.0, 2)
+    with pytest.raises(TypeError, match="machmoe: argument 'bias': expected a bool, got str"):
+        GroupedExperts(D, N, 2, bias="no")  # would have created biases
+
+
+@pytest.mark.parametrize("cast", [np.int64, np.int32, torch.tensor])
+def test_route_takes_integer_like_options(cast):
+    """top_k and tile as machmoe.MoE takes them (numpy integers, 0-d tensors), not only Python ints: np.int64(2) was
+    refused with 'expected an integer in [1, 4], got 2'."""
+    logits = torch.randn(20, 4, generator=gen("route-int"), dtype=torch.float64)
+    for routing in ("topk", "token_rounding"):
+        ref = route(logits, top_k=2, routing=routing, tile=8)
+        got = route(logits, top_k=cast(2), routing=routing, tile=cast(8))
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), routing
+    with pytest.raises(ValueError, match="argument 'top_k': expected an integer in \\[1, 4\\] \\(the number of "
+                                         "experts\\), got 5"):
+        route(logits, top_k=cast(5))
+    with pytest.raises(ValueError, match="argument 'tile': expected a multiple of 8 in \\[8, 4096\\], got 8192"):
+        route(logits, top_k=2, tile=cast(8192))
+    with pytest.raises(TypeError, match="argument 'top_k': expected an integer, got True"):
+        route(logits, top_k=True)
 
 
 def titan_reference(x, num_tokens_per_expert, w1, w2, w3):

@@ -163,7 +163,8 @@ def test_from_gpt_oss_builds_the_module_and_biased_routers_go_through_moe_from_r
     gate_up, gate_up_bias, down, down_bias, router = hf_tensors(E, d, n, True)
     x = torch.randn(T, d, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     for layout in ("interleaved", "concatenated"):
-        moe = machmoe.MoE.from_gpt_oss(gate_up, gate_up_bias, down, down_bias, router, top_k=K, weight_layout=layout)
+        moe = machmoe.MoE.from_gpt_oss(gate_up, gate_up_bias, down, down_bias, router, top_k=K, router_bias=None,
+                                       weight_layout=layout)
         assert (moe.num_experts, moe.hidden_size, moe.intermediate_size, moe.top_k) == (E, d, n, K)
         assert moe.activation == "gptoss_swiglu" and moe.score == "softmax_topk" and moe.b1 is not None
         assert (moe.swiglu_alpha, moe.swiglu_limit) == (ALPHA, LIMIT)
@@ -182,7 +183,7 @@ def test_from_gpt_oss_builds_the_module_and_biased_routers_go_through_moe_from_r
     rw, rb = router.clone().requires_grad_(), router_bias.clone().requires_grad_()
     logits = xr @ rw.T + rb
     tok, exp, s = route(logits, K, "softmax_topk")
-    moe = machmoe.MoE.from_gpt_oss(gate_up, gate_up_bias, down, down_bias, router, top_k=K)
+    moe = machmoe.MoE.from_gpt_oss(gate_up, gate_up_bias, down, down_bias, router, top_k=K, router_bias=None)
     out, _ = machmoe.moe_from_routing(xr, moe.w1, moe.w2, tok, exp, s.contiguous(), moe.b1, moe.b2,
                                       max_experts_per_token=K, activation="gptoss_swiglu")
     xh, rwh, rbh = x.clone().requires_grad_(), router.clone().requires_grad_(), router_bias.clone().requires_grad_()
@@ -221,7 +222,50 @@ def test_loader_checks_before_writing():
     with pytest.raises(ValueError, match="gptoss_swiglu"):
         swiglu.load_gpt_oss_experts(gate_up, gate_up_bias, down, down_bias)
     with pytest.raises(TypeError, match="fixed by gpt-oss"):
-        machmoe.MoE.from_gpt_oss(gate_up, gate_up_bias, down, down_bias, router, top_k=K, activation="swiglu")
+        machmoe.MoE.from_gpt_oss(gate_up, gate_up_bias, down, down_bias, router, top_k=K, router_bias=None,
+                                 activation="swiglu")
+
+
+def test_from_gpt_oss_requires_router_bias():
+    """gpt-oss's router always has a bias, which machmoe's router cannot take: leaving router_bias out must not
+    drop it silently. None said explicitly still means a router without bias."""
+    E, d, n, K = 4, 16, 8, 2
+    gate_up, gate_up_bias, down, down_bias, router = hf_tensors(E, d, n, True)
+    with pytest.raises(TypeError, match="router_bias"):
+        machmoe.MoE.from_gpt_oss(gate_up, gate_up_bias, down, down_bias, router, top_k=K)
+    moe = machmoe.MoE.from_gpt_oss(gate_up, gate_up_bias, down, down_bias, router, top_k=K, router_bias=None)
+    assert torch.equal(moe.router_weight, router)
+    with pytest.raises(TypeError, match="machmoe: argument 'router_bias': expected a torch.Tensor or None, got list"):
+        machmoe.MoE.from_gpt_oss(gate_up, gate_up_bias, down, down_bias, router, top_k=K, router_bias=[0.0] * E)
+
+
+@pytest.mark.parametrize("missing", ["router_weight", "gate_up_proj", "down_proj"])
+def test_from_gpt_oss_requires_every_weight(missing):
+    E, d, n, K = 4, 16, 8, 2
+    tensors = dict(zip(["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias", "router_weight"],
+                       hf_tensors(E, d, n, True)))
+    tensors[missing] = None  # a None router_weight used to keep the random router
+    with pytest.raises(TypeError, match=f"machmoe: argument '{missing}': expected a torch.Tensor, got NoneType"):
+        machmoe.MoE.from_gpt_oss(**tensors, top_k=K, router_bias=None)
+
+
+@pytest.mark.parametrize("missing", ["gate_up_proj", "down_proj"])
+def test_load_gpt_oss_experts_requires_the_expert_weights(missing):
+    """A None down_proj used to leave w2 random, a None gate_up_proj was reported as missing gate_proj and up_proj
+    (arguments this loader does not have); neither writes anything now."""
+    E, d, n, K = 4, 24, 8, 2
+    gate_up, gate_up_bias, down, down_bias, router = hf_tensors(E, d, n, True)
+    moe = machmoe.MoE(d, n, E, K, activation="gptoss_swiglu", bias=True, dtype=torch.float64)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    args = dict(gate_up_proj=gate_up, gate_up_proj_bias=gate_up_bias, down_proj=down, down_proj_bias=down_bias)
+    args[missing] = None
+    with pytest.raises(TypeError, match=f"machmoe: argument '{missing}': expected a torch.Tensor, got NoneType"):
+        moe.load_gpt_oss_experts(**args, router_weight=router)
+    assert all(torch.equal(before[k], v) for k, v in moe.state_dict().items())
+    # The router is named as this loader's argument, and checked before the experts are written.
+    with pytest.raises(ValueError, match="argument 'router_weight': expected shape \\(4, 24\\)"):
+        moe.load_gpt_oss_experts(gate_up, gate_up_bias, down, down_bias, router_weight=router[:, :-1])
+    assert all(torch.equal(before[k], v) for k, v in moe.state_dict().items())
 
 
 def test_parameters_are_validated_and_belong_to_gptoss_swiglu():
@@ -269,8 +313,8 @@ def test_bf16_gpu_module_matches_the_hf_transcription(cuda, layout, bias, cache)
     x = torch.randn(T, d, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     assert min(clamped_fractions(x.double(), tensors[0].double(),
                                  tensors[1].double() if bias else None)) > 0.08
-    moe = machmoe.MoE.from_gpt_oss(*tensors, top_k=K, weight_layout=layout, activation_memory=cache, device=cuda) \
-        if bias else machmoe.MoE(d, n, E, K, activation="gptoss_swiglu", weight_layout=layout,
+    moe = machmoe.MoE.from_gpt_oss(*tensors, top_k=K, router_bias=None, weight_layout=layout,
+                                   activation_memory=cache, device=cuda) if bias else machmoe.MoE(d, n, E, K, activation="gptoss_swiglu", weight_layout=layout,
                                  activation_memory=cache, device=cuda, dtype=torch.bfloat16).load_gpt_oss_experts(
                                      tensors[0], None, tensors[2], None, router_weight=tensors[4])
     xg = x.to(cuda).requires_grad_()

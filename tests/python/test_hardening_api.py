@@ -543,6 +543,76 @@ def test_loss_coefficients_checked(name):
     assert getattr(m, name) == 0.5
 
 
+def test_tile_bounded_as_in_the_operators():
+    """tile=8192 used to construct, and then every forward failed in the operator ('[8, 4096]')."""
+    with pytest.raises(ValueError, match="machmoe: argument 'tile': expected a multiple of 8 in \\[8, 4096\\], got "
+                                         "8192"):
+        machmoe.MoE(16, 8, 4, 2, routing="token_rounding", tile=8192)
+    with pytest.raises(ValueError, match="argument 'tile': expected a multiple of 8 in \\[8, 4096\\], got 0"):
+        machmoe.MoE(16, 8, 4, 2, tile=0)
+    assert machmoe.MoE(16, 8, 4, 2, tile=np.int64(4096)).tile == 4096
+    x, rw, w1, w2, _, _ = make()
+    with pytest.raises(ValueError, match="argument 'tile': expected a multiple of 8 in \\[8, 4096\\], got 8192"):
+        machmoe.moe(x, rw, w1, w2, top_k=2, tile=8192)
+
+
+@pytest.mark.parametrize("value", ["no", 0, 1, None, np.bool_(True)])
+def test_bias_must_be_a_bool(value):
+    """bias="no" used to create biases (any truthy object did)."""
+    with pytest.raises(TypeError, match="machmoe: argument 'bias': expected a bool, got "):
+        machmoe.MoE(16, 8, 4, 2, bias=value)
+    assert machmoe.MoE(16, 8, 4, 2, bias=False).b1 is None and machmoe.MoE(16, 8, 4, 2, bias=True).b1 is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_module_in_a_dtype_the_cpu_cannot_run(dtype):
+    """Built on the CPU in bf16/fp16, a MoE used to construct and then refuse every forward."""
+    for device in ("cpu", torch.device("cpu")):
+        with pytest.raises(ValueError, match="machmoe: argument 'dtype': expected one of \\(torch.float32, "
+                                             f"torch.float64\\) for a MoE on the CPU .*, got {dtype}"):
+            machmoe.MoE(16, 8, 4, 2, device=device, dtype=dtype)
+    # Without a device the module may be meant for a GPU (built, then moved): not refused here.
+    assert machmoe.MoE(16, 8, 4, 2, dtype=dtype).w1.dtype == dtype
+    assert machmoe.MoE(16, 8, 4, 2, device="meta", dtype=dtype).w1.is_meta
+    assert machmoe.MoE(16, 8, 4, 2, device="cpu", dtype=torch.float32).w1.dtype == torch.float32
+
+
+def non_unit_inner_stride(t):
+    """t's values in a view whose last dimension is not unit-stride: 2-D as x.t().contiguous().t() (a transposed
+    activation), otherwise every other column of a buffer twice as wide."""
+    if t.dim() == 2:
+        return t.t().contiguous().t()
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+@pytest.mark.parametrize("shape", [(12, 16), (3, 4, 16), (16,)])
+def test_module_input_with_non_unit_inner_stride(shape):
+    """A transposed 2-D input used to fail with 'expected unit stride in the last dimension' (3-D ones were
+    reshaped); MoE.forward now copies x when its inner stride is not 1, so a strided input gives the contiguous
+    input's output and input gradient, bitwise."""
+    m = module(3)
+    base = torch.randn(*shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    go = torch.randn(*shape, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    results = []
+    for x in (base.clone(), non_unit_inner_stride(base)):
+        x.requires_grad_()
+        out = m(x).output
+        (dx,) = torch.autograd.grad((out * go).sum(), [x])
+        results.append((x.stride(-1), out, dx))
+    (contiguous_stride, out_c, dx_c), (strided, out_s, dx_s) = results
+    assert contiguous_stride == 1 and strided != 1
+    assert out_s.shape == out_c.shape == shape and dx_s.shape == shape
+    assert torch.equal(out_s, out_c) and torch.equal(dx_s, dx_c)
+
+
+def test_functional_api_leaves_the_copy_to_the_caller():
+    x, rw, w1, w2, _, _ = make()
+    with pytest.raises(ValueError, match="argument 'x': expected unit stride in the last dimension"):
+        machmoe.moe(non_unit_inner_stride(x), rw, w1, w2, top_k=2)
+
+
 def test_option_strings_checked_before_lookup():
     x, rw, w1, w2, _, _ = make()
     with pytest.raises(ValueError, match="argument 'activation': expected one of .*, got \\['swiglu'\\]"):
@@ -550,7 +620,7 @@ def test_option_strings_checked_before_lookup():
     with pytest.raises(ValueError, match="argument 'weight_layout': expected 'interleaved' for the non-GLU "
                                          "activation 'relu'"):
         machmoe.MoE(16, 8, 4, 2, activation="relu", weight_layout="concatenated")
-    with pytest.raises(ValueError, match="argument 'tile': expected a positive multiple of 8, got 12"):
+    with pytest.raises(ValueError, match="argument 'tile': expected a multiple of 8 in \\[8, 4096\\], got 12"):
         machmoe.MoE(16, 8, 4, 2, routing="token_rounding", tile=12)
 
 

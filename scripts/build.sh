@@ -2,6 +2,9 @@
 # Configures and builds into build/ (Release: -DNDEBUG, which the CUTLASS kernels need). Used by main.sh and test.sh.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=python_env.sh
+. "$root/scripts/python_env.sh"
+machmoe_use_venv "$root"  # the python3 setup.sh installed into
 build="${MACHMOE_BUILD_DIR:-$root/build}"
 jobs="${MACHMOE_JOBS:-$(nproc)}"
 # The PyTorch operator library is built whenever the python3 found can import torch.

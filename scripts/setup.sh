@@ -9,6 +9,9 @@
 # (/usr/local/cuda on the development, CI and GPU machines) and builds the CPU library alone otherwise.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=python_env.sh
+. "$root/scripts/python_env.sh"
+machmoe_use_venv "$root"  # a .venv made by an earlier run
 cutlass_version=4.2.0.0
 cutlass_dir="$root/third_party/cutlass"
 
@@ -45,18 +48,33 @@ if ! have_cutlass; then
     --root-user-action=ignore --target "$cutlass_dir" "nvidia-cutlass==$cutlass_version"
   echo "$cutlass_version" > "$cutlass_dir/.version"
 fi
-# The PyTorch front end: torch from PyPI (the CUDA 13.0 build; pip caches the wheels), pytest, numpy. Skipped when
-# torch is already importable (the GPU machine's image has torch 2.11) or MACHMOE_NO_TORCH=1.
+# The PyTorch front end: torch from PyPI (the CUDA 13.0 build; pip caches the wheels), pytest, numpy, and python -m
+# machmoe.benchmark's optional extras: plots (matplotlib) and progress bars (rich, tqdm). Each group is installed only
+# when one of its modules does not import (the GPU machine's image has them all, and no network); nothing with
+# MACHMOE_NO_TORCH=1.
 if [ "${MACHMOE_NO_TORCH:-0}" != 1 ]; then
-  if ! python3 -c "import torch" >/dev/null 2>&1; then
-    echo "setup: installing torch==2.11.0 from PyPI (large; cached by pip after the first time)"
-    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "torch==2.11.0"
+  python_groups=("torch:torch==2.11.0" "pytest,numpy,scikit_build_core:pytest numpy scikit-build-core"
+                 "matplotlib,rich,tqdm:matplotlib rich tqdm")
+  to_install=()
+  for group in "${python_groups[@]}"; do
+    python3 -c "import ${group%%:*}" >/dev/null 2>&1 || to_install+=("$group")
+  done
+  if [ ${#to_install[@]} -gt 0 ] && machmoe_python_externally_managed; then
+    # pip may not install into this python3 (PEP 668): a virtual environment of the checkout's own, which sees the
+    # system's packages, and which build.sh and test.sh use from now on.
+    echo "setup: $(command -v python3) is externally managed (PEP 668): making the virtual environment .venv/"
+    if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then
+      sudo_if_needed apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -qq --no-install-recommends python3-venv
+    fi
+    python3 -m venv --system-site-packages "$root/.venv"
+    machmoe_use_venv "$root"
   fi
-  python3 -c "import pytest, numpy, scikit_build_core" >/dev/null 2>&1 ||
-    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore pytest numpy scikit-build-core
-  # python -m machmoe.benchmark's optional extras: plots (matplotlib) and progress bars (rich, tqdm).
-  python3 -c "import matplotlib, rich, tqdm" >/dev/null 2>&1 ||
-    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore matplotlib rich tqdm
+  for group in ${to_install[@]+"${to_install[@]}"}; do
+    read -r -a packages <<< "${group#*:}"
+    [ "${group%%:*}" = torch ] && echo "setup: installing torch==2.11.0 from PyPI (large; cached by pip after the first time)"
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${packages[@]}"
+  done
 fi
-echo "setup: ok (cmake $(cmake --version | head -n1 | awk '{print $3}'), CUTLASS $cutlass_version," \
+echo "setup: ok (cmake $(cmake --version | head -n1 | awk '{print $3}'), CUTLASS $cutlass_version, python3 $(command -v python3)," \
      "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo "not found: CPU-only build"))"

@@ -2,14 +2,24 @@
 # The tests, from nothing: set up, build, run the CPU test suites: CTest label "cpu" and the PyTorch tests not marked
 # gpu. On a GPU machine pass --gpu to run every test that needs one GPU; on the 2-GPU machine --multigpu, on a 4-GPU
 # one --gpus4, on an 8-GPU one --gpus8 to run everything the machine can (GPU tests fail, not skip, without their
-# GPUs).
+# GPUs). It fails when a part it should run is missing: the PyTorch operators (unless MACHMOE_NO_TORCH=1 on a CPU
+# run), or with --gpu* the GPU test binary.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 labels=(-L cpu)
-case "${1:-}" in --gpu|--multigpu|--gpus4|--gpus8) labels=() ;; esac
+gpu_run=no
+case "${1:-}" in --gpu|--multigpu|--gpus4|--gpus8) labels=() gpu_run=yes ;; esac
 bash "$root/scripts/setup.sh"
+# shellcheck source=python_env.sh
+. "$root/scripts/python_env.sh"
+machmoe_use_venv "$root"  # the python3 setup.sh installed into
 bash "$root/scripts/build.sh"
 build="${MACHMOE_BUILD_DIR:-$root/build}"
+# A GPU run without the GPU tests would pass on the CPU tests alone: the CUDA sources are built only where nvcc is.
+if [ "$gpu_run" = yes ] && [ ! -x "$build/tests/machmoe_gpu_tests" ]; then
+  echo "test: $1 asks for the GPU tests, but the build has none (no nvcc found: the CUDA sources were not built)" >&2
+  exit 1
+fi
 if ! (cd "$build" && ctest --output-on-failure --parallel "$(nproc)" ${labels[@]+"${labels[@]}"}); then
   # CTest lists each gtest binary's tests when it starts; when that fails, its message (the whole list) fills the
   # end of the log. Say here, last, how the listing went: exit status and time.
@@ -32,6 +42,11 @@ if [ -f "$build/lib/libmachmoe_torch.so" ]; then
   [ "${1:-}" = "--gpus4" ] && markers=(-m "not gpus8")                    # 4 GPUs
   [ "${1:-}" = "--gpus8" ] && markers=()                                  # 8 GPUs: everything
   (cd "$root/tests/python" && python3 -m pytest -q -p no:cacheprovider . ${markers[@]+"${markers[@]}"})
+elif [ "${MACHMOE_NO_TORCH:-0}" = 1 ] && [ "$gpu_run" = no ]; then
+  echo "test: MACHMOE_NO_TORCH=1: the PyTorch front end was not built, and its tests did not run"
 else
-  echo "test: torch is not importable, so the PyTorch tests were not built or run (MACHMOE_NO_TORCH=1?)"
+  # Setup installs torch, so a missing operator library is a failure, not a reason to pass on fewer tests.
+  echo "test: the PyTorch operator library was not built ($build/lib/libmachmoe_torch.so is missing: python3 cannot" \
+       "import torch?), so the PyTorch tests cannot run" >&2
+  exit 1
 fi

@@ -120,7 +120,6 @@ class MoE(_LossCoefficients, nn.Module):
             raise TypeError(f"machmoe: argument 'main_grad_dtype': expected a floating-point torch.dtype "
                             f"(torch.float32, or the parameters' dtype), got {main_grad_dtype!r}")
         self.accumulate_into_main_grad, self.main_grad_dtype = accumulate_into_main_grad, main_grad_dtype
-        _check_cpu_dtype(device, dtype)
         rows = 2 * intermediate_size if activation in GLU_ACTIVATIONS else intermediate_size
         kw = dict(device=device, dtype=dtype)
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
@@ -428,18 +427,6 @@ class MoE(_LossCoefficients, nn.Module):
                 self.b1[:, n:].copy_(gate_up_proj_bias[:, 1::2])
             self.b2.copy_(down_proj_bias)
         return self
-
-
-def _check_cpu_dtype(device, dtype) -> None:
-    """A MoE placed on the CPU (device given) in a dtype the CPU path cannot run would be built, then refuse every
-    forward: say so at construction. Without a device nothing is decided here: a module built on the default device
-    in bfloat16 and moved to a GPU afterwards is an ordinary pattern."""
-    if device is None or torch.device(device).type != "cpu":
-        return
-    dtype = torch.get_default_dtype() if dtype is None else dtype
-    if dtype not in F._CPU_DTYPES:
-        fail("dtype", f"one of {F._CPU_DTYPES} for a MoE on the CPU (the CPU path runs float32 and float64; "
-             f"bfloat16 and float16 run on CUDA devices)", dtype)
 
 
 def _check_weight(name: str, t, shape) -> None:

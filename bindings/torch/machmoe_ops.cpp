@@ -109,6 +109,15 @@ void check_byte_buffer(const char* op, const char* arg, const Tensor& buf, const
   if (!buf.is_contiguous()) fail(op, arg, "a contiguous tensor", "stride " + std::to_string(buf.stride(0)));
 }
 
+/// Bumps the version counter of each caller buffer (into_*) that an operator has just written. The schema declares
+/// them written (Tensor(a!)), but the kernel writes through raw pointers, which autograd does not see: without the
+/// bump, a graph that saved one of these tensors (a main_grad read by another computation) would not notice that
+/// its value changed and would compute its backward from the new values instead of raising its in-place error.
+void bump_versions(std::initializer_list<const OptTensor*> buffers) {
+  for (const OptTensor* t : buffers)
+    if (t->has_value() && (*t)->defined()) (*t)->unsafeGetTensorImpl()->bump_version();
+}
+
 /// The problem from the operands and the integer options (enum codes of machmoe/problem.hpp), every integer
 /// checked before it is converted.
 machmoe::MoEProblem problem_of(const char* op, const Tensor& x, const Tensor& w1, const Tensor& w2,
@@ -392,6 +401,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
                                          workspace.data_ptr(), static_cast<std::size_t>(workspace.numel()), consume};
   machmoe::backward(p, a.x, a.weights, a.routing(), ig.inputs, bo, buffers, stream_for(x));
   if (consume) saved.unsafeGetTensorImpl()->bump_version();  // written from here on, whatever follows
+  // (finish_backward_w1 below writes no caller buffer: w1_later requires into_w1 and into_b1 absent.)
+  bump_versions({&into_router_weight, &into_w1, &into_b1, &into_w2, &into_b2});
   if (w1_later) {
     // Stream-ordered: the caching allocator hands the workspace's block out again only to work queued after the
     // backward's kernels on this stream.
@@ -431,6 +442,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_input(
                            {saved.data_ptr(), static_cast<std::size_t>(saved.numel()), workspace.data_ptr(),
                             static_cast<std::size_t>(workspace.numel())},
                            {deferred.data_ptr(), static_cast<std::size_t>(deferred.numel())}, stream_for(x));
+  bump_versions({&into_router_weight});
   return {ig.dx, ig.dwr.returned, ig.dscores, deferred};
 }
 
@@ -459,6 +471,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
   machmoe::backward_weight(p, a.x, a.weights, a.routing(), gov, bo, saved.data_ptr(),
                             static_cast<std::size_t>(saved.numel()),
                             {deferred.data_ptr(), static_cast<std::size_t>(deferred.numel())}, stream_for(x));
+  bump_versions({&into_w1, &into_b1, &into_w2, &into_b2});
   return {wg.w1.weight.returned, wg.w1.bias.returned, wg.w2.weight.returned, wg.w2.bias.returned};
 }
 
@@ -695,7 +708,9 @@ TORCH_LIBRARY(machmoe, m) {
   m.impl("fallback_policy", &fallback_policy);
   m.def("check_device_errors(int device) -> ()");
   m.impl("check_device_errors", &check_device_errors);
-  m.def("grouped_expert_index(Tensor counts, int rows) -> Tensor");
+  // SymInt: under torch.compile the row count is the (possibly dynamic) size of the grouped input; an int argument
+  // would guard it to the traced value. The kernel takes it as int64_t (the dispatcher converts a concrete SymInt).
+  m.def("grouped_expert_index(Tensor counts, SymInt rows) -> Tensor");
   m.def("combine_rows(Tensor rows, Tensor? scores, Tensor row_of_pair, Tensor? token_offsets, int top_k, "
         "int num_tokens) -> Tensor");
   m.def("combine_rows_backward(Tensor grad_out, Tensor rows, Tensor scores, Tensor row_of_pair, "

@@ -26,6 +26,12 @@ _CALLER = 2
 def _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, rounding, tile, cache):
     T, d = x.shape
     num_pairs = token_index.shape[0] if routing == _CALLER else 0
+    if isinstance(T, torch.SymInt) or isinstance(num_pairs, torch.SymInt):
+        # A dynamic token (or pair) count: saved_nbytes takes plain ints, so passing T would guard it to the traced
+        # value (one graph per T; a ConstraintViolationError under mark_dynamic). The size is left unknown instead:
+        # `saved` only travels from the forward to the backward, whose real kernels read its actual size, and the
+        # real layer_forward computes and checks it.
+        return torch.library.get_ctx().new_dynamic_size()
     return torch.ops.machmoe.saved_nbytes(
         T, d, w2.shape[2], w1.shape[0], top_k, num_pairs, activation, score, routing, tile, cache, x.element_size(),
         rounding
@@ -83,6 +89,39 @@ def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2
         grad(b2, into_b2),
         scores.new_empty(scores.shape) if caller else x.new_empty((0,)),
     )
+
+
+def _score_dtype(x):
+    # The scores' gradient has the score type of x (bindings/torch/machmoe_ops.cpp, score_type): fp64 for fp64 x,
+    # fp32 otherwise.
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("machmoe::layer_backward_input")
+def _layer_backward_input_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index,
+                               scores, saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
+                               swiglu_alpha=1.702, swiglu_limit=7.0, into_router_weight=None):
+    caller = routing == _CALLER
+    T, d = x.shape
+    E = w1.shape[0]
+    # The router's gradient added into a caller buffer is returned as an empty tensor, as by layer_backward.
+    dwr = x.new_empty((0,)) if caller or into_router_weight is not None else x.new_empty((E, d))
+    dscores = x.new_empty((token_index.shape[0],), dtype=_score_dtype(x)) if caller else x.new_empty((0,))
+    # The deferred buffer's size (deferred_layout in the library) has no operator of its own to compute it here; it
+    # only travels to layer_backward_weight, whose real kernel reads its actual size.
+    deferred = x.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.uint8)
+    return x.new_empty((T, d)), dwr, dscores, deferred
+
+
+@torch.library.register_fake("machmoe::layer_backward_weight")
+def _layer_backward_weight_fake(grad_out, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, saved,
+                                deferred, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
+                                swiglu_alpha=1.702, swiglu_limit=7.0, into_w1=None, into_b1=None, into_w2=None,
+                                into_b2=None):
+    def grad(weight, into):  # as in layer_backward's fake: empty when absent or added into a caller buffer
+        return x.new_empty((0,)) if weight is None or into is not None else x.new_empty(weight.shape)
+
+    return grad(w1, into_w1), grad(b1, into_b1), grad(w2, into_w2), grad(b2, into_b2)
 
 
 _WEIGHTS = ("w1", "b1", "w2", "b2")

@@ -40,6 +40,11 @@ def _check_tensor(name: str, t: Tensor, shape, ref: Tensor, *, ref_name: str = "
     if not ok:
         _fail(name, "a contiguous tensor (call .contiguous())" if not inner_stride_only
               else "unit stride in the last dimension", f"strides {t.stride()}")
+    if inner_stride_only and t.dim() == 2 and t.stride(0) < t.shape[1] and t.shape[0] > 1:
+        # Rows that overlap (an expanded, broadcast tensor: stride 0) are refused by the operators, which view x as
+        # rows of its own; say so here, in the caller's terms. (stride first: no guard on a dynamic T.)
+        _fail(name, f"rows that do not overlap (a stride >= {t.shape[1]} in dimension 0; call .contiguous())",
+              f"strides {t.stride()}")
 
 
 def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, weight_layout: str, top_k,
@@ -207,6 +212,8 @@ def _tensors_pass(x, router_weight, w1, w2, b1, b2, glu: bool) -> bool:
     if dtype not in (_CUDA_DTYPES if x.is_cuda else _CPU_DTYPES) or x.stride(-1) != 1:
         return False
     d = xs[1]
+    if x.stride(0) < d and xs[0] > 1:  # overlapping rows (e.g. expanded): _check_common reports them
+        return False
     E, n = ws[0], ws[2]
     if E < 1 or ws[1] != d:
         return False

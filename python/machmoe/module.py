@@ -182,10 +182,11 @@ class MoE(_LossCoefficients, nn.Module):
         # A (tokens, hidden) input is passed as it is: reshape costs a view and an autograd node each way, a
         # measurable share of the host time of a call (tests/python/test_overhead.py).
         flat = x if len(shape) == 2 else x.reshape(-1, self.hidden_size)
-        if flat.stride(-1) != 1:
-            # The operators read rows with unit inner stride. reshape copies some strided inputs and views others,
-            # and a 2-D one (a transpose) is not reshaped at all: copy here so that every layout of x is accepted,
-            # as for the other PyTorch layers. The functional API leaves the copy to its caller.
+        if flat.stride(-1) != 1 or (flat.stride(0) < self.hidden_size and flat.shape[0] > 1):
+            # The operators read rows with unit inner stride, rows that do not overlap. reshape copies some strided
+            # inputs and views others, a 2-D one (a transpose) is not reshaped at all, and an expanded (broadcast)
+            # input has stride-0 rows: copy here so that every layout of x is accepted, as for the other PyTorch
+            # layers. The functional API leaves the copy to its caller. (stride first: no guard on a dynamic T.)
             flat = flat.contiguous()
         attrs = self.__dict__  # (getattr with a default: modules pickled before these options existed)
         into = None

@@ -1,5 +1,8 @@
 #include "machmoe/tensor.hpp"
 
+#include <cstdint>
+#include <limits>
+
 #include "machmoe/error.hpp"
 
 namespace machmoe {
@@ -57,7 +60,9 @@ TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list
   std::int64_t s = 1;
   for (int i = v.rank - 1; i >= 0; --i) {
     v.stride[i] = s;
-    s *= v.shape[i];
+    // A shape whose element count does not fit in 64 bits saturates its strides instead of overflowing (undefined
+    // behaviour); the entry points reject such a view by its element count.
+    if (__builtin_mul_overflow(s, v.shape[i], &s)) s = std::numeric_limits<std::int64_t>::max();
   }
   return v;
 }
@@ -79,7 +84,8 @@ static int dims(int rank) { return rank < 0 ? 0 : rank > kMaxRank ? kMaxRank : r
 
 std::int64_t TensorView::numel() const {
   std::int64_t n = 1;
-  for (int i = 0; i < dims(rank); ++i) n *= shape[i];
+  for (int i = 0; i < dims(rank); ++i)  // saturated, not overflowed, for a shape the entry points reject
+    if (__builtin_mul_overflow(n, shape[i], &n)) return std::numeric_limits<std::int64_t>::max();
   return n;
 }
 

@@ -280,13 +280,19 @@ struct IndexCheck {
   IndexViolationRecord* record = nullptr;    // device address of the mapped host record
 };
 
-/// Caller-supplied triples -> int32 pair arrays. Pairs whose expert is outside [0, E) or whose token is outside
-/// [0, T) get expert -1 and are skipped by every kernel (no host round trip to raise an error on the GPU). With
-/// `check` set, such a pair, a token smaller than its predecessor, or more than K pairs of one token, is also
-/// recorded (the first to claim the status; which of several concurrent threads that is, is not specified).
+/// Caller-supplied triples -> int32 pair arrays that every later kernel can take, whatever the caller passed: pair
+/// tokens ascending, in [0, T), and at most K routed pairs per token. A pair is routed (pair_expert = its expert) when
+/// its token is in [0, T), its expert in [0, E), its token is not below an earlier valid pair's, and fewer than K pairs
+/// before it carry its token; any other pair gets expert -1 and is skipped by every kernel (no host round trip to
+/// raise an error on the GPU). Valid routing keeps every routed pair as it was (a skipped pair's token may become an
+/// earlier one). `scratch` holds convert_pairs_scratch_entries(P) int32 and is free again when the launches are done.
+/// With `check` set, a pair out of range, a token smaller than its predecessor, or more than K pairs of one token, is
+/// also recorded (the first to claim the status; which of several concurrent threads that is, is not specified).
 void launch_convert_pairs(const void* token, DType token_dt, const void* expert, DType expert_dt, std::int64_t P,
                           std::int64_t T, std::int64_t E, std::int64_t K, std::int32_t* pair_token,
-                          std::int32_t* pair_expert, const IndexCheck& check, cudaStream_t stream);
+                          std::int32_t* pair_expert, std::int32_t* scratch, const IndexCheck& check,
+                          cudaStream_t stream);
+std::int64_t convert_pairs_scratch_entries(std::int64_t P);
 
 /// expert_index[r] (rows, int32 or int64) = the expert of grouped row r from per-expert row counts (E, int32 or int64):
 /// the e with sum(counts[0..e)) <= r < sum(counts[0..e]), or E when r is past the total. Every row is written, and

@@ -344,9 +344,10 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
     launch_token_rounding(tr, stream);
   } else {
     mark_stage("forward/caller_routing", stream);
+    // The scores' region (P floats) is the conversion's scratch (ceil(P / 1024) int32) until the copy below.
     launch_convert_pairs(routing->token_index.data, routing->token_index.dtype, routing->expert_index.data,
                          routing->expert_index.dtype, P, p.T, p.E, p.K, pair_token, pair_expert,
-                         index_check_for(x.device.index, stream), stream);
+                         reinterpret_cast<std::int32_t*>(scores), index_check_for(x.device.index, stream), stream);
     if (P > 0)
       MACHMOE_CUDA_CHECK(cudaMemcpyAsync(scores, routing->score.data, sizeof(float) * P, cudaMemcpyDeviceToDevice,
                                           stream));

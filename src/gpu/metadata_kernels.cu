@@ -426,32 +426,106 @@ __device__ void record_violation(const IndexCheck& check, IndexViolation violati
   r->ready = 1;
 }
 
+// Caller pairs are made safe for every later kernel whatever they hold. Those kernels need the pair tokens ascending
+// (the per-token offsets are a binary search) and at most K pairs per token (a chunk of tokens holds at most
+// ceil(P / chunks) + K - 1 rows). So each pair's token becomes the running maximum of the valid tokens up to it, and a
+// pair is routed only if its token is in range, equals that maximum (it is not below an earlier token) and is not
+// the (K+1)-th pair of its token; the others get expert -1 and are skipped. Routed pairs of valid routing keep their
+// token and expert (only a skipped pair's token can change), so valid routing gives bitwise the results it gave before. The running maximum takes three launches: a block's
+// own maximum scan, a scan of the blocks' maxima, and the pass that adds each block's carry and decides.
+constexpr int kConvertThreads = 256;
+constexpr int kConvertPerThread = 4;
+constexpr std::int64_t kConvertPairsPerBlock = kConvertThreads * kConvertPerThread;
+using ConvertScan = cub::BlockScan<std::int32_t, kConvertThreads>;
+
+struct MaxOp {
+  __device__ std::int32_t operator()(std::int32_t a, std::int32_t b) const { return a > b ? a : b; }
+};
+
+/// The token of pair p if it is a valid token of a valid pair, else -1 (it then raises no running maximum).
 template <class I, class J>
-__global__ void convert_pairs_kernel(const I* __restrict__ token, const J* __restrict__ expert, std::int64_t P,
-                                     std::int64_t T, std::int64_t E, std::int64_t K,
-                                     std::int32_t* __restrict__ pair_token, std::int32_t* __restrict__ pair_expert,
-                                     const IndexCheck check) {
-  const std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (p >= P) return;
+__device__ std::int32_t routable_token(const I* token, const J* expert, std::int64_t p, std::int64_t T,
+                                       std::int64_t E) {
   const std::int64_t t = static_cast<std::int64_t>(token[p]), e = static_cast<std::int64_t>(expert[p]);
-  const bool token_ok = t >= 0 && t < T, expert_ok = e >= 0 && e < E;
-  pair_token[p] = static_cast<std::int32_t>(token_ok ? t : 0);
-  pair_expert[p] = token_ok && expert_ok ? static_cast<std::int32_t>(e) : -1;
-  if (check.claim == nullptr) return;
-  if (!token_ok) {
-    record_violation(check, IndexViolation::kTokenRange, p, t, T);
-  } else if (!expert_ok) {
-    record_violation(check, IndexViolation::kExpertRange, p, e, E);
-  } else if (p > 0) {
-    // The per-token offsets are a binary search over the pair tokens, which assumes them ascending.
-    const std::int64_t before = static_cast<std::int64_t>(token[p - 1]);
-    if (before > t) {
-      record_violation(check, IndexViolation::kTokenOrder, p, t, before);
-    } else if (p >= K && static_cast<std::int64_t>(token[p - K]) == t) {
-      // Ascending up to here, so pairs p - K .. p all belong to token t: one more than K (the CPU's rule).
-      record_violation(check, IndexViolation::kTokenRun, p, t, K);
+  return t >= 0 && t < T && e >= 0 && e < E ? static_cast<std::int32_t>(t) : -1;
+}
+
+/// Step 1: per block of kConvertPairsPerBlock pairs, the running maximum inside the block (into pair_token) and the
+/// block's maximum (into block_max); with checking on, records the first violation of the CPU's rules.
+template <class I, class J>
+__global__ void __launch_bounds__(kConvertThreads)
+    convert_pairs_block_kernel(const I* __restrict__ token, const J* __restrict__ expert, std::int64_t P,
+                               std::int64_t T, std::int64_t E, std::int64_t K, std::int32_t* __restrict__ pair_token,
+                               std::int32_t* __restrict__ block_max, const IndexCheck check) {
+  __shared__ typename ConvertScan::TempStorage temp;
+  const std::int64_t p0 = static_cast<std::int64_t>(blockIdx.x) * kConvertPairsPerBlock +
+                          static_cast<std::int64_t>(threadIdx.x) * kConvertPerThread;
+  std::int32_t v[kConvertPerThread];
+  for (int i = 0; i < kConvertPerThread; ++i) {
+    const std::int64_t p = p0 + i;
+    v[i] = p < P ? routable_token(token, expert, p, T, E) : -1;
+    if (p >= P || check.claim == nullptr) continue;
+    const std::int64_t t = static_cast<std::int64_t>(token[p]), e = static_cast<std::int64_t>(expert[p]);
+    if (t < 0 || t >= T) {
+      record_violation(check, IndexViolation::kTokenRange, p, t, T);
+    } else if (e < 0 || e >= E) {
+      record_violation(check, IndexViolation::kExpertRange, p, e, E);
+    } else if (p > 0) {
+      const std::int64_t before = static_cast<std::int64_t>(token[p - 1]);
+      if (before > t) {
+        record_violation(check, IndexViolation::kTokenOrder, p, t, before);
+      } else if (p >= K && static_cast<std::int64_t>(token[p - K]) == t) {
+        // Ascending up to here, so pairs p - K .. p all belong to token t: one more than K (the CPU's rule).
+        record_violation(check, IndexViolation::kTokenRun, p, t, K);
+      }
     }
   }
+  std::int32_t block_total;
+  ConvertScan(temp).InclusiveScan(v, v, MaxOp{}, block_total);
+  for (int i = 0; i < kConvertPerThread; ++i)
+    if (p0 + i < P) pair_token[p0 + i] = v[i];
+  if (threadIdx.x == 0) block_max[blockIdx.x] = block_total;
+}
+
+/// Step 2 (one block): block_max[b] <- the maximum of block_max[0 .. b), -1 for block 0, in place.
+__global__ void __launch_bounds__(kConvertThreads) convert_pairs_carry_kernel(std::int32_t* __restrict__ block_max,
+                                                                             std::int64_t blocks) {
+  __shared__ typename ConvertScan::TempStorage temp;
+  __shared__ std::int32_t carry_s;
+  if (threadIdx.x == 0) carry_s = -1;
+  __syncthreads();
+  for (std::int64_t base = 0; base < blocks; base += kConvertThreads) {
+    const std::int64_t b = base + threadIdx.x;
+    const std::int32_t own = b < blocks ? block_max[b] : -1;
+    std::int32_t before, total;
+    ConvertScan(temp).ExclusiveScan(own, before, carry_s, MaxOp{}, total);
+    if (b < blocks) block_max[b] = before;
+    __syncthreads();  // every thread has read carry_s and temp
+    if (threadIdx.x == 0) carry_s = max(carry_s, total);
+    __syncthreads();
+  }
+}
+
+/// Step 3: each pair's token becomes the running maximum (its block's carry added), floored at 0: pairs before the
+/// first valid token get token 0, which keeps the tokens ascending. The pair keeps its expert only if its own token is
+/// valid and equal to that token and the pair K places before it has another (so no token has more than K routed
+/// pairs); else it gets -1. pair_token is finished in place, so the read of pair p - K can see step 1's value or the
+/// finished one: adding the carry of its block and the floor gives the finished value from either.
+template <class I, class J>
+__global__ void convert_pairs_finish_kernel(const I* __restrict__ token, const J* __restrict__ expert, std::int64_t P,
+                                            std::int64_t T, std::int64_t E, std::int64_t K,
+                                            const std::int32_t* __restrict__ carry, std::int32_t* pair_token,
+                                            std::int32_t* __restrict__ pair_expert) {
+  const std::int64_t p = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p >= P) return;
+  const auto finished = [&](std::int64_t q) {
+    return max(max(pair_token[q], carry[q / kConvertPairsPerBlock]), 0);
+  };
+  const std::int32_t running = finished(p);
+  bool routed = routable_token(token, expert, p, T, E) == running;  // -1 (not routable) never equals running
+  if (routed && p >= K) routed = finished(p - K) != running;
+  pair_expert[p] = routed ? static_cast<std::int32_t>(expert[p]) : -1;
+  pair_token[p] = running;
 }
 
 constexpr int kGroupedThreads = 256;
@@ -513,21 +587,33 @@ __global__ void __launch_bounds__(kGroupedThreads)
 
 void launch_convert_pairs(const void* token, DType token_dt, const void* expert, DType expert_dt, std::int64_t P,
                           std::int64_t T, std::int64_t E, std::int64_t K, std::int32_t* pair_token,
-                          std::int32_t* pair_expert, const IndexCheck& check, cudaStream_t stream) {
+                          std::int32_t* pair_expert, std::int32_t* scratch, const IndexCheck& check,
+                          cudaStream_t stream) {
   if (P == 0) return;
-  const unsigned grid = ceil_div(P, 256);
+  const std::int64_t blocks = (P + kConvertPairsPerBlock - 1) / kConvertPairsPerBlock;
   auto run = [&](auto tok_tag, auto exp_tag) {
     using I = decltype(tok_tag);
     using J = decltype(exp_tag);
-    convert_pairs_kernel<I, J><<<grid, 256, 0, stream>>>(static_cast<const I*>(token), static_cast<const J*>(expert),
-                                                         P, T, E, K, pair_token, pair_expert, check);
+    const I* tok = static_cast<const I*>(token);
+    const J* exp = static_cast<const J*>(expert);
+    convert_pairs_block_kernel<I, J><<<static_cast<unsigned>(blocks), kConvertThreads, 0, stream>>>(
+        tok, exp, P, T, E, K, pair_token, scratch, check);
+    MACHMOE_CUDA_CHECK_LAUNCH("convert_pairs_block");
+    convert_pairs_carry_kernel<<<1, kConvertThreads, 0, stream>>>(scratch, blocks);
+    MACHMOE_CUDA_CHECK_LAUNCH("convert_pairs_carry");
+    convert_pairs_finish_kernel<I, J><<<ceil_div(P, 256), 256, 0, stream>>>(tok, exp, P, T, E, K, scratch,
+                                                                              pair_token, pair_expert);
+    MACHMOE_CUDA_CHECK_LAUNCH("convert_pairs_finish");
   };
   const bool t64 = token_dt == DType::kInt64, e64 = expert_dt == DType::kInt64;
   if (t64 && e64) run(std::int64_t{}, std::int64_t{});
   else if (t64) run(std::int64_t{}, std::int32_t{});
   else if (e64) run(std::int32_t{}, std::int64_t{});
   else run(std::int32_t{}, std::int32_t{});
-  MACHMOE_CUDA_CHECK_LAUNCH("convert_pairs");
+}
+
+std::int64_t convert_pairs_scratch_entries(std::int64_t P) {
+  return (P + kConvertPairsPerBlock - 1) / kConvertPairsPerBlock;
 }
 
 void launch_grouped_expert_index(const void* counts, DType counts_dt, std::int64_t E, void* expert_index,

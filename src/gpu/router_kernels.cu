@@ -99,6 +99,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, PerLane <= 4 ? 16 : 1)
       s[lane] = expf(v - m) / total;
     }
   } else {
+    __syncwarp();  // every lane has read every s[r] for its total (softmax over the selection) before any is rewritten
     for (int r = lane; r < K; r += 32) s[r] = expf(s[r] - m) / total;
   }
 }

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -143,8 +145,15 @@ struct GpuRun {
   MoEProblem problem;
 };
 
-/// Expects `b` to hold bitwise `a`'s backward results: grad x, every weight gradient, the score gradients.
+/// Expects `b` to hold bitwise `a`'s backward results: grad x, every weight gradient, the score gradients. `a` must
+/// be a complete backward: its outputs start poisoned (0xFF bytes, NaN in every dtype), so equal raw bytes would
+/// also pass where neither run wrote; a NaN in `a` fails instead.
 inline void expect_same_backward(const GpuRun& b, const GpuRun& a, const std::string& what) {
+  for (const auto* v : {&a.dx, &a.dw1, &a.dw2}) {
+    const auto nan = std::find_if(v->begin(), v->end(), [](double x) { return std::isnan(x); });
+    EXPECT_TRUE(nan == v->end()) << what << ": the baseline left element " << (nan - v->begin())
+                                 << " unwritten (NaN)";
+  }
   EXPECT_EQ(b.raw_dx, a.raw_dx) << what;
   EXPECT_EQ(b.raw_dw1, a.raw_dw1) << what;
   EXPECT_EQ(b.raw_dw2, a.raw_dw2) << what;

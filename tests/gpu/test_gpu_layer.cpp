@@ -229,7 +229,17 @@ TEST(GpuLayerProperties, HopperKernelsAgreeWithTheReferenceGemmPath) {
   p.T = 4096, p.d = 1536, p.n = 256, p.E = 32, p.K = 4, p.has_b1 = p.has_b2 = true;
   p.weight_layout = WeightLayout::kConcatenated;
   const LayerCase<double> c(p, 17);
-  const GpuRun fast = run_on_gpu(c, DType::kBF16);
+  GpuRun fast;
+  {
+    // The fast run must really be on the Hopper kernels: a GEMM that fell back would make this test compare the
+    // reference path with itself, so the fallback policy is "error" for it.
+    struct PolicyGuard {
+      FallbackPolicy saved = fallback_policy();
+      ~PolicyGuard() { set_fallback_policy(saved); }
+    } guard;
+    set_fallback_policy(FallbackPolicy::kError);
+    fast = run_on_gpu(c, DType::kBF16);
+  }
   gpu::set_hopper_kernels_enabled(false);
   const GpuRun ref = run_on_gpu(c, DType::kBF16);
   gpu::set_hopper_kernels_enabled(true);
@@ -658,6 +668,8 @@ TEST(GpuLayerProperties, OutOfRangeCallerPairsAreSkipped) {
   const ReferenceRun r = reference_for(quantized_case(kept, DType::kFP32), {});
   expect_close("out", g.out, r.f.out, 2e-5);
   expect_close("dx", g.dx, r.g.dx, 2e-5);
+  expect_close("dw1", g.dw1, r.g.dw1, 2e-5);  // a sentinel pair must not reach the weight gradients either
+  expect_close("dw2", g.dw2, r.g.dw2, 2e-5);
   for (std::size_t i = 0, j = 0; i < c.pair_token.size(); ++i) {
     if (i % 5 == 2) {
       EXPECT_EQ(g.dscores[i], 0.0) << "a skipped pair gets no score gradient";
@@ -665,6 +677,65 @@ TEST(GpuLayerProperties, OutOfRangeCallerPairsAreSkipped) {
       EXPECT_NEAR(g.dscores[i], r.g.dscores[j++], 1e-4);
     }
   }
+}
+
+// Caller pairs that break the rules the GPU does not check by default (tokens ascending, at most K pairs a token,
+// tokens in range) are skipped without moving any other pair: the layer equals the reference on the pairs that keep
+// them, with the forward's Y and the backward's dX~ in chunks of tokens (whose row bound assumes at most K pairs a
+// token). Each bad pair comes right after the last pair of some token: a token out of range, a token below the one
+// before it, or many more pairs of the same token (a chunk would overrun its rows if they were routed).
+TEST(GpuLayerProperties, MalformedCallerPairsAreSkippedWithoutMovingOthers) {
+  REQUIRE_GPU();
+  MoEProblem p;
+  p.T = 300, p.d = 64, p.n = 32, p.E = 6, p.K = 3, p.routing = RoutingMode::kCallerSupplied;
+  p.dx_chunks = 3, p.y_chunks = 3;
+  const LayerCase<double> valid(p, 12);  // at most K pairs a token, K / 2 on average: room for the bad ones
+  LayerCase<double> c = valid, kept = valid;  // c: with the bad pairs; kept: the pairs the GPU must route
+  for (LayerCase<double>* lc : {&c, &kept}) lc->pair_token.clear(), lc->pair_expert.clear(), lc->pair_score.clear();
+  std::vector<bool> bad;
+  auto push = [&](std::int64_t t, std::int64_t e, double s, bool is_bad) {
+    c.pair_token.push_back(t), c.pair_expert.push_back(e), c.pair_score.push_back(s), bad.push_back(is_bad);
+    if (!is_bad) kept.pair_token.push_back(t), kept.pair_expert.push_back(e), kept.pair_score.push_back(s);
+  };
+  const std::size_t P0 = valid.pair_token.size();
+  const std::int64_t budget = p.T * p.K - static_cast<std::int64_t>(P0);  // num_pairs <= T K
+  std::int64_t added = 0, of_token = 0;
+  bool many_done = false;
+  for (std::size_t i = 0; i < P0; ++i) {
+    const std::int64_t t = valid.pair_token[i];
+    of_token = i > 0 && valid.pair_token[i - 1] == t ? of_token + 1 : 1;
+    push(t, valid.pair_expert[i], valid.pair_score[i], false);
+    if (i + 1 < P0 && valid.pair_token[i + 1] == t) continue;  // not the token's last pair
+    const std::int64_t e = (t + 1) % p.E;
+    if (!many_done && t >= p.T / 2 && added + 40 <= budget) {
+      // 40 more pairs of this token: those past its K-th are skipped (the first may still fit under K).
+      for (std::int64_t j = 0; j < 40; ++j) push(t, (e + j) % p.E, 0.25, of_token + j >= p.K);
+      added += 40, many_done = true;
+    } else if (t % 7 == 1 && added < budget) {
+      push(t % 2 ? p.T + 5 : -1, e, 0.5, true), ++added;  // a token out of range
+    } else if (t % 7 == 3 && t >= 2 && added < budget) {
+      push(t - 2, e, 0.5, true), ++added;  // below the token before it
+    }
+  }
+  ASSERT_TRUE(many_done);
+  ASSERT_GT(added, 60) << "the case must hold every kind of bad pair, many times";
+  c.problem.num_pairs = static_cast<std::int64_t>(c.pair_token.size());
+  kept.problem.num_pairs = static_cast<std::int64_t>(kept.pair_token.size());
+  const GpuRun g = run_on_gpu(c, DType::kFP32);
+  EXPECT_TRUE(g.canaries_intact);
+  const ReferenceRun r = reference_for(quantized_case(kept, DType::kFP32), {});
+  expect_close("out", g.out, r.f.out, 2e-5);
+  expect_close("dx", g.dx, r.g.dx, 2e-5);
+  expect_close("dw1", g.dw1, r.g.dw1, 2e-5);
+  expect_close("dw2", g.dw2, r.g.dw2, 2e-5);
+  for (std::size_t i = 0, j = 0; i < bad.size(); ++i) {
+    if (bad[i]) {
+      EXPECT_EQ(g.dscores[i], 0.0) << "pair " << i << ": a skipped pair gets no score gradient";
+    } else {
+      EXPECT_NEAR(g.dscores[i], r.g.dscores[j++], 1e-4) << "pair " << i;
+    }
+  }
+  for (std::int64_t e = 0; e < p.E; ++e) EXPECT_EQ(g.counts[e], r.f.expert_counts[e]) << "expert " << e;
 }
 
 // ---- gradient accumulation (LayerWeightGrads::accumulate) ----------------------------------------------------------

@@ -61,6 +61,8 @@ enum Input : int { kX, kRouterWeight, kW1, kB1, kW2, kB2, kTokenIndex, kExpertIn
 // top_k, activation, weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit
 constexpr int kNumOptions = 10;
 constexpr int kNumInto = 5;  // into_router_weight, into_w1, into_b1, into_w2, into_b2
+constexpr std::array<const char*, kNumInto> kIntoKeys{"into_router_weight", "into_w1", "into_b1", "into_w2",
+                                                      "into_b2"};
 constexpr int kNumForwardArgs = kNumTensorInputs + kNumOptions + kNumInto;
 
 /// The integer options and the activation's parameters, as the operators take them.
@@ -143,8 +145,12 @@ struct LayerFunction : torch::autograd::Function<LayerFunction> {
     ctx->saved_data["swiglu_limit"] = swiglu_limit;
     // The buffers the backward adds weight gradients into (accumulation mode), kept by reference rather than as
     // saved tensors: another micro-batch's backward may add into them between this forward and its backward, which
-    // a saved tensor's version check would refuse.
-    ctx->saved_data["into"] = c10::List<OptTensor>({into_router_weight, into_w1, into_b1, into_w2, into_b2});
+    // a saved tensor's version check would refuse. One entry each, a tensor or None: compiled autograd swaps a
+    // tensor entry of saved_data for its proxy while it traces the backward, but not the tensors inside a list
+    // (a list held them once, and its trace then met the real buffers and failed).
+    const std::array<const OptTensor*, kNumInto> into{&into_router_weight, &into_w1, &into_b1, &into_w2, &into_b2};
+    for (int i = 0; i < kNumInto; ++i)
+      ctx->saved_data[kIntoKeys[i]] = *into[i] ? c10::IValue(**into[i]) : c10::IValue();
     return {out, logits, counts, saved};
   }
 
@@ -157,9 +163,11 @@ struct LayerFunction : torch::autograd::Function<LayerFunction> {
     const Options opts{{o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]},
                        ctx->saved_data["swiglu_alpha"].toDouble(),
                        ctx->saved_data["swiglu_limit"].toDouble()};
-    const c10::List<OptTensor> into_list = ctx->saved_data["into"].toOptionalTensorList();
     std::array<OptTensor, kNumInto> into;
-    for (int i = 0; i < kNumInto; ++i) into[i] = into_list.get(i);
+    for (int i = 0; i < kNumInto; ++i) {
+      const c10::IValue& v = ctx->saved_data[kIntoKeys[i]];
+      if (v.isTensor()) into[i] = v.toTensor();
+    }
 
     // Whether autograd wants each tensor input's gradient (its edge index counts only the inputs present).
     std::array<bool, kNumTensorInputs> needs{};

@@ -1,0 +1,87 @@
+"""The layer's backward under compiled autograd (torch._dynamo's tracing of the autograd graph, which torchtitan and
+others turn on for the backward of an eager forward), with and without caller buffers for the weight gradients.
+
+Before: the layer's autograd node kept the accumulate-into buffers in one list entry of its saved data. Compiled
+autograd swaps every tensor entry of a node's saved data for a proxy while it traces, but not the tensors inside a
+list, so the trace met the real buffers and failed (an AssertionError in compiled_autograd.to_proxy)."""
+import pytest
+import torch
+from torch._dynamo import compiled_autograd
+
+import machmoe
+from machmoe import functional as F
+from layer_inputs import rel
+
+T, D, N, E, K = 11, 16, 8, 4, 2
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, dtype=torch.float64, generator=g).requires_grad_()
+    wr = (torch.randn(E, D, dtype=torch.float64, generator=g) / D ** 0.5).requires_grad_()
+    w1 = (torch.randn(E, 2 * N, D, dtype=torch.float64, generator=g) / D ** 0.5).requires_grad_()
+    w2 = (torch.randn(E, D, N, dtype=torch.float64, generator=g) / N ** 0.5).requires_grad_()
+    b1 = torch.randn(E, 2 * N, dtype=torch.float64, generator=g).requires_grad_()
+    return x, wr, w1, w2, b1
+
+
+def _backward(loss, compiled):
+    if compiled:
+        torch._dynamo.reset()
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            loss.backward()
+    else:
+        loss.backward()
+
+
+def _functional_step(into, compiled, seed):
+    x, wr, w1, w2, b1 = _inputs(seed)
+    out = F.moe(x, wr, w1, w2, b1, top_k=K, accumulate_grads_into=into)[0]
+    _backward(out.square().sum(), compiled)
+    return x, wr, w1, w2, b1
+
+
+def test_plain_backward_matches_eager():
+    eager = _functional_step(None, False, 1)
+    got = _functional_step(None, True, 1)
+    for name, a, b in zip(["x", "router_weight", "w1", "w2", "b1"], got, eager):
+        assert a.grad is not None, name
+        assert rel(a.grad, b.grad) < 1e-12, (name, rel(a.grad, b.grad))
+
+
+@pytest.mark.parametrize("names", [("w1",), ("router_weight", "w1", "w2", "b1")])
+def test_buffers_receive_the_gradients_and_each_call_its_own(names):
+    shapes = {"router_weight": (E, D), "w1": (E, 2 * N, D), "w2": (E, D, N), "b1": (E, 2 * N)}
+    reference = {n: torch.zeros(shapes[n], dtype=torch.float64) for n in names}
+    ref_tensors = _functional_step(reference, False, 2)
+    # Two calls, each with buffers of its own (fresh allocations, as after a reset of the gradient buffers): each
+    # call's gradients land in its own buffers, none in the other's or in .grad.
+    firsts = {n: torch.full(shapes[n], 0.5, dtype=torch.float64) for n in names}
+    seconds = {n: torch.zeros(shapes[n], dtype=torch.float64) for n in names}
+    first_tensors = _functional_step(firsts, True, 2)
+    second_tensors = _functional_step(seconds, True, 2)
+    order = ["x", "router_weight", "w1", "w2", "b1"]
+    for n in names:
+        assert rel(firsts[n] - 0.5, reference[n]) < 1e-12, n
+        assert rel(seconds[n], reference[n]) < 1e-12, n
+        i = order.index(n)
+        assert first_tensors[i].grad is None and second_tensors[i].grad is None, n
+    assert reference["w1"].abs().sum() > 0
+    # x's gradient is never accumulated into a buffer.
+    assert rel(second_tensors[0].grad, ref_tensors[0].grad) < 1e-12
+
+
+def test_module_main_grad_backward():
+    def run(compiled):
+        torch.manual_seed(0)
+        m = machmoe.MoE(D, N, E, K, dtype=torch.float64, bias=True, accumulate_into_main_grad=True)
+        x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
+        _backward(m(x).output.square().sum(), compiled)
+        return m, x
+
+    eager_m, eager_x = run(False)
+    m, x = run(True)
+    for (name, p), q in zip(m.named_parameters(), eager_m.parameters()):
+        assert p.grad is None, name
+        assert rel(p.main_grad, q.main_grad) < 1e-12, (name, rel(p.main_grad, q.main_grad))
+    assert rel(x.grad, eager_x.grad) < 1e-12

@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <memory>
+#include <tuple>
 
 #include "gpu/hopper/dispatch.hpp"
 #include "gpu_support.hpp"
@@ -15,7 +17,9 @@
 namespace machmoe::test {
 namespace {
 
-double tolerance(DType dt) { return dt == DType::kFP32 ? 2e-5 : 1e-2; }
+// bf16 keeps 8 significant bits, fp16 11: fp16's bound is four times tighter, still several times its rounding
+// (inputs, H, A and the outputs each rounded once).
+double tolerance(DType dt) { return dt == DType::kFP32 ? 2e-5 : dt == DType::kFP16 ? 4e-3 : 1e-2; }
 
 /// Worst relative error seen per (quantity, tolerance class), printed when the suite ends.
 std::map<std::string, double>& worst_errors() {
@@ -344,7 +348,7 @@ struct EdgeShape {
   const char* name;
 };
 
-class GpuEdgeShapes : public testing::TestWithParam<std::tuple<EdgeShape, RoutingMode>> {
+class GpuEdgeShapes : public testing::TestWithParam<std::tuple<EdgeShape, RoutingMode, DType>> {
  protected:
   void SetUp() override { REQUIRE_GPU(); }
 };
@@ -357,9 +361,10 @@ TEST_P(GpuEdgeShapes, MatchFloat64Reference) {
   p.routing = std::get<1>(GetParam());
   p.score = ScoreVariant::kTopKOfSoftmax;
   p.tile_m = 8;
+  const DType dt = std::get<2>(GetParam());
   const LayerCase<double> c(p, 77);
-  const GpuRun g = run_on_gpu(c, DType::kBF16, s.row_pad);
-  compare_all(g, reference_for(quantized_case(c, DType::kBF16), g.logits), DType::kBF16);
+  const GpuRun g = run_on_gpu(c, dt, s.row_pad);
+  compare_all(g, reference_for(quantized_case(c, dt), g.logits), dt);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -370,9 +375,11 @@ INSTANTIATE_TEST_SUITE_P(
                                      EdgeShape{131, 33, 17, 5, 3, 0, "odd_dims_scalar_path"},
                                      EdgeShape{300, 128, 64, 7, 3, 24, "padded_rows"},
                                      EdgeShape{70, 96, 48, 40, 1, 0, "K1_many_experts"}),
-                     testing::Values(RoutingMode::kTopK, RoutingMode::kCallerSupplied, RoutingMode::kTokenRounding)),
-    [](const testing::TestParamInfo<std::tuple<EdgeShape, RoutingMode>>& i) {
-      return std::string(std::get<0>(i.param).name) + "_" + routing_mode_name(std::get<1>(i.param));
+                     testing::Values(RoutingMode::kTopK, RoutingMode::kCallerSupplied, RoutingMode::kTokenRounding),
+                     testing::Values(DType::kBF16, DType::kFP16, DType::kFP32)),
+    [](const testing::TestParamInfo<std::tuple<EdgeShape, RoutingMode, DType>>& i) {
+      return std::string(std::get<0>(i.param).name) + "_" + routing_mode_name(std::get<1>(i.param)) + "_" +
+             dtype_name(std::get<2>(i.param));
     });
 
 // ---- determinism, buffer bounds ----------------------------------------------------------------------------------
@@ -900,6 +907,145 @@ TEST(GpuLayerLarge, OffsetsPast2To31Elements) {
     EXPECT_LT(rel_error(dx_t, r.g.dx), 1e-2) << "token " << t;
   }
   EXPECT_TRUE(g.canaries_intact);
+}
+
+
+// T * d and P * 2n past 2^31 elements too (x, out, dX by token row; H, dH and A' by grouped row; Y and dX~ by pair),
+// on every row, and the weight gradients. x, dO are R-periodic in the token (base rows tiled on the device, R prime,
+// so a wrapped or truncated 32-bit offset, a multiple of a power of two, cannot land on a row with the same data);
+// the router's logits are then R-periodic too (asserted), and so is the routing. Every row of out and dX is
+// compared with its base row's float64 reference (a row's own relative error, so one wrong row among two million is
+// seen); the weight gradients are q copies of the base's plus the first m base tokens' (T = q R + m).
+TEST(GpuLayerLarge, TokenAndHiddenOffsetsPast2To31ElementsOnEveryRow) {
+  REQUIRE_GPU();
+  constexpr std::int64_t R = 509;
+  MoEProblem p;
+  p.T = (std::int64_t{1} << 21) + 4099, p.d = 1152, p.n = 512, p.E = 8, p.K = 2;
+  p.has_b1 = p.has_b2 = true;
+  ASSERT_GT(p.T * p.d, std::int64_t{1} << 31);
+  ASSERT_GT(p.T * p.K * p.w1_rows(), std::int64_t{1} << 31);
+  const std::int64_t q = p.T / R, m = p.T % R;
+  const DType dt = DType::kBF16;
+  const std::size_t el = dtype_size(dt);
+  const Device dev = Device::cuda(0);
+
+  MoEProblem pb = p;
+  pb.T = R;
+  LayerCase<double> base = quantized_case(LayerCase<double>(pb, 23), dt);
+  base.grad_logits.clear();  // the router's term of dX from the pairs, inside the gather-sum (the default path)
+
+  // A (rows, cols) tensor whose rows repeat `block` (R rows): the block uploaded once, then doubled on the device.
+  auto tiled = [&](const std::vector<double>& block, std::int64_t cols) {
+    const std::vector<unsigned char> b = encode(block, dt);
+    auto buf = std::make_unique<DeviceBuffer>(static_cast<std::size_t>(p.T * cols) * el);
+    char* dst = static_cast<char*>(buf->get());
+    cudaMemcpy(dst, b.data(), b.size(), cudaMemcpyHostToDevice);
+    for (std::size_t have = b.size(); have < buf->bytes(); have *= 2)
+      cudaMemcpy(dst + have, dst, std::min(have, buf->bytes() - have), cudaMemcpyDeviceToDevice);
+    return buf;
+  };
+  const auto x = tiled(base.x, p.d), gout = tiled(base.grad_out, p.d);
+  DeviceBuffer wr(encode(base.router_weight, dt)), w1(encode(base.w1, dt)), w2(encode(base.w2, dt));
+  DeviceBuffer b1(encode(base.b1, dt)), b2(encode(base.b2, dt));
+  LayerWeights w;
+  w.router_weight = TensorView::contiguous(wr.get(), dt, {p.E, p.d}, dev);
+  w.w1 = TensorView::contiguous(w1.get(), dt, {p.E, p.w1_rows(), p.d}, dev);
+  w.w2 = TensorView::contiguous(w2.get(), dt, {p.E, p.d, p.n}, dev);
+  w.b1 = TensorView::contiguous(b1.get(), dt, {p.E, p.w1_rows()}, dev);
+  w.b2 = TensorView::contiguous(b2.get(), dt, {p.E, p.d}, dev);
+  const TensorView xv = TensorView::contiguous(x->get(), dt, {p.T, p.d}, dev);
+
+  DeviceBuffer out(p.T * p.d * el), logits(p.T * p.E * el), counts(p.E * 4), dx(p.T * p.d * el);
+  DeviceBuffer saved(saved_layout(p, dt).total_bytes), fws(forward_workspace_bytes(p, dt, dev));
+  DeviceBuffer bws(backward_workspace_bytes(p, dt, dev, false));
+  DeviceBuffer dwr(base.router_weight.size() * el), dw1(base.w1.size() * el), dw2(base.w2.size() * el);
+  DeviceBuffer db1(base.b1.size() * el), db2(base.b2.size() * el);
+  ForwardOutputs fo;
+  fo.out = TensorView::contiguous(out.get(), dt, {p.T, p.d}, dev);
+  fo.router_logits = TensorView::contiguous(logits.get(), dt, {p.T, p.E}, dev);
+  fo.expert_counts = TensorView::contiguous(counts.get(), DType::kInt32, {p.E}, dev);
+  BackwardInputs bi;
+  bi.grad_out = TensorView::contiguous(gout->get(), dt, {p.T, p.d}, dev);
+  BackwardOutputs bo;
+  bo.grad_x = TensorView::contiguous(dx.get(), dt, {p.T, p.d}, dev);
+  bo.grad_weights.router_weight = TensorView::contiguous(dwr.get(), dt, {p.E, p.d}, dev);
+  bo.grad_weights.w1 = TensorView::contiguous(dw1.get(), dt, {p.E, p.w1_rows(), p.d}, dev);
+  bo.grad_weights.w2 = TensorView::contiguous(dw2.get(), dt, {p.E, p.d, p.n}, dev);
+  bo.grad_weights.b1 = TensorView::contiguous(db1.get(), dt, {p.E, p.w1_rows()}, dev);
+  bo.grad_weights.b2 = TensorView::contiguous(db2.get(), dt, {p.E, p.d}, dev);
+  progress("large layer: forward + backward");
+  forward(p, xv, w, nullptr, fo, {saved.get(), saved.bytes(), fws.get(), fws.bytes()}, nullptr);
+  backward(p, xv, w, nullptr, bi, bo, {saved.get(), saved.bytes(), bws.get(), bws.bytes(), false}, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (const DeviceBuffer* b : {&out, &logits, &counts, &dx, &saved, &fws, &bws, &dwr, &dw1, &dw2, &db1, &db2})
+    EXPECT_TRUE(b->canary_intact()) << "a kernel wrote past the end of a buffer";
+
+  // The routing repeats with the rows: the logits of token t are bitwise those of token t mod R.
+  const std::vector<unsigned char> lraw = logits.download();
+  const std::size_t lrow = static_cast<std::size_t>(p.E) * el;
+  std::int64_t aperiodic = 0;
+  for (std::int64_t t = R; t < p.T; ++t)
+    aperiodic += std::memcmp(&lraw[t * lrow], &lraw[(t % R) * lrow], lrow) != 0;
+  ASSERT_EQ(aperiodic, 0) << "the router GEMM gave identical rows different logits: the periodic check cannot hold";
+
+  // References: the base's R tokens and its first m, routed by the GPU's logits.
+  const std::vector<double> zb = decode(lraw.data(), static_cast<std::size_t>(R * p.E), dt);
+  progress("large layer: float64 references");
+  const ReferenceRun rb = reference_for(base, zb);
+  LayerCase<double> head = base;
+  head.problem.T = m;
+  head.x.resize(m * p.d), head.grad_out.resize(m * p.d);
+  const ReferenceRun rm = reference_for(head, std::vector<double>(zb.begin(), zb.begin() + m * p.E));
+
+  // Every row of out and dX against its base row: its own relative error, and the Frobenius error of the whole.
+  progress("large layer: every row of out and dX");
+  for (const auto& [name, buf, ref] : {std::tuple{"out", &out, &rb.f.out}, std::tuple{"dx", &dx, &rb.g.dx}}) {
+    constexpr std::int64_t kRowsPerCopy = 16384;
+    std::vector<unsigned char> h(static_cast<std::size_t>(kRowsPerCopy * p.d) * el);
+    double err2 = 0, ref2 = 0, worst_row = 0;
+    std::int64_t worst_t = -1;
+    for (std::int64_t t0 = 0; t0 < p.T; t0 += kRowsPerCopy) {
+      const std::int64_t rows = std::min(kRowsPerCopy, p.T - t0);
+      cudaMemcpy(h.data(), static_cast<const char*>(buf->get()) + t0 * p.d * el, rows * p.d * el,
+                 cudaMemcpyDeviceToHost);
+      const std::vector<double> g = decode(h.data(), static_cast<std::size_t>(rows * p.d), dt);
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const double* r = ref->data() + ((t0 + i) % R) * p.d;
+        double e2 = 0, r2 = 0;
+        for (std::int64_t k = 0; k < p.d; ++k) {
+          const double v = g[i * p.d + k];
+          e2 += std::isnan(v) ? 1e300 : (v - r[k]) * (v - r[k]);
+          r2 += r[k] * r[k];
+        }
+        err2 += e2, ref2 += r2;
+        const double row = std::sqrt(e2 / std::max(r2, 1e-300));
+        if (row > worst_row) worst_row = row, worst_t = t0 + i;
+      }
+    }
+    EXPECT_LT(std::sqrt(err2 / ref2), 1e-2) << name;
+    EXPECT_LT(worst_row, 3e-2) << name << ": row " << worst_t << " (its first element at offset "
+                               << worst_t * p.d << ") is off";
+  }
+
+  // Counts and weight gradients: q copies of the base's plus the head's.
+  const std::vector<unsigned char> hc = counts.download();
+  for (std::int64_t e = 0; e < p.E; ++e) {
+    std::int32_t c;
+    std::memcpy(&c, &hc[4 * e], 4);
+    EXPECT_EQ(c, q * rb.f.expert_counts[e] + rm.f.expert_counts[e]) << "expert_counts[" << e << "]";
+  }
+  auto combined = [&](const std::vector<double>& all, const std::vector<double>& first) {
+    std::vector<double> v(all.size());
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = double(q) * all[i] + first[i];
+    return v;
+  };
+  const auto dec = [&](const DeviceBuffer& b) { return decode(b.download().data(), b.bytes() / el, dt); };
+  expect_close("large dW1", dec(dw1), combined(rb.g.dw1, rm.g.dw1), 1e-2);
+  expect_close("large dW2", dec(dw2), combined(rb.g.dw2, rm.g.dw2), 1e-2);
+  expect_close("large db1", dec(db1), combined(rb.g.db1, rm.g.db1), 1e-2);
+  expect_close("large db2", dec(db2), combined(rb.g.db2, rm.g.db2), 1e-2);
+  expect_close("large dW_router", dec(dwr), combined(rb.g.drouter_weight, rm.g.drouter_weight), 1e-2);
 }
 
 }  // namespace

@@ -13,16 +13,22 @@ from machmoe import functional as F
 from layer_inputs import rel
 
 T, D, N, E, K = 11, 16, 8, 4, 2
+SMALL = (T, D, N)
 
 
-def _inputs(seed=0):
+def _shapes(d=D, n=N):
+    return {"router_weight": (E, d), "w1": (E, 2 * n, d), "w2": (E, d, n), "b1": (E, 2 * n)}
+
+
+def _inputs(seed=0, device="cpu", dtype=torch.float64, dims=SMALL):
+    T, D, N = dims
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, dtype=torch.float64, generator=g).requires_grad_()
-    wr = (torch.randn(E, D, dtype=torch.float64, generator=g) / D ** 0.5).requires_grad_()
-    w1 = (torch.randn(E, 2 * N, D, dtype=torch.float64, generator=g) / D ** 0.5).requires_grad_()
-    w2 = (torch.randn(E, D, N, dtype=torch.float64, generator=g) / N ** 0.5).requires_grad_()
-    b1 = torch.randn(E, 2 * N, dtype=torch.float64, generator=g).requires_grad_()
-    return x, wr, w1, w2, b1
+
+    def leaf(shape, scale):
+        return (torch.randn(shape, dtype=torch.float64, generator=g) * scale).to(device, dtype).requires_grad_()
+
+    return (leaf((T, D), 1.0), leaf((E, D), D ** -0.5), leaf((E, 2 * N, D), D ** -0.5), leaf((E, D, N), N ** -0.5),
+            leaf((E, 2 * N), 1.0))
 
 
 def _backward(loss, compiled):
@@ -34,8 +40,8 @@ def _backward(loss, compiled):
         loss.backward()
 
 
-def _functional_step(into, compiled, seed):
-    x, wr, w1, w2, b1 = _inputs(seed)
+def _functional_step(into, compiled, seed, device="cpu", dtype=torch.float64, dims=SMALL):
+    x, wr, w1, w2, b1 = _inputs(seed, device, dtype, dims)
     out = F.moe(x, wr, w1, w2, b1, top_k=K, accumulate_grads_into=into)[0]
     _backward(out.square().sum(), compiled)
     return x, wr, w1, w2, b1
@@ -51,7 +57,7 @@ def test_plain_backward_matches_eager():
 
 @pytest.mark.parametrize("names", [("w1",), ("router_weight", "w1", "w2", "b1")])
 def test_buffers_receive_the_gradients_and_each_call_its_own(names):
-    shapes = {"router_weight": (E, D), "w1": (E, 2 * N, D), "w2": (E, D, N), "b1": (E, 2 * N)}
+    shapes = _shapes()
     reference = {n: torch.zeros(shapes[n], dtype=torch.float64) for n in names}
     ref_tensors = _functional_step(reference, False, 2)
     # Two calls, each with buffers of its own (fresh allocations, as after a reset of the gradient buffers): each
@@ -85,3 +91,17 @@ def test_module_main_grad_backward():
         assert p.grad is None, name
         assert rel(p.main_grad, q.main_grad) < 1e-12, (name, rel(p.main_grad, q.main_grad))
     assert rel(x.grad, eager_x.grad) < 1e-12
+
+
+@pytest.mark.gpu
+def test_buffers_on_the_gpu_are_bitwise_the_eager_ones(cuda):
+    # bf16 data at a shape the Hopper kernels take, fp32 buffers; eager and compiled autograd run the same kernels.
+    dims = (300, 128, 64)
+    shapes = _shapes(dims[1], dims[2])
+    bufs = [{n: torch.zeros(s, dtype=torch.float32, device=cuda) for n, s in shapes.items()} for _ in range(2)]
+    eager = _functional_step(bufs[0], False, 3, cuda, torch.bfloat16, dims)
+    compiled = _functional_step(bufs[1], True, 3, cuda, torch.bfloat16, dims)
+    for n in shapes:
+        assert bufs[0][n].abs().sum() > 0, n
+        assert torch.equal(bufs[0][n], bufs[1][n]), n
+    assert torch.equal(eager[0].grad, compiled[0].grad)

@@ -1,6 +1,6 @@
 // The GPU runtime against the float64 CPU reference (docs/TARGETS.md T10: relative Frobenius error <= 1e-2 in bf16 on
 // inputs ~N(0,1) and weights ~N(0, 1/sqrt(fan_in))), for every option, edge shapes, determinism, buffer bounds,
-// kernel-level exactness of routing and metadata, sentinel pairs, and a case whose offsets pass 2^31 elements.
+// kernel-level exactness of routing and metadata, sentinel pairs, and cases whose offsets pass 2^31 elements.
 #include <gtest/gtest.h>
 
 #include <algorithm>

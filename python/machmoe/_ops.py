@@ -70,6 +70,12 @@ def _combine_rows_backward_fake(grad_out, rows, scores, row_of_pair, token_offse
     return grad_rows, grad_scores
 
 
+def _score_dtype(x):
+    # The scores' gradient has the score type of x (bindings/torch/machmoe_ops.cpp, score_type): fp64 for fp64 x,
+    # fp32 otherwise.
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 @torch.library.register_fake("machmoe::layer_backward")
 def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores,
                          saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
@@ -77,24 +83,19 @@ def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2
                          into_w2=None, into_b2=None, consume_saved=False):
     caller = routing == _CALLER
 
+    # As the operator allocates them: contiguous, x's dtype (the score gradient x's score type).
     def grad(weight, into):  # a gradient added into a caller buffer is returned as an empty tensor
-        return x.new_empty((0,)) if weight is None or into is not None else torch.empty_like(weight)
+        return x.new_empty((0,)) if weight is None or into is not None else x.new_empty(weight.shape)
 
     return (
-        torch.empty_like(x),
+        x.new_empty(x.shape),
         grad(None if caller else router_weight, into_router_weight),
         grad(w1, into_w1),
         grad(b1, into_b1),
         grad(w2, into_w2),
         grad(b2, into_b2),
-        scores.new_empty(scores.shape) if caller else x.new_empty((0,)),
+        x.new_empty(scores.shape, dtype=_score_dtype(x)) if caller else x.new_empty((0,)),
     )
-
-
-def _score_dtype(x):
-    # The scores' gradient has the score type of x (bindings/torch/machmoe_ops.cpp, score_type): fp64 for fp64 x,
-    # fp32 otherwise.
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 @torch.library.register_fake("machmoe::layer_backward_input")

@@ -168,8 +168,9 @@ FAKE_TESTS = ("test_schema", "test_faketensor")
 
 @pytest.mark.parametrize("caller", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_split_backward_operators_have_fake_implementations(caller, bias):
+def test_backward_operators_have_fake_implementations(caller, bias):
     inputs, weights, (rw, w1, b1, w2, b2) = _split_backward_args(caller, bias)
+    torch.library.opcheck(ops.layer_backward, inputs, test_utils=FAKE_TESTS)  # the full backward's fake too
     torch.library.opcheck(ops.layer_backward_input, inputs, test_utils=FAKE_TESTS)
     torch.library.opcheck(ops.layer_backward_weight, weights, test_utils=FAKE_TESTS)
     # With caller buffers (into_*): their gradients are returned empty.

@@ -4,7 +4,8 @@
 #   Debian: cmake (>= 3.25), ninja, g++, GoogleTest.
 #   PyPI:   nvidia-cutlass==4.2.0.0 (CUTLASS/CuTe C++ headers) into third_party/cutlass (git-ignored);
 #           torch==2.11.0, pytest, numpy for the PyTorch front end, matplotlib, rich, tqdm for python -m
-#           machmoe.benchmark's plots and progress (into the python3 found, unless already there).
+#           machmoe.benchmark's plots and progress, torchtitan==0.2.2 (no dependencies but tyro and tokenizers) for
+#           a test that compares with it (into the python3 found, unless already there).
 # The CUDA toolkit (nvcc) is not installed here: the build compiles the CUDA sources for sm_90a when nvcc is present
 # (/usr/local/cuda on the development, CI and GPU machines) and builds the CPU library alone otherwise.
 set -euo pipefail
@@ -53,11 +54,16 @@ fi
 # when one of its modules does not import (the GPU machine's image has them all, and no network); nothing with
 # MACHMOE_NO_TORCH=1.
 if [ "${MACHMOE_NO_TORCH:-0}" != 1 ]; then
+  # "?" marks a group the tests compare against but nothing else needs: torchtitan 0.2.2's GroupedExperts (without its
+  # training stack's dependencies; tyro and tokenizers are what its import needs). A machine without network (the
+  # GPU machine) goes on without it, and that test fails there, saying why.
   python_groups=("torch:torch==2.11.0" "pytest,numpy,scikit_build_core:pytest numpy scikit-build-core"
-                 "matplotlib,rich,tqdm:matplotlib rich tqdm")
+                 "matplotlib,rich,tqdm:matplotlib rich tqdm" "?tyro,tokenizers:tyro tokenizers"
+                 "?torchtitan:--no-deps torchtitan==0.2.2")
   to_install=()
   for group in "${python_groups[@]}"; do
-    python3 -c "import ${group%%:*}" >/dev/null 2>&1 || to_install+=("$group")
+    modules=${group%%:*}
+    python3 -c "import ${modules#\?}" >/dev/null 2>&1 || to_install+=("$group")
   done
   if [ ${#to_install[@]} -gt 0 ] && machmoe_python_externally_managed; then
     # pip may not install into this python3 (PEP 668): a virtual environment of the checkout's own, which sees the
@@ -73,7 +79,12 @@ if [ "${MACHMOE_NO_TORCH:-0}" != 1 ]; then
   for group in ${to_install[@]+"${to_install[@]}"}; do
     read -r -a packages <<< "${group#*:}"
     [ "${group%%:*}" = torch ] && echo "setup: installing torch==2.11.0 from PyPI (large; cached by pip after the first time)"
-    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${packages[@]}"
+    if [ "${group:0:1}" = "?" ]; then
+      python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${packages[@]}" ||
+        echo "setup: could not install ${group#*:} (no network?): tests/python/test_expert_parallel.py's comparison with torchtitan will fail"
+    else
+      python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${packages[@]}"
+    fi
   done
 fi
 echo "setup: ok (cmake $(cmake --version | head -n1 | awk '{print $3}'), CUTLASS $cutlass_version, python3 $(command -v python3)," \

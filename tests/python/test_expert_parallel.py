@@ -1138,12 +1138,18 @@ def test_torchtitan_experts_forward_errors():
 
 
 def test_torchtitan_adapter_matches_torchtitan():
-    moe_module = pytest.importorskip("torchtitan.models.moe.moe",
-                                     reason="torchtitan before 0.3 (torchtitan.models.moe.moe) is not installed")
+    """Against torchtitan 0.2.2's own GroupedExperts (scripts/setup.sh installs it, with the two packages its import
+    needs); fails rather than skips without it, as a skipped comparison would pass unseen (it did until session 68,
+    when it first ran: its init_weights then needed no_grad, as torchtitan calls it)."""
+    try:
+        import torchtitan.models.moe.moe as moe_module
+    except ImportError as e:
+        pytest.fail(f"torchtitan 0.2.2 does not import ({e}): run scripts/setup.sh, which installs it")
     torch.manual_seed(18)
     theirs = moe_module.GroupedExperts(D, N, 4, use_grouped_mm=False).to(torch.float64)
     ours = TorchTitanGroupedExperts(D, N, 4, dtype=torch.float64)
-    theirs.init_weights(0.3)
+    with torch.no_grad():  # torchtitan initialises under no_grad (its init_weights writes the parameters in place)
+        theirs.init_weights(0.3)
     ours.load_state_dict(theirs.state_dict())
     counts = torch.tensor([3, 0, 5, 2])
     x = torch.randn(10, D, dtype=torch.float64, requires_grad=True)

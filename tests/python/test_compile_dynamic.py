@@ -53,7 +53,9 @@ def backend(request):
     return request.param
 
 
-def test_module_compiles_over_many_token_counts_without_hitting_the_recompile_limit(backend):
+def _compiled_module_step(backend):
+    """A fresh module, and its forward (output, aux loss) compiled with fullgraph=True after the compile caches and
+    counters are cleared."""
     m = _module()
 
     def step(inp):
@@ -62,7 +64,11 @@ def test_module_compiles_over_many_token_counts_without_hitting_the_recompile_li
 
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    return m, torch.compile(step, fullgraph=True, backend=backend)
+
+
+def test_module_compiles_over_many_token_counts_without_hitting_the_recompile_limit(backend):
+    m, compiled = _compiled_module_step(backend)
     token_counts = list(range(5, 5 + torch._dynamo.config.recompile_limit + 4))  # more than the recompile limit
     for T in token_counts:
         _compare(m, compiled, torch.randn(T, 16, dtype=torch.float64, requires_grad=True))
@@ -71,15 +77,7 @@ def test_module_compiles_over_many_token_counts_without_hitting_the_recompile_li
 
 
 def test_mark_dynamic_token_count_compiles_once(backend):
-    m = _module()
-
-    def step(inp):
-        o = m(inp)
-        return o.output, o.aux_loss
-
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    m, compiled = _compiled_module_step(backend)
     for T in (5, 7, 9, 12):
         x = torch.randn(T, 16, dtype=torch.float64, requires_grad=True)
         torch._dynamo.mark_dynamic(x, 0)

@@ -76,6 +76,12 @@ def _score_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _weight_grad_fake(x, weight, into):
+    """A weight gradient as the backward operators return it: empty when the weight is absent or its gradient is
+    added into a caller buffer, else a contiguous tensor of the weight's shape in x's dtype."""
+    return x.new_empty((0,)) if weight is None or into is not None else x.new_empty(weight.shape)
+
+
 @torch.library.register_fake("machmoe::layer_backward")
 def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores,
                          saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
@@ -84,8 +90,8 @@ def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2
     caller = routing == _CALLER
 
     # As the operator allocates them: contiguous, x's dtype (the score gradient x's score type).
-    def grad(weight, into):  # a gradient added into a caller buffer is returned as an empty tensor
-        return x.new_empty((0,)) if weight is None or into is not None else x.new_empty(weight.shape)
+    def grad(weight, into):
+        return _weight_grad_fake(x, weight, into)
 
     return (
         x.new_empty(x.shape),
@@ -119,8 +125,8 @@ def _layer_backward_weight_fake(grad_out, x, router_weight, w1, b1, w2, b2, toke
                                 deferred, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
                                 swiglu_alpha=1.702, swiglu_limit=7.0, into_w1=None, into_b1=None, into_w2=None,
                                 into_b2=None):
-    def grad(weight, into):  # as in layer_backward's fake: empty when absent or added into a caller buffer
-        return x.new_empty((0,)) if weight is None or into is not None else x.new_empty(weight.shape)
+    def grad(weight, into):
+        return _weight_grad_fake(x, weight, into)
 
     return grad(w1, into_w1), grad(b1, into_b1), grad(w2, into_w2), grad(b2, into_b2)
 

@@ -83,6 +83,12 @@ machmoe::TensorView view(const char* op, const std::string& arg, const Tensor& t
   v.device = t.is_cuda() ? machmoe::Device::cuda(t.get_device()) : machmoe::Device::cpu();
   v.rank = static_cast<int>(t.dim());
   for (int i = 0; i < v.rank; ++i) v.shape[i] = t.size(i), v.stride[i] = t.stride(i);
+  // A dimension of size 1 is never stepped along, so its stride says nothing, and PyTorch leaves it arbitrary (a
+  // (1, d) row sliced from a transposed (d, 1) tensor has strides (1, 1) and is "contiguous"). The library's layout
+  // rules (a row stride of at least the row's length, which cuBLAS also needs) read it, so it is given the value of
+  // the contiguous layout: no element moves.
+  for (int i = v.rank - 1; i >= 0; --i)
+    if (v.shape[i] == 1) v.stride[i] = i + 1 < v.rank ? v.shape[i + 1] * v.stride[i + 1] : 1;
   return v;
 }
 

@@ -396,10 +396,11 @@ def _plan_deferral(weights, x, into):
 
 def _full_backward(operands, options, into):
     # consume_saved: dH may overwrite the saved H once nothing can read it again. The op decides (it consumes only
-    # inside a backward that does not retain its graph, on the GPU, and bumps the buffer's version); a tracer gets
-    # the read-only form, since the op's schema does not declare the write.
+    # inside a backward that does not retain its graph, on the GPU, and bumps the buffer's version); a tracer, and
+    # any other dispatch mode (a user's TorchDispatchMode sees the op's inputs and may keep them), gets the
+    # read-only form, since the op's schema does not declare the write.
     return torch.ops.machmoe.layer_backward(*operands, *options, *(into.get(n) for n in _ALL_WEIGHTS),
-                                            not _tracing())
+                                            not (_tracing() or torch._C._len_torch_dispatch_stack() > 0))
 
 
 def _split_backward(operands, options, into, owner, targets):

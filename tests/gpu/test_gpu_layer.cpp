@@ -341,6 +341,22 @@ TEST(GpuLayerProperties, WideDhTileInTheLayerMatchesFloat64) {
     }
 }
 
+// Many experts: E = 512 and 1024 (the token-rounding sweep's E = 512, and past it), K = 8, against the float64
+// reference, top-K and token rounding, forward and every gradient. Most experts get a handful of rows, many none.
+TEST(GpuLayerProperties, ManyExpertsMatchFloat64) {
+  REQUIRE_GPU();
+  for (std::int64_t E : {512, 1024})
+    for (RoutingMode routing : {RoutingMode::kTopK, RoutingMode::kTokenRounding}) {
+      SCOPED_TRACE("E = " + std::to_string(E) + " " + routing_mode_name(routing));
+      MoEProblem p;
+      p.T = 700, p.d = 128, p.n = 64, p.E = E, p.K = 8, p.routing = routing, p.tile_m = 16;
+      p.has_b1 = p.has_b2 = true;
+      const LayerCase<double> c(p, 512 + E);
+      const GpuRun g = run_on_gpu(c, DType::kBF16);
+      compare_all(g, reference_for(quantized_case(c, DType::kBF16), g.logits), DType::kBF16);
+    }
+}
+
 // ---- edge shapes -----------------------------------------------------------------------------------------------
 
 struct EdgeShape {

@@ -369,3 +369,63 @@ def test_activation_checkpointing_gives_the_plain_gradients_bitwise(cuda, use_re
     plain, checkpointed = plain_and_checkpointed_grads(block, x, [x] + list(m.parameters()), go, use_reentrant)
     for a, b in zip(plain, checkpointed):
         assert a is not None and torch.equal(a, b)
+
+
+def test_single_row_operands_with_any_stride(cuda):
+    """A (1, d) x or a (1, d) router weight whose row stride is below d (PyTorch calls it contiguous: the stride of a
+    size-1 dimension is never used) runs on CUDA, bitwise as its packed copy; before, the router GEMM's operand
+    check refused it there (it was accepted on the CPU)."""
+    d, n = 128, 64
+    g = torch.Generator(device=cuda).manual_seed(5)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, device=cuda, generator=g) * scale).to(torch.bfloat16)
+
+    x = r(d, 1).T  # (1, d), strides (1, 1)
+    assert x.shape == (1, d) and x.stride() == (1, 1) and x.is_contiguous()
+    rw, w1, w2 = r(4, d, scale=d ** -0.5), r(4, 2 * n, d, scale=d ** -0.5), r(4, d, n, scale=n ** -0.5)
+    got = machmoe.moe(x, rw, w1, w2, top_k=2)
+    want = machmoe.moe(x.clone(memory_format=torch.contiguous_format), rw, w1, w2, top_k=2)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # One expert: a (1, d) router weight with strides (1, 1).
+    rw1 = r(d, 1, scale=d ** -0.5).T
+    xs = r(7, d)
+    got = machmoe.moe(xs, rw1, w1[:1], w2[:1], top_k=1)
+    want = machmoe.moe(xs, rw1.clone(memory_format=torch.contiguous_format), w1[:1], w2[:1], top_k=1)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_a_dispatch_mode_gets_the_read_only_backward(cuda):
+    """Under any TorchDispatchMode the backward only reads the saved buffer (its version stays), since the operator's
+    schema does not declare the write that consumes it; without one it consumes it (its version moves). The
+    gradients are bitwise the same either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    dev, _ = gpu_case(cuda, T=512, d=256, n=128, E=8, K=2)
+    x, rw, w1, w2, b1, b2 = dev
+    go = torch.randn(512, 256, device=cuda, dtype=torch.bfloat16)
+
+    def run(mode):
+        out, _, _, saved = torch.ops.machmoe.layer_forward(x, rw, w1, b1, w2, b2, None, None, None, 2, 0, 0, 0, 0, 0,
+                                                            128, 0)
+        before = saved._version
+        loss = (out * go).sum()
+        if mode:
+            with PassThrough():
+                grads = torch.autograd.grad(loss, [x, w1, w2])
+        else:
+            grads = torch.autograd.grad(loss, [x, w1, w2])
+        torch.cuda.synchronize()
+        return grads, saved._version != before
+
+    plain, consumed = run(False)
+    moded, consumed_under_mode = run(True)
+    assert consumed and not consumed_under_mode
+    for a, b in zip(plain, moded):
+        assert torch.equal(a, b)

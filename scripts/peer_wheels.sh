@@ -7,8 +7,10 @@
 #
 # Versions known to work with torch 2.11: sonic-moe 0.1.2.post1, nvidia-cutlass-dsl 4.4.2, quack-kernels 0.3.11.
 # nvidia-cutlass-dsl-libs-base's wheel (74 MB) is larger than one transfer to the GPU machine may carry (64 MiB with
-# everything else), so it travels unpacked and recompressed as .tar.xz (54 MB), in a call of its own (the build
-# outputs stay on the warm machine between calls). Installed with --target, the package's .pth file is not read, so
+# the working tree and everything else), so it is unpacked, recompressed as .tar.xz (54 MB) and split into two parts
+# of at most 30 MB (.tar.xz.part-aa, -ab), each carried in a call of its own (ignored outputs stay on the warm machine
+# between calls); `install` joins them. In session 69 the whole .tar.xz and the 12 MB working tree were refused
+# together. Installed with --target, the package's .pth file is not read, so
 # `env` adds nvidia_cutlass_dsl/python_packages to PYTHONPATH itself.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,16 +31,27 @@ case "${1:-}" in
     python3 -m zipfile -e "$big" "$tmp"
     tar -C "$tmp" -cf - . | xz -T0 -6 > "$wheels/nvidia_cutlass_dsl_libs_base.tar.xz"
     rm -rf "$tmp" "$big"
+    (cd "$wheels" && split -b 30000000 nvidia_cutlass_dsl_libs_base.tar.xz nvidia_cutlass_dsl_libs_base.tar.xz.part- &&
+      rm nvidia_cutlass_dsl_libs_base.tar.xz)
     ls -l "$wheels"
-    echo "peer_wheels: carry .peer_wheels/nvidia_cutlass_dsl_libs_base.tar.xz in one call and the other wheels in" \
-         "another (or together, without third_party)"
+    echo "peer_wheels: carry each .peer_wheels/nvidia_cutlass_dsl_libs_base.tar.xz.part-* in a call of its own (the" \
+         "small wheels can go with one of them, or with third_party)"
     ;;
   install)
     mkdir -p "$site"
+    shopt -s nullglob
+    parts=("$wheels"/nvidia_cutlass_dsl_libs_base.tar.xz.part-*)
+    if [ ${#parts[@]} -gt 0 ]; then
+      cat "${parts[@]}" > "$wheels/nvidia_cutlass_dsl_libs_base.tar.xz"
+      if ! xz -t "$wheels/nvidia_cutlass_dsl_libs_base.tar.xz"; then
+        echo "peer_wheels: the joined parts are not a whole .tar.xz (a part missing?): ${parts[*]}" >&2
+        rm -f "$wheels/nvidia_cutlass_dsl_libs_base.tar.xz"
+        exit 1
+      fi
+    fi
     if [ -f "$wheels/nvidia_cutlass_dsl_libs_base.tar.xz" ]; then
       tar -C "$site" -xJf "$wheels/nvidia_cutlass_dsl_libs_base.tar.xz"
     fi
-    shopt -s nullglob
     whls=("$wheels"/*.whl)
     if [ ${#whls[@]} -gt 0 ]; then
       python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --no-index \

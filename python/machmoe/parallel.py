@@ -25,6 +25,7 @@ destination rank because rank r owns experts [r*E_local, (r+1)*E_local). No floa
 has an explicit inverse for its backward, and rows that meet (a token's K results, a token's K input gradients) are
 summed per token in a fixed order.
 """
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -620,7 +621,8 @@ def torchtitan_experts_forward(experts: nn.Module, x: Tensor, num_tokens_per_exp
         GroupedExperts.forward = machmoe.parallel.torchtitan_experts_forward
 
     machmoe's up-projection takes one (E, 2n, d) weight, so each call concatenates [w1; w3] (a copy of the gate/up
-    weights, whose gradient autograd splits back)."""
+    weights, whose gradient autograd splits back). The copy does not live until the backward: the backward
+    concatenates w1 and w3 again (_saved_as_parts)."""
     for names in _TORCHTITAN_WEIGHT_NAMES:
         if all(isinstance(getattr(experts, n, None), Tensor) for n in names):
             w1, w2, w3 = (_local(getattr(experts, n)) for n in names)
@@ -635,8 +637,61 @@ def torchtitan_experts_forward(experts: nn.Module, x: Tensor, num_tokens_per_exp
               f"{tuple(w1.shape)}, {tuple(w3.shape)} and {tuple(w2.shape)}")
     _check_grouped_call(x, num_tokens_per_expert, w1.shape[0], w1.shape[2])
     gate_up = torch.cat([w1, w3], dim=1)  # rows [0, h) gate, [h, 2h) up: machmoe's "concatenated" layout
-    return _run_grouped(x, num_tokens_per_expert, gate_up, w2, None, None, activation="swiglu",
-                        weight_layout="concatenated", activation_memory="preact", zero_padding=True)
+    with _saved_as_parts(gate_up, w1, w3):
+        return _run_grouped(x, num_tokens_per_expert, gate_up, w2, None, None, activation="swiglu",
+                            weight_layout="concatenated", activation_memory="preact", zero_padding=True)
+
+
+class _Parts:
+    """What _saved_as_parts keeps for the concatenation: its two parts and their versions."""
+    __slots__ = ("parts", "versions")
+
+    def __init__(self, parts):
+        self.parts = tuple(p.detach() for p in parts)
+        self.versions = tuple(p._version for p in parts)
+
+
+def _check_version(t: Tensor, version: int) -> None:
+    # Saved-tensor hooks turn off autograd's own check (it cannot see through a hook), so the hooks make it.
+    if t._version != version:
+        raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: [{t.dtype}, {tuple(t.shape)}] is at version {t._version}; expected version "
+                           f"{version} instead (machmoe: a tensor saved by the torchtitan experts' forward)")
+
+
+@contextlib.contextmanager
+def _saved_as_parts(cat: Tensor, *parts: Tensor):
+    """While the layer's forward runs: the concatenation `cat` of `parts` (along dim 1), if the layer saves it for
+    its backward, is saved as the parts and concatenated again when the backward unpacks it. Otherwise the copy
+    would stay alive from the forward to the backward: E * 2 * hidden * dim elements per layer (738 MB in bf16 at
+    E = 64, hidden = 1408, dim = 2048), and under FSDP2 an unsharded copy of weights that the module resharded
+    after its forward. The price is one more concatenation in the backward. Every other saved tensor is kept as
+    it is, with autograd's check for in-place changes made here. Not done under torch.compile, without grad, or
+    inside another saved-tensor hook (activation checkpointing, offloading: those decide what is kept)."""
+    if (not torch.is_grad_enabled() or torch.compiler.is_compiling() or
+            not torch._C._autograd._saved_tensors_hooks_is_enabled() or
+            torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
+        yield
+        return
+    key = (cat.data_ptr(), cat.shape, cat.stride(), cat.dtype, cat.device)
+
+    def pack(t: Tensor):
+        # The hook sees a detached alias of a saved input (the same storage and version counter), not the object.
+        if (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) == key:
+            return _Parts(parts)
+        return t, t._version
+
+    def unpack(packed):
+        if isinstance(packed, _Parts):
+            for p, v in zip(packed.parts, packed.versions):
+                _check_version(p, v)
+            return torch.cat(packed.parts, dim=1)
+        t, version = packed
+        _check_version(t, version)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 # ---- the expert-parallel layer ---------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ the other ranks'), which then fail as "not run".
 """
 import datetime
 from dataclasses import dataclass
+import gc
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import socket
 import time
 import traceback
 import warnings
+import weakref
 import zlib
 
 import numpy as np
@@ -569,6 +571,34 @@ def scenario_fsdp2_experts_outside_fsdp(rank, world):
     check_fsdp2_training(rank, world, mesh, None, mesh, per_rank([8, 6, 7, 9], world))
 
 
+def scenario_torchtitan_experts_fsdp2(rank, world):
+    """torchtitan's GroupedExperts on machmoe under FSDP2 with reshard_after_forward: the backward concatenates the
+    gate and up weights again from the parameters FSDP2 gathers once more (their versions unchanged by that), and
+    each rank's gradients equal the single process's mean over the ranks' inputs; twice, so the second step's
+    gathers are checked too."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(23)
+    whole = TorchTitanGroupedExperts(D, N, 4, dtype=torch.float64)
+    with torch.no_grad():
+        whole.init_weights(0.3)
+    sharded = TorchTitanGroupedExperts(D, N, 4, dtype=torch.float64)
+    sharded.load_state_dict(whole.state_dict())
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (world,)), reshard_after_forward=True)
+    counts = [torch.tensor([3, 0, 5, 2]), torch.tensor([1, 4, 0, 4])]
+    xs = [torch.randn(11, D, dtype=torch.float64, generator=gen(30 + r)) for r in range(world)]
+    gos = [torch.randn(11, D, dtype=torch.float64, generator=gen(40 + r)) for r in range(world)]
+    for step in range(2):
+        sharded.zero_grad(set_to_none=True)
+        whole.zero_grad(set_to_none=True)
+        (sharded(xs[rank], counts[rank % 2]) * gos[rank]).sum().backward()
+        for r in range(world):
+            (whole(xs[r], counts[r % 2]) * gos[r]).sum().div(world).backward()
+        for name in ("w1", "w2", "w3"):
+            ours = getattr(sharded, name).grad.full_tensor()
+            assert_close(f"step {step} {name}", ours, getattr(whole, name).grad, 1e-12)
+
+
 def scenario_one_row_per_token_and_rank(rank, world):
     """The default mode sends a token's row once to each rank that owns at least one of its experts, not once per
     pair, and gets one row back from each: the two row exchanges of the forward carry exactly the distinct
@@ -783,6 +813,7 @@ SCENARIOS_2 = [
     "argument_errors", "functional_equals_module", "bitwise_reruns", "capacity_without_overflow",
     "capacity_overflow", "host_synchronisations", "input_requires_grad_on_one_rank_only", "torch_compile",
     "staged_micro_batches_interleaved", "fsdp2_experts_outside_fsdp", "one_row_per_token_and_rank",
+    "torchtitan_experts_fsdp2",
 ]
 SCENARIOS_4 = ["topk_float64", "token_rounding_float64", "rank_without_tokens", "capacity_overflow",
                "fsdp2_two_dimensional_mesh", "one_row_per_token_and_rank", "fsdp2_mixed_precision_keeps_scores"]
@@ -1135,6 +1166,80 @@ def test_torchtitan_experts_forward_errors():
     tt = TorchTitanGroupedExperts(D, N, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="num_tokens_per_expert"):
         torchtitan_experts_forward(tt, torch.randn(3, D, dtype=torch.float64), torch.tensor([3, 0, 0]))
+
+
+def _titan_case(seed):
+    torch.manual_seed(seed)
+    tt = TorchTitanGroupedExperts(D, N, 4, dtype=torch.float64)
+    with torch.no_grad():
+        tt.init_weights(0.3)
+    counts = torch.tensor([3, 0, 5, 2])
+    x = torch.randn(11, D, dtype=torch.float64, requires_grad=True)  # 1 alignment-padding row
+    return tt, counts, x, torch.randn(11, D, dtype=torch.float64)
+
+
+def _titan_grads(tt, x, y, go, **kwargs):
+    return torch.autograd.grad((y * go).sum(), [x, tt.w1, tt.w2, tt.w3], **kwargs)
+
+
+def test_torchtitan_forward_keeps_no_copy_of_the_gate_up_weights(monkeypatch):
+    """The forward's [w1; w3] copy is dead once the forward returns (the backward concatenates the two again), and
+    the gradients are bitwise those of the form that keeps the copy (taken here under an outer saved-tensor hook,
+    where the adapter leaves the saving to that hook)."""
+    tt, counts, x, go = _titan_case(21)
+    copies = []
+    cat = torch.cat
+
+    def recording_cat(tensors, dim=0, **kw):
+        out = cat(tensors, dim=dim, **kw)
+        if tuple(out.shape) == (4, 2 * N, D):
+            copies.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(torch, "cat", recording_cat)
+    y = tt(x, counts)
+    gc.collect()
+    assert len(copies) == 1 and copies[0]() is None, "the concatenated gate/up weights outlived the forward"
+    ours = _titan_grads(tt, x, y, go)
+    assert len(copies) == 2  # concatenated again by the backward
+    monkeypatch.setattr(torch, "cat", cat)
+
+    packed = []
+
+    def outer_pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(outer_pack, lambda t: t):
+        y_kept = tt(x, counts)
+    assert (4, 2 * N, D) in packed  # the outer hook was given the copy itself: the adapter stood aside
+    for name, a, b in zip(["x", "w1", "w2", "w3"], ours, _titan_grads(tt, x, y_kept, go)):
+        assert torch.equal(a, b), name
+    ref = titan_reference(x, counts, tt.w1, tt.w2, tt.w3)
+    for name, a, b in zip(["x", "w1", "w2", "w3"], ours, _titan_grads(tt, x, ref, go)):
+        assert_close(name, a, b, 1e-12)
+
+
+def test_torchtitan_backward_sees_in_place_changes_and_can_run_twice():
+    """The saved-tensor hooks keep autograd's check for tensors changed in place between the forward and the
+    backward (the gate and up weights, and the others the layer saves), and a retained graph runs its backward
+    twice with the same result."""
+    tt, counts, x, go = _titan_case(22)
+    y = tt(x, counts)
+    first = _titan_grads(tt, x, y, go, retain_graph=True)
+    for name, a, b in zip(["x", "w1", "w2", "w3"], first, _titan_grads(tt, x, y, go)):
+        assert torch.equal(a, b), name
+    for name in ("w1", "w3", "w2"):
+        y = tt(x, counts)
+        with torch.no_grad():
+            getattr(tt, name).mul_(1.0)  # same values, a new version
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            _titan_grads(tt, x, y, go)
+    y = tt(x, counts)
+    with torch.no_grad():
+        x.add_(0.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _titan_grads(tt, x, y, go)
 
 
 def test_torchtitan_adapter_matches_torchtitan():

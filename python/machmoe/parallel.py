@@ -643,11 +643,11 @@ def torchtitan_experts_forward(experts: nn.Module, x: Tensor, num_tokens_per_exp
 
 
 class _Parts:
-    """What _saved_as_parts keeps for the concatenation: its two parts and their versions."""
+    """What _saved_as_parts keeps for the concatenation: its parts (detached) and their versions."""
     __slots__ = ("parts", "versions")
 
     def __init__(self, parts):
-        self.parts = tuple(p.detach() for p in parts)
+        self.parts = parts
         self.versions = tuple(p._version for p in parts)
 
 
@@ -666,20 +666,25 @@ def _saved_as_parts(cat: Tensor, *parts: Tensor):
     would stay alive from the forward to the backward: E * 2 * hidden * dim elements per layer (738 MB in bf16 at
     E = 64, hidden = 1408, dim = 2048), and under FSDP2 an unsharded copy of weights that the module resharded
     after its forward. The price is one more concatenation in the backward. Every other saved tensor is kept as
-    it is, with autograd's check for in-place changes made here. Not done under torch.compile, without grad, or
-    inside another saved-tensor hook (activation checkpointing, offloading: those decide what is kept)."""
+    it is, with autograd's check for in-place changes made here. So a part changed in place between the forward and
+    the backward is an error, as for any other saved tensor (the copy used to hide that change). Not done under
+    torch.compile, without grad, or inside another saved-tensor hook (activation checkpointing, offloading: those
+    decide what is kept)."""
     if (not torch.is_grad_enabled() or torch.compiler.is_compiling() or
             not torch._C._autograd._saved_tensors_hooks_is_enabled() or
             torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
         yield
         return
     key = (cat.data_ptr(), cat.shape, cat.stride(), cat.dtype, cat.device)
+    parts = tuple(p.detach() for p in parts)  # no autograd history is kept through the hooks
 
     def pack(t: Tensor):
-        # The hook sees a detached alias of a saved input (the same storage and version counter), not the object.
+        # t may be the saved tensor itself or an alias of it: compared by what it points at. Kept detached (the same
+        # storage and version counter): an op's output saved with its grad_fn would close a reference cycle through
+        # the graph, which Python's collector cannot see.
         if (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) == key:
             return _Parts(parts)
-        return t, t._version
+        return t.detach(), t._version
 
     def unpack(packed):
         if isinstance(packed, _Parts):

@@ -585,13 +585,33 @@ def scenario_torchtitan_experts_fsdp2(rank, world):
     sharded = TorchTitanGroupedExperts(D, N, 4, dtype=torch.float64)
     sharded.load_state_dict(whole.state_dict())
     fully_shard(sharded, mesh=init_device_mesh("cpu", (world,)), reshard_after_forward=True)
+    import machmoe.parallel as P
+    parts = []
+    original_parts = P._Parts
+
+    class RecordingParts(original_parts):
+        __slots__ = ()
+
+        def __init__(self, p):
+            super().__init__(p)
+            parts.append(p)
+
     counts = [torch.tensor([3, 0, 5, 2]), torch.tensor([1, 4, 0, 4])]
     xs = [torch.randn(11, D, dtype=torch.float64, generator=gen(30 + r)) for r in range(world)]
     gos = [torch.randn(11, D, dtype=torch.float64, generator=gen(40 + r)) for r in range(world)]
     for step in range(2):
         sharded.zero_grad(set_to_none=True)
         whole.zero_grad(set_to_none=True)
-        (sharded(xs[rank], counts[rank % 2]) * gos[rank]).sum().backward()
+        parts.clear()
+        P._Parts = RecordingParts
+        try:
+            y = sharded(xs[rank], counts[rank % 2])
+        finally:
+            P._Parts = original_parts
+        # The hooks took the gathered parameters, whose storage FSDP2 frees after the forward and gathers again for
+        # the backward, which concatenates them from there.
+        assert len(parts) == 1 and all(p.untyped_storage().nbytes() == 0 for p in parts[0]), parts
+        (y * gos[rank]).sum().backward()
         for r in range(world):
             (whole(xs[r], counts[r % 2]) * gos[r]).sum().div(world).backward()
         for name in ("w1", "w2", "w3"):
@@ -1197,9 +1217,12 @@ def test_torchtitan_forward_keeps_no_copy_of_the_gate_up_weights(monkeypatch):
         return out
 
     monkeypatch.setattr(torch, "cat", recording_cat)
-    y = tt(x, counts)
-    gc.collect()
-    assert len(copies) == 1 and copies[0]() is None, "the concatenated gate/up weights outlived the forward"
+    gc.disable()  # freed by reference counting, not by the cycle collector
+    try:
+        y = tt(x, counts)
+        assert len(copies) == 1 and copies[0]() is None, "the concatenated gate/up weights outlived the forward"
+    finally:
+        gc.enable()
     ours = _titan_grads(tt, x, y, go)
     assert len(copies) == 2  # concatenated again by the backward
     monkeypatch.setattr(torch, "cat", cat)
@@ -1218,6 +1241,38 @@ def test_torchtitan_forward_keeps_no_copy_of_the_gate_up_weights(monkeypatch):
     ref = titan_reference(x, counts, tt.w1, tt.w2, tt.w3)
     for name, a, b in zip(["x", "w1", "w2", "w3"], ours, _titan_grads(tt, x, ref, go)):
         assert_close(name, a, b, 1e-12)
+
+
+def test_saved_as_parts_leaves_no_reference_cycle():
+    """An op that saves its own output (exp) inside the hooks: the output is freed by reference counting once the
+    graph goes, as without the hooks (a hook that kept it with its grad_fn would close a cycle through C++)."""
+    from machmoe.parallel import _saved_as_parts
+    a = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    cat = torch.cat([a, b], dim=1)
+    gc.disable()
+    try:
+        with _saved_as_parts(cat, a, b):
+            z = (cat * 2).exp()
+        ref = weakref.ref(z)
+        grad = torch.autograd.grad(z.sum(), [a, b], retain_graph=True)
+        assert torch.equal(grad[0], 2 * z[:, :3].detach()) and torch.equal(grad[1], 2 * z[:, 3:].detach())
+        del z
+        assert ref() is None, "a tensor saved through the hooks outlived its graph"
+    finally:
+        gc.enable()
+
+
+def test_torchtitan_adapter_stands_aside_without_grad_and_under_other_hooks():
+    """No hooks without grad (nothing is saved) or with saved-tensor hooks disabled; the same output either way."""
+    tt, counts, x, _ = _titan_case(24)
+    y = tt(x, counts)
+    with torch.no_grad():
+        assert torch.equal(tt(x, counts), y.detach())
+    with torch.autograd.graph.disable_saved_tensors_hooks("machmoe test: hooks disabled"):
+        y_off = tt(x, counts)
+    assert torch.equal(y_off, y)
+    assert y_off.grad_fn is not None
 
 
 def test_torchtitan_backward_sees_in_place_changes_and_can_run_twice():

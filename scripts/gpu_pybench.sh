@@ -5,7 +5,8 @@
 # (same JSON, same machine or with the JSON copied back) until every configuration is in; each call reports what is
 # done. Build outputs, the peers' install and their JIT caches (.peer_cache/) stay in ignored folders, so a later
 # call on the same machine starts at once; on a fresh machine the first call spends ~100 s building and SonicMoE's
-# first configuration ~140-190 s compiling.
+# first configuration ~140-475 s compiling (MACHMOE_PEER_CACHE_OUT=1 returns the caches under $OUT, and a later fresh
+# machine restores them from .peer_wheels/peer_cache.tar.xz).
 #
 #   bash scripts/gpu_pybench.sh SECONDS CONFIGS [JSON] [extra benchmark options...]
 #   e.g. bash scripts/gpu_pybench.sh 540 main,sweeps .pybench/results.json
@@ -28,6 +29,11 @@ if [ ! -f build/lib/libmachmoe_torch.so ]; then
   tail -n 1 "$log"
 fi
 if [ -d .peer_wheels ] && [ ! -d .peer_site/sonicmoe ]; then bash scripts/peer_wheels.sh install | tail -n 1; fi
+# Upstream's JIT caches from an earlier machine (peer_cache.tar.xz, as this script leaves it under $OUT), so that a
+# fresh machine skips most of the first configuration's compilation (475 s on an H200 in session 69).
+if [ -f .peer_wheels/peer_cache.tar.xz ] && [ ! -d .peer_cache ]; then
+  tar -xJf .peer_wheels/peer_cache.tar.xz && echo "gpu_pybench: upstream's JIT caches restored from .peer_wheels/peer_cache.tar.xz"
+fi
 if [ -d .peer_site ]; then eval "$(bash scripts/peer_wheels.sh env)"; fi
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" MACHMOE_TORCH_LIBRARY="$root/build/lib/libmachmoe_torch.so"
 export PYTHONUNBUFFERED=1 QUACK_CACHE_DIR="$root/.peer_cache/quack" TRITON_CACHE_DIR="$root/.peer_cache/triton"
@@ -51,5 +57,16 @@ PY
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -f "$json" ]; then
   cp "$json" "$OUT/" && { [ ! -f "$(dirname "$json")/results.md" ] || cp "$(dirname "$json")/results.md" "$OUT/"; }
   echo "gpu_pybench: copied $(basename "$json") to \$OUT"
+fi
+# With MACHMOE_PEER_CACHE_OUT=1: the JIT caches for a later machine (carry them back as
+# .peer_wheels/peer_cache.tar.xz), if they fit what a device call returns (16 MiB a file).
+if [ "${MACHMOE_PEER_CACHE_OUT:-0}" = 1 ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -d .peer_cache ]; then
+  tar -cf - .peer_cache 2>/dev/null | xz -T0 -6 > "$OUT/peer_cache.tar.xz"
+  size=$(stat -c %s "$OUT/peer_cache.tar.xz" 2>/dev/null || echo 0)
+  if [ "$size" -gt $((15 * 1024 * 1024)) ]; then
+    rm -f "$OUT/peer_cache.tar.xz"; echo "gpu_pybench: JIT caches too large to return ($size bytes compressed)"
+  else
+    echo "gpu_pybench: JIT caches in \$OUT/peer_cache.tar.xz ($size bytes)"
+  fi
 fi
 exit $rc

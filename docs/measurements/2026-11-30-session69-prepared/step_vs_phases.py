@@ -28,7 +28,7 @@ from machmoe.benchmark import impls as I
 
 
 class ClockSampler:
-    """SM clock (MHz) and power (W) every 20 ms in a thread, through nvidia-smi's query (no pynvml needed)."""
+    """SM clock (MHz) and power (W) about every 100 ms in a thread, through nvidia-smi's query (no pynvml needed)."""
 
     def __init__(self):
         self.samples, self._stop, self._t = [], threading.Event(), None
@@ -43,7 +43,7 @@ class ClockSampler:
                     self.samples.append((float(out[0]), float(out[1])))
                 except Exception:  # noqa: BLE001 - a missed sample only
                     pass
-                self._stop.wait(0.02)
+                self._stop.wait(0.1)
         self._t = threading.Thread(target=run, daemon=True)
         self._t.start()
         return self

@@ -9,9 +9,8 @@ requires grad, gradients set to None before each repetition), in the same proces
   step      - zero_grad, forward, backward, timed as one, as the runner's fwdbwd_ms, with one more event between
               the forward and the backward (no synchronize), so the step's two parts are timed separately.
 It prints the medians, the caching allocator's device allocations and retries per block (a cudaMalloc or a cache
-flush inside the timed calls would show there), and the SM clock and power sampled by NVML across each block (if
-pynvml is importable; nvidia-smi's sampling is the fallback), so that a clock difference and allocator work can be
-told apart.
+flush inside the timed calls would show there), and the SM clock and power sampled by nvidia-smi across each block,
+so that a clock difference and allocator work can be told apart.
 
     python3 step_vs_phases.py [--configs 120B-512,30B-256] [--ms 1500] [--blocks 3]
 """

@@ -88,18 +88,14 @@ def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2
                          swiglu_alpha=1.702, swiglu_limit=7.0, into_router_weight=None, into_w1=None, into_b1=None,
                          into_w2=None, into_b2=None, consume_saved=False):
     caller = routing == _CALLER
-
     # As the operator allocates them: contiguous, x's dtype (the score gradient x's score type).
-    def grad(weight, into):
-        return _weight_grad_fake(x, weight, into)
-
     return (
         x.new_empty(x.shape),
-        grad(None if caller else router_weight, into_router_weight),
-        grad(w1, into_w1),
-        grad(b1, into_b1),
-        grad(w2, into_w2),
-        grad(b2, into_b2),
+        _weight_grad_fake(x, None if caller else router_weight, into_router_weight),
+        _weight_grad_fake(x, w1, into_w1),
+        _weight_grad_fake(x, b1, into_b1),
+        _weight_grad_fake(x, w2, into_w2),
+        _weight_grad_fake(x, b2, into_b2),
         x.new_empty(scores.shape, dtype=_score_dtype(x)) if caller else x.new_empty((0,)),
     )
 
@@ -125,10 +121,8 @@ def _layer_backward_weight_fake(grad_out, x, router_weight, w1, b1, w2, b2, toke
                                 deferred, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
                                 swiglu_alpha=1.702, swiglu_limit=7.0, into_w1=None, into_b1=None, into_w2=None,
                                 into_b2=None):
-    def grad(weight, into):
-        return _weight_grad_fake(x, weight, into)
-
-    return grad(w1, into_w1), grad(b1, into_b1), grad(w2, into_w2), grad(b2, into_b2)
+    return (_weight_grad_fake(x, w1, into_w1), _weight_grad_fake(x, b1, into_b1), _weight_grad_fake(x, w2, into_w2),
+            _weight_grad_fake(x, b2, into_b2))
 
 
 _WEIGHTS = ("w1", "b1", "w2", "b2")

@@ -275,6 +275,25 @@ class _CombineRows(torch.autograd.Function):
                 None)
 
 
+class _SumRowsPerToken(torch.autograd.Function):
+    """The default mode's combine: out[t] = the sum of the rows token t sent out, as they came back (row_of_pair: t's
+    row per rank, -1 where it sent none), by combine_rows without scores (fp32 sums in a fixed order). Each returned
+    row belongs to one token (row_token[row] = t), so the backward is a gather of dO, bitwise what combine_rows'
+    backward gives with unit scores, and only the row -> token index is saved, not the returned rows (R x d that
+    _CombineRows would keep until the backward)."""
+
+    @staticmethod
+    def forward(ctx, rows, row_of_pair, top_k, T, row_token):
+        ctx.save_for_backward(row_token)
+        return torch.ops.machmoe.combine_rows(rows, None, row_of_pair, None, top_k, T)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        (row_token,) = ctx.saved_tensors
+        return _gather_rows(grad_out.contiguous(), row_token, None), None, None, None, None
+
+
 def _all_to_all(rows: Tensor, out_splits, in_splits, group) -> Tensor:
     """all_to_all_single as a functional collective: a new tensor, not a write into a buffer. torch.compile traces
     it in forward and backward alike (it mis-traces the in-place dist.all_to_all_single inside an autograd.Function
@@ -288,9 +307,9 @@ def _all_to_all(rows: Tensor, out_splits, in_splits, group) -> Tensor:
 class _AllToAll(torch.autograd.Function):
     """Rows to the ranks that own them; the backward sends the gradients back along the same splits, reversed.
 
-    `anchor` is a tensor every rank of the group passes with the same requires_grad (the replicated router weight):
-    it puts this node in every rank's graph, so every rank runs the backward collective even where its own rows
-    need no gradient (a rank with no tokens), and no rank waits for a partner that skipped it."""
+    `anchor` (_anchor) is a tensor that requires grad on every rank of the group while gradients are recorded: it
+    puts this node in every rank's graph, so every rank runs the backward collective even where its own rows need no
+    gradient (a rank with no tokens, or whose input needs none), and no rank waits for a partner that skipped it."""
 
     @staticmethod
     def forward(ctx, rows, anchor, out_splits, in_splits, group):
@@ -301,6 +320,19 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None, None
+
+
+def _anchor(router_weight: Tensor, like: Tensor) -> Optional[Tensor]:
+    """The anchor of one layer call's exchanges (see _AllToAll): a tensor that requires grad on every rank of the
+    group whenever gradients are recorded, so that every rank's graph holds every exchange node. The replicated router
+    weight, while it is trained (its requires_grad is the same on every rank). With a frozen router (only the experts
+    or other layers trained), a fresh 0-d leaf that nothing reads: without it, a rank whose input needs no gradient
+    would skip the backward exchanges its partners run, and they would wait for it (NCCL: for ever)."""
+    if not torch.is_grad_enabled():
+        return None
+    if router_weight.requires_grad:
+        return router_weight
+    return torch.empty((), dtype=like.dtype, device=like.device, requires_grad=True)
 
 
 def _exchange(rows: Tensor, anchor: Optional[Tensor], out_splits, in_splits, group) -> Tensor:
@@ -864,11 +896,12 @@ def _dispatch(x: Tensor, router_weight: Tensor, *, ep_size: int, top_k: int, gro
     plan = _plan(rt, x.shape[0], E, ep_size, capacity, group, top_k, tile, group_rows)
     pairs = plan.pairs
     send = _DispatchRows.apply(x, plan.slot_token, plan.slot_valid, plan.pair_row, plan.token_offsets, pairs.top_k)
-    received = _exchange(send, router_weight, plan.recv_splits, plan.send_splits, group)
+    anchor = _anchor(router_weight, x)
+    received = _exchange(send, anchor, plan.recv_splits, plan.send_splits, group)
     x_grouped = _RowPermute.apply(received, plan.grouped_to_recv, None, plan.recv_to_grouped, None) \
         if group_rows else None
     return ExpertParallelDispatch(x_grouped, plan.tokens_per_expert, logits, rt.counts.to(torch.int32),
-                                  plan.dropped_rows, plan, group, router_weight, x_received=received)
+                                  plan.dropped_rows, plan, group, anchor, x_received=received)
 
 
 def expert_parallel_combine(dispatched: ExpertParallelDispatch, y_grouped: Tensor) -> Tensor:
@@ -894,7 +927,10 @@ def _combine_received(dispatched: ExpertParallelDispatch, y_received: Tensor) ->
     plan, pairs = dispatched.plan, dispatched.plan.pairs
     y_sent = _exchange(y_received, dispatched.anchor, plan.send_splits, plan.recv_splits, dispatched.group)
     T = dispatched.router_logits.shape[0]
-    return _CombineRows.apply(y_sent.contiguous(), pairs.score, plan.pair_row, plan.token_offsets, pairs.top_k, T,
+    # The library's score dtype for the returned rows (the routing's scores are float64 for float64 x, the experts'
+    # rows float32 where FSDP2 runs them in float32), as _run_pairs casts them in the default mode.
+    score = _cast(pairs.score, _acc_dtype(y_sent.dtype))
+    return _CombineRows.apply(y_sent.contiguous(), score, plan.pair_row, plan.token_offsets, pairs.top_k, T,
                               plan.slot_valid is not None)
 
 
@@ -965,8 +1001,9 @@ def _rows_forward(x: Tensor, router_weight: Tensor, experts, *, ep_size: int, to
                              pairs.expert.index_select(0, order) - dest_sorted * El], 1).to(torch.int32)
     send = _DispatchRows.apply(x, row_token, None, token_rank_row, None, W)
     score_sorted = _RowPermute.apply(pairs.score, order, None, _inverse_of(order), None)
+    anchor = _anchor(router_weight, x)
     received, recv_scores, recv_info = _DispatchExchange.apply(
-        send, score_sorted, pair_info, router_weight, (send_rows, recv_rows), (send_pairs, recv_pairs), group)
+        send, score_sorted, pair_info, anchor, (send_rows, recv_rows), (send_pairs, recv_pairs), group)
 
     # My pairs' rows in the receive buffer: the source's block start + the row within the block.
     P_recv = recv_info.shape[0]
@@ -974,8 +1011,8 @@ def _rows_forward(x: Tensor, router_weight: Tensor, experts, *, ep_size: int, to
     block_start = recv_rows_from.cumsum(0) - recv_rows_from
     token_index = recv_info[:, 0].to(torch.int64) + block_start.index_select(0, source)
     y = experts(received, pairs=ExpertPairs(token_index, recv_info[:, 1], recv_scores, per_row))
-    y_back = _exchange(y, router_weight, send_rows, recv_rows, group)
-    out = _CombineRows.apply(y_back.contiguous(), None, token_rank_row, None, W, T, False)
+    y_back = _exchange(y, anchor, send_rows, recv_rows, group)
+    out = _SumRowsPerToken.apply(y_back.contiguous(), token_rank_row, W, T, row_token)
     return out, logits, counts
 
 

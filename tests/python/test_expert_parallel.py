@@ -422,25 +422,58 @@ def scenario_host_synchronisations(rank, world):
 
 
 def scenario_input_requires_grad_on_one_rank_only(rank, world):
-    """Rank 0's input needs a gradient, the others' do not: every rank must still run both backward exchanges,
-    or rank 0 would wait for partners that skipped them."""
-    m = make_layer(15, E=2 * world)
-    xs = make_inputs(15, per_rank([9, 7, 8, 6], world))
-    ep = ExpertParallelMoE.from_moe(m)
-    x = xs[rank].clone().requires_grad_(rank == 0)
-    o = ep(x)
-    go, _ = upstream(15, rank, x.shape[0], 2 * world, x.dtype)
-    (o.output * go).sum().backward()
-    m.zero_grad(set_to_none=True)
-    ref_x = xs[0].clone().requires_grad_()
-    loss = (m(ref_x).output * upstream(15, 0, xs[0].shape[0], 2 * world, x.dtype)[0]).sum()
-    for r in range(1, world):
-        loss = loss + (m(xs[r]).output * upstream(15, r, xs[r].shape[0], 2 * world, x.dtype)[0]).sum()
-    loss.backward()
-    if rank == 0:
-        assert_close("grad x", x.grad, ref_x.grad, 1e-12)
-    local = slice(ep.expert_offset, ep.expert_offset + ep.num_local_experts)
-    assert_close("grad w1", ep.experts.w1.grad, m.w1.grad[local], 1e-12)
+    """Rank 0's input needs a gradient, the others' do not: every rank must still run every backward exchange, or
+    rank 0 would wait for partners that skipped them (gloo: an error at the timeout; NCCL: a hang). With the router
+    trained and frozen (fine-tuning the experts only: the router weight can then not tie the ranks' graphs together),
+    in the default and the capacity mode, the staged API included."""
+    for frozen in (False, True):
+        for capacity in (None, 64):
+            m = make_layer(15, E=2 * world)
+            m.router_weight.requires_grad_(not frozen)
+            xs = make_inputs(15, per_rank([9, 7, 8, 6], world))
+            ep = ExpertParallelMoE.from_moe(m, capacity=capacity)
+            ep.router_weight.requires_grad_(not frozen)
+            for staged in (False, True):
+                x = xs[rank].clone().requires_grad_(rank == 0)
+                if staged:
+                    d = ep.dispatch(x)
+                    o = ep.combine(d, ep.experts(d.x_grouped, d.tokens_per_expert))
+                else:
+                    o = ep(x)
+                go, _ = upstream(15, rank, x.shape[0], 2 * world, x.dtype)
+                ep.zero_grad(set_to_none=True)
+                (o.output * go).sum().backward()
+                m.zero_grad(set_to_none=True)
+                ref_x = xs[0].clone().requires_grad_()
+                loss = (m(ref_x).output * upstream(15, 0, xs[0].shape[0], 2 * world, x.dtype)[0]).sum()
+                for r in range(1, world):
+                    loss = loss + (m(xs[r]).output * upstream(15, r, xs[r].shape[0], 2 * world, x.dtype)[0]).sum()
+                loss.backward()
+                what = f"(router {'frozen' if frozen else 'trained'}, capacity {capacity}, staged {staged})"
+                if rank == 0:
+                    assert_close(f"grad x {what}", x.grad, ref_x.grad, 1e-12)
+                local = slice(ep.expert_offset, ep.expert_offset + ep.num_local_experts)
+                assert_close(f"grad w1 {what}", ep.experts.w1.grad, m.w1.grad[local], 1e-12)
+                assert (ep.router_weight.grad is None) == frozen, what
+
+
+def scenario_default_mode_keeps_no_returned_rows(rank, world):
+    """The default mode's combine saves the row -> token index for its backward, not the rows that came back
+    (R x d: the size of the layer's output again, or more, held until the backward)."""
+    m = make_layer(16, E=2 * world)
+    x = make_inputs(16, per_rank([9, 7, 8, 6], world))[rank].requires_grad_()
+    out = ExpertParallelMoE.from_moe(m)(x).output
+    seen, stack, saved = set(), [out.grad_fn], {}
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        saved.setdefault(type(node).__name__, []).append(node)
+        stack.extend(f for f, _ in node.next_functions)
+    assert "_SumRowsPerTokenBackward" in saved and "_CombineRowsBackward" not in saved, sorted(saved)
+    (node,) = saved["_SumRowsPerTokenBackward"]
+    assert [(t.dim(), t.dtype) for t in node.saved_tensors] == [(1, torch.int64)]
 
 
 def scenario_staged_micro_batches_interleaved(rank, world):
@@ -687,6 +720,15 @@ def scenario_fsdp2_mixed_precision_keeps_scores(rank, world):
     assert out.dtype == torch.float32
     assert_close("output", out.double(), ref, 1e-5)
     assert_close("grad x", dx, ref_dx, 1e-5)
+    # Capacity mode (no overflow at this capacity) combines the returned float32 rows with the float64 routing's
+    # scores cast to the rows' score dtype, as the default mode does.
+    ep_cap = ExpertParallelMoE.from_moe(m, group=mesh["ep"].get_group(), capacity=64)
+    shard_experts_fsdp2(ep_cap, mesh["expert_fsdp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    out_cap = ep_cap(x).output
+    (dx_cap,) = torch.autograd.grad((out_cap * g).sum(), [x])
+    assert out_cap.dtype == torch.float32
+    assert_close("capacity output", out_cap.double(), ref, 1e-5)
+    assert_close("capacity grad x", dx_cap, ref_dx, 1e-5)
 
 
 # ---- argument checks: every rank raises, before any communication ----------------------------------------------
@@ -833,7 +875,7 @@ SCENARIOS_2 = [
     "argument_errors", "functional_equals_module", "bitwise_reruns", "capacity_without_overflow",
     "capacity_overflow", "host_synchronisations", "input_requires_grad_on_one_rank_only", "torch_compile",
     "staged_micro_batches_interleaved", "fsdp2_experts_outside_fsdp", "one_row_per_token_and_rank",
-    "torchtitan_experts_fsdp2",
+    "torchtitan_experts_fsdp2", "default_mode_keeps_no_returned_rows",
 ]
 SCENARIOS_4 = ["topk_float64", "token_rounding_float64", "rank_without_tokens", "capacity_overflow",
                "fsdp2_two_dimensional_mesh", "one_row_per_token_and_rank", "fsdp2_mixed_precision_keeps_scores"]

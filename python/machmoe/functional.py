@@ -24,6 +24,13 @@ from ._validation import as_int, fail as _fail, require_tensor
 
 _CPU_DTYPES = (torch.float32, torch.float64)
 _CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_META_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # shapes only: a model built on meta
+
+
+def _dtypes_for(device: torch.device) -> tuple:
+    """The data dtypes the layer takes on a device: the CUDA kernels' on cuda, the reference's elsewhere, and on meta
+    (no data: shape and FLOP passes over a model in its training dtype) either."""
+    return _CUDA_DTYPES if device.type == "cuda" else _META_DTYPES if device.type == "meta" else _CPU_DTYPES
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -56,7 +63,7 @@ def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, we
         require_tensor(name, t, optional=optional)
     if x.dim() != 2:
         _fail(x_name, "a (tokens, hidden) tensor", f"shape {tuple(x.shape)}")
-    allowed = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
+    allowed = _dtypes_for(x.device)
     if x.dtype not in allowed:
         _fail(x_name, f"one of {allowed} on {x.device.type}", x.dtype)
     if w1.dim() != 3:
@@ -209,7 +216,7 @@ def _tensors_pass(x, router_weight, w1, w2, b1, b2, glu: bool) -> bool:
     if len(xs) != 2 or len(ws) != 3:
         return False
     device, dtype = x.device, x.dtype
-    if dtype not in (_CUDA_DTYPES if x.is_cuda else _CPU_DTYPES) or x.stride(-1) != 1:
+    if dtype not in _dtypes_for(device) or x.stride(-1) != 1:
         return False
     d = xs[1]
     if x.stride(0) < d and xs[0] > 1:  # overlapping rows (e.g. expanded): _check_common reports them

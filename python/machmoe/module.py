@@ -323,18 +323,44 @@ class MoE(_LossCoefficients, nn.Module):
         down = _stack_experts("down_proj", down_proj, E, linear(d, n), transposed) if down_proj is not None else None
         if router is not None:
             _check_weight("router", router, (E, d))
+        self._check_writable(["w1"] + (["w2"] if down is not None else []) + (["router_weight"] if router is not None
+                                                                                 else []))
         # Everything checked: now write.
-        if self.weight_layout == "interleaved":
-            self.w1.view(E, n, 2, d)[:, :, 0].copy_(gate)
-            self.w1.view(E, n, 2, d)[:, :, 1].copy_(up)
-        else:
-            self.w1[:, :n].copy_(gate)
-            self.w1[:, n:].copy_(up)
+        def write_w1(w1):
+            if self.weight_layout == "interleaved":
+                w1.view(E, n, 2, d)[:, :, 0].copy_(gate)
+                w1.view(E, n, 2, d)[:, :, 1].copy_(up)
+            else:
+                w1[:, :n].copy_(gate)
+                w1[:, n:].copy_(up)
+        self._write_parameter("w1", write_w1)
         if down is not None:
-            self.w2.copy_(down)
+            self._write_parameter("w2", lambda w2: w2.copy_(down))
         if router is not None:
-            self.router_weight.copy_(router)
+            self._write_parameter("router_weight", lambda rw: rw.copy_(router))
         return self
+
+    def _check_writable(self, names) -> None:
+        """Raises, before anything is written, for a parametrized weight among `names` that cannot be assigned (a
+        parametrization without right_inverse): a load must not stop half way."""
+        for name in names:
+            if nn.utils.parametrize.is_parametrized(self, name):
+                missing = [type(p).__name__ for p in self.parametrizations[name] if not hasattr(p, "right_inverse")]
+                if missing:
+                    raise ValueError(f"machmoe: cannot load '{name}': it is parametrized by {', '.join(missing)} "
+                                     f"without right_inverse, so a loaded value cannot be assigned to it (load the "
+                                     f"weights before registering the parametrization)")
+
+    def _write_parameter(self, name: str, write) -> None:
+        """write(t) fills parameter `name` in place. A parametrized one (torch.nn.utils.parametrize) reads as a
+        tensor computed from its original, so writing into that would change nothing: it is filled as a copy and
+        assigned, which goes through the parametrization's right_inverse (and raises if it has none)."""
+        if nn.utils.parametrize.is_parametrized(self, name):
+            value = getattr(self, name).detach().clone()
+            write(value)
+            setattr(self, name, value)
+        else:
+            write(getattr(self, name))
 
 
     # ---- gpt-oss (HF transformers GptOssExperts / GptOssTopKRouter) -----------------------------------------------
@@ -417,16 +443,19 @@ class MoE(_LossCoefficients, nn.Module):
                 fail("router_bias", "None or zeros: machmoe's router has no bias (logits = x router_weight^T); for "
                      "gpt-oss's biased router compute the top-k routing outside and call machmoe.moe_from_routing",
                      "a tensor with nonzero entries")
+        self._check_writable(["b1", "b2"] if has_bias else [])
         # Checks the expert weights and the router, then writes them (interleaved gate/up columns, stored (in, out)).
         self.load_hf_experts(down_proj=down_proj, gate_up_proj=gate_up_proj, router=router_weight,
                              gate_up_layout="interleaved", transposed=True)
         if has_bias:
-            if self.weight_layout == "interleaved":
-                self.b1.copy_(gate_up_proj_bias)
-            else:
-                self.b1[:, :n].copy_(gate_up_proj_bias[:, 0::2])
-                self.b1[:, n:].copy_(gate_up_proj_bias[:, 1::2])
-            self.b2.copy_(down_proj_bias)
+            def write_b1(b1):
+                if self.weight_layout == "interleaved":
+                    b1.copy_(gate_up_proj_bias)
+                else:
+                    b1[:, :n].copy_(gate_up_proj_bias[:, 0::2])
+                    b1[:, n:].copy_(gate_up_proj_bias[:, 1::2])
+            self._write_parameter("b1", write_b1)
+            self._write_parameter("b2", lambda b2: b2.copy_(down_proj_bias))
         return self
 
 

@@ -693,3 +693,51 @@ def test_gpu_grouped_experts_rows_past_the_counts_are_padding(cuda):
                   None, "swiglu", "interleaved")
     assert rel(y[:44].double().cpu(), ref) < 1e-2
     assert not y[44:].any()
+
+
+def test_loaders_write_parametrized_weights_through_their_right_inverse():
+    """A parametrized weight reads as a tensor computed from its original: the loaders assign it (the
+    parametrization's right_inverse) instead of writing into that temporary, where the load would be lost."""
+    class Scale(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+        def right_inverse(self, w):
+            return w / 2
+
+    d, n, E = 16, 8, 4
+    gate, up, down, router = _hf_experts(E, n, d)
+    expected = machmoe.MoE(d, n, E, 2, dtype=torch.float64).load_hf_experts(gate, up, down, router=router)
+    m = machmoe.MoE(d, n, E, 2, dtype=torch.float64)
+    for name in ("w1", "w2", "router_weight"):
+        torch.nn.utils.parametrize.register_parametrization(m, name, Scale())
+    m.load_hf_experts(gate, up, down, router=router)
+    for name in ("w1", "w2", "router_weight"):
+        assert torch.equal(getattr(m, name), getattr(expected, name)), name
+        assert torch.equal(m.parametrizations[name].original, getattr(expected, name) / 2), name
+
+    class NoInverse(torch.nn.Module):
+        def forward(self, w):
+            return w.clone()
+
+    m = machmoe.MoE(d, n, E, 2, dtype=torch.float64)
+    torch.nn.utils.parametrize.register_parametrization(m, "w2", NoInverse())
+    before = m.w1.clone()
+    with pytest.raises(ValueError, match="cannot load 'w2': it is parametrized by NoInverse without right_inverse"):
+        m.load_hf_experts(gate, up, down)
+    assert torch.equal(m.w1, before)  # refused before anything was written
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_meta_device_takes_every_training_dtype(dtype):
+    """A model built on the meta device (shape and FLOP passes before materialising it) in its training dtype: bf16
+    and fp16 as well as the CPU reference's float32 and float64, forward and backward."""
+    m = machmoe.MoE(16, 8, 4, 2, device="meta", dtype=dtype)
+    x = torch.randn(5, 16, device="meta", dtype=dtype, requires_grad=True)
+    out = m(x)
+    assert out.output.shape == (5, 16) and out.output.dtype == dtype and out.output.device.type == "meta"
+    out.output.sum().backward()
+    assert x.grad.shape == x.shape and m.w1.grad.shape == m.w1.shape and m.w1.grad.dtype == dtype
+    w = [torch.zeros(s, device="meta", dtype=torch.int32) for s in ((4, 16), (4, 16, 16), (4, 16, 8))]
+    with pytest.raises(ValueError, match="argument 'x': expected one of .* on meta, got torch.int32"):
+        machmoe.moe(torch.zeros(5, 16, device="meta", dtype=torch.int32), w[0], w[1], w[2], top_k=2)

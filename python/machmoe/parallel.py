@@ -605,6 +605,15 @@ def _check_grouped_call(x, counts, num_experts, hidden):
         _fail("num_tokens_per_expert", f"a ({num_experts},) tensor", getattr(counts, "shape", type(counts).__name__))
     if counts.device != x.device:
         _fail("num_tokens_per_expert", f"a tensor on {x.device} (the device of x)", f"a tensor on {counts.device}")
+    if counts.device.type == "cpu" and not torch.compiler.is_compiling():
+        # On the CPU the values cost no synchronisation to read. (On a GPU they are not read: rows past the counts'
+        # sum are taken as padding, and counts summing to more than the rows are the caller's contract.)
+        c = counts.detach().to(torch.float64)
+        if bool((c < 0).any()) or float(c.sum()) > x.shape[0]:
+            shown = counts.tolist()
+            shown = f"{shown[:8]}{' ...' if len(shown) > 8 else ''}"
+            _fail("num_tokens_per_expert", f"non-negative counts summing to at most {x.shape[0]} (the rows of x; rows "
+                  "beyond the sum are padding)", f"{shown}, summing to {float(c.sum()):g}")
 
 
 class TorchTitanGroupedExperts(nn.Module):

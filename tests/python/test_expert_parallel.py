@@ -1228,6 +1228,17 @@ def test_torchtitan_experts_forward_errors():
     tt = TorchTitanGroupedExperts(D, N, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="num_tokens_per_expert"):
         torchtitan_experts_forward(tt, torch.randn(3, D, dtype=torch.float64), torch.tensor([3, 0, 0]))
+    # Counts beyond the rows: refused on the CPU, in the caller's terms (the padding rows' count would otherwise
+    # absorb a small excess silently, or come out negative under another argument's name).
+    x10 = torch.randn(10, D, dtype=torch.float64)
+    for counts, shown in (([3, 3, 3, 3], "summing to 12"), ([5, 5, 5, 0], "summing to 15"),
+                          ([2.0, -1.0, 3.0, 0.0], "summing to 4")):
+        with pytest.raises(ValueError, match=f"'num_tokens_per_expert': expected non-negative counts summing to at "
+                                             f"most 10 .*{shown}"):
+            torchtitan_experts_forward(tt, x10, torch.tensor(counts))
+        with pytest.raises(ValueError, match="'num_tokens_per_expert': expected non-negative counts"):
+            GroupedExperts(D, N, 4, dtype=torch.float64)(x10, torch.tensor(counts))
+    assert torchtitan_experts_forward(tt, x10, torch.tensor([3.0, 3.0, 4.0, 0.0])).shape == (10, D)  # histc floats
 
 
 def _titan_case(seed):

@@ -74,6 +74,10 @@ def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, we
     E, n = w2.shape[0], w2.shape[2]
     if E < 1:
         _fail("w2", "at least one expert (a first dimension >= 1)", f"shape {tuple(w2.shape)}")
+    if d < 1:
+        _fail(x_name, "a (tokens, hidden) tensor with hidden >= 1", f"shape {tuple(x.shape)}")
+    if n < 1:
+        _fail("w2", "an (experts, hidden, n) tensor with n >= 1", f"shape {tuple(w2.shape)}")
     act = code(ACTIVATIONS, activation, "activation")
     act_params = activation_parameters(activation, swiglu_alpha, swiglu_limit)
     layout = code(WEIGHT_LAYOUTS, weight_layout, "weight_layout")
@@ -222,7 +226,7 @@ def _tensors_pass(x, router_weight, w1, w2, b1, b2, glu: bool) -> bool:
     if x.stride(0) < d and xs[0] > 1:  # overlapping rows (e.g. expanded): _check_common reports them
         return False
     E, n = ws[0], ws[2]
-    if E < 1 or ws[1] != d:
+    if E < 1 or ws[1] != d or d < 1 or n < 1:
         return False
     rows = 2 * n if glu else n
     for t, shape in ((w1, (E, rows, d)), (w2, ws), (router_weight, (E, d)), (b1, (E, rows)), (b2, (E, d))):
@@ -326,6 +330,9 @@ def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, exp
                                                    max_experts_per_token, top_k_name="max_experts_per_token",
                                                    swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     _check_routing(x, token_index, expert_index, scores)
+    if token_index.shape[0] > x.shape[0] * top_k:  # (the operator would name its own problem.num_pairs)
+        _fail("token_index", f"at most T * max_experts_per_token = {x.shape[0]} * {top_k} pairs (at most K pairs a "
+              "token)", f"{token_index.shape[0]} pairs")
     cache = code(ACTIVATION_MEMORY, activation_memory, "activation_memory")
     into = _check_into(accumulate_grads_into, dict(w1=w1, b1=b1, w2=w2, b2=b2))
     _reject_forward_ad(x, w1, w2, b1, b2, scores)

@@ -541,8 +541,8 @@ class GroupedExperts(nn.Module):
                                 f"{type(pairs).__name__}")
             token_index, expert_index, scores = pairs.token_index, pairs.expert_index, pairs.scores
             max_pairs_per_row = pairs.max_pairs_per_row
-            _check_pairs_call(x, token_index, expert_index, scores, max_pairs_per_row, self.num_experts,
-                              self.hidden_size)
+            max_pairs_per_row = _check_pairs_call(x, token_index, expert_index, scores, max_pairs_per_row,
+                                                  self.num_experts, self.hidden_size)
             return _run_pairs(x, token_index, expert_index, scores, max_pairs_per_row, _local(self.w1),
                               _local(self.w2), _local(self.b1), _local(self.b2), activation=self.activation,
                               weight_layout=self.weight_layout, activation_memory=self.activation_memory,
@@ -593,9 +593,8 @@ def _check_pairs_call(x, token_index, expert_index, scores, max_pairs_per_row, n
     for name, t in (("token_index", token_index), ("expert_index", expert_index)):
         if t.dtype not in (torch.int32, torch.int64):
             _fail(name, "integer indices (dtype int32 or int64)", t.dtype)
-    if (not isinstance(max_pairs_per_row, int) or isinstance(max_pairs_per_row, bool)
-            or not 1 <= max_pairs_per_row <= num_experts):
-        _fail("max_pairs_per_row", f"an integer in [1, {num_experts}] (the number of experts)", max_pairs_per_row)
+    # An int, a numpy integer or a 0-d integer tensor, as every other integer argument (returned as an int).
+    return as_int("max_pairs_per_row", max_pairs_per_row, low=1, high=num_experts, what="(the number of experts)")
 
 
 def _check_grouped_call(x, counts, num_experts, hidden):

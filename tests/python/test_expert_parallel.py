@@ -1390,3 +1390,29 @@ def test_check_capacity_reports():
     assert check_capacity(torch.tensor(2), action="ignore") == 2
     with pytest.raises(ValueError, match="argument 'action'"):
         check_capacity(torch.tensor(0), action="log")
+
+
+def test_grouped_experts_on_pairs_takes_integer_like_max_pairs_per_row():
+    """GroupedExperts(rows, pairs=ExpertPairs(...)): the layer on caller routing over the rows (the expert-parallel
+    layer's receiving side), equal to machmoe.moe_from_routing on the same weights; max_pairs_per_row taken as every
+    integer argument is (numpy integers, 0-d tensors), and refused with its name otherwise."""
+    from machmoe.parallel import ExpertPairs
+    torch.manual_seed(3)
+    ge = GroupedExperts(D, N, 4, dtype=torch.float64)
+    with torch.no_grad():
+        for p in ge.parameters():
+            p.normal_(0, 0.5)
+    x = torch.randn(5, D, dtype=torch.float64)
+    token_index = torch.tensor([0, 0, 1, 2, 2, 4])
+    expert_index = torch.tensor([1, 3, 0, 2, 3, 1])
+    scores = torch.rand(6, dtype=torch.float64)
+    ref, _ = machmoe.moe_from_routing(x, ge.w1, ge.w2, token_index, expert_index, scores, ge.b1, ge.b2,
+                                      max_experts_per_token=2)
+    for k in (2, np.int64(2), torch.tensor(2)):
+        out = ge(x, pairs=ExpertPairs(token_index, expert_index, scores, k))
+        assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="'max_pairs_per_row': expected an integer in \\[1, 4\\] \\(the number of "
+                                         "experts\\), got 0"):
+        ge(x, pairs=ExpertPairs(token_index, expert_index, scores, 0))
+    with pytest.raises(TypeError, match="'max_pairs_per_row': expected an integer, got 1.5"):
+        ge(x, pairs=ExpertPairs(token_index, expert_index, scores, 1.5))

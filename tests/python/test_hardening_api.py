@@ -741,3 +741,26 @@ def test_meta_device_takes_every_training_dtype(dtype):
     w = [torch.zeros(s, device="meta", dtype=torch.int32) for s in ((4, 16), (4, 16, 16), (4, 16, 8))]
     with pytest.raises(ValueError, match="argument 'x': expected one of .* on meta, got torch.int32"):
         machmoe.moe(torch.zeros(5, 16, device="meta", dtype=torch.int32), w[0], w[1], w[2], top_k=2)
+
+
+def test_functional_errors_name_the_callers_arguments():
+    """Sizes the operator would report under its own names (problem.d, problem.n, problem.num_pairs) are checked
+    first, in the caller's terms."""
+    E = 4
+    rw, w1, w2 = torch.randn(E, 0, dtype=torch.float64), torch.randn(E, 16, 0, dtype=torch.float64), \
+        torch.randn(E, 0, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="argument 'x': expected a \\(tokens, hidden\\) tensor with hidden >= 1"):
+        machmoe.moe(torch.randn(5, 0, dtype=torch.float64), rw, w1, w2, top_k=2)
+    w1, w2 = torch.randn(E, 0, 16, dtype=torch.float64), torch.randn(E, 16, 0, dtype=torch.float64)
+    with pytest.raises(ValueError, match="argument 'w2': expected an \\(experts, hidden, n\\) tensor with n >= 1"):
+        machmoe.moe(torch.randn(5, 16, dtype=torch.float64), torch.randn(E, 16, dtype=torch.float64), w1, w2,
+                    top_k=2)
+    x, w1, w2 = (torch.randn(5, 16, dtype=torch.float64), torch.randn(E, 16, 16, dtype=torch.float64),
+                 torch.randn(E, 16, 8, dtype=torch.float64))
+    ti = torch.arange(5).repeat_interleave(2)
+    ei, sc = torch.tensor([0, 1] * 5), torch.rand(10, dtype=torch.float64)
+    with pytest.raises(ValueError, match="argument 'token_index': expected at most T \\* max_experts_per_token = "
+                                         "5 \\* 1 pairs .*got 10 pairs"):
+        machmoe.moe_from_routing(x, w1, w2, ti, ei, sc, max_experts_per_token=1)
+    out, _ = machmoe.moe_from_routing(x, w1, w2, ti, ei, sc, max_experts_per_token=2)  # the same pairs, K = 2
+    assert out.shape == (5, 16)

@@ -662,7 +662,11 @@ def torchtitan_experts_forward(experts: nn.Module, x: Tensor, num_tokens_per_exp
 
     machmoe's up-projection takes one (E, 2n, d) weight, so each call concatenates [w1; w3] (a copy of the gate/up
     weights, whose gradient autograd splits back). The copy does not live until the backward: the backward
-    concatenates w1 and w3 again (_saved_as_parts)."""
+    concatenates w1 and w3 again (_saved_as_parts).
+
+    Like torchtitan's grouped_mm path, which computes in bf16 and returns the result in x's dtype, an x whose dtype
+    differs from the weights' is cast to theirs and the result back to x's; an x without unit stride along dim is
+    copied first."""
     for names in _TORCHTITAN_WEIGHT_NAMES:
         if all(isinstance(getattr(experts, n, None), Tensor) for n in names):
             w1, w2, w3 = (_local(getattr(experts, n)) for n in names)
@@ -675,11 +679,20 @@ def torchtitan_experts_forward(experts: nn.Module, x: Tensor, num_tokens_per_exp
                                                                                       w1.shape[1]):
         _fail("experts", "gate and up weights (E, hidden, dim) and a down weight (E, dim, hidden)",
               f"{tuple(w1.shape)}, {tuple(w3.shape)} and {tuple(w2.shape)}")
+    if not (w1.dtype == w2.dtype == w3.dtype):
+        _fail("experts", "gate, up and down weights of one dtype", f"{w1.dtype}, {w3.dtype} and {w2.dtype}")
     _check_grouped_call(x, num_tokens_per_expert, w1.shape[0], w1.shape[2])
+    if x.is_floating_point() and x.dtype != w1.dtype:
+        rows = x.to(w1.dtype)
+    else:
+        rows = x  # (an integer x is refused below, in grouped_experts' terms)
+    if rows.stride(-1) != 1 or (rows.stride(0) < rows.shape[1] and rows.shape[0] > 1):
+        rows = rows.contiguous()
     gate_up = torch.cat([w1, w3], dim=1)  # rows [0, h) gate, [h, 2h) up: machmoe's "concatenated" layout
     with _saved_as_parts(gate_up, w1, w3):
-        return _run_grouped(x, num_tokens_per_expert, gate_up, w2, None, None, activation="swiglu",
-                            weight_layout="concatenated", activation_memory="preact", zero_padding=True)
+        out = _run_grouped(rows, num_tokens_per_expert, gate_up, w2, None, None, activation="swiglu",
+                           weight_layout="concatenated", activation_memory="preact", zero_padding=True)
+    return out if out.dtype == x.dtype or not x.is_floating_point() else out.to(x.dtype)
 
 
 class _Parts:

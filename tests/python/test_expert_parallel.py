@@ -1416,3 +1416,25 @@ def test_grouped_experts_on_pairs_takes_integer_like_max_pairs_per_row():
         ge(x, pairs=ExpertPairs(token_index, expert_index, scores, 0))
     with pytest.raises(TypeError, match="'max_pairs_per_row': expected an integer, got 1.5"):
         ge(x, pairs=ExpertPairs(token_index, expert_index, scores, 1.5))
+
+
+def test_torchtitan_forward_takes_x_in_another_dtype_or_layout():
+    """As torchtitan's grouped_mm path (bf16 inside, the result in x's dtype): an x of another dtype than the weights
+    is computed in theirs and returned in its own, with gradients to both; a transposed x is copied, not refused."""
+    tt, counts, x, go = _titan_case(5)
+    ref = torchtitan_experts_forward(tt, x, counts)
+    ref_grads = _titan_grads(tt, x, ref, go)
+    x32 = x.detach().float().requires_grad_()
+    out = torchtitan_experts_forward(tt, x32, counts)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref.float())
+    g = torch.autograd.grad((out * go.float()).sum(), [x32, tt.w1, tt.w2, tt.w3])
+    assert g[0].dtype == torch.float32 and g[1].dtype == torch.float64
+    for a, b in zip(g, ref_grads):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-5, atol=1e-6)
+    xt = x.detach().t().contiguous().t()  # the same values, column-major
+    assert xt.stride(-1) != 1
+    torch.testing.assert_close(torchtitan_experts_forward(tt, xt, counts), ref, rtol=0, atol=0)
+    tt.w2 = torch.nn.Parameter(tt.w2.detach().float())
+    with pytest.raises(ValueError, match="'experts': expected gate, up and down weights of one dtype"):
+        torchtitan_experts_forward(tt, x, counts)

@@ -322,17 +322,26 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None, None
 
 
+_FROZEN_ROUTER_ANCHORS = {}  # device -> a 0-d leaf that requires grad, read by nothing (_anchor)
+
+
 def _anchor(router_weight: Tensor, like: Tensor) -> Optional[Tensor]:
     """The anchor of one layer call's exchanges (see _AllToAll): a tensor that requires grad on every rank of the
     group whenever gradients are recorded, so that every rank's graph holds every exchange node. The replicated router
     weight, while it is trained (its requires_grad is the same on every rank). With a frozen router (only the experts
-    or other layers trained), a fresh 0-d leaf that nothing reads: without it, a rank whose input needs no gradient
-    would skip the backward exchanges its partners run, and they would wait for it (NCCL: for ever)."""
+    or other layers trained), a 0-d leaf of this module's, one per device, that nothing reads: without it, a rank
+    whose input needs no gradient would skip the backward exchanges its partners run, and they would wait for it
+    (NCCL: for ever). The leaf is made outside torch.compile (dynamo cannot make a tensor that requires grad inside a
+    graph; a compiled region reads the one an eager call made, as a graph input): a first call that is compiled has
+    no anchor with a frozen router, as before the leaf existed."""
     if not torch.is_grad_enabled():
         return None
     if router_weight.requires_grad:
         return router_weight
-    return torch.empty((), dtype=like.dtype, device=like.device, requires_grad=True)
+    anchor = _FROZEN_ROUTER_ANCHORS.get(like.device)
+    if anchor is None and not torch.compiler.is_compiling():
+        anchor = _FROZEN_ROUTER_ANCHORS[like.device] = torch.zeros((), device=like.device, requires_grad=True)
+    return anchor
 
 
 def _exchange(rows: Tensor, anchor: Optional[Tensor], out_splits, in_splits, group) -> Tensor:

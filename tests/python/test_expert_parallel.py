@@ -455,6 +455,9 @@ def scenario_input_requires_grad_on_one_rank_only(rank, world):
                 local = slice(ep.expert_offset, ep.expert_offset + ep.num_local_experts)
                 assert_close(f"grad w1 {what}", ep.experts.w1.grad, m.w1.grad[local], 1e-12)
                 assert (ep.router_weight.grad is None) == frozen, what
+                import machmoe.parallel as P
+                assert all(a.grad is None for a in P._FROZEN_ROUTER_ANCHORS.values()), what  # read by nothing
+                assert len(P._FROZEN_ROUTER_ANCHORS) <= 1  # one per device, made once
 
 
 def scenario_default_mode_keeps_no_returned_rows(rank, world):
@@ -533,14 +536,19 @@ class Block(torch.nn.Module):
 def scenario_torch_compile(rank, world):
     """The block compiled (aot_eager: the same autograd graphs inductor gets, without its CPU compile time) equals
     the eager block; capacity mode compiles as one graph (fullgraph=True), the default mode breaks the graph at
-    its split-size read."""
-    for routing, capacity in (("topk", None), ("topk", 32), ("token_rounding", 32)):
+    its split-size read. With a frozen router too (the exchanges then hang on a fresh anchor leaf made in the
+    graph)."""
+    for routing, capacity, frozen in (("topk", None, False), ("topk", 32, False), ("token_rounding", 32, False),
+                                      ("topk", None, True), ("topk", 32, True)):
         torch._dynamo.reset()
         m = make_layer(16, E=2 * world, routing=routing, tile=8)
         torch.manual_seed(16)
         block = Block(ExpertParallelMoE.from_moe(m, capacity=capacity))
+        block.moe.router_weight.requires_grad_(not frozen)
         x = make_inputs(16, per_rank([10, 9, 8, 7], world))[rank].requires_grad_()
-        params = [x, block.proj.weight, block.moe.router_weight, block.moe.experts.w1, block.moe.experts.b2]
+        names = ["x", "proj", "w1", "b2"] + ([] if frozen else ["router"])
+        params = [x, block.proj.weight, block.moe.experts.w1, block.moe.experts.b2] + \
+            ([] if frozen else [block.moe.router_weight])
         eager = block(x)
         g_eager = torch.autograd.grad(eager.square().sum(), params)
         compiled = torch.compile(block, backend="aot_eager", fullgraph=capacity is not None)
@@ -548,8 +556,10 @@ def scenario_torch_compile(rank, world):
             out = compiled(x)
             g = torch.autograd.grad(out.square().sum(), params)
             assert_close("compiled output", out, eager, 1e-13)
-            for name, a, b in zip(["x", "proj", "router", "w1", "b2"], g, g_eager):
+            for name, a, b in zip(names, g, g_eager):
                 assert_close(f"compiled grad {name}", a, b, 1e-13)
+    import machmoe.parallel as P
+    assert all(a.grad is None for a in P._FROZEN_ROUTER_ANCHORS.values())  # compiled too: no gradient kept
     torch._dynamo.reset()
 
 

@@ -130,6 +130,14 @@ def test_reference_check_passes_exact_and_flags_wrong_gradients():
     bad = dict(grads, w1=grads["w1"] * 1.05)
     r = reference.check(x.detach(), x.grad, go, S, weights, o.output, o.router_logits, bad, K=2)
     assert not r["ok"] and 0.04 < r["errors"]["grad_w1"] < 0.06 and r["errors"]["grad_w2"] < 1e-12
+    # A NaN anywhere fails (max() steps over a NaN that is not first; output comes first, so test the others).
+    for name in ("w1", "w2", "router_weight"):
+        nan = dict(grads, **{name: torch.full_like(grads[name], float("nan"))})
+        r = reference.check(x.detach(), x.grad, go, S, weights, o.output, o.router_logits, nan, K=2)
+        assert not r["ok"] and r["max"] == float("inf"), (name, r)
+    r = reference.check(x.detach(), torch.full_like(x.grad, float("nan")), go, S, weights, o.output,
+                        o.router_logits, grads, K=2)
+    assert not r["ok"] and r["max"] == float("inf"), r
 
 
 def _main(args, capsys):
@@ -361,3 +369,8 @@ def test_merge_rounds_keeps_a_failure():
     assert a["forward_ms"] == 2.0 and a["fwdbwd_ms"] == 6.0 and a["rounds"]["forward_ms"] == [1.0, 3.0, 2.0]
     assert a["forward_tflops"] == pytest.approx(5.0)  # 10 FLOP-units over the median 2 ms
     assert rounds[0]["results"]["a"]["forward_ms"] == 1.0  # the rounds themselves are left as they were
+    # A later round whose configuration failed as a whole (no rows) fails every row with its error.
+    whole = [{"status": "ok", "results": {"a": ok(1.0)}},
+             {"status": "out_of_memory", "error": "OutOfMemoryError: weights", "results": {}}]
+    m = merge_rounds(whole)
+    assert m["results"]["a"]["status"] == "out_of_memory" and "weights" in m["results"]["a"]["error"]

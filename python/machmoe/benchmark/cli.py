@@ -91,6 +91,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("machmoe.benchmark: --device cuda but no CUDA device is available", file=sys.stderr)
         return EXIT_USAGE
+    if device.startswith("cuda") and torch.device(device).index is not None:
+        # Events record on the current device's stream (baselines.time_ms): cuda:N is made the current device, or
+        # they would time nothing on cuda:0 while the work ran on cuda:N.
+        torch.cuda.set_device(torch.device(device))
     cpu = device == "cpu"
     dtype = a.dtype or ("fp32" if cpu else "bf16")
     if cpu and dtype not in ("fp32", "fp64"):
@@ -149,7 +153,9 @@ def main(argv: Optional[List[str]] = None) -> int:
            "definitions": {
                "flops": "model FLOPs (GLU): forward 6*P*n*d, backward 12*P*n*d, P = routed pairs (docs/TARGETS.md)",
                "activation_bytes": "allocator bytes left allocated by the forward, minus the output, plus the input "
-                                   "X (docs/TARGETS.md); forward_retained_bytes includes the output",
+                                   "X (docs/TARGETS.md); forward_retained_bytes includes the output; router logits "
+                                   "count only where the implementation keeps them for its backward (since "
+                                   "2026-11-30: before, those it returned were counted too)",
                "peak_bytes": "max_memory_allocated over forward+backward minus what was allocated before (inputs, "
                              "parameters); gradients allocated by the backward included",
                "speedup_over": "other row's time / machmoe row's time (>1: machmoe faster)",
@@ -162,8 +168,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         prev_s = previous.get("settings", {})
         # (files from before warmup_ms / time_ms existed were timed without them: 0)
         clash = [k for k in ("device", "dtype", "impls", "peers", "seed", "warmup", "iters", "warmup_ms", "time_ms",
-                             "rounds")
-                 if prev_s.get(k, 1 if k == "rounds" else 0.0 if k.endswith("_ms") else None) != doc["settings"][k]]
+                             "rounds", "check_tokens")
+                 if prev_s.get(k, 1 if k == "rounds" else 0.0 if k.endswith("_ms") else
+                               Settings.check_tokens if k == "check_tokens" else None) != doc["settings"][k]]
         if previous.get("device", {}).get("name") != doc["device"].get("name"):
             print(f"machmoe.benchmark: --append: {json_path} was measured on {previous.get('device', {}).get('name')!r}, "
                   f"this is {doc['device'].get('name')!r}", file=sys.stderr)

@@ -194,6 +194,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     cfg = Config(**json.loads(a.config))
     s = Settings(**json.loads(a.settings))
+    if s.torch_device.type == "cuda" and s.torch_device.index is not None:
+        torch.cuda.set_device(s.torch_device)  # (as the parent's cli: events record on the current device's stream)
     try:
         weights = make_weights(cfg, s.torch_dtype, s.torch_device, s.seed)
         x, go = make_inputs(cfg, s.torch_dtype, s.torch_device, s.seed)

@@ -10,6 +10,7 @@ from the implementation's logit values, differentiably, and their gradient reach
 (as the GPU tests do). The experts are evaluated one at a time with an explicit backward, so no float64 copy of all
 weights is ever held: the check costs a few float64 GEMMs over |S| K rows.
 """
+import math
 from typing import Dict, Optional
 
 import torch
@@ -118,6 +119,7 @@ def check(x: Tensor, grad_x: Optional[Tensor], grad_out: Tensor, tokens: Tensor,
         "grad_w1": (acc["w1"][0] ** 0.5) / max(acc["w1"][1] ** 0.5, 1e-300),
         "grad_w2": (acc["w2"][0] ** 0.5) / max(acc["w2"][1] ** 0.5, 1e-300),
     }
-    worst = max(errors.values())
+    # A NaN error fails (max() would step over it: every comparison with NaN is False), reported as inf.
+    worst = math.inf if any(not math.isfinite(v) for v in errors.values()) else max(errors.values())
     return {"errors": errors, "max": worst, "tolerance": T10, "ok": bool(worst <= T10),
             "tokens_checked": int(S.numel()), "routing_matches_counts": routing_matches}

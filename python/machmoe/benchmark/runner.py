@@ -120,7 +120,7 @@ def measure(impl: "I.Impl", x: torch.Tensor, go: torch.Tensor, cfg: Config, s: S
         _sync(dev)
         times.append(time_ms(lambda: o.backward(go), dev, 0, 1))
         del o
-    res["backward_ms"] = sorted(times)[len(times) // 2]
+    res["backward_ms"] = statistics.median(times)  # (as time_ms's, for the forward and the step)
     res["fwdbwd_ms"] = time_ms(step, dev, s.warmup, s.iters, s.warmup_ms, s.time_ms)
     flops = model_flops(res["pairs"], cfg)
     for k in ("forward", "backward", "fwdbwd"):
@@ -136,16 +136,18 @@ def measure(impl: "I.Impl", x: torch.Tensor, go: torch.Tensor, cfg: Config, s: S
         _sync(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-        f = fwd()
+        # Only the output is held here: the router logits the forward returns are dropped first, so that they count
+        # only where the implementation keeps them for its backward (docs/TARGETS.md: the output excluded).
+        out = fwd().output
         _sync(dev)
         retained = torch.cuda.memory_allocated(dev) - base
-        out_bytes = f.output.numel() * f.output.element_size()
-        f.output.backward(go)
+        out_bytes = out.numel() * out.element_size()
+        out.backward(go)
         _sync(dev)
         res["forward_retained_bytes"] = retained
         res["activation_bytes"] = retained - out_bytes + x.numel() * x.element_size()
         res["peak_bytes"] = torch.cuda.max_memory_allocated(dev) - base
-        del f
+        del out
     else:
         res["forward_retained_bytes"] = res["activation_bytes"] = res["peak_bytes"] = None
 
@@ -261,7 +263,10 @@ def merge_rounds(entries: List[dict]) -> dict:
     if len(entries) == 1 or merged.get("status") != "ok":
         return merged
     for name, r in merged["results"].items():
-        rounds = [e["results"].get(name, {}) for e in entries]
+        # A round whose configuration failed as a whole (e.g. out of memory making the weights) has no rows: its
+        # failure stands for every implementation's row.
+        rounds = [e["results"].get(name) or {"status": e.get("status", "failed"), "kind": r.get("kind"),
+                                             "error": e.get("error", "no result in this round")} for e in entries]
         failed = next((x for x in rounds if x.get("status") != "ok"), None)
         if failed is not None:
             merged["results"][name] = copy.deepcopy(failed)
@@ -283,7 +288,7 @@ def merge_rounds(entries: List[dict]) -> dict:
 def run_peer(peer: str, cfg: Config, s: Settings) -> dict:
     """A peer in its own process (a crash or a hang costs only its row)."""
     import tempfile
-    if s.device != "cuda":
+    if torch.device(s.device).type != "cuda":
         return {"status": "skipped", "kind": "peer", "error": "peers run on CUDA only"}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")

@@ -202,6 +202,10 @@ class _DeferredLayer:
         self.operands = (grad_out, *rest)
         self.deferred, self.options, self.targets, self.into = deferred, options, targets, into
         self.versions = [(name, t, t._version) for name, t in zip(self._OPERANDS, self.operands) if t is not None]
+        # The parameters themselves too: under saved-tensor hooks the operands are unpacked copies, whose versions
+        # would not see an in-place change of the parameter.
+        self.versions += [(name, w, w._version) for name, w, _ in targets
+                          if not any(w is t for _, t, _ in self.versions)]
 
     def check(self) -> None:
         for name, t, version in self.versions:
@@ -217,8 +221,8 @@ class _DeferredLayer:
         with torch.no_grad():
             grads = dict(zip(_WEIGHTS, torch.ops.machmoe.layer_backward_weight(*self.operands, self.deferred,
                                                                                 *self.options, *self.into)))
-        # Through autograd, so that accumulation into .grad, the weights' tensor hooks, post-accumulate-grad hooks
-        # and hooks on their AccumulateGrad nodes (DDP/FSDP-style reducers) behave as in an ordinary backward.
+        # Through autograd, so that accumulation into .grad, the weights' tensor hooks and post-accumulate-grad hooks
+        # run with the gradient as in an ordinary backward (and AccumulateGrad node hooks run again: see the class).
         # (Gradients added into caller buffers have been delivered by the operator itself.)
         if self.targets:
             torch.autograd.backward([w for _, w, _ in self.targets], [grads[name] for name, _, _ in self.targets])
@@ -285,8 +289,11 @@ class defer_weight_grads:
     Inside ``with machmoe.defer_weight_grads() as deferred:``, the backward of machmoe layers computes the input
     gradient (and the router's and the scores' gradients) now and queues the expert weight-gradient work;
     ``deferred.run()`` does it later and accumulates into the weights' ``.grad`` through autograd, so the weights'
-    hooks (``register_hook``, ``register_post_accumulate_grad_hook``, AccumulateGrad node hooks) run then, with the
-    gradient, and not during the backward. The results equal a plain backward bitwise. Between the two, each layer
+    tensor and post-accumulate-grad hooks run then, with the gradient, and not during the backward (hooks on their
+    AccumulateGrad nodes run at both; a weight fed to several layer calls gets its hooks once per call, and a gradient
+    it gets from outside machmoe in the same backward bypasses them; FSDP2 is not supported: docs/VALIDATION.md).
+    Each gradient equals a plain backward's bitwise where the weight feeds one layer call and its .grad starts
+    empty. Between the two, each layer
     keeps dH and A' (memory.hpp's deferred layout) and dO alive, and ``run()`` refuses to run if anything the work
     reads (x, the weights, dO, the routing) was modified in place meanwhile.
 
@@ -384,7 +391,10 @@ def _plan_deferral(weights, x, into):
                 f"computed from other tensors, e.g. a cast or a view of a parameter), so its gradient has to flow on "
                 f"to those tensors during this backward and cannot be deferred. Pass the parameter itself, or run "
                 f"this backward outside defer_weight_grads.")
-        targets.append((name, w, node))
+        # The parameter itself, from its AccumulateGrad node: under saved-tensor hooks (save_on_cpu, non-reentrant
+        # activation checkpointing) the weight this backward unpacked is another tensor object that shares the node
+        # but not the parameter's hooks, which would then be muted on the wrong object and called with grad=None.
+        targets.append((name, getattr(node, "variable", w), node))
     return targets
 
 

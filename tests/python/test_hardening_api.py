@@ -118,6 +118,40 @@ def test_deferred_hooks_fire_after_run_with_the_gradient():
     assert [name for name, _ in seen] == ["tensor hook", "post-accumulate"]
 
 
+@pytest.mark.parametrize("hooks", ["save_on_cpu", "checkpoint"])
+def test_deferred_hooks_under_saved_tensor_hooks_act_on_the_parameter(hooks):
+    """Under saved-tensor hooks (save_on_cpu, non-reentrant activation checkpointing) the backward unpacks other
+    tensor objects for the weights: the parameters' own hooks are held back all the same (none is called with
+    grad=None during the backward), and an in-place change of a parameter is still caught by run()."""
+    import torch.utils.checkpoint as cp
+    m = module()
+    x = torch.randn(20, 16, dtype=torch.float64, requires_grad=True)
+
+    def forward():
+        if hooks == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                return m(x).output
+        return cp.checkpoint(lambda x_: m(x_).output, x, use_reentrant=False)
+
+    ref = plain_grads(m, x, lambda o: o.square().sum())
+    seen = []
+    m.w1.register_hook(lambda g: seen.append(("tensor hook", g is None)) or 2 * g)  # (2 * None would raise)
+    m.w2.register_post_accumulate_grad_hook(lambda p: seen.append(("post-accumulate", p.grad is None)))
+    with machmoe.defer_weight_grads() as deferred:
+        forward().square().sum().backward()
+    assert seen == [] and m.w1.grad is None
+    deferred.run()
+    assert seen == [("tensor hook", False), ("post-accumulate", False)]
+    assert torch.equal(m.w1.grad, 2 * ref["w1"]) and torch.equal(m.w2.grad, ref["w2"])
+    m.zero_grad(set_to_none=True)
+    with machmoe.defer_weight_grads() as deferred:
+        forward().square().sum().backward()
+    with torch.no_grad():
+        m.w2.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        deferred.run()
+
+
 def test_deferred_tensor_hook_can_replace_the_gradient_as_in_plain_backward():
     m = module()
     x = torch.randn(20, 16, dtype=torch.float64)

@@ -41,6 +41,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   sudo_if_needed apt-get update -qq
   DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+cmake_now="$(cmake --version 2>/dev/null | head -n1 | awk '{print $3}')"
+if ! version_ge "${cmake_now:-0}" 3.25; then
+  # Debian 12 / Ubuntu 24.04 and later package cmake >= 3.25; older releases (Debian 11: 3.18, Ubuntu 22.04: 3.22)
+  # do not, and CMakeLists.txt needs it.
+  echo "setup: cmake >= 3.25 is needed, found ${cmake_now:-none} (Debian 12 / Ubuntu 24.04 or later package it; or" \
+       "pip install 'cmake>=3.25' and put it first on PATH)" >&2
+  exit 1
+fi
 
 if ! have_cutlass; then
   echo "setup: installing CUTLASS $cutlass_version headers (PyPI nvidia-cutlass) into third_party/cutlass"

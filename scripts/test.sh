@@ -8,7 +8,11 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 labels=(-L cpu)
 gpu_run=no
-case "${1:-}" in --gpu|--multigpu|--gpus4|--gpus8) labels=() gpu_run=yes ;; esac
+case "${1:-}" in
+  "") ;;
+  --gpu|--multigpu|--gpus4|--gpus8) labels=() gpu_run=yes ;;
+  *) echo "test: unknown option '$1' (expected none, --gpu, --multigpu, --gpus4 or --gpus8)" >&2; exit 2 ;;
+esac
 bash "$root/scripts/setup.sh"
 # shellcheck source=python_env.sh
 . "$root/scripts/python_env.sh"

@@ -79,6 +79,16 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    # Refused here, on every rank alike, rather than as a failed row later (no median of zero timings; the CPU
+    # reference computes in fp32 or fp64 only).
+    if args.iters < 1:
+        p.error(f"--iters: expected at least 1 timed iteration, got {args.iters}")
+    if args.warmup < 0:
+        p.error(f"--warmup: expected 0 or more, got {args.warmup}")
+    if args.tokens is not None and args.tokens < 1:
+        p.error(f"--tokens: expected at least 1 token per rank, got {args.tokens}")
+    if args.device == "cpu" and args.dtype not in ("fp32", "fp64"):
+        p.error(f"--dtype: expected fp32 or fp64 with --device cpu (the CPU reference), got {args.dtype}")
     return args
 
 

@@ -110,6 +110,10 @@ def test_parse_shapes_configs_and_modes():
     a = overhead.parse(["--configs", "7B-256", "--shape", "64,32,16,4,2", "--modes", "queued"])
     assert [c.name for c in a.config_list] == ["7B-256", "custom-64-32-16-4-2"] and a.mode_list == ["queued"]
     assert overhead.parse(["--modes", "both"]).mode_list == ["isolated", "queued"]
+    # argparse's prefix of --configs counts as naming the configurations too (it was dropped beside --shape)
+    for argv in (["--config", "7B-256"], ["--config=7B-256"], ["--conf", "7B-256"]):
+        a = overhead.parse(argv + ["--shape", "64,32,16,4,2"])
+        assert [c.name for c in a.config_list] == ["7B-256", "custom-64-32-16-4-2"], argv
 
 
 @pytest.mark.parametrize("argv", [["--shape", "1,2,3"], ["--shape", "64,32,16,4,8"], ["--iters", "0"],

@@ -95,3 +95,16 @@ def test_capacity_mode_and_refusals(tmp_path):
     p = subprocess.run([sys.executable, "-m", "machmoe.parallel_benchmark", "--device", "cpu", "--configs", "tiny-64",
                         "--baseline", str(not_ep1)], capture_output=True, text=True, timeout=120, env=_env())
     assert p.returncode != 0 and "expected an EP = 1 run of this benchmark" in p.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--iters", "0"], "--iters: expected at least 1"),
+    (["--warmup", "-1"], "--warmup: expected 0 or more"),
+    (["--tokens", "0"], "--tokens: expected at least 1 token"),
+    (["--device", "cpu", "--dtype", "bf16"], "--dtype: expected fp32 or fp64 with --device cpu"),
+])
+def test_bad_counts_and_cpu_dtypes_are_refused_at_parse_time(args, message, capsys):
+    from machmoe import parallel_benchmark as PB
+    with pytest.raises(SystemExit) as e:
+        PB.parse_args(["--device", "cpu", "--tiny", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err

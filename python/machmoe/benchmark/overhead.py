@@ -127,7 +127,8 @@ def parser() -> argparse.ArgumentParser:
 def parse(argv: List[str]):
     """The options, with the configurations resolved (ValueError for an unknown name or mode)."""
     a = parser().parse_args(argv)
-    explicit_configs = any(x == "--configs" or x.startswith("--configs=") for x in argv)
+    # (argparse also takes an unambiguous prefix, e.g. --config, for --configs)
+    explicit_configs = any(len(x.split("=")[0]) > 2 and "--configs".startswith(x.split("=")[0]) for x in argv)
     cfgs = C.select(a.configs) if (explicit_configs or not a.shape) else []
     a.config_list = cfgs + list(a.shape)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]

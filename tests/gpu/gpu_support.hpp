@@ -29,6 +29,20 @@ inline void require_gpu() {
 /// In a test body: stop the test when require_gpu() failed.
 #define REQUIRE_GPU() ASSERT_NO_FATAL_FAILURE(::machmoe::test::require_gpu())
 
+/// The fallback policy for a scope, restored on exit. A test that claims a layer ran on the Hopper kernels sets
+/// FallbackPolicy::kError: a GEMM that fell back would throw instead of passing quietly on the reference path
+/// (the default policy only writes a line to stderr).
+class ScopedFallbackPolicy {
+ public:
+  explicit ScopedFallbackPolicy(FallbackPolicy policy) : saved_(fallback_policy()) { set_fallback_policy(policy); }
+  ~ScopedFallbackPolicy() { set_fallback_policy(saved_); }
+  ScopedFallbackPolicy(const ScopedFallbackPolicy&) = delete;
+  ScopedFallbackPolicy& operator=(const ScopedFallbackPolicy&) = delete;
+
+ private:
+  FallbackPolicy saved_;
+};
+
 /// Records what the running test is doing now (e.g. the kernel configuration it is about to launch): the hang
 /// watchdog (gpu_watchdog.cpp) prints the last note when a test overruns MACHMOE_GPU_TEST_TIMEOUT_S (default 120 s)
 /// and exits with status 124. With MACHMOE_GPU_TEST_PROGRESS set, every note is also printed to stderr at once.

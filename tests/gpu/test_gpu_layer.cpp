@@ -146,9 +146,12 @@ std::vector<GpuCase> gpu_cases() {
 }
 
 // The same options at a shape the Hopper kernels take in bf16 (d a multiple of 64 and of 128 for dX~, n a multiple
-// of 128 for the dH kernel; T and the segments are not tile multiples), so the whole layer runs on them.
+// of 128 for the dH kernel; T and the segments are not tile multiples), so the whole layer runs on them: in bf16 the
+// fallback policy is "error", so that a GEMM sent to the reference path fails the test. (fp16 and fp32 run on the
+// reference GEMMs by design.)
 TEST_P(GpuLayer, HopperShapesMatchFloat64Reference) {
   const GpuCase& gc = GetParam();
+  const ScopedFallbackPolicy policy(gc.dt == DType::kBF16 ? FallbackPolicy::kError : fallback_policy());
   MoEProblem p;
   p.T = 333, p.d = 256, p.n = 128, p.E = 8, p.K = 2;
   p.activation = gc.activation, p.weight_layout = gc.layout, p.has_b1 = p.has_b2 = gc.bias;
@@ -196,6 +199,9 @@ TEST_P(GpuLayerGptOss, ClampedMatchesFloat64Reference) {
   for (bool hopper_shape : {false, true}) {
     SCOPED_TRACE(hopper_shape ? "Hopper shape" : "reference-GEMM shape");
     MoEProblem p;
+    // At the Hopper shape in bf16 a GEMM that fell back would fail the test ("error" policy).
+    const ScopedFallbackPolicy policy(hopper_shape && gc.dt == DType::kBF16 ? FallbackPolicy::kError
+                                                                            : fallback_policy());
     if (hopper_shape)
       p.T = 333, p.d = 256, p.n = 128, p.E = 8, p.K = 2;
     else
@@ -237,11 +243,7 @@ TEST(GpuLayerProperties, HopperKernelsAgreeWithTheReferenceGemmPath) {
   {
     // The fast run must really be on the Hopper kernels: a GEMM that fell back would make this test compare the
     // reference path with itself, so the fallback policy is "error" for it.
-    struct PolicyGuard {
-      FallbackPolicy saved = fallback_policy();
-      ~PolicyGuard() { set_fallback_policy(saved); }
-    } guard;
-    set_fallback_policy(FallbackPolicy::kError);
+    const ScopedFallbackPolicy policy(FallbackPolicy::kError);
     fast = run_on_gpu(c, DType::kBF16);
   }
   gpu::set_hopper_kernels_enabled(false);
@@ -267,11 +269,7 @@ TEST(GpuLayerProperties, HopperKernelsAgreeWithTheReferenceGemmPath) {
 // "error" meanwhile, so a GEMM that fell back to the reference kernel would throw instead of passing quietly.
 TEST(GpuLayerOddShapes, EveryGemmOnTheHopperKernelsMatchesFloat64) {
   REQUIRE_GPU();
-  struct PolicyGuard {
-    FallbackPolicy saved = fallback_policy();
-    ~PolicyGuard() { set_fallback_policy(saved); }
-  } guard;
-  set_fallback_policy(FallbackPolicy::kError);
+  const ScopedFallbackPolicy policy(FallbackPolicy::kError);
   gpu::set_hopper_kernels_enabled(true);
   gpu::set_hopper_backward_enabled(true);
   struct Shape {
@@ -313,11 +311,7 @@ TEST(GpuLayerProperties, WideDhTileInTheLayerMatchesFloat64) {
   struct TileGuard {
     ~TileGuard() { gpu::set_hopper_tile_n(0); }
   } tile_guard;
-  struct PolicyGuard {
-    FallbackPolicy saved = fallback_policy();
-    ~PolicyGuard() { set_fallback_policy(saved); }
-  } policy_guard;
-  set_fallback_policy(FallbackPolicy::kError);
+  const ScopedFallbackPolicy policy(FallbackPolicy::kError);
   gpu::set_hopper_tile_n(256);
   for (Activation act : {Activation::kSwiGLU, Activation::kReLU, Activation::kGptOssSwiGLU})
     for (WeightLayout layout : {WeightLayout::kInterleaved, WeightLayout::kConcatenated}) {
@@ -791,9 +785,11 @@ class GpuAccumulate : public testing::TestWithParam<std::tuple<DType, RoutingMod
 };
 
 // bf16 data, fp32 or bf16 buffers: accumulating two micro-batches (same weights, other tokens) gives the float64 sum
-// buffer + dW(a) + dW(b), for the full and the split backward, at a shape the Hopper kernels take.
+// buffer + dW(a) + dW(b), for the full and the split backward, at a shape the Hopper kernels take (the fallback
+// policy "error": a GEMM sent to the reference path fails the test).
 TEST_P(GpuAccumulate, TwoMicroBatchesMatchTheFloat64Sum) {
   const auto [gt, routing, split] = GetParam();
+  const ScopedFallbackPolicy policy(FallbackPolicy::kError);
   MoEProblem p;
   p.T = 333, p.d = 192, p.n = 64, p.E = 8, p.K = 2, p.has_b1 = p.has_b2 = true;
   p.weight_layout = WeightLayout::kConcatenated, p.routing = routing, p.tile_m = 16;

@@ -286,7 +286,10 @@ INSTANTIATE_TEST_SUITE_P(
                     MetadataCase{200000, 16, 6, 1, true, "caller_scan_two_steps"}),
     [](const testing::TestParamInfo<MetadataCase>& i) { return std::string(i.param.name); });
 
+// A host function of the GPU runtime (kernels.hpp includes the CUDA runtime, so it cannot go into the CPU suite);
+// labelled gpu with the rest of this binary, it fails without a GPU as every test here does.
 TEST(GpuRoutingMetadataLimits, PlanLeftToTheSearchAboveTheSharedMemoryLimit) {
+  REQUIRE_GPU();
   MetadataArgs a;
   a.chunks = 2, a.E = kFusedPlanMaxExperts;
   EXPECT_TRUE(metadata_built_plan(a));

@@ -264,6 +264,42 @@ TEST(GpuLayerProperties, HopperKernelsAgreeWithTheReferenceGemmPath) {
   EXPECT_EQ(input_only.raw_dw2, fast.raw_dw2);
 }
 
+// Stage timing (machmoe/profiling.hpp, the benchmark's stage table): a forward and a backward with it on report
+// their stages in launch order, each time finite and not negative, the forward's routing and GEMM stages among them,
+// the results unchanged; a second collect returns nothing (the marks were consumed), and with timing off nothing is
+// recorded.
+TEST(GpuStageTiming, ForwardAndBackwardReportTheirStages) {
+  REQUIRE_GPU();
+  MoEProblem p;
+  p.T = 333, p.d = 256, p.n = 128, p.E = 8, p.K = 2;
+  const LayerCase<double> c(p, 71);
+  const GpuRun plain = run_on_gpu(c, DType::kBF16);
+  struct TimingGuard {
+    ~TimingGuard() { enable_stage_timing(false), collect_stage_timings(); }
+  } guard;
+  enable_stage_timing(true);
+  const GpuRun timed = run_on_gpu(c, DType::kBF16);
+  const std::vector<StageTime> stages = collect_stage_timings();
+  ASSERT_FALSE(stages.empty());
+  bool forward_seen = false, backward_seen = false, up_seen = false;
+  for (const StageTime& st : stages) {
+    SCOPED_TRACE(st.stage);
+    EXPECT_TRUE(std::isfinite(st.ms) && st.ms >= 0.0f);
+    const bool is_forward = st.stage.rfind("forward/", 0) == 0, is_backward = st.stage.rfind("backward/", 0) == 0;
+    EXPECT_TRUE(is_forward || is_backward);
+    EXPECT_FALSE(is_forward && backward_seen) << "a forward stage after a backward one: not in launch order";
+    forward_seen |= is_forward, backward_seen |= is_backward;
+    up_seen |= st.stage == "forward/up_projection";
+  }
+  EXPECT_TRUE(forward_seen && backward_seen && up_seen);
+  EXPECT_TRUE(collect_stage_timings().empty());
+  EXPECT_EQ(timed.out, plain.out);  // timing marks change nothing the layer computes
+  EXPECT_EQ(timed.dx, plain.dx);
+  enable_stage_timing(false);
+  (void)run_on_gpu(c, DType::kBF16);
+  EXPECT_TRUE(collect_stage_timings().empty());
+}
+
 // d and n any multiple of 8 (issue #14, T13: edge tiles along N, partial last k-blocks, edge tiles of the weight
 // gradients): the whole layer, forward and backward, on the Hopper kernels against float64. The fallback policy is
 // "error" meanwhile, so a GEMM that fell back to the reference kernel would throw instead of passing quietly.

@@ -611,6 +611,18 @@ TEST(HopperDispatch, NamesWhyAShapeFallsBack) {
   EXPECT_NE(reason([](VarlenMArgs& b) { b.lda = 129; }).find("aligned"), std::string::npos);
   EXPECT_NE(reason([](VarlenMArgs& b) { b.epilogue = Epilogue::kActivationGrad; }).find("dH GEMM"),
             std::string::npos);
+  // The expert stride: with several experts one that breaks 16-byte rows falls back; with one expert it is never
+  // stepped, so any value runs (a broadcast weight's 0, an odd slice's), K-major and MN-major alike.
+  EXPECT_NE(reason([](VarlenMArgs& b) { b.b.expert_stride = 256 * 128 + 4; }).find("aligned"), std::string::npos);
+  for (std::int64_t stride : {std::int64_t{0}, std::int64_t{3}, std::int64_t{256 * 128 + 4}}) {
+    EXPECT_EQ(reason([&](VarlenMArgs& b) { b.E = 1, b.b.expert_stride = stride; }), "") << stride;
+    EXPECT_EQ(reason([&](VarlenMArgs& b) {
+                b.E = 1, b.b.expert_stride = stride, b.b.stride_col = 1, b.b.stride_k = 256, b.a_gather = nullptr;
+                b.epilogue = Epilogue::kStore, b.act_out = nullptr;
+              }),
+              "")
+        << "MN-major (dX~), " << stride;
+  }
   gpu::set_hopper_kernels_enabled(false);
   EXPECT_NE(gpu::hopper_unsupported_reason(a).find("disabled"), std::string::npos);
   gpu::set_hopper_kernels_enabled(true);

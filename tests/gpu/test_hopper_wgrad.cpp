@@ -527,6 +527,11 @@ TEST(HopperWeightGradDispatch, NamesWhyAShapeFallsBack) {
   EXPECT_NE(reason([](VarlenKArgs& b) { b.lda = 260; }).find("A rows"), std::string::npos);
   EXPECT_NE(reason([](VarlenKArgs& b) { b.ldb = 100; }).find("B rows"), std::string::npos);
   EXPECT_NE(reason([](VarlenKArgs& b) { b.ld_out = 260; }).find("output rows"), std::string::npos);
+  // The output's expert stride matters with several experts only (with one its tensor map takes M ld_out).
+  EXPECT_NE(reason([](VarlenKArgs& b) { b.out_expert_stride = 256 * 256 + 4; }).find("output rows"),
+            std::string::npos);
+  EXPECT_EQ(reason([](VarlenKArgs& b) { b.E = 1, b.out_expert_stride = 3; }), "");
+  EXPECT_EQ(reason([](VarlenKArgs& b) { b.E = 1, b.out_expert_stride = 0; }), "");
   EXPECT_NE(reason([](VarlenKArgs& b) { b.glu_concat_n = 64; }).find("M != 2n"), std::string::npos);
   EXPECT_EQ(reason([](VarlenKArgs& b) { b.glu_concat_n = 128; }), "");
   EXPECT_NE(reason([](VarlenKArgs& b) { b.b_gather = dummy; }).find("both or neither"), std::string::npos);

@@ -247,11 +247,25 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
   return "";
 }
 
+/// With one expert the weights' expert stride is never stepped, and a view may carry any value there (a broadcast
+/// weight has 0, a slice of a larger tensor an odd one): one expert's span stands in for it, so that such a view
+/// neither falls back for "weight rows not 16-byte aligned" nor hands a 0-byte stride to cuTensorMapEncodeTiled.
+VarlenMArgs with_one_expert_stride(VarlenMArgs a) {
+  if (a.E == 1) {
+    const bool mn_major = a.b.stride_col == 1 && a.b.stride_k != 1;
+    a.b.expert_stride = mn_major ? a.K * a.b.stride_k : a.N * a.b.stride_col;
+  }
+  return a;
+}
+
 }  // namespace
 
-std::string hopper_unsupported_reason(const VarlenMArgs& a) { return unsupported_reason(a, current_device()); }
+std::string hopper_unsupported_reason(const VarlenMArgs& args) {
+  return unsupported_reason(with_one_expert_stride(args), current_device());
+}
 
-void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t stream) {
+void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t stream) {
+  const VarlenMArgs a = with_one_expert_stride(args);
   const DeviceTraits dev = current_device();
   const std::string reason = unsupported_reason(a, dev);
   if (!reason.empty()) {
@@ -403,7 +417,8 @@ std::string wgrad_unsupported_reason(const VarlenKArgs& a, const DeviceTraits& d
     return "gather on both or neither operand (no such Hopper kernel instantiated)";
   if (!aligned16(a.a) || a.lda % 8 != 0) return "A rows not 16-byte aligned";
   if (!aligned16(a.b) || a.ldb % 8 != 0) return "B rows not 16-byte aligned";
-  if (!aligned16(a.out) || a.ld_out % 8 != 0 || a.out_expert_stride % 8 != 0)
+  // (With one expert the output's expert stride is never stepped: its tensor map takes M ld_out instead.)
+  if (!aligned16(a.out) || a.ld_out % 8 != 0 || (a.E > 1 && a.out_expert_stride % 8 != 0))
     return "output rows not 16-byte aligned";
   if (a.glu_concat_n < 0 || (a.glu_concat_n > 0 && a.M != 2 * a.glu_concat_n))
     return "concatenated row map with M != 2n";

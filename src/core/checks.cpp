@@ -90,15 +90,26 @@ void ArgChecker::layout(const TensorView& t, const std::string& name, std::initi
          "a tensor on " + device_name(t.device));
   if (t.numel() == 0) return;  // addresses nothing: any pointer and strides (autograd's (0, 0) expands) will do
   if (t.data == nullptr) fail(name, "a non-null data pointer", "nullptr");
-  // Row-major, unit inner stride, rows may be padded but never overlap.
+  // Row-major, unit inner stride, rows may be padded but never overlap: each dimension's stride must step past the
+  // whole block of the dimensions inside it, whose span is 1 + the sum of (shape - 1) * stride over them. The next
+  // dimension's stride * shape is not that span where that dimension has size 1 (its stride can be anything: (T, 1)
+  // with strides (0, 0) would pass). A size-1 dimension never moves, so its stride is free (torch leaves it
+  // arbitrary) and adds nothing to the span.
+  const std::int64_t max = std::numeric_limits<std::int64_t>::max();
+  std::int64_t span = 1;  // of the dimensions after d: elements from the block's first to its last, inclusive
   for (int d = t.rank - 1; d >= 0; --d) {
-    const std::int64_t need = d == t.rank - 1 ? 1 : t.stride[d + 1] * t.shape[d + 1];
-    const bool ok = t.shape[d] <= 1 || (d == t.rank - 1 ? t.stride[d] == 1 : t.stride[d] >= need);
-    if (!ok)
+    if (t.shape[d] <= 1) continue;
+    const bool inner = d == t.rank - 1;
+    if (inner ? t.stride[d] != 1 : t.stride[d] < span)
       fail(name + ".stride",
            "row-major strides with unit inner stride, non-overlapping rows (dimension " + std::to_string(d) +
-               " needs stride " + (d == t.rank - 1 ? std::string("1") : ">= " + std::to_string(need)) + ")",
+               " needs stride " + (inner ? std::string("1") : ">= " + std::to_string(span)) + ")",
            t.stride_string());
+    // stride >= span >= 1 here; a stride this large addresses more than 2^63 elements (and would wrap the span).
+    if (t.stride[d] > (max - span) / (t.shape[d] - 1))
+      fail(name + ".stride", "strides that address fewer than 2^63 elements (dimension " + std::to_string(d) + ")",
+           t.stride_string() + " for shape " + t.shape_string());
+    span += (t.shape[d] - 1) * t.stride[d];
   }
 }
 

@@ -26,8 +26,11 @@ struct CombineShape {
   Device device{};
 };
 
+/// After ArgChecker::tensor. A view with no elements addresses nothing and may have any strides, as everywhere else
+/// (autograd's (0, d) gradients come with strides (0, 0)).
 void contiguous(const ArgChecker& c, const TensorView& t, const std::string& name) {
-  if (!t.empty() && !t.is_contiguous()) c.fail(name, "a contiguous tensor", "strides " + t.stride_string());
+  if (!t.empty() && t.numel() != 0 && !t.is_contiguous())
+    c.fail(name, "a contiguous tensor", "strides " + t.stride_string());
 }
 
 /// Everything but the index values; T is the rows of `tokens` (out or grad_out). scores_optional: an empty scores

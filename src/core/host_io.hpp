@@ -1,6 +1,7 @@
 // Copies between (possibly row-padded) host tensor views and contiguous std::vectors, for the CPU backend.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -44,12 +45,27 @@ void write_real(const TensorView& t, const R* values) {
 /// A weight gradient into a view of dtype fp32 or fp64 (the data dtype, or fp32 gradients of fp64 data):
 /// dst = values, or with `accumulate` dst = dst + values, the sum in the wider of the two types, rounded once to the
 /// view's dtype.
+///
+/// Accumulating leaves every slice along the first dimension (one expert's gradient; for the router's, the
+/// expert's row) whose values are all zero as it is, bit for bit: layer.hpp (LayerWeightGrads) promises that the
+/// buffers of experts that receive no pair, and every buffer of a call with no pairs, stay unchanged, as on the GPU
+/// (which writes nothing there), and adding the zeros would turn -0.0 into +0.0. Those are the slices that are all
+/// zero; an expert with rows whose whole gradient is exactly zero keeps its -0.0 too (only the sign of a zero can
+/// differ from the GPU's sum there).
 template <class R>
 void write_grad(const TensorView& t, const R* values, bool accumulate) {
+  const std::int64_t n = t.numel(), slices = t.rank > 0 ? t.shape[0] : 1;
+  const std::int64_t per_slice = slices > 0 ? n / slices : 0;
+  std::vector<char> unchanged(static_cast<std::size_t>(std::max<std::int64_t>(slices, 0)), 0);
+  if (accumulate)
+    for (std::int64_t e = 0; e < slices; ++e)
+      unchanged[static_cast<std::size_t>(e)] =
+          std::all_of(values + e * per_slice, values + (e + 1) * per_slice, [](R v) { return v == R(0); });
   auto put = [&](auto* dst) {
     using O = std::remove_pointer_t<decltype(dst)>;
     using S = decltype(R{} + O{});
-    for_each_element(t, [&](std::int64_t off, std::int64_t i) {
+    for_each_element(t, [&](std::int64_t off, std::int64_t i) {  // per_slice > 0: the view has elements
+      if (accumulate && unchanged[static_cast<std::size_t>(i / per_slice)]) return;
       dst[off] = static_cast<O>(accumulate ? static_cast<S>(dst[off]) + static_cast<S>(values[i])
                                            : static_cast<S>(values[i]));
     });

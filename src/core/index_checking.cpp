@@ -79,12 +79,17 @@ void grouped_expert_index(const TensorView& counts, const TensorView& index, voi
   std::int64_t total = 0;
   for (std::int64_t e = 0; e < E; ++e) {
     if (f[e] < 0) c.fail("expert_counts[" + std::to_string(e) + "]", "a count >= 0", std::to_string(f[e]));
+    // Compared before adding (0 <= total <= rows here, so rows - total cannot wrap): adding first overflows for
+    // counts near 2^63, and a sum that wraps back to exactly `rows` would send the fill below past `expert`.
+    if (f[e] > rows - total)
+      c.fail("expert_counts", "counts summing to the " + std::to_string(rows) + " grouped rows",
+             "a sum above " + std::to_string(rows) + " by expert_counts[" + std::to_string(e) + "] = " +
+                 std::to_string(f[e]));
     total += f[e];
-    if (total > rows) break;  // reported below; also keeps the sum from overflowing
   }
   if (total != rows)
     c.fail("expert_counts", "counts summing to the " + std::to_string(rows) + " grouped rows",
-           total > rows ? "a sum above " + std::to_string(rows) : "a sum of " + std::to_string(total));
+           "a sum of " + std::to_string(total));
   std::vector<std::int64_t> expert(static_cast<std::size_t>(rows));
   std::int64_t r = 0;
   for (std::int64_t e = 0; e < E; ++e)

@@ -26,6 +26,13 @@ class LayoutBuilder {
 std::size_t u(std::int64_t v) { return static_cast<std::size_t>(v); }
 std::size_t aligned(std::size_t b) { return (b + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment; }
 
+/// cublasSetWorkspace refuses a pointer that is not 256-byte aligned, but a caller's workspace need only start on a
+/// kBufferAlignment (16-byte) boundary, and regions sit at multiples of kRegionAlignment from that start. So the
+/// cuBLAS region holds kCublasWorkspaceBytes plus this much slack, and the GPU path rounds its start up to the next
+/// 256-byte address inside it (src/gpu/layer_cuda.cpp, prepared_cublas, has the same constant).
+constexpr std::size_t kCublasWorkspaceAlignment = 256;
+constexpr std::size_t kCublasRegionBytes = kCublasWorkspaceBytes + kCublasWorkspaceAlignment;
+
 /// What every public sizing function checks first, once: a problem the layer accepts (the formulas below divide by
 /// n and E and widen T, E and P to size_t, so an unchecked one divides by zero or wraps to a huge size) and a data
 /// dtype the layer runs on. The public functions call the unchecked *_of helpers, never one another.
@@ -131,7 +138,7 @@ ForwardWorkspaceLayout forward_workspace_layout_of(const MoEProblem& p, DType da
   const std::size_t metadata_tiles = (P + u(kMetadataTilePairs) - 1) / u(kMetadataTilePairs);
   if (metadata_tiles > 0) l.tile_hist = b.add((u(p.E) * metadata_tiles + 1) * 4);  // + the scan's block counter
   l.expert_tiles = b.add(u(p.E + 1) * 4);
-  if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
+  if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasRegionBytes);
   if (p.routing == RoutingMode::kTokenRounding) {
     if (p.E > kTokenRoundingRegisterExperts) l.tr_keys = b.add(u(p.T) * u(p.E) * 4);
     l.tr_keys_by_expert = b.add(u(p.T) * u(p.E) * 4);
@@ -178,7 +185,7 @@ BackwardWorkspaceLayout backward_workspace_layout_of(const MoEProblem& p, DType 
   // gradient lives at the selections (top-K with a renormalised score; src/gpu/kernels.hpp, RouterPairTerm).
   if (p.logit_grad_at_selections()) l.router_pair_terms = b.add(P * 8);
   l.expert_tiles = b.add(u(p.E + 1) * 4);
-  if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasWorkspaceBytes);
+  if (p.routing != RoutingMode::kCallerSupplied) l.cublas = b.add(kCublasRegionBytes);
   l.total_bytes = b.total();
   return l;
 }

@@ -70,7 +70,14 @@ void gemm(cublasHandle_t h, DType dt, cublasOperation_t opa, cublasOperation_t o
                                      CUBLAS_GEMM_DEFAULT));
 }
 
-cublasHandle_t prepared_cublas(int ordinal, cudaStream_t stream, void* workspace) {
+/// cublasSetWorkspace needs a 256-byte aligned pointer, while the caller's workspace need only start on a
+/// kBufferAlignment (16-byte) boundary: the cuBLAS region (`region`, its start) holds 256 bytes of slack past
+/// kCublasWorkspaceBytes (src/core/memory.cpp, kCublasWorkspaceAlignment), and cuBLAS gets the region's first
+/// 256-byte aligned address, which leaves kCublasWorkspaceBytes inside the region.
+cublasHandle_t prepared_cublas(int ordinal, cudaStream_t stream, void* region) {
+  constexpr std::uintptr_t kAlignment = 256;
+  const std::uintptr_t misalignment = reinterpret_cast<std::uintptr_t>(region) % kAlignment;
+  void* workspace = static_cast<char*>(region) + (misalignment == 0 ? 0 : kAlignment - misalignment);
   cublasHandle_t h = cublas_handle(ordinal);
   MACHMOE_CUBLAS_CHECK(cublasSetStream(h, stream));
   MACHMOE_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, kCublasWorkspaceBytes));

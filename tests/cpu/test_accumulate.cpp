@@ -253,6 +253,69 @@ TEST(AccumulateEdges, ZeroTokenExpertsAndEmptyCallsLeaveTheBufferUnchanged) {
   }
 }
 
+// The same with buffers holding -0.0, which adding a zero gradient turns into +0.0: experts without a pair and calls
+// without pairs must leave them bitwise as they were (the GPU writes nothing there), for the router too, in fp64 and
+// fp32 buffers.
+template <class G>
+void expect_negative_zeros_kept() {
+  for (bool split : {false, true}) {
+    SCOPED_TRACE(std::string(sizeof(G) == 8 ? "fp64" : "fp32") + " buffers" + (split ? ", split" : ""));
+    MoEProblem p;
+    p.T = 3, p.d = 10, p.n = 6, p.E = 8, p.K = 1, p.has_b1 = p.has_b2 = true;
+    const auto negative_zeros = [&] {
+      GradBuffers<G> g;
+      g.wr.assign(p.E * p.d, G(-0.0)), g.w1.assign(p.E * p.w1_rows() * p.d, G(-0.0));
+      g.b1.assign(p.E * p.w1_rows(), G(-0.0)), g.w2.assign(p.E * p.d * p.n, G(-0.0)), g.b2.assign(p.E * p.d, G(-0.0));
+      return g;
+    };
+    const auto all_negative_zero = [](const std::vector<G>& v, std::size_t from, std::size_t to) {
+      return std::all_of(v.begin() + from, v.begin() + to, [](G x) { return x == 0 && std::signbit(x); });
+    };
+    const LayerCase<double> c(p, 5);
+    const ref::ForwardResult<double> f = ref::layer_forward(p, c.inputs());
+    GradBuffers<G> g = negative_zeros();
+    run_backward<double, G>(c, g, true, split);
+    int empty = 0;
+    for (std::int64_t e = 0; e < p.E; ++e) {
+      if (f.expert_counts[e] != 0) continue;
+      ++empty;
+      const auto rows = [&](const std::vector<G>& v, std::int64_t per) {
+        return all_negative_zero(v, e * per, (e + 1) * per);
+      };
+      EXPECT_TRUE(rows(g.w1, p.w1_rows() * p.d)) << "expert " << e;
+      EXPECT_TRUE(rows(g.b1, p.w1_rows())) << "expert " << e;
+      EXPECT_TRUE(rows(g.w2, p.d * p.n)) << "expert " << e;
+      EXPECT_TRUE(rows(g.b2, p.d)) << "expert " << e;
+    }
+    EXPECT_GE(empty, 5);
+    EXPECT_FALSE(all_negative_zero(g.w2, 0, g.w2.size())) << "no gradient was added at all";
+
+    MoEProblem q = p;
+    q.T = 0;
+    GradBuffers<G> kept = negative_zeros();
+    run_backward<double, G>(LayerCase<double>(q, 6), kept, true, split);
+    for (const std::vector<G>* v : {&kept.wr, &kept.w1, &kept.b1, &kept.w2, &kept.b2})
+      EXPECT_TRUE(all_negative_zero(*v, 0, v->size()));
+
+    // Caller-supplied routing: the router's gradient is zero and leaves its buffer as it is.
+    MoEProblem r = p;
+    r.routing = RoutingMode::kCallerSupplied, r.num_pairs = 3;
+    LayerCase<double> cr(r, 7);
+    cr.pair_token = {0, 1, 2}, cr.pair_expert = {0, 0, 2}, cr.pair_score = {1.0, 0.5, 0.25};
+    cr.problem.num_pairs = 3;
+    GradBuffers<G> gr = negative_zeros();
+    run_backward<double, G>(cr, gr, true, split);
+    EXPECT_TRUE(all_negative_zero(gr.wr, 0, gr.wr.size()));
+    for (std::int64_t e : {1, 3, 4, 5, 6, 7})
+      EXPECT_TRUE(all_negative_zero(gr.w1, e * r.w1_rows() * r.d, (e + 1) * r.w1_rows() * r.d)) << "expert " << e;
+  }
+}
+
+TEST(AccumulateEdges, NegativeZerosOfExpertsWithoutPairsAndEmptyCallsStayNegative) {
+  expect_negative_zeros_kept<double>();
+  expect_negative_zeros_kept<float>();
+}
+
 // ---- validation ------------------------------------------------------------------------------------------------
 
 TEST(AccumulateValidation, BuffersOfAnotherDtypeOrShapeAreRefusedByName) {

@@ -307,5 +307,70 @@ TEST(ArgumentHardening, CublasRowStridesMustFitAnInt) {
   c.int32_row_stride(TensorView(), "x", why);
 }
 
+// ---- strides: rows may be padded but never overlap -----------------------------------------------------------------
+
+TEST(ArgumentHardening, SizeOneDimensionsCannotHideOverlappingStrides) {
+  const detail::ArgChecker c("forward", "x");
+  std::vector<double> buf(64, 0.0);
+  const auto check = [&](std::initializer_list<std::int64_t> shape, std::initializer_list<std::int64_t> stride) {
+    const TensorView t = TensorView::strided(buf.data(), DType::kFP64, shape, stride);
+    std::vector<std::int64_t> s(t.shape, t.shape + t.rank);
+    switch (t.rank) {  // tensor() takes the expected shape as a list
+      case 2: c.tensor(t, "out", {s[0], s[1]}, DType::kFP64, Device::cpu()); break;
+      case 3: c.tensor(t, "out", {s[0], s[1], s[2]}, DType::kFP64, Device::cpu()); break;
+      default: c.tensor(t, "out", {s[0], s[1], s[2], s[3]}, DType::kFP64, Device::cpu()); break;
+    }
+  };
+  // Used to pass: the stride * shape of a size-1 inner dimension (0 here) bounded the outer stride.
+  expect_error([&] { check({3, 1}, {0, 0}); },
+               {"machmoe::forward", "'out.stride'", "non-overlapping", "dimension 0 needs stride >= 1", "got (0, 0)"});
+  expect_error([&] { check({2, 1, 4}, {2, 0, 1}); }, {"'out.stride'", "dimension 0 needs stride >= 4", "(2, 0, 1)"});
+  expect_error([&] { check({2, 1, 2, 3}, {4, 0, 3, 1}); }, {"'out.stride'", "dimension 0 needs stride >= 6"});
+  // And where stride * shape wrapped: 2^62 * 3 is negative in 64 bits.
+  expect_error([&] { check({2, 3, 4}, {8, std::int64_t{1} << 62, 1}); },
+               {"'out.stride'", "fewer than 2^63 elements", "(8, 4611686018427387904, 1)", "(2, 3, 4)"});
+  expect_error([&] { check({3, 2}, {0, 1}); }, {"'out.stride'", "dimension 0 needs stride >= 2"});  // as before
+  // Still accepted: contiguous views as torch gives them ((T, 1) has strides (1, 1)), padded rows, and size-1
+  // dimensions with any stride where nothing overlaps; a view with no elements takes any strides.
+  check({3, 1}, {1, 1});
+  check({3, 1}, {5, 1});
+  check({3, 1}, {1, 999});
+  check({1, 8}, {0, 1});
+  check({2, 1, 4}, {4, 0, 1});
+  check({2, 1, 4}, {4, 77, 1});
+  check({2, 1, 4}, {1000, -3, 1});
+  check({2, 3, 4}, {12, 4, 1});
+  check({2, 3, 4}, {15, 5, 1});  // padded rows: the last row of a block ends at 14
+  check({2, 2, 1, 3}, {6, 3, 0, 1});
+  check({1, 1, 1, 1}, {0, 0, 0, 0});
+  check({0, 4}, {0, 0});
+  check({3, 0, 4}, {-1, 0, 7});
+  // End to end: an output whose 3 rows of one element share one address (d = 1) is refused, unwritten.
+  MoEProblem p;
+  p.T = 3, p.d = 1, p.n = 2, p.E = 2, p.K = 1;
+  const LayerCase<double> lc(p, 5);
+  HostLayerInputs<double> in(lc, DType::kFP64);
+  std::vector<double> out(1, -99.0), logits(6, -99.0);
+  std::vector<std::int32_t> counts(2, -5);
+  std::vector<unsigned char> saved(saved_layout(p, DType::kFP64).total_bytes, 0xAB);
+  ForwardOutputs fo;
+  fo.out = TensorView::strided(out.data(), DType::kFP64, {3, 1}, {0, 0});
+  fo.router_logits = TensorView::contiguous(logits.data(), DType::kFP64, {3, 2});
+  fo.expert_counts = TensorView::contiguous(counts.data(), DType::kInt32, {2});
+  const TensorView x = TensorView::contiguous(in.x.data(), DType::kFP64, {3, 1});
+  const ForwardBuffers fb{saved.data(), saved.size(), nullptr, 0};
+  expect_error([&] { forward(p, x, in.weights, nullptr, fo, fb); },
+               {"machmoe::forward", "'outputs.out.stride'", "dimension 0 needs stride >= 1", "got (0, 0)"});
+  EXPECT_EQ(out, std::vector<double>(1, -99.0));
+  EXPECT_EQ(logits, std::vector<double>(6, -99.0));
+  EXPECT_EQ(counts, std::vector<std::int32_t>(2, -5));
+  EXPECT_EQ(saved, std::vector<unsigned char>(saved.size(), 0xAB));
+  fo.out = TensorView::strided(out.data(), DType::kFP64, {3, 1}, {1, 1});  // torch's contiguous (T, 1)
+  out.assign(3, -99.0);
+  fo.out.data = out.data();
+  forward(p, x, in.weights, nullptr, fo, fb);
+  EXPECT_NE(out[0], -99.0);
+}
+
 }  // namespace
 }  // namespace machmoe::test

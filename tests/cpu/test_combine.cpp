@@ -182,6 +182,34 @@ TEST(Combine, ZeroTokens) {
   EXPECT_TRUE(h.grad_scores.empty());
 }
 
+TEST(Combine, ViewsWithoutElementsTakeAnyStrides) {
+  // What autograd hands over for no rows: (0, d) with strides (0, 0) and a null pointer. Such views address
+  // nothing, so the contiguity rule does not apply to them (docs/VALIDATION.md).
+  const TensorView none = TensorView::strided(nullptr, DType::kFP64, {0, 4}, {0, 0});
+  // An expert-parallel rank that received no rows: every pair reads no row, and out is zero.
+  std::vector<std::int32_t> rp = {-1, -1};
+  std::vector<double> out(8, 5.0);
+  combine_rows(none, TensorView(), TensorView::contiguous(rp.data(), DType::kInt32, {2}), TensorView(), 1,
+               TensorView::contiguous(out.data(), DType::kFP64, {2, 4}));
+  EXPECT_EQ(out, std::vector<double>(8, 0.0));
+  // No tokens: grad_out (0, d) with strides (0, 0), and grad_rows of rows no pair reads left as they are.
+  std::vector<double> rows(4, 1.0), grad_rows(4, -3.0);
+  const TensorView v_rows = TensorView::contiguous(rows.data(), DType::kFP64, {1, 4});
+  combine_rows_backward(none, v_rows, TensorView::contiguous(nullptr, DType::kFP64, {0}),
+                        TensorView::contiguous(nullptr, DType::kInt32, {0}), TensorView(), 1,
+                        TensorView::contiguous(grad_rows.data(), DType::kFP64, {1, 4}), TensorView());
+  EXPECT_EQ(grad_rows, std::vector<double>(4, -3.0));
+  // No tokens and no rows: out, rows and grad_rows all (0, d) with strides (0, 0).
+  combine_rows(none, TensorView(), TensorView::contiguous(nullptr, DType::kInt32, {0}), TensorView(), 1, none);
+  combine_rows_backward(none, none, TensorView::contiguous(nullptr, DType::kFP64, {0}),
+                        TensorView::contiguous(nullptr, DType::kInt32, {0}), TensorView(), 1, none, TensorView());
+  // A view with elements must still be contiguous.
+  expect_error([&] { combine_rows(TensorView::strided(rows.data(), DType::kFP64, {1, 4}, {4, 0}), TensorView(),
+                                  TensorView::contiguous(rp.data(), DType::kInt32, {2}), TensorView(), 1,
+                                  TensorView::contiguous(out.data(), DType::kFP64, {2, 4})); },
+               {"combine_rows", "'rows", "got"});
+}
+
 TEST(Combine, RejectsBadArguments) {
   const CombineCase c = make_combine_case({4, 8, 2, 6, 0, 0.0, 1, 14});
   std::vector<double> rows = c.rows, scores = c.scores, out(c.T * c.d), g = c.grad_out, grows(c.R * c.d);

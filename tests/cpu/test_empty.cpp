@@ -338,5 +338,25 @@ TEST(GroupedExpertIndex, RejectsBadCountsWithoutWriting) {
   EXPECT_EQ(index, std::vector<std::int32_t>(4, -7)) << "a rejected call wrote its output";
 }
 
+TEST(GroupedExpertIndex, RejectsCountsWhoseSumWrapsWithoutWriting) {
+  // 2 + M + M + 4 is 4 modulo 2^64: summed first and compared after, these passed as 4 rows and the fill wrote
+  // about 2^63 entries into a vector of 4.
+  const std::int64_t M = std::numeric_limits<std::int64_t>::max();
+  std::vector<std::int64_t> index(4, -7);
+  const TensorView iv = TensorView::contiguous(index.data(), DType::kInt64, {4});
+  std::vector<std::int64_t> wrapping = {2, M, M, 4};
+  expect_error([&] { grouped_expert_index(TensorView::contiguous(wrapping.data(), DType::kInt64, {4}), iv); },
+               {"grouped_expert_index", "'expert_counts'", "summing to the 4 grouped rows", "got a sum above 4",
+                "expert_counts[1] = 9223372036854775807"});
+  // One huge count after a full sum, and the largest count alone.
+  std::vector<std::int64_t> late = {4, 0, M};
+  expect_error([&] { grouped_expert_index(TensorView::contiguous(late.data(), DType::kInt64, {3}), iv); },
+               {"'expert_counts'", "got a sum above 4", "expert_counts[2]"});
+  std::vector<std::int64_t> alone = {M};
+  expect_error([&] { grouped_expert_index(TensorView::contiguous(alone.data(), DType::kInt64, {1}), iv); },
+               {"'expert_counts'", "got a sum above 4", "expert_counts[0]"});
+  EXPECT_EQ(index, std::vector<std::int64_t>(4, -7)) << "a rejected call wrote its output";
+}
+
 }  // namespace
 }  // namespace machmoe::test

@@ -118,6 +118,39 @@ TEST(MemoryAccounting, RegionsAreAlignedDisjointAndInsideTheTotal) {
   }
 }
 
+// cublasSetWorkspace refuses a pointer that is not 256-byte aligned, while a workspace need only start on a 16-byte
+// boundary (kBufferAlignment). The GPU path hands cuBLAS the cuBLAS region's first 256-byte aligned address: for
+// every 16-byte aligned start of the workspace, kCublasWorkspaceBytes from there must lie inside the region and the
+// workspace, in each layout that has the region.
+TEST(MemoryAccounting, CublasRegionHasSlackForA256ByteAlignedStart) {
+  const auto check = [](const BufferRegion& r, std::size_t total, const char* what) {
+    SCOPED_TRACE(what);
+    ASSERT_TRUE(r.present());
+    EXPECT_EQ(r.bytes, kCublasWorkspaceBytes + 256);
+    EXPECT_LE(r.offset + r.bytes, total);
+    for (std::size_t start = 0; start < 256; start += kBufferAlignment) {  // the workspace's address modulo 256
+      const std::size_t at = start + r.offset, aligned = (at + 255) / 256 * 256;
+      EXPECT_LE(aligned + kCublasWorkspaceBytes, start + r.offset + r.bytes) << "workspace at 256 k + " << start;
+    }
+  };
+  for (RoutingMode routing : {RoutingMode::kTopK, RoutingMode::kTokenRounding}) {
+    MoEProblem p = config(777, 96, 40, 12, 3);
+    p.routing = routing;
+    const ForwardWorkspaceLayout f = forward_workspace_layout(p, DType::kBF16);
+    check(f.cublas, f.total_bytes, "forward");
+    for (bool split : {false, true})
+      for (bool consume : {false, true}) {
+        const BackwardWorkspaceLayout b = backward_workspace_layout(p, DType::kBF16, split, consume);
+        check(b.cublas, b.total_bytes, split ? "backward_input" : consume ? "backward, consume_saved" : "backward");
+      }
+  }
+  // Caller-supplied routing has no router GEMM: no region, no slack.
+  MoEProblem caller = config(64, 32, 16, 4, 2);
+  caller.routing = RoutingMode::kCallerSupplied, caller.num_pairs = 100;
+  EXPECT_FALSE(forward_workspace_layout(caller, DType::kBF16).cublas.present());
+  EXPECT_FALSE(backward_workspace_layout(caller, DType::kBF16).cublas.present());
+}
+
 TEST(MemoryAccounting, SizesPast2To31UseSixtyFourBitArithmetic) {
   const MoEProblem p = config(1 << 20, 8192, 2048, 64, 8);  // T*d = 2^33, TK*w1_rows = 2^35
   const ActivationMemory m = activation_memory(p, DType::kBF16);
@@ -146,7 +179,7 @@ TEST(MemoryAccounting, WorkspaceFormulas) {
   EXPECT_FALSE(f.tr_bounds.present());
   EXPECT_FALSE(f.tr_row_scores.present());
   EXPECT_FALSE(f.tr_counters.present());
-  EXPECT_EQ(f.cublas.bytes, kCublasWorkspaceBytes);
+  EXPECT_EQ(f.cublas.bytes, kCublasWorkspaceBytes + 256);  // + slack to align it for cuBLAS (below)
   const BackwardWorkspaceLayout b = backward_workspace_layout(p, DType::kBF16);
   EXPECT_FALSE(b.h_recompute.present());
   EXPECT_EQ(b.dh.bytes, 2 * P * 1024);

@@ -78,6 +78,25 @@ struct Call {
   const RoutingTriples* routing() const { return p.routing == RoutingMode::kCallerSupplied ? &rt : nullptr; }
   void forward_call() { forward(p, xv, w, routing(), fo, fb); }
   void backward_call() { backward(p, xv, w, routing(), bi, bo, bb); }
+
+  /// Fills every output, buffer and gradient with values no call writes (a count of -5, 0xAB bytes, 7.0, 123.0),
+  /// so that a rejected call that wrote anything shows; expect_untouched() checks them, the saved buffer against
+  /// `saved_now` (a valid forward's state, or all 0xAB).
+  void poison() {
+    for (std::vector<double>* v : {&out, &logits}) v->assign(v->size(), 123.0);
+    for (std::vector<double>* v : {&dx, &dwr, &dw1, &dw2, &db1, &dscores}) v->assign(v->size(), 7.0);
+    counts.assign(counts.size(), -5);
+    saved.assign(saved.size(), 0xAB);
+  }
+  void expect_untouched(const std::vector<unsigned char>& saved_now) const {
+    for (const std::vector<double>* v : {&out, &logits})
+      EXPECT_EQ(*v, std::vector<double>(v->size(), 123.0)) << "out or router_logits written";
+    for (const std::vector<double>* v : {&dx, &dwr, &dw1, &dw2, &db1, &dscores})
+      EXPECT_EQ(*v, std::vector<double>(v->size(), 7.0)) << "a gradient written";
+    EXPECT_EQ(counts, std::vector<std::int32_t>(counts.size(), -5)) << "expert_counts written";
+    EXPECT_TRUE(saved == saved_now) << "the saved buffer written";
+  }
+  void expect_untouched() const { expect_untouched(std::vector<unsigned char>(saved.size(), 0xAB)); }
 };
 
 
@@ -157,10 +176,10 @@ TEST(Validation, EveryOptionFieldOutOfRangeIsNamed) {
       // Every entry point, before it reads a tensor; and the rejected call writes nothing.
       Call c;
       f.set(c.p, v);
-      for (double& o : c.out) o = 7.0;
+      c.poison();
       expect_error([&] { c.forward_call(); }, {"machmoe::forward: argument '", f.name, got.c_str()});
-      for (double o : c.out) EXPECT_EQ(o, 7.0);
       expect_error([&] { c.backward_call(); }, {"machmoe::backward: argument '", f.name, got.c_str()});
+      c.expect_untouched();
     }
   }
 }
@@ -400,13 +419,45 @@ TEST(Validation, BackwardArguments) {
   }
 }
 
+// docs/VALIDATION.md, "Caller memory is untouched on error": no output, buffer or gradient of a rejected call is
+// written, including rejections that come only after every tensor checked out (routing values, buffer sizes).
 TEST(Validation, RejectedCallsWriteNothing) {
-  Call c(RoutingMode::kCallerSupplied);
-  for (double& v : c.out) v = 123.0;
-  c.exp[5] = 99;  // detected only after every tensor checked out
-  EXPECT_THROW(c.forward_call(), Error);
-  for (double v : c.out) EXPECT_EQ(v, 123.0);
-  for (std::int32_t v : c.counts) EXPECT_EQ(v, 0);
+  {
+    Call c(RoutingMode::kCallerSupplied);
+    c.poison();
+    c.exp[5] = 99;  // detected only after every tensor checked out
+    expect_error([&] { c.forward_call(); }, {"machmoe::forward", "expert_index[5]", "99"});
+    expect_error([&] { c.backward_call(); }, {"machmoe::backward", "expert_index[5]", "99"});
+    c.expect_untouched();
+  }
+  {
+    // The backward of a valid forward, then the same routing with a bad value: neither the gradients nor the state
+    // the forward saved change.
+    Call c(RoutingMode::kCallerSupplied);
+    c.forward_call();
+    const std::vector<unsigned char> state = c.saved;
+    const std::vector<double> out = c.out;
+    const std::vector<std::int32_t> counts = c.counts;
+    for (std::vector<double>* v : {&c.dx, &c.dw1, &c.dw2, &c.db1, &c.dscores}) v->assign(v->size(), 7.0);
+    c.tok[4] = 6;  // a token outside [0, T)
+    expect_error([&] { c.backward_call(); }, {"machmoe::backward", "token_index[4]", "6"});
+    c.tok[4] = 3, c.exp[2] = -1;
+    expect_error([&] { c.backward_call(); }, {"machmoe::backward", "expert_index[2]", "-1"});
+    for (std::vector<double>* v : {&c.dx, &c.dw1, &c.dw2, &c.db1, &c.dscores})
+      EXPECT_EQ(*v, std::vector<double>(v->size(), 7.0)) << "a gradient written";
+    EXPECT_TRUE(c.saved == state) << "the saved buffer written";
+    EXPECT_EQ(c.out, out);
+    EXPECT_EQ(c.counts, counts);
+  }
+  {
+    // Top-K routing (router_logits present): a saved buffer one byte short is refused after the tensors.
+    Call c;
+    c.poison();
+    c.fb.saved_bytes = c.bb.saved_bytes = c.saved.size() - 1;
+    expect_error([&] { c.forward_call(); }, {"machmoe::forward", "saved"});
+    expect_error([&] { c.backward_call(); }, {"machmoe::backward", "saved"});
+    c.expect_untouched();
+  }
 }
 
 TEST(Validation, NameParsersListTheAcceptedNames) {
@@ -419,17 +470,24 @@ TEST(Validation, NameParsersListTheAcceptedNames) {
 }
 
 TEST(Validation, Losses) {
-  std::vector<double> z(12, 0.0), g(12, 0.0), loss(1);
+  // loss and grad hold values no call writes: the rejected calls below must leave them so.
+  std::vector<double> z(12, 0.0), g(12, 7.0), loss(1, -3.0);
   std::vector<std::int32_t> counts = {1, 2, -1, 0};
   const TensorView zv = TensorView::contiguous(z.data(), DType::kFP64, {3, 4});
   const TensorView lv = TensorView::contiguous(loss.data(), DType::kFP64, {1});
   const TensorView gv = TensorView::contiguous(g.data(), DType::kFP64, {3, 4});
   expect_error([&] { load_balancing_loss(zv, TensorView::contiguous(counts.data(), DType::kInt32, {4}), lv, gv); },
                {"'expert_counts[2]'", ">= 0", "-1"});
+  expect_error([&] { load_balancing_loss(zv, TensorView::contiguous(counts.data(), DType::kInt32, {4}), lv, gv,
+                                         1.0, /*accumulate=*/true); },
+               {"'expert_counts[2]'", ">= 0", "-1"});
   expect_error([&] { load_balancing_loss(zv, TensorView::contiguous(counts.data(), DType::kInt32, {3}), lv, gv); },
                {"'expert_counts'", "(4,)", "(3,)"});
   expect_error([&] { router_z_loss(zv, TensorView::contiguous(loss.data(), DType::kFP32, {1}), gv); },
                {"'loss'", "fp64"});
+  EXPECT_EQ(loss[0], -3.0) << "a rejected call wrote the loss";
+  EXPECT_EQ(g, std::vector<double>(12, 7.0)) << "a rejected call wrote the gradient";
+  g.assign(12, 0.0);
   counts[2] = 3;
   load_balancing_loss(zv, TensorView::contiguous(counts.data(), DType::kInt32, {4}), lv, gv);
   EXPECT_NEAR(loss[0], 1.0, 1e-15);

@@ -105,7 +105,8 @@ inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
 ///   pair_token    P                     int32       token of each pair (variable-K routing only)
 ///   tile_hist     E x ceil(P / 256) + 1 int32       per-tile expert histograms of the metadata build, its scan's counter
 ///   expert_tiles  E + 1                 int32       GEMM M-tiles per expert, scanned
-///   cublas        kCublasWorkspaceBytes             cuBLAS workspace of the router GEMM (not for caller-supplied)
+///   cublas        kCublasWorkspaceBytes + 256       cuBLAS workspace of the router GEMM, from its first 256-byte
+///                                                   aligned address (cuBLAS needs it; not for caller-supplied)
 /// Token rounding only (src/gpu/token_rounding_kernels.cu; it builds the routing metadata itself, so pair_expert,
 /// pair_token and tile_hist are not used by it):
 ///   tr_keys            T x E    uint32  each (token, expert)'s ranking key, token-major: only where E is above
@@ -175,7 +176,8 @@ std::int64_t forward_y_chunk_rows(const MoEProblem& problem);
 ///                                                router's term of dX (dz W_r[expert]) when no gradient of the
 ///                                                logits comes from upstream
 ///   expert_tiles E + 1              int32        GEMM M-tiles per expert, scanned
-///   cublas       kCublasWorkspaceBytes           cuBLAS workspace of the router GEMMs (not for caller-supplied)
+///   cublas       kCublasWorkspaceBytes + 256     cuBLAS workspace of the router GEMMs, from its first 256-byte
+///                                                aligned address (cuBLAS needs it; not for caller-supplied)
 struct BackwardWorkspaceLayout {
   BufferRegion h_recompute, dh, a_prime, dx_expanded, dx_chunk_plan, dx_pair_rows, ds_partial, ds, dlogits,
       router_pair_terms, expert_tiles, cublas;

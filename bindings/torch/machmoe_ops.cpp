@@ -4,10 +4,14 @@
 // returns its `saved` buffer as a uint8 tensor that autograd keeps for the backward (python/machmoe/_ops.py).
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -224,23 +228,82 @@ struct LayerArgs {
   const machmoe::RoutingTriples* routing() const { return caller ? &triples : nullptr; }
 };
 
+/// A caller buffer (into_*) that a backward adds a weight's gradient into: present only for a weight the layer has,
+/// on x's device, in x's dtype or fp32, of the weight's shape. Returns whether the buffer is given. The forward
+/// checks its buffers with this too (it only hands them to its backward), so that a wrong buffer fails at the call
+/// that passed it, not later in backward().
+bool check_into(const char* op, const char* arg, const OptTensor& into, bool present_weight, const char* absent_why,
+                at::IntArrayRef sizes, const Tensor& x) {
+  if (!present(into)) return false;
+  const Tensor& t = *into;
+  if (!present_weight) fail(op, arg, std::string("None (") + absent_why + ")", "a tensor of shape " + shape_of(t));
+  if (t.device() != x.device())
+    fail(op, arg, "a tensor on " + x.device().str() + " (the device of x)", "a tensor on " + t.device().str());
+  if (t.scalar_type() != x.scalar_type() && t.scalar_type() != at::kFloat)
+    fail(op, arg,
+         std::string("dtype ") + c10::toString(x.scalar_type()) + " (the dtype of x) or Float (fp32 gradients)",
+         c10::toString(t.scalar_type()));
+  if (t.sizes() != sizes)
+    fail(op, arg, "shape " + shape_of(at::empty(sizes, at::TensorOptions().device(at::kMeta))) +
+                      " (the weight's shape)", "shape " + shape_of(t));
+  // The backward bumps the buffer's version once it has written it (bump_versions), and torch refuses that bump
+  // for a tensor without a version counter (an inference tensor, e.g. a main_grad created under
+  // torch.inference_mode()) only then: the buffer would be changed and the backward fail. Refused before any work,
+  // as torch refuses an in-place op on it (which inference mode allows).
+  if (!t.unsafeGetTensorImpl()->version_counter().enabled() && !c10::InferenceMode::is_enabled())
+    fail(op, arg, "a tensor with a version counter (not an inference tensor: create the buffer outside "
+                  "torch.inference_mode(), or clone it)", "an inference tensor");
+  return true;
+}
+
+/// The forward's `saved` buffer. The library writes its regions but not the alignment padding between them, so two
+/// identical forwards would return different bytes there (torch.library.opcheck compares them). On the CPU the
+/// padding is zeroed: under 256 bytes per region, before the regions are written. Token rounding's pair count is
+/// only a bound, so the per-pair regions have unwritten tails (and the CPU forward leaves token_selection to the
+/// GPU): on the CPU its buffer is zeroed whole, one pass over bytes that the reference forward spends far more work
+/// on. On CUDA either would take a memset launch per forward; nothing reads those bytes, so they are left as they
+/// were allocated.
+Tensor saved_buffer(const Tensor& x, const machmoe::MoEProblem& p, machmoe::DType dtype) {
+  const machmoe::SavedLayout l = machmoe::saved_layout(p, dtype);
+  Tensor saved = byte_buffer(x, l.total_bytes);
+  if (x.is_cuda()) return saved;
+  if (p.routing == machmoe::RoutingMode::kTokenRounding) return saved.zero_();
+  auto* base = static_cast<unsigned char*>(saved.data_ptr());
+  std::size_t end = 0;  // of the regions so far (guarded: an unexpected order leaves a gap as it is, never overruns)
+  for (const machmoe::BufferRegion* r : {&l.h, &l.router_logits, &l.scores, &l.scatter, &l.inverse, &l.gather,
+                                         &l.expert_offsets, &l.token_offsets, &l.token_selection}) {
+    if (!r->present()) continue;
+    if (r->offset > end) std::memset(base + end, 0, r->offset - end);
+    end = std::max(end, r->offset + r->bytes);
+  }
+  if (l.total_bytes > end) std::memset(base + end, 0, l.total_bytes - end);
+  return saved;
+}
+
 /// The forward. The into_* buffers are not read here: they are the forward's operands only so that autograd (and
-/// torch.compile's traced backward) hands them to the backward, which adds the weight gradients into them.
+/// torch.compile's traced backward) hands them to the backward, which adds the weight gradients into them. They are
+/// checked here as the backward checks them, so that a wrong buffer (or one for a weight the layer does not have,
+/// which the backward would otherwise ignore) fails at the call that passed it.
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
     const Tensor& x, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
     const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index, const OptTensor& scores,
     int64_t top_k, int64_t activation, int64_t weight_layout, int64_t score, int64_t routing, int64_t rounding,
-    int64_t tile, int64_t cache, double swiglu_alpha, double swiglu_limit, const OptTensor& /*into_router_weight*/,
-    const OptTensor& /*into_w1*/, const OptTensor& /*into_b1*/, const OptTensor& /*into_w2*/,
-    const OptTensor& /*into_b2*/) {
+    int64_t tile, int64_t cache, double swiglu_alpha, double swiglu_limit, const OptTensor& into_router_weight,
+    const OptTensor& into_w1, const OptTensor& into_b1, const OptTensor& into_w2, const OptTensor& into_b2) {
   const char* op = "layer_forward";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
                     weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
   const machmoe::MoEProblem& p = a.p;
+  const char* no_router = "routing 'caller' has no router";
+  check_into(op, "into_router_weight", into_router_weight, !a.caller, no_router, {p.E, p.d}, x);
+  check_into(op, "into_w1", into_w1, true, "", w1.sizes(), x);
+  check_into(op, "into_b1", into_b1, p.has_b1, "the layer has no b1", p.has_b1 ? b1->sizes() : at::IntArrayRef{}, x);
+  check_into(op, "into_w2", into_w2, true, "", w2.sizes(), x);
+  check_into(op, "into_b2", into_b2, p.has_b2, "the layer has no b2", p.has_b2 ? b2->sizes() : at::IntArrayRef{}, x);
   Tensor out = at::empty({p.T, p.d}, x.options());
   Tensor logits = a.caller ? at::empty({0}, x.options()) : at::empty({p.T, p.E}, x.options());
   Tensor counts = at::empty({p.E}, x.options().dtype(at::kInt));
-  Tensor saved = byte_buffer(x, machmoe::saved_layout(p, a.dtype).total_bytes);
+  Tensor saved = saved_buffer(x, p, a.dtype);
   Tensor workspace = byte_buffer(x, machmoe::forward_workspace_bytes(p, a.dtype, library_device(x)));
   machmoe::ForwardOutputs fo;
   fo.out = view(op, "out", out);
@@ -263,22 +326,9 @@ struct GradTarget {
   GradTarget() = default;
   GradTarget(const char* op, const char* arg, const OptTensor& into, bool present_weight, const char* absent_why,
              bool accumulate, at::IntArrayRef sizes, const Tensor& x) {
-    if (present(into) && !present_weight)
-      fail(op, arg, std::string("None (") + absent_why + ")", "a tensor of shape " + shape_of(*into));
-    if (!present_weight) {
-      returned = at::empty({0}, x.options());
-    } else if (present(into)) {
-      const Tensor& t = *into;
-      if (t.device() != x.device())
-        fail(op, arg, "a tensor on " + x.device().str() + " (the device of x)", "a tensor on " + t.device().str());
-      if (t.scalar_type() != x.scalar_type() && t.scalar_type() != at::kFloat)
-        fail(op, arg,
-             std::string("dtype ") + c10::toString(x.scalar_type()) + " (the dtype of x) or Float (fp32 gradients)",
-             c10::toString(t.scalar_type()));
-      if (t.sizes() != sizes)
-        fail(op, arg, "shape " + shape_of(at::empty(sizes, at::TensorOptions().device(at::kMeta))) +
-                          " (the weight's shape)", "shape " + shape_of(t));
-      buffer = t;
+    const bool given = check_into(op, arg, into, present_weight, absent_why, sizes, x);  // (never for no weight)
+    if (given) buffer = *into;
+    if (given || !present_weight) {
       returned = at::empty({0}, x.options());
     } else {
       buffer = accumulate ? at::zeros(sizes, x.options()) : at::empty(sizes, x.options());
@@ -533,9 +583,16 @@ std::string fallback_policy() { return machmoe::fallback_policy_name(machmoe::fa
 
 /// Waits for the current stream of CUDA device `device` and raises a recorded index violation (ValueError).
 void check_device_errors(int64_t device) {
-  const auto ordinal = static_cast<c10::DeviceIndex>(device);
-  machmoe::check_device_errors(machmoe::Device::cuda(static_cast<int>(device)),
-                                static_cast<void*>(c10::cuda::getCurrentCUDAStream(ordinal).stream()));
+  const char* op = "check_device_errors";
+  // Checked before it is narrowed (torch's device index is 8-bit: 2^32 would become device 0).
+  const auto ordinal = static_cast<c10::DeviceIndex>(
+      in_range(op, "device", device, 0, std::numeric_limits<c10::DeviceIndex>::max(), " (a CUDA device ordinal)"));
+  const machmoe::Device d = machmoe::Device::cuda(ordinal);
+  // A device the library cannot use (a build without CUDA, an ordinal this process does not see) gets the library's
+  // message: the stream lookup below would raise torch's raw CUDA error first. The call throws before it reads the
+  // stream.
+  if (!machmoe::built_with_cuda() || ordinal >= machmoe::cuda_device_count()) machmoe::check_device_errors(d, nullptr);
+  machmoe::check_device_errors(d, static_cast<void*>(c10::cuda::getCurrentCUDAStream(ordinal).stream()));
 }
 
 /// The expert of each of `rows` pre-dispatched rows from per-expert counts (int32 when rows fit, else int64).

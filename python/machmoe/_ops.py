@@ -38,10 +38,25 @@ def _saved_nbytes(x, w1, w2, top_k, token_index, activation, score, routing, rou
     )
 
 
+def _same_device(op, x, x_name="x", **tensors):
+    """Refuses a tensor operand on another device than x's, as the real kernels do. The fakes are also the operators'
+    Meta kernels, which the dispatcher picks when any operand is on meta: without this a CPU x with a meta weight
+    would return uninitialised CPU tensors. (Under torch.compile every operand is a fake tensor on its real device,
+    so a consistent call passes.)"""
+    device = x.device
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"machmoe::{op}: argument '{name}': expected a tensor on {device} (the device of "
+                             f"{x_name}), got a tensor on {t.device}")
+
+
 @torch.library.register_fake("machmoe::layer_forward")
 def _layer_forward_fake(x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
                         weight_layout, score, routing, rounding, tile, cache, swiglu_alpha=1.702, swiglu_limit=7.0,
                         into_router_weight=None, into_w1=None, into_b1=None, into_w2=None, into_b2=None):
+    _same_device("layer_forward", x, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, token_index=token_index,
+                 expert_index=expert_index, scores=scores, into_router_weight=into_router_weight, into_w1=into_w1,
+                 into_b1=into_b1, into_w2=into_w2, into_b2=into_b2)
     T, d = x.shape
     E = w1.shape[0]
     out = x.new_empty((T, d))
@@ -59,12 +74,15 @@ def _grouped_expert_index_fake(counts, rows):
 
 @torch.library.register_fake("machmoe::combine_rows")
 def _combine_rows_fake(rows, scores, row_of_pair, token_offsets, top_k, num_tokens):
+    _same_device("combine_rows", rows, "rows", scores=scores, row_of_pair=row_of_pair, token_offsets=token_offsets)
     return rows.new_empty((num_tokens, rows.shape[1]))
 
 
 @torch.library.register_fake("machmoe::combine_rows_backward")
 def _combine_rows_backward_fake(grad_out, rows, scores, row_of_pair, token_offsets, top_k, want_rows, want_scores,
                                 zero_rows):
+    _same_device("combine_rows_backward", rows, "rows", grad_out=grad_out, scores=scores, row_of_pair=row_of_pair,
+                 token_offsets=token_offsets)
     grad_rows = torch.empty_like(rows) if want_rows else rows.new_empty((0,))
     grad_scores = scores.new_empty((row_of_pair.shape[0],)) if want_scores else scores.new_empty((0,))
     return grad_rows, grad_scores
@@ -87,6 +105,10 @@ def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2
                          saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
                          swiglu_alpha=1.702, swiglu_limit=7.0, into_router_weight=None, into_w1=None, into_b1=None,
                          into_w2=None, into_b2=None, consume_saved=False):
+    _same_device("layer_backward", x, grad_out=grad_out, grad_logits=grad_logits, router_weight=router_weight, w1=w1,
+                 b1=b1, w2=w2, b2=b2, token_index=token_index, expert_index=expert_index, scores=scores, saved=saved,
+                 into_router_weight=into_router_weight, into_w1=into_w1, into_b1=into_b1, into_w2=into_w2,
+                 into_b2=into_b2)
     caller = routing == _CALLER
     # As the operator allocates them: contiguous, x's dtype (the score gradient x's score type).
     return (
@@ -104,6 +126,9 @@ def _layer_backward_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2
 def _layer_backward_input_fake(grad_out, grad_logits, x, router_weight, w1, b1, w2, b2, token_index, expert_index,
                                scores, saved, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
                                swiglu_alpha=1.702, swiglu_limit=7.0, into_router_weight=None):
+    _same_device("layer_backward_input", x, grad_out=grad_out, grad_logits=grad_logits, router_weight=router_weight,
+                 w1=w1, b1=b1, w2=w2, b2=b2, token_index=token_index, expert_index=expert_index, scores=scores,
+                 saved=saved, into_router_weight=into_router_weight)
     caller = routing == _CALLER
     T, d = x.shape
     E = w1.shape[0]
@@ -121,6 +146,9 @@ def _layer_backward_weight_fake(grad_out, x, router_weight, w1, b1, w2, b2, toke
                                 deferred, top_k, activation, weight_layout, score, routing, rounding, tile, cache,
                                 swiglu_alpha=1.702, swiglu_limit=7.0, into_w1=None, into_b1=None, into_w2=None,
                                 into_b2=None):
+    _same_device("layer_backward_weight", x, grad_out=grad_out, router_weight=router_weight, w1=w1, b1=b1, w2=w2,
+                 b2=b2, token_index=token_index, expert_index=expert_index, scores=scores, saved=saved,
+                 deferred=deferred, into_w1=into_w1, into_b1=into_b1, into_w2=into_w2, into_b2=into_b2)
     return (_weight_grad_fake(x, w1, into_w1), _weight_grad_fake(x, b1, into_b1), _weight_grad_fake(x, w2, into_w2),
             _weight_grad_fake(x, b2, into_b2))
 

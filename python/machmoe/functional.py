@@ -128,6 +128,11 @@ def _check_into(into, weights: Dict[str, Optional[Tensor]],
         if buf.requires_grad:
             _fail(arg, "a buffer that does not require grad (gradients are added into it, not through it)",
                   "a tensor with requires_grad=True")
+        if buf.is_inference() and not torch.is_inference_mode_enabled():
+            # The backward would write it and only then fail to bump its version (torch refuses that for an
+            # inference tensor outside inference mode, as it refuses an in-place op on it).
+            _fail(arg, "a tensor with a version counter (not an inference tensor: create the buffer outside "
+                  "torch.inference_mode(), or clone it)", "an inference tensor")
     return tuple(into.get(name) for name in _INTO_NAMES)
 
 

@@ -6,9 +6,25 @@ TypeError, right kinds with wrong values (shape, dtype, range...) raise ValueErr
 import math
 import numbers
 import operator
+import os
+import sys
 
 import torch
 from torch import Tensor
+
+# Frames from these folders are not the caller's: machmoe's own and torch.nn's (Module.__call__ on the way to forward).
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+                 os.path.dirname(os.path.abspath(torch.nn.modules.module.__file__)) + os.sep)
+
+
+def caller_stacklevel() -> int:
+    """warnings.warn's stacklevel for a warning issued by the function that calls this one, so that it points at the
+    first frame outside machmoe and torch.nn: the user's line that called machmoe.moe(), MoE(...) or a layer of
+    machmoe.parallel, however deep inside the package the warning is raised."""
+    frame, level = sys._getframe(1), 1  # level 1: the function that calls warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def type_name(value) -> str:

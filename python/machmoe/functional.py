@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ._options import (ACTIVATIONS, ACTIVATION_MEMORY, GLU_ACTIVATIONS, ROUNDINGS, ROUTINGS, SCORES, WEIGHT_LAYOUTS,
                        activation_parameters, code, tile_option)
-from ._validation import as_int, fail as _fail, require_tensor
+from ._validation import as_int, caller_stacklevel, fail as _fail, require_tensor
 
 _CPU_DTYPES = (torch.float32, torch.float64)
 _CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -43,7 +43,9 @@ def _check_tensor(name: str, t: Tensor, shape, ref: Tensor, *, ref_name: str = "
         _fail(name, f"dtype {ref.dtype} (the dtype of {ref_name})", t.dtype)
     if tuple(t.shape) != tuple(shape):
         _fail(name, f"shape {tuple(shape)}", tuple(t.shape))
-    ok = t.stride(-1) == 1 if inner_stride_only else t.is_contiguous()
+    # (A last dimension of size 1 has no stride to speak of: torch calls such a tensor contiguous whatever it is, so
+    # .contiguous() would not change it, and the operators take it as it is.)
+    ok = (t.stride(-1) == 1 or t.shape[-1] == 1) if inner_stride_only else t.is_contiguous()
     if not ok:
         _fail(name, "a contiguous tensor (call .contiguous())" if not inner_stride_only
               else "unit stride in the last dimension", f"strides {t.stride()}")
@@ -84,6 +86,15 @@ def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, we
     if weight_layout == "concatenated" and activation not in GLU_ACTIVATIONS:
         _fail("weight_layout", f"'interleaved' for the non-GLU activation {activation!r}", repr(weight_layout))
     rows = 2 * n if activation in GLU_ACTIVATIONS else n
+    # The number of experts is w1's (as for the router's weight), n is w2's last dimension: the weight that disagrees
+    # is named, with where the expected size came from (w1 used to be blamed for a w2 with the wrong E).
+    if w2.shape[0] != w1.shape[0]:
+        _fail("w2", f"{w1.shape[0]} experts in its first dimension (as w1 of shape {tuple(w1.shape)})",
+              f"shape {tuple(w2.shape)}")
+    if w1.shape[1] != rows:
+        _fail("w1", f"{rows} rows in its second dimension ({'2n' if rows != n else 'n'} with n = {n}, the last "
+                    f"dimension of w2 of shape {tuple(w2.shape)}, for the activation {activation!r})",
+              f"shape {tuple(w1.shape)}")
     _check_tensor(x_name, x, (T, d), x, ref_name=x_name, inner_stride_only=True)
     _check_tensor("w1", w1, (E, rows, d), x, ref_name=x_name)
     _check_tensor("w2", w2, (E, d, n), x, ref_name=x_name)
@@ -168,7 +179,7 @@ def _warn_if_rounding_empties_experts(tokens: int, tile: int, rounding: str) -> 
         f"machmoe: token rounding with tile={tile} on a batch of {tokens} tokens (fewer than one tile): rounding "
         f"'down' drops every pair, so the output is zero; 'nearest' keeps only the experts chosen by more than half "
         f"of the tokens and drops the rest. Use routing='topk' or a smaller tile for small batches (said once).",
-        RuntimeWarning, stacklevel=3)
+        RuntimeWarning, stacklevel=caller_stacklevel())
 
 
 def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,

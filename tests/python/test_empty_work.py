@@ -161,10 +161,13 @@ def test_token_rounding_on_a_batch_smaller_than_a_tile_warns_once():
     assert issubclass(said[0].category, RuntimeWarning)
     assert "tile=128" in str(said[0].message) and "16 tokens" in str(said[0].message)
     assert torch.count_nonzero(out) == 0 and counts.sum().item() == 0  # what the warning says
+    # It points at the caller's line (here, this file), not into machmoe or torch.nn.
+    assert said[0].filename == __file__, said[0].filename
     mf._warned_small_batch_rounding = False
-    with pytest.warns(RuntimeWarning, match="fewer than one tile"):
+    with pytest.warns(RuntimeWarning, match="fewer than one tile") as through_module:
         machmoe.MoE(8, 4, 4, 2, routing="token_rounding", rounding="nearest", tile=64,
                     dtype=torch.float64)(torch.randn(2, 3, 8, dtype=torch.float64))
+    assert through_module[0].filename == __file__, through_module[0].filename
 
 
 def test_small_batch_rounding_compiles_fullgraph_without_the_warning():

@@ -777,6 +777,36 @@ def test_meta_device_takes_every_training_dtype(dtype):
         machmoe.moe(torch.zeros(5, 16, device="meta", dtype=torch.int32), w[0], w[1], w[2], top_k=2)
 
 
+def test_mismatched_expert_weights_name_the_one_that_disagrees():
+    """The number of experts is w1's (as for the router's weight) and n is w2's last dimension: a w2 with another
+    number of experts is named w2 (it used to be reported as a wrong w1), a w1 whose rows do not match w2's n says
+    where that n came from."""
+    x, rw = torch.randn(5, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    w1, w2 = torch.randn(4, 16, 16, dtype=torch.float64), torch.randn(4, 16, 8, dtype=torch.float64)
+    machmoe.moe(x, rw, w1, w2, top_k=2)  # consistent
+    with pytest.raises(ValueError, match=r"argument 'w2': expected 4 experts in its first dimension \(as w1 of "
+                                         r"shape \(4, 16, 16\)\), got shape \(3, 16, 8\)"):
+        machmoe.moe(x, rw, w1, w2[:3], top_k=2)
+    with pytest.raises(ValueError, match=r"argument 'w1': expected 20 rows in its second dimension \(2n with n = 10, "
+                                         r"the last dimension of w2 of shape \(4, 16, 10\)"):
+        machmoe.moe(x, rw, w1, torch.randn(4, 16, 10, dtype=torch.float64), top_k=2)
+    with pytest.raises(ValueError, match=r"argument 'w1': expected 8 rows .*\(n with n = 8.*'relu'\)"):
+        machmoe.moe(x, rw, w1, w2, top_k=2, activation="relu")
+
+
+def test_hidden_size_one_takes_any_stride_of_its_last_dimension():
+    """With hidden = 1 a transposed x has a last-dimension stride other than 1, which torch calls contiguous (so
+    .contiguous() leaves it as it is): the functional API and the module take it, with the same result as a copy."""
+    torch.manual_seed(3)
+    m = machmoe.MoE(1, 4, 4, 2, dtype=torch.float64)
+    x = torch.randn(1, 6, dtype=torch.float64).t()
+    assert x.stride() == (1, 6) and x.is_contiguous()
+    expected = m(x.clone(memory_format=torch.contiguous_format).reshape(6, 1).clone()).output
+    assert torch.equal(m(x).output, expected)
+    out, _, _ = machmoe.moe(x, m.router_weight, m.w1, m.w2, top_k=2)
+    assert torch.equal(out, expected)
+
+
 def test_functional_errors_name_the_callers_arguments():
     """Sizes the operator would report under its own names (problem.d, problem.n, problem.num_pairs) are checked
     first, in the caller's terms."""

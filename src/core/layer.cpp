@@ -192,9 +192,28 @@ ref::ForwardSaved<R> load_saved(const ArgChecker& c, const MoEProblem& p, const 
            "offsets that end at " + std::to_string(P) + " pairs (expected " +
                (p.routing == RoutingMode::kTokenRounding ? "at most " : "") + std::to_string(p.max_pairs()) + ")");
   const std::size_t np = static_cast<std::size_t>(P);
+  std::vector<std::int64_t> scatter = get_int32(base, l.scatter, np), inverse = get_int32(base, l.inverse, np),
+                            gather = get_int32(base, l.gather, np);
+  // The index arrays the reference reads through (pair_token = gather[inverse[p]], the grouped rows of x, H and the
+  // gradients), range-checked in O(P) before any of them is used: a buffer of another problem with the same layout
+  // (top-K with T*K unchanged: T = 100, K = 1 against T = 50, K = 2) passes the offset checks above and would
+  // otherwise be read and written out of bounds. Checked before the backward writes anything.
+  const auto check_range = [&](const std::vector<std::int64_t>& v, const char* array, const char* what,
+                               std::int64_t limit) {
+    for (std::size_t i = 0; i < v.size(); ++i)
+      if (v[i] < 0 || v[i] >= limit)
+        c.fail("buffers.saved",
+               std::string("the buffer forward() filled for this problem, whose saved ") + array + "[" +
+                   std::to_string(i) + "] is " + what + " in [0, " + std::to_string(limit) + ")",
+               std::to_string(v[i]) + ": the saved buffer does not belong to this problem (a forward of another "
+                                      "problem with the same layout, or memory overwritten since)");
+  };
+  check_range(scatter, "scatter", "a pair", P);
+  check_range(inverse, "inverse", "a grouped row", P);
+  check_range(gather, "gather", "a token", p.T);
   ref::ForwardSaved<R> s;
-  s.meta = ref::metadata_from_grouped(p.T, p.E, get_int32(base, l.scatter, np), get_int32(base, l.inverse, np),
-                                      get_int32(base, l.gather, np), std::move(off));
+  s.meta = ref::metadata_from_grouped(p.T, p.E, std::move(scatter), std::move(inverse), std::move(gather),
+                                      std::move(off));
   s.scores = get_real<R>(base, l.scores, np);
   if (l.h.present()) s.h = get_real<R>(base, l.h, np * static_cast<std::size_t>(p.w1_rows()));
   if (l.router_logits.present())

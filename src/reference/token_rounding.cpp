@@ -44,8 +44,11 @@ TokenRoundingResult<R> token_rounding(ScoreVariant variant, RoundingRule rule, s
   for (std::int64_t e = 0; e < E; ++e) {
     const std::int64_t r = rounded_expert_count(f[e], T, tile_m, rule);
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
-      return s_pref[a * E + e] > s_pref[b * E + e];
+    // The GPU keys' order, a total order of the tokens also where scores are NaN (a NaN logit makes its token's
+    // softmax row NaN; `>` on S' alone was then no strict weak ordering: undefined behaviour in the sort).
+    std::sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
+      return token_rounding_ranks_before(chosen[a * E + e] != 0, s_pref[a * E + e], a, chosen[b * E + e] != 0,
+                                         s_pref[b * E + e], b);
     });
     for (std::int64_t i = 0; i < r; ++i) keep[order[i] * E + e] = 1;
   }

@@ -2,7 +2,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
 #include <set>
+#include <string>
 
 #include "reference/routing_metadata.hpp"
 #include "reference/token_rounding.hpp"
@@ -179,6 +183,128 @@ TEST(TokenRounding, PairBoundOfEachRuleHoldsAndNearestsIsReached) {
   EXPECT_EQ(pb.max_pairs(), 24576 * 8 + 128 * 63);
   pb.rounding = RoundingRule::kUp;
   EXPECT_EQ(pb.max_pairs(), 24576 * 8 + 128 * 127);
+}
+
+// NaN router logits (docs/ROUTING.md, "NaN"): a NaN logit makes its token's softmax row NaN (and, for the
+// variants that take it or when the selection holds a NaN, TC scores NaN). Ranking them must stay a strict weak
+// ordering (the old `a > b` on S' was not: NaN compared "equal" to everything) and follow the GPU keys: per expert,
+// every chosen pair first, within each class NaN first, then larger S' first, ties to the lower token. The expected
+// selection is computed from that rule here, for each rounding rule and score variant, in fp64 and fp32.
+template <class R>
+void check_nan_selection(RoundingRule rule, ScoreVariant variant) {
+  const std::int64_t T = 64, E = 4, K = 2, M = 8;
+  std::mt19937_64 rng(7);
+  std::vector<R> z = normal<R>(rng, T * E, 1.0);
+  const R nan = std::numeric_limits<R>::quiet_NaN();
+  // One NaN logit that top-K ranks last (the token still chooses two finite experts): its p row is NaN.
+  for (std::int64_t t : {3, 11, 12, 29, 40, 51}) z[t * E + (t % E)] = (t % 2) ? nan : -nan;
+  // Whole rows NaN: top-K takes experts 0 and 1 (NaN ranks last, ties to the lower expert); every score NaN.
+  for (std::int64_t t : {6, 33})
+    for (std::int64_t e = 0; e < E; ++e) z[t * E + e] = nan;
+
+  const ref::TokenRoundingResult<R> tr = ref::token_rounding(variant, rule, M, z.data(), T, E, K);
+  const ref::TokenRoundingResult<R> again = ref::token_rounding(variant, rule, M, z.data(), T, E, K);
+  EXPECT_EQ(tr.token, again.token) << "deterministic";
+  EXPECT_EQ(tr.expert, again.expert) << "deterministic";
+
+  const std::vector<std::int64_t> topk = ref::topk_experts(z.data(), T, E, K);
+  const std::vector<R> tc = ref::topk_scores(variant, z.data(), topk.data(), T, E, K);
+  const std::vector<R> p = ref::softmax_rows(z.data(), T, E);
+  EXPECT_EQ(topk[6 * K + 0], 0);
+  EXPECT_EQ(topk[6 * K + 1], 1);
+  std::set<std::pair<std::int64_t, std::int64_t>> expected;
+  std::int64_t nan_padded = 0, nan_chosen_kept = 0;
+  for (std::int64_t e = 0; e < E; ++e) {
+    struct Cand {
+      bool chosen, nan;
+      R s;
+      std::int64_t t;
+    };
+    std::vector<Cand> c;
+    std::int64_t f = 0;
+    for (std::int64_t t = 0; t < T; ++t) {
+      Cand x{false, false, p[t * E + e] - R(1), t};
+      for (std::int64_t k = 0; k < K; ++k)
+        if (topk[t * K + k] == e) x.chosen = true, x.s = tc[t * K + k], ++f;
+      x.nan = std::isnan(x.s);
+      c.push_back(x);
+    }
+    std::sort(c.begin(), c.end(), [](const Cand& a, const Cand& b) {
+      if (a.chosen != b.chosen) return a.chosen;
+      if (a.nan != b.nan) return a.nan;
+      if (!a.nan && a.s != b.s) return a.s > b.s;
+      return a.t < b.t;
+    });
+    const std::int64_t r = ref::rounded_expert_count(f, T, M, rule);
+    for (std::int64_t i = 0; i < r; ++i) {
+      expected.insert({c[i].t, e});
+      if (c[i].nan) (c[i].chosen ? nan_chosen_kept : nan_padded) += 1;
+    }
+  }
+  std::set<std::pair<std::int64_t, std::int64_t>> kept;
+  for (std::size_t i = 0; i < tr.token.size(); ++i) kept.insert({tr.token[i], tr.expert[i]});
+  EXPECT_EQ(kept.size(), tr.token.size()) << "no duplicated pair";
+  EXPECT_TRUE(kept == expected) << rounding_rule_name(rule) << " " << score_variant_name(variant)
+                                << ": the kept pairs differ from the GPU keys' order";
+  if (rule == RoundingRule::kUp) { EXPECT_GT(nan_padded, 0) << "the case pads with NaN rows (they rank first)"; }
+  EXPECT_GT(nan_chosen_kept, 0) << "the case keeps chosen NaN scores";
+}
+
+// The comparator itself, over chosen and padded candidates with NaN (either sign), -0, and the chosen TC score 0
+// against the padded p = 1 (both S' = 0): a strict weak ordering, and the order of the GPU's keys
+// (token_rounding_kernels.cu: chosen -> 0x80000000 | bits(TC score), else bits(p), larger first, ties to the lower
+// token; a NaN score is the canonical 0x7fffffff there, whatever the NaN logit's sign). p - 1 is exact for the p below.
+TEST(TokenRounding, RankOrderIsStrictWeakAndTheGpuKeysOrder) {
+  struct Cand {
+    bool chosen;
+    float v;  // TC score (chosen) or p
+    std::int64_t t;
+  };
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<Cand> c;
+  std::int64_t t = 0;
+  for (float v : {0.0f, -0.0f, 0.25f, 0.5f, 1.0f, nan, -nan, 0.5f, nan}) {
+    c.push_back({true, v, t++});
+    c.push_back({false, v, t++});
+  }
+  for (std::size_t i = 0; i < c.size(); ++i) std::swap(c[i], c[(i * 7 + 3) % c.size()]);  // tokens out of order
+  auto gpu_key = [](const Cand& x) {
+    std::uint32_t bits = 0x7fffffffu;  // the GPU's NaN
+    if (!std::isnan(x.v)) std::memcpy(&bits, &x.v, sizeof bits);
+    if (x.v == 0.0f) bits = 0;  // a score of -0 does not occur on the GPU (p and TC scores are >= +0)
+    return x.chosen ? 0x80000000u | bits : bits;
+  };
+  auto before = [](const Cand& a, const Cand& b) {
+    return ref::token_rounding_ranks_before<double>(a.chosen, a.chosen ? a.v : double(a.v) - 1.0, a.t, b.chosen,
+                                                   b.chosen ? b.v : double(b.v) - 1.0, b.t);
+  };
+  for (const Cand& a : c) {
+    EXPECT_FALSE(before(a, a)) << "irreflexive";
+    for (const Cand& b : c) {
+      if (a.t == b.t) continue;
+      EXPECT_NE(before(a, b), before(b, a)) << "distinct tokens are ordered: " << a.t << " " << b.t;
+      const std::uint32_t ka = gpu_key(a), kb = gpu_key(b);
+      EXPECT_EQ(before(a, b), ka > kb || (ka == kb && a.t < b.t)) << "the GPU keys' order: " << a.t << " " << b.t;
+      for (const Cand& d : c)
+        if (before(a, b) && before(b, d)) { EXPECT_TRUE(before(a, d)) << "transitive"; }
+    }
+  }
+  // The cases the brief names: chosen NaN first of all, padded NaN above every padded p but below every chosen pair,
+  // a chosen TC score of 0 before a padded p of 1 (S' 0 both).
+  EXPECT_TRUE(ref::token_rounding_ranks_before<double>(true, nan, 9, true, 1.0, 0));
+  EXPECT_TRUE(ref::token_rounding_ranks_before<double>(false, nan, 9, false, 0.0, 0));
+  EXPECT_TRUE(ref::token_rounding_ranks_before<double>(true, 0.0, 9, false, nan, 0));
+  EXPECT_TRUE(ref::token_rounding_ranks_before<double>(true, 0.0, 9, false, 0.0, 0));
+}
+
+TEST(TokenRounding, NaNLogitsRankAsTheGpuKeysDo) {
+  for (RoundingRule rule : {RoundingRule::kUp, RoundingRule::kNearest, RoundingRule::kDown})
+    for (ScoreVariant v :
+         {ScoreVariant::kSoftmaxOverTopK, ScoreVariant::kTopKOfSoftmax, ScoreVariant::kTopKOfSoftmaxRenorm}) {
+      SCOPED_TRACE(std::string(rounding_rule_name(rule)) + " " + score_variant_name(v));
+      check_nan_selection<double>(rule, v);
+      check_nan_selection<float>(rule, v);
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -460,6 +460,106 @@ TEST(Validation, RejectedCallsWriteNothing) {
   }
 }
 
+/// An fp64 top-K call of T tokens and K choices (E = 4, d = 8, n = 3, SwiGLU: w1 is (4, 6, 8)) over a saved buffer
+/// of its own, for the saved-buffer checks below.
+struct TopKCall {
+  MoEProblem p;
+  std::vector<double> x, wr, w1, w2, out, logits, gout, dx, dwr, dw1, dw2;
+  std::vector<std::int32_t> counts;
+  std::vector<unsigned char> saved;
+
+  TopKCall(std::int64_t T, std::int64_t K) {
+    p.T = T, p.d = 8, p.n = 3, p.E = 4, p.K = K, p.routing = RoutingMode::kTopK;
+    auto fill = [](std::vector<double>& v, std::size_t n, double base) {
+      v.resize(n);
+      for (std::size_t i = 0; i < n; ++i) v[i] = base + 0.01 * double(i % 17) - 0.05 + 0.003 * double(i % 29);
+    };
+    const std::size_t td = static_cast<std::size_t>(T * 8);
+    fill(x, td, 0.3), fill(wr, 32, 0.1), fill(w1, 4 * 6 * 8, -0.1), fill(w2, 4 * 8 * 3, 0.2), fill(gout, td, 1.0);
+    out.assign(td, 0), logits.assign(static_cast<std::size_t>(T * 4), 0), counts.assign(4, 0);
+    dx.assign(td, 0), dwr.assign(32, 0), dw1.assign(w1.size(), 0), dw2.assign(w2.size(), 0);
+    saved.assign(saved_layout(p, DType::kFP64).total_bytes, 0);
+  }
+  TensorView view(std::vector<double>& v, std::initializer_list<std::int64_t> shape) {
+    return TensorView::contiguous(v.data(), DType::kFP64, shape);
+  }
+  LayerWeights weights() {
+    LayerWeights w;
+    w.router_weight = view(wr, {4, 8}), w.w1 = view(w1, {4, 6, 8}), w.w2 = view(w2, {4, 8, 3});
+    return w;
+  }
+  void forward_call() {
+    ForwardOutputs fo;
+    fo.out = view(out, {p.T, 8}), fo.router_logits = view(logits, {p.T, 4});
+    fo.expert_counts = TensorView::contiguous(counts.data(), DType::kInt32, {4});
+    forward(p, view(x, {p.T, 8}), weights(), nullptr, fo, {saved.data(), saved.size(), nullptr, 0});
+  }
+  void backward_call() {
+    BackwardInputs bi;
+    bi.grad_out = view(gout, {p.T, 8});
+    BackwardOutputs bo;
+    bo.grad_x = view(dx, {p.T, 8});
+    bo.grad_weights.router_weight = view(dwr, {4, 8});
+    bo.grad_weights.w1 = view(dw1, {4, 6, 8});
+    bo.grad_weights.w2 = view(dw2, {4, 8, 3});
+    backward(p, view(x, {p.T, 8}), weights(), nullptr, bi, bo, {saved.data(), saved.size(), nullptr, 0});
+  }
+  std::vector<std::vector<double>*> grads() { return {&dx, &dwr, &dw1, &dw2}; }
+};
+
+// docs/VALIDATION.md, "Saved buffer (CPU backward only)": a saved buffer of another problem with the same layout
+// (top-K with T*K unchanged: T = 100, K = 1 against T = 50, K = 2) passes the offset checks; its index arrays are
+// range-checked before anything is read through them or written, so the backward refuses it instead of indexing x
+// and the gradients out of bounds.
+TEST(Validation, SavedBufferOfAnotherProblemIsRefused) {
+  TopKCall wide(100, 1), narrow(50, 2);
+  ASSERT_EQ(wide.p.max_pairs(), narrow.p.max_pairs());
+  ASSERT_EQ(wide.saved.size(), narrow.saved.size()) << "the same saved layout size";
+  const SavedLayout lw = saved_layout(wide.p, DType::kFP64), ln = saved_layout(narrow.p, DType::kFP64);
+  using Regions = std::initializer_list<std::pair<BufferRegion, BufferRegion>>;
+  for (const auto& [a, b] : Regions{{lw.scatter, ln.scatter}, {lw.inverse, ln.inverse}, {lw.gather, ln.gather},
+                                    {lw.expert_offsets, ln.expert_offsets}, {lw.scores, ln.scores}, {lw.h, ln.h}}) {
+    EXPECT_EQ(a.offset, b.offset) << "the same saved layout";
+    EXPECT_EQ(a.bytes, b.bytes) << "the same saved layout";
+  }
+  wide.forward_call();
+  narrow.forward_call();
+  EXPECT_NO_THROW(narrow.backward_call()) << "its own saved buffer";
+
+  for (std::vector<double>* v : narrow.grads()) v->assign(v->size(), 7.0);
+  narrow.saved = wide.saved;  // tokens up to 99 in a problem of 50
+  const std::vector<unsigned char> state = narrow.saved;
+  expect_error([&] { narrow.backward_call(); },
+               {"machmoe::backward", "'buffers.saved'", "does not belong to this problem", "gather", "[0, 50)"});
+  for (std::vector<double>* v : narrow.grads())
+    EXPECT_EQ(*v, std::vector<double>(v->size(), 7.0)) << "a gradient written";
+  EXPECT_TRUE(narrow.saved == state) << "the saved buffer written";
+
+  // Each index array on its own: a pair index past P in scatter or inverse, a negative token.
+  const auto corrupt = [&](const BufferRegion& r, std::size_t i, std::int32_t v) {
+    TopKCall c(50, 2);
+    c.forward_call();
+    std::memcpy(c.saved.data() + r.offset + i * sizeof(std::int32_t), &v, sizeof v);
+    for (std::vector<double>* g : c.grads()) g->assign(g->size(), 7.0);
+    return c;
+  };
+  {
+    TopKCall c = corrupt(ln.scatter, 17, 100);
+    expect_error([&] { c.backward_call(); }, {"'buffers.saved'", "scatter[17]", "[0, 100)", "100"});
+    for (std::vector<double>* v : c.grads()) EXPECT_EQ(*v, std::vector<double>(v->size(), 7.0));
+  }
+  {
+    TopKCall c = corrupt(ln.inverse, 99, -1);
+    expect_error([&] { c.backward_call(); }, {"'buffers.saved'", "inverse[99]", "[0, 100)", "-1"});
+    for (std::vector<double>* v : c.grads()) EXPECT_EQ(*v, std::vector<double>(v->size(), 7.0));
+  }
+  {
+    TopKCall c = corrupt(ln.gather, 0, -3);
+    expect_error([&] { c.backward_call(); }, {"'buffers.saved'", "gather[0]", "[0, 50)", "-3"});
+    for (std::vector<double>* v : c.grads()) EXPECT_EQ(*v, std::vector<double>(v->size(), 7.0));
+  }
+}
+
 TEST(Validation, NameParsersListTheAcceptedNames) {
   expect_error([] { parse_activation("swish"); }, {"'activation'", "swiglu", "'swish'"});
   expect_error([] { parse_score_variant("softmax"); }, {"'score'", "topk_softmax_renorm"});

@@ -11,5 +11,11 @@ bool built_with_cuda();
 int cuda_device_count();
 /// "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)"; empty when the ordinal is not a usable device.
 std::string cuda_device_description(int ordinal);
+/// Compute capability of a usable device as 10 major + minor (90 for an H100 or H200); 0 when the ordinal is not a
+/// usable device or the build has no CUDA. Never throws. The CUDA build carries kernels for sm_90a only, so the layer
+/// on a CUDA device takes compute capability 90 and refuses others with an error that says so.
+int cuda_compute_capability(int ordinal);
+/// The one compute capability the CUDA build's kernels run on (sm_90a: H100, H200).
+inline constexpr int kCudaComputeCapability = 90;
 
 }  // namespace machmoe

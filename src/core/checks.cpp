@@ -62,6 +62,15 @@ void ArgChecker::device(const Device& d, const std::string& name) const {
                     : "a CUDA device ordinal in [0, " + std::to_string(count) + ") (cuda_device_count() = " +
                           std::to_string(count) + ")",
          device_name(d));
+  // The CUDA build's kernels are sm_90a only (CMakeLists.txt): on another GPU the first launch would fail with
+  // CUDA's "no kernel image" deep inside the layer. Said here, at the argument, instead.
+  const int cc = cuda_compute_capability(d.index);
+  if (cc != kCudaComputeCapability)
+    fail(name,
+         "a Hopper GPU (compute capability 9.0: H100, H200; the CUDA build has kernels for sm_90a only; CPU tensors "
+         "run the reference)",
+         device_name(d) + ", " + cuda_device_description(d.index) + ", compute capability " + std::to_string(cc / 10) +
+             "." + std::to_string(cc % 10));
 }
 
 void ArgChecker::int32_row_stride(const TensorView& t, const std::string& name, const std::string& why) const {

@@ -6,6 +6,7 @@ namespace machmoe {
 bool built_with_cuda() { return false; }
 int cuda_device_count() { return 0; }
 std::string cuda_device_description(int) { return {}; }
+int cuda_compute_capability(int) { return 0; }
 
 }  // namespace machmoe
 

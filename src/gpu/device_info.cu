@@ -2,6 +2,7 @@
 // GPU (CI) simply reports zero devices.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <string>
 
 #include "machmoe/device.hpp"
@@ -28,6 +29,26 @@ std::string cuda_device_description(int ordinal) {
   return std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ", " +
          std::to_string(prop.multiProcessorCount) + " SMs, " +
          std::to_string(prop.totalGlobalMem / (1024ull * 1024ull * 1024ull)) + " GiB)";
+}
+
+int cuda_compute_capability(int ordinal) {
+  // Cached per ordinal: every argument check of a CUDA view asks (ArgChecker::device), a dozen times a layer call.
+  constexpr int kCached = 64;
+  static std::atomic<int> cached[kCached];
+  if (ordinal < 0) return 0;
+  if (ordinal < kCached) {
+    const int v = cached[ordinal].load(std::memory_order_relaxed);
+    if (v != 0) return v;
+  }
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const int v = 10 * major + minor;
+  if (ordinal < kCached) cached[ordinal].store(v, std::memory_order_relaxed);
+  return v;
 }
 
 }  // namespace machmoe

@@ -263,6 +263,11 @@ TEST(ArgumentHardening, DeviceOrdinalsAndTypesAreChecked) {
                    {"'x'", ("[0, " + std::to_string(count) + ")").c_str(), got.c_str()});
   }
   for (int ordinal = 0; ordinal < count; ++ordinal) c.device(Device::cuda(ordinal), "x");
+  // Compute capability: 0 for an ordinal no device has (and without CUDA); a device that passed above is a Hopper,
+  // the only GPU the CUDA build's kernels run on.
+  for (int ordinal : {-1, count, count + 6}) EXPECT_EQ(cuda_compute_capability(ordinal), 0) << ordinal;
+  for (int ordinal = 0; ordinal < count; ++ordinal)
+    EXPECT_EQ(cuda_compute_capability(ordinal), kCudaComputeCapability) << ordinal;
 
   // Entry points: a cpu device with another index used to pass (every view had the same wrong index).
   SmallCall call;

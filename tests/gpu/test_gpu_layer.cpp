@@ -264,6 +264,15 @@ TEST(GpuLayerProperties, HopperKernelsAgreeWithTheReferenceGemmPath) {
   EXPECT_EQ(input_only.raw_dw2, fast.raw_dw2);
 }
 
+// The device check of every CUDA argument (ArgChecker::device) takes a Hopper and only that: the GPU machine's device
+// reports compute capability 9.0, the one the build's sm_90a kernels run on, and a layer call on it passes the check.
+TEST(GpuDevice, ComputeCapabilityIsTheOneTheBuildTargets) {
+  REQUIRE_GPU();
+  for (int ordinal = 0; ordinal < cuda_device_count(); ++ordinal)
+    EXPECT_EQ(cuda_compute_capability(ordinal), kCudaComputeCapability) << cuda_device_description(ordinal);
+  EXPECT_EQ(cuda_compute_capability(cuda_device_count()), 0);
+}
+
 // Stage timing (machmoe/profiling.hpp, the benchmark's stage table): a forward and a backward with it on report
 // their stages in launch order, each time finite and not negative, the forward's routing and GEMM stages among them,
 // the results unchanged; a second collect returns nothing (the marks were consumed), and with timing off nothing is

@@ -334,8 +334,9 @@ def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, exp
       * CPU: every index is checked before anything is computed; a violation raises ValueError naming the pair.
       * GPU: the indices stay on the device and are not read back (that would synchronise). A pair whose token or
         expert is out of range is skipped (never read out of bounds): it contributes nothing, which is how
-        expert-parallel callers mark sentinel pairs. Tokens out of order or more than K pairs of one token are not
-        detected: the output and the gradients are then unspecified.
+        expert-parallel callers mark sentinel pairs. A token below an earlier valid one, or a (K+1)-th pair of a
+        token, is skipped the same way, deterministically, without moving the other pairs: those give the results
+        they would give alone.
       * GPU with index checking on (MACHMOE_CHECK_INDICES=1 in the environment, read at the first call, or
         machmoe.set_index_checking(True)): the kernel that reads the triples records the first violation of the
         CPU's rules (range, sentinels included, order, more than K per token) on the device, without a host
@@ -488,7 +489,7 @@ def index_checking_enabled() -> bool:
 
 def set_fallback_policy(policy: str) -> None:
     """What a GPU expert GEMM does when the Hopper kernels cannot take it and it would run on the slow GPU reference
-    GEMM (hidden_size or intermediate_size not a multiple of 8, unaligned tensors, fp16/fp32 data, a non-Hopper GPU):
+    GEMM (hidden_size or intermediate_size not a multiple of 8, unaligned tensors, fp16/fp32 data):
     "warn" (the default) runs it and prints one warning per stage and reason to stderr; "error" raises ValueError
     with the same message instead (the environment's MACHMOE_FALLBACK=error sets it at start-up). The reference path
     chosen on purpose (MACHMOE_DISABLE_HOPPER_KERNELS=1, MACHMOE_HOPPER_BACKWARD=0) is never an error."""

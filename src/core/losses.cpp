@@ -19,7 +19,8 @@ DType validate_logits(const ArgChecker& c, const TensorView& logits, const Tenso
   const DType dt = logits.dtype;
   c.tensor(logits, "router_logits", {logits.shape[0], logits.shape[1]}, dt, logits.device);
   if (logits.device.type != DeviceType::kCPU)
-    c.fail("router_logits", "a tensor on cpu (the CUDA losses come with the GPU runtime)", device_name(logits.device));
+    c.fail("router_logits", "a tensor on cpu (the C++ losses run on the CPU; on a GPU, machmoe.load_balancing_loss and "
+                            "router_z_loss compute them with torch ops)", device_name(logits.device));
   c.device(logits.device, "router_logits");
   if (dt != DType::kFP32 && dt != DType::kFP64) c.fail("router_logits", "dtype fp32 or fp64 on cpu", dtype_name(dt));
   c.tensor(loss, "loss", {1}, dt, logits.device);

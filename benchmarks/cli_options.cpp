@@ -1,9 +1,14 @@
 #include "cli_options.hpp"
 
+#include <cerrno>
 #include <charconv>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <map>
+#include <set>
 #include <system_error>
 
 #include "machmoe/error.hpp"
@@ -173,7 +178,7 @@ std::string usage() {
       "                       before it, the forward and the backward each 20 times back to back\n"
       "                       (ms each against one timed call) and the host's time to enqueue a call\n"
       "  --seed N             random seed of the inputs (default 0)\n"
-      "  --help               this text\n"
+      "  --help               this text (whatever other options are given)\n"
       "\n"
       "Numbers are decimal integers (digits, no sign, exponent or spaces) in these ranges:\n";
   for (const IntegerOption& o : integer_options())
@@ -185,13 +190,25 @@ std::string usage() {
 
 Options parse_options(const std::vector<std::string>& args, bool have_gpu_backend) {
   Options o;
+  // --help wins over everything else on the command line (unknown, repeated or invalid options, a --backend this
+  // machine cannot run): asking for the usage never fails. A value of an option ("--json -h") is not a flag.
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--help" || args[i] == "-h") {
+      o.help = true;
+      return o;
+    }
+    if (one_of(args[i], kTextOptions) || integer_option(args[i])) ++i;  // skip its value
+  }
   // Pass 1: split the command line into flags and option values. Unknown options, a missing value and an option
   // given twice (one of the two values would be ignored) are errors before anything is interpreted.
   std::map<std::string, std::string> given;
+  std::set<std::string> flags_given;
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (one_of(a, kFlags)) {
-      o.help = o.help || a == "--help" || a == "-h";
+      // Like an option with a value, a flag given twice is a mistake of the command line (usage(): "Each option may
+      // be given once").
+      if (!flags_given.insert(a).second) bad(a, "the option once", "it twice");
       o.all_configs = o.all_configs || a == "--all-configs";
       o.profile = o.profile || a == "--profile";
       o.accumulate_grads = o.accumulate_grads || a == "--accumulate-grads";
@@ -312,6 +329,9 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
   for (const char* gpu_only : {"--warmup-ms", "--time-ms"})
     if (has(gpu_only) && !o.gpu)
       bad(gpu_only, "a GPU backend (it times the board at the clock of a sustained load)", "the CPU");
+  // The CPU reference has no stage table: a --stage-runs it would ignore is refused like the other GPU timings.
+  if (has("--stage-runs") && !o.gpu)
+    bad("--stage-runs", "a GPU backend (it sets the instrumented runs of the GPU's stage table)", "the CPU");
   if (!has("--warmup-ms")) o.warmup_ms = o.gpu ? static_cast<int>(kGpuWarmupMs) : 0;
   if (!has("--time-ms")) o.timed_ms = o.gpu ? static_cast<int>(kGpuTimedMs) : 0;
   if (o.all_configs && !o.gpu)
@@ -328,6 +348,66 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
 }  // namespace machmoe::bench
 
 namespace machmoe::bench {
+
+namespace {
+
+/// A real number as JSON: the shortest text that reads back as the same double; "inf"/"-inf"/"nan" as strings.
+std::string json_real(double v) {
+  if (std::isnan(v)) return "\"nan\"";
+  if (std::isinf(v)) return v > 0 ? "\"inf\"" : "\"-inf\"";
+  char buf[64];
+  const std::to_chars_result r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
+
+}  // namespace
+
+std::string problem_json_members(const Options& o) {
+  const MoEProblem& p = o.problem;
+  const char* bias = p.has_b1 ? (p.has_b2 ? "both" : "b1") : (p.has_b2 ? "b2" : "none");
+  auto str = [](const char* key, const std::string& v) { return "\"" + std::string(key) + "\":\"" + v + "\""; };
+  auto num = [](const char* key, const std::string& v) { return "\"" + std::string(key) + "\":" + v; };
+  return str("activation", activation_name(p.activation)) + "," + num("swiglu_alpha", json_real(p.swiglu_alpha)) +
+         "," + num("swiglu_limit", json_real(p.swiglu_limit)) + "," + str("bias", bias) + "," +
+         str("layout", weight_layout_name(p.weight_layout)) + "," + str("score", score_variant_name(p.score)) + "," +
+         str("routing", routing_mode_name(p.routing)) + "," + str("rounding", rounding_rule_name(p.rounding)) + "," +
+         num("tile", std::to_string(p.tile_m)) + "," + str("cache", cache_mode_name(p.cache)) + "," +
+         num("dx_chunks", std::to_string(p.dx_chunks)) + "," + num("y_chunks", std::to_string(p.y_chunks)) + "," +
+         str("grad_dtype", dtype_name(o.grad_dtype)) + "," +
+         num("accumulate_grads", o.accumulate_grads ? "true" : "false");
+}
+
+int write_json(const std::string& path, const std::vector<std::string>& objects) {
+  if (path.empty()) return 0;
+  auto fail = [&](const char* what, int err) {
+    std::fprintf(stderr, "error: cannot %s --json file '%s': %s\n", what, path.c_str(),
+                 err ? std::strerror(err) : "I/O error");
+    return 1;
+  };
+  errno = 0;
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) return fail("open", errno);
+  std::fputs("[\n", f);
+  for (std::size_t i = 0; i < objects.size(); ++i)
+    std::fprintf(f, "  %s%s\n", objects[i].c_str(), i + 1 < objects.size() ? "," : "");
+  std::fputs("]\n", f);
+  // Buffered writes fail late (a full disk shows at the flush): check the stream, then the close.
+  errno = 0;
+  const bool flushed = std::fflush(f) == 0 && !std::ferror(f);
+  const int flush_errno = errno;
+  errno = 0;
+  const bool closed = std::fclose(f) == 0;
+  if (!flushed) return fail("write", flush_errno);
+  if (!closed) return fail("close", errno);
+  return 0;
+}
+
+std::string cpu_run_gpu_line(const Options& o, int gpus, const std::string& description) {
+  if (gpus <= 0) return "gpu:      none found; running the CPU reference";
+  return "gpu:      " + description +
+         (o.backend == Backend::kCpu ? " (not used: --backend cpu; running the CPU reference)"
+                                     : " (not used; running the CPU reference)");
+}
 
 std::vector<Options> main_config_runs(const Options& base) {
   std::vector<Options> runs;

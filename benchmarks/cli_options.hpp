@@ -83,4 +83,19 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
 
 std::string usage();
 
+/// The options of the problem a run measured, as JSON members without braces ("activation":"swiglu",...,"y_chunks":0):
+/// everything but the sizes that changes what is timed (activation and its parameters, biases, layout, score,
+/// routing, rounding rule and tile, cache mode, the chunks of tokens of dX~ and Y, the weight gradients' dtype and
+/// accumulation). The CPU and the GPU JSON both carry them, so that runs of different options are never taken for
+/// one another (scripts/bench_tables.py pairs runs by them). An infinite --swiglu-limit is written as "inf".
+std::string problem_json_members(const Options& o);
+
+/// Writes `objects` as a JSON array to `path` (nothing when `path` is empty). Returns 0, or 1 after a message on
+/// stderr naming the path and the reason when the file cannot be opened, written (e.g. a full disk) or closed.
+int write_json(const std::string& path, const std::vector<std::string>& objects);
+
+/// The "gpu:" line the CPU reference run prints: the device it leaves unused and why (--backend cpu), or that none
+/// was found. `gpus` and `description` are what the runtime reports for device 0.
+std::string cpu_run_gpu_line(const Options& o, int gpus, const std::string& description);
+
 }  // namespace machmoe::bench

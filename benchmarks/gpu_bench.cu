@@ -396,12 +396,12 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
 std::string json_of(const Result& r, const Options& o, const std::string& gpu, double copy_bw) {
   std::ostringstream j;
   const MoEProblem& p = o.problem;
-  j << "{\"config\":\"" << r.config << "\",\"gpu\":\"" << gpu << "\",\"dtype\":\"" << dtype_name(o.dtype)
-    << "\",\"grad_dtype\":\"" << dtype_name(o.grad_dtype) << "\",\"accumulate_grads\":"
-    << (o.accumulate_grads ? "true" : "false") << ",\"T\":" << p.T << ",\"d\":" << p.d << ",\"n\":" << p.n
-    << ",\"E\":" << p.E << ",\"K\":" << p.K
-    << ",\"activation\":\"" << activation_name(p.activation) << "\",\"cache\":\"" << cache_mode_name(p.cache)
-    << "\",\"copy_bandwidth_GBps\":" << copy_bw * 1e-9 << ",\"forward_ms\":" << r.fwd_ms
+  // The problem's options (activation and its parameters, biases, layout, score, routing, rounding, tile, cache,
+  // chunks, the gradients' dtype and accumulation) as the CPU JSON records them: runs of different options differ.
+  j << "{\"config\":\"" << r.config << "\",\"backend\":\"gpu\",\"gpu\":\"" << gpu << "\",\"dtype\":\""
+    << dtype_name(o.dtype) << "\",\"T\":" << p.T << ",\"d\":" << p.d << ",\"n\":" << p.n << ",\"E\":" << p.E
+    << ",\"K\":" << p.K << "," << problem_json_members(o) << ",\"copy_bandwidth_GBps\":" << copy_bw * 1e-9
+    << ",\"forward_ms\":" << r.fwd_ms
     << ",\"backward_ms\":" << r.bwd_ms << ",\"forward_tflops\":" << r.fwd_tflops
     << ",\"backward_tflops\":" << r.bwd_tflops << ",\"cublas_bound_forward_ms\":" << r.bound_fwd
     << ",\"cublas_bound_backward_ms\":" << r.bound_bwd << ",\"efficiency_forward\":" << r.bound_fwd / r.fwd_ms

@@ -20,8 +20,6 @@
 #include "gpu_bench.hpp"
 #endif
 
-int write_json(const std::string& path, const std::vector<std::string>& objects);
-
 namespace {
 
 using namespace machmoe;
@@ -204,11 +202,8 @@ int run(const bench::Options& o) {
   std::printf("machmoe-bench %s\n", kVersion);
   const int gpus = cuda_device_count();
   std::printf("build:    %s\n", built_with_cuda() ? "with CUDA sources (sm_90a)" : "CPU only (no nvcc at build time)");
-  if (gpus > 0)
-    std::printf("gpu:      %s (the layer's CUDA backend is not in this build yet; running the CPU reference)\n",
-                cuda_device_description(0).c_str());
-  else
-    std::printf("gpu:      none found; running the CPU reference\n");
+  // A device is only seen by a CUDA build, which runs the GPU backend unless --backend cpu asked for the reference.
+  std::printf("%s\n", bench::cpu_run_gpu_line(o, gpus, gpus > 0 ? cuda_device_description(0) : "").c_str());
   std::printf("backend:  cpu-reference (%s)\n", dtype_name(dt));
   std::printf("config:   %s\n", o.config_name.c_str());
   std::printf("problem:  %s\n", p.to_string().c_str());
@@ -270,29 +265,21 @@ int run(const bench::Options& o) {
     char buf[512];
     std::snprintf(buf, sizeof buf,
                   "{\"config\":\"%s\",\"backend\":\"cpu-reference\",\"dtype\":\"%s\",\"T\":%lld,\"d\":%lld,\"n\":%lld,"
-                  "\"E\":%lld,\"K\":%lld,\"forward_ms\":%.6f,\"backward_ms\":%.6f,\"activation_bytes_accounted\":%zu}",
+                  "\"E\":%lld,\"K\":%lld,",
                   o.config_name.c_str(), dtype_name(dt), (long long)p.T, (long long)p.d, (long long)p.n,
-                  (long long)p.E, (long long)p.K, fwd_ms, bwd_ms, am.total_bytes());
-    return write_json(o.json_path, {buf});
+                  (long long)p.E, (long long)p.K);
+    char timings[256];
+    std::snprintf(timings, sizeof timings,
+                  ",\"iters\":%d,\"warmup\":%d,\"forward_ms\":%.6f,\"backward_ms\":%.6f,"
+                  "\"activation_bytes_accounted\":%zu}",
+                  o.iters, o.warmup, fwd_ms, bwd_ms, am.total_bytes());
+    // The problem's options as the GPU JSON records them (bench::problem_json_members), so runs pair alike.
+    return bench::write_json(o.json_path, {buf + bench::problem_json_members(o) + timings});
   }
   return 0;
 }
 
 }  // namespace
-
-int write_json(const std::string& path, const std::vector<std::string>& objects) {
-  if (path.empty()) return 0;
-  FILE* f = std::fopen(path.c_str(), "w");
-  if (!f) {
-    std::fprintf(stderr, "error: cannot write --json file '%s'\n", path.c_str());
-    return 1;
-  }
-  std::fputs("[\n", f);
-  for (std::size_t i = 0; i < objects.size(); ++i) std::fprintf(f, "  %s%s\n", objects[i].c_str(), i + 1 < objects.size() ? "," : "");
-  std::fputs("]\n", f);
-  std::fclose(f);
-  return 0;
-}
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
@@ -314,7 +301,7 @@ int main(int argc, char** argv) {
       std::printf("machmoe-bench %s, backend: gpu (%s)\n", kVersion, dtype_name(o.dtype));
       std::vector<std::string> json;
       const int rc = bench::run_gpu(o.all_configs ? bench::main_config_runs(o) : std::vector<bench::Options>{o}, json);
-      return rc ? rc : write_json(o.json_path, json);
+      return rc ? rc : bench::write_json(o.json_path, json);
     }
 #endif
     return o.dtype == DType::kFP64 ? run<double>(o) : run<float>(o);

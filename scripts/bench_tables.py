@@ -11,9 +11,10 @@
       driver's measurement) and the peak over forward + backward, in MiB; with a second run of the recompute mode
       (`--cache input_only`), its forward + backward over RUN's (T7) and its memory beside RUN's.
   python3 scripts/bench_tables.py compare BASE.json OTHER.json
-      One row per configuration in both files (matched by T, d, n, E, K, activation, dtypes and accumulation; the
-      JSON does not record the routing, so compare files of one routing): forward + backward of each and OTHER over
-      BASE; e.g. T7 with BASE the default cache and OTHER `--cache input_only` (docs/TARGETS.md).
+      One row per configuration in both files (matched by the sizes and every option but the cache mode: OPTIONS
+      below): forward + backward of each and OTHER over BASE; e.g. T7 with BASE the default cache and OTHER
+      `--cache input_only` (docs/TARGETS.md). A configuration of the same sizes run with other options is not
+      compared: its row says which options differ ("not recorded": a JSON from before the benchmark recorded them).
 """
 import json
 import re
@@ -110,10 +111,29 @@ def passes_table(runs, recompute_runs=None):
     return "\n".join(lines)
 
 
+# The options of a run that change what is timed, as machmoe-bench's JSON records them (bench::problem_json_members),
+# but the cache mode, which `passes` and `compare` exist to set against each other. Older JSON lacks some (the GPU's
+# recorded neither routing, bias, score, layout, tile, rounding, chunks nor the swiglu parameters at first): a missing
+# option only matches a missing one, so a run of unknown options is never paired with one of known options.
+OPTIONS = ("activation", "swiglu_alpha", "swiglu_limit", "bias", "layout", "score", "routing", "rounding", "tile",
+           "dx_chunks", "y_chunks", "dtype", "grad_dtype", "accumulate_grads")
+
+
+def sizes(run):
+    return (run["T"], run["d"], run["n"], run["E"], run["K"])
+
+
 def match_key(run):
     """What must agree for two runs to be compared: the sizes and every option but the cache mode."""
-    return (run["T"], run["d"], run["n"], run["E"], run["K"], run.get("activation"), run.get("dtype"),
-            run.get("grad_dtype"), run.get("accumulate_grads"))
+    return sizes(run) + tuple(run.get(k) for k in OPTIONS)
+
+
+def option_differences(a, b):
+    """'routing topk / token_rounding, bias none / both' for the options in which runs a and b differ."""
+    def text(run, k):
+        return str(run[k]) if k in run else "not recorded"
+    return ", ".join(f"{k} {text(a, k)} / {text(b, k)}" for k in OPTIONS
+                     if a.get(k) != b.get(k) or (k in a) != (k in b))
 
 
 def compare_table(base_runs, other_runs):
@@ -123,10 +143,19 @@ def compare_table(base_runs, other_runs):
     lines = ["| config | base: forward + backward ms | other: forward + backward ms | other / base |",
              "|---|---|---|---|"]
     for b in base_runs:
-        for o in others.get(match_key(b), [])[:1]:
-            tb, to = b["forward_ms"] + b["backward_ms"], o["forward_ms"] + o["backward_ms"]
+        tb = b["forward_ms"] + b["backward_ms"]
+        matches = others.get(match_key(b), [])
+        for o in matches[:1]:
+            to = o["forward_ms"] + o["backward_ms"]
             lines.append(f"| {row_name(b)} | {b['forward_ms']:.3f} + {b['backward_ms']:.3f} = {tb:.3f} | "
                          f"{o['forward_ms']:.3f} + {o['backward_ms']:.3f} = {to:.3f} | {to / tb:.3f} |")
+        if matches:
+            continue
+        # The same sizes run with other options: say so rather than pair unlike runs (or drop the row silently).
+        unlike = [o for o in other_runs if sizes(o) == sizes(b)]
+        if unlike:
+            lines.append(f"| {row_name(b)} | {b['forward_ms']:.3f} + {b['backward_ms']:.3f} = {tb:.3f} | - | "
+                         f"not compared, options differ (base / other): {option_differences(b, unlike[0])} |")
     return "\n".join(lines)
 
 

@@ -3,6 +3,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <unistd.h>
 
 #include "cli_options.hpp"
 #include "machmoe/error.hpp"
@@ -196,11 +201,124 @@ TEST(Cli, WarmupMillisecondsBringTheGpuToItsSustainedClock) {
 
 TEST(Cli, StageRunsDefaultToFiveAndTakeTheirRange) {
   EXPECT_EQ(parse_options({}, false).stage_runs, 5);
-  EXPECT_EQ(parse_options({"--stage-runs", "1"}, false).stage_runs, 1);
-  EXPECT_EQ(parse_options({"--stage-runs", "1000"}, false).stage_runs, 1000);
+  EXPECT_EQ(parse_options({}, true).stage_runs, 5);
+  EXPECT_EQ(parse_options({"--stage-runs", "1"}, true).stage_runs, 1);
+  EXPECT_EQ(parse_options({"--stage-runs", "1000"}, true).stage_runs, 1000);
   EXPECT_NE(error_of({"--stage-runs", "0"}).find("'--stage-runs': expected a decimal integer in [1, 1000], got '0'"),
             std::string::npos);
   EXPECT_NE(error_of({"--stage-runs", "1001"}).find("'--stage-runs'"), std::string::npos);
+}
+
+TEST(Cli, StageRunsIsAGpuOptionLikeTheOtherTimings) {
+  // Before: accepted and ignored by the CPU reference (which has no stage table), while --warmup-ms and --time-ms
+  // were refused there.
+  const std::string cpu = error_of({"--stage-runs", "7"});
+  EXPECT_NE(cpu.find("'--stage-runs': expected a GPU backend"), std::string::npos) << cpu;
+  EXPECT_THROW(parse_options({"--backend", "cpu", "--stage-runs", "7"}, true), Error);
+  EXPECT_EQ(parse_options({"--backend", "gpu", "--stage-runs", "7"}, true).stage_runs, 7);
+}
+
+TEST(Cli, HelpWinsOverEveryOtherOption) {
+  // Before: --help --backend gpu on a machine without a GPU was an error (exit 2) instead of the usage.
+  for (const std::vector<std::string>& args :
+       std::vector<std::vector<std::string>>{{"--help"},
+                                             {"-h"},
+                                             {"--help", "--backend", "gpu"},
+                                             {"--backend", "gpu", "-h"},
+                                             {"--frobnicate", "--help"},
+                                             {"--T", "0", "--help"},
+                                             {"--help", "--T"},
+                                             {"--all-configs", "--help"},
+                                             {"--profile", "--profile", "--help"},
+                                             {"--T", "1", "--T", "2", "--help"},
+                                             {"--help", "--help"}}) {
+    std::string joined;
+    for (const std::string& a : args) joined += a + " ";
+    SCOPED_TRACE(joined);
+    Options o;
+    ASSERT_NO_THROW(o = parse_options(args, false));
+    EXPECT_TRUE(o.help);
+  }
+  // A value that reads "-h" is still the option's value.
+  EXPECT_FALSE(parse_options({"--json", "-h"}, false).help);
+}
+
+TEST(Cli, RepeatedFlagsAreRefusedLikeRepeatedOptions) {
+  for (const char* flag : {"--accumulate-grads", "--profile", "--all-configs"}) {
+    SCOPED_TRACE(flag);
+    std::string msg;
+    try {
+      parse_options({flag, "--backend", "gpu", flag}, true);
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    EXPECT_NE(msg.find("'" + std::string(flag) + "': expected the option once, got it twice"), std::string::npos)
+        << msg;
+  }
+  EXPECT_TRUE(parse_options({"--accumulate-grads", "--profile", "--all-configs"}, true).accumulate_grads);
+}
+
+// ---- the JSON file -------------------------------------------------------------------------------------------
+
+std::string read_all(const std::string& path) {
+  std::ifstream f(path);
+  std::ostringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+TEST(Cli, JsonWriteFailuresAreErrors) {
+  // Before: fputs and fclose went unchecked, so --json /dev/full exited 0 with nothing written.
+  testing::internal::CaptureStderr();
+  const int full = write_json("/dev/full", {"{\"a\":1}"});
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(full, 1);
+  EXPECT_NE(err.find("'/dev/full'"), std::string::npos) << err;
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(write_json("/nonexistent-dir/x.json", {"{}"}), 1);
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("'/nonexistent-dir/x.json'"), std::string::npos);
+  char tmpl[] = "/tmp/machmoe_cli_json_XXXXXX";
+  const int fd = mkstemp(tmpl);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  EXPECT_EQ(write_json(tmpl, {"{\"a\":1}", "{\"b\":2}"}), 0);
+  EXPECT_EQ(read_all(tmpl), "[\n  {\"a\":1},\n  {\"b\":2}\n]\n");
+  std::remove(tmpl);
+  EXPECT_EQ(write_json("", {"{}"}), 0);  // no --json: nothing to write
+}
+
+TEST(Cli, JsonRecordsEveryOptionOfTheProblem) {
+  // Before: the GPU JSON had neither routing, bias, score, layout, tile, rounding, chunks nor the swiglu parameters,
+  // so a --routing token_rounding or --bias both run looked like the defaults.
+  const std::string d = problem_json_members(parse_options({}, false));
+  EXPECT_EQ(d,
+            "\"activation\":\"swiglu\",\"swiglu_alpha\":1.702,\"swiglu_limit\":7,\"bias\":\"none\","
+            "\"layout\":\"interleaved\",\"score\":\"softmax_topk\",\"routing\":\"topk\",\"rounding\":\"nearest\","
+            "\"tile\":128,\"cache\":\"preact\",\"dx_chunks\":0,\"y_chunks\":0,\"grad_dtype\":\"fp32\","
+            "\"accumulate_grads\":false");
+  const std::string o = problem_json_members(parse_options(
+      {"--activation", "gptoss_swiglu", "--swiglu-limit", "inf", "--swiglu-alpha", "1.5", "--bias", "both",
+       "--layout", "concatenated", "--score", "topk_softmax", "--routing", "token_rounding", "--rounding", "up",
+       "--tile", "64", "--cache", "input_only", "--dx-chunks", "3", "--y-chunks", "2", "--grad-dtype", "fp32",
+       "--accumulate-grads"},
+      true));
+  for (const char* member :
+       {"\"activation\":\"gptoss_swiglu\"", "\"swiglu_alpha\":1.5", "\"swiglu_limit\":\"inf\"", "\"bias\":\"both\"",
+        "\"layout\":\"concatenated\"", "\"score\":\"topk_softmax\"", "\"routing\":\"token_rounding\"",
+        "\"rounding\":\"up\"", "\"tile\":64", "\"cache\":\"input_only\"", "\"dx_chunks\":3", "\"y_chunks\":2",
+        "\"grad_dtype\":\"fp32\"", "\"accumulate_grads\":true"})
+    EXPECT_NE(o.find(member), std::string::npos) << member << " in " << o;
+  for (const char* b : {"b1", "b2"})
+    EXPECT_NE(problem_json_members(parse_options({"--bias", b}, false)).find("\"bias\":\"" + std::string(b) + "\""),
+              std::string::npos);
+}
+
+TEST(Cli, CpuRunSaysWhyItLeavesAGpuUnused) {
+  // Before: with a CUDA build, --backend cpu printed "the layer's CUDA backend is not in this build yet".
+  const std::string cpu = cpu_run_gpu_line(parse_options({"--backend", "cpu"}, true), 1, "NVIDIA H200");
+  EXPECT_EQ(cpu, "gpu:      NVIDIA H200 (not used: --backend cpu; running the CPU reference)");
+  EXPECT_EQ(cpu.find("not in this build"), std::string::npos);
+  EXPECT_EQ(cpu_run_gpu_line(parse_options({}, false), 0, ""), "gpu:      none found; running the CPU reference");
 }
 
 TEST(Cli, TokenChunkOptionsSetTheirOwnPass) {

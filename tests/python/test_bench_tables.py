@@ -10,6 +10,7 @@ spec.loader.exec_module(bt)
 
 SESSION61 = ROOT / "docs" / "measurements" / "2026-11-29-h200-session61"
 SESSION63 = ROOT / "docs" / "measurements" / "2026-11-29-h200-session63"
+MIB = bt.MIB
 
 
 def rows(table):
@@ -70,3 +71,31 @@ def test_older_json_and_other_sizes():
     other = dict(run, forward_ms=2.5, backward_ms=5.5)
     assert bt.compare_table([run], [other]).splitlines()[2].endswith("| 1.333 |")
     assert bt.compare_table([run], [dict(other, K=8)]).count("\n") == 1  # other sizes: no row
+
+
+def test_runs_of_other_options_are_not_paired():
+    # Before: runs were matched by sizes, activation, dtypes and accumulation only, so a --routing token_rounding or
+    # --bias both run was compared with a default one as if alike.
+    run = {"config": "7B-256", "T": 24576, "d": 1536, "n": 256, "E": 128, "K": 8, "activation": "swiglu",
+           "swiglu_alpha": 1.702, "swiglu_limit": 7, "bias": "none", "layout": "interleaved", "score": "softmax_topk",
+           "routing": "topk", "rounding": "nearest", "tile": 128, "cache": "preact", "dx_chunks": 0, "y_chunks": 0,
+           "dtype": "bf16", "grad_dtype": "bf16", "accumulate_grads": False, "forward_ms": 1.0, "backward_ms": 2.0,
+           "efficiency_forward": 0.9, "efficiency_backward": 0.8, "activation_bytes_accounted": MIB,
+           "activation_bytes_measured": MIB, "peak_bytes": 4 * MIB}
+    # The cache mode is what compare and passes set against each other: still paired.
+    recompute = dict(run, cache="input_only", forward_ms=1.5, backward_ms=3.0)
+    assert bt.compare_table([run], [recompute]).splitlines()[2].endswith("| 1.500 |")
+    assert "(1.500)" in bt.passes_table([run], [recompute]).splitlines()[2]
+    for option, value in (("routing", "token_rounding"), ("bias", "both"), ("score", "topk_softmax"),
+                          ("layout", "concatenated"), ("tile", 64), ("rounding", "up"), ("dx_chunks", 2),
+                          ("y_chunks", 4), ("swiglu_alpha", 1.5), ("swiglu_limit", "inf")):
+        other = dict(recompute, **{option: value})
+        line = bt.compare_table([run], [other]).splitlines()[2]
+        assert line == (f"| 7B (256,128,8) | 1.000 + 2.000 = 3.000 | - | not compared, options differ (base / other): "
+                        f"{option} {run[option]} / {value} |"), line
+        assert bt.passes_table([run], [other]).splitlines()[2].endswith("| - | 1.0 / 1 · - | 4 · - |"), option
+    # An older JSON, which does not record the routing, is not taken for a known one.
+    old = {k: v for k, v in recompute.items() if k not in ("routing", "bias")}
+    assert bt.compare_table([run], [old]).splitlines()[2].endswith(
+        "options differ (base / other): bias none / not recorded, routing topk / not recorded |")
+

@@ -20,8 +20,12 @@ logs="${OUT:-$root/build/gpu-logs}"
 mkdir -p "$logs"
 export PYTHONUNBUFFERED=1
 cd "$root"
+case "$what" in
+  tests|sanitize|bench|quick|profile|detail|t8|all) ;;
+  *) echo "gpu_check: unknown mode '$what' (expected tests, sanitize, bench, quick, profile, detail, t8 or all)" >&2; exit 2;;
+esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
-bash scripts/setup.sh
+bash scripts/setup.sh || { echo "gpu_check: setup failed" >&2; exit 1; }
 bin=build/bin
 # machmoe-bench's arguments for a configuration of BENCH_CONFIGS, and a file name for it (no ':').
 config_args() {
@@ -38,6 +42,8 @@ if [ "$what" = detail ]; then  # its own build directory: -lineinfo stays out of
 else
   MACHMOE_JOBS="$(nproc)" bash scripts/build.sh 2>&1 | tail -n 3
 fi
+# Tests on a failed build would run stale binaries.
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_check: build failed" >&2; exit 1; }
 status=0
 # The Hopper kernels: registers / stack / shared memory per kernel, and HGMMA present in their SASS.
 for src in src/gpu/hopper/instantiations/*.cu; do
@@ -46,7 +52,7 @@ for src in src/gpu/hopper/instantiations/*.cu; do
     "HGMMA instructions: $(cuobjdump --dump-sass "$obj" 2>/dev/null | grep -c HGMMA)"
 done 2>&1 | tee "$logs/hopper_kernels.txt"
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  (cd build && ctest -L cpu --parallel "$(nproc)" 2>&1 | tail -n 3)
+  (cd build && ctest -L cpu --parallel "$(nproc)" 2>&1 | tail -n 3; exit "${PIPESTATUS[0]}") || status=1
   # A hung kernel fails the run instead of eating the lease.
   timeout 480 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -73,7 +79,9 @@ if [ "$what" = all ] || [ "$what" = sanitize ]; then
 fi
 if [ "$what" = quick ]; then  # the Hopper kernel tests and one configuration's benchmark
   timeout 300 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   ./build/bin/machmoe-bench --config "${BENCH_CONFIG:-7B-256}" --iters 5 --warmup 2 2>&1 | tee "$logs/bench.log" | tail -n 40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ "$what" = profile ]; then
   for cfg in ${BENCH_CONFIGS:-7B-256}; do

@@ -18,6 +18,14 @@ if [ $# -lt 2 ]; then
   exit 2
 fi
 budget="$1"; configs="$2"; json="${3:-.pybench/results.json}"; shift $(( $# >= 3 ? 3 : 2 ))
+case "$budget" in
+  ''|*[!0-9]*) echo "gpu_pybench: SECONDS '$budget' is not a whole number of seconds" >&2; exit 2;;
+esac
+budget=$((10#$budget))
+[ "$budget" -ge 1 ] || { echo "gpu_pybench: SECONDS must be at least 1, got $budget" >&2; exit 2; }
+case "$json" in  # an option where JSON goes would be taken for the path (and dropped from the options)
+  -*) echo "gpu_pybench: JSON '$json' starts with '-': give the JSON path before any extra option" >&2; exit 2;;
+esac
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo "gpu_pybench: no nvidia-smi"
 if [ ! -f build/lib/libmachmoe_torch.so ]; then
@@ -28,7 +36,13 @@ if [ ! -f build/lib/libmachmoe_torch.so ]; then
   fi
   tail -n 1 "$log"
 fi
-if [ -d .peer_wheels ] && [ ! -d .peer_site/sonicmoe ]; then bash scripts/peer_wheels.sh install | tail -n 1; fi
+if [ -d .peer_wheels ] && [ ! -d .peer_site/sonicmoe ]; then
+  bash scripts/peer_wheels.sh install | tail -n 1
+  # The run is for the comparison with the peers: without them it would record machmoe's rows alone.
+  if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+    echo "gpu_pybench: installing the peers from .peer_wheels/ failed, so upstream SonicMoE is missing" >&2; exit 1
+  fi
+fi
 # Upstream's JIT caches from an earlier machine (peer_cache.tar.xz, as this script leaves it under $OUT), so that a
 # fresh machine skips most of the first configuration's compilation (475 s on an H200 in session 69).
 if [ -f .peer_wheels/peer_cache.tar.xz ] && [ ! -d .peer_cache ]; then
@@ -39,6 +53,10 @@ export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" MACHMOE_TORCH_LIBRAR
 export PYTHONUNBUFFERED=1 QUACK_CACHE_DIR="$root/.peer_cache/quack" TRITON_CACHE_DIR="$root/.peer_cache/triton"
 mkdir -p "$root/.peer_cache" "$(dirname "$json")"
 left=$(( budget - ($(date +%s) - t0) ))
+if [ "$left" -lt 1 ]; then  # timeout 0 would set no limit at all, a negative one is refused
+  echo "gpu_pybench: the budget of $budget s was spent in setup ($(( $(date +%s) - t0 )) s); call again to run" >&2
+  exit 124
+fi
 echo "gpu_pybench: setup took $(( $(date +%s) - t0 )) s; benchmark for at most ${left} s: $configs"
 # No bar off a terminal: one timestamped line per step, so a step cut off by the limit still shows what ran.
 timeout --kill-after=10 "$left" python3 -m machmoe.benchmark --configs "$configs" --json "$json" --append "$@"

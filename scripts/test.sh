@@ -8,6 +8,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 labels=(-L cpu)
 gpu_run=no
+if [ $# -gt 1 ]; then  # one option at most: the others would be ignored
+  echo "test: one option at most, got $# ('$*') (expected none, --gpu, --multigpu, --gpus4 or --gpus8)" >&2; exit 2
+fi
 case "${1:-}" in
   "") ;;
   --gpu|--multigpu|--gpus4|--gpus8) labels=() gpu_run=yes ;;

@@ -25,8 +25,10 @@ The all-to-all share, measured two ways:
   * alone: the exchanges recorded in the last instrumented iteration (same shapes, dtypes and split sizes) run back
     to back without the layer: the transfer cost without the waiting.
 At EP = 1 the layer exchanges nothing (a group of one keeps its rows), so both are 0.
-Rank 0 writes the JSON (--json) and prints a summary. NCCL runs with NVLink multicast off (NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1, set here before the process group exists).
+Rank 0 writes the JSON (--json) and prints a summary. Exit status 1 when a configuration failed or gave non-finite
+output (its entry is in the JSON; one skipped because E is not a multiple of the EP size is not a failure), 2 for
+a usage error. NCCL runs with NVLink multicast off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, set here
+before the process group exists).
 """
 import argparse
 import datetime
@@ -63,7 +65,8 @@ def parse_args(argv=None):
                    help=f"comma-separated configuration names (machmoe.benchmark's, e.g. 7B-256,30B-256,7B-512); "
                         f"default {','.join(DEFAULT_CONFIGS)}, with --tiny {','.join(c.name for c in TINY)}")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cuda: NCCL; cpu: gloo (smoke tests)")
-    p.add_argument("--tiny", action="store_true", help="tiny configurations (for --device cpu)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny configurations (for --device cpu); not with --configs (name them there instead)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp64"], default=None,
                    help="default bf16 on cuda, fp32 on cpu")
     p.add_argument("--tokens", type=int, default=None, help="tokens per GPU (default: the configuration's T)")
@@ -75,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", default=None, help="an EP = 1 JSON of this benchmark: adds the scaling efficiency")
     p.add_argument("--json", default=None, help="where rank 0 writes the results")
-    p.add_argument("--timeout", type=float, default=900.0, help="process-group timeout in seconds")
+    p.add_argument("--timeout", type=float, default=900.0, help="process-group timeout in seconds (> 0)")
     args = p.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
@@ -87,6 +90,13 @@ def parse_args(argv=None):
         p.error(f"--warmup: expected 0 or more, got {args.warmup}")
     if args.tokens is not None and args.tokens < 1:
         p.error(f"--tokens: expected at least 1 token per rank, got {args.tokens}")
+    if args.capacity_factor is not None and not (math.isfinite(args.capacity_factor) and args.capacity_factor > 0):
+        p.error(f"--capacity-factor: expected a finite number above 0, got {args.capacity_factor}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        p.error(f"--timeout: expected a finite number of seconds above 0, got {args.timeout}")
+    if args.tiny and args.configs is not None:  # --configs would win, and --tiny be ignored
+        p.error(f"--tiny picks the tiny configurations; with --configs name them there "
+                f"({','.join(c.name for c in TINY)})")
     if args.device == "cpu" and args.dtype not in ("fp32", "fp64"):
         p.error(f"--dtype: expected fp32 or fp64 with --device cpu (the CPU reference), got {args.dtype}")
     return args
@@ -367,6 +377,7 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
+    failed = []  # rank 0's configurations whose status is not "ok" (skipped ones aside): the exit status is 1
     doc = {"benchmark": "machmoe.parallel_benchmark", "format": FORMAT, "ep_size": world,
            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "settings": {k: v for k, v in vars(args).items() if k != "json"},
@@ -384,6 +395,7 @@ def main(argv=None) -> int:
             if rank == 0:
                 doc["configs"].append({"config": cfg.as_dict(), **result})
                 _write(doc, args.json)
+                failed.append(cfg.name)
             if world > 1:  # the other ranks may wait in a collective for this one: stop (torchrun ends them all)
                 raise
             _free(device)
@@ -401,10 +413,16 @@ def main(argv=None) -> int:
             doc["configs"].append(entry)
             _write(doc, args.json)
             _print(entry)
+            if result.get("status") not in ("ok", "skipped"):  # skipped: E is not a multiple of the EP size
+                failed.append(cfg.name)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
+    if failed:
+        print(f"machmoe.parallel_benchmark: {len(failed)} configuration(s) did not run cleanly: {', '.join(failed)}",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -374,3 +374,43 @@ def test_merge_rounds_keeps_a_failure():
              {"status": "out_of_memory", "error": "OutOfMemoryError: weights", "results": {}}]
     m = merge_rounds(whole)
     assert m["results"]["a"]["status"] == "out_of_memory" and "weights" in m["results"]["a"]["error"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--iters", "0"], "--iters must be at least 1, got 0"),
+    (["--warmup", "-5"], "--warmup must be at least 0, got -5"),
+    (["--check-tokens", "-3"], "--check-tokens must be at least 0, got -3"),
+    (["--impls", ""], "--impls '' names no implementation"),
+    (["--impls", ","], "--impls ',' names no implementation"),
+    (["--configs", ","], "--configs ',' names no configuration"),
+    (["--peers", ""], "--peers '' names no peer"),
+    (["--device", "foo"], "--device: expected cuda, cuda:N or cpu, got 'foo'"),
+    (["--device", "meta"], "--device: expected cuda, cuda:N or cpu, got 'meta'")])
+def test_bad_counts_and_empty_lists_are_usage_errors(args, message, tmp_path, capsys):
+    argv = ["--device", "cpu", "--configs", "cpu-tiny-32", "--impls", "torch-loop", "--no-plots", "--no-progress",
+            "--out-dir", str(tmp_path), *args]
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+def test_output_paths_are_checked_before_the_run(tmp_path, capsys):
+    base = ["--device", "cpu", "--configs", "cpu-tiny-32", "--impls", "torch-loop", "--no-plots", "--no-progress"]
+    rc = cli.main([*base, "--out-dir", str(tmp_path), "--markdown", str(tmp_path / "missing" / "x.md")])
+    assert rc == cli.EXIT_USAGE
+    assert "--markdown" in capsys.readouterr().err and not (tmp_path / "results.json").exists()  # nothing ran
+    (tmp_path / "file").write_text("")
+    assert cli.main([*base, "--json", str(tmp_path / "file" / "r.json")]) == cli.EXIT_USAGE
+    assert "cannot create the output directory" in capsys.readouterr().err
+    assert cli.main([*base, "--json", str(tmp_path)]) == cli.EXIT_USAGE  # a directory, not a file
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_a_cpu_device_with_an_index_is_the_cpu(tmp_path, capsys):
+    # cpu:0 is the CPU: its dtypes (fp32 by default, no bf16) and its configurations.
+    base = ["--device", "cpu:0", "--configs", "cpu-tiny-32", "--impls", "torch-loop", "--no-plots", "--no-progress",
+            "--iters", "1", "--warmup", "0", "--out-dir", str(tmp_path)]
+    assert cli.main([*base, "--dtype", "bf16"]) == cli.EXIT_USAGE
+    assert "on the CPU the dtype is fp32 or fp64" in capsys.readouterr().err
+    assert cli.main(base) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["settings"]["dtype"] == "fp32" and doc["device"]["type"] == "cpu"

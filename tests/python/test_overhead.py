@@ -209,6 +209,51 @@ def test_main_host_only_runs_without_a_gpu_and_writes_json(tmp_path, capsys):
     assert "| module_forward | MoE.forward" in text and "JSON" in text
 
 
+@pytest.mark.parametrize("extra, flag", [
+    (["--configs", "7B-256"], "--configs"), (["--config=7B-256"], "--configs"),
+    (["--shape", "64,32,16,4,2"], "--shape"), (["--warmup", "5"], "--warmup"), (["--modes", "queued"], "--modes"),
+    (["--target", "1.1"], "--target"), (["--machmoe-bench", "build/bin/machmoe-bench"], "--machmoe-bench"),
+    (["--layers"], "--layers"), (["--profile"], "--profile")])
+def test_host_only_refuses_the_options_it_would_ignore(extra, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        overhead.parse(["--host-only", *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--host-only times the host path on --host-shape only: {flag} " in err
+
+
+def test_host_shape_needs_host_only_and_host_only_keeps_what_it_uses(capsys):
+    with pytest.raises(SystemExit) as e:
+        overhead.parse(["--host-shape", "3,16,8,4,1"])
+    assert e.value.code == 2 and "--host-shape is the shape of --host-only" in capsys.readouterr().err
+    a = overhead.parse(["--host-only", "--iters", "2", "--rounds", "3", "--seed", "1", "--json", "x.json"])
+    assert (a.iters, a.rounds, a.seed, a.json) == (2, 3, 1, "x.json")
+
+
+def test_host_only_help_says_iters_and_rounds_are_multiplied(capsys):
+    with pytest.raises(SystemExit):
+        overhead.parse(["--help"])
+    assert "10 x --iters" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_failed_configuration_exits_1_not_over_target(tmp_path, capsys, monkeypatch):
+    # No GPU here: the CUDA calls main makes are stood in for, and every configuration fails in Case.
+    class Props:
+        name, major, minor = "fake GPU", 9, 0
+
+    def broken(*args):
+        raise RuntimeError("boom: no such kernel")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(overhead, "Case", broken)
+    out = tmp_path / "o.json"
+    assert overhead.main(["--configs", "7B-256", "--json", str(out)]) == overhead.EXIT_FAILED == 1
+    doc = json.loads(out.read_text())
+    assert doc["configs"][0]["status"] == "failed" and "boom" in doc["configs"][0]["error"]
+    assert doc["verdict"]["failed"] and not doc["verdict"]["over_target"]
+    assert "exit status: 0 ok; 1 a configuration failed" in overhead.parser().format_help().replace("\n", " ")
+
+
 # ---- the order in which measure() times the two sides ---------------------------------------------------------------
 
 class _RecordingCase:

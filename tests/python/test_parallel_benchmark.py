@@ -108,3 +108,39 @@ def test_bad_counts_and_cpu_dtypes_are_refused_at_parse_time(args, message, caps
     with pytest.raises(SystemExit) as e:
         PB.parse_args(["--device", "cpu", "--tiny", *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--capacity-factor", "-5"], "--capacity-factor: expected a finite number above 0"),
+    (["--capacity-factor", "0"], "--capacity-factor: expected a finite number above 0"),
+    (["--capacity-factor", "nan"], "--capacity-factor: expected a finite number above 0"),
+    (["--timeout", "0"], "--timeout: expected a finite number of seconds above 0"),
+    (["--timeout", "-1"], "--timeout: expected a finite number of seconds above 0"),
+    (["--configs", "tiny-64"], "--tiny picks the tiny configurations; with --configs name them there"),
+])
+def test_bad_capacity_timeout_and_tiny_with_configs_are_refused(args, message, capsys):
+    from machmoe import parallel_benchmark as PB
+    with pytest.raises(SystemExit) as e:
+        PB.parse_args(["--device", "cpu", "--tiny", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_failed_or_non_finite_configuration_exits_1(tmp_path):
+    # One process (EP = 1): a failed configuration is recorded and the run goes on, but the exit status says so.
+    out = tmp_path / "failed.json"
+    script = (
+        "import sys\n"
+        "import machmoe.parallel_benchmark as PB\n"
+        "def run_config(cfg, args, device):\n"
+        "    if cfg.name == 'tiny-64':\n"
+        "        raise RuntimeError('boom')\n"
+        "    return {'status': 'non_finite_output'}\n"
+        "PB.run_config = run_config\n"
+        f"sys.exit(PB.main(['--device', 'cpu', '--tiny', '--json', {str(out)!r}]))\n")
+    env = _env()
+    env.pop("RANK", None)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "2 configuration(s) did not run cleanly: tiny-64, tiny-128" in p.stderr
+    doc = json.loads(out.read_text())
+    assert [e["status"] for e in doc["configs"]] == ["failed", "non_finite_output"]

@@ -80,6 +80,23 @@ def _split(text: str) -> List[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _usage(message: str) -> int:
+    print(f"machmoe.benchmark: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _output_dir_problem(flag: str, path: str) -> Optional[str]:
+    """Why the file `path` could not be written at the end of the run (checked before it), or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{flag} {path} is a directory"
+    if not os.path.isdir(folder):
+        return f"{flag} {path}: its directory {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{flag} {path}: its directory {folder} is not writable"
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parser().parse_args(argv)
@@ -88,24 +105,33 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{c.name:16s} group={c.group:14s} T={c.T} d={c.d} n={c.n} E={c.E} K={c.K}")
         return 0
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        print("machmoe.benchmark: --device cuda but no CUDA device is available", file=sys.stderr)
-        return EXIT_USAGE
-    if device.startswith("cuda") and torch.device(device).index is not None:
+    try:
+        tdev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return _usage(f"--device: expected cuda, cuda:N or cpu, got {device!r}")
+    if tdev.type not in ("cuda", "cpu"):
+        return _usage(f"--device: expected cuda, cuda:N or cpu, got {device!r}")
+    if tdev.type == "cuda" and not torch.cuda.is_available():
+        return _usage(f"--device {device} but no CUDA device is available")
+    if tdev.type == "cuda" and tdev.index is not None:
         # Events record on the current device's stream (baselines.time_ms): cuda:N is made the current device, or
         # they would time nothing on cuda:0 while the work ran on cuda:N.
-        torch.cuda.set_device(torch.device(device))
-    cpu = device == "cpu"
+        torch.cuda.set_device(tdev)
+    cpu = tdev.type == "cpu"
     dtype = a.dtype or ("fp32" if cpu else "bf16")
     if cpu and dtype not in ("fp32", "fp64"):
         print("machmoe.benchmark: on the CPU the dtype is fp32 or fp64 (machmoe's CPU reference)", file=sys.stderr)
         return EXIT_USAGE
+    if a.configs and not _split(a.configs):  # "" is the default set; "," names none
+        return _usage(f"--configs {a.configs!r} names no configuration")
     try:
         cfgs = C.select(a.configs, quick=a.quick, device="cpu" if cpu else "cuda")
     except ValueError as e:
         print(f"machmoe.benchmark: {e}", file=sys.stderr)
         return EXIT_USAGE
     impls = _split(a.impls)
+    if not impls:
+        return _usage(f"--impls {a.impls!r} names no implementation; known: {ALL_IMPLS}")
     unknown = [i for i in impls if i not in ALL_IMPLS]
     if unknown:
         print(f"machmoe.benchmark: unknown implementation(s) {unknown}; known: {ALL_IMPLS}", file=sys.stderr)
@@ -117,6 +143,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         peers = []
     else:
         peers = _split(a.peers)
+        if not peers:
+            return _usage(f"--peers {a.peers!r} names no peer (none: run without peers)")
         missing = [q for q in peers if q not in PEERS or q not in installed]
         if missing:
             print(f"machmoe.benchmark: peer(s) {missing} not installed or unknown (installed: {installed or 'none'})",
@@ -128,6 +156,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.rounds < 1:
         print(f"machmoe.benchmark: --rounds must be at least 1, got {a.rounds}", file=sys.stderr)
         return EXIT_USAGE
+    for flag, v, least in (("--iters", a.iters, 1), ("--warmup", a.warmup, 0), ("--check-tokens", a.check_tokens, 0)):
+        if v is not None and v < least:
+            return _usage(f"{flag} must be at least {least}, got {v}")
     warmup = a.warmup if a.warmup is not None else (1 if cpu else 2 if a.quick else 3)
     iters = a.iters if a.iters is not None else (3 if cpu else 5 if a.quick else 10)
     for flag, v in (("--warmup-ms", a.warmup_ms), ("--time-ms", a.time_ms)):
@@ -141,8 +172,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     json_path = a.json or os.path.join(a.out_dir, "results.json")
     out_dir = os.path.dirname(os.path.abspath(json_path))
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        return _usage(f"cannot create the output directory {out_dir}: {e}")
     md_path = a.markdown or os.path.join(out_dir, "results.md")
+    # Before the run, not after it: the results are written at its end.
+    for flag, path in (("--json", json_path), ("--markdown", md_path)):
+        problem = _output_dir_problem(flag, path)
+        if problem:
+            return _usage(problem)
     doc = {"schema": 1, "command": "python -m machmoe.benchmark " + " ".join(shlex.quote(x) for x in argv),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": device_info(s), "versions": _versions(), "settings": {

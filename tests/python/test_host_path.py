@@ -66,7 +66,9 @@ def test_warm_cache_still_refuses_non_float_swiglu_parameters():
      "argument 'router_weight': expected dtype torch.float32"),
     (lambda w, x: w.update(b1=w["b1"][:, :-1]), ValueError, "argument 'b1': expected shape"),
     (lambda w, x: w.update(b2=w["b2"].tolist()), TypeError, "argument 'b2': expected a torch.Tensor or None"),
-    (lambda w, x: w.update(w1=w["w1"][:, :n]), ValueError, "argument 'w1': expected shape"),  # non-GLU rows
+    # non-GLU rows: named with the n they miss and where it came from
+    (lambda w, x: w.update(w1=w["w1"][:, :n]), ValueError,
+     "argument 'w1': expected " + str(2 * n) + r" rows in its second dimension \(2n with n = " + str(n)),
 ])
 def test_warm_cache_still_refuses_bad_tensors(break_it, exc, match):
     w = warm()

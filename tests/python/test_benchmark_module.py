@@ -395,7 +395,7 @@ def test_bad_counts_and_empty_lists_are_usage_errors(args, message, tmp_path, ca
 
 def test_output_paths_are_checked_before_the_run(tmp_path, capsys):
     base = ["--device", "cpu", "--configs", "cpu-tiny-32", "--impls", "torch-loop", "--no-plots", "--no-progress"]
-    rc = cli.main([*base, "--out-dir", str(tmp_path), "--markdown", str(tmp_path / "missing" / "x.md")])
+    rc = cli.main([*base, "--out-dir", str(tmp_path), "--markdown", str(tmp_path / "missing" / "tables")])
     assert rc == cli.EXIT_USAGE
     assert "--markdown" in capsys.readouterr().err and not (tmp_path / "results.json").exists()  # nothing ran
     (tmp_path / "file").write_text("")

@@ -167,6 +167,25 @@ def test_verdict_and_markdown_flag_isolated_ratios_over_the_target():
     assert overhead.verdict(ok, 1.03)["met"] and "T14 (isolated ratios <= 1.03): met" in overhead.markdown(_doc(ok))
 
 
+def test_a_failed_machmoe_bench_cross_check_fails_the_verdict():
+    """--machmoe-bench's cross-check is part of the run: a binary that failed makes the exit status 1 (failed), not 0
+    or the over-target status, and the report says which configuration's check failed."""
+    entry = _entry("7B-256", 1.0, 1.0, 3.0, 3.0)
+    entry["machmoe_bench"] = {"status": "failed", "error": "exit status 2: unknown option"}
+    v = overhead.verdict([entry], 1.03)
+    assert v["failed"] == ["7B-256: machmoe-bench exit status 2: unknown option"] and not v["met"]
+    assert "not met: 7B-256: machmoe-bench exit status 2" in overhead.markdown(_doc([entry]))
+    entry["machmoe_bench"] = {"status": "ok", "forward_ms": 1.0, "backward_ms": 2.0, "fwdbwd_ms": 3.0}
+    assert overhead.verdict([entry], 1.03)["met"]
+
+
+def test_run_machmoe_bench_reports_a_binary_that_fails(tmp_path):
+    """A binary that exits nonzero (here /bin/false) or writes no JSON comes back as a failed cross-check with its
+    exit status, not as an exception."""
+    r = overhead.run_machmoe_bench("false", configs.custom("tiny", 16, 64, 32, 8, 2), 1, 1)
+    assert r["status"] == "failed" and r["error"].startswith("exit status 1")
+
+
 def test_profile_difference_lists_what_only_one_side_ran():
     module = {"gemm": 3, "Memset (Device)": 2, "topk": 1}
     cpp = {"gemm": 3, "Memset (Device)": 1, "gather": 1}

@@ -92,9 +92,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m machmoe.benchmark.overhead", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"exit status: 0 ok; {EXIT_FAILED} a configuration failed (its row says why; this wins "
-               f"over {EXIT_OVER_TARGET}); {EXIT_USAGE} usage error; {EXIT_OVER_TARGET} some isolated ratio above "
-               f"--target")
+        epilog=f"exit status: 0 ok; {EXIT_FAILED} a configuration or its --machmoe-bench check failed (its row "
+               f"says why; this wins over {EXIT_OVER_TARGET}); {EXIT_USAGE} usage error; {EXIT_OVER_TARGET} some "
+               f"isolated ratio above --target")
     p.add_argument("--configs", default="main",
                    help="comma-separated configuration names or groups (default: the 12 main configurations)")
     p.add_argument("--shape", type=_shape, action="append", default=[], metavar="T,d,n,E,K",
@@ -596,7 +596,8 @@ def count_diff(module: Dict[str, int], cpp: Dict[str, int]) -> Dict[str, int]:
 # ---- report ---------------------------------------------------------------------------------------------------------
 
 def verdict(entries: List[dict], target: float) -> dict:
-    """Isolated ratios above the target (the T14 criterion), as 'config pass ratio' lines."""
+    """Isolated ratios above the target (the T14 criterion), as 'config pass ratio' lines, and what failed: a
+    configuration, or its machmoe-bench cross-check."""
     over = []
     for e in entries:
         r = e.get("results", {}).get("isolated")
@@ -606,6 +607,9 @@ def verdict(entries: List[dict], target: float) -> dict:
             if r["ratio"][k] > target:
                 over.append(f"{e['config']['name']} {k} {r['ratio'][k]:.3f}")
     failed = [f"{e['config']['name']}: {e.get('error')}" for e in entries if e.get("status") != "ok"]
+    # A --machmoe-bench cross-check that did not run fails the run too (exit status 1), as a configuration does.
+    failed += [f"{e['config']['name']}: machmoe-bench {e['machmoe_bench'].get('error')}" for e in entries
+               if e.get("machmoe_bench") and e["machmoe_bench"].get("status") != "ok"]
     return {"target": target, "over_target": over, "failed": failed, "met": not over and not failed}
 
 

@@ -94,6 +94,10 @@ inline constexpr std::int64_t kTokenRoundingRegisterExperts = 512;
 
 /// Workspace handed to cuBLAS for the router GEMMs (so it allocates nothing itself).
 inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{4} << 20;
+/// cublasSetWorkspace refuses a pointer that is not this aligned, while a caller's workspace need only start on a
+/// kBufferAlignment boundary: the cuBLAS region holds kCublasWorkspaceBytes plus this much slack, and cuBLAS gets the
+/// region's first address aligned to it.
+inline constexpr std::size_t kCublasWorkspaceAlignment = 256;
 
 /// Transient memory of the GPU forward, one caller-provided workspace:
 ///   a             P x n                 data dtype  post-activation A (input of the down-projection)

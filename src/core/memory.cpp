@@ -26,11 +26,9 @@ class LayoutBuilder {
 std::size_t u(std::int64_t v) { return static_cast<std::size_t>(v); }
 std::size_t aligned(std::size_t b) { return (b + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment; }
 
-/// cublasSetWorkspace refuses a pointer that is not 256-byte aligned, but a caller's workspace need only start on a
-/// kBufferAlignment (16-byte) boundary, and regions sit at multiples of kRegionAlignment from that start. So the
-/// cuBLAS region holds kCublasWorkspaceBytes plus this much slack, and the GPU path rounds its start up to the next
-/// 256-byte address inside it (src/gpu/layer_cuda.cpp, prepared_cublas, has the same constant).
-constexpr std::size_t kCublasWorkspaceAlignment = 256;
+/// The cuBLAS region: kCublasWorkspaceBytes and the slack that lets the GPU path round its start up to the next
+/// kCublasWorkspaceAlignment address inside it (memory.hpp; src/gpu/layer_cuda.cpp, prepared_cublas): regions sit at
+/// multiples of kRegionAlignment from a workspace start that need only be kBufferAlignment aligned.
 constexpr std::size_t kCublasRegionBytes = kCublasWorkspaceBytes + kCublasWorkspaceAlignment;
 
 /// What every public sizing function checks first, once: a problem the layer accepts (the formulas below divide by

@@ -70,12 +70,12 @@ void gemm(cublasHandle_t h, DType dt, cublasOperation_t opa, cublasOperation_t o
                                      CUBLAS_GEMM_DEFAULT));
 }
 
-/// cublasSetWorkspace needs a 256-byte aligned pointer, while the caller's workspace need only start on a
-/// kBufferAlignment (16-byte) boundary: the cuBLAS region (`region`, its start) holds 256 bytes of slack past
-/// kCublasWorkspaceBytes (src/core/memory.cpp, kCublasWorkspaceAlignment), and cuBLAS gets the region's first
-/// 256-byte aligned address, which leaves kCublasWorkspaceBytes inside the region.
+/// cublasSetWorkspace needs a kCublasWorkspaceAlignment (256-byte) aligned pointer, while the caller's workspace need
+/// only start on a kBufferAlignment (16-byte) boundary: the cuBLAS region (`region`, its start) holds that much slack
+/// past kCublasWorkspaceBytes (memory.hpp), and cuBLAS gets the region's first aligned address, which leaves
+/// kCublasWorkspaceBytes inside the region.
 cublasHandle_t prepared_cublas(int ordinal, cudaStream_t stream, void* region) {
-  constexpr std::uintptr_t kAlignment = 256;
+  constexpr std::uintptr_t kAlignment = kCublasWorkspaceAlignment;
   const std::uintptr_t misalignment = reinterpret_cast<std::uintptr_t>(region) % kAlignment;
   void* workspace = static_cast<char*>(region) + (misalignment == 0 ? 0 : kAlignment - misalignment);
   cublasHandle_t h = cublas_handle(ordinal);

@@ -179,9 +179,9 @@ def test_a_failed_machmoe_bench_cross_check_fails_the_verdict():
     assert overhead.verdict([entry], 1.03)["met"]
 
 
-def test_run_machmoe_bench_reports_a_binary_that_fails(tmp_path):
-    """A binary that exits nonzero (here /bin/false) or writes no JSON comes back as a failed cross-check with its
-    exit status, not as an exception."""
+def test_run_machmoe_bench_reports_a_binary_that_fails():
+    """A binary that exits nonzero (here `false`) or writes no JSON comes back as a failed cross-check with its exit
+    status, not as an exception."""
     r = overhead.run_machmoe_bench("false", configs.custom("tiny", 16, 64, 32, 8, 2), 1, 1)
     assert r["status"] == "failed" and r["error"].startswith("exit status 1")
 

@@ -270,7 +270,8 @@ def test_a_failed_configuration_exits_1_not_over_target(tmp_path, capsys, monkey
     doc = json.loads(out.read_text())
     assert doc["configs"][0]["status"] == "failed" and "boom" in doc["configs"][0]["error"]
     assert doc["verdict"]["failed"] and not doc["verdict"]["over_target"]
-    assert "exit status: 0 ok; 1 a configuration failed" in overhead.parser().format_help().replace("\n", " ")
+    assert "exit status: 0 ok; 1 a configuration or its --machmoe-bench check failed" in \
+        overhead.parser().format_help().replace("\n", " ")
 
 
 # ---- the order in which measure() times the two sides ---------------------------------------------------------------

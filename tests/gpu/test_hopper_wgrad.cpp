@@ -527,6 +527,13 @@ TEST(HopperWeightGradDispatch, NamesWhyAShapeFallsBack) {
   EXPECT_NE(reason([](VarlenKArgs& b) { b.lda = 260; }).find("A rows"), std::string::npos);
   EXPECT_NE(reason([](VarlenKArgs& b) { b.ldb = 100; }).find("B rows"), std::string::npos);
   EXPECT_NE(reason([](VarlenKArgs& b) { b.ld_out = 260; }).find("output rows"), std::string::npos);
+  // The producer's row addresses take 32-bit byte strides: up to 2^30 - 8 elements.
+  EXPECT_EQ(reason([](VarlenKArgs& b) { b.lda = (std::int64_t{1} << 30) - 8, b.ldb = (std::int64_t{1} << 30) - 8; }),
+            "");
+  EXPECT_NE(reason([](VarlenKArgs& b) { b.lda = std::int64_t{1} << 30; }).find("row stride of 2^30"),
+            std::string::npos);
+  EXPECT_NE(reason([](VarlenKArgs& b) { b.ldb = std::int64_t{3} << 40; }).find("row stride of 2^30"),
+            std::string::npos);
   // The output's expert stride matters with several experts only (with one its tensor map takes M ld_out).
   EXPECT_NE(reason([](VarlenKArgs& b) { b.out_expert_stride = 256 * 256 + 4; }).find("output rows"),
             std::string::npos);

@@ -119,6 +119,19 @@ __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+/// The same with the source read or not by a predicate (PTX's ignore-src: not read, the 16 bytes zero-filled), so a
+/// row's validity is one predicate shared by all its copies rather than a byte count computed for each.
+__device__ __forceinline__ void cp_async_16_if(std::uint32_t dst, const void* src, bool read) {
+  asm volatile(
+      "{\n"
+      ".reg .pred ignore;\n"
+      "setp.eq.u32 ignore, %2, 0;\n"
+      "cp.async.cg.shared.global [%0], [%1], 16, ignore;\n"
+      "}\n" ::"r"(dst),
+      "l"(src), "r"(static_cast<std::uint32_t>(read))
+      : "memory");
+}
+
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 /// Generic-proxy writes to shared memory (cp.async, st.shared) made visible to the async proxy (wgmma, TMA).

@@ -397,6 +397,8 @@ void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t
 
 namespace {
 
+constexpr std::int64_t kMaxWgradRowStride = std::int64_t{1} << 30;  // elements, exclusive
+
 std::string wgrad_unsupported_reason(const VarlenKArgs& a, const DeviceTraits& dev) {
   if (!hopper_kernels_enabled()) return kDisabledReason;
   if (!hopper_backward_enabled()) return kBackwardOffReason;
@@ -417,6 +419,9 @@ std::string wgrad_unsupported_reason(const VarlenKArgs& a, const DeviceTraits& d
     return "gather on both or neither operand (no such Hopper kernel instantiated)";
   if (!aligned16(a.a) || a.lda % 8 != 0) return "A rows not 16-byte aligned";
   if (!aligned16(a.b) || a.ldb % 8 != 0) return "B rows not 16-byte aligned";
+  // The producer's row addresses take 32-bit byte strides (mainloop_varlen_k.cuh, copy_rows_whole).
+  if (a.lda >= kMaxWgradRowStride || a.ldb >= kMaxWgradRowStride)
+    return "an operand's row stride of 2^30 elements or more";
   // (With one expert the output's expert stride is never stepped: its tensor map takes M ld_out instead.)
   if (!aligned16(a.out) || a.ld_out % 8 != 0 || (a.E > 1 && a.out_expert_stride % 8 != 0))
     return "output rows not 16-byte aligned";

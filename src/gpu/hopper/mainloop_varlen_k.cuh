@@ -31,7 +31,7 @@
 //
 // Template parameters: the tile configuration, how A and B arrive (gathered or contiguous), the element type.
 // Edge tiles (M or N not a tile multiple, both multiples of 8): the 16-byte chunks at columns past M (A) or N (B)
-// get src-size 0 in copy_rows (never read past a row: the next bytes are the next row's), so the padded rows and
+// get src-size 0 in copy_rows_edge (never read past a row: the next bytes are the next row's), so the padded rows and
 // columns of the accumulator are zeros, and the epilogue does not store them.
 #pragma once
 
@@ -133,50 +133,26 @@ struct MainloopVarlenK {
   // (16 B each, one 128-byte line per 8 threads: every warp-wide cp.async reads 4 whole lines), 16 rows per pass,
   // 4 passes; each thread copies the same chunk of every 64-column block of its 4 rows, so it needs 4 row indices
   // per operand and k-block, whatever the tile width.
+  //
+  // The producer's instructions per k-block bound these kernels: in warp-state samples of dW1 and dW2 on 120B
+  // (2048,64,4) the consumers waited for a full stage at 22-24 % of all samples while the producer seldom waited for
+  // an empty one, and it spent 192 instructions a warp per k-block on 16 copies. What it does per k-block is kept to
+  // the copies themselves: the gathered operand's indices through a per-tile pointer (immediate offsets), the
+  // contiguous operand's rows computed only for the blocks it takes by cp.async, the tiles' column offsets folded
+  // into per-tile base pointers, a whole-tile row's source one 32 x 32 -> 64-bit multiply-add (copy_rows_whole) and
+  // its validity one predicate for all its copies. That took dW1 and dW2 4-6 % fewer cycles under ncu on an H200
+  // (docs/BENCHMARKS.md, session 73).
 
   static constexpr int kRowsPerThread = kTileK / 16;
 
-  /// Source rows of this thread's rows r = row_in_pass + 16 j of k-block kb (-1: past the segment, zero-filled).
-  template <OperandK kOperand>
-  __device__ __forceinline__ static void source_rows(const std::int32_t* gather, const VarlenKTileCoord& c, int kb,
-                                                     int row_in_pass, int (&rows)[kRowsPerThread]) {
-#pragma unroll
-    for (int j = 0; j < kRowsPerThread; ++j) {
-      const int r = kb * kTileK + row_in_pass + 16 * j;  // row of the segment
-      const std::int64_t g = c.k_begin + r;
-      if constexpr (kOperand == OperandK::kGathered)
-        rows[j] = r < c.k_rows ? __ldg(gather + g) : -1;
-      else
-        rows[j] = r < c.k_rows ? static_cast<int>(g) : -1;
-    }
-  }
-
-  /// Copies this thread's chunks of one operand's k-block: kWidth / 64 blocks x 4 rows. `valid`: the operand's
-  /// columns from col0 on (M or N minus col0; at least kWidth for a whole tile, where every column test passes):
-  /// chunks at or past it are zero-filled (the extents are multiples of 8, so a chunk is wholly in or out).
+  /// Copies this thread's chunks of one operand's k-block of an edge tile: kWidth / 64 blocks x 4 rows. `valid`:
+  /// the operand's columns from col0 on (M or N minus col0, below kWidth): chunks at or past it are zero-filled (the
+  /// extents are multiples of 8, so a chunk is wholly in or out).
   template <int kWidth>
-  __device__ __forceinline__ static void copy_rows(std::uint32_t dst_stage, const Element* base, std::int64_t ld,
-                                                   std::int64_t col0, int valid, const int (&rows)[kRowsPerThread],
-                                                   int row_in_pass, std::uint32_t swizzled_chunk, int chunk) {
-    if (valid >= kWidth) {
-      // A whole tile (uniform): one source address per row, and the row's kWidth / 64 copies at constant offsets
-      // from it and from the row's shared-memory slot, which ptxas folds into the instructions' immediates. A row
-      // past the segment keeps a valid address (row 0 of the operand: the tile's columns exist there) and copies 0
-      // bytes (zero-fill). ncu on 120B (2048,64,4) showed the general path below costing the producer warps ~420
-      // instructions per k-block of dW1 (16 copies per thread, each with its own address selects) and the consumers
-      // waiting for data at 28 % of the kernel's stall samples; this path took dW1 2.6-4.9 % faster on an H100
-      // (docs/BENCHMARKS.md, session 29).
-#pragma unroll
-      for (int j = 0; j < kRowsPerThread; ++j) {
-        const bool row_ok = rows[j] >= 0;
-        const Element* src = base + (row_ok ? static_cast<std::int64_t>(rows[j]) * ld : 0) + col0 + chunk * 8;
-        const std::uint32_t dst = dst_stage + (row_in_pass + 16 * j) * 128 + swizzled_chunk;
-        const std::uint32_t bytes = row_ok ? 16u : 0u;
-#pragma unroll
-        for (int blk = 0; blk < kWidth / 64; ++blk) cp_async_16(dst + blk * kBlockBytes, src + blk * 64, bytes);
-      }
-      return;
-    }
+  __device__ __forceinline__ static void copy_rows_edge(std::uint32_t dst_stage, const Element* base,
+                                                        std::int64_t ld, std::int64_t col0, int valid,
+                                                        const int (&rows)[kRowsPerThread], int row_in_pass,
+                                                        std::uint32_t swizzled_chunk, int chunk) {
     bool col_ok[kWidth / 64];
 #pragma unroll
     for (int blk = 0; blk < kWidth / 64; ++blk) col_ok[blk] = blk * 64 + chunk * 8 < valid;
@@ -194,6 +170,50 @@ struct MainloopVarlenK {
     }
   }
 
+  static constexpr bool kGatheredA = !kContiguousA;
+
+  /// Copies this thread's chunks of a whole-width k-block from rows `rows` of `col_base` (the operand's base pointer
+  /// advanced to the tile's first column and this thread's chunk). Each row's source is one wide multiply-add of its
+  /// 32-bit index and a 32-bit byte stride (the dispatcher takes this kernel only for row strides below 2^30
+  /// elements); its kWidth / 64 copies sit at constant offsets from it and from its shared-memory slot (immediates).
+  /// A row past the segment (-1) gets row 0's address, which exists, and its copies read nothing (ignore-src:
+  /// zero-filled).
+  template <int kWidth>
+  __device__ __forceinline__ static void copy_rows_whole(std::uint32_t dst_stage, const Element* col_base,
+                                                         std::int64_t ld, const int (&rows)[kRowsPerThread],
+                                                         int row_in_pass, std::uint32_t swizzled_chunk) {
+    const char* bytes = reinterpret_cast<const char*>(col_base);
+    const int ld_bytes = static_cast<int>(ld) * 2;
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const bool row_ok = rows[j] >= 0;
+      const char* src = bytes + static_cast<std::int64_t>(max(rows[j], 0)) * ld_bytes;
+      const std::uint32_t dst = dst_stage + (row_in_pass + 16 * j) * 128 + swizzled_chunk;
+#pragma unroll
+      for (int blk = 0; blk < kWidth / 64; ++blk) cp_async_16_if(dst + blk * kBlockBytes, src + blk * 128, row_ok);
+    }
+  }
+
+  /// One operand's k-block: a whole tile (uniform) by copy_rows_whole, an edge tile by copy_rows_edge.
+  template <int kWidth>
+  __device__ __forceinline__ static void copy_operand(std::uint32_t dst_stage, const Element* base,
+                                                      const Element* col_base, std::int64_t ld, std::int64_t col0,
+                                                      int valid, const int (&rows)[kRowsPerThread], int row_in_pass,
+                                                      std::uint32_t swizzled_chunk, int chunk) {
+    if (valid >= kWidth)
+      copy_rows_whole<kWidth>(dst_stage, col_base, ld, rows, row_in_pass, swizzled_chunk);
+    else
+      copy_rows_edge<kWidth>(dst_stage, base, ld, col0, valid, rows, row_in_pass, swizzled_chunk, chunk);
+  }
+
+  /// This thread's rows r = row_in_pass + 16 j of the contiguous operand (rows g of the segment) for the k-block
+  /// whose rows from this thread's first on number `left` (-1: past the segment, zero-filled).
+  __device__ __forceinline__ static void contiguous_rows(std::int64_t first_row, int left,
+                                                         int (&rows)[kRowsPerThread]) {
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) rows[j] = 16 * j < left ? static_cast<int>(first_row + 16 * j) : -1;
+  }
+
   /// Fills the ring for every tile of this CTA, in the order the consumers take them. `ptid` in [0, 128).
   template <class Scheduler>
   __device__ __forceinline__ static void produce(const Params& p, const typename Scheduler::Params& sp, Storage s,
@@ -204,6 +224,7 @@ struct MainloopVarlenK {
     const std::uint32_t swizzled_chunk = static_cast<std::uint32_t>((chunk ^ (row_in_pass & 7)) << 4);
     const Element* a_base = static_cast<const Element*>(p.a);
     const Element* b_base = static_cast<const Element*>(p.b);
+    const std::int32_t* gather = kGatheredA ? p.a_gather : p.b_gather;
     int last_expert = -1, last_n_tile = -1;  // the previous tile on the ring
     int run = 0;  // tiles on the ring right before this one with its (expert, n-tile)
     for (int i = 0;; ++i) {
@@ -220,15 +241,23 @@ struct MainloopVarlenK {
       const std::int64_t a_col0 = static_cast<std::int64_t>(c.m_tile) * kTileM;
       const std::int64_t b_col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
       const int a_valid = p.M - static_cast<int>(a_col0), b_valid = p.N - static_cast<int>(b_col0);  // edge tiles
-      int rows_a[kRowsPerThread], rows_b[kRowsPerThread];
-      source_rows<kOperandA>(p.a_gather, c, 0, row_in_pass, rows_a);
-      if (!keep_b) source_rows<kOperandB>(p.b_gather, c, 0, row_in_pass, rows_b);
+      const Element* a_col = a_base + a_col0 + chunk * 8;  // this thread's chunk of the tile's first column block
+      const Element* b_col = b_base + b_col0 + chunk * 8;
+      // The gathered operand's row indices (none for a kept B), one k-block ahead: the next block's loads are in
+      // flight while this block waits for its stage and is copied.
+      const bool gathered_copies = kGatheredA || !keep_b;
+      const std::int32_t* index = gather + c.k_begin + row_in_pass;  // this thread's first row of the k-block
+      int left = c.k_rows - row_in_pass;  // the segment's rows from that row on
+      int rows_g[kRowsPerThread];
+#pragma unroll
+      for (int j = 0; j < kRowsPerThread; ++j)
+        rows_g[j] = gathered_copies && 16 * j < left ? __ldg(index + 16 * j) : -1;
       std::uint32_t iter = c.ring;
       for (int kb = 0; kb < c.k_tiles; ++kb, ++iter) {
-        // The next block's row indices: loads in flight while this block waits for its stage and is copied.
-        int next_a[kRowsPerThread], next_b[kRowsPerThread];
-        source_rows<kOperandA>(p.a_gather, c, kb + 1, row_in_pass, next_a);
-        if (!keep_b) source_rows<kOperandB>(p.b_gather, c, kb + 1, row_in_pass, next_b);
+        int next_g[kRowsPerThread];
+#pragma unroll
+        for (int j = 0; j < kRowsPerThread; ++j)
+          next_g[j] = gathered_copies && 16 * j < left - kTileK ? __ldg(index + kTileK + 16 * j) : -1;
         const int stage = static_cast<int>(iter % kStages);
         const std::uint32_t phase = (iter / kStages) & 1u;
         mbar_wait(&s.bar.empty[stage], phase ^ 1u, WaitSite::kProducerEmpty, iter);
@@ -245,15 +274,30 @@ struct MainloopVarlenK {
           for (int blk = 0; blk < kContiguousWidth / 64; ++blk)  // boxes past M or N arrive zero-filled
             tma_load_2d(&p.tma_contiguous, &s.bar.full[stage], dst + blk * 64 * kTileK, col0 + 64 * blk, row0);
         }
-        if (!(kContiguousA && by_tma))
-          copy_rows<kTileM>(smem_u32(&s.t.a[stage][0]), a_base, p.lda, a_col0, a_valid, rows_a, row_in_pass,
-                            swizzled_chunk, chunk);
-        if (!keep_b && !(kContiguousB && by_tma))
-          copy_rows<kTileN>(smem_u32(&s.t.b[stage][0]), b_base, p.ldb, b_col0, b_valid, rows_b, row_in_pass,
-                            swizzled_chunk, chunk);
+        if constexpr (kGatheredA) {
+          copy_operand<kTileM>(smem_u32(&s.t.a[stage][0]), a_base, a_col, p.lda, a_col0, a_valid, rows_g, row_in_pass,
+                               swizzled_chunk, chunk);
+          if (!keep_b && !by_tma) {
+            int rows_c[kRowsPerThread];
+            contiguous_rows(c.k_begin + kb * kTileK + row_in_pass, left, rows_c);
+            copy_operand<kTileN>(smem_u32(&s.t.b[stage][0]), b_base, b_col, p.ldb, b_col0, b_valid, rows_c,
+                                 row_in_pass, swizzled_chunk, chunk);
+          }
+        } else {
+          if (!by_tma) {
+            int rows_c[kRowsPerThread];
+            contiguous_rows(c.k_begin + kb * kTileK + row_in_pass, left, rows_c);
+            copy_operand<kTileM>(smem_u32(&s.t.a[stage][0]), a_base, a_col, p.lda, a_col0, a_valid, rows_c,
+                                 row_in_pass, swizzled_chunk, chunk);
+          }
+          if (!keep_b)
+            copy_operand<kTileN>(smem_u32(&s.t.b[stage][0]), b_base, b_col, p.ldb, b_col0, b_valid, rows_g,
+                                 row_in_pass, swizzled_chunk, chunk);
+        }
         cp_async_arrive_noinc(&s.bar.full[stage]);
 #pragma unroll
-        for (int j = 0; j < kRowsPerThread; ++j) rows_a[j] = next_a[j], rows_b[j] = next_b[j];
+        for (int j = 0; j < kRowsPerThread; ++j) rows_g[j] = next_g[j];
+        index += kTileK, left -= kTileK;
       }
     }
     cp_async_wait_all();

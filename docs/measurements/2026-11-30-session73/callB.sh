@@ -3,15 +3,18 @@
 # after call A): the gtest GPU suite (two shards) on GPU 0, meanwhile pytest's one-GPU tests and then compute-sanitizer
 # memcheck of four weight-gradient tests (edge tiles, strided operands, empty experts, NaN past the last routed row)
 # on GPU 1; then the expert-parallel tests on both.
+# (As run, its first version exported the in-tree package's variables inside GPU 1's subshell only: the
+# expert-parallel step could not import machmoe, and pytest took 300 s, past memcheck's start. callC.sh ran both.)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; export OUT; mkdir -p "$OUT"
 root=$PWD
+export MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so
 t0=$(date +%s)
 bash scripts/ab.sh build 2>&1 | tail -n 2
 ( CUDA_VISIBLE_DEVICES=0 bash scripts/ab.sh gboth > "$OUT/gboth.txt" 2>&1 ) &
 gt=$!
 (
-  export MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so CUDA_VISIBLE_DEVICES=1
+  export CUDA_VISIBLE_DEVICES=1
   timeout 330 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/python > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest one-GPU exit $?: $(tail -n 1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 )) s]"
   if [ $(( $(date +%s) - t0 )) -lt 300 ]; then

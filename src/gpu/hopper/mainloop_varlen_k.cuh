@@ -10,10 +10,11 @@
 // registers, so their latency hides behind the copies of the block before. The contiguous operand (A' or dH, rows g)
 // arrives by TMA for every whole k-block of a segment (one thread, (64 columns) x (64 rows) boxes: a quarter to a
 // half of the copies the producer issued before, and no per-thread address arithmetic for them), and by cp.async for
-// an expert's partial last block. Rows past the segment are zero-filled (src-size 0) for BOTH operands: the rows
-// after an expert's segment belong to the next expert, and past the last routed row the workspace may hold
-// uninitialised bits (NaN x 0 = NaN), so neither may reach the tensor cores; a TMA box could not stop at the
-// segment's end (its row extent is the buffer's, known on the host), hence the copies for the partial block.
+// an expert's partial last block. Rows past the segment are zero-filled (no source read: PTX's ignore-src in whole
+// tiles, src-size 0 in edge tiles) for BOTH operands: the rows after an expert's segment belong to the next expert,
+// and past the last routed row the workspace may hold uninitialised bits (NaN x 0 = NaN), so neither may reach the
+// tensor cores; a TMA box could not stop at the segment's end (its row extent is the buffer's, known on the host),
+// hence the copies for the partial block.
 // A stage's "full" barrier counts one cp.async arrival per producer thread (noinc) and one arrival of producer
 // thread 0: for a TMA-fed block an arrive.expect_tx of the box bytes issued before the boxes (as CUTLASS's TMA
 // pipelines do), for any other block a plain arrival. (A first version added the bytes with a bare, relaxed
@@ -49,7 +50,8 @@
 
 namespace machmoe::gpu::hopper {
 
-/// How an operand of the varlen-K mainloop reaches shared memory (both by cp.async).
+/// How an operand of the varlen-K mainloop reaches shared memory (the gathered one by cp.async, the contiguous one by
+/// TMA for whole k-blocks where it has a tensor map, else by cp.async).
 enum class OperandK : int {
   kGathered,    // rows picked by an index array (dO for dW2, X for dW1)
   kContiguous,  // grouped rows g themselves (A' for dW2, dH for dW1)
@@ -68,7 +70,7 @@ struct MainloopVarlenK {
   static_assert(kTileM % 64 == 0 && kTileN % 64 == 0, "64-column blocks of 128 bytes");
   // All 128 producer threads copy (PersistentKernel: every producer thread runs produce; the gather register split).
   static constexpr bool kGatherA = true;
-  // Registers of the producer: 4 row indices per operand, and the next block's 4 (the split of kernel.cuh:
+  // Registers of the producer: the gathered operand's 4 row indices and the next block's 4 (the split of kernel.cuh:
   // 128 (56 + 2 x 224) = 64512).
   static constexpr int kProducerRegs = 56;
 

@@ -26,6 +26,7 @@ import argparse
 import csv
 import lzma
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from typing import Dict, List, Optional, Tuple
 
 METRICS = ("gpc__cycles_elapsed.max", "gpu__time_duration.sum", "smsp__inst_executed.sum")
 DEFAULT_BENCH = "build/bin/machmoe-bench"
+RAW_ROW = re.compile(r'^"(ID|\d)')  # ncu's raw CSV: its header row and one row per launch (not the units row)
 
 
 class Side:
@@ -138,7 +140,7 @@ def run(args) -> int:
                 proc = subprocess.run(cmd, env={**os.environ, **side.env}, capture_output=True, text=True,
                                       timeout=args.timeout)
                 out.write(f"== ncu {config} {side.name}\n")
-                rows = [l for l in proc.stdout.splitlines() if l.startswith('"ID"') or l[:2] in {f'"{d}' for d in "0123456789"}]
+                rows = [l for l in proc.stdout.splitlines() if RAW_ROW.match(l)]  # header and launch rows
                 out.write("\n".join(rows) + ("\n" if rows else ""))
                 out.flush()
                 if proc.returncode != 0 or len(rows) < 2:

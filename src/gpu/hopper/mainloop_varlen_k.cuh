@@ -172,8 +172,6 @@ struct MainloopVarlenK {
     }
   }
 
-  static constexpr bool kGatheredA = !kContiguousA;
-
   /// Copies this thread's chunks of a whole-width k-block from rows `rows` of `col_base` (the operand's base pointer
   /// advanced to the tile's first column and this thread's chunk). Each row's source is one wide multiply-add of its
   /// 32-bit index and a 32-bit byte stride (the dispatcher takes this kernel only for row strides below 2^30
@@ -226,7 +224,7 @@ struct MainloopVarlenK {
     const std::uint32_t swizzled_chunk = static_cast<std::uint32_t>((chunk ^ (row_in_pass & 7)) << 4);
     const Element* a_base = static_cast<const Element*>(p.a);
     const Element* b_base = static_cast<const Element*>(p.b);
-    const std::int32_t* gather = kGatheredA ? p.a_gather : p.b_gather;
+    const std::int32_t* gather = kContiguousA ? p.b_gather : p.a_gather;
     int last_expert = -1, last_n_tile = -1;  // the previous tile on the ring
     int run = 0;  // tiles on the ring right before this one with its (expert, n-tile)
     for (int i = 0;; ++i) {
@@ -247,7 +245,7 @@ struct MainloopVarlenK {
       const Element* b_col = b_base + b_col0 + chunk * 8;
       // The gathered operand's row indices (none for a kept B), one k-block ahead: the next block's loads are in
       // flight while this block waits for its stage and is copied.
-      const bool gathered_copies = kGatheredA || !keep_b;
+      const bool gathered_copies = !kContiguousA || !keep_b;
       const std::int32_t* index = gather + c.k_begin + row_in_pass;  // this thread's first row of the k-block
       int left = c.k_rows - row_in_pass;  // the segment's rows from that row on
       int rows_g[kRowsPerThread];
@@ -276,7 +274,7 @@ struct MainloopVarlenK {
           for (int blk = 0; blk < kContiguousWidth / 64; ++blk)  // boxes past M or N arrive zero-filled
             tma_load_2d(&p.tma_contiguous, &s.bar.full[stage], dst + blk * 64 * kTileK, col0 + 64 * blk, row0);
         }
-        if constexpr (kGatheredA) {
+        if constexpr (!kContiguousA) {  // A gathered (dW2), B contiguous
           copy_operand<kTileM>(smem_u32(&s.t.a[stage][0]), a_base, a_col, p.lda, a_col0, a_valid, rows_g, row_in_pass,
                                swizzled_chunk, chunk);
           if (!keep_b && !by_tma) {
@@ -285,7 +283,7 @@ struct MainloopVarlenK {
             copy_operand<kTileN>(smem_u32(&s.t.b[stage][0]), b_base, b_col, p.ldb, b_col0, b_valid, rows_c,
                                  row_in_pass, swizzled_chunk, chunk);
           }
-        } else {
+        } else {  // A contiguous, B gathered (dW1)
           if (!by_tma) {
             int rows_c[kRowsPerThread];
             contiguous_rows(c.k_begin + kb * kTileK + row_in_pass, left, rows_c);

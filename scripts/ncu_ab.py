@@ -11,7 +11,9 @@ On the GPU machine:
         --configs 120B-2048,7B-256 --side old:MACHMOE_X=0 --side new:MACHMOE_X=1 --out ncu_ab.csv
     python3 scripts/ncu_ab.py run ... --side main@/tmp/bench_main --side variant@/tmp/bench_variant ...
 
-A side is NAME[:VAR=VALUE[,VAR=VALUE...]][@BINARY] (BINARY: default build/bin/machmoe-bench). Each round runs the
+A side is NAME[:VAR=VALUE[,VAR=VALUE...]][@BINARY] (BINARY: default build/bin/machmoe-bench). A configuration is a
+name of machmoe-bench's (7B-256) or NAME=OPTIONS with the options joined by ':' (sweep=--T:16384:--d:4096:--n:1024:
+--E:256:--K:4); NAME labels its runs. Each round runs the
 sides in order and then in reverse (A B B A), so a drift of the clock over the run falls on both alike. The output
 file holds, per run, a line `== ncu CONFIG SIDE` and ncu's raw CSV rows of its launches.
 
@@ -51,6 +53,14 @@ class Side:
             if not eq or not var:
                 raise ValueError(f"side {spec!r}: {item!r} is not VAR=VALUE")
             self.env[var] = value
+
+
+def config_args(spec: str) -> Tuple[str, List[str]]:
+    """(label, machmoe-bench options) of a configuration: a named one, or NAME=OPT:VALUE:... for explicit sizes."""
+    name, eq, options = spec.partition("=")
+    if not name or (eq and not options):
+        raise ValueError(f"configuration {spec!r}: expected NAME or NAME=--OPTION:VALUE:...")
+    return name, (options.split(":") if eq else ["--config", name])
 
 
 def _number(text: str) -> float:
@@ -130,12 +140,13 @@ def run(args) -> int:
     order = []
     for r in range(args.rounds):
         order += sides + sides[::-1]
+    configs = [config_args(c) for c in args.configs.split(",")]
     with open(args.out, "a") as out:
-        for config in args.configs.split(","):
+        for config, config_options in configs:
             for side in order:
                 cmd = ["ncu", "--clock-control", "none", "--kernel-name-base", "demangled", "-k", f"regex:{args.kernel}",
                        "--launch-skip", str(args.skip), "--launch-count", str(args.launches), "--csv", "--page", "raw",
-                       "--metrics", ",".join(METRICS), side.binary, "--config", config, "--iters", "1", "--warmup", "0",
+                       "--metrics", ",".join(METRICS), side.binary] + config_options + ["--iters", "1", "--warmup", "0",
                        "--warmup-ms", "0", "--time-ms", "0", "--stage-runs", "1"] + args.bench_args
                 proc = subprocess.run(cmd, env={**os.environ, **side.env}, capture_output=True, text=True,
                                       timeout=args.timeout)
@@ -158,7 +169,8 @@ def main(argv=None) -> int:
     r.add_argument("--kernel", required=True, help="regex of the demangled kernel name (namespaces included)")
     r.add_argument("--launches", type=int, default=2, help="launches per run (default 2)")
     r.add_argument("--skip", type=int, default=0, help="matching launches skipped first (default 0)")
-    r.add_argument("--configs", required=True, help="machmoe-bench configurations, comma-separated")
+    r.add_argument("--configs", required=True,
+                   help="machmoe-bench configurations, comma-separated: NAME or NAME=--OPTION:VALUE:...")
     r.add_argument("--side", action="append", default=[], help="NAME[:VAR=VALUE,...][@BINARY], two or more")
     r.add_argument("--rounds", type=int, default=1, help="rounds of A B ... B A (default 1)")
     r.add_argument("--timeout", type=int, default=120, help="seconds per ncu run (default 120)")

@@ -1,6 +1,7 @@
 """scripts/ncu_ab.py (kernel A/B by ncu's cycle counts) on a synthetic run file: runs split at their '== ncu' lines,
 ncu's units row and the program's own output ignored, per-side ranges and the change of the mean against the first
-side; side specifications parsed and refused with a message."""
+side; side and configuration specifications parsed and refused with a message; `run` alternating the sides with ncu
+stubbed out."""
 import importlib.util
 import pathlib
 
@@ -71,3 +72,44 @@ def test_errors_are_reported(tmp_path, capsys):
     assert ab.main(["run", "--kernel", "k", "--configs", "7B-256", "--side", "a", "--side", "b:X",
                     "--out", str(tmp_path / "o")]) == 2
     assert "not VAR=VALUE" in capsys.readouterr().err
+
+
+def test_configuration_specifications():
+    assert ab.config_args("7B-256") == ("7B-256", ["--config", "7B-256"])
+    assert ab.config_args("sweep=--T:16384:--d:4096") == ("sweep", ["--T", "16384", "--d", "4096"])
+    for bad in ("=--T:1", "sweep="):
+        with pytest.raises(ValueError, match="expected NAME or NAME="):
+            ab.config_args(bad)
+
+
+def test_run_alternates_the_sides_and_writes_their_rows(tmp_path, monkeypatch):
+    calls = []
+
+    class Done:
+        returncode = 0
+        stderr = ""
+
+        def __init__(self, cycles):
+            self.stdout = "\n".join(["==PROF== Connected", HEADER, UNITS, f'"0","k<0>","{cycles:,}","1","10"'])
+
+    def fake_run(cmd, env, capture_output, text, timeout):
+        calls.append((cmd, env.get("MACHMOE_X")))
+        return Done(1000 + len(calls))
+
+    monkeypatch.setattr(ab.subprocess, "run", fake_run)
+    out = tmp_path / "ab.csv"
+    assert ab.main(["run", "--kernel", "Mainloop", "--launches", "1", "--configs", "7B-256,sweep=--T:16:--E:4",
+                    "--side", "a", "--side", "b:MACHMOE_X=1@/tmp/bench_b", "--out", str(out), "--", "--cache",
+                    "input_only"]) == 0
+    binary = lambda cmd: cmd[cmd.index("--metrics") + 2]  # noqa: E731 (ncu's options, then the program)
+    assert [(binary(c), e) for c, e in calls] == [("build/bin/machmoe-bench", None), ("/tmp/bench_b", "1"),
+                                                  ("/tmp/bench_b", "1"), ("build/bin/machmoe-bench", None)] * 2
+    first, sweep = calls[0][0], calls[4][0]
+    assert first[:3] == ["ncu", "--clock-control", "none"] and "regex:Mainloop" in first
+    assert first[first.index("build/bin/machmoe-bench") + 1 :][:2] == ["--config", "7B-256"]
+    assert sweep[sweep.index("build/bin/machmoe-bench") + 1 :][:4] == ["--T", "16", "--E", "4"]
+    assert sweep[-2:] == ["--cache", "input_only"]
+    runs = ab.read_runs(out.read_text())
+    assert [(c, s) for c, s, _ in runs] == [("7B-256", "a"), ("7B-256", "b"), ("7B-256", "b"), ("7B-256", "a"),
+                                           ("sweep", "a"), ("sweep", "b"), ("sweep", "b"), ("sweep", "a")]
+    assert runs[5][2][0]["gpc__cycles_elapsed.max"] == "1,006"

@@ -211,6 +211,42 @@ ref::ForwardSaved<R> load_saved(const ArgChecker& c, const MoEProblem& p, const 
   check_range(scatter, "scatter", "a pair", P);
   check_range(inverse, "inverse", "a grouped row", P);
   check_range(gather, "gather", "a token", p.T);
+  // Then what ties the arrays to each other and to this problem's routing, also in O(P): scatter and inverse are
+  // inverse permutations, the pairs' tokens (gather[inverse[p]]) never decrease, and they are this problem's tokens:
+  // p / K for top-K, the saved per-token offsets otherwise. A buffer of another problem whose indices all fall in
+  // range (top-K with T = 50, K = 2 fed to T = 100, K = 1) passes the range checks but not these.
+  const auto not_ours = [&](const std::string& expected, const std::string& got) {
+    c.fail("buffers.saved", "the buffer forward() filled for this problem, whose " + expected,
+           got + ": the saved buffer does not belong to this problem (a forward of another problem with the same "
+                 "layout, or memory overwritten since)");
+  };
+  for (std::int64_t q = 0; q < P; ++q)
+    if (scatter[static_cast<std::size_t>(inverse[q])] != q)
+      not_ours("saved scatter and inverse are inverse permutations",
+               "scatter[inverse[" + std::to_string(q) + "]] = " + std::to_string(scatter[inverse[q]]));
+  std::int64_t previous_token = 0;
+  for (std::int64_t q = 0; q < P; ++q) {
+    const std::int64_t token = gather[static_cast<std::size_t>(inverse[q])];
+    if (token < previous_token)
+      not_ours("pairs' tokens (gather[inverse[p]]) never decrease",
+               "pair " + std::to_string(q) + " of token " + std::to_string(token) + " after one of token " +
+                   std::to_string(previous_token));
+    if (p.routing == RoutingMode::kTopK && token != q / p.K)
+      not_ours("pair p belongs to token p / K = p / " + std::to_string(p.K) + " (top-K)",
+               "pair " + std::to_string(q) + " of token " + std::to_string(token));
+    previous_token = token;
+  }
+  if (l.token_offsets.present()) {  // variable K: each token's pairs where the forward put them
+    const std::vector<std::int64_t> saved_offsets = get_int32(base, l.token_offsets, static_cast<std::size_t>(p.T + 1));
+    std::int64_t q = 0;
+    for (std::int64_t t = 0; t <= p.T; ++t) {
+      while (q < P && gather[static_cast<std::size_t>(inverse[q])] < t) ++q;
+      if (saved_offsets[static_cast<std::size_t>(t)] != q)
+        not_ours("saved token_offsets[t] is the number of pairs of the tokens before t",
+                 "token_offsets[" + std::to_string(t) + "] = " + std::to_string(saved_offsets[t]) +
+                     " where the pairs say " + std::to_string(q));
+    }
+  }
   ref::ForwardSaved<R> s;
   s.meta = ref::metadata_from_grouped(p.T, p.E, std::move(scatter), std::move(inverse), std::move(gather),
                                       std::move(off));

@@ -461,15 +461,16 @@ TEST(Validation, RejectedCallsWriteNothing) {
 }
 
 /// An fp64 top-K call of T tokens and K choices (E = 4, d = 8, n = 3, SwiGLU: w1 is (4, 6, 8)) over a saved buffer
-/// of its own, for the saved-buffer checks below.
+/// of its own, for the saved-buffer checks below (or token rounding to tiles of 8 rows).
 struct TopKCall {
   MoEProblem p;
   std::vector<double> x, wr, w1, w2, out, logits, gout, dx, dwr, dw1, dw2;
   std::vector<std::int32_t> counts;
   std::vector<unsigned char> saved;
 
-  TopKCall(std::int64_t T, std::int64_t K) {
-    p.T = T, p.d = 8, p.n = 3, p.E = 4, p.K = K, p.routing = RoutingMode::kTopK;
+  TopKCall(std::int64_t T, std::int64_t K, RoutingMode routing = RoutingMode::kTopK) {
+    p.T = T, p.d = 8, p.n = 3, p.E = 4, p.K = K, p.routing = routing;
+    p.tile_m = 8;  // token rounding: tiles of 8 rows
     auto fill = [](std::vector<double>& v, std::size_t n, double base) {
       v.resize(n);
       for (std::size_t i = 0; i < n; ++i) v[i] = base + 0.01 * double(i % 17) - 0.05 + 0.003 * double(i % 29);
@@ -558,6 +559,53 @@ TEST(Validation, SavedBufferOfAnotherProblemIsRefused) {
     expect_error([&] { c.backward_call(); }, {"'buffers.saved'", "gather[0]", "[0, 50)", "-3"});
     for (std::vector<double>* v : c.grads()) EXPECT_EQ(*v, std::vector<double>(v->size(), 7.0));
   }
+}
+
+// The other way round, every index falls in range (tokens below 50 in a problem of 100): the arrays' consistency with
+// this problem's routing refuses it, where it used to give wrong gradients. So do arrays that are each in range but
+// not consistent with each other, and token rounding's saved per-token offsets.
+TEST(Validation, SavedBufferInRangeButNotThisProblemsIsRefused) {
+  TopKCall wide(100, 1), narrow(50, 2);
+  const SavedLayout lw = saved_layout(wide.p, DType::kFP64);
+  narrow.forward_call();
+  wide.forward_call();
+  EXPECT_NO_THROW(wide.backward_call()) << "its own saved buffer";
+  for (std::vector<double>* v : wide.grads()) v->assign(v->size(), 7.0);
+  wide.saved = narrow.saved;  // pair p of token p / 2, in a problem whose pair p is token p's
+  expect_error([&] { wide.backward_call(); },
+               {"machmoe::backward", "'buffers.saved'", "p / K = p / 1 (top-K)", "pair 1 of token 0",
+                "does not belong to this problem"});
+  for (std::vector<double>* v : wide.grads()) EXPECT_EQ(*v, std::vector<double>(v->size(), 7.0));
+
+  // Two entries of inverse swapped: each in range, the two arrays no longer inverse permutations.
+  {
+    TopKCall c(100, 1);
+    c.forward_call();
+    std::int32_t a = 0, b = 0;
+    std::memcpy(&a, c.saved.data() + lw.inverse.offset + 3 * sizeof a, sizeof a);
+    std::memcpy(&b, c.saved.data() + lw.inverse.offset + 4 * sizeof b, sizeof b);
+    std::memcpy(c.saved.data() + lw.inverse.offset + 3 * sizeof b, &b, sizeof b);
+    std::memcpy(c.saved.data() + lw.inverse.offset + 4 * sizeof a, &a, sizeof a);
+    for (std::vector<double>* g : c.grads()) g->assign(g->size(), 7.0);
+    expect_error([&] { c.backward_call(); }, {"'buffers.saved'", "inverse permutations", "scatter[inverse[3]] = 4"});
+    for (std::vector<double>* v : c.grads()) EXPECT_EQ(*v, std::vector<double>(v->size(), 7.0));
+  }
+
+  // Token rounding: its own buffer passes; one of the saved per-token offsets moved does not.
+  TopKCall tr(40, 2, RoutingMode::kTokenRounding);
+  const SavedLayout lt = saved_layout(tr.p, DType::kFP64);
+  ASSERT_TRUE(lt.token_offsets.present());
+  tr.forward_call();
+  EXPECT_NO_THROW(tr.backward_call()) << "its own saved buffer";
+  std::int32_t off = 0;
+  std::memcpy(&off, tr.saved.data() + lt.token_offsets.offset + 7 * sizeof off, sizeof off);
+  ++off;
+  std::memcpy(tr.saved.data() + lt.token_offsets.offset + 7 * sizeof off, &off, sizeof off);
+  for (std::vector<double>* g : tr.grads()) g->assign(g->size(), 7.0);
+  const std::string moved = "token_offsets[7] = " + std::to_string(off);
+  expect_error([&] { tr.backward_call(); },
+               {"'buffers.saved'", "token_offsets[t] is the number of pairs of the tokens before t", moved.c_str()});
+  for (std::vector<double>* v : tr.grads()) EXPECT_EQ(*v, std::vector<double>(v->size(), 7.0));
 }
 
 TEST(Validation, NameParsersListTheAcceptedNames) {

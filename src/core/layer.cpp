@@ -211,10 +211,12 @@ ref::ForwardSaved<R> load_saved(const ArgChecker& c, const MoEProblem& p, const 
   check_range(scatter, "scatter", "a pair", P);
   check_range(inverse, "inverse", "a grouped row", P);
   check_range(gather, "gather", "a token", p.T);
-  // Then what ties the arrays to each other and to this problem's routing, also in O(P): scatter and inverse are
-  // inverse permutations, the pairs' tokens (gather[inverse[p]]) never decrease, and they are this problem's tokens:
-  // p / K for top-K, the saved per-token offsets otherwise. A buffer of another problem whose indices all fall in
-  // range (top-K with T = 50, K = 2 fed to T = 100, K = 1) passes the range checks but not these.
+  // Then what ties the arrays to each other and to this problem, also in O(P): scatter and inverse are inverse
+  // permutations, the pairs' tokens (gather[inverse[p]]) never decrease, and for top-K pair p is token p / K. A
+  // buffer of another problem whose indices all fall in range (top-K with T = 50, K = 2 fed to T = 100, K = 1) passes
+  // the range checks but not these. With a variable K the saved per-token offsets must agree with the pairs (the
+  // reference rebuilds them from the pairs, so this finds a buffer overwritten since, not another problem's); the
+  // full backward with caller-supplied routing compares the pairs with the caller's (reference_backward).
   const auto not_ours = [&](const std::string& expected, const std::string& got) {
     c.fail("buffers.saved", "the buffer forward() filled for this problem, whose " + expected,
            got + ": the saved buffer does not belong to this problem (a forward of another problem with the same "
@@ -279,6 +281,15 @@ ref::BackwardResult<R> reference_backward(const ArgChecker& c, const MoEProblem&
   std::vector<std::vector<R>> store;
   std::vector<std::vector<std::int64_t>> index_store;
   const ref::LayerInputs<R> in = read_inputs<R>(p, x, w, routing, store, index_store);
+  if (p.routing == RoutingMode::kCallerSupplied)  // the caller's pairs again: the saved ones must be these
+    for (std::int64_t q = 0; q < saved.meta.num_pairs(); ++q)
+      if (saved.meta.pair_token[q] != in.pair_token[q] || saved.meta.pair_expert[q] != in.pair_expert[q])
+        c.fail("buffers.saved",
+               "the buffer forward() filled for these routing triples, whose pair " + std::to_string(q) +
+                   " is token " + std::to_string(in.pair_token[q]) + ", expert " + std::to_string(in.pair_expert[q]),
+               "token " + std::to_string(saved.meta.pair_token[q]) + ", expert " +
+                   std::to_string(saved.meta.pair_expert[q]) +
+                   " in the saved buffer: it does not belong to this problem (a forward of other pairs)");
   const std::vector<R> grad_out = detail::read_real<R>(bin.grad_out);
   std::vector<R> grad_logits;
   if (!bin.grad_router_logits.empty()) grad_logits = detail::read_real<R>(bin.grad_router_logits);

@@ -562,8 +562,9 @@ TEST(Validation, SavedBufferOfAnotherProblemIsRefused) {
 }
 
 // The other way round, every index falls in range (tokens below 50 in a problem of 100): the arrays' consistency with
-// this problem's routing refuses it, where it used to give wrong gradients. So do arrays that are each in range but
-// not consistent with each other, and token rounding's saved per-token offsets.
+// this problem's routing refuses it, where it used to give wrong gradients; so are arrays that are each in range but
+// not inverse permutations, a caller-routed buffer fed with other pairs, and (integrity only: the reference rebuilds
+// them) token rounding's saved per-token offsets that disagree with its pairs.
 TEST(Validation, SavedBufferInRangeButNotThisProblemsIsRefused) {
   TopKCall wide(100, 1), narrow(50, 2);
   const SavedLayout lw = saved_layout(wide.p, DType::kFP64);
@@ -589,6 +590,24 @@ TEST(Validation, SavedBufferInRangeButNotThisProblemsIsRefused) {
     for (std::vector<double>* g : c.grads()) g->assign(g->size(), 7.0);
     expect_error([&] { c.backward_call(); }, {"'buffers.saved'", "inverse permutations", "scatter[inverse[3]] = 4"});
     for (std::vector<double>* v : c.grads()) EXPECT_EQ(*v, std::vector<double>(v->size(), 7.0));
+  }
+
+  // Caller-supplied routing: the same T, E and pair count, other pairs in the backward than in the forward.
+  for (const bool other_expert : {false, true}) {
+    Call c(RoutingMode::kCallerSupplied);
+    c.forward_call();
+    EXPECT_NO_THROW(c.backward_call()) << "its own pairs";
+    if (other_expert)
+      c.exp[4] = 0;  // pair 4: token 3, expert 1 in the forward
+    else
+      c.tok = {0, 1, 1, 3, 3, 5};  // pair 1: token 0 in the forward
+    for (std::vector<double>* v : {&c.dx, &c.dw1, &c.dw2, &c.db1, &c.dscores}) v->assign(v->size(), 7.0);
+    expect_error([&] { c.backward_call(); },
+                 {"'buffers.saved'", "these routing triples",
+                  other_expert ? "pair 4 is token 3, expert 0" : "pair 1 is token 1, expert 2",
+                  other_expert ? "token 3, expert 1 in the saved buffer" : "token 0, expert 2 in the saved buffer"});
+    for (std::vector<double>* v : {&c.dx, &c.dw1, &c.dw2, &c.db1, &c.dscores})
+      EXPECT_EQ(*v, std::vector<double>(v->size(), 7.0)) << "a gradient written";
   }
 
   // Token rounding: its own buffer passes; one of the saved per-token offsets moved does not.

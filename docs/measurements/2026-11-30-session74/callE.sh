@@ -21,15 +21,15 @@ bash scripts/ab.sh build 2>&1 | tail -n 2
 echo "new build: $(( $(date +%s) - t0 )) s"
 python3 scripts/ncu_ab.py run --kernel MainloopVarlenK --launches 2 --rounds 1 \
   --configs 120B-2048,7B-256,30B-1024,30B-256 \
-  --side main@/tmp/bench_main --side off:MACHMOE_WGRAD_BORROW=0 --side new --timeout 60 --out "$OUT/ncu.csv"
+  --side main@/tmp/bench_main --side off:MACHMOE_WGRAD_BORROW=0 --side new --timeout 60 --out "$OUT/callE_ncu.csv"
 echo "ncu_ab exit $? ($(( $(date +%s) - t0 )) s)"
-python3 scripts/ncu_ab.py table "$OUT/ncu.csv" --labels dW2,dW1 | tee "$OUT/ncu_table.md"
+python3 scripts/ncu_ab.py table "$OUT/callE_ncu.csv" --labels dW2,dW1 | tee "$OUT/callE_ncu_table.md"
 for side in main new new main; do
   left 330 || { echo "== skipped $side: time"; continue; }
   bin=./build/bin/machmoe-bench; [ $side = main ] && bin=/tmp/bench_main
   echo "== 120B-2048 $side"
   timeout 40 $bin --config 120B-2048 --warmup-ms 200 --time-ms 300 --stage-runs 3 2>/dev/null |
     grep -E "^  (forward|backward) |backward/dw[12]"
-done | tee "$OUT/bench.txt"
-xz -f "$OUT/ncu.csv"
+done | tee "$OUT/callE_bench.txt"
+xz -f "$OUT/callE_ncu.csv"
 echo "total: $(( $(date +%s) - t0 )) s"

@@ -134,6 +134,12 @@ __device__ __forceinline__ void cp_async_16_if(std::uint32_t dst, const void* sr
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+/// One 32-bit store to shared memory at a 32-bit shared address (for memory reached through an address rather than a
+/// pointer of the shared window: the weight gradients' borrowed ring stage).
+__device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
 /// Generic-proxy writes to shared memory (cp.async, st.shared) made visible to the async proxy (wgmma, TMA).
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -172,21 +178,29 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
                "r"(smem_u32(src)), "r"(c0), "r"(c1)
                : "memory");
 }
-/// The same into a 3D tensor (the weight gradients: columns, rows of one expert, expert), clipped at each extent.
-__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+/// The same into a 3D tensor (the weight gradients: columns, rows of one expert, expert), clipped at each extent; the
+/// source as a 32-bit shared address or as a pointer.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, std::uint32_t src, int c0, int c1, int c2) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
                    reinterpret_cast<std::uint64_t>(map)),
-               "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
                : "memory");
+}
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+  tma_store_3d(map, smem_u32(src), c0, c1, c2);
 }
 /// And into a 4D tensor (the weight gradients with the concatenated GLU row map: columns, row in the gate or up
 /// half, half, expert).
-__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, int c0, int c1, int c2,
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, std::uint32_t src, int c0, int c1, int c2,
                                              int c3) {
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(
                    reinterpret_cast<std::uint64_t>(map)),
-               "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                : "memory");
+}
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, int c0, int c1, int c2,
+                                             int c3) {
+  tma_store_4d(map, smem_u32(src), c0, c1, c2, c3);
 }
 
 /// Element offset of (row, col), col < 64, in a 64-column bf16 box of TMA's 128-byte swizzle

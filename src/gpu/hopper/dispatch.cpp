@@ -515,6 +515,17 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
     }
     p.epilogue.tma_store = true;
   }
+  // The cooperative tile's TMA epilogue also stages into the tile's last ring stage (one round instead of four;
+  // epilogue_wgrad.cuh). Not with groups of m-tiles, whose tiles keep B on the ring.
+  // MACHMOE_WGRAD_BORROW=0 keeps the four rounds (bitwise the same results; for A/B timing).
+  static const bool borrow_wanted = [] {
+    const char* v = std::getenv("MACHMOE_WGRAD_BORROW");
+    return !(v != nullptr && v[0] == '0');
+  }();
+  if (borrow_wanted && p.epilogue.tma_store && tiles.tile_n == 256 && p.scheduler.m_group == 1) {
+    p.epilogue.borrow_stage = true;
+    p.mainloop.keep_b_allowed = false;
+  }
   const bool dw2 = a.a_gather != nullptr;  // else dW1 (wgrad_unsupported_reason: exactly one operand gathered)
   const int sms = dev.sm_count;
   if (dw2 && tiles.tile_n == 256)

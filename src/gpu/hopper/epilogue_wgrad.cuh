@@ -22,6 +22,15 @@
 // mainloop, which on short segments (a few k-blocks per tile) is where the register-to-global path above left the
 // tensor cores idle. The accumulate mode (it reads the destination) and fp32 output keep the path above.
 //
+// The cooperative tile borrows 16 KiB per warpgroup of the tile's last ring stage (EpilogueWgradParams::borrow_stage,
+// kernel.cuh's BorrowsStage): the mainloop does not release that stage, the warpgroup stages its whole 64 x 256
+// share at once (two blocks in its own buffer, two in the stage: the A tile for the first warpgroup, half the B tile
+// for the second, written once both warpgroups' WGMMAs are done with it) and sends it after one fence and one
+// barrier, where its own 16 KiB alone take four rounds of fence, wait and barrier; the stage goes back to the
+// producer once the stores have read it, after the next tile's first WGMMAs are issued. The ring keeps its four
+// stages. (A 3-stage ring with 32 KiB buffers did the same in one round and lost the stage: slower where segments are
+// short; docs/BENCHMARKS.md, session 74.) Not with groups of m-tiles, whose tiles keep B on the ring.
+//
 // WGMMA accumulator fragment (per 64-row atom): value (v0, v1, v2) of a thread holds row 8 v1 + lane / 4 (+16 per
 // warp) and column 8 v2 + 2 (lane % 4) + v0 (epilogue_staging.cuh).
 #pragma once
@@ -38,13 +47,15 @@
 namespace machmoe::gpu::hopper {
 
 /// Compile-time variant of the weight-gradient epilogue, chosen once per kernel outside the persistent loop.
-template <bool kFp32_, bool kAccumulate_, bool kTma_ = false, bool kConcat_ = false>
+template <bool kFp32_, bool kAccumulate_, bool kTma_ = false, bool kConcat_ = false, bool kBorrowStage_ = false>
 struct EpilogueWgradVariant {
   static constexpr bool kFp32 = kFp32_;          // fp32 output (else bf16)
   static constexpr bool kAccumulate = kAccumulate_;  // out += C
   static constexpr bool kTma = kTma_;            // bf16 overwrite by TMA store
   static constexpr bool kConcat = kConcat_;      // (TMA path) the concatenated GLU row map
+  static constexpr bool kBorrowStage = kBorrowStage_;  // (TMA path) also staged into the tile's last ring stage
   static_assert(!kTma || (!kFp32 && !kAccumulate), "the TMA store path is the bf16 overwrite");
+  static_assert(!kBorrowStage || kTma, "the borrowed stage holds TMA blocks");
   static_assert(kTma || !kConcat, "the register path reads the row map at run time");
 };
 
@@ -83,6 +94,15 @@ struct EpilogueWgrad {
 
   template <class F>
   __device__ __forceinline__ static void with_variant(const Params& p, F&& f) {
+    if constexpr (TileTraits<Tile>::kCooperative) {
+      if (p.tma_store && p.borrow_stage) {  // the host sets borrow_stage for the cooperative tile only
+        if (p.glu_concat_n > 0)
+          f(EpilogueWgradVariant<false, false, true, true, true>{});
+        else
+          f(EpilogueWgradVariant<false, false, true, false, true>{});
+        return;
+      }
+    }
     if (p.tma_store) {  // the host sets it only for a bf16 overwrite
       if (p.glu_concat_n > 0)
         f(EpilogueWgradVariant<false, false, true, true>{});
@@ -124,6 +144,65 @@ struct EpilogueWgrad {
       raw.x = *reinterpret_cast<const std::uint32_t*>(&lo);
       raw.y = *reinterpret_cast<const std::uint32_t*>(&hi);
       *static_cast<uint2*>(dst) = raw;
+    }
+  }
+
+  /// The TMA store path with 16 KiB of the tile's last ring stage borrowed (cooperative tile): the warpgroup's four
+  /// 64 x 64 blocks staged at once, blocks 0 and 1 in its own buffer, 2 and 3 in the borrowed memory once both
+  /// warpgroups' WGMMAs are done reading that stage, then one fence, one barrier and four stores.
+  template <bool kConcat, class Accumulator>
+  __device__ __forceinline__ static void store_tma_borrowed(const Params& p, Storage& st, Accumulator& acc,
+                                                            const VarlenKTileCoord& c, int row_base, int wg_thread,
+                                                            int barrier_id, std::uint32_t borrowed) {
+    using namespace cute;
+    static_assert(kRowAtoms == 1 && kTileN == 256, "the cooperative 128 x 256 tile: four 64 x 64 blocks a warpgroup");
+    constexpr int kBlockElems = kRows * 64;
+    const bool empty = c.k_tiles == 0;
+    const int warp = wg_thread / 32, lane = wg_thread % 32;
+    const int quad = lane % 4, row_in_warp = lane / 4;
+    const int n_valid = p.N - c.n_tile * kTileN;
+    auto* own = reinterpret_cast<__nv_bfloat16*>(st.staged);
+    if (wg_thread == 0) bulk_wait_group_read0();  // the own buffer: the previous tile's stores have read it
+    named_barrier_sync(barrier_id, 128);
+    const int row = c.m_tile * kTileM + row_base;
+    CUTE_UNROLL
+    for (int b = 0; b < 4; ++b) {
+      if (b * 64 >= n_valid) break;  // uniform across both warpgroups (same tile)
+      // Both warpgroups' WGMMAs have read the stage before either writes into it.
+      if (b == 2) named_barrier_sync(static_cast<int>(NamedBarrier::kConsumersDone), 256);
+      CUTE_UNROLL
+      for (int v2 = b * 8; v2 < b * 8 + 8; ++v2) {
+        CUTE_UNROLL
+        for (int v1 = 0; v1 < 2; ++v1) {
+          const int tile_r = warp * 16 + v1 * 8 + row_in_warp, col = (v2 - b * 8) * 8 + quad * 2;
+          const int r = kConcat ? (tile_r & 1) * 32 + (tile_r >> 1) : tile_r;
+          const float x0 = empty ? 0.0f : acc(make_coord(make_coord(0, v1, v2), 0, 0));
+          const float x1 = empty ? 0.0f : acc(make_coord(make_coord(1, v1, v2), 0, 0));
+          const __nv_bfloat162 pair = __floats2bfloat162_rn(x0, x1);
+          const int offset = (b % 2) * kBlockElems + tma_swizzle128_bf16_offset(r, col);
+          if (b < 2)
+            *reinterpret_cast<__nv_bfloat162*>(&own[offset]) = pair;
+          else
+            st_shared_u32(borrowed + 2 * offset, *reinterpret_cast<const std::uint32_t*>(&pair));
+        }
+      }
+    }
+    fence_proxy_async_shared();  // the st.shared writes, visible to the copy engine
+    named_barrier_sync(barrier_id, 128);
+    if (wg_thread == 0) {
+      CUTE_UNROLL
+      for (int b = 0; b < 4; ++b) {
+        if (b * 64 >= n_valid) break;
+        const std::uint32_t buf = (b < 2 ? smem_u32(own) : borrowed) + (b % 2) * kBlockElems * 2;
+        const int col0 = c.n_tile * kTileN + b * 64;
+        if constexpr (kConcat) {
+          tma_store_4d(&p.tma_out, buf, col0, row / 2, 0, c.expert);
+          tma_store_4d(&p.tma_out, buf + 32 * 64 * 2, col0, row / 2, 1, c.expert);
+        } else {
+          tma_store_3d(&p.tma_out, buf, col0, row, c.expert);
+        }
+      }
+      bulk_commit_group();
     }
   }
 
@@ -185,11 +264,19 @@ struct EpilogueWgrad {
   }
 
   /// row_base: the warpgroup's first row in the tile (cooperative: 0 or 64).
+  /// borrowed (Variant::kBorrowStage): 16 KiB of the tile's last ring stage (32-bit shared address; 0 for a tile
+  /// without k-blocks).
   template <class Variant, class Accumulator>
   __device__ __forceinline__ static void apply(const Params& p, Storage& st, Accumulator& acc,
                                                const VarlenKTileCoord& c, int row_base, int wg_thread,
-                                               int barrier_id) {
+                                               int barrier_id, std::uint32_t borrowed = 0) {
     using namespace cute;
+    if constexpr (Variant::kBorrowStage) {
+      if (c.k_tiles > 0) {  // a stage was held (uniform across both warpgroups: the same tile)
+        store_tma_borrowed<Variant::kConcat>(p, st, acc, c, row_base, wg_thread, barrier_id, borrowed);
+        return;
+      }
+    }
     if constexpr (Variant::kTma) {
       store_tma<Variant::kConcat>(p, st, acc, c, row_base, wg_thread, barrier_id);
       return;

@@ -42,6 +42,14 @@ struct EpilogueHooks<E, std::void_t<typename E::State>> {
   using State = typename E::State;
 };
 
+/// An epilogue variant that stages into the tile's last ring stage declares kBorrowStage: the mainloop then holds
+/// that stage (consume's hold_last), the epilogue gets 16 KiB of it per consumer warpgroup (Mainloop::borrowable),
+/// and the stage is released once the epilogue's stores have read it, after the next tile's first WGMMAs are issued.
+template <class V, class = void>
+struct BorrowsStage : std::false_type {};
+template <class V>
+struct BorrowsStage<V, std::void_t<decltype(V::kBorrowStage)>> : std::bool_constant<V::kBorrowStage> {};
+
 template <class Tile, class Mainloop_, class Epilogue_, class Scheduler_>
 struct PersistentKernel {
   using TileConfig = Tile;
@@ -84,6 +92,7 @@ struct PersistentKernel {
     constexpr int kStep = Traits::kCooperative ? 1 : Traits::kConsumerWarpgroups;
     const int mma_thread = Traits::kCooperative ? consumer * 128 + wg_thread : wg_thread;
     const int row_base = Traits::kCooperative ? consumer * 64 : 0;
+    int held = -1;  // a borrowing epilogue's stage of the previous tile, not yet released
     for (int i = Traits::kCooperative ? 0 : consumer;; i += kStep) {  // i: position in this CTA's tile sequence
       const auto c = sched.get(i);  // the scheduler's coordinate type (varlen-M: TileCoord)
       if (!c.valid()) break;
@@ -103,6 +112,23 @@ struct PersistentKernel {
       if constexpr (EpilogueHooks<Epilogue>::kHooks)
         Epilogue::tile_start(p.epilogue, s.epilogue[consumer], epilogue_state, c, row_base, wg_thread,
                              epilogue_barrier(consumer));
+      if constexpr (BorrowsStage<Variant>::value) {
+        const int now_held = Mainloop::consume(
+            p.mainloop, ring, acc, c, i, mma_thread,
+            [&] {  // the previous tile's borrowed stage, free once its stores have read it
+              if (held >= 0) {
+                bulk_wait_group_read0();  // every thread: one without bulk groups passes at once
+                if (wg_thread == 0) mbar_arrive(&s.barriers.empty[held]);
+              }
+              held = -1;
+            },
+            [] {}, /*hold_last=*/true);
+        Epilogue::template apply<Variant>(p.epilogue, s.epilogue[consumer], acc, c, row_base, wg_thread,
+                                          epilogue_barrier(consumer),
+                                          now_held >= 0 ? Mainloop::borrowable(ring, now_held, consumer) : 0u);
+        held = now_held;
+        continue;
+      }
       Mainloop::consume(
           p.mainloop, ring, acc, c, i, mma_thread,
           [&] {
@@ -118,6 +144,11 @@ struct PersistentKernel {
         Epilogue::template apply<Variant>(p.epilogue, s.epilogue[consumer], acc, c, row_base, wg_thread,
                                           epilogue_barrier(consumer));
     }
+    if constexpr (BorrowsStage<Variant>::value)
+      if (held >= 0 && wg_thread == 0) {  // released for symmetry: the producer has no tile left to put there
+        bulk_wait_group_read0();
+        mbar_arrive(&s.barriers.empty[held]);
+      }
     if (wg_thread == 0) bulk_wait_group0();  // this warpgroup's last TMA stores have landed
   }
 

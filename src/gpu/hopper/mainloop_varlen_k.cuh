@@ -237,7 +237,7 @@ struct MainloopVarlenK {
       // on the very stages this tile's take (ring positions kStages apart), and the tiles in between used the other
       // stages. If that tile had this (expert, n-tile), its B operand (the same rows and columns, zero-filled the same
       // way) is still there: only A is loaded. The consumers read the stages as always.
-      const bool keep_b = kStages % c.k_tiles == 0 && run >= kStages / c.k_tiles;
+      const bool keep_b = p.keep_b_allowed && kStages % c.k_tiles == 0 && run >= kStages / c.k_tiles;
       const std::int64_t a_col0 = static_cast<std::int64_t>(c.m_tile) * kTileM;
       const std::int64_t b_col0 = static_cast<std::int64_t>(c.n_tile) * kTileN;
       const int a_valid = p.M - static_cast<int>(a_col0), b_valid = p.N - static_cast<int>(b_col0);  // edge tiles
@@ -305,21 +305,31 @@ struct MainloopVarlenK {
 
   // ---- consumer ------------------------------------------------------------------------------------------------
 
+  /// The shared memory (32-bit shared address) a borrowing epilogue may stage into once both consumers are done with
+  /// `stage` (16 KiB per consumer warpgroup: the A tile for the first, the first half of the B tile for the second).
+  __device__ __forceinline__ static std::uint32_t borrowable(Storage s, int stage, int consumer) {
+    static_assert(kTileM * kTileK * 2 == 16 * 1024 && kTileN * kTileK * 2 >= 16 * 1024, "16 KiB per consumer");
+    return consumer == 0 ? smem_u32(&s.t.a[stage][0]) : smem_u32(&s.t.b[stage][0]);
+  }
+
   /// Accumulates tile `c` into `acc` (zeroed by the first WGMMA). A tile without k-blocks leaves `acc` untouched:
   /// the epilogue stores zeros for it (clearing the registers here, with non-WGMMA instructions, made ptxas
   /// serialise every WGMMA of the kernel, warning C7515).
   /// `on_first_issue` runs (on every thread) once the first k-block's WGMMAs are issued, `on_last_wait` once this
   /// warpgroup has seen the tile's last stage arrive (both at once for a tile without k-blocks).
+  /// hold_last: the tile's last stage is not released (a borrowing epilogue stages into it, and the caller releases
+  /// it): its index is returned; -1 for a tile without k-blocks or without hold_last.
   template <class Accumulator, class OnFirstIssue, class OnLastWait>
-  __device__ __forceinline__ static void consume(const Params&, Storage s, Accumulator& acc,
-                                                 const VarlenKTileCoord& c, int /*tile_index*/, int mma_thread,
-                                                 OnFirstIssue&& on_first_issue, OnLastWait&& on_last_wait) {
+  __device__ __forceinline__ static int consume(const Params&, Storage s, Accumulator& acc,
+                                                const VarlenKTileCoord& c, int /*tile_index*/, int mma_thread,
+                                                OnFirstIssue&& on_first_issue, OnLastWait&& on_last_wait,
+                                                bool hold_last = false) {
     using namespace cute;
     const int wg_thread = mma_thread % 128;
     if (c.k_tiles == 0) {  // the accumulator is left as it is; the epilogue writes zeros for such a tile
       on_first_issue();
       on_last_wait();
-      return;
+      return -1;
     }
     TiledMma mma;
     Tensor sA = make_tensor(make_smem_ptr(&s.t.a[0][0]), SmemLayoutA{});
@@ -352,7 +362,11 @@ struct MainloopVarlenK {
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
+    // (From the coordinate, not from previous_stage: a loop value live past the loop moved the whole loop's stage
+    // and WGMMA descriptor arithmetic from uniform to ordinary registers.)
+    if (hold_last) return static_cast<int>((c.ring + static_cast<std::uint32_t>(c.k_tiles) - 1) % kStages);
     if (wg_thread == 0) mbar_arrive(&s.bar.empty[previous_stage]);
+    return -1;
   }
 };
 

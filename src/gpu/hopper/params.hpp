@@ -128,6 +128,9 @@ struct MainloopVarlenKParams {
   // columns past M or N zero-filled. Unset (contiguous_tma false): cp.async for every block, as for the gathered one.
   CUtensorMap tma_contiguous;
   bool contiguous_tma = false;
+  // The epilogue stages into each tile's last stage (EpilogueWgradParams::borrow_stage): B is then never kept on
+  // the ring for a later tile (half of the stage's B holds staged output).
+  bool keep_b_allowed = true;
 };
 
 /// The weight-gradient epilogue (epilogue_wgrad.cuh): out[e * out_expert_stride + map(m) * ld_out + n] = C (or
@@ -144,6 +147,9 @@ struct EpilogueWgradParams {
   // (N, n, 2, E), box (64, 32, 1, 1), a 64-row block's gate rows and up rows in two boxes.
   bool tma_store = false;
   CUtensorMap tma_out;
+  // (Cooperative tile, TMA path) the epilogue also stages into the tile's last ring stage, which the mainloop holds
+  // until the stores have read it: a warpgroup's whole 64 x 256 share in one round.
+  bool borrow_stage = false;
 };
 
 template <class MainloopParams, class EpilogueParams, class SchedulerParams = VarlenMSchedulerParams>

@@ -59,8 +59,9 @@ struct TileTraits {
   static_assert(Tile::kClusterM == 1 || Tile::kClusterM == 2, "clusters of 1 or 2 CTAs along M");
 };
 
-/// Named barrier ids (id 0 is __syncthreads): one per consumer warpgroup for its epilogue's staging buffer.
-enum class NamedBarrier : int { kEpilogueConsumer0 = 1, kEpilogueConsumer1 = 2 };
+/// Named barrier ids (id 0 is __syncthreads): one per consumer warpgroup for its epilogue's staging buffer, and one
+/// of both consumer warpgroups (the weight gradients' epilogue, before it stages into a borrowed ring stage).
+enum class NamedBarrier : int { kEpilogueConsumer0 = 1, kEpilogueConsumer1 = 2, kConsumersDone = 3 };
 #if defined(__CUDACC__)
 __host__ __device__
 #endif

@@ -106,13 +106,17 @@ inline std::vector<double> quantize(const std::vector<double>& v, DType dt) {
   return decode(b.data(), v.size(), dt);
 }
 
-/// Device allocation with a canary of kCanary bytes after the requested size.
+/// Device allocation with a canary of kCanary bytes after the requested size. With a `lead`, the buffer starts that
+/// many bytes into its allocation (cudaMalloc's are 256-byte aligned), and those bytes are a canary too.
 class DeviceBuffer {
  public:
   static constexpr std::size_t kCanary = 4096;
   static constexpr unsigned char kCanaryByte = 0xA5;
-  explicit DeviceBuffer(std::size_t bytes, unsigned char fill = 0xFF) : bytes_(bytes) {
-    if (cudaMalloc(&ptr_, bytes + kCanary) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
+  explicit DeviceBuffer(std::size_t bytes, unsigned char fill = 0xFF, std::size_t lead = 0)
+      : bytes_(bytes), lead_(lead) {
+    if (cudaMalloc(&base_, lead + bytes + kCanary) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
+    ptr_ = static_cast<char*>(base_) + lead;
+    cudaMemset(base_, kCanaryByte, lead);
     cudaMemset(ptr_, fill, bytes);
     cudaMemset(static_cast<char*>(ptr_) + bytes, kCanaryByte, kCanary);
     // cudaMemset on device memory returns before it runs, on the legacy default stream, which does not order the
@@ -126,7 +130,7 @@ class DeviceBuffer {
     // rules); the non-blocking streams the layer runs on would not wait for it.
     if (cudaStreamSynchronize(cudaStreamLegacy) != cudaSuccess) throw std::runtime_error("DeviceBuffer upload failed");
   }
-  ~DeviceBuffer() { cudaFree(ptr_); }
+  ~DeviceBuffer() { cudaFree(base_); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   void* get() const { return ptr_; }
@@ -136,17 +140,22 @@ class DeviceBuffer {
     cudaMemcpy(h.data(), ptr_, bytes_, cudaMemcpyDeviceToHost);
     return h;
   }
+  /// The canaries behind the buffer and, with a lead, in front of it.
   bool canary_intact() const {
     std::vector<unsigned char> h(kCanary);
     cudaMemcpy(h.data(), static_cast<char*>(ptr_) + bytes_, kCanary, cudaMemcpyDeviceToHost);
-    for (unsigned char c : h)
-      if (c != kCanaryByte) return false;
-    return true;
+    std::vector<unsigned char> front(lead_);
+    if (lead_ > 0) cudaMemcpy(front.data(), base_, lead_, cudaMemcpyDeviceToHost);
+    const auto intact = [](const std::vector<unsigned char>& v) {
+      return std::all_of(v.begin(), v.end(), [](unsigned char c) { return c == kCanaryByte; });
+    };
+    return intact(h) && intact(front);
   }
 
  private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
+  void* base_ = nullptr;  // the allocation
+  void* ptr_ = nullptr;   // the buffer: base_ + lead_
+  std::size_t bytes_ = 0, lead_ = 0;
 };
 
 /// Everything a forward + backward on the GPU produced, decoded to double.
@@ -186,17 +195,32 @@ struct WeightGradMode {
   std::vector<double> wr, w1, b1, w2, b2;
 };
 
-/// Runs the case on the GPU in `dt`. row_pad > 0 gives x padded rows (ld = d + row_pad). With `graph`, forward and
-/// backward are captured into a CUDA graph in global capture mode (any allocation or host synchronisation inside
-/// them fails the capture) and the graph is replayed twice.
-/// With `split`, the backward runs as backward_input() then backward_weight() through a deferred buffer. `grads`
-/// (optional) sets the weight gradients' dtype and accumulation mode; by default they are overwritten in `dt`.
-/// With `consume_saved`, the full backward takes the saved buffer over (BackwardBuffers::consume_saved) with the
-/// smaller workspace that allows; GpuRun::saved is then the buffer after the backward. With `w1_later` too, the
-/// backward leaves W1's gradients to finish_backward_w1() (BackwardOutputs::w1_grads_later).
-inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_pad = 0, bool graph = false,
-                         bool split = false, const WeightGradMode* grads = nullptr, bool consume_saved = false,
-                         bool w1_later = false) {
+/// How run_on_gpu runs a case, beyond its dtype.
+struct GpuRunOptions {
+  std::int64_t row_pad = 0;  // > 0: x with padded rows (ld = d + row_pad)
+  // Forward and backward captured into a CUDA graph in global capture mode (any allocation or host synchronisation
+  // inside them fails the capture), the graph replayed twice.
+  bool graph = false;
+  bool split = false;  // the backward as backward_input() then backward_weight() through a deferred buffer
+  // The weight gradients' dtype and accumulation mode (optional); by default they are overwritten in the data dtype.
+  const WeightGradMode* grads = nullptr;
+  // The full backward takes the saved buffer over (BackwardBuffers::consume_saved) with the smaller workspace that
+  // allows; GpuRun::saved is then the buffer after the backward.
+  bool consume_saved = false;
+  bool w1_later = false;  // with consume_saved: W1's gradients left to finish_backward_w1()
+  // The raw buffers (saved, the workspaces, deferred) start this many bytes into their allocations, which are
+  // 256-byte aligned (a multiple of kBufferAlignment: the library's whole requirement), canaries in front.
+  std::size_t buffer_lead = 0;
+  // >= 0, with one expert: the expert stride of every weight, bias and weight-gradient view. That dimension never
+  // moves, so any value is legal (a broadcast weight's 0, a slice's odd one); the buffers stay contiguous.
+  std::int64_t one_expert_stride = -1;
+};
+
+/// Runs the case on the GPU in `dt` (GpuRunOptions says how).
+inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, const GpuRunOptions& o) {
+  const std::int64_t row_pad = o.row_pad;
+  const bool graph = o.graph, split = o.split, consume_saved = o.consume_saved, w1_later = o.w1_later;
+  const WeightGradMode* grads = o.grads;
   const MoEProblem& p = c.problem;
   GpuRun r;
   r.problem = p;
@@ -229,12 +253,22 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   DeviceBuffer dscore_in(bytes_of(scores_f)), dtok(bytes_of(tok)), dexp(bytes_of(exp));
 
   const bool caller = p.routing == RoutingMode::kCallerSupplied;
+  if (o.one_expert_stride >= 0 && p.E != 1) throw std::runtime_error("GpuRunOptions::one_expert_stride needs E = 1");
+  // An (E, rows, cols) view, or (E, cols) with rows = 0, with the expert stride o.one_expert_stride if set.
+  const auto expert_view = [&](void* data, DType t, std::int64_t rows, std::int64_t cols) {
+    if (rows == 0)
+      return o.one_expert_stride < 0 ? TensorView::contiguous(data, t, {p.E, cols}, dev)
+                                     : TensorView::strided(data, t, {p.E, cols}, {o.one_expert_stride, 1}, dev);
+    return o.one_expert_stride < 0
+               ? TensorView::contiguous(data, t, {p.E, rows, cols}, dev)
+               : TensorView::strided(data, t, {p.E, rows, cols}, {o.one_expert_stride, cols, 1}, dev);
+  };
   LayerWeights w;
   if (!caller) w.router_weight = TensorView::contiguous(wr.get(), dt, {p.E, p.d}, dev);
-  w.w1 = TensorView::contiguous(w1.get(), dt, {p.E, p.w1_rows(), p.d}, dev);
-  w.w2 = TensorView::contiguous(w2.get(), dt, {p.E, p.d, p.n}, dev);
-  if (p.has_b1) w.b1 = TensorView::contiguous(b1.get(), dt, {p.E, p.w1_rows()}, dev);
-  if (p.has_b2) w.b2 = TensorView::contiguous(b2.get(), dt, {p.E, p.d}, dev);
+  w.w1 = expert_view(w1.get(), dt, p.w1_rows(), p.d);
+  w.w2 = expert_view(w2.get(), dt, p.d, p.n);
+  if (p.has_b1) w.b1 = expert_view(b1.get(), dt, 0, p.w1_rows());
+  if (p.has_b2) w.b2 = expert_view(b2.get(), dt, 0, p.d);
   RoutingTriples rt;
   if (caller) {
     rt.token_index = TensorView::contiguous(dtok.get(), DType::kInt64, {p.num_pairs}, dev);
@@ -244,7 +278,8 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   const TensorView xv = TensorView::strided(x.get(), dt, {p.T, p.d}, {p.d + row_pad, 1}, dev);
 
   DeviceBuffer out(p.T * p.d * el), logits(p.T * p.E * el), counts(p.E * 4);
-  DeviceBuffer saved(saved_layout(p, dt).total_bytes), fws(forward_workspace_bytes(p, dt, dev));
+  const std::size_t lead = o.buffer_lead;
+  DeviceBuffer saved(saved_layout(p, dt).total_bytes, 0xFF, lead), fws(forward_workspace_bytes(p, dt, dev), 0xFF, lead);
   ForwardOutputs fo;
   fo.out = TensorView::contiguous(out.get(), dt, {p.T, p.d}, dev);
   if (!caller) fo.router_logits = TensorView::contiguous(logits.get(), dt, {p.T, p.E}, dev);
@@ -258,8 +293,8 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   const auto db2_p = grad_buffer(grads ? &grads->b2 : nullptr, c.b2.size());
   DeviceBuffer &dwr = *dwr_p, &dw1 = *dw1_p, &dw2 = *dw2_p, &db1 = *db1_p, &db2 = *db2_p;
   DeviceBuffer bws(split ? backward_input_workspace_bytes(p, dt, dev)
-                        : backward_workspace_bytes(p, dt, dev, consume_saved));
-  DeviceBuffer deferred(split ? deferred_layout(p, dt).total_bytes : 0);
+                        : backward_workspace_bytes(p, dt, dev, consume_saved), 0xFF, lead);
+  DeviceBuffer deferred(split ? deferred_layout(p, dt).total_bytes : 0, 0xFF, lead);
   // Every buffer exists before the layer runs: nothing may be allocated while a graph is being captured.
   // Owns the stream; on the way out ends a capture an exception left open (so later tests can allocate), then
   // destroys the stream.
@@ -292,10 +327,10 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
   BackwardOutputs bo;
   bo.grad_x = TensorView::contiguous(dx.get(), dt, {p.T, p.d}, dev);
   if (!caller) bo.grad_weights.router_weight = TensorView::contiguous(dwr.get(), gt, {p.E, p.d}, dev);
-  bo.grad_weights.w1 = TensorView::contiguous(dw1.get(), gt, {p.E, p.w1_rows(), p.d}, dev);
-  bo.grad_weights.w2 = TensorView::contiguous(dw2.get(), gt, {p.E, p.d, p.n}, dev);
-  if (p.has_b1) bo.grad_weights.b1 = TensorView::contiguous(db1.get(), gt, {p.E, p.w1_rows()}, dev);
-  if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.get(), gt, {p.E, p.d}, dev);
+  bo.grad_weights.w1 = expert_view(dw1.get(), gt, p.w1_rows(), p.d);
+  bo.grad_weights.w2 = expert_view(dw2.get(), gt, p.d, p.n);
+  if (p.has_b1) bo.grad_weights.b1 = expert_view(db1.get(), gt, 0, p.w1_rows());
+  if (p.has_b2) bo.grad_weights.b2 = expert_view(db2.get(), gt, 0, p.d);
   bo.grad_weights.accumulate = grads && grads->accumulate;
   if (caller) bo.grad_scores = TensorView::contiguous(dsc.get(), DType::kFP32, {p.num_pairs}, dev);
   if (split) {
@@ -363,6 +398,16 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_
        {&x, &out, &logits, &counts, &saved, &fws, &dx, &dwr, &dw1, &dw2, &db1, &db2, &dsc, &bws, &deferred})
     r.canaries_intact = r.canaries_intact && b->canary_intact();
   return r;
+}
+
+/// The positional form: row_pad, graph, split, grads, consume_saved and w1_later as in GpuRunOptions.
+inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, std::int64_t row_pad = 0, bool graph = false,
+                         bool split = false, const WeightGradMode* grads = nullptr, bool consume_saved = false,
+                         bool w1_later = false) {
+  GpuRunOptions o;
+  o.row_pad = row_pad, o.graph = graph, o.split = split, o.grads = grads, o.consume_saved = consume_saved;
+  o.w1_later = w1_later;
+  return run_on_gpu(c, dt, o);
 }
 
 /// The CPU reference on the GPU's (rounded) inputs; top-K routing pinned to the GPU's logits.

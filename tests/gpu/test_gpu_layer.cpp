@@ -456,6 +456,66 @@ TEST(GpuLayerProperties, TwoRunsAreBitwiseIdentical) {
   }
 }
 
+// The raw buffers need only start at a multiple of kBufferAlignment (16 bytes): the library places its regions at
+// 256-byte offsets from there and hands cuBLAS the first 256-byte aligned address of its region. The same call with
+// every buffer (saved, both workspaces, deferred) 16, 48, 144 or 240 bytes into a 256-byte aligned allocation
+// computes the same bytes and writes nothing in front of or behind any buffer: top-K (the router GEMM through
+// cuBLAS), token rounding, caller routing; the full and the split backward.
+TEST(GpuLayerProperties, BuffersAtAnySixteenByteBoundaryGiveTheSameResults) {
+  REQUIRE_GPU();
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied})
+    for (bool split : {false, true}) {
+      MoEProblem p;
+      p.T = 1500, p.d = 192, p.n = 96, p.E = 12, p.K = 3, p.routing = r, p.tile_m = 64;
+      p.has_b1 = p.has_b2 = true;
+      const LayerCase<double> c(p, 16);
+      GpuRunOptions o;
+      o.split = split;
+      const GpuRun aligned = run_on_gpu(c, DType::kBF16, o);
+      EXPECT_TRUE(aligned.canaries_intact);
+      for (std::size_t lead : {16, 48, 144, 240}) {
+        o.buffer_lead = lead;
+        const GpuRun shifted = run_on_gpu(c, DType::kBF16, o);
+        const std::string what = std::string(routing_mode_name(r)) + (split ? " split" : "") + ", buffers " +
+                                 std::to_string(lead) + " bytes past 256-byte alignment";
+        EXPECT_TRUE(shifted.canaries_intact) << what;
+        EXPECT_EQ(shifted.raw_out, aligned.raw_out) << what;
+        EXPECT_EQ(shifted.saved, aligned.saved) << what;
+        expect_same_backward(shifted, aligned, what);
+      }
+    }
+}
+
+// With one expert the weights' expert dimension never moves, and a view may carry any stride there (PyTorch leaves a
+// size-1 dimension's stride arbitrary: an expand gives 0, a slice of a larger tensor an odd value). Weights, biases
+// and weight gradients with expert strides 0 and 7 give the bytes of contiguous ones, on the Hopper kernels (the
+// fallback policy is "error": a GEMM that fell back would throw), with both W1 layouts, top-K (K = 1) and caller
+// routing; the contiguous run matches float64.
+TEST(GpuLayerProperties, OneExpertWithAnyExpertStrideGivesTheSameResults) {
+  REQUIRE_GPU();
+  const ScopedFallbackPolicy strict(FallbackPolicy::kError);
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kCallerSupplied})
+    for (WeightLayout layout : {WeightLayout::kInterleaved, WeightLayout::kConcatenated}) {
+      MoEProblem p;
+      p.T = 700, p.d = 256, p.n = 128, p.E = 1, p.K = 1, p.routing = r, p.weight_layout = layout;
+      p.has_b1 = p.has_b2 = true;
+      const LayerCase<double> c(p, 17);
+      GpuRunOptions o;
+      const GpuRun contiguous = run_on_gpu(c, DType::kBF16, o);
+      compare_all(contiguous, reference_for(quantized_case(c, DType::kBF16), contiguous.logits), DType::kBF16);
+      for (std::int64_t stride : {0, 7}) {
+        o.one_expert_stride = stride;
+        GpuRun strided;
+        const std::string what = std::string(routing_mode_name(r)) + " " + weight_layout_name(layout) +
+                                 ", expert stride " + std::to_string(stride);
+        ASSERT_NO_THROW(strided = run_on_gpu(c, DType::kBF16, o)) << what;
+        EXPECT_TRUE(strided.canaries_intact) << what;
+        EXPECT_EQ(strided.raw_out, contiguous.raw_out) << what;
+        expect_same_backward(strided, contiguous, what);
+      }
+    }
+}
+
 // No allocation and no host synchronisation inside forward/backward: both run under CUDA-graph capture in global
 // mode (which rejects cudaMalloc and synchronising calls), and the replayed graph gives bitwise the same results.
 // A first call on the thread creates its cuBLAS handle (cuBLAS's one-time allocation), so it runs uncaptured.

@@ -46,28 +46,24 @@ void write_real(const TensorView& t, const R* values) {
 /// dst = values, or with `accumulate` dst = dst + values, the sum in the wider of the two types, rounded once to the
 /// view's dtype.
 ///
-/// Accumulating leaves every slice along the first dimension (one expert's gradient; for the router's, the
-/// expert's row) whose values are all zero as it is, bit for bit: layer.hpp (LayerWeightGrads) promises that the
-/// buffers of experts that receive no pair, and every buffer of a call with no pairs, stay unchanged, as on the GPU
-/// (which writes nothing there), and adding the zeros would turn -0.0 into +0.0. Those are the slices that are all
-/// zero; an expert with rows whose whole gradient is exactly zero keeps its -0.0 too (only the sign of a zero can
-/// differ from the GPU's sum there).
+/// Accumulating leaves the slices along the first dimension (one expert's gradient) whose `slice_pairs` entry is 0
+/// as they are, bit for bit: layer.hpp (LayerWeightGrads) promises that the buffers of experts that receive no pair
+/// stay unchanged, as on the GPU (which writes nothing there), and adding their zeros would turn -0.0 into +0.0.
+/// Every other slice is added into, a zero gradient included, as the GPU does. `slice_pairs` null: every slice is
+/// (the router's gradient, which every token reaches; a call with no pairs at all does not write it).
 template <class R>
-void write_grad(const TensorView& t, const R* values, bool accumulate) {
+void write_grad(const TensorView& t, const R* values, bool accumulate, const std::int64_t* slice_pairs = nullptr) {
   const std::int64_t n = t.numel(), slices = t.rank > 0 ? t.shape[0] : 1;
   const std::int64_t per_slice = slices > 0 ? n / slices : 0;
-  std::vector<char> unchanged(static_cast<std::size_t>(std::max<std::int64_t>(slices, 0)), 0);
-  if (accumulate)
-    for (std::int64_t e = 0; e < slices; ++e)
-      unchanged[static_cast<std::size_t>(e)] =
-          std::all_of(values + e * per_slice, values + (e + 1) * per_slice, [](R v) { return v == R(0); });
   auto put = [&](auto* dst) {
     using O = std::remove_pointer_t<decltype(dst)>;
     using S = decltype(R{} + O{});
     for_each_element(t, [&](std::int64_t off, std::int64_t i) {  // per_slice > 0: the view has elements
-      if (accumulate && unchanged[static_cast<std::size_t>(i / per_slice)]) return;
-      dst[off] = static_cast<O>(accumulate ? static_cast<S>(dst[off]) + static_cast<S>(values[i])
-                                           : static_cast<S>(values[i]));
+      if (!accumulate) {
+        dst[off] = static_cast<O>(static_cast<S>(values[i]));
+      } else if (slice_pairs == nullptr || slice_pairs[i / per_slice] != 0) {
+        dst[off] = static_cast<O>(static_cast<S>(dst[off]) + static_cast<S>(values[i]));
+      }
     });
   };
   if (t.dtype == DType::kFP64) put(static_cast<double*>(t.data));

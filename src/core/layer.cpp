@@ -276,8 +276,10 @@ void forward_cpu(const MoEProblem& p, const TensorView& x, const LayerWeights& w
 template <class R>
 ref::BackwardResult<R> reference_backward(const ArgChecker& c, const MoEProblem& p, const TensorView& x,
                                           const LayerWeights& w, const RoutingTriples* routing,
-                                          const BackwardInputs& bin, const void* saved_buffer) {
+                                          const BackwardInputs& bin, const void* saved_buffer,
+                                          std::vector<std::int64_t>& expert_counts) {
   const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), saved_buffer);
+  expert_counts = saved.meta.expert_counts;  // (the weight gradients' accumulation leaves experts without pairs)
   std::vector<std::vector<R>> store;
   std::vector<std::vector<std::int64_t>> index_store;
   const ref::LayerInputs<R> in = read_inputs<R>(p, x, w, routing, store, index_store);
@@ -308,30 +310,34 @@ void write_input_grads(const MoEProblem& p, const BackwardOutputs& out, const re
       const std::vector<R> zeros(static_cast<std::size_t>(p.E * p.d), R(0));
       detail::write_grad(out.grad_weights.router_weight, zeros.data(), false);
     }
-  } else {
+  } else if (!acc || p.max_pairs() > 0) {  // a call with no pairs (T = 0) leaves an accumulated router gradient
     detail::write_grad(out.grad_weights.router_weight, g.drouter_weight.data(), acc);
   }
 }
 
+/// The experts' weight gradients; accumulating leaves the experts without pairs (expert_counts) as they are.
 template <class R>
 void write_weight_grads(const MoEProblem& p, const BackwardOutputs& out, const std::vector<R>& dw1,
-                        const std::vector<R>& db1, const std::vector<R>& dw2, const std::vector<R>& db2) {
+                        const std::vector<R>& db1, const std::vector<R>& dw2, const std::vector<R>& db2,
+                        const std::vector<std::int64_t>& expert_counts) {
   const bool acc = out.grad_weights.accumulate;
+  const std::int64_t* pairs = expert_counts.data();
   if (!out.w1_grads_later) {  // else finish_backward_w1() writes them
-    detail::write_grad(out.grad_weights.w1, dw1.data(), acc);
-    if (p.has_b1) detail::write_grad(out.grad_weights.b1, db1.data(), acc);
+    detail::write_grad(out.grad_weights.w1, dw1.data(), acc, pairs);
+    if (p.has_b1) detail::write_grad(out.grad_weights.b1, db1.data(), acc, pairs);
   }
-  detail::write_grad(out.grad_weights.w2, dw2.data(), acc);
-  if (p.has_b2) detail::write_grad(out.grad_weights.b2, db2.data(), acc);
+  detail::write_grad(out.grad_weights.w2, dw2.data(), acc, pairs);
+  if (p.has_b2) detail::write_grad(out.grad_weights.b2, db2.data(), acc, pairs);
 }
 
 template <class R>
 void backward_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const LayerWeights& w,
                   const RoutingTriples* routing, const BackwardInputs& bin, const BackwardOutputs& out,
                   const BackwardBuffers& buffers) {
-  const ref::BackwardResult<R> g = reference_backward<R>(c, p, x, w, routing, bin, buffers.saved);
+  std::vector<std::int64_t> expert_counts;
+  const ref::BackwardResult<R> g = reference_backward<R>(c, p, x, w, routing, bin, buffers.saved, expert_counts);
   write_input_grads(p, out, g);
-  write_weight_grads(p, out, g.dw1, g.db1, g.dw2, g.db2);
+  write_weight_grads(p, out, g.dw1, g.db1, g.dw2, g.db2, expert_counts);
   // W1's gradients later: dH goes over the saved H, as on the GPU (the caller handed the buffer over), and
   // finish_backward_w1() recomputes them from it (so that path is what gets tested).
   if (out.w1_grads_later)
@@ -350,8 +356,9 @@ void finish_backward_w1_cpu(const ArgChecker& c, const MoEProblem& p, const Tens
   ref::experts_weight_grads(ref::expert_shape(p), p.E, xs.data(), saved.meta, saved.scores.data(), saved.h.data(),
                             a_prime.data(), grad_out.data(), p.has_b1, false, g);
   const bool acc = out.grad_weights.accumulate;
-  detail::write_grad(out.grad_weights.w1, g.dw1.data(), acc);
-  if (p.has_b1) detail::write_grad(out.grad_weights.b1, g.db1.data(), acc);
+  const std::int64_t* pairs = saved.meta.expert_counts.data();
+  detail::write_grad(out.grad_weights.w1, g.dw1.data(), acc, pairs);
+  if (p.has_b1) detail::write_grad(out.grad_weights.b1, g.db1.data(), acc, pairs);
 }
 
 template <class R>
@@ -360,7 +367,8 @@ void backward_input_cpu(const ArgChecker& c, const MoEProblem& p, const TensorVi
                         const BackwardBuffers& buffers, const DeferredBuffer& deferred) {
   // The reference computes the weight gradients too; only dH and A' are kept for backward_weight(), which
   // recomputes the weight gradients from them (so the deferred path is what gets tested).
-  const ref::BackwardResult<R> g = reference_backward<R>(c, p, x, w, routing, bin, buffers.saved);
+  std::vector<std::int64_t> expert_counts;  // (backward_weight() reads them from the saved buffer again)
+  const ref::BackwardResult<R> g = reference_backward<R>(c, p, x, w, routing, bin, buffers.saved, expert_counts);
   write_input_grads(p, out, g);
   const DeferredLayout dl = deferred_layout(p, x.dtype);
   put(deferred.data, dl.dh, g.dh.data(), g.dh.size());
@@ -379,7 +387,7 @@ void backward_weight_cpu(const ArgChecker& c, const MoEProblem& p, const TensorV
   ref::ExpertGrads<R> g;
   ref::experts_weight_grads(ref::expert_shape(p), p.E, xs.data(), saved.meta, saved.scores.data(), dh.data(),
                             a_prime.data(), go.data(), p.has_b1, p.has_b2, g);
-  write_weight_grads(p, out, g.dw1, g.db1, g.dw2, g.db2);
+  write_weight_grads(p, out, g.dw1, g.db1, g.dw2, g.db2, saved.meta.expert_counts);
 }
 
 /// The workspace: at least `need` bytes (`formula` says which function sizes it), non-null where it holds any, and

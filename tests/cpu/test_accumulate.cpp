@@ -253,6 +253,21 @@ TEST(AccumulateEdges, ZeroTokenExpertsAndEmptyCallsLeaveTheBufferUnchanged) {
   }
 }
 
+/// Every weight gradient's buffer filled with -0.0, which adding a zero gradient turns into +0.0.
+template <class G>
+GradBuffers<G> negative_zero_grads(const MoEProblem& p) {
+  GradBuffers<G> g;
+  g.wr.assign(p.E * p.d, G(-0.0)), g.w1.assign(p.E * p.w1_rows() * p.d, G(-0.0));
+  g.b1.assign(p.E * p.w1_rows(), G(-0.0)), g.w2.assign(p.E * p.d * p.n, G(-0.0)), g.b2.assign(p.E * p.d, G(-0.0));
+  return g;
+}
+
+/// v[from, to) all zeros of the given sign.
+template <class G>
+bool all_zero_signed(const std::vector<G>& v, std::size_t from, std::size_t to, bool negative) {
+  return std::all_of(v.begin() + from, v.begin() + to, [&](G x) { return x == 0 && std::signbit(x) == negative; });
+}
+
 // The same with buffers holding -0.0, which adding a zero gradient turns into +0.0: experts without a pair and calls
 // without pairs must leave them bitwise as they were (the GPU writes nothing there), for the router too, in fp64 and
 // fp32 buffers.
@@ -262,14 +277,9 @@ void expect_negative_zeros_kept() {
     SCOPED_TRACE(std::string(sizeof(G) == 8 ? "fp64" : "fp32") + " buffers" + (split ? ", split" : ""));
     MoEProblem p;
     p.T = 3, p.d = 10, p.n = 6, p.E = 8, p.K = 1, p.has_b1 = p.has_b2 = true;
-    const auto negative_zeros = [&] {
-      GradBuffers<G> g;
-      g.wr.assign(p.E * p.d, G(-0.0)), g.w1.assign(p.E * p.w1_rows() * p.d, G(-0.0));
-      g.b1.assign(p.E * p.w1_rows(), G(-0.0)), g.w2.assign(p.E * p.d * p.n, G(-0.0)), g.b2.assign(p.E * p.d, G(-0.0));
-      return g;
-    };
+    const auto negative_zeros = [&] { return negative_zero_grads<G>(p); };
     const auto all_negative_zero = [](const std::vector<G>& v, std::size_t from, std::size_t to) {
-      return std::all_of(v.begin() + from, v.begin() + to, [](G x) { return x == 0 && std::signbit(x); });
+      return all_zero_signed(v, from, to, true);
     };
     const LayerCase<double> c(p, 5);
     const ref::ForwardResult<double> f = ref::layer_forward(p, c.inputs());
@@ -314,6 +324,45 @@ void expect_negative_zeros_kept() {
 TEST(AccumulateEdges, NegativeZerosOfExpertsWithoutPairsAndEmptyCallsStayNegative) {
   expect_negative_zeros_kept<double>();
   expect_negative_zeros_kept<float>();
+}
+
+// Which experts are left as they are is decided by their pairs, not by their values: an expert with pairs whose whole
+// gradient is exactly zero (zero upstream gradients) is added into, so its -0.0 becomes +0.0 as the GPU's sums make
+// it, while the experts without pairs keep theirs; the router's gradient, which every token reaches, is added into
+// every row. fp64 and fp32 buffers, full and split backward.
+template <class G>
+void expect_zero_gradients_of_experts_with_pairs_added() {
+  for (bool split : {false, true}) {
+    SCOPED_TRACE(std::string(sizeof(G) == 8 ? "fp64" : "fp32") + " buffers" + (split ? ", split" : ""));
+    MoEProblem p;
+    p.T = 3, p.d = 10, p.n = 6, p.E = 8, p.K = 1, p.has_b1 = p.has_b2 = true;
+    LayerCase<double> c(p, 5);
+    std::fill(c.grad_out.begin(), c.grad_out.end(), 0.0);
+    std::fill(c.grad_logits.begin(), c.grad_logits.end(), 0.0);
+    const ref::ForwardResult<double> f = ref::layer_forward(p, c.inputs());
+    GradBuffers<G> g = negative_zero_grads<G>(p);
+    run_backward<double, G>(c, g, true, split);
+    int with_pairs = 0;
+    for (std::int64_t e = 0; e < p.E; ++e) {
+      const bool none = f.expert_counts[e] == 0;
+      with_pairs += !none;
+      const auto slice = [&](const std::vector<G>& v, std::int64_t per) {
+        return all_zero_signed(v, e * per, (e + 1) * per, /*negative=*/none);
+      };
+      EXPECT_TRUE(slice(g.w1, p.w1_rows() * p.d)) << "expert " << e << (none ? " (no pairs)" : "");
+      EXPECT_TRUE(slice(g.b1, p.w1_rows())) << "expert " << e << (none ? " (no pairs)" : "");
+      EXPECT_TRUE(slice(g.w2, p.d * p.n)) << "expert " << e << (none ? " (no pairs)" : "");
+      EXPECT_TRUE(slice(g.b2, p.d)) << "expert " << e << (none ? " (no pairs)" : "");
+    }
+    EXPECT_GE(with_pairs, 1);
+    EXPECT_LE(with_pairs, 3);
+    EXPECT_TRUE(all_zero_signed(g.wr, 0, g.wr.size(), /*negative=*/false));
+  }
+}
+
+TEST(AccumulateEdges, ExpertsWithPairsAddTheirZeroGradientsAsTheGpuDoes) {
+  expect_zero_gradients_of_experts_with_pairs_added<double>();
+  expect_zero_gradients_of_experts_with_pairs_added<float>();
 }
 
 // ---- validation ------------------------------------------------------------------------------------------------

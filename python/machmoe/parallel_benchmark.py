@@ -26,9 +26,10 @@ The all-to-all share, measured two ways:
     to back without the layer: the transfer cost without the waiting.
 At EP = 1 the layer exchanges nothing (a group of one keeps its rows), so both are 0.
 Rank 0 writes the JSON (--json) and prints a summary. Exit status 1 when a configuration failed or gave non-finite
-output (its entry is in the JSON; one skipped because E is not a multiple of the EP size is not a failure), 2 for
-a usage error. NCCL runs with NVLink multicast off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, set here
-before the process group exists).
+output (its entry is in the JSON; one skipped because E is not a multiple of the EP size is not a failure, but a
+run in which every configuration was skipped is, since it measured nothing), 2 for a usage error. NCCL runs with
+NVLink multicast off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, set here before the process group
+exists).
 """
 import argparse
 import datetime
@@ -378,6 +379,7 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     failed = []  # rank 0's configurations whose status is not "ok" (skipped ones aside): the exit status is 1
+    measured = 0  # rank 0's configurations that ran ("ok"): none at all is a failure too (nothing was measured)
     doc = {"benchmark": "machmoe.parallel_benchmark", "format": FORMAT, "ep_size": world,
            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "settings": {k: v for k, v in vars(args).items() if k != "json"},
@@ -415,6 +417,7 @@ def main(argv=None) -> int:
             _print(entry)
             if result.get("status") not in ("ok", "skipped"):  # skipped: E is not a multiple of the EP size
                 failed.append(cfg.name)
+            measured += result.get("status") == "ok"
         if device.type == "cuda":
             torch.cuda.empty_cache()
     dist.barrier()
@@ -422,6 +425,10 @@ def main(argv=None) -> int:
     if failed:
         print(f"machmoe.parallel_benchmark: {len(failed)} configuration(s) did not run cleanly: {', '.join(failed)}",
               file=sys.stderr, flush=True)
+        return 1
+    if rank == 0 and measured == 0:  # every configuration skipped (E not a multiple of the EP size): no figure
+        print(f"machmoe.parallel_benchmark: no configuration ran at EP = {world} (every one was skipped: its number of "
+              f"experts is not a multiple of the EP size); nothing was measured", file=sys.stderr, flush=True)
         return 1
     return 0
 

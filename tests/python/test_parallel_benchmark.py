@@ -144,3 +144,22 @@ def test_a_failed_or_non_finite_configuration_exits_1(tmp_path):
     assert "2 configuration(s) did not run cleanly: tiny-64, tiny-128" in p.stderr
     doc = json.loads(out.read_text())
     assert [e["status"] for e in doc["configs"]] == ["failed", "non_finite_output"]
+
+
+def test_a_run_in_which_every_configuration_was_skipped_exits_1(tmp_path):
+    # A configuration whose E is not a multiple of the EP size is skipped, which alone is no failure; a run that
+    # skipped every configuration measured nothing, and its exit status says so.
+    out = tmp_path / "skipped.json"
+    script = (
+        "import sys\n"
+        "import machmoe.parallel_benchmark as PB\n"
+        "def run_config(cfg, args, device):\n"
+        "    return {'status': 'skipped', 'reason': 'E is not a multiple of the EP size'}\n"
+        "PB.run_config = run_config\n"
+        f"sys.exit(PB.main(['--device', 'cpu', '--tiny', '--json', {str(out)!r}]))\n")
+    env = _env()
+    env.pop("RANK", None)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "no configuration ran at EP = 1" in p.stderr and "nothing was measured" in p.stderr
+    assert [e["status"] for e in json.loads(out.read_text())["configs"]] == ["skipped", "skipped"]

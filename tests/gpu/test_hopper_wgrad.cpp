@@ -502,6 +502,34 @@ TEST_F(HopperWeightGrad, GroupsOfMTilesKeepBOnTheRingBitwise) {
     }
 }
 
+// The cooperative tile's bf16 epilogue in one round, half of it staged in the tile's last ring stage (taken without
+// groups of m-tiles), where the last n-tile has more than 128 and fewer than 256 valid columns: both warpgroups pass
+// the barrier that guards the borrowed stage, and the last block is clipped (N = 200: 8 of its 64 columns) or absent
+// (N = 400: 144 valid). Against float64 (check_problem), and bitwise against the four-round epilogue that groups of
+// two m-tiles take. (The other tests' edge tiles leave 8, 64 or 68 columns, or run in groups.)
+TEST_F(HopperWeightGrad, BorrowedStageOnEdgeTilesOfMoreThanHalfATile) {
+  const std::vector<int> lengths = {300, 0, 1000, 65, 200, 1};
+  gpu::set_hopper_tile_n(256);  // the cooperative tile: the only one that borrows
+  g_tile_n = 256;
+  for (bool dw1 : {false, true})
+    for (std::int64_t N : {200, 400}) {
+      SCOPED_TRACE(std::string(dw1 ? "dW1" : "dW2") + " N " + std::to_string(N));
+      WgradCase wc;  // M = 200: two m-tiles, so that a forced group of two is not cut to one
+      wc.dw1 = dw1, wc.M = 200, wc.N = N, wc.glu_n = dw1 ? 100 : 0, wc.pad = 8;
+      // (A fresh copy moved in: GCC 12's -Wnonnull false positive, as in EdgeTilesAlongMAndN.)
+      wc.T = 1200, wc.lengths = std::vector<int>(lengths), wc.out_dt = DType::kBF16;
+      const WgradProblem prob(wc, 16);
+      gpu::set_hopper_wgrad_m_group(2);
+      const std::vector<unsigned char> four_rounds = prob.run(Path::kHopper);
+      gpu::set_hopper_wgrad_m_group(1);
+      EXPECT_TRUE(prob.run(Path::kHopper) == four_rounds) << "the borrowed stage's bytes differ from four rounds'";
+      check_problem(prob);
+    }
+  gpu::set_hopper_wgrad_m_group(0);
+  gpu::set_hopper_tile_n(0);
+  g_tile_n = 0;
+}
+
 TEST(HopperWeightGradDispatch, NamesWhyAShapeFallsBack) {
   REQUIRE_GPU();
   gpu::set_hopper_kernels_enabled(true);

@@ -516,7 +516,9 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
     p.epilogue.tma_store = true;
   }
   // The cooperative tile's TMA epilogue also stages into the tile's last ring stage (one round instead of four;
-  // epilogue_wgrad.cuh). Not with groups of m-tiles, whose tiles keep B on the ring.
+  // epilogue_wgrad.cuh). Not with groups of m-tiles, which exist to keep B on the ring. Without groups a CTA's next
+  // tile can still share (expert, n-tile) and would keep B (grid smaller than the m-tiles), but the second consumer
+  // stages into that B: keep_b_allowed = false turns keeping off wherever a stage is borrowed.
   // MACHMOE_WGRAD_BORROW=0 keeps the four rounds (bitwise the same results; for A/B timing).
   static const bool borrow_wanted = [] {
     const char* v = std::getenv("MACHMOE_WGRAD_BORROW");

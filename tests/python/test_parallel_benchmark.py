@@ -125,21 +125,28 @@ def test_bad_capacity_timeout_and_tiny_with_configs_are_refused(args, message, c
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_a_failed_or_non_finite_configuration_exits_1(tmp_path):
-    # One process (EP = 1): a failed configuration is recorded and the run goes on, but the exit status says so.
-    out = tmp_path / "failed.json"
+def _main_with_run_config(run_config_body, out):
+    """python -c: PB.main on the tiny configurations (one process, EP = 1, JSON to `out`) with run_config replaced by
+    a function of (cfg, args, device) whose body is `run_config_body` (indented lines); returns the finished
+    process."""
     script = (
         "import sys\n"
         "import machmoe.parallel_benchmark as PB\n"
         "def run_config(cfg, args, device):\n"
-        "    if cfg.name == 'tiny-64':\n"
-        "        raise RuntimeError('boom')\n"
-        "    return {'status': 'non_finite_output'}\n"
+        f"{run_config_body}"
         "PB.run_config = run_config\n"
         f"sys.exit(PB.main(['--device', 'cpu', '--tiny', '--json', {str(out)!r}]))\n")
     env = _env()
     env.pop("RANK", None)
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_a_failed_or_non_finite_configuration_exits_1(tmp_path):
+    # One process (EP = 1): a failed configuration is recorded and the run goes on, but the exit status says so.
+    out = tmp_path / "failed.json"
+    p = _main_with_run_config("    if cfg.name == 'tiny-64':\n"
+                              "        raise RuntimeError('boom')\n"
+                              "    return {'status': 'non_finite_output'}\n", out)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
     assert "2 configuration(s) did not run cleanly: tiny-64, tiny-128" in p.stderr
     doc = json.loads(out.read_text())
@@ -150,16 +157,7 @@ def test_a_run_in_which_every_configuration_was_skipped_exits_1(tmp_path):
     # A configuration whose E is not a multiple of the EP size is skipped, which alone is no failure; a run that
     # skipped every configuration measured nothing, and its exit status says so.
     out = tmp_path / "skipped.json"
-    script = (
-        "import sys\n"
-        "import machmoe.parallel_benchmark as PB\n"
-        "def run_config(cfg, args, device):\n"
-        "    return {'status': 'skipped', 'reason': 'E is not a multiple of the EP size'}\n"
-        "PB.run_config = run_config\n"
-        f"sys.exit(PB.main(['--device', 'cpu', '--tiny', '--json', {str(out)!r}]))\n")
-    env = _env()
-    env.pop("RANK", None)
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    p = _main_with_run_config("    return {'status': 'skipped', 'reason': 'E is not a multiple of the EP size'}\n", out)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
     assert "no configuration ran at EP = 1" in p.stderr and "nothing was measured" in p.stderr
     assert [e["status"] for e in json.loads(out.read_text())["configs"]] == ["skipped", "skipped"]

@@ -1,7 +1,6 @@
 // Copies between (possibly row-padded) host tensor views and contiguous std::vectors, for the CPU backend.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -49,8 +48,8 @@ void write_real(const TensorView& t, const R* values) {
 /// Accumulating leaves the slices along the first dimension (one expert's gradient) whose `slice_pairs` entry is 0
 /// as they are, bit for bit: layer.hpp (LayerWeightGrads) promises that the buffers of experts that receive no pair
 /// stay unchanged, as on the GPU (which writes nothing there), and adding their zeros would turn -0.0 into +0.0.
-/// Every other slice is added into, a zero gradient included, as the GPU does. `slice_pairs` null: every slice is
-/// (the router's gradient, which every token reaches; a call with no pairs at all does not write it).
+/// Every other slice is added into, a zero gradient included, as the GPU does. With `slice_pairs` null every slice
+/// is added into (the router's gradient, which every token reaches; a call with no pairs does not write it at all).
 template <class R>
 void write_grad(const TensorView& t, const R* values, bool accumulate, const std::int64_t* slice_pairs = nullptr) {
   const std::int64_t n = t.numel(), slices = t.rank > 0 ? t.shape[0] : 1;

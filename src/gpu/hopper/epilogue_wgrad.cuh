@@ -147,19 +147,39 @@ struct EpilogueWgrad {
     }
   }
 
-  /// The TMA store path with 16 KiB of the tile's last ring stage borrowed (cooperative tile): the warpgroup's four
-  /// 64 x 64 blocks staged at once, blocks 0 and 1 in its own buffer, 2 and 3 in the borrowed memory once both
-  /// warpgroups' WGMMAs are done reading that stage, then one fence, one barrier and four stores.
+  /// Stages 64-column block b of row atom m of the accumulator as bf16 in TMA's 128-byte-swizzled 64 x 64 layout:
+  /// write(element offset in the block, value pair) for each of the thread's pairs. kConcat: tile row 2 i (gate i)
+  /// goes to staged row i, 2 i + 1 (up i) to 32 + i (a 32-row box starts 4 KiB in: the same swizzle pattern).
+  /// empty: the tile had no k-block, so zeros (see apply).
+  template <bool kConcat, class Accumulator, class Write>
+  __device__ __forceinline__ static void stage_block(Accumulator& acc, int m, int b, bool empty, int wg_thread,
+                                                     Write&& write) {
+    using namespace cute;
+    const int warp = wg_thread / 32, lane = wg_thread % 32;
+    const int quad = lane % 4, row_in_warp = lane / 4;
+    CUTE_UNROLL
+    for (int v2 = b * 8; v2 < b * 8 + 8; ++v2) {
+      CUTE_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int tile_r = warp * 16 + v1 * 8 + row_in_warp, col = (v2 - b * 8) * 8 + quad * 2;
+        const int r = kConcat ? (tile_r & 1) * 32 + (tile_r >> 1) : tile_r;
+        const float x0 = empty ? 0.0f : acc(make_coord(make_coord(0, v1, v2), m, 0));
+        const float x1 = empty ? 0.0f : acc(make_coord(make_coord(1, v1, v2), m, 0));
+        write(tma_swizzle128_bf16_offset(r, col), __floats2bfloat162_rn(x0, x1));
+      }
+    }
+  }
+
+  /// The TMA store path with 16 KiB of the tile's last ring stage borrowed (cooperative tile, a tile with k-blocks:
+  /// apply): the warpgroup's four 64 x 64 blocks staged at once, blocks 0 and 1 in its own buffer, 2 and 3 in the
+  /// borrowed memory once both warpgroups' WGMMAs are done reading that stage, then one fence, one barrier and four
+  /// stores.
   template <bool kConcat, class Accumulator>
   __device__ __forceinline__ static void store_tma_borrowed(const Params& p, Storage& st, Accumulator& acc,
                                                             const VarlenKTileCoord& c, int row_base, int wg_thread,
                                                             int barrier_id, std::uint32_t borrowed) {
-    using namespace cute;
     static_assert(kRowAtoms == 1 && kTileN == 256, "the cooperative 128 x 256 tile: four 64 x 64 blocks a warpgroup");
     constexpr int kBlockElems = kRows * 64;
-    const bool empty = c.k_tiles == 0;
-    const int warp = wg_thread / 32, lane = wg_thread % 32;
-    const int quad = lane % 4, row_in_warp = lane / 4;
     const int n_valid = p.N - c.n_tile * kTileN;
     auto* own = reinterpret_cast<__nv_bfloat16*>(st.staged);
     if (wg_thread == 0) bulk_wait_group_read0();  // the own buffer: the previous tile's stores have read it
@@ -170,22 +190,13 @@ struct EpilogueWgrad {
       if (b * 64 >= n_valid) break;  // uniform across both warpgroups (same tile)
       // Both warpgroups' WGMMAs have read the stage before either writes into it.
       if (b == 2) named_barrier_sync(static_cast<int>(NamedBarrier::kConsumersDone), 256);
-      CUTE_UNROLL
-      for (int v2 = b * 8; v2 < b * 8 + 8; ++v2) {
-        CUTE_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1) {
-          const int tile_r = warp * 16 + v1 * 8 + row_in_warp, col = (v2 - b * 8) * 8 + quad * 2;
-          const int r = kConcat ? (tile_r & 1) * 32 + (tile_r >> 1) : tile_r;
-          const float x0 = empty ? 0.0f : acc(make_coord(make_coord(0, v1, v2), 0, 0));
-          const float x1 = empty ? 0.0f : acc(make_coord(make_coord(1, v1, v2), 0, 0));
-          const __nv_bfloat162 pair = __floats2bfloat162_rn(x0, x1);
-          const int offset = (b % 2) * kBlockElems + tma_swizzle128_bf16_offset(r, col);
-          if (b < 2)
-            *reinterpret_cast<__nv_bfloat162*>(&own[offset]) = pair;
-          else
-            st_shared_u32(borrowed + 2 * offset, *reinterpret_cast<const std::uint32_t*>(&pair));
-        }
-      }
+      stage_block<kConcat>(acc, 0, b, /*empty=*/false, wg_thread, [&](int offset, __nv_bfloat162 pair) {
+        offset += (b % 2) * kBlockElems;
+        if (b < 2)
+          *reinterpret_cast<__nv_bfloat162*>(&own[offset]) = pair;
+        else
+          st_shared_u32(borrowed + 2 * offset, *reinterpret_cast<const std::uint32_t*>(&pair));
+      });
     }
     fence_proxy_async_shared();  // the st.shared writes, visible to the copy engine
     named_barrier_sync(barrier_id, 128);
@@ -212,12 +223,9 @@ struct EpilogueWgrad {
   __device__ __forceinline__ static void store_tma(const Params& p, Storage& st, Accumulator& acc,
                                                    const VarlenKTileCoord& c, int row_base, int wg_thread,
                                                    int barrier_id) {
-    using namespace cute;
     constexpr int kBlockElems = kRows * 64;  // one 64 x 64 bf16 block: 8 KiB, half the buffer
     auto* staged = reinterpret_cast<__nv_bfloat16*>(st.staged);
     const bool empty = c.k_tiles == 0;  // no k-block: zeros (see apply)
-    const int warp = wg_thread / 32, lane = wg_thread % 32;
-    const int quad = lane % 4, row_in_warp = lane / 4;
     const int n_valid = p.N - c.n_tile * kTileN;
     // The buffer is free once this thread's earlier stores have read it (thread 0 issued them all) and every thread
     // of the warpgroup knows it: the previous tile's last block left long ago, so this rarely waits.
@@ -231,19 +239,9 @@ struct EpilogueWgrad {
       for (int b = 0; b < kTileN / 64; ++b, ++block) {
         if (b * 64 >= n_valid) break;  // an edge tile's all-padding block (uniform across the warpgroup)
         __nv_bfloat16* buf = staged + (block % 2) * kBlockElems;
-        CUTE_UNROLL
-        for (int v2 = b * 8; v2 < b * 8 + 8; ++v2) {
-          CUTE_UNROLL
-          for (int v1 = 0; v1 < 2; ++v1) {
-            const int tile_r = warp * 16 + v1 * 8 + row_in_warp, col = (v2 - b * 8) * 8 + quad * 2;
-            // Concatenated: tile row 2 i (gate i) at staged row i, 2 i + 1 (up i) at 32 + i.
-            const int r = kConcat ? (tile_r & 1) * 32 + (tile_r >> 1) : tile_r;
-            const float x0 = empty ? 0.0f : acc(make_coord(make_coord(0, v1, v2), m, 0));
-            const float x1 = empty ? 0.0f : acc(make_coord(make_coord(1, v1, v2), m, 0));
-            // TMA's 128-byte swizzle (a 32-row box starts 4 KiB in: the same pattern).
-            *reinterpret_cast<__nv_bfloat162*>(&buf[tma_swizzle128_bf16_offset(r, col)]) = __floats2bfloat162_rn(x0, x1);
-          }
-        }
+        stage_block<kConcat>(acc, m, b, empty, wg_thread, [&](int offset, __nv_bfloat162 pair) {
+          *reinterpret_cast<__nv_bfloat162*>(&buf[offset]) = pair;
+        });
         fence_proxy_async_shared();  // the st.shared writes, visible to the copy engine
         // Thread 0 waits for the store that read the other half (the previous block's) before the barrier, so that
         // after it every thread may stage the next block there.

@@ -113,6 +113,10 @@ struct PersistentKernel {
         Epilogue::tile_start(p.epilogue, s.epilogue[consumer], epilogue_state, c, row_base, wg_thread,
                              epilogue_barrier(consumer));
       if constexpr (BorrowsStage<Variant>::value) {
+        // Both warpgroups of the cooperative tile share the held stage; this path calls neither first_mma_issued
+        // nor the hooks' apply.
+        static_assert(Traits::kCooperative && !EpilogueHooks<Epilogue>::kHooks,
+                      "a borrowed stage: the cooperative tile, an epilogue without hooks");
         const int now_held = Mainloop::consume(
             p.mainloop, ring, acc, c, i, mma_thread,
             [&] {  // the previous tile's borrowed stage, free once its stores have read it

@@ -45,6 +45,7 @@
 
 #include "gpu/hopper/async_primitives.cuh"
 #include "gpu/hopper/params.hpp"
+#include "gpu/hopper/stage_ring.cuh"
 #include "gpu/hopper/tile_config.hpp"
 #include "gpu/hopper/tile_scheduler_varlen_k.cuh"
 
@@ -88,25 +89,13 @@ struct MainloopVarlenK {
   using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
                                                       cute::Shape<cute::_64, cute::Int<kTileN>, cute::Int<kTileK>>,
                                                       cute::GMMA::Major::MN, cute::GMMA::Major::MN>());
-  // Ping-pong: one warpgroup covers the 128-row tile with two 64-row atoms. Cooperative: two warpgroups side by
-  // side along M, 64 rows each.
-  using TiledMma = decltype(cute::make_tiled_mma(
-      MmaAtom{}, cute::Layout<cute::Shape<cute::Int<Traits::kCooperative ? 2 : 1>, cute::_1, cute::_1>>{}));
+  using TiledMma = ConsumerTiledMma<Tile, MmaAtom>;
 
   static constexpr int kBlockBytes = 64 * kTileK * 2;  // one 64-column block of a stage: 8 KiB
 
-  struct Tiles {  // 1024-byte aligned (128-byte swizzle atoms); sizes are multiples of 1024
-    alignas(1024) Element a[kStages][kTileM * kTileK];
-    alignas(1024) Element b[kStages][kTileN * kTileK];
-  };
-  struct Barriers {
-    std::uint64_t full[kStages];
-    std::uint64_t empty[kStages];
-  };
-  struct Storage {
-    Tiles& t;
-    Barriers& bar;
-  };
+  using Tiles = typename StageRing<Tile, Element>::Tiles;
+  using Barriers = typename StageRing<Tile, Element>::Barriers;
+  using Storage = typename StageRing<Tile, Element>::Storage;
 
   __device__ __forceinline__ static void init_barriers(Barriers& b) {
     for (int i = 0; i < kStages; ++i) {

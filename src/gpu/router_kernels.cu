@@ -8,7 +8,6 @@ namespace machmoe::gpu {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kMaxK = 64;        // selections held in shared memory per warp; larger K loops in chunks (see below)
 constexpr int kMaxPerLane = 16;  // rows of up to 512 experts are selected from registers
 
 // Selection by repeated warp arg-max over a row held in registers as rank keys: lane l keeps elements l, l + 32,
@@ -143,6 +142,12 @@ __global__ void topk_scores_kernel(const T* __restrict__ logits, std::int64_t ld
 // k, k + 32, ...): a selection's row, expert search and score are independent of the others', and one lane doing
 // them in turn (two chains of K dependent loads and binary searches per token) made this kernel latency-bound
 // (0.088 ms on 1.4B (256,128,8), H200). Sums over the selections are a fixed butterfly: deterministic.
+//
+// The token's row of dlogits is written in two passes: every element as if no expert were selected (the upstream
+// gradient, plus -p_i gs for kTopKOfSoftmax), then each selection's element again, by the lane that holds the
+// selection, with its term. __syncwarp orders the warp's global writes, so the second write is the one that stays
+// (experts are distinct within a token). Before, every element searched the token's selections for itself: E K / 32
+// compare steps a lane, from shared memory, the bulk of the kernel's instructions.
 template <class T>
 __global__ void router_backward_kernel(ScoreVariant variant, const float* __restrict__ scores,
                                        const float* __restrict__ ds, const std::int32_t* __restrict__ inverse,
@@ -150,8 +155,6 @@ __global__ void router_backward_kernel(ScoreVariant variant, const float* __rest
                                        std::int64_t T_, int E, int K, const T* __restrict__ grad_logits,
                                        std::int64_t ld_grad, T* __restrict__ dlogits,
                                        RouterPairTerm* __restrict__ pair_terms) {
-  __shared__ int sel_e[kWarpsPerBlock][kMaxK];
-  __shared__ float sel_g[kWarpsPerBlock][kMaxK];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if (t >= T_) return;
@@ -160,10 +163,11 @@ __global__ void router_backward_kernel(ScoreVariant variant, const float* __rest
   const std::int32_t* rows = inverse + t * K;
   T* out = dlogits + t * E;
   const T* up = grad_logits ? grad_logits + t * ld_grad : nullptr;
+  const bool full_softmax = variant == ScoreVariant::kTopKOfSoftmax;
 
   float m = 0.0f, total = 1.0f;
   const T* z = logits ? logits + t * E : nullptr;
-  if (variant == ScoreVariant::kTopKOfSoftmax) {
+  if (full_softmax) {
     m = warp_row_max(z, E, lane);
     total = warp_row_sumexp(z, E, m, lane);
   }
@@ -172,42 +176,33 @@ __global__ void router_backward_kernel(ScoreVariant variant, const float* __rest
   for (int k = lane; k < K; k += 32) {
     const std::int32_t row = rows[k];
     if (row < 0) continue;
-    const float pk = variant == ScoreVariant::kTopKOfSoftmax
-                         ? expf(to_float(z[expert_of_row(offsets, E, row)]) - m) / total
-                         : s[k];
+    const float pk = full_softmax ? expf(to_float(z[expert_of_row(offsets, E, row)]) - m) / total : s[k];
     gs += g[k] * pk;
   }
   for (int o = 16; o > 0; o >>= 1) gs += __shfl_xor_sync(0xffffffffu, gs, o);
-  // Chunks of kMaxK selections: each lane adds the contributions of the chunk's selections to its elements.
-  for (int k0 = 0; k0 < K; k0 += kMaxK) {
-    const int kn = min(kMaxK, K - k0);
-    for (int k = lane; k < kn; k += 32) {
-      const std::int32_t row = rows[k0 + k];
-      const int e = row < 0 ? -1 : expert_of_row(offsets, E, row);
-      sel_e[warp][k] = e;
-      sel_g[warp][k] = g[k0 + k];
-      // The selection's dz as the loop below forms it at element e (experts are distinct within a token), in fp32.
-      if (pair_terms)
-        pair_terms[t * K + k0 + k] = {row < 0 ? 0.0f : s[k0 + k] * (g[k0 + k] - gs), row < 0 ? 0 : e};
+
+  // Every element as if unselected: dz_i = p_i (0 - gs) for kTopKOfSoftmax, 0 for the others.
+  for (int i = lane; i < E; i += 32) {
+    const float prior = up ? to_float(up[i]) : 0.0f;
+    out[i] = from_float<T>(full_softmax ? prior + expf(to_float(z[i]) - m) / total * (0.0f - gs) : prior);
+  }
+  __syncwarp();
+  // The selections: dz = p_e (g_k - gs) for kTopKOfSoftmax (dp_e = g_k), s_k (g_k - gs) for the others.
+  for (int k = lane; k < K; k += 32) {
+    const std::int32_t row = rows[k];
+    if (row < 0) {
+      if (pair_terms) pair_terms[t * K + k] = {0.0f, 0};
+      continue;
     }
-    __syncwarp();
-    for (int i = lane; i < E; i += 32) {
-      float acc = 0.0f;
-      if (variant == ScoreVariant::kTopKOfSoftmax) {
-        // dz_i = p_i (dp_i - sum_k g_k p_k), dp_i = g_k at the selections.
-        float dp = 0.0f;
-        for (int k = 0; k < kn; ++k) dp += sel_e[warp][k] == i ? sel_g[warp][k] : 0.0f;
-        const float p = expf(to_float(z[i]) - m) / total;
-        acc = k0 == 0 ? p * (dp - gs) : p * dp;
-      } else {
-        // dz_{i_k} = s_k (g_k - sum_j g_j s_j) at the selections; zero elsewhere.
-        for (int k = 0; k < kn; ++k)
-          if (sel_e[warp][k] == i) acc += s[k0 + k] * (sel_g[warp][k] - gs);
-      }
-      const float prior = k0 == 0 ? (up ? to_float(up[i]) : 0.0f) : to_float(out[i]);
-      out[i] = from_float<T>(prior + acc);
+    const int e = expert_of_row(offsets, E, row);
+    const float prior = up ? to_float(up[e]) : 0.0f;
+    if (full_softmax) {
+      out[e] = from_float<T>(prior + expf(to_float(z[e]) - m) / total * (g[k] - gs));
+    } else {
+      const float dz = s[k] * (g[k] - gs);
+      out[e] = from_float<T>(prior + dz);
+      if (pair_terms) pair_terms[t * K + k] = {dz, e};
     }
-    __syncwarp();
   }
 }
 

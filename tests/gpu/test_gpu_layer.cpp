@@ -396,6 +396,27 @@ TEST(GpuLayerProperties, ManyExpertsMatchFloat64) {
     }
 }
 
+// The router's backward with more selections per token than a warp has lanes (33: a lane takes two) and than the
+// 64 its earlier version handled in one chunk (80), for every score variant, with and without an upstream gradient
+// of the logits (without it, the renormalised scores' term of dX is summed from the pairs).
+TEST(GpuLayerProperties, ManySelectionsPerTokenMatchFloat64) {
+  REQUIRE_GPU();
+  for (std::int64_t K : {33, 80})
+    for (ScoreVariant s :
+         {ScoreVariant::kSoftmaxOverTopK, ScoreVariant::kTopKOfSoftmax, ScoreVariant::kTopKOfSoftmaxRenorm})
+      for (bool upstream : {true, false})
+        for (DType dt : {DType::kBF16, DType::kFP32}) {
+          SCOPED_TRACE("K = " + std::to_string(K) + " " + score_variant_name(s) +
+                       (upstream ? " with" : " without") + " grad_logits " + dtype_name(dt));
+          MoEProblem p;
+          p.T = 90, p.d = 64, p.n = 32, p.E = 100, p.K = K, p.score = s, p.tile_m = 16;
+          LayerCase<double> c(p, 700 + K);
+          if (!upstream) c.grad_logits.clear();
+          const GpuRun g = run_on_gpu(c, dt);
+          compare_all(g, reference_for(quantized_case(c, dt), g.logits), dt);
+        }
+}
+
 // ---- edge shapes -----------------------------------------------------------------------------------------------
 
 struct EdgeShape {

@@ -570,6 +570,21 @@ __device__ __forceinline__ int nth_set_bit(std::uint32_t m, int n) {
   return p;
 }
 
+/// Warp-wide: the position in [begin, end) of the n-th (0-based) position i, in order, where is_match(i) holds; -1 if
+/// there are n or fewer. The ties at a select's threshold are ranked in token order with it (the cut).
+template <class Index, class IsMatch>
+__device__ __forceinline__ Index warp_nth_match(Index begin, Index end, std::int32_t n, IsMatch&& is_match, int lane) {
+  std::int32_t seen = 0;
+  for (Index base = begin; base < end; base += 32) {
+    const Index i = base + lane;
+    const unsigned b = __ballot_sync(kFull, i < end && is_match(i));
+    const int cnt = __popc(b);
+    if (seen + cnt > n) return base + nth_set_bit(b, n - seen);
+    seen += cnt;
+  }
+  return -1;
+}
+
 /// Warp-wide, lane l holding the kept mask m of block c0 + l, `before` the kept tokens of the blocks below it and
 /// `total` the chunk's kept tokens: every kept token of the chunk goes to gather[pos + j] (j its rank in token
 /// order) with its score (from its key) to row_scores[pos + j]. Lane l takes kept tokens l, l + 32, ...: it finds
@@ -667,18 +682,9 @@ __device__ void whole_column_select(const std::uint32_t* __restrict__ gcol, std:
     }
     __syncthreads();
     if (warp == sh.target_warp_s) {
-      std::int32_t seen = 0;
-      for (std::int64_t base = w_begin; base < w_end; base += 32) {
-        const std::int64_t i = base + lane;
-        unsigned b = __ballot_sync(kFull, i < w_end && gcol[i] == thr);
-        const int cnt = __popc(b);
-        if (seen + cnt > sh.target_rank_s) {
-          for (int k = 0; k < sh.target_rank_s - seen; ++k) b &= b - 1;
-          if (lane == 0) sh.cut_s = base + (__ffs(b) - 1);
-          break;
-        }
-        seen += cnt;
-      }
+      const std::int64_t i = warp_nth_match(w_begin, w_end, sh.target_rank_s,
+                                            [&](std::int64_t j) { return gcol[j] == thr; }, lane);
+      if (lane == 0 && i >= 0) sh.cut_s = i;
     }
     __syncthreads();
     cut = sh.cut_s;
@@ -932,18 +938,9 @@ __global__ void __launch_bounds__(Threads, kBoundedSelectMinBlocks<Threads>)
     } else {
       // The token of tie number `need` (0-based) in token order: the first `need` ties are kept.
       if (warp == 0) {
-        std::int32_t seen = 0;
-        for (std::int32_t base = 0; base < n_cands; base += 32) {
-          const std::int32_t i = base + lane;
-          unsigned b = __ballot_sync(kFull, i < n_cands && cand.key[i] == thr);
-          const int cnt = __popc(b);
-          if (seen + cnt > need) {
-            for (int q = 0; q < need - seen; ++q) b &= b - 1;
-            if (lane == 0) sh.cut_s = cand.token[base + __ffs(b) - 1];
-            break;
-          }
-          seen += cnt;
-        }
+        const std::int32_t i = warp_nth_match<std::int32_t>(
+            0, n_cands, need, [&](std::int32_t j) { return cand.key[j] == thr; }, lane);
+        if (lane == 0 && i >= 0) sh.cut_s = cand.token[i];
       }
       __syncthreads();
       cut = sh.cut_s;

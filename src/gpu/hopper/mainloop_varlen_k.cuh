@@ -326,35 +326,16 @@ struct MainloopVarlenK {
     auto thr = mma.get_thread_slice(mma_thread);
     Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage) descriptors
     Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-    std::uint32_t iter = c.ring;
-    int previous_stage = -1;
-    for (int kb = 0; kb < c.k_tiles; ++kb, ++iter) {
-      const int stage = static_cast<int>(iter % kStages);
-      mbar_wait(&s.bar.full[stage], (iter / kStages) & 1u, WaitSite::kConsumerFull, iter);
-      // No proxy fence for the cp.async-written operands: the mbarrier completion orders the copies before the
-      // WGMMA reads (as in the varlen-M mainloop's gathered A, and CUTLASS's SM90 cp.async + GMMA mainloops).
-      if (kb == c.k_tiles - 1) on_last_wait();
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tCrA); ++k) {
-        cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), acc);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      if (kb == 0) on_first_issue();
-      warpgroup_wait<1>();  // the previous k-block's WGMMAs are done: its stage can be refilled
-      warpgroup_fence_operand(acc);
-      if (previous_stage >= 0 && wg_thread == 0) mbar_arrive(&s.bar.empty[previous_stage]);
-      previous_stage = stage;
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    // (From the coordinate, not from previous_stage: a loop value live past the loop moved the whole loop's stage
-    // and WGMMA descriptor arithmetic from uniform to ordinary registers.)
+    const int last_stage = consume_k_blocks<kStages>(
+        mma, tCrA, tCrB, acc, s.bar.full, c.ring, c.k_tiles,
+        [&](int stage) {
+          if (wg_thread == 0) mbar_arrive(&s.bar.empty[stage]);
+        },
+        on_first_issue, on_last_wait);
+    // (From the coordinate, not from the loop: a loop value live past the loop moved the whole loop's stage and WGMMA
+    // descriptor arithmetic from uniform to ordinary registers.)
     if (hold_last) return static_cast<int>((c.ring + static_cast<std::uint32_t>(c.k_tiles) - 1) % kStages);
-    if (wg_thread == 0) mbar_arrive(&s.bar.empty[previous_stage]);
+    if (wg_thread == 0) mbar_arrive(&s.bar.empty[last_stage]);
     return -1;
   }
 };

@@ -226,31 +226,13 @@ struct MainloopVarlenM {
     auto thr = mma.get_thread_slice(mma_thread);
     Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage) descriptors
     Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-    int previous_stage = -1;
-    for (int kb = 0; kb < k_tiles; ++kb, ++iter) {
-      const int stage = iter % kStages;
-      mbar_wait(&s.bar.full[stage], (iter / kStages) & 1u, WaitSite::kConsumerFull, iter);
-      // No proxy fence for the cp.async-written A: the mbarrier completion orders the copies before the WGMMA
-      // reads (as CUTLASS's SM90 cp.async + GMMA warp-specialised mainloops rely on).
-      if (kb == k_tiles - 1) on_last_wait();
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tCrA); ++k) {
-        cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), acc);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      if (kb == 0) on_first_issue();
-      warpgroup_wait<1>();  // the previous k-block's WGMMAs are done: its stage can be refilled
-      warpgroup_fence_operand(acc);
-      if (previous_stage >= 0 && wg_thread < Tile::kClusterM) release(s, previous_stage, wg_thread);
-      previous_stage = stage;
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    if (previous_stage >= 0 && wg_thread < Tile::kClusterM) release(s, previous_stage, wg_thread);
+    const int last_stage = consume_k_blocks<kStages>(
+        mma, tCrA, tCrB, acc, s.bar.full, iter, k_tiles,
+        [&](int stage) {
+          if (wg_thread < Tile::kClusterM) release(s, stage, wg_thread);
+        },
+        on_first_issue, on_last_wait);
+    if (last_stage >= 0 && wg_thread < Tile::kClusterM) release(s, last_stage, wg_thread);
   }
 
   /// This warpgroup is done reading `stage`: tell every producer that writes into it. With a cluster, thread r of

@@ -3,6 +3,7 @@
 // them unchanged; wrong buffers are refused with the argument named.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -20,6 +21,23 @@ template <class G>
 struct GradBuffers {
   std::vector<G> wr, w1, b1, w2, b2;
 };
+
+/// The five buffers in one order, for checks that treat them alike, and their names in that order.
+constexpr const char* kGradNames[5] = {"router_weight", "w1", "b1", "w2", "b2"};
+template <class G>
+std::array<std::vector<G>*, 5> fields(GradBuffers<G>& g) {
+  return {&g.wr, &g.w1, &g.b1, &g.w2, &g.b2};
+}
+template <class G>
+std::array<const std::vector<G>*, 5> fields(const GradBuffers<G>& g) {
+  return {&g.wr, &g.w1, &g.b1, &g.w2, &g.b2};
+}
+
+/// Each buffer of `got` equal to the same buffer of `want`, element for element (gtest names the buffer).
+template <class G>
+void expect_equal_buffers(const GradBuffers<G>& got, const GradBuffers<G>& want, const std::string& what = "") {
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(*fields(got)[i], *fields(want)[i]) << kGradNames[i] << what;
+}
 
 template <class T>
 constexpr DType dtype_of() {
@@ -109,6 +127,13 @@ MoEProblem accumulation_problem(RoutingMode routing) {
   return p;
 }
 
+/// Three tokens with one expert each, of eight: at least five experts receive no pair.
+MoEProblem few_pairs_problem() {
+  MoEProblem p;
+  p.T = 3, p.d = 10, p.n = 6, p.E = 8, p.K = 1, p.has_b1 = p.has_b2 = true;
+  return p;
+}
+
 /// Two micro-batches: the same weights, different tokens, upstream gradients (and caller triples).
 std::pair<LayerCase<double>, LayerCase<double>> two_micro_batches(const MoEProblem& p) {
   const LayerCase<double> a(p, 101);
@@ -136,13 +161,10 @@ TEST_P(Accumulate, TwiceEqualsTheSumOfTwoBackwardPassesBitwise) {
   auto add = [](std::vector<double>& dst, const std::vector<double>& v) {
     for (std::size_t i = 0; i < dst.size(); ++i) dst[i] += v[i];
   };
-  add(expect.wr, ga.wr), add(expect.w1, ga.w1), add(expect.b1, ga.b1), add(expect.w2, ga.w2), add(expect.b2, ga.b2);
-  add(expect.wr, gb.wr), add(expect.w1, gb.w1), add(expect.b1, gb.b1), add(expect.w2, gb.w2), add(expect.b2, gb.b2);
-  EXPECT_EQ(acc.w1, expect.w1);
-  EXPECT_EQ(acc.b1, expect.b1);
-  EXPECT_EQ(acc.w2, expect.w2);
-  EXPECT_EQ(acc.b2, expect.b2);
-  EXPECT_EQ(acc.wr, expect.wr) << (router ? "router gradient accumulated" : "caller routing: router buffer unchanged");
+  for (const GradBuffers<double>* g : {&ga, &gb})
+    for (int i = 0; i < 5; ++i) add(*fields(expect)[i], *fields(*g)[i]);
+  expect_equal_buffers(acc, expect,
+                       router ? " (router gradient accumulated)" : " (caller routing: router buffer unchanged)");
 }
 
 // fp32 buffers: fp64 data (the CPU's stand-in for bf16 data with fp32 main grads: the buffer narrower than the
@@ -154,7 +176,7 @@ TEST_P(Accumulate, Fp32BuffersMatchTheFloat64Sum) {
   GradBuffers<float> init = initial_grads<float>(a.problem, true, 9);
   GradBuffers<double> ga = reference_grads(a), gb = reference_grads(b);
   GradBuffers<double> exact;  // in float64 from the same fp32 start
-  exact.wr = up(init.wr), exact.w1 = up(init.w1), exact.b1 = up(init.b1), exact.w2 = up(init.w2), exact.b2 = up(init.b2);
+  for (int i = 0; i < 5; ++i) *fields(exact)[i] = up(*fields(init)[i]);
   GradBuffers<float> rounded = init;  // what fp64 data into fp32 buffers must give bitwise: one rounding per sum
   auto step = [](std::vector<double>& ex, std::vector<float>& ro, const std::vector<double>& g) {
     for (std::size_t i = 0; i < ex.size(); ++i) {
@@ -162,32 +184,19 @@ TEST_P(Accumulate, Fp32BuffersMatchTheFloat64Sum) {
       ro[i] = static_cast<float>(static_cast<double>(ro[i]) + g[i]);
     }
   };
-  for (const GradBuffers<double>* g : {&ga, &gb}) {
-    step(exact.wr, rounded.wr, g->wr), step(exact.w1, rounded.w1, g->w1), step(exact.b1, rounded.b1, g->b1);
-    step(exact.w2, rounded.w2, g->w2), step(exact.b2, rounded.b2, g->b2);
-  }
+  for (const GradBuffers<double>* g : {&ga, &gb})
+    for (int i = 0; i < 5; ++i) step(*fields(exact)[i], *fields(rounded)[i], *fields(*g)[i]);
 
   GradBuffers<float> from64 = init, from32 = init;
   run_backward<double, float>(a, from64, true, split);
   run_backward<double, float>(b, from64, true, split);
   run_backward<float, float>(a, from32, true, split);
   run_backward<float, float>(b, from32, true, split);
-  EXPECT_EQ(from64.w1, rounded.w1);
-  EXPECT_EQ(from64.b1, rounded.b1);
-  EXPECT_EQ(from64.w2, rounded.w2);
-  EXPECT_EQ(from64.b2, rounded.b2);
-  EXPECT_EQ(from64.wr, rounded.wr);
-  struct Row {
-    const char* name;
-    const std::vector<float>*fp32_data, *fp64_data;
-    const std::vector<double>* exact;
-  };
-  const Row rows[] = {{"router_weight", &from32.wr, &from64.wr, &exact.wr}, {"w1", &from32.w1, &from64.w1, &exact.w1},
-                      {"b1", &from32.b1, &from64.b1, &exact.b1},            {"w2", &from32.w2, &from64.w2, &exact.w2},
-                      {"b2", &from32.b2, &from64.b2, &exact.b2}};
-  for (const Row& r : rows) {
-    EXPECT_LT(rel_error(up(*r.fp32_data), *r.exact), 1e-5) << r.name << ": fp32 data into fp32 buffers";
-    EXPECT_LT(rel_error(up(*r.fp64_data), *r.exact), 2e-7) << r.name << ": fp64 data into fp32 buffers";
+  expect_equal_buffers(from64, rounded);
+  for (int i = 0; i < 5; ++i) {
+    const std::vector<double>& want = *fields(exact)[i];
+    EXPECT_LT(rel_error(up(*fields(from32)[i]), want), 1e-5) << kGradNames[i] << ": fp32 data into fp32 buffers";
+    EXPECT_LT(rel_error(up(*fields(from64)[i]), want), 2e-7) << kGradNames[i] << ": fp64 data into fp32 buffers";
   }
 }
 
@@ -200,12 +209,9 @@ TEST_P(Accumulate, Fp32GradientsOfFp64DataOverwrite) {
   GradBuffers<float> g = initial_grads<float>(a.problem, true, 3);
   run_backward<double, float>(a, g, false, split);
   GradBuffers<double> r = reference_grads(a);
-  auto rounded = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
-  EXPECT_EQ(g.w1, rounded(r.w1));
-  EXPECT_EQ(g.b1, rounded(r.b1));
-  EXPECT_EQ(g.w2, rounded(r.w2));
-  EXPECT_EQ(g.b2, rounded(r.b2));
-  EXPECT_EQ(g.wr, rounded(r.wr));
+  GradBuffers<float> rounded;
+  for (int i = 0; i < 5; ++i) *fields(rounded)[i] = std::vector<float>(fields(r)[i]->begin(), fields(r)[i]->end());
+  expect_equal_buffers(g, rounded);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -219,8 +225,7 @@ INSTANTIATE_TEST_SUITE_P(
 // Experts that receive no pair keep their rows of every buffer bitwise; a call with no tokens keeps everything.
 TEST(AccumulateEdges, ZeroTokenExpertsAndEmptyCallsLeaveTheBufferUnchanged) {
   for (bool split : {false, true}) {
-    MoEProblem p;
-    p.T = 3, p.d = 10, p.n = 6, p.E = 8, p.K = 1, p.has_b1 = p.has_b2 = true;
+    const MoEProblem p = few_pairs_problem();
     const LayerCase<double> c(p, 5);
     const ref::ForwardResult<double> f = ref::layer_forward(p, c.inputs());
     const GradBuffers<double> init = initial_grads<double>(p, true, 11);
@@ -245,11 +250,7 @@ TEST(AccumulateEdges, ZeroTokenExpertsAndEmptyCallsLeaveTheBufferUnchanged) {
     const LayerCase<double> none(q, 6);
     GradBuffers<double> kept = init;
     run_backward<double, double>(none, kept, true, split);
-    EXPECT_EQ(kept.wr, init.wr);
-    EXPECT_EQ(kept.w1, init.w1);
-    EXPECT_EQ(kept.b1, init.b1);
-    EXPECT_EQ(kept.w2, init.w2);
-    EXPECT_EQ(kept.b2, init.b2);
+    expect_equal_buffers(kept, init, split ? " (split, no tokens)" : " (no tokens)");
   }
 }
 
@@ -275,8 +276,7 @@ template <class G>
 void expect_negative_zeros_kept() {
   for (bool split : {false, true}) {
     SCOPED_TRACE(std::string(sizeof(G) == 8 ? "fp64" : "fp32") + " buffers" + (split ? ", split" : ""));
-    MoEProblem p;
-    p.T = 3, p.d = 10, p.n = 6, p.E = 8, p.K = 1, p.has_b1 = p.has_b2 = true;
+    const MoEProblem p = few_pairs_problem();
     const auto negative_zeros = [&] { return negative_zero_grads<G>(p); };
     const auto all_negative_zero = [](const std::vector<G>& v, std::size_t from, std::size_t to) {
       return all_zero_signed(v, from, to, true);
@@ -304,8 +304,8 @@ void expect_negative_zeros_kept() {
     q.T = 0;
     GradBuffers<G> kept = negative_zeros();
     run_backward<double, G>(LayerCase<double>(q, 6), kept, true, split);
-    for (const std::vector<G>* v : {&kept.wr, &kept.w1, &kept.b1, &kept.w2, &kept.b2})
-      EXPECT_TRUE(all_negative_zero(*v, 0, v->size()));
+    for (int i = 0; i < 5; ++i)
+      EXPECT_TRUE(all_negative_zero(*fields(kept)[i], 0, fields(kept)[i]->size())) << kGradNames[i];
 
     // Caller-supplied routing: the router's gradient is zero and leaves its buffer as it is.
     MoEProblem r = p;
@@ -334,8 +334,7 @@ template <class G>
 void expect_zero_gradients_of_experts_with_pairs_added() {
   for (bool split : {false, true}) {
     SCOPED_TRACE(std::string(sizeof(G) == 8 ? "fp64" : "fp32") + " buffers" + (split ? ", split" : ""));
-    MoEProblem p;
-    p.T = 3, p.d = 10, p.n = 6, p.E = 8, p.K = 1, p.has_b1 = p.has_b2 = true;
+    const MoEProblem p = few_pairs_problem();
     LayerCase<double> c(p, 5);
     std::fill(c.grad_out.begin(), c.grad_out.end(), 0.0);
     std::fill(c.grad_logits.begin(), c.grad_logits.end(), 0.0);

@@ -173,7 +173,7 @@ std::string usage() {
       "                       behind an uninstrumented forward+backward so that every stage is GPU time\n"
       "  --all-configs        run the 12 main configurations (GPU) and print a summary table\n"
       "  --json PATH          also write the results as a JSON array to PATH\n"
-      "  --profile            GPU: one more forward inside cudaProfilerStart/Stop, for\n"
+      "  --profile            GPU: one more forward and backward inside cudaProfilerStart/Stop, for\n"
       "                       ncu --profile-from-start off / nsys --capture-range=cudaProfilerApi;\n"
       "                       before it, the forward and the backward each 20 times back to back\n"
       "                       (ms each against one timed call) and the host's time to enqueue a call\n"

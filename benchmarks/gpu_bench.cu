@@ -319,7 +319,8 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
     // Diagnostics: the forward and the backward each issued back to back (the host runs ahead, so its launch
     // latency is hidden; the difference to the timed call is host time the GPU waits for, or the clock: the duty
     // cycles differ), with the host's time to enqueue one call (median over those calls, which the GPU is behind);
-    // then one forward as the profiler's capture range. A call timed behind a kernel that held the GPU idle for 5 ms
+    // then one forward and one backward as the profiler's capture range (a profiler's kernel list: the forward's
+    // launches, then the backward's). A call timed behind a kernel that held the GPU idle for 5 ms
     // ran 10-16 % faster than either (H200, session 65): the board's clock after an idle stretch, not the host's
     // latency, so such a figure is not offered.
     const int reps = 20;
@@ -346,7 +347,8 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
     back_to_back_ms("backward", r.bwd_ms, [&] { backward(p, xv, w, nullptr, bi, bo, bb, s); });
     check(cudaProfilerStart(), "cudaProfilerStart");
     forward(p, xv, w, nullptr, fo, fb, s);
-    check(cudaStreamSynchronize(s), "profiled forward");
+    backward(p, xv, w, nullptr, bi, bo, bb, s);
+    check(cudaStreamSynchronize(s), "profiled forward and backward");
     check(cudaProfilerStop(), "cudaProfilerStop");
   }
   // Stage times: per stage, the median over instrumented runs that go on for at least o.stage_runs runs and, like the

@@ -3,7 +3,7 @@
 # racecheck) on a representative subset, and the benchmark. Logs go to $OUT (the device tool's folder) or
 # build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|profile|detail|t8|all] [gtest filter]
 # t8: token rounding against top-K on every main configuration and both sweeps (T8's table, scripts/t8_table.py).
-# profile: kernel by kernel durations of one forward of $BENCH_CONFIGS (ncu, unlocked clocks; nsys when present).
+# profile: kernel by kernel durations of one forward and backward of $BENCH_CONFIGS (ncu, unlocked clocks; nsys when present).
 #   BENCH_CONFIGS (profile, detail): names of machmoe-bench's configurations, or rows T:d:n:E:K (16384:1536:256:512:8).
 #   BENCH_ARGS: more machmoe-bench arguments for profile and detail (e.g. "--routing token_rounding"), PROFILE_TAG a
 #   suffix of their files' names (so that two routings of a configuration keep both).

@@ -109,7 +109,7 @@ constexpr int kEmitTokens = kEmitWarps * kEmitTokensPerWarp;  // per block
 constexpr int kBwdWarps = 8;
 constexpr int kBwdWindow = 512;  // experts whose pair gradients a warp holds in shared memory at a time
 template <int PerLane>
-constexpr bool kBwdGradientsInRegisters = PerLane >= 1 && PerLane <= 4;  // see tr_backward_token
+constexpr bool kBwdGradientsInRegisters = PerLane >= 1 && PerLane <= 4;  // see tr_backward_token_in_registers
 
 static_assert(kKeyTokens == 32, "the transpose writes one 32-token row segment per expert, a warp's");
 static_assert(kEmitWarps == 32, "warp 0 scans the emit block's per-warp counts");
@@ -1214,86 +1214,143 @@ __global__ void __launch_bounds__(kChunkPlanThreads)
 
 // ---- backward -------------------------------------------------------------------------------------------------------
 
-/// One warp per token: dz = upstream + the TC scores' backward at the choices + the full softmax's backward of the
-/// padded pairs (dp_i = the pair's gradient; for kTopKOfSoftmax the choices are full-softmax probabilities too).
-/// The token's selection comes from the forward's saved statistics, not from selecting again.
-///
-/// Where the pair gradients go (kBwdGradientsInRegisters): up to 4 keys a lane, in registers, slot j of lane l for
-/// expert 32 j + l. Each of the token's few pairs (K and the rounding's padding) is broadcast to the warp and taken by
-/// the lane whose expert's grouped rows [offsets[e], offsets[e + 1]) hold the pair's row, so no pair searches the
-/// offsets for its expert (a chain of dependent loads: ncu put a quarter of this kernel's stall samples there on
-/// 1.4B (256,128,8)). Wider rows place them in a shared-memory window of kBwdWindow experts, each pair's expert found
-/// by binary search: with 8 keys a lane the registers' version needs 115 registers (two CTAs an SM) or spills, and
-/// ran 45-56 us against 40.5 (H100, ncu, (16384,4096,1024,256,4)). Each width's occupancy was measured too: 1 key a
-/// lane at five CTAs an SM (48 registers; 21.5 us against 31.5 on 1.4B (1024,32,2)), 2 and 4 at four (with 4 keys
-/// that spills 36 bytes: 47.4 us on 1.4B (256,128,8), 53.1 at three CTAs an SM without spilling, 50.0 with the
-/// shared-memory window).
+/// The router backward, one warp per token: dz = upstream + the TC scores' backward at the choices + the full
+/// softmax's backward of the padded pairs (dp_i = the pair's gradient; for kTopKOfSoftmax the choices are
+/// full-softmax probabilities too). The token's selection comes from the forward's saved statistics, not from
+/// selecting again. Per element i of the row, with g_i the pair gradient of expert i (0 where the token has no pair),
+/// dot = sum over the full-softmax part of g_i p_i and gs = sum over the choices of g_k s_k:
+///   a choice of a renormalised variant:  dz_i = up_i + s_i (g_i - gs) + p_i (0 - dot)
+///   every other element:                 dz_i = up_i + p_i (g_i - dot)
+/// Both implementations below (pair gradients in registers, or in a shared-memory window) write these expressions in
+/// this order, summing each lane's slots in slot order and then over the warp by a fixed butterfly: deterministic.
+__device__ __forceinline__ float tr_logit_grad(float up, float p, float g, float dot, bool tc, float s, float gs) {
+  const float direct = tc ? s * (g - gs) : 0.0f;  // dz_k = s_k (g_k - sum_j g_j s_j)
+  return up + direct + p * ((tc ? 0.0f : g) - dot);  // a choice's g is not part of the full softmax
+}
+
+/// Rows of up to 4 keys a lane (E <= 128), with the pair gradients in registers: slot j of lane l holds expert
+/// 32 j + l's. Each of the token's few pairs (K and the rounding's padding) is broadcast to the warp and taken by the
+/// lane whose expert's grouped rows [offsets[e], offsets[e + 1]) hold the pair's row, so no pair searches the offsets
+/// for its expert (a chain of dependent loads: ncu put a quarter of this kernel's stall samples there on
+/// 1.4B (256,128,8)). The loads that do not depend on one another (the pair range, the row and its statistics, the
+/// lanes' expert ranges, the upstream gradient) are issued first; every probability and TC score is computed once
+/// and kept for the write. kFullSoftmax: ScoreVariant::kTopKOfSoftmax (no TC scores, no choice tests).
+/// The generic loop over windows of experts that the wide rows use (tr_backward_token_windowed) ran 792 instructions
+/// a token here, with its slots spilled to the stack (ncu, H200, 1.4B (256,128,8)).
+/// Occupancy was measured per width: 1 key a lane at five CTAs an SM (48 registers; 21.5 us against 31.5 on 1.4B
+/// (1024,32,2)), 2 and 4 at four.
+template <class T, int PerLane, bool kFullSoftmax>
+__device__ __forceinline__ void tr_backward_token_in_registers(
+    ScoreVariant variant, const T* __restrict__ z, std::int64_t T_, int E,
+    const TokenSelectionStats* __restrict__ selection, const float* __restrict__ ds,
+    const std::int32_t* __restrict__ inverse, const std::int32_t* __restrict__ offsets,
+    const std::int32_t* __restrict__ token_offsets, const T* __restrict__ up, std::int64_t ld_up,
+    T* __restrict__ dlogits) {
+  static_assert(PerLane >= 1 && PerLane <= 4, "rows of up to 4 keys a lane");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kBwdWarps + warp;
+  if (t >= T_) return;  // warp-uniform; no block-wide synchronisation below
+  const std::int64_t q0 = token_offsets[t];
+  const int n = static_cast<int>(token_offsets[t + 1] - q0);  // a token has at most one pair per expert: n <= E
+  std::int32_t lo[PerLane], hi[PerLane];  // slot j's expert's grouped rows; an empty range past E
+  float u[PerLane];                       // the upstream gradient of slot j's element
+  const T* up_row = up ? up + t * ld_up : nullptr;
+#pragma unroll
+  for (int j = 0; j < PerLane; ++j) {
+    const int e = j * 32 + lane;
+    lo[j] = e < E ? offsets[e] : 0;
+    hi[j] = e < E ? offsets[e + 1] : 0;
+    u[j] = up_row && e < E ? to_float(up_row[e]) : 0.0f;
+  }
+  RowSelection<T, PerLane, /*KeepExp=*/true> row(z + t * E, E, lane);
+  row.restore(selection[t]);
+  float dp[PerLane];
+#pragma unroll
+  for (int j = 0; j < PerLane; ++j) dp[j] = 0.0f;
+  const std::int32_t* pair_rows = inverse + q0;
+  const float* pair_grads = ds + q0;
+  for (int base = 0; base < n; base += 32) {
+    const int q = base + lane;
+    const std::int32_t g = q < n ? pair_rows[q] : -1;  // -1: no pair, in no expert's range
+    const float d = q < n ? pair_grads[q] : 0.0f;
+    const int m = min(32, n - base);
+    for (int s = 0; s < m; ++s) {
+      const std::int32_t g_s = __shfl_sync(kFull, g, s);
+      const float d_s = __shfl_sync(kFull, d, s);
+#pragma unroll
+      for (int j = 0; j < PerLane; ++j)
+        if (g_s >= lo[j] && g_s < hi[j]) dp[j] = d_s;  // a token has at most one pair per expert
+    }
+  }
+  // dot = sum_i dp_i p_i over the full-softmax part, gs = sum_k g_k s_k over the choices.
+  float p[PerLane], s[PerLane];
+  bool tc[PerLane];
+  float dot = 0.0f, gs = 0.0f;
+#pragma unroll
+  for (int j = 0; j < PerLane; ++j) {
+    p[j] = 0.0f, s[j] = 0.0f, tc[j] = false;
+    if (j * 32 + lane >= E) continue;
+    p[j] = row.prob(j);
+    if constexpr (!kFullSoftmax) tc[j] = row.chosen(j);
+    if (tc[j]) {
+      s[j] = row.tc_score(variant, j);
+      gs += dp[j] * s[j];
+    } else {
+      dot += dp[j] * p[j];
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    dot += __shfl_xor_sync(kFull, dot, o);
+    if constexpr (!kFullSoftmax) gs += __shfl_xor_sync(kFull, gs, o);
+  }
+  T* out = dlogits + t * E;
+#pragma unroll
+  for (int j = 0; j < PerLane; ++j) {
+    const int i = j * 32 + lane;
+    if (i < E) out[i] = from_float<T>(tr_logit_grad(u[j], p[j], dp[j], dot, tc[j], s[j], gs));
+  }
+}
+
+/// Rows of 8 or 16 keys a lane or read from memory: the pair gradients in a shared-memory window of kBwdWindow
+/// experts, each pair's expert found by binary search. With 8 keys a lane the registers' version needed 115 registers
+/// (two CTAs an SM) or spilled, and ran 45-56 us against 40.5 (H100, ncu, (16384,4096,1024,256,4)).
 template <class T, int PerLane>
-__device__ __forceinline__ void tr_backward_token(ScoreVariant variant, const T* __restrict__ z, std::int64_t T_,
-                                                  int E, const TokenSelectionStats* __restrict__ selection,
-                                                  const float* __restrict__ ds, const std::int32_t* __restrict__ inverse,
-                                                  const std::int32_t* __restrict__ offsets,
-                                                  const std::int32_t* __restrict__ token_offsets,
-                                                  const T* __restrict__ up, std::int64_t ld_up,
-                                                  T* __restrict__ dlogits) {
-  constexpr bool kRegs = kBwdGradientsInRegisters<PerLane>;
-  constexpr int kWindow = kRegs ? 32 * PerLane : kBwdWindow;  // experts whose pair gradients a warp holds at a time
-  __shared__ float dp_s[kRegs ? 1 : kBwdWarps][kRegs ? 1 : kBwdWindow];
+__device__ __forceinline__ void tr_backward_token_windowed(ScoreVariant variant, const T* __restrict__ z,
+                                                           std::int64_t T_, int E,
+                                                           const TokenSelectionStats* __restrict__ selection,
+                                                           const float* __restrict__ ds,
+                                                           const std::int32_t* __restrict__ inverse,
+                                                           const std::int32_t* __restrict__ offsets,
+                                                           const std::int32_t* __restrict__ token_offsets,
+                                                           const T* __restrict__ up, std::int64_t ld_up,
+                                                           T* __restrict__ dlogits) {
+  __shared__ float dp_s[kBwdWarps][kBwdWindow];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kBwdWarps + warp;
   if (t >= T_) return;  // warp-uniform; no block-wide synchronisation below
   RowSelection<T, PerLane, /*KeepExp=*/true> row(z + t * E, E, lane);
   row.restore(selection[t]);
   const std::int64_t q0 = token_offsets[t], q1 = token_offsets[t + 1];
-  float dp_r[kRegs ? PerLane : 1];
-  float* dp = dp_s[kRegs ? 0 : warp];
-  // The token's pair gradients of experts [w0, w0 + kWindow) (zero where the token has no pair).
+  float* dp = dp_s[warp];
+  // The token's pair gradients of experts [w0, w0 + kBwdWindow) (zero where the token has no pair).
   auto place = [&](int w0) {
-    if constexpr (kRegs) {
-      std::int32_t lo[PerLane], hi[PerLane];  // slot j's expert's grouped rows; an empty range past E
-#pragma unroll
-      for (int j = 0; j < PerLane; ++j) {
-        const int e = j * 32 + lane;
-        lo[j] = e < E ? offsets[e] : 0;
-        hi[j] = e < E ? offsets[e + 1] : 0;
-        dp_r[j] = 0.0f;
-      }
-      for (std::int64_t base = q0; base < q1; base += 32) {
-        const std::int64_t q = base + lane;
-        const std::int32_t g = q < q1 ? inverse[q] : -1;  // -1: no pair, in no expert's range
-        const float d = q < q1 ? ds[q] : 0.0f;
-        const int n = static_cast<int>(min(static_cast<std::int64_t>(32), q1 - base));
-        for (int s = 0; s < n; ++s) {
-          const std::int32_t gs_ = __shfl_sync(kFull, g, s);
-          const float ds_ = __shfl_sync(kFull, d, s);
-#pragma unroll
-          for (int j = 0; j < PerLane; ++j)
-            if (gs_ >= lo[j] && gs_ < hi[j]) dp_r[j] = ds_;  // a token has at most one pair per expert
-        }
-      }
-    } else {
-      for (int i = lane; i < kBwdWindow; i += 32) dp[i] = 0.0f;
-      __syncwarp();
-      for (std::int64_t q = q0 + lane; q < q1; q += 32) {
-        const std::int32_t g = inverse[q];
-        if (g < 0) continue;
-        const int e = expert_of_row(offsets, E, g);
-        if (e >= w0 && e < w0 + kBwdWindow) dp[e - w0] = ds[q];  // a token has at most one pair per expert
-      }
-      __syncwarp();
+    for (int i = lane; i < kBwdWindow; i += 32) dp[i] = 0.0f;
+    __syncwarp();
+    for (std::int64_t q = q0 + lane; q < q1; q += 32) {
+      const std::int32_t g = inverse[q];
+      if (g < 0) continue;
+      const int e = expert_of_row(offsets, E, g);
+      if (e >= w0 && e < w0 + kBwdWindow) dp[e - w0] = ds[q];  // a token has at most one pair per expert
     }
+    __syncwarp();
   };
-  auto grad = [&](int j, int w0) -> float {
-    if constexpr (kRegs) return dp_r[j];
-    else return dp[j * 32 + lane - w0];
-  };
-  // Sums over the row: dot = sum_i dp_i p_i over the full-softmax part, gs = sum_k g_k s_k over the choices.
+  const bool full_softmax = variant == ScoreVariant::kTopKOfSoftmax;
   float dot = 0.0f, gs = 0.0f;
-  for (int w0 = 0; w0 < E; w0 += kWindow) {
+  for (int w0 = 0; w0 < E; w0 += kBwdWindow) {
     place(w0);
-    row.for_each(w0 / 32, (w0 + kWindow) / 32, [&](int j) {
-      const float g = grad(j, w0), p = row.prob(j);
-      if (variant == ScoreVariant::kTopKOfSoftmax || !row.chosen(j)) dot += g * p;
+    row.for_each(w0 / 32, (w0 + kBwdWindow) / 32, [&](int j) {
+      const float g = dp[j * 32 + lane - w0], p = row.prob(j);
+      if (full_softmax || !row.chosen(j)) dot += g * p;
       else gs += g * row.tc_score(variant, j);
     });
   }
@@ -1303,24 +1360,20 @@ __device__ __forceinline__ void tr_backward_token(ScoreVariant variant, const T*
   }
   T* out = dlogits + t * E;
   const T* u = up ? up + t * ld_up : nullptr;
-  for (int w0 = 0; w0 < E; w0 += kWindow) {
-    if (E > kWindow) place(w0);  // one window: the gradients are still there
-    row.for_each(w0 / 32, (w0 + kWindow) / 32, [&](int j) {
+  for (int w0 = 0; w0 < E; w0 += kBwdWindow) {
+    if (E > kBwdWindow) place(w0);  // one window: the gradients are still there
+    row.for_each(w0 / 32, (w0 + kBwdWindow) / 32, [&](int j) {
       const int i = j * 32 + lane;
-      const float p = row.prob(j);
-      float g = grad(j, w0), direct = 0.0f;
-      if (variant != ScoreVariant::kTopKOfSoftmax && row.chosen(j)) {
-        direct = row.tc_score(variant, j) * (g - gs);  // dz_k = s_k (g_k - sum_j g_j s_j)
-        g = 0.0f;                                      // not part of the full softmax
-      }
-      out[i] = from_float<T>((u ? to_float(u[i]) : 0.0f) + direct + p * (g - dot));
+      const bool tc = !full_softmax && row.chosen(j);
+      out[i] = from_float<T>(tr_logit_grad(u ? to_float(u[i]) : 0.0f, row.prob(j), dp[i - w0], dot, tc,
+                                           tc ? row.tc_score(variant, j) : 0.0f, gs));
     });
   }
 }
 
 /// The router backward where the pair gradients sit in registers (1, 2 or 4 keys a lane), at the occupancy
-/// measured best for each width (tr_backward_token).
-template <class T, int PerLane>
+/// measured best for each width (tr_backward_token_in_registers).
+template <class T, int PerLane, bool kFullSoftmax>
 __global__ void __launch_bounds__(32 * kBwdWarps, PerLane == 1 ? 5 : 4)
     tr_backward_kernel(ScoreVariant variant, const T* __restrict__ z, std::int64_t T_, int E,
                        const TokenSelectionStats* __restrict__ selection, const float* __restrict__ ds,
@@ -1328,7 +1381,8 @@ __global__ void __launch_bounds__(32 * kBwdWarps, PerLane == 1 ? 5 : 4)
                        const std::int32_t* __restrict__ token_offsets, const T* __restrict__ up, std::int64_t ld_up,
                        T* __restrict__ dlogits) {
   static_assert(kBwdGradientsInRegisters<PerLane>, "wider rows use tr_backward_wide_kernel");
-  tr_backward_token<T, PerLane>(variant, z, T_, E, selection, ds, inverse, offsets, token_offsets, up, ld_up, dlogits);
+  tr_backward_token_in_registers<T, PerLane, kFullSoftmax>(variant, z, T_, E, selection, ds, inverse, offsets,
+                                                          token_offsets, up, ld_up, dlogits);
 }
 
 /// The router backward for rows of 8 or 16 keys a lane or read from memory (pair gradients in shared memory); the
@@ -1341,7 +1395,8 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
                             const std::int32_t* __restrict__ token_offsets, const T* __restrict__ up,
                             std::int64_t ld_up, T* __restrict__ dlogits) {
   static_assert(!kBwdGradientsInRegisters<PerLane>, "narrow rows use tr_backward_kernel");
-  tr_backward_token<T, PerLane>(variant, z, T_, E, selection, ds, inverse, offsets, token_offsets, up, ld_up, dlogits);
+  tr_backward_token_windowed<T, PerLane>(variant, z, T_, E, selection, ds, inverse, offsets, token_offsets, up,
+                                         ld_up, dlogits);
 }
 
 /// Calls run(std::integral_constant<int, PerLane>) for the register variant that holds a row of E experts, PerLane
@@ -1469,10 +1524,12 @@ void launch_token_rounding_backward(DType dt, ScoreVariant variant, const void* 
             variant, static_cast<const Tp*>(logits), T, static_cast<int>(E), selection, ds, inverse, offsets,
             token_offsets, static_cast<const Tp*>(grad_logits), ld_grad, static_cast<Tp*>(dlogits));
       };
-      if constexpr (kBwdGradientsInRegisters<kPerLane>)
-        launch(tr_backward_kernel<Tp, kPerLane>);
-      else
+      if constexpr (!kBwdGradientsInRegisters<kPerLane>)
         launch(tr_backward_wide_kernel<Tp, kPerLane>);
+      else if (variant == ScoreVariant::kTopKOfSoftmax)
+        launch(tr_backward_kernel<Tp, kPerLane, /*kFullSoftmax=*/true>);
+      else
+        launch(tr_backward_kernel<Tp, kPerLane, /*kFullSoftmax=*/false>);
     });
   });
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_backward");

@@ -491,7 +491,8 @@ TEST(GpuRouterKernels, Bf16KeysSelectAsTheFp32KeysDo) {
 
 // The backward kernel against ref::token_rounding_backward on the forward's own pairs, every score variant, every
 // row width the kernel instantiates (1, 2 and 4 keys a lane with the pair gradients in registers, 8 and 16 keys a
-// lane, and rows from memory: E = 600, two windows of pair gradients), and a bitwise repeat.
+// lane, and rows from memory: E = 600, two windows of pair gradients), without and with an upstream gradient of the
+// logits (which adds to the result; its rows padded past E), and a bitwise repeat.
 TEST(GpuTokenRoundingKernels, BackwardMatchesTheReference) {
   REQUIRE_GPU();
   for (ScoreVariant sv : {ScoreVariant::kSoftmaxOverTopK, ScoreVariant::kTopKOfSoftmax,
@@ -523,23 +524,34 @@ TEST(GpuTokenRoundingKernels, BackwardMatchesTheReference) {
       cudaMemcpy(inv.get(), o.inverse.data(), o.inverse.size() * 4, cudaMemcpyHostToDevice);
       cudaMemcpy(off.get(), o.offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice);
       cudaMemcpy(toff.get(), o.token_offsets.data(), (T + 1) * 4, cudaMemcpyHostToDevice);
-      std::vector<float> got[2];
-      for (int rep = 0; rep < 2; ++rep) {
-        DeviceBuffer dz(T * E * 4);
-        gpu::launch_token_rounding_backward(DType::kFP32, sv, z.get(), T, E,
-                                            static_cast<const gpu::TokenSelectionStats*>(sel.get()),
-                                            static_cast<const float*>(dsb.get()),
-                                            static_cast<const std::int32_t*>(inv.get()),
-                                            static_cast<const std::int32_t*>(off.get()),
-                                            static_cast<const std::int32_t*>(toff.get()), nullptr, 0, dz.get(),
-                                            nullptr);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        got[rep] = download<float>(dz, T * E);
-        EXPECT_TRUE(dz.canary_intact());
+      const std::int64_t ld_up = E + 3;
+      std::vector<double> up(static_cast<std::size_t>(T * ld_up));
+      for (double& x : up) x = static_cast<float>(nd(rng));  // values fp32 holds exactly
+      DeviceBuffer upb(encode(up, DType::kFP32));
+      for (bool with_up : {false, true}) {
+        std::vector<double> expect = want;
+        if (with_up)
+          for (std::int64_t t = 0; t < T; ++t)
+            for (std::int64_t e = 0; e < E; ++e) expect[t * E + e] += up[t * ld_up + e];
+        std::vector<float> got[2];
+        for (int rep = 0; rep < 2; ++rep) {
+          DeviceBuffer dz(T * E * 4);
+          gpu::launch_token_rounding_backward(DType::kFP32, sv, z.get(), T, E,
+                                              static_cast<const gpu::TokenSelectionStats*>(sel.get()),
+                                              static_cast<const float*>(dsb.get()),
+                                              static_cast<const std::int32_t*>(inv.get()),
+                                              static_cast<const std::int32_t*>(off.get()),
+                                              static_cast<const std::int32_t*>(toff.get()),
+                                              with_up ? upb.get() : nullptr, with_up ? ld_up : 0, dz.get(), nullptr);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          got[rep] = download<float>(dz, T * E);
+          EXPECT_TRUE(dz.canary_intact());
+        }
+        const std::string what = std::string(score_variant_name(sv)) + " E=" + std::to_string(E) + (with_up ? " upstream" : "");
+        EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), 4 * got[0].size()), 0) << "repeat differs: " << what;
+        const std::vector<double> g(got[0].begin(), got[0].end());
+        EXPECT_LT(rel_error(g, expect), 1e-5) << what;
       }
-      EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), 4 * got[0].size()), 0) << "repeat differs";
-      const std::vector<double> g(got[0].begin(), got[0].end());
-      EXPECT_LT(rel_error(g, want), 1e-5) << score_variant_name(sv) << " E=" << E;
     }
 }
 

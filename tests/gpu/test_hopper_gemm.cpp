@@ -36,6 +36,35 @@ void note_launch(const char* what, const VarlenMArgs& a, bool reference) {
            std::to_string(a.b.permute) + (a.bias ? ", bias" : ""));
 }
 
+/// Runs the grouped GEMM of `a` on the reference kernel or (asserting that it takes it) on the Hopper kernel, and
+/// waits for it.
+void launch_grouped(const char* what, const VarlenMArgs& a, bool reference) {
+  note_launch(what, a, reference);
+  if (reference) {
+    gpu::launch_varlen_m_gemm(a, nullptr);
+  } else {
+    EXPECT_EQ(gpu::hopper_unsupported_reason(a), "") << "the case must take the Hopper kernel";
+    gpu::launch_expert_gemm(a, (std::string("test/") + what).c_str(), nullptr);
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  progress("the launch finished; checking its output on the host");
+}
+
+/// A host vector's bytes and 4 more (an empty vector still makes a buffer), for a DeviceBuffer.
+template <class V>
+std::vector<unsigned char> host_bytes(const std::vector<V>& v) {
+  std::vector<unsigned char> b(v.size() * sizeof(V) + 4);
+  if (!v.empty()) std::memcpy(b.data(), v.data(), v.size() * sizeof(V));
+  return b;
+}
+
+/// 100 experts of 0 to 4 rows each: many empty experts and single-row tiles in one launch.
+std::vector<int> many_short_segments() {
+  std::vector<int> many(100, 0);
+  for (std::size_t e = 0; e < many.size(); ++e) many[e] = static_cast<int>((e * 37) % 5);
+  return many;
+}
+
 /// Grouped rows: segment lengths per expert, a random token per row, X (T x d), and per-expert weights.
 struct Segments {
   std::vector<std::int32_t> offsets, tiles64, gather;
@@ -165,11 +194,7 @@ UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n
   const std::int64_t ldx = d + guard, ld_h = N + guard, ld_a = act_cols + guard;
   DeviceBuffer dx(encode(with_nan_guard(x, T, d, ldx), DType::kBF16)), dw(encode(w_dev, DType::kBF16)),
       db(encode(b_dev, DType::kBF16));
-  std::vector<unsigned char> off_b(s.offsets.size() * 4), til_b(s.tiles64.size() * 4), gat_b(s.gather.size() * 4 + 4);
-  std::memcpy(off_b.data(), s.offsets.data(), off_b.size());
-  std::memcpy(til_b.data(), s.tiles64.data(), til_b.size());
-  if (!s.gather.empty()) std::memcpy(gat_b.data(), s.gather.data(), s.gather.size() * 4);
-  DeviceBuffer doff(off_b), dtil(til_b), dgat(gat_b);
+  DeviceBuffer doff(host_bytes(s.offsets)), dtil(host_bytes(s.tiles64)), dgat(host_bytes(s.gather));
   DeviceBuffer dh(static_cast<std::size_t>(P_cap * ld_h * 2)), da(static_cast<std::size_t>(P_cap * ld_a * 2));
 
   VarlenMArgs a;
@@ -188,16 +213,8 @@ UpResult run_up(const UpCase& uc, std::int64_t T, std::int64_t d, std::int64_t n
     a.act_alpha = static_cast<float>(kGptOssTestAlpha), a.act_limit = static_cast<float>(uc.swiglu_limit);
   a.act_out = da.get(), a.ld_act = ld_a;
 
+  launch_grouped("up_projection", a, reference);
   UpResult r;
-  note_launch("up_projection", a, reference);
-  if (reference) {
-    gpu::launch_varlen_m_gemm(a, nullptr);
-  } else {
-    EXPECT_EQ(gpu::hopper_unsupported_reason(a), "") << "the case must take the Hopper kernel";
-    gpu::launch_expert_gemm(a, "test/up_projection", nullptr);
-  }
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  progress("the launch finished; checking its output on the host");
   r.raw_h = dh.download(), r.raw_a = da.download();
   r.canaries = dh.canary_intact() && da.canary_intact();
   r.tails_untouched = all_bytes(r.raw_a, static_cast<std::size_t>(P * ld_a * 2), r.raw_a.size(), 0xFF) &&
@@ -349,6 +366,18 @@ struct DownResult {
 };
 
 /// guard > 0: `guard` extra columns after every row of the activations and W2 (NaN) and of Y (checked untouched).
+/// The P x d rows a grouped GEMM stored with row stride ld (bf16), with its buffer's canaries, the rows past P and
+/// the guard columns checked untouched.
+DownResult stored_rows(const DeviceBuffer& out, std::int64_t P, std::int64_t d, std::int64_t ld) {
+  DownResult r;
+  r.raw = out.download();
+  r.canaries = out.canary_intact();
+  r.tails_untouched = all_bytes(r.raw, static_cast<std::size_t>(P * ld * 2), r.raw.size(), 0xFF) &&
+                      guard_untouched(r.raw, d, ld);
+  r.y = decode_rows(r.raw, P, d, ld);
+  return r;
+}
+
 DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& lengths, bool bias, std::uint32_t seed,
                     bool reference = false, std::int64_t guard = 0) {
   std::mt19937 rng(seed);
@@ -361,10 +390,7 @@ DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& leng
   const std::int64_t lda = n + guard, ldy = d + guard;
   DeviceBuffer da(encode(with_nan_guard(act, P_cap, n, lda), DType::kBF16)),
       dw(encode(with_nan_guard(w, E * d, n, lda), DType::kBF16)), db(encode(b, DType::kBF16));
-  std::vector<unsigned char> off_b(s.offsets.size() * 4), til_b(s.tiles64.size() * 4);
-  std::memcpy(off_b.data(), s.offsets.data(), off_b.size());
-  std::memcpy(til_b.data(), s.tiles64.data(), til_b.size());
-  DeviceBuffer doff(off_b), dtil(til_b), dy(static_cast<std::size_t>(P_cap * ldy * 2));
+  DeviceBuffer doff(host_bytes(s.offsets)), dtil(host_bytes(s.tiles64)), dy(static_cast<std::size_t>(P_cap * ldy * 2));
   VarlenMArgs a;
   a.dt = DType::kBF16;
   a.E = E, a.N = d, a.K = n, a.P_max = P_cap;
@@ -375,21 +401,8 @@ DownResult run_down(std::int64_t d, std::int64_t n, const std::vector<int>& leng
   a.epilogue = Epilogue::kStore;
   a.out = dy.get(), a.ld_out = ldy;
   if (bias) a.bias = db.get(), a.ld_bias = d;
-  note_launch("down_projection", a, reference);
-  if (reference) {
-    gpu::launch_varlen_m_gemm(a, nullptr);
-  } else {
-    EXPECT_EQ(gpu::hopper_unsupported_reason(a), "") << "the case must take the Hopper kernel";
-    gpu::launch_expert_gemm(a, "test/down_projection", nullptr);
-  }
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  progress("the launch finished; checking its output on the host");
-  DownResult r;
-  r.raw = dy.download();
-  r.canaries = dy.canary_intact();
-  r.tails_untouched = all_bytes(r.raw, static_cast<std::size_t>(P * ldy * 2), r.raw.size(), 0xFF) &&
-                      guard_untouched(r.raw, d, ldy);
-  r.y = decode_rows(r.raw, P, d, ldy);
+  launch_grouped("down_projection", a, reference);
+  DownResult r = stored_rows(dy, P, d, ldy);
   r.y_ref.assign(static_cast<std::size_t>(P * d), 0.0);
   for (std::int64_t e = 0; e < E; ++e)  // weight row outermost: each expert's W2 streams through the cache once
     for (std::int64_t c = 0; c < d; ++c)
@@ -446,8 +459,7 @@ TEST(HopperDownProjection, MatchesFloat64AndTheReferenceGemm) {
 
 TEST(HopperDownProjection, ManyExpertsAndSingleRows) {
   REQUIRE_GPU();
-  std::vector<int> many(100, 0);
-  for (std::size_t e = 0; e < many.size(); ++e) many[e] = static_cast<int>((e * 37) % 5);  // 0..4 rows
+  const std::vector<int> many = many_short_segments();
   for_each_tile([&] {
     const DownResult r = run_down(256, 128, many, true, 3);
     EXPECT_TRUE(r.tails_untouched);
@@ -472,10 +484,7 @@ DownResult run_dx(std::int64_t d, std::int64_t K, bool concatenated, const std::
   const std::int64_t lda = K + guard, ldw = d + guard;
   DeviceBuffer ddh(encode(with_nan_guard(dh, P_cap, K, lda), DType::kBF16)),
       dw(encode(with_nan_guard(w1, E * K, d, ldw), DType::kBF16));
-  std::vector<unsigned char> off_b(s.offsets.size() * 4), til_b(s.tiles64.size() * 4);
-  std::memcpy(off_b.data(), s.offsets.data(), off_b.size());
-  std::memcpy(til_b.data(), s.tiles64.data(), til_b.size());
-  DeviceBuffer doff(off_b), dtil(til_b), dy(static_cast<std::size_t>(P_cap * ldw * 2));
+  DeviceBuffer doff(host_bytes(s.offsets)), dtil(host_bytes(s.tiles64)), dy(static_cast<std::size_t>(P_cap * ldw * 2));
   VarlenMArgs a;
   a.dt = DType::kBF16;
   a.E = E, a.N = d, a.K = K, a.P_max = P_cap;
@@ -486,21 +495,8 @@ DownResult run_dx(std::int64_t d, std::int64_t K, bool concatenated, const std::
   a.b.permute = concatenated ? 2 : 0, a.b.glu_n = n;
   a.epilogue = Epilogue::kStore;
   a.out = dy.get(), a.ld_out = ldw;
-  note_launch("dx_expanded", a, reference);
-  if (reference) {
-    gpu::launch_varlen_m_gemm(a, nullptr);
-  } else {
-    EXPECT_EQ(gpu::hopper_unsupported_reason(a), "") << "the case must take the Hopper kernel";
-    gpu::launch_expert_gemm(a, "test/dx_expanded", nullptr);
-  }
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  progress("the launch finished; checking its output on the host");
-  DownResult r;
-  r.raw = dy.download();
-  r.canaries = dy.canary_intact();
-  r.tails_untouched = all_bytes(r.raw, static_cast<std::size_t>(P * ldw * 2), r.raw.size(), 0xFF) &&
-                      guard_untouched(r.raw, d, ldw);
-  r.y = decode_rows(r.raw, P, d, ldw);
+  launch_grouped("dx_expanded", a, reference);
+  DownResult r = stored_rows(dy, P, d, ldw);
   r.y_ref.assign(static_cast<std::size_t>(P * d), 0.0);
   // Row-by-row axpy over W1's contiguous rows (each y element still sums k = 0, 1, ... in order): the column walk
   // it replaces read W1 with a stride of d elements and took minutes at gpt-oss's d = n = 2880.
@@ -558,8 +554,7 @@ TEST(HopperDxExpanded, MatchesFloat64AndTheReferenceGemm) {
 TEST(HopperDxExpanded, ManyExpertsAndSingleRows) {
   REQUIRE_GPU();
   gpu::set_hopper_backward_enabled(true);
-  std::vector<int> many(100, 0);
-  for (std::size_t e = 0; e < many.size(); ++e) many[e] = static_cast<int>((e * 37) % 5);  // 0..4 rows
+  const std::vector<int> many = many_short_segments();
   for_each_dx_tile([&] {
     const DownResult r = run_dx(256, 128, true, many, 3);
     EXPECT_TRUE(r.tails_untouched);
@@ -662,16 +657,11 @@ DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, 
   std::vector<std::int32_t> scatter(static_cast<std::size_t>(P));
   for (std::int64_t g = 0; g < P; ++g) scatter[g] = static_cast<std::int32_t>(g);
   std::shuffle(scatter.begin(), scatter.end(), rng);
-  auto bytes = [](const auto& v) {
-    std::vector<unsigned char> b(v.size() * sizeof(v[0]) + 4);
-    if (!v.empty()) std::memcpy(b.data(), v.data(), v.size() * sizeof(v[0]));
-    return b;
-  };
   DeviceBuffer ddo(encode(with_nan_guard(dout, T, d, ldo), DType::kBF16)),
       dw(encode(with_nan_guard(w2, E * d, n, ldw), DType::kBF16)),
       dhin(encode(with_nan_guard(h, P_cap, rows, ldh), DType::kBF16));
-  DeviceBuffer doff(bytes(s.offsets)), dtil(bytes(s.tiles64)), dgat(bytes(s.gather)), dsc(bytes(scores)),
-      dscat(bytes(scatter));
+  DeviceBuffer doff(host_bytes(s.offsets)), dtil(host_bytes(s.tiles64)), dgat(host_bytes(s.gather)),
+      dsc(host_bytes(scores)), dscat(host_bytes(scatter));
   DeviceBuffer ddh(static_cast<std::size_t>(P_cap * ldh * 2)), dapr(static_cast<std::size_t>(P_cap * ldw * 2)),
       dpart(static_cast<std::size_t>(P * ds_tiles * 4));
   VarlenMArgs a;
@@ -690,15 +680,7 @@ DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, 
   a.h_in = dhin.get(), a.ld_h = ldh;
   a.scores = static_cast<const float*>(dsc.get()), a.scatter = static_cast<const std::int32_t*>(dscat.get());
   a.ds_partial = static_cast<float*>(dpart.get());
-  note_launch("dh_kernel", a, reference);
-  if (reference) {
-    gpu::launch_varlen_m_gemm(a, nullptr);
-  } else {
-    EXPECT_EQ(gpu::hopper_unsupported_reason(a), "") << "the case must take the Hopper kernel";
-    gpu::launch_expert_gemm(a, "test/dh_kernel", nullptr);
-  }
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  progress("the launch finished; checking its output on the host");
+  launch_grouped("dh_kernel", a, reference);
   DhResult r;
   r.raw_dh = ddh.download(), r.raw_ap = dapr.download(), r.raw_ds = dpart.download();
   r.canaries = ddh.canary_intact() && dapr.canary_intact() && dpart.canary_intact();
@@ -835,8 +817,7 @@ TEST(HopperDhKernelProperties, GptOssClampsMatchFloat64AndTheReferenceGemm) {
 TEST(HopperDhKernelProperties, ManyExpertsSingleRowsAndOneToken) {
   REQUIRE_GPU();
   gpu::set_hopper_backward_enabled(true);
-  std::vector<int> many(100, 0);
-  for (std::size_t e = 0; e < many.size(); ++e) many[e] = static_cast<int>((e * 37) % 5);  // 0..4 rows
+  const std::vector<int> many = many_short_segments();
   for_each_tile([&] {
     const DhResult r = run_dh(Activation::kSwiGLU, 64, 256, 256, many, 7);
     EXPECT_TRUE(r.tails_untouched);

@@ -1,5 +1,7 @@
 // Router kernels: fused top-K + scores (one warp per token) and the router backward. Deterministic: every
 // reduction is a fixed-order per-lane loop followed by a fixed butterfly.
+#include <cstdint>
+
 #include "gpu/cuda_check.hpp"
 #include "gpu/device_math.cuh"
 #include "gpu/kernels.hpp"
@@ -101,6 +103,113 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, PerLane <= 4 ? 16 : 1)
     __syncwarp();  // every lane has read every s[r] for its total (softmax over the selection) before any is rewritten
     for (int r = lane; r < K; r += 32) s[r] = expf(s[r] - m) / total;
   }
+}
+
+// Two lanes per token, for the rows most models route: bf16 logits, at most kLaneMaxExperts experts (whole 16-byte
+// groups), K <= KMax <= 8, a score over the selection (kSoftmaxOverTopK, kTopKOfSoftmaxRenorm). The kernel above
+// spends a warp on a token: K rounds of a warp-wide maximum over the row's 32 lanes, plus the per-lane sort (14.1 M
+// instructions at (40960, 128, 8), ncu, H200). Here each lane takes every other 16-byte group of its token's row, all
+// of them loaded at once, and keeps its best KMax rank keys sorted in registers: each group's eight keys come from the
+// raw bits (RankKey<bf16>::make_bits), are sorted by a network and merged into the list (merge_group_into_best; no
+// branches); the two lanes' lists then merge the same way through shuffles. One lane a token, walking the whole row,
+// ran 3.2x fewer instructions but only 5-20 % fewer cycles at E = 128: a token's work was a chain of loads and merges
+// on too few warps (ncu, H200, session 79). The keys are the same RankKey<bf16> keys, so the list ends as the first K
+// selections in selection order (keys are distinct), and the scores come out of the same expressions in the same order
+// (the selection's sum added from selection 0 up): bitwise the kernel above's outputs
+// (tests/gpu/test_gpu_token_rounding.cpp, Bf16KeysSelectAsTheFp32KeysDo, holds the two kernels to each other's
+// outputs through the fp32 rows, which take the kernel above).
+constexpr int kLaneMaxExperts = 128;  // past it the per-lane walk over the row outgrows the warp's rounds
+constexpr int kLaneThreads = 128;
+constexpr int kLanesPerToken = 2;
+constexpr int kLaneGroups = kLaneMaxExperts / 8 / kLanesPerToken;  // 16-byte groups a lane loads, at most
+
+/// Descending compare-exchange of two keys.
+__device__ __forceinline__ void exchange_descending(std::uint32_t& a, std::uint32_t& b) {
+  const std::uint32_t hi = max(a, b), lo = min(a, b);
+  a = hi, b = lo;
+}
+
+/// best (KMax keys, descending) and `other` (KMax keys, ascending) become the top KMax of both, descending (all keys
+/// distinct: each holds its index): max(best[i], other[i]) is that top KMax as a bitonic sequence, which log2(KMax)
+/// half-cleaner stages sort.
+template <int KMax>
+__device__ __forceinline__ void merge_ascending_into_best(std::uint32_t (&best)[KMax], const std::uint32_t* other) {
+#pragma unroll
+  for (int i = 0; i < KMax; ++i) best[i] = max(best[i], other[i]);
+#pragma unroll
+  for (int span = KMax / 2; span >= 1; span /= 2)
+#pragma unroll
+    for (int i = 0; i < KMax; ++i)
+      if ((i & span) == 0) exchange_descending(best[i], best[i + span]);
+}
+
+/// best becomes the top KMax of best and the 8 keys of group: group sorted by Batcher's odd-even merge network (19
+/// exchanges), its first KMax reversed merged in. About 70 min/max instructions for 8 elements at KMax = 8, against
+/// 128 for inserting them one by one down the list.
+template <int KMax>
+__device__ __forceinline__ void merge_group_into_best(std::uint32_t (&best)[KMax], std::uint32_t (&group)[8]) {
+  static_assert(KMax == 2 || KMax == 4 || KMax == 8, "a power of two no larger than the group");
+  constexpr int kNetwork[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6}, {5, 7}, {1, 2}, {5, 6},
+                                   {0, 4}, {1, 5}, {2, 6}, {3, 7}, {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
+#pragma unroll
+  for (int x = 0; x < 19; ++x) exchange_descending(group[kNetwork[x][0]], group[kNetwork[x][1]]);
+  std::uint32_t ascending[KMax];
+#pragma unroll
+  for (int i = 0; i < KMax; ++i) ascending[i] = group[KMax - 1 - i];
+  merge_ascending_into_best<KMax>(best, ascending);
+}
+
+template <int KMax>
+__global__ void __launch_bounds__(kLaneThreads)
+    topk_scores_lane_kernel(const __nv_bfloat16* __restrict__ logits, std::int64_t ld, std::int64_t T_, int E, int K,
+                            float* __restrict__ scores, std::int32_t* __restrict__ experts) {
+  using Key = RankKey<__nv_bfloat16>;
+  const std::int64_t pair = (static_cast<std::int64_t>(blockIdx.x) * kLaneThreads + threadIdx.x) / kLanesPerToken;
+  const int half = static_cast<int>(threadIdx.x % kLanesPerToken);
+  // Lanes past the last token run on the last one's row and store nothing: both lanes of a token stay for the
+  // shuffles, and so does every lane of the warp.
+  const bool live = pair < T_;
+  const std::int64_t t = live ? pair : T_ - 1;
+  const uint4* row = reinterpret_cast<const uint4*>(logits + t * ld);
+  const int groups = E / 8;  // this lane's: half, half + 2, ...
+  uint4 v[kLaneGroups];
+#pragma unroll
+  for (int u = 0; u < kLaneGroups; ++u)
+    if (half + kLanesPerToken * u < groups) v[u] = __ldg(row + half + kLanesPerToken * u);
+  std::uint32_t best[KMax];  // descending; 0 ranks below every element of a row
+#pragma unroll
+  for (int j = 0; j < KMax; ++j) best[j] = 0u;
+#pragma unroll
+  for (int u = 0; u < kLaneGroups; ++u) {
+    const int g = half + kLanesPerToken * u;
+    if (g >= groups) break;
+    const std::uint32_t words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};  // two elements a word, low half first
+    std::uint32_t group[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) group[k] = Key::make_bits((words[k / 2] >> (16 * (k % 2))) & 0xffffu, g * 8 + k);
+    merge_group_into_best<KMax>(best, group);
+  }
+  // The two lanes' lists: each takes the other's reversed (ascending) and merges it in; both end with the token's.
+  std::uint32_t other[KMax];
+#pragma unroll
+  for (int i = 0; i < KMax; ++i) other[i] = __shfl_xor_sync(0xffffffffu, best[KMax - 1 - i], 1);
+  merge_ascending_into_best<KMax>(best, other);
+  if (!live || half != 0) return;
+  // As the kernel above after its rounds: selection r's logit v_r, first = v_0 (the maximum), the selection's sum of
+  // exp(v_r - first) from r = 0 up, then each score exp(v_r - first) / sum.
+  const float first = Key::value(best[0]);
+  float total = 0.0f;
+#pragma unroll
+  for (int r = 0; r < KMax; ++r)
+    if (r < K) total += expf(Key::value(best[r]) - first);
+  float* s = scores + t * K;
+  std::int32_t* x = experts + t * K;
+#pragma unroll
+  for (int r = 0; r < KMax; ++r)
+    if (r < K) {
+      x[r] = static_cast<std::int32_t>(Key::index(best[r]));
+      s[r] = expf(Key::value(best[r]) - first) / total;
+    }
 }
 
 // The same selection for any E, reading the row from L1/L2 in each of the K rounds.
@@ -212,6 +321,17 @@ void launch_topk_scores(DType dt, const void* logits, std::int64_t ld, std::int6
                         std::int64_t K, ScoreVariant variant, float* scores, std::int32_t* experts,
                         cudaStream_t stream) {
   if (T == 0) return;
+  if (dt == DType::kBF16 && E <= kLaneMaxExperts && E % 8 == 0 && ld % 8 == 0 &&
+      (reinterpret_cast<std::uintptr_t>(logits) & 15u) == 0 && K <= 8 && variant != ScoreVariant::kTopKOfSoftmax) {
+    const auto* z = static_cast<const __nv_bfloat16*>(logits);
+    const unsigned grid = ceil_div(T * kLanesPerToken, kLaneThreads);
+    const int e = static_cast<int>(E), k = static_cast<int>(K);
+    if (K <= 2) topk_scores_lane_kernel<2><<<grid, kLaneThreads, 0, stream>>>(z, ld, T, e, k, scores, experts);
+    else if (K <= 4) topk_scores_lane_kernel<4><<<grid, kLaneThreads, 0, stream>>>(z, ld, T, e, k, scores, experts);
+    else topk_scores_lane_kernel<8><<<grid, kLaneThreads, 0, stream>>>(z, ld, T, e, k, scores, experts);
+    MACHMOE_CUDA_CHECK_LAUNCH("topk_scores_lane");
+    return;
+  }
   dispatch_data_type(dt, [&](auto tag) {
     using Tp = decltype(tag);
     const unsigned grid = ceil_div(T, kWarpsPerBlock);

@@ -750,9 +750,9 @@ TEST(GpuLayerProperties, SavedMetadataEqualsTheReferenceBuild) {
   }
 }
 
-// Every top-K kernel variant: rows held in registers (E <= 512: 1, 2, 4, 8 or 16 per lane, E not a multiple of 32,
-// K = E, K > 32 which keeps raw logits in memory between the rounds) and rows read from memory (E > 512); each score
-// variant. The selection, the grouped order and the scores must be those of the reference on the GPU's logits.
+// Every top-K kernel variant: a lane per token (bf16 rows of at most 128 experts, K <= 8, a score over the selection:
+// K 8, 4 and 2), rows held in registers (E <= 512: 1, 2, 4, 8 or 16 per lane, E not a multiple of 32, K = E, K > 32
+// which keeps raw logits in memory between the rounds) and rows read from memory (E > 512); each score variant. The selection, the grouped order and the scores must be those of the reference on the GPU's logits.
 TEST(GpuLayerProperties, TopKOnTheGpuLogitsIsExactForEveryKernelVariant) {
   REQUIRE_GPU();
   struct Shape {
@@ -763,7 +763,8 @@ TEST(GpuLayerProperties, TopKOnTheGpuLogitsIsExactForEveryKernelVariant) {
                           {64, 64, ScoreVariant::kTopKOfSoftmax},       {128, 8, ScoreVariant::kSoftmaxOverTopK},
                           {200, 7, ScoreVariant::kTopKOfSoftmaxRenorm}, {256, 16, ScoreVariant::kTopKOfSoftmax},
                           {512, 40, ScoreVariant::kSoftmaxOverTopK},    {4096, 16, ScoreVariant::kTopKOfSoftmax},
-                          {5000, 20, ScoreVariant::kSoftmaxOverTopK}};
+                          {5000, 20, ScoreVariant::kSoftmaxOverTopK},   {64, 4, ScoreVariant::kTopKOfSoftmaxRenorm},
+                          {32, 2, ScoreVariant::kSoftmaxOverTopK}};
   for (const Shape& sh : shapes) {
     MoEProblem p;
     p.T = 64, p.d = 32, p.n = 8, p.E = sh.E, p.K = sh.K, p.score = sh.score;

@@ -451,7 +451,10 @@ TEST(GpuTokenRoundingKernels, Bf16KeysRouteAsTheFp32KeysDo) {
 
 // The top-K kernel likewise: bf16 logits (32-bit keys) and the same values as fp32 (64-bit keys) select the same
 // experts in the same order with bitwise the same scores, for every score variant, rows of 20 to 512 experts, K up
-// to E, and values that stress the key: exact ties, +0 and -0, +inf and -inf, and NaN (ranked last).
+// to E, and values that stress the key: exact ties, +0 and -0, +inf and -inf, and NaN (ranked last). The bf16 rows
+// of at most 128 experts in whole 16-byte groups with K <= 8 and a score over the selection take the lane-per-token
+// kernel (keys from the raw bits, a merge network), the fp32 rows the warp-per-token one: so this also holds the two
+// kernels to each other's outputs bit for bit (K = 1, 2, 3, 4, 8 and rows of 8 to 128 experts among them).
 TEST(GpuRouterKernels, Bf16KeysSelectAsTheFp32KeysDo) {
   REQUIRE_GPU();
   struct Shape {
@@ -459,7 +462,8 @@ TEST(GpuRouterKernels, Bf16KeysSelectAsTheFp32KeysDo) {
   };
   std::mt19937_64 rng(7);
   std::normal_distribution<double> nd(0.0, 1.0);
-  for (const Shape& sh : {Shape{20, 5}, Shape{64, 64}, Shape{128, 8}, Shape{200, 7}, Shape{512, 40}})
+  for (const Shape& sh : {Shape{20, 5}, Shape{64, 64}, Shape{128, 8}, Shape{200, 7}, Shape{512, 40}, Shape{8, 8},
+                          Shape{32, 2}, Shape{40, 3}, Shape{64, 4}, Shape{96, 8}, Shape{128, 1}})
     for (ScoreVariant sv :
          {ScoreVariant::kSoftmaxOverTopK, ScoreVariant::kTopKOfSoftmax, ScoreVariant::kTopKOfSoftmaxRenorm}) {
       const std::int64_t T = 300, E = sh.E, K = sh.K;

@@ -1,5 +1,6 @@
-// Router kernels: fused top-K + scores (one warp per token) and the router backward. Deterministic: every
-// reduction is a fixed-order per-lane loop followed by a fixed butterfly.
+// Router kernels: fused top-K + scores (one warp per token, or two lanes per token for the common bf16 rows) and the
+// router backward. Deterministic: every reduction is a fixed-order per-lane loop followed by a fixed butterfly, and
+// the two-lane kernel's merges are fixed networks over distinct keys.
 #include <cstdint>
 
 #include "gpu/cuda_check.hpp"

@@ -90,9 +90,9 @@ struct RankKey<__nv_bfloat16> {
   __device__ __forceinline__ static Type make(float v, int i) {
     return (static_cast<std::uint32_t>(rank_key(v, i) >> 32) & 0xffff0000u) | (0xffffu - static_cast<std::uint32_t>(i));
   }
-  /// make(to_float(x), i) from x's 16 bits by integer operations alone (5 or 6 instructions against about 20): the
-  /// same cases as rank_key's value word, each of them: -0 as +0, NaN lowest (0), a negative value's bits
-  /// complemented, a positive value's with the sign bit set.
+  /// make(to_float(x), i) from x's 16 bits by integer operations alone (no conversion, no float compares): the same
+  /// cases as rank_key's value word, each of them: -0 as +0, NaN lowest (0), a negative value's bits complemented, a
+  /// positive value's with the sign bit set.
   __device__ __forceinline__ static Type make_bits(std::uint32_t bits, int i) {
     const std::uint32_t b = bits == 0x8000u ? 0u : bits;                   // -0 ranks as +0
     const std::uint32_t flip = (b & 0x8000u) ? 0xffffu : 0x8000u;          // negative: complement; else set the sign

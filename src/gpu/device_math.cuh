@@ -122,6 +122,62 @@ __device__ __forceinline__ void sort_keys_descending(Key (&key)[PerLane]) {
     }
 }
 
+// The two-lanes-a-token selections (top-K in router_kernels.cu, token rounding's keys in token_rounding_kernels.cu)
+// keep a lane's best KMax 32-bit rank keys sorted in registers and merge each 16-byte group of 8 keys into them.
+
+/// Descending compare-exchange of two keys.
+__device__ __forceinline__ void exchange_descending(std::uint32_t& a, std::uint32_t& b) {
+  const std::uint32_t hi = max(a, b), lo = min(a, b);
+  a = hi, b = lo;
+}
+
+/// best (KMax keys, descending) and `other` (KMax keys, ascending) become the top KMax of both, descending (all keys
+/// distinct: each holds its index): max(best[i], other[i]) is that top KMax as a bitonic sequence, which log2(KMax)
+/// half-cleaner stages sort.
+template <int KMax>
+__device__ __forceinline__ void merge_ascending_into_best(std::uint32_t (&best)[KMax], const std::uint32_t* other) {
+#pragma unroll
+  for (int i = 0; i < KMax; ++i) best[i] = max(best[i], other[i]);
+#pragma unroll
+  for (int span = KMax / 2; span >= 1; span /= 2)
+#pragma unroll
+    for (int i = 0; i < KMax; ++i)
+      if ((i & span) == 0) exchange_descending(best[i], best[i + span]);
+}
+
+/// best becomes the top KMax of best and the 8 keys of group: group sorted by Batcher's odd-even merge network (19
+/// exchanges), its first KMax reversed merged in. About 70 min/max instructions for 8 elements at KMax = 8, against
+/// 128 for inserting them one by one down the list.
+template <int KMax>
+__device__ __forceinline__ void merge_group_into_best(std::uint32_t (&best)[KMax], std::uint32_t (&group)[8]) {
+  static_assert(KMax == 2 || KMax == 4 || KMax == 8, "a power of two no larger than the group");
+  constexpr int kNetwork[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6}, {5, 7}, {1, 2}, {5, 6},
+                                   {0, 4}, {1, 5}, {2, 6}, {3, 7}, {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
+#pragma unroll
+  for (int x = 0; x < 19; ++x) exchange_descending(group[kNetwork[x][0]], group[kNetwork[x][1]]);
+  std::uint32_t ascending[KMax];
+#pragma unroll
+  for (int i = 0; i < KMax; ++i) ascending[i] = group[KMax - 1 - i];
+  merge_ascending_into_best<KMax>(best, ascending);
+}
+
+/// A bf16 row's 16-byte group g (elements 8g .. 8g + 7, two a word, low half first): their rank keys, from the raw
+/// bits, and their values as floats (a bf16 is the high half of its float).
+__device__ __forceinline__ void bf16_group_keys(const uint4& v, int g, std::uint32_t (&key)[8]) {
+  const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    key[k] = RankKey<__nv_bfloat16>::make_bits((words[k / 2] >> (16 * (k % 2))) & 0xffffu, g * 8 + k);
+}
+__device__ __forceinline__ void bf16_group_values(const uint4& v, float (&x)[8]) {
+  const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    x[2 * k] = __uint_as_float(words[k] << 16);
+    x[2 * k + 1] = __uint_as_float(words[k] & 0xffff0000u);
+  }
+}
+
 /// The next top-K selection of a row by one warp: the best candidate ranking after (prev_v, prev_i) (prev_i < 0: the
 /// first). Repeating it K times selects the top K in order with no marking, for any E and K. Every kernel that
 /// selects experts uses this one function, so the forward and the backward always agree on the selection.

@@ -124,42 +124,6 @@ constexpr int kLaneThreads = 128;
 constexpr int kLanesPerToken = 2;
 constexpr int kLaneGroups = kLaneMaxExperts / 8 / kLanesPerToken;  // 16-byte groups a lane loads, at most
 
-/// Descending compare-exchange of two keys.
-__device__ __forceinline__ void exchange_descending(std::uint32_t& a, std::uint32_t& b) {
-  const std::uint32_t hi = max(a, b), lo = min(a, b);
-  a = hi, b = lo;
-}
-
-/// best (KMax keys, descending) and `other` (KMax keys, ascending) become the top KMax of both, descending (all keys
-/// distinct: each holds its index): max(best[i], other[i]) is that top KMax as a bitonic sequence, which log2(KMax)
-/// half-cleaner stages sort.
-template <int KMax>
-__device__ __forceinline__ void merge_ascending_into_best(std::uint32_t (&best)[KMax], const std::uint32_t* other) {
-#pragma unroll
-  for (int i = 0; i < KMax; ++i) best[i] = max(best[i], other[i]);
-#pragma unroll
-  for (int span = KMax / 2; span >= 1; span /= 2)
-#pragma unroll
-    for (int i = 0; i < KMax; ++i)
-      if ((i & span) == 0) exchange_descending(best[i], best[i + span]);
-}
-
-/// best becomes the top KMax of best and the 8 keys of group: group sorted by Batcher's odd-even merge network (19
-/// exchanges), its first KMax reversed merged in. About 70 min/max instructions for 8 elements at KMax = 8, against
-/// 128 for inserting them one by one down the list.
-template <int KMax>
-__device__ __forceinline__ void merge_group_into_best(std::uint32_t (&best)[KMax], std::uint32_t (&group)[8]) {
-  static_assert(KMax == 2 || KMax == 4 || KMax == 8, "a power of two no larger than the group");
-  constexpr int kNetwork[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6}, {5, 7}, {1, 2}, {5, 6},
-                                   {0, 4}, {1, 5}, {2, 6}, {3, 7}, {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
-#pragma unroll
-  for (int x = 0; x < 19; ++x) exchange_descending(group[kNetwork[x][0]], group[kNetwork[x][1]]);
-  std::uint32_t ascending[KMax];
-#pragma unroll
-  for (int i = 0; i < KMax; ++i) ascending[i] = group[KMax - 1 - i];
-  merge_ascending_into_best<KMax>(best, ascending);
-}
-
 template <int KMax>
 __global__ void __launch_bounds__(kLaneThreads)
     topk_scores_lane_kernel(const __nv_bfloat16* __restrict__ logits, std::int64_t ld, std::int64_t T_, int E, int K,
@@ -184,10 +148,8 @@ __global__ void __launch_bounds__(kLaneThreads)
   for (int u = 0; u < kLaneGroups; ++u) {
     const int g = half + kLanesPerToken * u;
     if (g >= groups) break;
-    const std::uint32_t words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};  // two elements a word, low half first
     std::uint32_t group[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) group[k] = Key::make_bits((words[k / 2] >> (16 * (k % 2))) & 0xffffu, g * 8 + k);
+    bf16_group_keys(v[u], g, group);
     merge_group_into_best<KMax>(best, group);
   }
   // The two lanes' lists: each takes the other's reversed (ascending) and merges it in; both end with the token's.

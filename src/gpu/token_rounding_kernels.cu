@@ -8,7 +8,9 @@
 // is the same order without the fp32 cancellation of p - 1 (which would tie every p closer than 6e-8).
 // The score a kept pair carries is in its key: the TC score (low 31 bits) or p.
 //
-// 1. keys (one warp per token, the row in registers for E <= 512): token choice by the top-K kernel's selection
+// 1. keys (one warp per token, the row in registers for E <= 512; two lanes a token for bf16 rows of at most 128
+//    experts in whole 16-byte groups with K <= 8, tr_keys_lane_kernel, bitwise the same outputs): token choice by the
+//    top-K kernel's selection
 //    (RankKey: 32-bit keys for bf16, one redux per round; for rows of up to 256 each lane's keys sorted once, as the
 //    top-K kernel does; for rows of 512 each lane's best two kept, a lane looking over its keys again only when it
 //    wins a third time), the TC scores of the score variant, the row's softmax, the keys, the selection's statistics
@@ -82,9 +84,11 @@ constexpr int kTransposeExperts = 64;  // rows read from memory: experts a block
 /// The keys kernel's shared tile holds every expert of a row in registers, kTransposeExperts of a longer one.
 template <int PerLane>
 constexpr int kKeyTileExperts = PerLane > 0 ? 32 * PerLane : kTransposeExperts;
+constexpr int kKeyTileRow = kKeyTokens + 1;  // words a row of the tile: a warp's writes of one token's 32 experts
+                                             // and its reads of one expert's 32 tokens each touch 32 distinct banks
 template <int PerLane>
 constexpr std::size_t key_tile_bytes() {
-  return static_cast<std::size_t>(kKeyTileExperts<PerLane>) * (kKeyTokens + 1) * sizeof(std::uint32_t);
+  return static_cast<std::size_t>(kKeyTileExperts<PerLane>) * kKeyTileRow * sizeof(std::uint32_t);
 }
 /// Blocks of the keys kernel an SM should hold, for rows in registers with 32-bit (bf16) keys: rows of up to 64 fit 32
 /// registers (four blocks, all 64 warps an SM), rows of 512 fit 64 without spilling (two blocks: at 126 registers and
@@ -318,6 +322,56 @@ struct RowSelection {
 
 // ---- pass 1: keys, token-choice counts, expert offsets -----------------------------------------------------------
 
+/// The end of a keys kernel's block (Warps warps; its 32 tokens' keys of experts e0 .. e0 + TileExperts - 1 in
+/// key_tile, row ec = expert e0 + ec, Row words a row; nt tokens live): warp w writes the expert-major keys of
+/// experts e0 + w, e0 + w + Warps, ... (one 128-byte row segment of 32 tokens each, a lane a token) and reduces the
+/// block's words from each: the largest key not chosen (0 if none), the smallest chosen key (all ones if none) and
+/// the mask of chosen tokens, per (expert, block); and adds the block's choices of the expert to its token-choice
+/// count f_e (one integer atomic per expert and block that chose it: sums, so the order of the atomics cannot show).
+/// Lanes past the last token hold key 0, neutral to all of it. The caller has synchronised the block after filling
+/// the tile.
+/// A warp's addresses are computed once and stepped by a fixed stride per expert, the experts unrolled: the per-expert
+/// loop with its 64-bit products was about a fifth of the keys kernel's executed instructions on 1.4B (256,128,8) (ncu
+/// source view, session 49).
+template <int Warps, int TileExperts, int Row>
+__device__ __forceinline__ void write_block_keys(const std::uint32_t* key_tile, std::int32_t* chosen_count, int e0,
+                                                 int E, std::int64_t T_, std::int64_t t0, int nt,
+                                                 std::uint32_t* keys_by_expert, std::uint32_t* bounds,
+                                                 std::int32_t* tc_count) {
+  constexpr int kPerWarp = TileExperts / Warps;
+  static_assert(TileExperts % Warps == 0, "every warp takes the same number of the tile's experts");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool token = lane < nt;
+  const int experts = min(TileExperts, E - e0);
+  std::uint32_t* key_out = keys_by_expert + static_cast<std::int64_t>(e0 + warp) * T_ + t0 + lane;
+  uint4* bounds_out = reinterpret_cast<uint4*>(bounds) + static_cast<std::int64_t>(e0 + warp) * gridDim.x + blockIdx.x;
+  const std::int64_t key_step = static_cast<std::int64_t>(Warps) * T_;
+  const std::int64_t bounds_step = static_cast<std::int64_t>(Warps) * gridDim.x;
+#pragma unroll
+  for (int i = 0; i < kPerWarp; ++i) {
+    const int ec = warp + i * Warps;
+    if (ec >= experts) break;  // warp-uniform
+    const std::uint32_t key = token ? key_tile[ec * Row + lane] : 0u;
+    if (token) *key_out = key;
+    const bool chosen = (key & kChosen) != 0u;
+    const std::uint32_t hi = __reduce_max_sync(kFull, chosen ? 0u : key);
+    const std::uint32_t lo = __reduce_min_sync(kFull, chosen ? key : ~0u);
+    const unsigned mask = __ballot_sync(kFull, chosen);
+    if (lane == 0) {
+      *bounds_out = make_uint4(hi, lo, mask, 0u);
+      chosen_count[ec] = __popc(mask);
+    }
+    key_out += key_step;
+    bounds_out += bounds_step;
+  }
+  // The counts go out after the block's barrier, a thread an expert, so each atomic instruction covers 32
+  // consecutive counters: one per expert from lane 0 of its warp (E single-address requests a block, on the few L2
+  // lines that hold f) made the kernel 1.4-1.6x slower on 1.4B and 30B rows (ncu, H200).
+  __syncthreads();
+  for (int ec = threadIdx.x; ec < experts; ec += blockDim.x)
+    if (chosen_count[ec] != 0) atomicAdd(&tc_count[e0 + ec], chosen_count[ec]);
+}
+
 template <class T, int PerLane>
 __global__ void __launch_bounds__(32 * kKeyWarps, kKeyMinBlocks<T, PerLane>)
     tr_keys_kernel(const T* __restrict__ z, std::int64_t ld, std::int64_t T_, int E, int K, ScoreVariant variant,
@@ -328,7 +382,7 @@ __global__ void __launch_bounds__(32 * kKeyWarps, kKeyMinBlocks<T, PerLane>)
   // tokens each touch 32 distinct banks.
   extern __shared__ std::uint32_t key_tile[];
   __shared__ std::int32_t chosen_count[kKeyTileExperts<PerLane>];  // the block's choices of each of the tile's experts
-  constexpr int kRow = kKeyTokens + 1;
+  constexpr int kRow = kKeyTileRow;
   constexpr bool kRegs = PerLane > 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kKeyTokens;
@@ -362,48 +416,10 @@ __global__ void __launch_bounds__(32 * kKeyWarps, kKeyMinBlocks<T, PerLane>)
     });
   }
   __syncthreads();  // the tile (rows in registers), or this block's key rows (rows from memory), complete
-  // Warp w writes the expert-major keys of experts e0 + w, e0 + w + kKeyWarps, ... (one 128-byte row segment of 32
-  // tokens each, a lane a token) and reduces the block's words from each: the largest key not chosen (0 if none), the
-  // smallest chosen key (all ones if none) and the mask of chosen tokens, per (expert, block); and adds the block's
-  // choices of the expert to its token-choice count f_e (one integer atomic per expert and block that chose it: sums,
-  // so the order of the atomics cannot show). Lanes past the last token hold key 0, neutral to all of it.
-  // A warp's addresses are computed once and stepped by a fixed stride per expert, the experts unrolled: the per-expert
-  // loop with its 64-bit products was about a fifth of this kernel's executed instructions on 1.4B (256,128,8) (ncu
-  // source view, session 49).
   const int nt = static_cast<int>(min(static_cast<std::int64_t>(kKeyTokens), T_ - t0));
-  const bool token = lane < nt;
   auto write_experts = [&](int e0) {
-    constexpr int kPerWarp = kKeyTileExperts<PerLane> / kKeyWarps;
-    static_assert(kKeyTileExperts<PerLane> % kKeyWarps == 0, "every warp takes the same number of the tile's experts");
-    const int experts = min(kKeyTileExperts<PerLane>, E - e0);
-    std::uint32_t* key_out = keys_by_expert + static_cast<std::int64_t>(e0 + warp) * T_ + t0 + lane;
-    uint4* bounds_out =
-        reinterpret_cast<uint4*>(bounds) + static_cast<std::int64_t>(e0 + warp) * gridDim.x + blockIdx.x;
-    const std::int64_t key_step = static_cast<std::int64_t>(kKeyWarps) * T_;
-    const std::int64_t bounds_step = static_cast<std::int64_t>(kKeyWarps) * gridDim.x;
-#pragma unroll
-    for (int i = 0; i < kPerWarp; ++i) {
-      const int ec = warp + i * kKeyWarps;
-      if (ec >= experts) break;  // warp-uniform
-      const std::uint32_t key = token ? key_tile[ec * kRow + lane] : 0u;
-      if (token) *key_out = key;
-      const bool chosen = (key & kChosen) != 0u;
-      const std::uint32_t hi = __reduce_max_sync(kFull, chosen ? 0u : key);
-      const std::uint32_t lo = __reduce_min_sync(kFull, chosen ? key : ~0u);
-      const unsigned mask = __ballot_sync(kFull, chosen);
-      if (lane == 0) {
-        *bounds_out = make_uint4(hi, lo, mask, 0u);
-        chosen_count[ec] = __popc(mask);
-      }
-      key_out += key_step;
-      bounds_out += bounds_step;
-    }
-    // The counts go out after the block's barrier, a thread an expert, so each atomic instruction covers 32
-    // consecutive counters: one per expert from lane 0 of its warp (E single-address requests a block, on the few L2
-    // lines that hold f) made the kernel 1.4-1.6x slower on 1.4B and 30B rows (ncu, H200).
-    __syncthreads();
-    for (int ec = threadIdx.x; ec < experts; ec += blockDim.x)
-      if (chosen_count[ec] != 0) atomicAdd(&tc_count[e0 + ec], chosen_count[ec]);
+    write_block_keys<kKeyWarps, kKeyTileExperts<PerLane>, kKeyTileRow>(key_tile, chosen_count, e0, E, T_, t0, nt,
+                                                                      keys_by_expert, bounds, tc_count);
   };
   if constexpr (kRegs) {
     write_experts(0);
@@ -418,6 +434,152 @@ __global__ void __launch_bounds__(32 * kKeyWarps, kKeyMinBlocks<T, PerLane>)
       write_experts(e0);
     }
   }
+  allow_dependent_launch();
+}
+
+// Pass 1 with two lanes a token, for the rows most models route: bf16 logits of at most kKeyLaneMaxExperts experts in
+// whole 16-byte groups, rows 16-byte aligned, K <= KMax <= 8. The kernel above spends a warp on a token: K rounds of a
+// warp-wide maximum, the softmax's two butterflies and every lane's share of the row's keys. Here a lane takes every
+// other 16-byte group of its token's row, all loaded at once (and copied for the backward by 16-byte stores), and:
+// - selects as top-K's two-lane kernel does (router_kernels.cu): each group's eight keys from the raw bits, sorted by
+//   a network and merged into the lane's best KMax, the two lanes' lists then merged through shuffles; the same keys,
+//   so the same selections in the same order, kth and first;
+// - sums the row's exponentials in the warp kernel's order (warp_row_sumexp's: per lane l of 32 the elements l, l + 32,
+//   ..., then a butterfly over 16, 8, 4, 2, 1): element 8g + k belongs to that order's lane 8 (g % 4) + k, which
+//   is this lane's accumulator (g / 2) % 2, k; the butterfly's first step adds the lane's two accumulators, its second
+//   the two lanes' sums through a shuffle, the last three add within the lane. Additions commute, so the total is
+//   bitwise the warp kernel's, and so are the probabilities and every TC score (the selection's sum in selection
+//   order, as RowSelection::select adds it);
+// - keeps each exp(x - max) in the tile, then makes it the probability key in place (one multiply), and writes the K
+//   chosen keys over them afterwards, the lanes taking alternate selections (one exponential, one division each;
+//   __syncwarp orders the two lanes' writes).
+// Outputs are bitwise the warp kernel's (tests/gpu/test_gpu_token_rounding.cpp, Bf16KeysRouteAsTheFp32KeysDo, holds
+// them to the fp32 rows' warp kernel). A block is still 32 tokens (64 threads), so the tile, the per-block bounds and
+// write_block_keys are the warp kernel's.
+constexpr int kKeyLaneMaxExperts = 128;
+constexpr int kKeyLanesPerToken = 2;
+constexpr int kKeyLaneThreads = kKeyTokens * kKeyLanesPerToken;
+constexpr int kKeyLaneGroups = kKeyLaneMaxExperts / 8 / kKeyLanesPerToken;  // 16-byte groups a lane loads, at most
+// Words a row of the lane kernel's tile: a store instruction writes element k of group g from 16 tokens' lanes of
+// one parity and of group g + 1 from the other's, rows 8 apart; 34 words put them 16 banks apart (33 would overlap 8).
+constexpr int kKeyLaneTileRow = kKeyTokens + 2;
+static_assert(kKeyLanesPerToken == 2, "the sum's butterfly below pairs a lane's two accumulators, then the two lanes");
+
+template <int KMax>
+__global__ void __launch_bounds__(kKeyLaneThreads)
+    tr_keys_lane_kernel(const __nv_bfloat16* __restrict__ z, std::int64_t ld, std::int64_t T_, int E, int K,
+                        ScoreVariant variant, std::uint32_t* keys_by_expert, std::uint32_t* bounds,
+                        TokenSelectionStats* __restrict__ selection, __nv_bfloat16* __restrict__ logits_copy,
+                        std::int32_t* tc_count) {
+  __shared__ std::uint32_t key_tile[kKeyLaneMaxExperts * kKeyLaneTileRow];
+  __shared__ std::int32_t chosen_count[kKeyLaneMaxExperts];
+  using Key = RankKey<__nv_bfloat16>;
+  const int tl = static_cast<int>(threadIdx.x) / kKeyLanesPerToken;
+  const int half = static_cast<int>(threadIdx.x) % kKeyLanesPerToken;
+  const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kKeyTokens;
+  const int nt = static_cast<int>(min(static_cast<std::int64_t>(kKeyTokens), T_ - t0));
+  // Lanes past the last token run on the last token's row and write nothing global (the tile's columns past nt are
+  // not read): both lanes of a token stay for the shuffles, and so does every lane of the warp.
+  const bool live = tl < nt;
+  const std::int64_t t = live ? t0 + tl : T_ - 1;
+  const uint4* row = reinterpret_cast<const uint4*>(z + t * ld);
+  const int groups = E / 8;  // this lane's: half, half + 2, ...
+  uint4 v[kKeyLaneGroups];
+#pragma unroll
+  for (int u = 0; u < kKeyLaneGroups; ++u)
+    if (half + kKeyLanesPerToken * u < groups) v[u] = __ldg(row + half + kKeyLanesPerToken * u);
+  if (logits_copy != nullptr && live) {  // the backward's copy, bit for bit
+    uint4* copy = reinterpret_cast<uint4*>(logits_copy + t * E);
+#pragma unroll
+    for (int u = 0; u < kKeyLaneGroups; ++u)
+      if (half + kKeyLanesPerToken * u < groups) copy[half + kKeyLanesPerToken * u] = v[u];
+  }
+  // The selection (the best KMax keys, descending; 0 ranks below every element) and the row's maximum.
+  std::uint32_t best[KMax];
+#pragma unroll
+  for (int j = 0; j < KMax; ++j) best[j] = 0u;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int u = 0; u < kKeyLaneGroups; ++u) {
+    const int g = half + kKeyLanesPerToken * u;
+    if (g >= groups) break;
+    std::uint32_t group[8];
+    bf16_group_keys(v[u], g, group);
+    merge_group_into_best<KMax>(best, group);
+    float x[8];
+    bf16_group_values(v[u], x);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) mx = fmaxf(mx, x[k]);
+  }
+  {
+    std::uint32_t other[KMax];
+#pragma unroll
+    for (int i = 0; i < KMax; ++i) other[i] = __shfl_xor_sync(kFull, best[KMax - 1 - i], 1);
+    merge_ascending_into_best<KMax>(best, other);
+  }
+  mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+  // exp(x - max) of every element into the tile, and the row's sum in the warp kernel's order (above).
+  float acc[2][8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) acc[0][k] = acc[1][k] = 0.0f;
+#pragma unroll
+  for (int u = 0; u < kKeyLaneGroups; ++u) {
+    const int g = half + kKeyLanesPerToken * u;
+    if (g >= groups) break;
+    float x[8];
+    bf16_group_values(v[u], x);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float e = expf(x[k] - mx);
+      acc[u % 2][k] += e;
+      key_tile[(g * 8 + k) * kKeyLaneTileRow + tl] = __float_as_uint(e);
+    }
+  }
+  float total;
+  {
+    float s[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s[k] = acc[0][k] + acc[1][k];                     // the butterfly's step over 16
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s[k] = s[k] + __shfl_xor_sync(kFull, s[k], 1);  // over 8: the other lane's
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[k] = s[k] + s[k + 4];  // over 4
+    s[0] = s[0] + s[2], s[1] = s[1] + s[3];              // over 2
+    total = s[0] + s[1];                                 // over 1
+  }
+  const float inv_total = 1.0f / total;
+  const float first = Key::value(best[0]);
+  float sum_k = 0.0f;
+  std::uint32_t kth = 0u;
+#pragma unroll
+  for (int r = 0; r < KMax; ++r)
+    if (r < K) {
+      sum_k += expf(Key::value(best[r]) - first);
+      kth = best[r];
+    }
+  // Every element's key as if not chosen: its probability.
+#pragma unroll
+  for (int u = 0; u < kKeyLaneGroups; ++u) {
+    const int g = half + kKeyLanesPerToken * u;
+    if (g >= groups) break;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      std::uint32_t& w = key_tile[(g * 8 + k) * kKeyLaneTileRow + tl];
+      w = __float_as_uint(__uint_as_float(w) * inv_total);
+    }
+  }
+  __syncwarp();  // both lanes' probability keys written before either writes a chosen key over one
+#pragma unroll
+  for (int r = 0; r < KMax; ++r)
+    if (r < K && r % kKeyLanesPerToken == half) {
+      const float x = Key::value(best[r]);
+      const float score = variant == ScoreVariant::kTopKOfSoftmax ? expf(x - mx) / total : expf(x - first) / sum_k;
+      key_tile[Key::index(best[r]) * kKeyLaneTileRow + tl] = kChosen | __float_as_uint(score);
+    }
+  if (live && half == 0) selection[t] = {static_cast<std::uint64_t>(kth), first, sum_k, mx, total};
+  __syncthreads();
+  write_block_keys<kKeyLaneThreads / 32, kKeyLaneMaxExperts, kKeyLaneTileRow>(key_tile, chosen_count, 0, E, T_, t0,
+                                                                              nt, keys_by_expert, bounds, tc_count);
   allow_dependent_launch();
 }
 
@@ -1466,7 +1628,20 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   std::int32_t* tc_count = counter_words + words.tc_count;
   std::int32_t* full_select = counter_words + words.full_select;
   MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.counters, 0, a.counters_bytes, stream));
-  dispatch_data_type(a.dt, [&](auto tag) {
+  auto aligned16 = [](const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; };
+  if (a.dt == DType::kBF16 && a.E <= kKeyLaneMaxExperts && a.E % 8 == 0 && a.ld_logits % 8 == 0 &&
+      aligned16(a.logits) && aligned16(a.logits_copy) && a.K <= 8) {
+    const auto* z = static_cast<const __nv_bfloat16*>(a.logits);
+    auto* copy = static_cast<__nv_bfloat16*>(a.logits_copy);
+    auto launch_lanes = [&](auto kernel) {
+      kernel<<<ceil_div(a.T, kKeyTokens), kKeyLaneThreads, 0, stream>>>(z, a.ld_logits, a.T, E, K, a.variant,
+                                                                        a.keys_by_expert, a.bounds, a.selection,
+                                                                        copy, tc_count);
+    };
+    if (K <= 2) launch_lanes(tr_keys_lane_kernel<2>);
+    else if (K <= 4) launch_lanes(tr_keys_lane_kernel<4>);
+    else launch_lanes(tr_keys_lane_kernel<8>);
+  } else dispatch_data_type(a.dt, [&](auto tag) {
     using Tp = decltype(tag);
     const auto* z = static_cast<const Tp*>(a.logits);
     by_row_width(a.E, [&](auto per_lane) {

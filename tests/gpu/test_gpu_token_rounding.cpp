@@ -3,8 +3,9 @@
 // {1, 8, 128, 200, 300, 512, 600 (rows read from memory)} (128, 200 and 300: the bounded select's three CTA sizes on
 // a 132-SM GPU), K = 1 and K = E, K = 100 of 512 (lanes choosing again), T = 1, experts without tokens, long columns
 // (the blocks' bounds read from memory instead of shared memory), ties selected over the whole column, skewed routing,
-// padded logit rows, bitwise repeats; and the plan of the forward's chunks of tokens the kernels build after the
-// emit, against the plan launch_dx_chunk_plan searches for over their metadata.
+// padded logit rows (bf16 rows in and out of whole 16-byte groups: both keys kernels), bitwise repeats; and the plan
+// of the forward's chunks of tokens the kernels build after the emit, against the plan launch_dx_chunk_plan searches
+// for over their metadata.
 //
 // What must be exact: the per-expert counts (they depend on the top-K selection alone, which compares logits
 // exactly), and every metadata array, which must be what ref::build_routing_metadata builds from the kernel's own
@@ -392,6 +393,13 @@ std::vector<TrKernelCase> kernel_cases() {
     TrKernelCase padded{1000, 40, 3, 16, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32};
     padded.row_pad = 24;
     add(padded, "padded_rows");
+    // bf16 rows of at most 128 experts take the keys kernel with two lanes a token where the rows are whole 16-byte
+    // groups (a stride of 48 elements), the warp kernel where they are not (a stride of 43).
+    TrKernelCase padded_bf16{1000, 40, 3, 16, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16};
+    padded_bf16.row_pad = 8;
+    add(padded_bf16, "padded_rows_bf16_two_lanes");
+    padded_bf16.row_pad = 3;
+    add(padded_bf16, "padded_rows_bf16_one_warp");
     add({100, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T_below_tile");
     // The bounded select's blocks of 32 tokens: a last block of one token, and warps past it with empty chunks, on
     // 1024 threads a CTA (E = 128 <= SMs), on 512 (E = 200) and on 256 (E = 300, past two CTAs an SM of 132 SMs).
@@ -421,7 +429,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuTokenRoundingKernels, testing::ValuesIn(kerne
 
 // Rows in registers rank bf16 logits by 32-bit keys and fp32 logits by 64-bit ones (device_math.cuh, RankKey): on
 // the same values (bf16 logits, and those values stored as fp32) the kernels give bitwise the same routing and
-// scores, E = 8 to 512, with exact ties across tokens.
+// scores, E = 8 to 512, with exact ties across tokens. The bf16 rows of at most 128 experts in whole 16-byte groups
+// with K <= 8 take the keys kernel with two lanes a token (its own sum order made the warp kernel's), the fp32 rows
+// the warp-per-token one: so this also holds the two kernels to each other's outputs and saved selections bit for bit
+// (K = 1 to 8, rows of 8 to 128 experts, every score variant, T not a multiple of a block's 32 tokens).
 TEST(GpuTokenRoundingKernels, Bf16KeysRouteAsTheFp32KeysDo) {
   REQUIRE_GPU();
   struct Shape {
@@ -430,7 +441,11 @@ TEST(GpuTokenRoundingKernels, Bf16KeysRouteAsTheFp32KeysDo) {
   };
   for (const Shape& sh :
        {Shape{3000, 8, 2, ScoreVariant::kSoftmaxOverTopK}, Shape{4096, 128, 8, ScoreVariant::kTopKOfSoftmax},
-        Shape{2500, 200, 7, ScoreVariant::kTopKOfSoftmaxRenorm}, Shape{1500, 512, 16, ScoreVariant::kTopKOfSoftmax}}) {
+        Shape{2500, 200, 7, ScoreVariant::kTopKOfSoftmaxRenorm}, Shape{1500, 512, 16, ScoreVariant::kTopKOfSoftmax},
+        Shape{2000, 32, 1, ScoreVariant::kTopKOfSoftmaxRenorm}, Shape{1000, 40, 3, ScoreVariant::kSoftmaxOverTopK},
+        Shape{3001, 64, 4, ScoreVariant::kTopKOfSoftmax}, Shape{2000, 96, 8, ScoreVariant::kTopKOfSoftmaxRenorm},
+        Shape{4095, 128, 2, ScoreVariant::kSoftmaxOverTopK}, Shape{1500, 120, 5, ScoreVariant::kTopKOfSoftmax},
+        Shape{999, 128, 8, ScoreVariant::kSoftmaxOverTopK}}) {
     TrKernelCase c{sh.T, sh.E, sh.K, 64, RoundingRule::kNearest, sh.sv, DType::kBF16};
     c.bf16_values = true;
     c.repeat = sh.T / 3;  // exact ties across tokens too

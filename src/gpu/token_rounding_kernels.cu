@@ -8,7 +8,7 @@
 // is the same order without the fp32 cancellation of p - 1 (which would tie every p closer than 6e-8).
 // The score a kept pair carries is in its key: the TC score (low 31 bits) or p.
 //
-// 1. keys (one warp per token, the row in registers for E <= 512; two lanes a token for bf16 rows of at most 128
+// 1. keys (one warp per token, the row in registers for E <= 512; four lanes a token for bf16 rows of at most 128
 //    experts in whole 16-byte groups with K <= 8, tr_keys_lane_kernel, bitwise the same outputs): token choice by the
 //    top-K kernel's selection
 //    (RankKey: 32-bit keys for bf16, one redux per round; for rows of up to 256 each lane's keys sorted once, as the
@@ -437,62 +437,66 @@ __global__ void __launch_bounds__(32 * kKeyWarps, kKeyMinBlocks<T, PerLane>)
   allow_dependent_launch();
 }
 
-// Pass 1 with two lanes a token, for the rows most models route: bf16 logits of at most kKeyLaneMaxExperts experts in
-// whole 16-byte groups, rows 16-byte aligned, K <= KMax <= 8. The kernel above spends a warp on a token: K rounds of a
-// warp-wide maximum, the softmax's two butterflies and every lane's share of the row's keys. Here a lane takes every
-// other 16-byte group of its token's row, all loaded at once (and copied for the backward by 16-byte stores), and:
-// - selects as top-K's two-lane kernel does (router_kernels.cu): each group's eight keys from the raw bits, sorted by
-//   a network and merged into the lane's best KMax, the two lanes' lists then merged through shuffles; the same keys,
-//   so the same selections in the same order, kth and first;
+// Pass 1 with four lanes a token, for the rows most models route: bf16 logits of at most kKeyLaneMaxExperts experts
+// in whole 16-byte groups, rows 16-byte aligned, K <= KMax <= 8. The kernel above spends a warp on a token: K rounds
+// of a warp-wide maximum, the softmax's two butterflies and every lane's share of the row's keys (28.6 M instructions
+// at (40960, 128, 8), ncu, H200). Here a lane takes every fourth 16-byte group of its token's row, all loaded at once
+// (and copied for the backward by 16-byte stores), and:
+// - selects as top-K's lane kernel does (router_kernels.cu): each group's eight keys from the raw bits, sorted by a
+//   network and merged into the lane's best KMax, the token's lanes' lists then merged through shuffles; the same
+//   keys, so the same selections in the same order, kth and first;
 // - sums the row's exponentials in the warp kernel's order (warp_row_sumexp's: per lane l of 32 the elements l, l + 32,
-//   ..., then a butterfly over 16, 8, 4, 2, 1): element 8g + k belongs to that order's lane 8 (g % 4) + k, which
-//   is this lane's accumulator (g / 2) % 2, k; the butterfly's first step adds the lane's two accumulators, its second
-//   the two lanes' sums through a shuffle, the last three add within the lane. Additions commute, so the total is
-//   bitwise the warp kernel's, and so are the probabilities and every TC score (the selection's sum in selection
-//   order, as RowSelection::select adds it);
+//   ..., then a butterfly over 16, 8, 4, 2, 1): element 8g + k belongs to that order's lane 8 (g % 4) + k, and lane
+//   part holds exactly the groups with g % 4 == part, in the same order, so its eight accumulators are that order's
+//   lanes 8 part + k. The butterfly's steps over 16 and 8 are shuffles across the token's lanes (part ^ 2, part ^ 1),
+//   the last three add within the lane. Additions commute, so the total is bitwise the warp kernel's, and so are the
+//   probabilities and every TC score (the selection's sum in selection order, as RowSelection::select adds it);
 // - keeps each exp(x - max) in the tile, then makes it the probability key in place (one multiply), and writes the K
-//   chosen keys over them afterwards, the lanes taking alternate selections (one exponential, one division each;
-//   __syncwarp orders the two lanes' writes).
+//   chosen keys over them afterwards, the lanes taking selections in turn (one exponential, one division each;
+//   __syncwarp orders the lanes' writes).
+// Four lanes rather than two: at most four groups a lane in registers (40-48 registers, where two lanes took 73-79),
+// and ncu cycles of this kernel 25-51 % below the warp kernel's on the four rows measured (E = 32 to 128), against
+// 6-50 % with two (H200, session 80).
 // Outputs are bitwise the warp kernel's (tests/gpu/test_gpu_token_rounding.cpp, Bf16KeysRouteAsTheFp32KeysDo, holds
-// them to the fp32 rows' warp kernel). A block is still 32 tokens (64 threads), so the tile, the per-block bounds and
+// them to the fp32 rows' warp kernel). A block is still 32 tokens, so the tile, the per-block bounds and
 // write_block_keys are the warp kernel's.
 constexpr int kKeyLaneMaxExperts = 128;
-constexpr int kKeyLanesPerToken = 2;
-constexpr int kKeyLaneThreads = kKeyTokens * kKeyLanesPerToken;
-constexpr int kKeyLaneGroups = kKeyLaneMaxExperts / 8 / kKeyLanesPerToken;  // 16-byte groups a lane loads, at most
-// Words a row of the lane kernel's tile: a store instruction writes element k of group g from 16 tokens' lanes of
-// one parity and of group g + 1 from the other's, rows 8 apart; 34 words put them 16 banks apart (33 would overlap 8).
-constexpr int kKeyLaneTileRow = kKeyTokens + 2;
-static_assert(kKeyLanesPerToken == 2, "the sum's butterfly below pairs a lane's two accumulators, then the two lanes");
+constexpr int kKeyLanes = 4;
+/// Words a row of the lane kernel's tile. A store instruction writes element k of one group of each of a warp's eight
+/// tokens, four groups (32 rows) apart across the token's lanes: 33 words put those lanes 8 banks apart.
+constexpr int kKeyLaneTileRow = kKeyTokens + 1;
 
 template <int KMax>
-__global__ void __launch_bounds__(kKeyLaneThreads)
+__global__ void __launch_bounds__(kKeyTokens * kKeyLanes)
     tr_keys_lane_kernel(const __nv_bfloat16* __restrict__ z, std::int64_t ld, std::int64_t T_, int E, int K,
                         ScoreVariant variant, std::uint32_t* keys_by_expert, std::uint32_t* bounds,
                         TokenSelectionStats* __restrict__ selection, __nv_bfloat16* __restrict__ logits_copy,
                         std::int32_t* tc_count) {
-  __shared__ std::uint32_t key_tile[kKeyLaneMaxExperts * kKeyLaneTileRow];
+  constexpr int kLanes = kKeyLanes;
+  constexpr int kGroups = kKeyLaneMaxExperts / 8 / kLanes;  // 16-byte groups a lane loads, at most
+  constexpr int kRow = kKeyLaneTileRow;
+  __shared__ std::uint32_t key_tile[kKeyLaneMaxExperts * kRow];
   __shared__ std::int32_t chosen_count[kKeyLaneMaxExperts];
   using Key = RankKey<__nv_bfloat16>;
-  const int tl = static_cast<int>(threadIdx.x) / kKeyLanesPerToken;
-  const int half = static_cast<int>(threadIdx.x) % kKeyLanesPerToken;
+  const int tl = static_cast<int>(threadIdx.x) / kLanes;
+  const int part = static_cast<int>(threadIdx.x) % kLanes;
   const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kKeyTokens;
   const int nt = static_cast<int>(min(static_cast<std::int64_t>(kKeyTokens), T_ - t0));
   // Lanes past the last token run on the last token's row and write nothing global (the tile's columns past nt are
-  // not read): both lanes of a token stay for the shuffles, and so does every lane of the warp.
+  // not read): a token's lanes stay for the shuffles, and so does every lane of the warp.
   const bool live = tl < nt;
   const std::int64_t t = live ? t0 + tl : T_ - 1;
   const uint4* row = reinterpret_cast<const uint4*>(z + t * ld);
-  const int groups = E / 8;  // this lane's: half, half + 2, ...
-  uint4 v[kKeyLaneGroups];
+  const int groups = E / 8;  // this lane's: part, part + 4, ...
+  uint4 v[kGroups];
 #pragma unroll
-  for (int u = 0; u < kKeyLaneGroups; ++u)
-    if (half + kKeyLanesPerToken * u < groups) v[u] = __ldg(row + half + kKeyLanesPerToken * u);
+  for (int u = 0; u < kGroups; ++u)
+    if (part + kLanes * u < groups) v[u] = __ldg(row + part + kLanes * u);
   if (logits_copy != nullptr && live) {  // the backward's copy, bit for bit
     uint4* copy = reinterpret_cast<uint4*>(logits_copy + t * E);
 #pragma unroll
-    for (int u = 0; u < kKeyLaneGroups; ++u)
-      if (half + kKeyLanesPerToken * u < groups) copy[half + kKeyLanesPerToken * u] = v[u];
+    for (int u = 0; u < kGroups; ++u)
+      if (part + kLanes * u < groups) copy[part + kLanes * u] = v[u];
   }
   // The selection (the best KMax keys, descending; 0 ranks below every element) and the row's maximum.
   std::uint32_t best[KMax];
@@ -500,8 +504,8 @@ __global__ void __launch_bounds__(kKeyLaneThreads)
   for (int j = 0; j < KMax; ++j) best[j] = 0u;
   float mx = -INFINITY;
 #pragma unroll
-  for (int u = 0; u < kKeyLaneGroups; ++u) {
-    const int g = half + kKeyLanesPerToken * u;
+  for (int u = 0; u < kGroups; ++u) {
+    const int g = part + kLanes * u;
     if (g >= groups) break;
     std::uint32_t group[8];
     bf16_group_keys(v[u], g, group);
@@ -511,37 +515,38 @@ __global__ void __launch_bounds__(kKeyLaneThreads)
 #pragma unroll
     for (int k = 0; k < 8; ++k) mx = fmaxf(mx, x[k]);
   }
-  {
+#pragma unroll
+  for (int o = 1; o < kLanes; o *= 2) {
     std::uint32_t other[KMax];
 #pragma unroll
-    for (int i = 0; i < KMax; ++i) other[i] = __shfl_xor_sync(kFull, best[KMax - 1 - i], 1);
+    for (int i = 0; i < KMax; ++i) other[i] = __shfl_xor_sync(kFull, best[KMax - 1 - i], o);
     merge_ascending_into_best<KMax>(best, other);
+    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
   }
-  mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
   // exp(x - max) of every element into the tile, and the row's sum in the warp kernel's order (above).
-  float acc[2][8];
+  float acc[8];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) acc[0][k] = acc[1][k] = 0.0f;
+  for (int k = 0; k < 8; ++k) acc[k] = 0.0f;
 #pragma unroll
-  for (int u = 0; u < kKeyLaneGroups; ++u) {
-    const int g = half + kKeyLanesPerToken * u;
+  for (int u = 0; u < kGroups; ++u) {
+    const int g = part + kLanes * u;
     if (g >= groups) break;
     float x[8];
     bf16_group_values(v[u], x);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const float e = expf(x[k] - mx);
-      acc[u % 2][k] += e;
-      key_tile[(g * 8 + k) * kKeyLaneTileRow + tl] = __float_as_uint(e);
+      acc[k] += e;
+      key_tile[(g * 8 + k) * kRow + tl] = __float_as_uint(e);
     }
   }
   float total;
   {
     float s[8];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) s[k] = acc[0][k] + acc[1][k];                     // the butterfly's step over 16
+    for (int k = 0; k < 8; ++k) s[k] = acc[k] + __shfl_xor_sync(kFull, acc[k], 2);  // over 16: 8 m + k, 8 (m ^ 2) + k
 #pragma unroll
-    for (int k = 0; k < 8; ++k) s[k] = s[k] + __shfl_xor_sync(kFull, s[k], 1);  // over 8: the other lane's
+    for (int k = 0; k < 8; ++k) s[k] = s[k] + __shfl_xor_sync(kFull, s[k], 1);  // over 8: m ^ 1, the next lane
 #pragma unroll
     for (int k = 0; k < 4; ++k) s[k] = s[k] + s[k + 4];  // over 4
     s[0] = s[0] + s[2], s[1] = s[1] + s[3];              // over 2
@@ -559,27 +564,27 @@ __global__ void __launch_bounds__(kKeyLaneThreads)
     }
   // Every element's key as if not chosen: its probability.
 #pragma unroll
-  for (int u = 0; u < kKeyLaneGroups; ++u) {
-    const int g = half + kKeyLanesPerToken * u;
+  for (int u = 0; u < kGroups; ++u) {
+    const int g = part + kLanes * u;
     if (g >= groups) break;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      std::uint32_t& w = key_tile[(g * 8 + k) * kKeyLaneTileRow + tl];
+      std::uint32_t& w = key_tile[(g * 8 + k) * kRow + tl];
       w = __float_as_uint(__uint_as_float(w) * inv_total);
     }
   }
-  __syncwarp();  // both lanes' probability keys written before either writes a chosen key over one
+  __syncwarp();  // every lane's probability keys written before any writes a chosen key over one
 #pragma unroll
   for (int r = 0; r < KMax; ++r)
-    if (r < K && r % kKeyLanesPerToken == half) {
+    if (r < K && r % kLanes == part) {
       const float x = Key::value(best[r]);
       const float score = variant == ScoreVariant::kTopKOfSoftmax ? expf(x - mx) / total : expf(x - first) / sum_k;
-      key_tile[Key::index(best[r]) * kKeyLaneTileRow + tl] = kChosen | __float_as_uint(score);
+      key_tile[Key::index(best[r]) * kRow + tl] = kChosen | __float_as_uint(score);
     }
-  if (live && half == 0) selection[t] = {static_cast<std::uint64_t>(kth), first, sum_k, mx, total};
+  if (live && part == 0) selection[t] = {static_cast<std::uint64_t>(kth), first, sum_k, mx, total};
   __syncthreads();
-  write_block_keys<kKeyLaneThreads / 32, kKeyLaneMaxExperts, kKeyLaneTileRow>(key_tile, chosen_count, 0, E, T_, t0,
-                                                                              nt, keys_by_expert, bounds, tc_count);
+  write_block_keys<kLanes, kKeyLaneMaxExperts, kRow>(key_tile, chosen_count, 0, E, T_, t0, nt, keys_by_expert, bounds,
+                                                    tc_count);
   allow_dependent_launch();
 }
 
@@ -1633,14 +1638,14 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
       aligned16(a.logits) && aligned16(a.logits_copy) && a.K <= 8) {
     const auto* z = static_cast<const __nv_bfloat16*>(a.logits);
     auto* copy = static_cast<__nv_bfloat16*>(a.logits_copy);
-    auto launch_lanes = [&](auto kernel) {
-      kernel<<<ceil_div(a.T, kKeyTokens), kKeyLaneThreads, 0, stream>>>(z, a.ld_logits, a.T, E, K, a.variant,
-                                                                        a.keys_by_expert, a.bounds, a.selection,
-                                                                        copy, tc_count);
+    auto launch = [&](auto kmax_c) {
+      constexpr int kKMax = decltype(kmax_c)::value;
+      tr_keys_lane_kernel<kKMax><<<ceil_div(a.T, kKeyTokens), kKeyTokens * kKeyLanes, 0, stream>>>(
+          z, a.ld_logits, a.T, E, K, a.variant, a.keys_by_expert, a.bounds, a.selection, copy, tc_count);
     };
-    if (K <= 2) launch_lanes(tr_keys_lane_kernel<2>);
-    else if (K <= 4) launch_lanes(tr_keys_lane_kernel<4>);
-    else launch_lanes(tr_keys_lane_kernel<8>);
+    if (K <= 2) launch(std::integral_constant<int, 2>{});
+    else if (K <= 4) launch(std::integral_constant<int, 4>{});
+    else launch(std::integral_constant<int, 8>{});
   } else dispatch_data_type(a.dt, [&](auto tag) {
     using Tp = decltype(tag);
     const auto* z = static_cast<const Tp*>(a.logits);

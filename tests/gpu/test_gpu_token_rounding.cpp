@@ -393,11 +393,11 @@ std::vector<TrKernelCase> kernel_cases() {
     TrKernelCase padded{1000, 40, 3, 16, r, ScoreVariant::kTopKOfSoftmax, DType::kFP32};
     padded.row_pad = 24;
     add(padded, "padded_rows");
-    // bf16 rows of at most 128 experts take the keys kernel with two lanes a token where the rows are whole 16-byte
+    // bf16 rows of at most 128 experts take the keys kernel with four lanes a token where the rows are whole 16-byte
     // groups (a stride of 48 elements), the warp kernel where they are not (a stride of 43).
     TrKernelCase padded_bf16{1000, 40, 3, 16, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16};
     padded_bf16.row_pad = 8;
-    add(padded_bf16, "padded_rows_bf16_two_lanes");
+    add(padded_bf16, "padded_rows_bf16_four_lanes");
     padded_bf16.row_pad = 3;
     add(padded_bf16, "padded_rows_bf16_one_warp");
     add({100, 8, 2, 128, r, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}, "T_below_tile");
@@ -430,7 +430,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuTokenRoundingKernels, testing::ValuesIn(kerne
 // Rows in registers rank bf16 logits by 32-bit keys and fp32 logits by 64-bit ones (device_math.cuh, RankKey): on
 // the same values (bf16 logits, and those values stored as fp32) the kernels give bitwise the same routing and
 // scores, E = 8 to 512, with exact ties across tokens. The bf16 rows of at most 128 experts in whole 16-byte groups
-// with K <= 8 take the keys kernel with two lanes a token (its own sum order made the warp kernel's), the fp32 rows
+// with K <= 8 take the keys kernel with four lanes a token (its own sum order made the warp kernel's), the fp32 rows
 // the warp-per-token one: so this also holds the two kernels to each other's outputs and saved selections bit for bit
 // (K = 1 to 8, rows of 8 to 128 experts, every score variant, T not a multiple of a block's 32 tokens).
 TEST(GpuTokenRoundingKernels, Bf16KeysRouteAsTheFp32KeysDo) {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one go: build (all cores), the CPU and GPU test suites, compute-sanitizer (memcheck and
 # racecheck) on a representative subset, and the benchmark. Logs go to $OUT (the device tool's folder) or
-# build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|profile|detail|t8|all] [gtest filter]
+# build/gpu-logs. Usage: bash scripts/gpu_check.sh [tests|sanitize|bench|quick|profile|detail|t7|t8|all] [gtest filter]
+# t7: the recompute mode against the default on every main configuration (T7's tables, scripts/t7_table.py).
 # t8: token rounding against top-K on every main configuration and both sweeps (T8's table, scripts/t8_table.py).
 # profile: kernel by kernel durations of one forward and backward of $BENCH_CONFIGS (ncu, unlocked clocks; nsys when present).
 #   BENCH_CONFIGS (profile, detail): names of machmoe-bench's configurations, or rows T:d:n:E:K (16384:1536:256:512:8).
@@ -21,8 +22,9 @@ mkdir -p "$logs"
 export PYTHONUNBUFFERED=1
 cd "$root"
 case "$what" in
-  tests|sanitize|bench|quick|profile|detail|t8|all) ;;
-  *) echo "gpu_check: unknown mode '$what' (expected tests, sanitize, bench, quick, profile, detail, t8 or all)" >&2; exit 2;;
+  tests|sanitize|bench|quick|profile|detail|t7|t8|all) ;;
+  *) echo "gpu_check: unknown mode '$what' (expected tests, sanitize, bench, quick, profile, detail, t7, t8 or all)" >&2
+     exit 2;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
 bash scripts/setup.sh || { echo "gpu_check: setup failed" >&2; exit 1; }
@@ -123,6 +125,28 @@ if [ "$what" = detail ]; then
     python3 scripts/ncu_hotspots.py "$out.cuda.csv" --by-line --top 12
   done
   tar -C "$logs" -cJf "$logs/detail.tar.xz" detail && rm -rf "$logs/detail"
+fi
+if [ "$what" = t7 ]; then
+  # T7 (docs/TARGETS.md): each configuration in the default cache mode and then the recompute mode, back to back
+  # (top-K, 300 ms windows), then the rows of T7_TURN again with the modes A B B A, since T7 counts only figures of
+  # both modes on one board taken in turn; the tables by scripts/t7_table.py. T7_MAIN / T7_TURN pick the rows. The
+  # 24 runs of the main rows and the 16 of four rows in turn took about 260 s on an H200 (session 82).
+  : > "$logs/t7_raw.txt"; : > "$logs/t7_in_turn_raw.txt"
+  t7_run() {  # configuration, cache mode, output file
+    # shellcheck disable=SC2046
+    ./build/bin/machmoe-bench $(config_args "$1") --cache "$2" --warmup-ms "${T7_MS:-300}" --time-ms "${T7_MS:-300}" \
+      --iters 10 --warmup 3 --stage-runs 3 >> "$3" 2>&1 || status=1
+  }
+  t7_main="${T7_MAIN-1.4B-256 1.4B-512 1.4B-1024 7B-256 7B-512 7B-1024 30B-256 30B-512 30B-1024 120B-512 120B-1024}"
+  [ -n "${T7_MAIN+set}" ] || t7_main="$t7_main 120B-2048"
+  for row in $t7_main; do
+    for cache in preact input_only; do t7_run "$row" "$cache" "$logs/t7_raw.txt"; done
+  done
+  for row in ${T7_TURN-120B-2048 120B-1024 120B-512 30B-1024}; do
+    for cache in preact input_only input_only preact; do t7_run "$row" "$cache" "$logs/t7_in_turn_raw.txt"; done
+  done
+  python3 scripts/t7_table.py "$logs/t7_raw.txt" | tee "$logs/t7_table.txt"
+  python3 scripts/t7_table.py --pairs "$logs/t7_in_turn_raw.txt" | tee "$logs/t7_in_turn_table.txt"
 fi
 if [ "$what" = t8 ]; then
   # T8 (docs/TARGETS.md): both routings of each configuration back to back, the 12 main configurations and both

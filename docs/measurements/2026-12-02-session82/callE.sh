@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Session 82, call E (one H200): T7 on today's code. The 12 main rows in both cache modes back to back (top-K, 300 ms
 # windows: default `--cache preact`, then the recompute mode `--cache input_only`), then the four rows nearest T7's
-# limit again with the modes A B B A. The ratio table by t7_table.py (beside this script).
+# limit again with the modes A B B A. The ratio tables by t7_table.py, which lay beside this script when the call ran
+# and is scripts/t7_table.py since (same tables from the same raw files).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 S=$(date +%s); st() { echo "[$(( $(date +%s) - S ))s] $*"; }
-here=docs/measurements/2026-12-02-session82
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
 [ -f build/bin/machmoe-bench ] || { st build; bash scripts/ab.sh build 2>&1 | grep -E "exit"; }
 run() {  # config cache >> file
@@ -27,7 +27,7 @@ for row in 120B-2048 120B-1024 120B-512 30B-1024; do
     run "$row" "$cache" "$OUT/callE_t7_in_turn_raw.txt"
   done
 done
-python3 $here/t7_table.py "$OUT/callE_t7_raw.txt" | tee "$OUT/callE_t7_table.md"
-python3 $here/t7_table.py --pairs "$OUT/callE_t7_in_turn_raw.txt" | tee "$OUT/callE_t7_in_turn_table.md"
+python3 scripts/t7_table.py "$OUT/callE_t7_raw.txt" | tee "$OUT/callE_t7_table.md"
+python3 scripts/t7_table.py --pairs "$OUT/callE_t7_in_turn_raw.txt" | tee "$OUT/callE_t7_in_turn_table.md"
 xz -f "$OUT/callE_t7_raw.txt" "$OUT/callE_t7_in_turn_raw.txt"
 st done

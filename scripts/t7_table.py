@@ -12,39 +12,24 @@ rows and its activation-memory line.
 
 `bash scripts/gpu_check.sh t7` writes the files and calls it.
 """
+import pathlib
 import re
 import sys
 
-CONFIG = re.compile(r"^config (\S+)( \(sizes overridden\))? \(T=(\d+) d=(\d+) n=(\d+) E=(\d+) K=(\d+) .*"
-                    r"cache=(preact|input_only)\b")
-PASS = re.compile(r"^\s+(forward|backward)\s+([\d.]+)\s")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench_text beside this file, however it is loaded
+from bench_text import config_runs  # noqa: E402
+
 MEMORY = re.compile(r"activation memory: accounted [\d.]+ MiB, measured ([\d.]+) MiB; peak ([\d.]+) MiB")
 
 
 def runs(text):
     """One dict per config block, in order: name, cache, forward and backward ms, activation and peak MiB (blocks
     without both passes dropped)."""
-    out = []
-    cur = None
-    for line in text.splitlines():
-        m = CONFIG.match(line)
-        if m:
-            name = m.group(1)
-            if m.group(2):  # sizes given on the command line: name the row by them
-                name = "({},{},{},{},{})".format(*m.group(3, 4, 5, 6, 7))
-            cur = {"name": name, "cache": m.group(8)}
-            out.append(cur)
-            continue
-        if cur is None:
-            continue
-        m = PASS.match(line)
-        if m and m.group(1) not in cur:
-            cur[m.group(1)] = float(m.group(2))
-            continue
+    def read_memory(line, run):
         m = MEMORY.search(line)
         if m:
-            cur["activation"], cur["peak"] = float(m.group(1)), float(m.group(2))
-    return [r for r in out if "forward" in r and "backward" in r]
+            run["activation"], run["peak"] = float(m.group(1)), float(m.group(2))
+    return config_runs(text, "cache", ("preact", "input_only"), read_memory)
 
 
 def _total(r):

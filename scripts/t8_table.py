@@ -10,39 +10,27 @@ against top-K's `forward/topk_scores + forward/routing_metadata` (both build the
 
 Usage: python3 scripts/t8_table.py FILE... (scripts/gpu_check.sh t8 writes the files and calls it).
 """
+import pathlib
 import re
 import sys
 
-CONFIG = re.compile(r"^config (\S+)( \(sizes overridden\))? \(T=(\d+) d=(\d+) n=(\d+) E=(\d+) K=(\d+) .*"
-                    r"routing=(token_rounding|topk)\b")
-PASS = re.compile(r"^\s+(forward|backward)\s+([\d.]+)\s")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench_text beside this file, however it is loaded
+from bench_text import config_runs  # noqa: E402
+
 STAGE = re.compile(r"^\s+forward/(token_rounding|topk_scores|routing_metadata|y_chunk_plan)\s+([\d.]+) ms")
 
 
 def runs(text):
     """One dict per config block, in order: name, routing, forward and backward ms, routing_stage ms (blocks without
     both passes dropped)."""
-    out = []
-    cur = None
-    for line in text.splitlines():
-        m = CONFIG.match(line)
-        if m:
-            name = m.group(1)
-            if m.group(2):  # sizes given on the command line: name the row by them
-                name = "({},{},{},{},{})".format(*m.group(3, 4, 5, 6, 7))
-            cur = {"name": name, "routing": m.group(8), "routing_stage": 0.0}
-            out.append(cur)
-            continue
-        if cur is None:
-            continue
-        m = PASS.match(line)
-        if m and m.group(1) not in cur:
-            cur[m.group(1)] = float(m.group(2))
-            continue
+    def read_stage(line, run):
         m = STAGE.match(line)
         if m:
-            cur["routing_stage"] += float(m.group(2))
-    return [r for r in out if "forward" in r and "backward" in r]
+            run["routing_stage"] = run.get("routing_stage", 0.0) + float(m.group(2))
+    out = config_runs(text, "routing", ("token_rounding", "topk"), read_stage)
+    for r in out:
+        r.setdefault("routing_stage", 0.0)
+    return out
 
 
 def rows(all_runs):

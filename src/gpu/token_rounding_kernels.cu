@@ -35,7 +35,7 @@
 //    column: the r_e-th key by a 3-pass radix select (12, 12 and 8 bits, a shared histogram with one atomic per
 //    distinct digit of a warp); when keys tie at the threshold and only some of the ties are kept, one ordered pass
 //    finds the token where they stop (the cut); then the kept tokens, ascending, with the same per-block words.
-// 3. emit (32 warps per block, each over 2 consecutive tokens): kept(t, e) from the select's kept masks, counted
+// 3. emit (32 warps per block, each over 2 consecutive tokens, 8 where E <= 32): kept(t, e) from the select's kept masks, counted
 //    per token and scanned within the block; the block's first pair is the sum of the select's kept counts of the
 //    groups and blocks before it, so no block waits for another (a decoupled look-back did that before: ncu put 37 %
 //    of the kernel's stall samples on the barrier behind it, H200, 1.4B (1024,32,2)). Then every kept pair in
@@ -106,9 +106,19 @@ constexpr int kSelectUnroll = 4;   // keys per thread and trip of a radix pass's
 // by a look-back over their predecessors (token-rounding stage with 1 / 2 / 4 / 8 tokens per warp, same call, two
 // rounds; docs/BENCHMARKS.md, session 36): 2 was 1-6 % faster than 1 on every row tried, 4 about as fast as 2, 8 12 %
 // slower than 1 where E = 256 (more keys per token and warp).
+// Where E is small the warps of 2 tokens had little to do and the grid ran in waves: at E = 32 a warp's 2 tokens hold
+// 4 kept pairs, and T = 40960 took 640 CTAs of 1024 threads, 2.4 waves of two CTAs an SM. Rows of up to
+// kEmitWideMaxPerLane keys a lane take kEmitWideTokensPerWarp tokens a warp, one wave there: 12.5 -> 9.2 us on
+// 1.4B (1024,32,2) (ncu, H200, session 83). The same at E = 64 and 128 was slower (13.2 -> 14.1 us on 1.4B (512,64,4),
+// 18.8 -> 26.7 on 1.4B (256,128,8)): with 4 and 8 pairs a token a warp's serial ballots over its tokens and slots
+// outweigh the wave saved.
 constexpr int kEmitWarps = 32;
-constexpr int kEmitTokensPerWarp = 2;
-constexpr int kEmitTokens = kEmitWarps * kEmitTokensPerWarp;  // per block
+constexpr int kEmitWideMaxPerLane = 1;
+constexpr int kEmitWideTokensPerWarp = 8;
+template <int PerLane>
+constexpr int kEmitTokensPerWarp = PerLane >= 1 && PerLane <= kEmitWideMaxPerLane ? kEmitWideTokensPerWarp : 2;
+template <int PerLane>
+constexpr int kEmitTokens = kEmitWarps * kEmitTokensPerWarp<PerLane>;  // per block
 // Backward.
 constexpr int kBwdWarps = 8;
 constexpr int kBwdWindow = 512;  // experts whose pair gradients a warp holds in shared memory at a time
@@ -671,20 +681,32 @@ __device__ std::uint32_t radix_select(KeyAt&& key_at, std::int64_t n, std::int32
 
 /// Block-wide radix select for short lists (a few thousand keys at most, the bounded select's): 8 + 8 + 8 + 8 bits
 /// from the top, 256 bins, each digit found by warp 0 alone (8 bins a lane and a shuffle scan): one pass more than
-/// radix_select, but no block-wide scan of 4096 bins per pass. Same contract as radix_select.
-template <class KeyAt>
+/// radix_select, but no block-wide scan of 4096 bins per pass. Same contract as radix_select. With Passes < 4 it
+/// stops after the top 8 Passes bits: the result is the need-th largest key with its lower bits cleared (a lower
+/// bound of it), and need and ties refer to that prefix. hist holds 2 x 256 counters, a pass counting into one half
+/// while it clears the other for the next pass, so a pass costs two barriers (counts complete, digit found) and not
+/// three. Warp 0 passes the digit, the rank left in it and its count through digit_s, need_s and ties_s, so no thread
+/// reads hist after the last barrier and a next call may follow at once.
+template <int Passes = 4, class KeyAt>
 __device__ std::uint32_t short_radix_select(KeyAt&& key_at, std::int32_t n, std::int32_t& need, std::int32_t& ties,
-                                            std::int32_t* hist, std::uint32_t& digit_s, std::int32_t& need_s) {
+                                            std::int32_t* hist, std::uint32_t& digit_s, std::int32_t& need_s,
+                                            std::int32_t& ties_s) {
+  static_assert(Passes >= 1 && Passes <= 4, "8 bits a pass of a 32-bit key");
   constexpr int kBins = 256, kPerLane = kBins / 32;
   const int lane = threadIdx.x & 31;
   const unsigned lanes_below = (1u << lane) - 1u;
   std::uint32_t prefix = 0;
+  for (int b = threadIdx.x; b < kBins; b += blockDim.x) hist[b] = 0;
+  __syncthreads();
 #pragma unroll
-  for (int pass = 0; pass < 4; ++pass) {
+  for (int pass = 0; pass < Passes; ++pass) {
     const int shift = 24 - 8 * pass;
     const std::uint32_t high = pass == 0 ? 0u : ~((1u << (shift + 8)) - 1u);
-    for (int b = threadIdx.x; b < kBins; b += blockDim.x) hist[b] = 0;
-    __syncthreads();
+    std::int32_t* counts = hist + kBins * (pass & 1);
+    if (pass + 1 < Passes) {  // the other half: last read before the previous pass's second barrier
+      std::int32_t* next = hist + kBins * ((pass + 1) & 1);
+      for (int b = threadIdx.x; b < kBins; b += blockDim.x) next[b] = 0;
+    }
     for (std::int32_t base = 0; base < n; base += static_cast<std::int32_t>(blockDim.x)) {  // uniform trip count
       const std::int32_t i = base + static_cast<std::int32_t>(threadIdx.x);
       std::uint32_t d = 0xffffffffu;
@@ -695,7 +717,7 @@ __device__ std::uint32_t short_radix_select(KeyAt&& key_at, std::int32_t n, std:
         if (in) d = (key >> shift) & static_cast<std::uint32_t>(kBins - 1);
       }
       const unsigned group = __match_any_sync(kFull, d);
-      if (in && (group & lanes_below) == 0u) atomicAdd(&hist[d], __popc(group));
+      if (in && (group & lanes_below) == 0u) atomicAdd(&counts[d], __popc(group));
     }
     __syncthreads();
     if (threadIdx.x < 32) {
@@ -703,7 +725,7 @@ __device__ std::uint32_t short_radix_select(KeyAt&& key_at, std::int32_t n, std:
       const int top = kBins - 1 - kPerLane * lane;
       std::int32_t h[kPerLane], s = 0;
 #pragma unroll
-      for (int q = 0; q < kPerLane; ++q) h[q] = hist[top - q], s += h[q];
+      for (int q = 0; q < kPerLane; ++q) h[q] = counts[top - q], s += h[q];
       std::int32_t incl = s;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
@@ -714,16 +736,18 @@ __device__ std::uint32_t short_radix_select(KeyAt&& key_at, std::int32_t n, std:
       if (acc < need && need <= incl) {
 #pragma unroll
         for (int q = 0; q < kPerLane; ++q) {
-          if (acc < need && need <= acc + h[q]) digit_s = static_cast<std::uint32_t>(top - q), need_s = need - acc;
+          if (acc < need && need <= acc + h[q])
+            digit_s = static_cast<std::uint32_t>(top - q), need_s = need - acc, ties_s = h[q];
           acc += h[q];
         }
       }
     }
     __syncthreads();
+    // digit_s, need_s and ties_s are written again by warp 0 only after the next pass's first barrier, which every thread
+    // reaches after these reads.
     prefix |= digit_s << shift;
     need = need_s;
-    if (pass == 3) ties = hist[digit_s];
-    __syncthreads();  // hist is cleared by the next pass once every thread has read it
+    if (pass == Passes - 1) ties = ties_s;
   }
   return prefix;
 }
@@ -911,6 +935,7 @@ __device__ void whole_column_select(const std::uint32_t* __restrict__ gcol, std:
 // the CTA selects it over the whole column (whole_column_select).
 constexpr int kBoundedCandidates = 64;  // per warp of a CTA of 512 or 1024 threads; twice that at 256 (below)
 constexpr int kBoundedReadBlocks = 4;   // candidate blocks whose keys a warp loads before it stages any
+constexpr int kBoundPasses = 3;         // short_radix_select's passes for step 1's bound (below)
 
 template <int Threads>
 struct BoundedSelectShared {
@@ -935,11 +960,11 @@ struct BoundedSelectShared {
     } bounded;
     WholeColumnShared<Threads> whole;  // only once the expert is flagged, after the last use of `bounded`
   };
-  std::int32_t hist[256];  // short_radix_select's
+  std::int32_t hist[2 * 256];  // short_radix_select's
   std::int32_t warp_cand[kWarps], warp_kept[kWarps];
   std::int32_t warp_rows[kWarps], warp_tiles[kWarps];
   std::uint32_t digit_s;
-  std::int32_t need_s;
+  std::int32_t need_s, ties_s;
   std::int64_t cut_s;
 };
 
@@ -1028,10 +1053,14 @@ __global__ void __launch_bounds__(Threads, kBoundedSelectMinBlocks<Threads>)
         sh.bounded.bound[i] = drop ? ~b[4 * i] : b[4 * i];
       __syncthreads();
     }
+    // Three of the four passes: the k-th largest bound with its low 8 bits cleared, a bound at most the exact one, so
+    // the candidates below are a superset of the exact bound's (every key that can hold the threshold is among them),
+    // larger by the keys within 2^-15 of it (relative), which are almost never there. The fourth pass cost as much as
+    // each other, two barriers and warp 0's scan (the select 0.5-1.0 us faster without it, ncu, H200, session 83).
     std::int32_t need = static_cast<std::int32_t>(need_b), ties = 0;
-    const std::uint32_t v = short_radix_select(
+    const std::uint32_t v = short_radix_select<kBoundPasses>(
         [&](std::int32_t i) { return cached ? sh.bounded.bound[i] : (drop ? ~b[4 * i] : b[4 * i]); },
-        static_cast<std::int32_t>(n_blocks), need, ties, sh.hist, sh.digit_s, sh.need_s);
+        static_cast<std::int32_t>(n_blocks), need, ties, sh.hist, sh.digit_s, sh.need_s, sh.ties_s);
     bound = drop ? ~v : v;
   }
   // 2. Each warp over its blocks' bounds: its chosen keys counted from the blocks' choice masks, and only the blocks
@@ -1099,7 +1128,7 @@ __global__ void __launch_bounds__(Threads, kBoundedSelectMinBlocks<Threads>)
     // the n_cands smallest chosen keys.
     std::int32_t need = static_cast<std::int32_t>(drop ? n_cands - k : k), ties = 0;
     thr = short_radix_select([&](std::int32_t i) { return cand.key[i]; }, n_cands, need, ties, sh.hist, sh.digit_s,
-                             sh.need_s);
+                             sh.need_s, sh.ties_s);
     if (need == ties) {
       cut = T_;  // every key equal to the threshold is kept
     } else {
@@ -1191,10 +1220,11 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
                    float* __restrict__ scores, std::int32_t* __restrict__ inverse,
                    std::int32_t* __restrict__ scatter, std::int32_t* __restrict__ token_offsets) {
   constexpr bool kRegs = PerLane > 0;
+  constexpr int kTokensPerWarp = kEmitTokensPerWarp<PerLane>, kCtaTokens = kEmitTokens<PerLane>;
   static_assert(PerLane <= 32, "a token's kept experts of a lane are the bits of one word");
-  static_assert(32 % kEmitTokensPerWarp == 0 && kEmitTokens % 32 == 0, "a warp's tokens lie in one block of 32");
-  static_assert(kEmitTokens <= 32 * 32, "a CTA's blocks of 32 tokens lie in one group of 32 blocks");
-  constexpr int kCtaBlocks = kEmitTokens / 32;       // blocks of 32 tokens a CTA
+  static_assert(32 % kTokensPerWarp == 0 && kCtaTokens % 32 == 0, "a warp's tokens lie in one block of 32");
+  static_assert(kCtaTokens <= 32 * 32, "a CTA's blocks of 32 tokens lie in one group of 32 blocks");
+  constexpr int kCtaBlocks = kCtaTokens / 32;       // blocks of 32 tokens a CTA
   constexpr int kStagedExperts = kRegs ? 32 * PerLane : 1;
   __shared__ std::int32_t offset_s[kEmitWarps];
   __shared__ std::int64_t before_s[kEmitWarps];
@@ -1203,13 +1233,13 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   wait_for_prior_grid();  // the select's kept masks, rows and kept counts
   const std::int64_t b = blockIdx.x;
-  const std::int64_t t0 = b * kEmitTokens + warp * kEmitTokensPerWarp;  // this warp's first token
+  const std::int64_t t0 = b * kCtaTokens + warp * kTokensPerWarp;  // this warp's first token
   // The CTA's first pair: the kept pairs of the 32-token blocks before its own, as the select counted them, in
   // whole groups of 32 blocks, then the blocks of its own group before it. Loaded first, summed after the masks'
   // loads are issued; integer sums in a fixed order.
   std::int64_t before = 0;
   {
-    const std::int64_t first_blk = b * (kEmitTokens / 32), groups = first_blk / 32;
+    const std::int64_t first_blk = b * (kCtaTokens / 32), groups = first_blk / 32;
     for (std::int64_t i = threadIdx.x; i < groups; i += blockDim.x) before += group_kept[i];
     if (static_cast<std::int64_t>(threadIdx.x) < first_blk - 32 * groups)
       before += block_kept[32 * groups + threadIdx.x];
@@ -1239,10 +1269,10 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
   }
   // Kept pairs of each of the warp's tokens (0 past T), every lane holding all of them; the register variant also
   // keeps, per token, bit s set where the pair with expert 32 s + lane is kept (the masks themselves die here).
-  std::int32_t n[kEmitTokensPerWarp];
-  std::uint32_t kept_bits[kEmitTokensPerWarp];
+  std::int32_t n[kTokensPerWarp];
+  std::uint32_t kept_bits[kTokensPerWarp];
 #pragma unroll
-  for (int j = 0; j < kEmitTokensPerWarp; ++j) {
+  for (int j = 0; j < kTokensPerWarp; ++j) {
     const std::int64_t t = t0 + j;
     const int bit = static_cast<int>(t & 31);
     n[j] = 0, kept_bits[j] = 0u;
@@ -1262,7 +1292,7 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
   }
   std::int32_t warp_total = 0;
 #pragma unroll
-  for (int j = 0; j < kEmitTokensPerWarp; ++j) warp_total += n[j];
+  for (int j = 0; j < kTokensPerWarp; ++j) warp_total += n[j];
   for (int o = 16; o > 0; o >>= 1) before += __shfl_xor_sync(kFull, before, o);
   if (lane == 0) offset_s[warp] = warp_total, before_s[warp] = before;
   __syncthreads();
@@ -1303,7 +1333,7 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
     // pair, for every token: 2 x 8 times a warp where E = 256, K = 16.)
     std::int32_t total = 0;
 #pragma unroll
-    for (int j = 0; j < kEmitTokensPerWarp; ++j) {
+    for (int j = 0; j < kTokensPerWarp; ++j) {
       if (lane == 0 && t0 + j < T_) token_offsets[t0 + j] = static_cast<std::int32_t>(q + total);
       total += n[j];
     }
@@ -1313,7 +1343,7 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
       std::uint32_t hit = 0u;  // the ballot of the slot holding pair i
       int token = 0, slot = 0;
 #pragma unroll
-      for (int j = 0; j < kEmitTokensPerWarp; ++j) {
+      for (int j = 0; j < kTokensPerWarp; ++j) {
 #pragma unroll
         for (int sl = 0; sl < PerLane; ++sl) {
           const std::uint32_t bal = __ballot_sync(kFull, (kept_bits[j] >> sl) & 1u);
@@ -1326,7 +1356,7 @@ __global__ void __launch_bounds__(32 * kEmitWarps, PerLane <= 8 ? 2 : 1)
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < kEmitTokensPerWarp; ++j) {
+    for (int j = 0; j < kTokensPerWarp; ++j) {
       const std::int64_t t = t0 + j;
       if (t >= T_) break;  // warp-uniform
       if (lane == 0) token_offsets[t] = static_cast<std::int32_t>(q);
@@ -1620,7 +1650,6 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
     throw RuntimeError("machmoe: token rounding with E = " + std::to_string(a.E) +
                        " needs the token-major keys region (ForwardWorkspaceLayout::tr_keys), given none");
   const int E = static_cast<int>(a.E), K = static_cast<int>(a.K);
-  const std::int64_t emit_blocks = (a.T + kEmitTokens - 1) / kEmitTokens;
   // Counters region (TokenRoundingCounters): kept pairs per block of 32 tokens and per group of 32 blocks, f_e, the
   // flags of the experts the bounded select selected over their whole column.
   const TokenRoundingCounters words = TokenRoundingCounters::of(a.T, a.E);
@@ -1674,7 +1703,9 @@ void launch_token_rounding(const TokenRoundingArgs& a, cudaStream_t stream) {
   }
   MACHMOE_CUDA_CHECK_LAUNCH("token_rounding_select_bounded");
   by_row_width(a.E, [&](auto per_lane) {
-    launch_dependent(tr_emit_kernel<decltype(per_lane)::value>, dim3(static_cast<unsigned>(emit_blocks)),
+    constexpr int kPerLane = decltype(per_lane)::value;
+    const std::int64_t emit_blocks = ceil_div(a.T, kEmitTokens<kPerLane>);
+    launch_dependent(tr_emit_kernel<kPerLane>, dim3(static_cast<unsigned>(emit_blocks)),
                      dim3(32 * kEmitWarps), 0, stream, a.bounds, ceil_div(a.T, kKeyTokens), a.row_scores, a.T, E,
                      a.expert_offsets, a.P_max, static_cast<const std::int32_t*>(block_kept),
                      static_cast<const std::int32_t*>(group_kept), a.scores, a.inverse, a.scatter, a.token_offsets);

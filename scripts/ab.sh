@@ -23,7 +23,7 @@
 #   gf        the GPU tests matching $GF (default: every token-rounding test)
 #   equiv     session 48's equivalence check: forward and backward of token rounding, base against new, 594 cases
 #   ncu       per-kernel ncu times and instruction counts ($KRX: kernel regex without ncu's "regex:" prefix, default tr_;
-#             $KLC: launches) on $KCFGS, alternating
+#             $KLC: launches) on $KCFGS, the sides $NSIDES (default "base new") alternating, $NREPS rounds (default 2)
 #   tab       machmoe-bench --routing {token_rounding,topk} on $TCFGS, both sides, $ROUNDS rounds (T8's comparison);
 #             $SIDES and $ROUTES narrow it, $TAB_ARGS adds options (e.g. --warmup-ms 300 --time-ms 300);
 #             scripts/t8_table.py reads its tab.txt (one side's runs: SIDES=new)
@@ -90,7 +90,7 @@ for step in "$@"; do
   equiv) BASE_SEL=1 BASE_SRC=$base timeout 300 bash docs/measurements/2026-11-27-h100-session48/tr_equivalence_build.sh \
         > "$OUT/equivalence.txt" 2>&1; echo "equivalence exit $?"; tail -n 2 "$OUT/equivalence.txt";;
   ncu)
-    for cfg in ${KCFGS:-1.4B-256}; do for rep in 1 2; do for side in base new; do
+    for cfg in ${KCFGS:-1.4B-256}; do for rep in $(seq 1 "${NREPS:-2}"); do for side in ${NSIDES:-base new}; do
       ncu --clock-control none -k "regex:${KRX:-tr_}" --launch-count "${KLC:-5}" \
         --metrics gpu__time_duration.sum,sm__inst_executed.sum,launch__registers_per_thread \
         "$(bench_of $side)" $(bench_args "$cfg") --routing token_rounding --iters 1 --warmup 0 --warmup-ms 0 --time-ms 0 \

@@ -35,11 +35,11 @@
 //    column: the r_e-th key by a 3-pass radix select (12, 12 and 8 bits, a shared histogram with one atomic per
 //    distinct digit of a warp); when keys tie at the threshold and only some of the ties are kept, one ordered pass
 //    finds the token where they stop (the cut); then the kept tokens, ascending, with the same per-block words.
-// 3. emit (32 warps per block, each over 2 consecutive tokens, 8 where E <= 32): kept(t, e) from the select's kept masks, counted
-//    per token and scanned within the block; the block's first pair is the sum of the select's kept counts of the
-//    groups and blocks before it, so no block waits for another (a decoupled look-back did that before: ncu put 37 %
-//    of the kernel's stall samples on the barrier behind it, H200, 1.4B (1024,32,2)). Then every kept pair in
-//    (token, expert) order gets its grouped row (the block's first kept row plus the kept tokens before it in the
+// 3. emit (32 warps per block, each over 2 consecutive tokens, 8 where E <= 32): kept(t, e) from the select's kept
+//    masks, counted per token and scanned within the block; the block's first pair is the sum of the select's kept
+//    counts of the groups and blocks before it, so no block waits for another (a decoupled look-back did that before:
+//    ncu put 37 % of the kernel's stall samples on the barrier behind it, H200, 1.4B (1024,32,2)). Then every kept pair
+//    in (token, expert) order gets its grouped row (the block's first kept row plus the kept tokens before it in the
 //    mask), score, inverse and scatter, and the token offsets are written. Slots past the pair count get expert -1
 //    semantics (inverse -1, score 0).
 // 4. Where the forward computes Y in chunks of tokens, their plan (tr_chunk_plan_kernel): each chunk's experts' rows
@@ -743,8 +743,8 @@ __device__ std::uint32_t short_radix_select(KeyAt&& key_at, std::int32_t n, std:
       }
     }
     __syncthreads();
-    // digit_s, need_s and ties_s are written again by warp 0 only after the next pass's first barrier, which every thread
-    // reaches after these reads.
+    // digit_s, need_s and ties_s are written again by warp 0 only after the next pass's first barrier, which every
+    // thread reaches after these reads.
     prefix |= digit_s << shift;
     need = need_s;
     if (pass == Passes - 1) ties = ties_s;

@@ -156,18 +156,29 @@ if [ "$what" = t8 ]; then
   # two sweep rows under 3 minutes on an H200, session 53).
   # The 40 runs took about 10 minutes on an H200 (session 52): split them over device calls with T8_MAIN= or
   # T8_SWEEPS= (empty), and give t8_table.py every call's t8_raw.txt.
+  # T8_IN_TURN=1 runs each row's routings in turn (token rounding, top-K, top-K, token rounding: t8_table.py makes a
+  # row of each pair), T8_ROUNDS repeats the whole list, and T8_DEADLINE_S (seconds since this step began) stops before
+  # a row that would start later, so that a device call's limit ends the step between rows with the table written.
   : > "$logs/t8_raw.txt"
   main_rows="${T8_MAIN-1.4B-256 1.4B-512 1.4B-1024 7B-256 7B-512 7B-1024 30B-256 30B-512 30B-1024 120B-512 120B-1024 120B-2048}"
   sweep_rows="${T8_SWEEPS-16384:1536:256:64:8 16384:1536:256:128:8 16384:1536:256:256:8 16384:1536:256:512:8 16384:4096:1024:32:4 16384:4096:1024:64:4 16384:4096:1024:128:4 16384:4096:1024:256:4}"
-  for row in $main_rows $sweep_rows; do
-    case "$row" in
-      *:*) args="$(config_args "$row") --warmup-ms ${T8_SWEEP_MS:-500} --time-ms ${T8_SWEEP_MS:-500}";;
-      *) args="$(config_args "$row")${T8_MAIN_MS:+ --warmup-ms $T8_MAIN_MS --time-ms $T8_MAIN_MS}";;
-    esac
-    for routing in token_rounding topk; do
-      # shellcheck disable=SC2086
-      ./build/bin/machmoe-bench $args --routing "$routing" --iters 10 --warmup 3 --stage-runs 3 >> "$logs/t8_raw.txt" 2>&1 ||
-        status=1
+  routings="token_rounding topk"
+  [ "${T8_IN_TURN:-0}" = 1 ] && routings="token_rounding topk topk token_rounding"
+  t8_start=$(date +%s)
+  for round in $(seq 1 "${T8_ROUNDS:-1}"); do
+    for row in $main_rows $sweep_rows; do
+      if [ -n "${T8_DEADLINE_S:-}" ] && [ $(( $(date +%s) - t8_start )) -ge "$T8_DEADLINE_S" ]; then
+        echo "t8: past T8_DEADLINE_S=$T8_DEADLINE_S s before round $round's $row"; break 2
+      fi
+      case "$row" in
+        *:*) args="$(config_args "$row") --warmup-ms ${T8_SWEEP_MS:-500} --time-ms ${T8_SWEEP_MS:-500}";;
+        *) args="$(config_args "$row")${T8_MAIN_MS:+ --warmup-ms $T8_MAIN_MS --time-ms $T8_MAIN_MS}";;
+      esac
+      for routing in $routings; do
+        # shellcheck disable=SC2086
+        timeout 120 ./build/bin/machmoe-bench $args --routing "$routing" --iters 10 --warmup 3 --stage-runs 3 \
+          >> "$logs/t8_raw.txt" 2>&1 || status=1
+      done
     done
   done
   python3 scripts/t8_table.py "$logs/t8_raw.txt" | tee "$logs/t8_table.txt"

@@ -158,14 +158,19 @@ __device__ __forceinline__ void add_kept_counts(std::int32_t* block_kept, std::i
   }
 }
 
+/// select()'s default: the row's exponentials are not kept outside the selection.
+struct IgnoreExp {
+  __device__ __forceinline__ void operator()(int, float) const {}
+};
+
 /// A token's row as the warp sees it: lane l owns elements l, l + 32, ... (slot j holds element 32 j + l), in
 /// registers for PerLane > 0, else read from memory on each use. Holds the top-K selection's outcome (the K-th
 /// selected rank key, the top value and the sum of exp over the selection) and the row's softmax (max, sum of
 /// exp), all computed in the order the top-K kernel uses, so the scores are bitwise those of launch_topk_scores.
 /// KeepExp: rows in registers keep each exp(v - max) of the softmax for prob(); otherwise prob() computes it again
-/// (the same expression, so the same bits). The keys kernel, which calls prob() once a slot, keeps them for rows of up
-/// to 256 only (16 more registers a lane cost the 512-wide rows half their occupancy); the backward, which calls it
-/// up to three times a slot, always.
+/// (the same expression, so the same bits). The backward, which calls it up to three times a slot, keeps them; the
+/// keys kernel keeps them in its shared tile instead (select's on_exp), where 16 more registers a lane would cost the
+/// 512-wide rows half their occupancy.
 template <class T, int PerLane, bool KeepExp = (PerLane <= 8)>
 struct RowSelection {
   static constexpr bool kRegs = PerLane > 0;
@@ -180,17 +185,35 @@ struct RowSelection {
   float ex[kKeepExp ? PerLane : 1];
   KeyType key[kRegs ? PerLane : 1];
   KeyType kth = ~KeyType{0};
+  KeyType mine = 0;  // rows in registers, K <= 32: lane r's selection r (so each chosen key can be written by one lane)
   float first = 0.0f, sum_k = 0.0f, m = -INFINITY, total = 0.0f;
   float inv_total = 0.0f;  // 1 / total, once a row: prob() multiplies by it instead of dividing every element
 
   __device__ __forceinline__ RowSelection(const T* r, int E_, int lane_) : row(r), E(E_), lane(lane_) {
     slots = kRegs ? PerLane : (E + 31) / 32;
     if constexpr (kRegs) {
+      // Past the row: value -inf (no part of the softmax; see select) and key 0 (below every element of the row). bf16
+      // elements as their bits: the float is the bits shifted up, the key from them by integer operations (the same
+      // key as from the float). Every load is issued before the first use of any (a T-typed select per slot made the
+      // compiler wait for each load in turn: 16 round trips a token at E = 512, ncu, H200).
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        const auto* bits = reinterpret_cast<const unsigned short*>(row);
+        std::uint32_t b[PerLane];
 #pragma unroll
-      for (int j = 0; j < PerLane; ++j) {
-        const int i = j * 32 + lane;
-        v[j] = i < E ? to_float(row[i]) : 0.0f;
-        key[j] = i < E ? Key::make(v[j], i) : 0u;  // 0: below every element of the row
+        for (int j = 0; j < PerLane; ++j) b[j] = j * 32 + lane < E ? bits[j * 32 + lane] : 0u;
+#pragma unroll
+        for (int j = 0; j < PerLane; ++j) {
+          const int i = j * 32 + lane;
+          v[j] = i < E ? __uint_as_float(b[j] << 16) : -INFINITY;
+          key[j] = i < E ? Key::make_bits(b[j], i) : 0u;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < PerLane; ++j) {
+          const int i = j * 32 + lane;
+          v[j] = i < E ? to_float(row[i]) : -INFINITY;
+          key[j] = i < E ? Key::make(v[j], i) : 0u;
+        }
       }
     }
   }
@@ -214,7 +237,10 @@ struct RowSelection {
         if (j * 32 + lane < E) f(j);
     }
   }
-  __device__ __forceinline__ void select(int K) {
+  /// The top-K selection and the full softmax. on_exp(j, x) sees slot j's exp(x - max) as the row's sum adds it (the
+  /// keys kernel keeps them in its shared tile instead of registers).
+  template <class OnExp = IgnoreExp>
+  __device__ __forceinline__ void select(int K, OnExp&& on_exp = {}) {
     if constexpr (kRegs && PerLane <= 8) {
       // As the top-K kernel selects (router_kernels.cu): each lane's keys sorted once, so a round's candidate is the
       // lane's first key and the winning lane moves its next one up; lane r keeps selection r (K <= 32), and the
@@ -224,7 +250,7 @@ struct RowSelection {
 #pragma unroll
       for (int j = 0; j < PerLane; ++j) sorted[j] = key[j];
       sort_keys_descending<PerLane>(sorted);
-      KeyType prev = ~KeyType{0}, mine = 0;
+      KeyType prev = ~KeyType{0};
       for (int r = 0; r < K; ++r) {
         prev = Key::warp_max(sorted[0]);
         if (sorted[0] == prev) {
@@ -267,6 +293,7 @@ struct RowSelection {
             for (int j = 0; j < PerLane; ++j) head = (key[j] < prev && key[j] > head) ? key[j] : head;
           }
         }
+        if (K <= 32) mine = r == lane ? prev : mine;
         const float sel = Key::value(prev);
         if (r == 0) first = sel;
         sum_k += expf(sel - first);
@@ -288,16 +315,25 @@ struct RowSelection {
       kth = prev;
     }
     // The full softmax, in the order of warp_row_max / warp_row_sumexp (per-lane slots, then a fixed butterfly). Rows
-    // in registers keep each exp(x - max) for prob.
+    // in registers take the maximum over every slot without a branch (a slot past the row holds -inf, which leaves it
+    // as it is; a slot check costs three instructions of branch synchronisation). The sum keeps its checks: without
+    // them the compiler held a lane's 16 exponentials live at once and spilled.
     float mx = -INFINITY;
-    for_each(0, slots, [&](int j) { mx = fmaxf(mx, value(j)); });
+    if constexpr (kRegs) {
+#pragma unroll
+      for (int j = 0; j < PerLane; ++j) mx = fmaxf(mx, v[j]);
+    } else {
+      for_each(0, slots, [&](int j) { mx = fmaxf(mx, value(j)); });
+    }
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
     float s = 0.0f;
-    for_each(0, slots, [&](int j) {
+    auto add_exp = [&](int j) {
       const float x = expf(value(j) - mx);
       if constexpr (kKeepExp) ex[j] = x;
+      on_exp(j, x);
       s += x;
-    });
+    };
+    for_each(0, slots, add_exp);
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
     m = mx, total = s, inv_total = 1.0f / s;
   }
@@ -328,6 +364,13 @@ struct RowSelection {
   __device__ __forceinline__ float tc_score(ScoreVariant variant, int j) const {
     return variant == ScoreVariant::kTopKOfSoftmax ? exp_of(j) / total : expf(value(j) - first) / sum_k;
   }
+  /// tc_score of the chosen element whose rank key is k, from the key's value: the same float as the element's
+  /// (a key keeps an element's value but for -0, which it ranks as +0, and a NaN's payload; exp(x - max) of either is
+  /// the same bits), so the same expressions give the same bits.
+  __device__ __forceinline__ float tc_score_of_key(ScoreVariant variant, KeyType k) const {
+    const float x = Key::value(k);
+    return variant == ScoreVariant::kTopKOfSoftmax ? expf(x - m) / total : expf(x - first) / sum_k;
+  }
 };
 
 // ---- pass 1: keys, token-choice counts, expert offsets -----------------------------------------------------------
@@ -339,7 +382,9 @@ struct RowSelection {
 /// the mask of chosen tokens, per (expert, block); and adds the block's choices of the expert to its token-choice
 /// count f_e (one integer atomic per expert and block that chose it: sums, so the order of the atomics cannot show).
 /// Lanes past the last token hold key 0, neutral to all of it. The caller has synchronised the block after filling
-/// the tile.
+/// the tile. token_scale (may be null): the tile holds each unchosen pair's exp(x - max), and the key written is that
+/// times its token's token_scale (the row's reciprocal sum: its probability, bitwise prob()'s); a chosen key (sign
+/// bit set) is written as it is. An exponential's sign bit is clear, a NaN's too (the GPU's NaN is 0x7fffffff).
 /// A warp's addresses are computed once and stepped by a fixed stride per expert, the experts unrolled: the per-expert
 /// loop with its 64-bit products was about a fifth of the keys kernel's executed instructions on 1.4B (256,128,8) (ncu
 /// source view, session 49).
@@ -347,11 +392,12 @@ template <int Warps, int TileExperts, int Row>
 __device__ __forceinline__ void write_block_keys(const std::uint32_t* key_tile, std::int32_t* chosen_count, int e0,
                                                  int E, std::int64_t T_, std::int64_t t0, int nt,
                                                  std::uint32_t* keys_by_expert, std::uint32_t* bounds,
-                                                 std::int32_t* tc_count) {
+                                                 std::int32_t* tc_count, const float* token_scale = nullptr) {
   constexpr int kPerWarp = TileExperts / Warps;
   static_assert(TileExperts % Warps == 0, "every warp takes the same number of the tile's experts");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool token = lane < nt;
+  const float scale = token_scale != nullptr && token ? token_scale[lane] : 1.0f;
   const int experts = min(TileExperts, E - e0);
   std::uint32_t* key_out = keys_by_expert + static_cast<std::int64_t>(e0 + warp) * T_ + t0 + lane;
   uint4* bounds_out = reinterpret_cast<uint4*>(bounds) + static_cast<std::int64_t>(e0 + warp) * gridDim.x + blockIdx.x;
@@ -361,9 +407,10 @@ __device__ __forceinline__ void write_block_keys(const std::uint32_t* key_tile, 
   for (int i = 0; i < kPerWarp; ++i) {
     const int ec = warp + i * Warps;
     if (ec >= experts) break;  // warp-uniform
-    const std::uint32_t key = token ? key_tile[ec * Row + lane] : 0u;
-    if (token) *key_out = key;
+    std::uint32_t key = token ? key_tile[ec * Row + lane] : 0u;
     const bool chosen = (key & kChosen) != 0u;
+    if (token_scale != nullptr && !chosen) key = __float_as_uint(__uint_as_float(key) * scale);
+    if (token) *key_out = key;
     const std::uint32_t hi = __reduce_max_sync(kFull, chosen ? 0u : key);
     const std::uint32_t lo = __reduce_min_sync(kFull, chosen ? key : ~0u);
     const unsigned mask = __ballot_sync(kFull, chosen);
@@ -392,20 +439,45 @@ __global__ void __launch_bounds__(32 * kKeyWarps, kKeyMinBlocks<T, PerLane>)
   // tokens each touch 32 distinct banks.
   extern __shared__ std::uint32_t key_tile[];
   __shared__ std::int32_t chosen_count[kKeyTileExperts<PerLane>];  // the block's choices of each of the tile's experts
+  __shared__ float token_scale[kKeyTokens];  // rows in registers: each token's reciprocal sum (write_block_keys)
   constexpr int kRow = kKeyTileRow;
   constexpr bool kRegs = PerLane > 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kKeyTokens;
+  // The backward's copy of the logits, where not from registers (below), by 16-byte chunks where rows allow (a load
+  // and a store each, where element by element took one of each per slot). Not for rows of up to 64 experts: two
+  // elements a lane, and at the 32 registers of four blocks an SM the chunks' registers spilled.
+  const int copy_chunks = static_cast<int>(static_cast<std::int64_t>(E) * sizeof(T) / 16);
+  const bool copy_by_16_bytes = (PerLane == 0 || PerLane > 2) && logits_copy != nullptr &&
+                                (static_cast<std::int64_t>(E) * sizeof(T)) % 16 == 0 &&
+                                (ld * static_cast<std::int64_t>(sizeof(T))) % 16 == 0 &&
+                                ((reinterpret_cast<std::uintptr_t>(z) | reinterpret_cast<std::uintptr_t>(logits_copy)) &
+                                 15u) == 0;
 #pragma unroll
   for (int r = 0; r < kKeyTokensPerWarp; ++r) {
     const int tl = warp * kKeyTokensPerWarp + r;
     const std::int64_t t = t0 + tl;
     if (t >= T_) break;  // warp-uniform
-    RowSelection<T, PerLane> row(z + t * ld, E, lane);
-    if (logits_copy) {  // the backward's copy, bit for bit, from the row just loaded (in L1)
+    RowSelection<T, PerLane, /*KeepExp=*/false> row(z + t * ld, E, lane);
+    if (logits_copy) {  // the backward's copy, bit for bit
       T* copy = logits_copy + t * E;
       const T* src = z + t * ld;
-      if constexpr (kRegs) {
+      if constexpr (kRegs && (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, float>)) {
+        // From the registers: a bf16 element's float is its bits shifted up (NaN payloads too), an fp32 element is
+        // itself; loads of the row again would wait for a second round trip.
+#pragma unroll
+        for (int j = 0; j < PerLane; ++j) {
+          const int i = j * 32 + lane;
+          if (i >= E) continue;
+          if constexpr (std::is_same_v<T, float>)
+            copy[i] = row.v[j];
+          else
+            reinterpret_cast<unsigned short*>(copy)[i] = static_cast<unsigned short>(__float_as_uint(row.v[j]) >> 16);
+        }
+      } else if (copy_by_16_bytes) {
+        for (int c = lane; c < copy_chunks; c += 32)
+          reinterpret_cast<uint4*>(copy)[c] = reinterpret_cast<const uint4*>(src)[c];
+      } else if constexpr (kRegs) {
 #pragma unroll
         for (int j = 0; j < PerLane; ++j)
           if (j * 32 + lane < E) copy[j * 32 + lane] = src[j * 32 + lane];
@@ -413,23 +485,45 @@ __global__ void __launch_bounds__(32 * kKeyWarps, kKeyMinBlocks<T, PerLane>)
         for (int i = lane; i < E; i += 32) copy[i] = src[i];
       }
     }
-    row.select(K);
-    if (lane == 0) selection[t] = row.stats();  // for the router backward
-    row.for_each(0, row.slots, [&](int j) {
-      const int i = j * 32 + lane;
-      const std::uint32_t key = row.chosen(j) ? kChosen | __float_as_uint(row.tc_score(variant, j))
-                                              : __float_as_uint(row.prob(j));
-      if constexpr (kRegs)
-        key_tile[i * kRow + tl] = key;  // the whole row fits the tile
-      else
+    if constexpr (kRegs) {
+      // Rows in registers: each exp(x - max) goes into the tile as the softmax sums it (write_block_keys makes it the
+      // probability key with the token's reciprocal sum), and the K chosen keys are written over those afterwards,
+      // lane r taking selection r.
+      // Each slot choosing between the TC score (an exponential and an IEEE division) and the probability (an
+      // exponential) made the warp run both wherever one lane chose the slot, behind three levels of branch
+      // synchronisation: 16 such slots a token at E = 512.
+      row.select(K, [&](int j, float x) { key_tile[(j * 32 + lane) * kRow + tl] = __float_as_uint(x); });
+      if (lane == 0) token_scale[tl] = row.inv_total;
+      __syncwarp();  // every lane's exponentials written before any writes a chosen key over one
+      using Key = typename RowSelection<T, PerLane, false>::Key;
+      if (K <= 32) {
+        if (lane < K) {
+          const float score = row.tc_score_of_key(variant, row.mine);
+          key_tile[Key::index(row.mine) * kRow + tl] = kChosen | __float_as_uint(score);
+        }
+      } else {
+        row.for_each(0, row.slots, [&](int j) {
+          if (row.chosen(j))
+            key_tile[(j * 32 + lane) * kRow + tl] = kChosen | __float_as_uint(row.tc_score(variant, j));
+        });
+      }
+    } else {
+      row.select(K);
+      row.for_each(0, row.slots, [&](int j) {
+        const int i = j * 32 + lane;
+        const std::uint32_t key = row.chosen(j) ? kChosen | __float_as_uint(row.tc_score(variant, j))
+                                                : __float_as_uint(row.prob(j));
         keys[t * E + i] = key;  // the token-major row, read back by the transpose below
-    });
+      });
+    }
+    if (lane == 0) selection[t] = row.stats();  // for the router backward
   }
   __syncthreads();  // the tile (rows in registers), or this block's key rows (rows from memory), complete
   const int nt = static_cast<int>(min(static_cast<std::int64_t>(kKeyTokens), T_ - t0));
   auto write_experts = [&](int e0) {
     write_block_keys<kKeyWarps, kKeyTileExperts<PerLane>, kKeyTileRow>(key_tile, chosen_count, e0, E, T_, t0, nt,
-                                                                      keys_by_expert, bounds, tc_count);
+                                                                      keys_by_expert, bounds, tc_count,
+                                                                      kRegs ? token_scale : nullptr);
   };
   if constexpr (kRegs) {
     write_experts(0);

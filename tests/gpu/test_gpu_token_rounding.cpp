@@ -464,6 +464,58 @@ TEST(GpuTokenRoundingKernels, Bf16KeysRouteAsTheFp32KeysDo) {
   }
 }
 
+// A kept pair that its token chose carries the TC score bit for bit as top-K routing computes it
+// (launch_topk_scores) from the same logits: both keys kernels, every score variant, rows of 20 to 600 experts (in
+// registers at 1, 2, 4, 8 and 16 keys a lane, and from memory), K = E, K past 32 (where the warp kernel writes the
+// chosen keys slot by slot instead of a lane a selection), bf16, fp16 and fp32 logits, rows past the last lane's
+// slot (E not a multiple of 32).
+TEST(GpuTokenRoundingKernels, ChosenPairsCarryTopKsScoresBitwise) {
+  REQUIRE_GPU();
+  struct Shape {
+    std::int64_t T, E, K;
+    ScoreVariant sv;
+    DType dt;
+  };
+  // T K / E, an expert's token choices, at 100 or more, so that rounding to tiles of 16 keeps most of them.
+  for (const Shape& sh : {Shape{8192, 512, 8, ScoreVariant::kSoftmaxOverTopK, DType::kBF16},
+                          Shape{2000, 512, 40, ScoreVariant::kTopKOfSoftmax, DType::kBF16},
+                          Shape{2000, 256, 16, ScoreVariant::kTopKOfSoftmaxRenorm, DType::kBF16},
+                          Shape{4000, 300, 8, ScoreVariant::kTopKOfSoftmax, DType::kFP32},
+                          Shape{2000, 128, 8, ScoreVariant::kTopKOfSoftmax, DType::kBF16},
+                          Shape{4000, 100, 3, ScoreVariant::kSoftmaxOverTopK, DType::kFP16},
+                          Shape{999, 40, 33, ScoreVariant::kTopKOfSoftmaxRenorm, DType::kFP32},
+                          Shape{700, 20, 20, ScoreVariant::kTopKOfSoftmax, DType::kBF16},
+                          Shape{8000, 600, 8, ScoreVariant::kSoftmaxOverTopK, DType::kBF16}}) {
+    const std::int64_t T = sh.T, E = sh.E, K = sh.K;
+    const TrKernelCase c{T, E, K, 16, RoundingRule::kNearest, sh.sv, sh.dt};
+    const std::string what =
+        "E=" + std::to_string(E) + " K=" + std::to_string(K) + " " + score_variant_name(sh.sv) + " " +
+        dtype_name(sh.dt);
+    const TrRun run = run_kernels(c, 17);
+    DeviceBuffer logits(encode(run.logits, sh.dt)), sc(T * K * 4), ex(T * K * 4);
+    gpu::launch_topk_scores(sh.dt, logits.get(), E, T, E, K, sh.sv, static_cast<float*>(sc.get()),
+                            static_cast<std::int32_t*>(ex.get()), nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+    const std::vector<std::int32_t> experts = download<std::int32_t>(ex, T * K);
+    const std::vector<float> scores = download<float>(sc, T * K);
+    const TrOutputs& o = run.out;
+    std::int64_t compared = 0;
+    for (std::int64_t t = 0; t < T; ++t)
+      for (std::int64_t q = o.token_offsets[t]; q < o.token_offsets[t + 1]; ++q) {
+        const std::int32_t g = o.inverse[q];
+        const std::int32_t e = static_cast<std::int32_t>(
+            std::upper_bound(o.offsets.begin(), o.offsets.end(), g) - o.offsets.begin() - 1);
+        const auto* choice = std::find(experts.data() + t * K, experts.data() + (t + 1) * K, e);
+        if (choice == experts.data() + (t + 1) * K) continue;  // a pair the rounding added: its probability
+        const float topk_score = scores[choice - experts.data()];
+        ASSERT_EQ(std::memcmp(&o.scores[q], &topk_score, 4), 0)
+            << what << ": token " << t << " expert " << e << ": " << o.scores[q] << " against top-K's " << topk_score;
+        ++compared;
+      }
+    EXPECT_GT(compared, T * K / 2) << what << ": most token choices are kept";
+  }
+}
+
 // The top-K kernel likewise: bf16 logits (32-bit keys) and the same values as fp32 (64-bit keys) select the same
 // experts in the same order with bitwise the same scores, for every score variant, rows of 20 to 512 experts, K up
 // to E, and values that stress the key: exact ties, +0 and -0, +inf and -inf, and NaN (ranked last). The bf16 rows

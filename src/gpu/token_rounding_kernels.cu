@@ -15,8 +15,10 @@
 //    top-K kernel does; for rows of 512 each lane's best two kept, a lane looking over its keys again only when it
 //    wins a third time), the TC scores of the score variant, the row's softmax, the keys, the selection's statistics
 //    and a copy of the logits for the backward (so no separate copy reads them again). Each key goes straight into a
-//    shared tile of the block's 32 tokens by expert (every expert of a row in registers; rows of more than 512
-//    experts go through token-major keys in memory, which the tile reads back 64 experts at a time); after one
+//    shared tile of the block's 32 tokens by expert (every expert of a row in registers: each exp(x - max) as the
+//    softmax sums it, made the probability key as the tile is written out, the K chosen keys written over it by a
+//    lane a selection; rows of more than 512 experts go through token-major keys in memory, which the tile reads
+//    back 64 experts at a time); after one
 //    barrier each warp writes experts' 32-token rows of the expert-major keys from it, with the block's bounds (below)
 //    and chosen mask per expert, and the token-choice counts f_e (popcounts of the masks, added with one integer
 //    atomic per expert and block, a thread an expert so each atomic instruction covers 32 counters: sums, so the

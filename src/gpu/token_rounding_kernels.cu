@@ -95,7 +95,7 @@ constexpr std::size_t key_tile_bytes() {
 /// Blocks of the keys kernel an SM should hold, for rows in registers with 32-bit (bf16) keys: rows of up to 64 fit 32
 /// registers (four blocks, all 64 warps an SM), rows of 512 fit 64 without spilling (two blocks: at 126 registers and
 /// one block the kernel issued on 38 % of cycles, ncu, H200, (16384,1536,256,512,8)). 64-bit keys (fp32 and fp16
-/// rows) would spill there; rows of 128 and 256 take 40 and 56 registers unasked (three blocks and two).
+/// rows) would spill there; rows of 128 and 256 take 40 and 48 registers unasked (three blocks and two).
 template <class T, int PerLane>
 constexpr int kKeyMinBlocks = PerLane == 0 || sizeof(typename RankKey<T>::Type) != 4 ? 1
                               : PerLane <= 2                                         ? 4

@@ -159,6 +159,7 @@ if [ "$what" = t8 ]; then
   # T8_IN_TURN=1 runs each row's routings in turn (token rounding, top-K, top-K, token rounding: t8_table.py makes a
   # row of each pair), T8_ROUNDS repeats the whole list, and T8_DEADLINE_S (seconds since this step began) stops before
   # a row that would start later, so that a device call's limit ends the step between rows with the table written.
+  # T8_BASE (files of an earlier run's raw output) adds the stages that moved since (scripts/stage_diff.py).
   : > "$logs/t8_raw.txt"
   main_rows="${T8_MAIN-1.4B-256 1.4B-512 1.4B-1024 7B-256 7B-512 7B-1024 30B-256 30B-512 30B-1024 120B-512 120B-1024 120B-2048}"
   sweep_rows="${T8_SWEEPS-16384:1536:256:64:8 16384:1536:256:128:8 16384:1536:256:256:8 16384:1536:256:512:8 16384:4096:1024:32:4 16384:4096:1024:64:4 16384:4096:1024:128:4 16384:4096:1024:256:4}"
@@ -182,6 +183,12 @@ if [ "$what" = t8 ]; then
     done
   done
   python3 scripts/t8_table.py "$logs/t8_raw.txt" | tee "$logs/t8_table.txt"
+  # T8_BASE: raw files of an earlier run (e.g. a measurements folder's t8 raw output, .xz read as such): the stages that
+  # moved since, for every row both have (scripts/stage_diff.py), so a kernel slowed by a change to another shows.
+  if [ -n "${T8_BASE:-}" ]; then
+    # shellcheck disable=SC2086
+    python3 scripts/stage_diff.py $T8_BASE -- "$logs/t8_raw.txt" | tee "$logs/t8_stage_diff.txt"
+  fi
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   ./build/bin/machmoe-bench --all-configs --iters "${BENCH_ITERS:-3}" --warmup 1 --json "$logs/bench.json" 2>&1 |

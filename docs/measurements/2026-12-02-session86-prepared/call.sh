@@ -12,7 +12,7 @@ S=$(date +%s); st() { echo "[$(( $(date +%s) - S ))s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
 st build; bash scripts/ab.sh build keep 2>&1 | grep -E "exit"
 st apply; AB_PATCH=docs/measurements/2026-12-02-session86-prepared/row_loads_shared.diff bash scripts/ab.sh apply
-st tests; GF='*TopK*:*Topk*:*TokenRounding*:*Router*' bash scripts/ab.sh gf
+st tests; GF='*TopK*:*TokenRounding*:*GpuRouterKernels*:*ManyExperts*:*ManySelections*' bash scripts/ab.sh gf
 st ncu
 KCFGS="sw512=--T:16384:--d:1536:--n:256:--E:512:--K:8 30B-256" NSIDES="main new" NREPS=2 KRX='topk_|tr_' KLC=8 \
   bash scripts/ab.sh ncu > /dev/null 2>&1

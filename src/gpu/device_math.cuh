@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "machmoe/error.hpp"
 #include "math/activation.hpp"
@@ -106,6 +107,47 @@ struct RankKey<__nv_bfloat16> {
   __device__ __forceinline__ static int index(Type k) { return static_cast<int>(0xffffu - (k & 0xffffu)); }
   __device__ __forceinline__ static Type warp_max(Type k) { return __reduce_max_sync(0xffffffffu, k); }
 };
+
+/// A warp's row of E elements in registers, for the kernels that select over it (top-K, token rounding): slot j of lane
+/// l holds element 32 j + l, its float in v (`pad` past the row) and its rank key in key (0 past the row: below every
+/// element). Every load is issued before any is used, and unconditionally (a slot past the row reads element E - 1,
+/// E >= 1, and sets it aside): a load under its slot's condition was compiled into that slot's branch with the key's
+/// computation, each load issued after the previous slot's key was made from its own (token rounding's router backward
+/// 0.055 -> 0.043 ms on 1.4B (256,128,8) without that, H200, docs/BENCHMARKS.md session 86). bf16 elements as their
+/// bits: the float is the bits shifted up, the key made from them by integer operations (the same key as from the
+/// float); where the row fills every slot (warp-uniform), no slot conditions at all.
+template <class T, int PerLane>
+__device__ __forceinline__ void load_row_slots(const T* row, int E, int lane, float pad, float (&v)[PerLane],
+                                               typename RankKey<T>::Type (&key)[PerLane]) {
+  using Key = RankKey<T>;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const auto* bits = reinterpret_cast<const unsigned short*>(row);
+    std::uint32_t b[PerLane];
+#pragma unroll
+    for (int j = 0; j < PerLane; ++j) b[j] = bits[min(j * 32 + lane, E - 1)];
+    if (E >= 32 * PerLane) {
+#pragma unroll
+      for (int j = 0; j < PerLane; ++j) {
+        v[j] = __uint_as_float(b[j] << 16);
+        key[j] = Key::make_bits(b[j], j * 32 + lane);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < PerLane; ++j) {
+        const int i = j * 32 + lane;
+        v[j] = i < E ? __uint_as_float(b[j] << 16) : pad;
+        key[j] = i < E ? Key::make_bits(b[j], i) : 0u;
+      }
+    }
+  } else {  // fp32 and fp16: loaded under their conditions (unconditional loads made the fp32 wide backward spill)
+#pragma unroll
+    for (int j = 0; j < PerLane; ++j) {
+      const int i = j * 32 + lane;
+      v[j] = i < E ? to_float(row[i]) : pad;
+      key[j] = i < E ? Key::make(v[j], i) : 0u;
+    }
+  }
+}
 
 /// The lane's keys in descending order: a bubble network over registers (PerLane (PerLane - 1) / 2 compare-exchanges,
 /// fully unrolled, so the keys never leave registers). The top-K kernel and token rounding's row selection sort each

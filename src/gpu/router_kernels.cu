@@ -37,13 +37,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, PerLane <= 4 ? 16 : 1)
   using KeyType = typename Key::Type;
   static_assert(32 * kMaxPerLane <= Key::kMaxRow, "row longer than the rank key holds");
   KeyType key[PerLane];
-  float value[PerLane];  // the row's elements, for the full softmax
-#pragma unroll
-  for (int j = 0; j < PerLane; ++j) {
-    const int i = j * 32 + lane;
-    value[j] = i < E ? to_float(z[i]) : 0.0f;
-    key[j] = i < E ? Key::make(value[j], i) : 0u;  // 0: below every element of the row
-  }
+  float value[PerLane];  // the row's elements, for the full softmax (0 past the row; key 0: below every element)
+  load_row_slots<T, PerLane>(z, E, lane, 0.0f, value, key);
   // Up to 8 keys a lane (rows of up to 256 experts): sorted once, so a round's candidate is the lane's first key and
   // the winning lane (keys are distinct: each holds its index) moves its next one up: PerLane selects a round instead
   // of a pass over every key below the previous selection. Longer rows keep that pass (sorting 16 costs more than

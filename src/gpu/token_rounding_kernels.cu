@@ -194,41 +194,8 @@ struct RowSelection {
   __device__ __forceinline__ RowSelection(const T* r, int E_, int lane_) : row(r), E(E_), lane(lane_) {
     slots = kRegs ? PerLane : (E + 31) / 32;
     if constexpr (kRegs) {
-      // Past the row: value -inf (no part of the softmax; see select) and key 0 (below every element of the row). bf16
-      // elements as their bits: the float is the bits shifted up, the key from them by integer operations (the same
-      // key as from the float). Every load is issued before the first use of any, unconditionally (a slot past the
-      // row reads the row's last element, E >= 1, and sets it aside): a T-typed select per slot made the compiler
-      // wait for each load in turn (16 round trips a token at E = 512, ncu, H200), and a load under the slot's
-      // condition was merged with the key's computation into one branch a slot, each load issued after the previous
-      // slot's key. Without that, H200 stages: the router backward 0.055 -> 0.043 ms on 1.4B (256,128,8), 0.092 ->
-      // 0.073 at E = 512, (16384,1536,256,512,8), whose routing 0.116 -> 0.100 (docs/BENCHMARKS.md, session 86).
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        const auto* bits = reinterpret_cast<const unsigned short*>(row);
-        std::uint32_t b[PerLane];
-#pragma unroll
-        for (int j = 0; j < PerLane; ++j) b[j] = bits[min(j * 32 + lane, E - 1)];
-        if (E >= 32 * PerLane) {  // warp-uniform: no slot past the row (the common widths), no slot conditions
-#pragma unroll
-          for (int j = 0; j < PerLane; ++j) {
-            v[j] = __uint_as_float(b[j] << 16);
-            key[j] = Key::make_bits(b[j], j * 32 + lane);
-          }
-        } else {
-#pragma unroll
-          for (int j = 0; j < PerLane; ++j) {
-            const int i = j * 32 + lane;
-            v[j] = i < E ? __uint_as_float(b[j] << 16) : -INFINITY;
-            key[j] = i < E ? Key::make_bits(b[j], i) : 0u;
-          }
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < PerLane; ++j) {
-          const int i = j * 32 + lane;
-          v[j] = i < E ? to_float(row[i]) : -INFINITY;
-          key[j] = i < E ? Key::make(v[j], i) : 0u;
-        }
-      }
+      // Past the row: value -inf (no part of the softmax; see select) and key 0 (below every element of the row).
+      load_row_slots<T, PerLane>(row, E, lane, -INFINITY, v, key);
     }
   }
   __device__ __forceinline__ float value(int j) const {

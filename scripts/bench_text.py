@@ -1,7 +1,18 @@
-"""machmoe-bench's text output, block by block: what scripts/t7_table.py and scripts/t8_table.py read from it."""
+"""machmoe-bench's text output, block by block: what scripts/t7_table.py, scripts/t8_table.py and scripts/stage_diff.py
+read from it."""
+import lzma
 import re
 
 PASS = re.compile(r"^\s+(forward|backward)\s+([\d.]+)\s")
+
+
+def read_text(path):
+    """A file of the benchmark's output, as text; a `.xz` file (as the measurements folders keep them) decompressed."""
+    if str(path).endswith(".xz"):
+        with lzma.open(path, "rt", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
 
 
 def config_runs(text, option, values, read_line=None):

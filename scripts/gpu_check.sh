@@ -157,7 +157,7 @@ if [ "$what" = t8 ]; then
   # The 40 runs took about 10 minutes on an H200 (session 52): split them over device calls with T8_MAIN= or
   # T8_SWEEPS= (empty), and give t8_table.py every call's t8_raw.txt.
   # T8_IN_TURN=1 runs each row's routings in turn (token rounding, top-K, top-K, token rounding: t8_table.py makes a
-  # row of each pair), T8_ROUNDS repeats the whole list, and T8_DEADLINE_S (seconds since this step began) stops before
+  # row of each pair, and a row of each configuration's pairs on their means), T8_ROUNDS repeats the whole list, and T8_DEADLINE_S (seconds since this step began) stops before
   # a row that would start later, so that a device call's limit ends the step between rows with the table written.
   # T8_BASE (files of an earlier run's raw output) adds the stages that moved since (scripts/stage_diff.py).
   : > "$logs/t8_raw.txt"

@@ -13,22 +13,16 @@ is compared with the other side's. A row is printed where both sides have the st
 of its earlier time and at least --min-ms (stages are printed in µs steps, so a small stage's last digit is noise);
 --all prints every stage the two sides share. Configurations on one side only are listed after the table.
 """
-import lzma
+import pathlib
 import re
 import statistics
 import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench_text beside this file, however it is loaded
+from bench_text import PASS, read_text  # noqa: E402
+
 CONFIG = re.compile(r"^config (\S+)( \(sizes overridden\))? \((.*)\)$")
-PASS = re.compile(r"^\s+(forward|backward)\s+([\d.]+)\s")
 STAGE = re.compile(r"^\s+((?:forward|backward)/\w+)\s+([\d.]+) ms")
-
-
-def read_text(path):
-    if str(path).endswith(".xz"):
-        with lzma.open(path, "rt", encoding="utf-8", errors="replace") as f:
-            return f.read()
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
 
 
 def run_key(name, overridden, options):

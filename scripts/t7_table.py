@@ -4,7 +4,7 @@ preact`) on forward + backward, per configuration (docs/TARGETS.md, T7: at most 
 memory (measured) and peak.
 
 Input: the text machmoe-bench prints (any number of files), each `config ...` block with its `forward`/`backward`
-rows and its activation-memory line.
+rows and its activation-memory line (`.xz` files read as such).
 
     python3 scripts/t7_table.py FILE...          a row per configuration: its first run in each mode
     python3 scripts/t7_table.py --pairs FILE...  runs in the order default, recompute, recompute, default (A B B A) per
@@ -17,7 +17,7 @@ import re
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench_text beside this file, however it is loaded
-from bench_text import config_runs  # noqa: E402
+from bench_text import config_runs, read_text  # noqa: E402
 
 MEMORY = re.compile(r"activation memory: accounted [\d.]+ MiB, measured ([\d.]+) MiB; peak ([\d.]+) MiB")
 
@@ -82,10 +82,7 @@ def main(argv):
     if not paths:
         print(__doc__, file=sys.stderr)
         return 2
-    all_runs = []
-    for p in paths:
-        with open(p, encoding="utf-8", errors="replace") as f:
-            all_runs += runs(f.read())
+    all_runs = [r for p in paths for r in runs(read_text(p))]
     print(pairs_table(all_runs) if pairs else table(all_runs))
     return 0
 

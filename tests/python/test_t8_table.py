@@ -69,3 +69,30 @@ def test_reads_the_ab_scripts_tab_output():
     table = t8.table(t8.runs(text)).splitlines()
     assert table[2:] == ["| (16384,1536,256,512,8) | 0.935 + 1.816 = 2.751 | 0.991 + 1.966 = 2.957 | 1.075 | faster | "
                          "0.126 / 0.059 = 2.14× |"]
+
+
+def test_means_table_of_rows_run_in_turn():
+    """Runs in turn (token rounding, top-K, top-K, token rounding): each pair's figure and the figure on the means;
+    a configuration with one pair gets no row, and without any configuration of two pairs there is no table."""
+    blocks = [bench_block("1.4B-256", "token_rounding", 1.0, 2.1, {"token_rounding": 0.09}),
+              bench_block("1.4B-256", "topk", 1.0, 2.0, {"topk_scores": 0.03, "routing_metadata": 0.03}),
+              bench_block("1.4B-256", "topk", 1.0, 2.0, {"topk_scores": 0.02, "routing_metadata": 0.03}),
+              bench_block("1.4B-256", "token_rounding", 1.0, 1.9, {"token_rounding": 0.1}),
+              bench_block("7B-256", "token_rounding", 1.0, 2.0, {"token_rounding": 0.1}),
+              bench_block("7B-256", "topk", 1.0, 2.0, {"topk_scores": 0.02, "routing_metadata": 0.02})]
+    all_runs = t8.runs("\n".join(blocks))
+    assert t8.means_table(all_runs).splitlines()[2:] == [
+        "| 1.4B-256 | 2 | 3.3 %, faster | faster (3.000 / 3.000) | 1.50–2.00× |"]
+    assert t8.means_table(t8.runs("\n".join(blocks[4:]))) is None
+
+
+def test_means_table_of_session87_in_turn(capsys):
+    """Session 87's call 6 (three rows in turn, six pairs each), read from its .xz file as docs/BENCHMARKS.md quotes
+    it: 1.4B (256,128,8) 2.3 % slower on the means, one pair of six over 3 %."""
+    raw = ROOT / "docs" / "measurements" / "2026-12-02-session87" / "call6_t8_raw.txt.xz"
+    assert t8.main([str(raw)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "| 1.4B-256 | 6 | 2.0 %, 1.7 %, 2.2 %, 3.5 %, 2.7 %, 1.5 % | 2.3 % (3.038 / 2.971) | 1.61–1.65× |" in out
+    assert "| 7B-512 | 6 | 2.3 %, 0.4 %, 0.4 %, 0.1 %, 1.4 %, 1.5 % | 1.0 % (3.102 / 3.071) | 1.50–1.61× |" in out
+    assert ("| (16384,4096,1024,32,4) | 6 | 1.7 %, 1.1 %, 1.2 %, 0.7 %, 1.5 %, faster | 1.0 % (8.999 / 8.908) | "
+            "1.77–1.92× |") in out

@@ -4,14 +4,18 @@ to catch a kernel that got slower as a side effect of a change to another. Sessi
 by hand, that session 85's change to token rounding's keys kernel had slowed its router backward 0.044 -> 0.055 ms on
 1.4B (256,128,8), a kernel that shares its row code; this script makes the comparison for every stage.
 
-  python3 scripts/stage_diff.py [--min-rel 0.10] [--min-ms 0.003] [--all] BEFORE... -- AFTER...
+  python3 scripts/stage_diff.py [--min-rel 0.10] [--min-pass-share 0.02] [--min-ms 0.003] [--all] BEFORE... -- AFTER...
 
 Each side is any number of files of machmoe-bench's text output (`.xz` files are read as such), such as
 `scripts/gpu_check.sh t8`'s t8_raw.txt. Runs are matched by configuration and by every option on the `config` line
 (routing, cache mode, score, rounding, ...): the median of each stage and pass over a side's runs of a configuration
-is compared with the other side's. A row is printed where both sides have the stage and it moved by at least --min-rel
-of its earlier time and at least --min-ms (stages are printed in µs steps, so a small stage's last digit is noise);
---all prints every stage the two sides share. Configurations on one side only are listed after the table.
+is compared with the other side's. A row is printed where both sides have the stage and it moved by at least --min-ms
+(stages are printed in µs steps, so a small stage's last digit is noise) and by at least --min-rel of its earlier time
+or --min-pass-share of its pass's earlier time (forward or backward): a long stage that moved by a few per cent of
+itself can still be a sizeable share of the pass (session 88: dX~ 3.583 -> 3.907 ms on 30B (1024,64,4), 9 % of the
+stage but 2.7 % of the backward, which --min-rel alone did not show; the default share, 2 %, stays above what single
+runs of the up-projection moved by between two sessions on the same code, 1-1.2 % of the forward). --all prints every stage the two sides share.
+Configurations on one side only are listed after the table.
 """
 import pathlib
 import re
@@ -69,7 +73,7 @@ def merge(sides):
     return total
 
 
-def diff(before, after, min_rel=0.10, min_ms=0.003, every=False):
+def diff(before, after, min_rel=0.10, min_ms=0.003, every=False, min_pass_share=0.02):
     """Rows (row, options, stage, before median, runs, after median, runs) where the stage moved enough."""
     rows = []
     for key in after:
@@ -80,7 +84,11 @@ def diff(before, after, min_rel=0.10, min_ms=0.003, every=False):
                 continue
             a, b = statistics.median(before[key][stage]), statistics.median(values)
             moved = abs(b - a)
-            if every or (moved >= min_ms and moved >= min_rel * a):
+            pass_runs = before[key].get("pass/" + stage.split("/", 1)[0], [])
+            share = min_pass_share * statistics.median(pass_runs) if pass_runs and stage.count("/") == 1 and \
+                not stage.startswith("pass/") else None
+            large = moved >= min_rel * a or (share is not None and moved >= share)
+            if every or (moved >= min_ms and large):
                 rows.append((key[0], key[1], stage, a, len(before[key][stage]), b, len(values)))
     return rows
 
@@ -107,17 +115,19 @@ def table(rows, shown=None):
 
 def main(argv):
     args = list(argv)
-    min_rel, min_ms, every = 0.10, 0.003, False
+    min_rel, min_ms, min_share, every = 0.10, 0.003, 0.02, False
     while args and args[0].startswith("--") and args[0] != "--":
         flag = args.pop(0)
         if flag == "--all":
             every = True
-        elif flag in ("--min-rel", "--min-ms") and args:
+        elif flag in ("--min-rel", "--min-ms", "--min-pass-share") and args:
             value = float(args.pop(0))
             if flag == "--min-rel":
                 min_rel = value
-            else:
+            elif flag == "--min-ms":
                 min_ms = value
+            else:
+                min_share = value
         else:
             print(f"stage_diff: unknown option {flag}\n{__doc__}", file=sys.stderr)
             return 2
@@ -128,7 +138,7 @@ def main(argv):
     before = merge(stage_times(read_text(p)) for p in args[:cut])
     after = merge(stage_times(read_text(p)) for p in args[cut + 1:])
     shown = varying(list(before) + list(after))
-    print(table(diff(before, after, min_rel, min_ms, every), shown))
+    print(table(diff(before, after, min_rel, min_ms, every, min_share), shown))
     same = sorted({kv.split("=", 1)[0] for key in after for kv in key[1].split()} - shown)
     print(f"\n(options the same in every run: {', '.join(same) or 'none'})")
     for label, one, other in (("before", before, after), ("after", after, before)):

@@ -72,6 +72,22 @@ def test_session84_against_session86_finds_the_router_backward_of_the_e128_rows(
     assert all("routing=token_rounding" in r[1] for r in rows)
 
 
+def test_session88s_epilogue_term_shows_where_a_long_stage_moved_a_share_of_its_pass():
+    # Session 88's router term in dX~'s epilogue (not landed) against session 87's code: dX~ 3.583 -> 3.907 ms on
+    # 30B (1024,64,4) is 9 % of the stage (under --min-rel) but 2.7 % of its 11.9 ms backward.
+    before = sd.stage_times(sd.read_text(MEASUREMENTS / "2026-12-02-session87" / "call4_t8_raw.txt.xz"))
+    after = sd.stage_times(sd.read_text(MEASUREMENTS / "2026-12-03-session88" / "call3_t8_raw.txt.xz"))
+    dx = {(r[0], r[3], r[5]) for r in sd.diff(before, after)
+          if r[2] == "backward/dx_expanded" and "routing=topk" in r[1]}
+    assert ("30B-1024", 3.583, 3.907) in dx and ("120B-1024", 7.287, 7.852) in dx
+    assert ("1.4B-256", 0.509, 0.641) in dx  # 26 %: shown by --min-rel as well
+    by_rel_only = {(r[0], r[3], r[5]) for r in sd.diff(before, after, min_pass_share=1.0)
+                   if r[2] == "backward/dx_expanded" and "routing=topk" in r[1]}
+    assert ("30B-1024", 3.583, 3.907) not in by_rel_only and ("1.4B-256", 0.509, 0.641) in by_rel_only
+    # a pass itself is measured against --min-rel only (its share of itself would always pass)
+    assert all(r[2] != "pass/backward" or abs(r[5] - r[3]) >= 0.10 * r[3] for r in sd.diff(before, after))
+
+
 def test_the_command_line(capsys, tmp_path):
     one = tmp_path / "one.txt"
     two = tmp_path / "two.txt"
@@ -85,3 +101,5 @@ def test_the_command_line(capsys, tmp_path):
     assert "| 1.4B-256 | - | forward/topk_scores | 0.020 (1) | 0.030 (1) | 1.50 |" in capsys.readouterr().out
     assert sd.main([str(one), str(two)]) == 2  # no '--'
     assert sd.main(["--bogus", str(one), "--", str(two)]) == 2
+    assert sd.main(["--min-pass-share", "0.5", "--min-rel", "0.6", str(one), "--", str(two)]) == 0
+    assert "topk_scores" not in capsys.readouterr().out  # 0.010 of a 1.0 ms forward: 1 %, under 50 %

@@ -26,7 +26,7 @@ T8_MAIN_MS=300 T8_SWEEP_MS=300 T8_DEADLINE_S=$(( 560 - ($(date +%s) - S) )) \
   T8_BASE="docs/measurements/2026-12-03-session88/call3_t8_raw.txt.xz" bash scripts/gpu_check.sh t8 2>&1 | tail -n 30
 python3 scripts/stage_diff.py docs/measurements/2026-12-02-session87/call4_t8_raw.txt.xz -- "$OUT/t8_raw.txt" \
   > "$OUT/${pre}_t8_stage_diff_s87.txt"
-xz -9c "$OUT/t8_raw.txt" > "$OUT/${pre}_t8_raw.txt.xz"; cp "$OUT/t8_table.txt" "$OUT/${pre}_t8_table.md"
+xz -9c "$OUT/t8_raw.txt" > "$OUT/${pre}_t8_raw.txt.xz"; cp "$OUT/t8_table.txt" "$OUT/${pre}_t8_table.txt"
 cp "$OUT/t8_stage_diff.txt" "$OUT/${pre}_t8_stage_diff_s88.txt"
 rm -f "$OUT/t8_raw.txt" "$OUT/t8_table.txt" "$OUT/t8_stage_diff.txt" "$OUT/gpu.txt" "$OUT/hopper_kernels.txt" "$OUT/build.log"
 st done

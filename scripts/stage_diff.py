@@ -116,19 +116,14 @@ def table(rows, shown=None):
 
 def main(argv):
     args = list(argv)
-    min_rel, min_ms, min_share, every = 0.10, 0.003, 0.02, False
+    options = {"--min-rel": "min_rel", "--min-ms": "min_ms", "--min-pass-share": "min_pass_share"}
+    thresholds, every = {}, False  # diff()'s defaults where not given
     while args and args[0].startswith("--") and args[0] != "--":
         flag = args.pop(0)
         if flag == "--all":
             every = True
-        elif flag in ("--min-rel", "--min-ms", "--min-pass-share") and args:
-            value = float(args.pop(0))
-            if flag == "--min-rel":
-                min_rel = value
-            elif flag == "--min-ms":
-                min_ms = value
-            else:
-                min_share = value
+        elif flag in options and args:
+            thresholds[options[flag]] = float(args.pop(0))
         else:
             print(f"stage_diff: unknown option {flag}\n{__doc__}", file=sys.stderr)
             return 2
@@ -139,7 +134,7 @@ def main(argv):
     before = merge(stage_times(read_text(p)) for p in args[:cut])
     after = merge(stage_times(read_text(p)) for p in args[cut + 1:])
     shown = varying(list(before) + list(after))
-    print(table(diff(before, after, min_rel, min_ms, every, min_share), shown))
+    print(table(diff(before, after, every=every, **thresholds), shown))
     same = sorted({kv.split("=", 1)[0] for key in after for kv in key[1].split()} - shown)
     print(f"\n(options the same in every run: {', '.join(same) or 'none'})")
     for label, one, other in (("before", before, after), ("after", after, before)):

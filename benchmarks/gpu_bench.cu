@@ -14,6 +14,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu_bench.hpp"
@@ -92,10 +93,39 @@ struct Repetitions {
   int warmup = 2, iters = 10, warmup_ms = 0, timed_ms = 0;
 };
 
+/// A pair of CUDA events that times one call at a time on a stream, each call waited for.
+class CallTimer {
+ public:
+  explicit CallTimer(cudaStream_t s) : s_(s) {
+    check(cudaEventCreate(&a_), "event"), check(cudaEventCreate(&b_), "event");
+  }
+  ~CallTimer() { cudaEventDestroy(a_), cudaEventDestroy(b_); }
+  CallTimer(const CallTimer&) = delete;
+  CallTimer& operator=(const CallTimer&) = delete;
+  /// The GPU time from the stream reaching f's work to its end (the stream's earlier work is not counted).
+  double ms(const std::function<void()>& f) {
+    check(cudaEventRecord(a_, s_), "record");
+    f();
+    check(cudaEventRecord(b_, s_), "record");
+    check(cudaEventSynchronize(b_), "sync");
+    float t = 0;
+    check(cudaEventElapsedTime(&t, a_, b_), "elapsed");
+    return t;
+  }
+
+ private:
+  cudaStream_t s_;
+  cudaEvent_t a_ = nullptr, b_ = nullptr;
+};
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 /// Median of the timed calls of f (CUDA events around each call, each waited for).
 double median_ms(const Repetitions& rep, cudaStream_t s, const std::function<void()>& f) {
-  cudaEvent_t a, b;
-  check(cudaEventCreate(&a), "event"), check(cudaEventCreate(&b), "event");
+  CallTimer timer(s);
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0;; ++i) {
     const double elapsed =
@@ -110,17 +140,9 @@ double median_ms(const Repetitions& rep, cudaStream_t s, const std::function<voi
     const double elapsed =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - timed_start).count();
     if (i >= rep.iters && (elapsed >= rep.timed_ms || i >= kMaxRepetitions)) break;
-    check(cudaEventRecord(a, s), "record");
-    f();
-    check(cudaEventRecord(b, s), "record");
-    check(cudaEventSynchronize(b), "sync");
-    float t = 0;
-    check(cudaEventElapsedTime(&t, a, b), "elapsed");
-    ms.push_back(t);
+    ms.push_back(timer.ms(f));
   }
-  cudaEventDestroy(a), cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return median_of(std::move(ms));
 }
 
 /// Device-to-device copy bandwidth, bytes read + written per second.
@@ -212,6 +234,44 @@ std::vector<StageTime> median_stage_times(const std::vector<std::vector<StageTim
     out.push_back({first.stage, ms.size() % 2 ? ms[h] : 0.5 * (ms[h - 1] + ms[h])});
   }
   return out;
+}
+
+/// Diagnostics (--profile): the stages of each pass called alone, the stream idle before it as in the timed passes,
+/// against the queued stage runs' medians. A stage longer here held the GPU waiting for the host to enqueue what
+/// follows its mark; "outside the stages" is the call's time before its first mark and between its phases.
+void print_isolated_stages(const std::string& config, const std::vector<StageTime>& queued, cudaStream_t s,
+                           const std::function<void()>& fwd, const std::function<void()>& bwd) {
+  const int reps = 20;
+  CallTimer timer(s);
+  struct Pass {
+    const char* name;
+    const std::function<void()>* call;
+  };
+  for (const Pass& pass : {Pass{"forward", &fwd}, Pass{"backward", &bwd}}) {
+    std::vector<std::vector<StageTime>> runs;
+    std::vector<double> totals;
+    for (int i = 0; i < reps; ++i) {
+      check(cudaStreamSynchronize(s), "sync");
+      totals.push_back(timer.ms([&] {
+        enable_stage_timing(true);
+        (*pass.call)();
+        enable_stage_timing(false);
+      }));
+      runs.push_back(collect_stage_timings());
+    }
+    const double total = median_of(totals);
+    const std::vector<StageTime> alone = median_stage_times(runs);
+    double sum = 0;
+    for (const StageTime& st : alone) sum += st.ms;
+    std::printf("  [%s] %s called alone, median of %d: %.4f ms, its stages %.4f ms, outside the stages %.4f ms\n",
+                config.c_str(), pass.name, reps, total, sum, total - sum);
+    for (const StageTime& st : alone) {
+      double q = 0;
+      for (const StageTime& qs : queued)
+        if (qs.stage == st.stage) q = qs.ms;
+      std::printf("    %-34s alone %.4f ms, queued %.4f ms, %+.4f\n", st.stage.c_str(), st.ms, q, st.ms - q);
+    }
+  }
 }
 
 Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t s) {
@@ -320,28 +380,24 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
     // latency is hidden; the difference to the timed call is host time the GPU waits for, or the clock: the duty
     // cycles differ), with the host's time to enqueue one call (median over those calls, which the GPU is behind);
     // then one forward and one backward as the profiler's capture range (a profiler's kernel list: the forward's
-    // launches, then the backward's). A call timed behind a kernel that held the GPU idle for 5 ms
-    // ran 10-16 % faster than either (H200, session 65): the board's clock after an idle stretch, not the host's
-    // latency, so such a figure is not offered.
+    // launches, then the backward's). A call timed behind a kernel that held the GPU idle for 5 ms ran 10-16 %
+    // faster than either (H200, session 65), and a backward behind a single warp spinning for 0.75 ms 15-17 % faster
+    // on three 1.4B and 7B rows (session 89): the board's clock after a (nearly) idle stretch, not the host's
+    // latency, so such a figure is not offered. Where the host's latency does sit is shown after the stage runs
+    // (print_isolated_stages).
     const int reps = 20;
     const auto back_to_back_ms = [&](const char* pass, double timed_ms, const std::function<void()>& f) {
-      cudaEvent_t a, b;
-      check(cudaEventCreate(&a), "event"), check(cudaEventCreate(&b), "event");
       std::vector<double> host_us;
-      check(cudaEventRecord(a, s), "record");
-      for (int i = 0; i < reps; ++i) {
-        const auto h0 = std::chrono::steady_clock::now();
-        f();
-        host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
-      }
-      check(cudaEventRecord(b, s), "record");
-      check(cudaEventSynchronize(b), "sync");
-      float t = 0;
-      check(cudaEventElapsedTime(&t, a, b), "elapsed");
-      cudaEventDestroy(a), cudaEventDestroy(b);
-      std::sort(host_us.begin(), host_us.end());
+      const double t = CallTimer(s).ms([&] {
+        for (int i = 0; i < reps; ++i) {
+          const auto h0 = std::chrono::steady_clock::now();
+          f();
+          host_us.push_back(
+              std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
+        }
+      });
       std::printf("  [%s] %s %d back-to-back: %.4f ms each (one timed call: %.4f ms; host enqueue %.1f us)\n",
-                  o.config_name.c_str(), pass, reps, t / reps, timed_ms, host_us[host_us.size() / 2]);
+                  o.config_name.c_str(), pass, reps, t / reps, timed_ms, median_of(host_us));
     };
     back_to_back_ms("forward", r.fwd_ms, [&] { forward(p, xv, w, nullptr, fo, fb, s); });
     back_to_back_ms("backward", r.bwd_ms, [&] { backward(p, xv, w, nullptr, bi, bo, bb, s); });
@@ -380,6 +436,8 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   r.stages = median_stage_times(stage_runs);
   for (const StageTime& st : r.stages)
     (st.stage.rfind("forward/", 0) == 0 ? r.stage_sum_fwd : r.stage_sum_bwd) += st.ms;
+  if (o.profile) print_isolated_stages(o.config_name, r.stages, s, [&] { forward(p, xv, w, nullptr, fo, fb, s); },
+                                       [&] { backward(p, xv, w, nullptr, bi, bo, bb, s); });
 
   std::vector<std::int32_t> hc(n(p.E));
   check(cudaMemcpy(hc.data(), counts.p, 4 * n(p.E), cudaMemcpyDeviceToHost), "counts");

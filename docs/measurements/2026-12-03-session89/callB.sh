@@ -25,7 +25,7 @@ python3 scripts/ncu_ab.py run --kernel MainloopVarlenM --launches 7 --configs 1.
   --side main@/tmp/bench_main --side pre@build/bin/machmoe-bench --rounds 1 --out "$OUT/${pre}_ncu_varlen_m.csv" \
   -- --routing topk
 echo "ncu exit $?"
-python3 scripts/ncu_ab.py table "$OUT/${pre}_ncu_varlen_m.csv" | tee "$OUT/${pre}_ncu_varlen_m_table.md"
+python3 scripts/ncu_ab.py table "$OUT/${pre}_ncu_varlen_m.csv" | tee "$OUT/callB_ncu_varlen_m_table.md"
 grep -o '"[^"]*MainloopVarlenM[^"]*"' "$OUT/${pre}_ncu_varlen_m.csv" | sort | uniq -c | cut -c1-400 > "$OUT/${pre}_ncu_kernel_names.txt"
 xz -9 "$OUT/${pre}_ncu_varlen_m.csv"
 st done

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../../.."
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 S=$(date +%s); st() { echo "[$(( $(date +%s) - S ))s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
-git log --oneline -1 | cut -c1-60
+git log --oneline -1 | cut -c1-60  # (the device copy's git history, not the checkout's: it printed 2d3ab44)
 st build; bash scripts/ab.sh build 2>&1 | grep -E "exit"
 st run
 ./build/bin/machmoe-bench --config 1.4B-256 --routing topk --warmup-ms 300 --time-ms 300 --profile > "$OUT/callC_profile_1.4B-256.txt" 2>&1

@@ -102,7 +102,8 @@ class CallTimer {
   ~CallTimer() { cudaEventDestroy(a_), cudaEventDestroy(b_); }
   CallTimer(const CallTimer&) = delete;
   CallTimer& operator=(const CallTimer&) = delete;
-  /// The GPU time from the stream reaching f's work to its end (the stream's earlier work is not counted).
+  /// The GPU time from the end of the stream's earlier work (or from now, on an idle stream) to the end of f's work:
+  /// it includes any time the GPU waits for the host to enqueue f's launches.
   double ms(const std::function<void()>& f) {
     check(cudaEventRecord(a_, s_), "record");
     f();
@@ -118,6 +119,7 @@ class CallTimer {
   cudaEvent_t a_ = nullptr, b_ = nullptr;
 };
 
+/// The upper median of v (not empty).
 double median_of(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -236,41 +238,35 @@ std::vector<StageTime> median_stage_times(const std::vector<std::vector<StageTim
   return out;
 }
 
-/// Diagnostics (--profile): the stages of each pass called alone, the stream idle before it as in the timed passes,
-/// against the queued stage runs' medians. A stage longer here held the GPU waiting for the host to enqueue what
-/// follows its mark; "outside the stages" is the call's time before its first mark and between its phases.
-void print_isolated_stages(const std::string& config, const std::vector<StageTime>& queued, cudaStream_t s,
-                           const std::function<void()>& fwd, const std::function<void()>& bwd) {
+/// Diagnostics (--profile): the stages of a pass called alone, the stream idle before each call as in the timed passes,
+/// against the queued stage runs' medians. A stage longer alone held the GPU waiting for the host to enqueue what
+/// follows its mark (a stage shorter alone ran at another clock: the duty cycles differ). "Outside the stages" is the
+/// median call less its stages' medians: the wait before the first mark, between the phases and after the last mark.
+void print_isolated_stages(const std::string& config, const char* pass, const std::vector<StageTime>& queued,
+                           cudaStream_t s, const std::function<void()>& call) {
   const int reps = 20;
   CallTimer timer(s);
-  struct Pass {
-    const char* name;
-    const std::function<void()>* call;
-  };
-  for (const Pass& pass : {Pass{"forward", &fwd}, Pass{"backward", &bwd}}) {
-    std::vector<std::vector<StageTime>> runs;
-    std::vector<double> totals;
-    for (int i = 0; i < reps; ++i) {
-      check(cudaStreamSynchronize(s), "sync");
-      totals.push_back(timer.ms([&] {
-        enable_stage_timing(true);
-        (*pass.call)();
-        enable_stage_timing(false);
-      }));
-      runs.push_back(collect_stage_timings());
-    }
-    const double total = median_of(totals);
-    const std::vector<StageTime> alone = median_stage_times(runs);
-    double sum = 0;
-    for (const StageTime& st : alone) sum += st.ms;
-    std::printf("  [%s] %s called alone, median of %d: %.4f ms, its stages %.4f ms, outside the stages %.4f ms\n",
-                config.c_str(), pass.name, reps, total, sum, total - sum);
-    for (const StageTime& st : alone) {
-      double q = 0;
-      for (const StageTime& qs : queued)
-        if (qs.stage == st.stage) q = qs.ms;
-      std::printf("    %-34s alone %.4f ms, queued %.4f ms, %+.4f\n", st.stage.c_str(), st.ms, q, st.ms - q);
-    }
+  std::vector<std::vector<StageTime>> runs;
+  std::vector<double> totals;
+  for (int i = 0; i < reps; ++i) {
+    totals.push_back(timer.ms([&] {
+      enable_stage_timing(true);
+      call();
+      enable_stage_timing(false);
+    }));
+    runs.push_back(collect_stage_timings());
+  }
+  const double total = median_of(totals);
+  const std::vector<StageTime> alone = median_stage_times(runs);
+  double sum = 0;
+  for (const StageTime& st : alone) sum += st.ms;
+  std::printf("  [%s] %s called alone, median of %d: %.4f ms, its stages %.4f ms, outside the stages %.4f ms\n",
+              config.c_str(), pass, reps, total, sum, total - sum);
+  for (const StageTime& st : alone) {
+    double q = 0;
+    for (const StageTime& qs : queued)
+      if (qs.stage == st.stage) q = qs.ms;
+    std::printf("    %-34s alone %.4f ms, queued %.4f ms, %+.4f\n", st.stage.c_str(), st.ms, q, st.ms - q);
   }
 }
 
@@ -436,8 +432,10 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   r.stages = median_stage_times(stage_runs);
   for (const StageTime& st : r.stages)
     (st.stage.rfind("forward/", 0) == 0 ? r.stage_sum_fwd : r.stage_sum_bwd) += st.ms;
-  if (o.profile) print_isolated_stages(o.config_name, r.stages, s, [&] { forward(p, xv, w, nullptr, fo, fb, s); },
-                                       [&] { backward(p, xv, w, nullptr, bi, bo, bb, s); });
+  if (o.profile) {
+    print_isolated_stages(o.config_name, "forward", r.stages, s, [&] { forward(p, xv, w, nullptr, fo, fb, s); });
+    print_isolated_stages(o.config_name, "backward", r.stages, s, [&] { backward(p, xv, w, nullptr, bi, bo, bb, s); });
+  }
 
   std::vector<std::int32_t> hc(n(p.E));
   check(cudaMemcpy(hc.data(), counts.p, 4 * n(p.E), cudaMemcpyDeviceToHost), "counts");

@@ -7,11 +7,14 @@
 #
 # Versions known to work with torch 2.11: sonic-moe 0.1.2.post1, nvidia-cutlass-dsl 4.4.2, quack-kernels 0.3.11.
 # nvidia-cutlass-dsl-libs-base's wheel (74 MB) is larger than one transfer to the GPU machine may carry (64 MiB with
-# the working tree and everything else), so it is unpacked, recompressed as .tar.xz (54 MB) and split into two parts
-# of at most 30 MB (.tar.xz.part-aa, -ab), each carried in a call of its own (ignored outputs stay on the warm machine
-# between calls); `install` joins them. In session 69 the whole .tar.xz and the 12 MB working tree were refused
-# together. Installed with --target, the package's .pth file is not read, so
-# `env` adds nvidia_cutlass_dsl/python_packages to PYTHONPATH itself.
+# the working tree and everything else), so it is unpacked, recompressed as .tar.xz (54 MB) and split in two parts
+# (.tar.xz.part-aa, -ab), each carried in a call of its own (ignored outputs stay on the warm machine between calls);
+# `install` joins them. In session 69 the whole .tar.xz and the 12 MB working tree were refused together. The first
+# part is 18 MB so that it fits beside the build's needs in the first call (session 90): CUTLASS's two include folders
+# (third_party/cutlass/cutlass_library/source/include and .../source/tools/util/include, 27 MB), the small wheels
+# (4.5 MB) and the 15 MB working tree; the second part (36 MB) goes alone with the next call. Installed with
+# --target, the package's .pth file is not read, so `env` adds nvidia_cutlass_dsl/python_packages to PYTHONPATH
+# itself.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 wheels="$root/.peer_wheels"
@@ -31,11 +34,13 @@ case "${1:-}" in
     python3 -m zipfile -e "$big" "$tmp"
     tar -C "$tmp" -cf - . | xz -T0 -6 > "$wheels/nvidia_cutlass_dsl_libs_base.tar.xz"
     rm -rf "$tmp" "$big"
-    (cd "$wheels" && split -b 30000000 nvidia_cutlass_dsl_libs_base.tar.xz nvidia_cutlass_dsl_libs_base.tar.xz.part- &&
+    (cd "$wheels" && rm -f nvidia_cutlass_dsl_libs_base.tar.xz.part-* &&
+      head -c 18000000 nvidia_cutlass_dsl_libs_base.tar.xz > nvidia_cutlass_dsl_libs_base.tar.xz.part-aa &&
+      tail -c +18000001 nvidia_cutlass_dsl_libs_base.tar.xz > nvidia_cutlass_dsl_libs_base.tar.xz.part-ab &&
       rm nvidia_cutlass_dsl_libs_base.tar.xz)
     ls -l "$wheels"
-    echo "peer_wheels: carry each .peer_wheels/nvidia_cutlass_dsl_libs_base.tar.xz.part-* in a call of its own (the" \
-         "small wheels can go with one of them, or with third_party)"
+    echo "peer_wheels: carry part-aa with the small wheels and CUTLASS's two include folders in one call, part-ab" \
+         "alone in the next (ignored paths, one carry entry each)"
     ;;
   install)
     mkdir -p "$site"

@@ -403,7 +403,8 @@ def _run_grouped(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, b1: Optional
     sync to find where they start) and, with zero_padding, their output is set to zero."""
     P = x.shape[0]
     if P == 0:
-        # grouped_experts may not accept P = 0 yet; nothing to compute, but keep the parameters in the graph.
+        # Nothing to compute (grouped_experts would return (0, d) and zero gradients), but the parameters stay in the
+        # graph so that they get zero gradients rather than None.
         _check_expert_call(x, w1, w2, b1, b2, 1, activation=activation, weight_layout=weight_layout,
                            activation_memory=activation_memory, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         return _empty_rows_linked(x, (w1, w2, b1, b2))

@@ -665,7 +665,10 @@ Tensor time_layer(Tensor& x, const Tensor& router_weight, const Tensor& w1, cons
   if (a.caller) fail(op, "routing", "topk or token_rounding (the router picks the pairs)", "caller");
   check_defined(op, "grad_out", grad_out);
   if (grad_out.sizes() != x.sizes() || grad_out.scalar_type() != x.scalar_type() || grad_out.device() != x.device())
-    fail(op, "grad_out", "a tensor of x's shape, dtype and device", "shape " + shape_of(grad_out));
+    fail(op, "grad_out",
+         "a tensor of x's shape, dtype and device (" + shape_of(x) + ", " + c10::toString(x.scalar_type()) + ", " +
+             x.device().str() + ")",
+         shape_of(grad_out) + ", " + c10::toString(grad_out.scalar_type()) + ", " + grad_out.device().str());
   // Both are refilled in place each repetition: plain contiguous storage the library reads as given.
   if (!x.is_contiguous()) fail(op, "x", "a contiguous tensor", "a non-contiguous one");
   if (!grad_out.is_contiguous()) fail(op, "grad_out", "a contiguous tensor", "a non-contiguous one");

@@ -1,7 +1,9 @@
 """Argument checks shared by the functional API and machmoe.MoE.
 
-Every message has the form "machmoe: argument 'NAME': expected WHAT, got VALUE": wrong kinds of object raise
-TypeError, right kinds with wrong values (shape, dtype, range...) raise ValueError.
+Every message has the form "machmoe: argument 'NAME': expected WHAT, got VALUE". The checks here raise TypeError for
+a wrong kind of object and ValueError for a right kind with a wrong value (shape, dtype, range...); the option
+checks (a string option given a non-string, _options.py) and the expert-parallel helpers (parallel.py) raise
+ValueError for both.
 """
 import math
 import numbers

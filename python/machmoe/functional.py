@@ -131,7 +131,8 @@ def _check_into(into, weights: Dict[str, Optional[Tensor]],
         if buf.device != w.device:
             _fail(arg, f"a tensor on {w.device} (the device of {name})", f"a tensor on {buf.device}")
         if buf.dtype not in (w.dtype, torch.float32):
-            _fail(arg, f"dtype {w.dtype} (the dtype of {name}) or torch.float32", buf.dtype)
+            wanted = "dtype torch.float32" if w.dtype == torch.float32 else f"dtype {w.dtype} (the dtype of {name}) or torch.float32"
+            _fail(arg, wanted, buf.dtype)
         if tuple(buf.shape) != tuple(w.shape):
             _fail(arg, f"shape {tuple(w.shape)} (the shape of {name})", f"shape {tuple(buf.shape)}")
         if not buf.is_contiguous():
@@ -327,6 +328,8 @@ def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, exp
     """The layer from caller-supplied (token, expert, score) triples. Returns (out (T, d), expert_counts (E,) int32).
     Differentiable w.r.t. x, w1, w2, b1, b2 and scores (in the caller's order). No pairs (or no tokens) give a zero
     output. accumulate_grads_into, swiglu_alpha, swiglu_limit: as for moe() (keys 'w1', 'b1', 'w2', 'b2').
+    token_index and expert_index: contiguous int32 or int64 (P,) tensors on x's device; scores: a contiguous (P,)
+    float32 tensor on x's device (float64 when x is float64); anything else raises ValueError.
 
     The routing contract (docs/ROUTING.md, "Caller-supplied triples"): token_index ascending (the pairs sorted by
     token; a token's pairs in any expert order, duplicates counting twice), token in [0, T), expert in [0, E), at
@@ -506,7 +509,8 @@ def fallback_policy() -> str:
 def check_device_errors(device=None) -> None:
     """Waits for the current stream of a CUDA device (default: the current device) and raises ValueError for an index
     violation that a checked kernel recorded there (set_index_checking); returns None when there is none. A no-op
-    for the CPU (CPU calls validate their indices up front) and without CUDA."""
+    for a CPU device (CPU calls validate their indices up front), and for device=None when CUDA is unavailable; a
+    CUDA device named on a machine without CUDA is an error."""
     if device is None:
         if not torch.cuda.is_available():
             return

@@ -118,7 +118,8 @@ class MoE(_LossCoefficients, nn.Module):
                 raise TypeError(f"machmoe: argument '{name}': expected a bool, got {type_name(flag)}")
         if not isinstance(main_grad_dtype, torch.dtype) or not main_grad_dtype.is_floating_point:
             raise TypeError(f"machmoe: argument 'main_grad_dtype': expected a floating-point torch.dtype "
-                            f"(torch.float32, or the parameters' dtype), got {main_grad_dtype!r}")
+                            f"(torch.float32, or the parameters' dtype: checked at the first forward against the "
+                            f"parameters' dtype then), got {main_grad_dtype!r}")
         self.accumulate_into_main_grad, self.main_grad_dtype = accumulate_into_main_grad, main_grad_dtype
         rows = 2 * intermediate_size if activation in GLU_ACTIVATIONS else intermediate_size
         kw = dict(device=device, dtype=dtype)
@@ -286,7 +287,8 @@ class MoE(_LossCoefficients, nn.Module):
         Experts: either gate_proj and up_proj, E tensors (n, d) each (a list, or one stacked (E, n, d) tensor), or
         gate_up_proj, one fused (E, 2n, d) tensor whose rows are [gate; up] (gate_up_layout="concatenated": rows
         [0, n) gate, [n, 2n) up, as HF's fused Mixtral/Qwen-MoE experts) or alternate gate, up
-        (gate_up_layout="interleaved"). down_proj: E tensors (d, n) (or (E, d, n)). router: (E, d).
+        (gate_up_layout="interleaved"). down_proj: E tensors (d, n) (or (E, d, n)). router: (E, d). down_proj and
+        router are optional: None keeps the module's w2 or router weight.
         transposed=True: the expert tensors are stored (in, out) for x @ W (gate/up (d, n), fused (E, d, 2n) with the
         gate/up order along the last dimension, down (n, d)), as gpt-oss ("interleaved") and Llama 4
         ("concatenated") store them. The layout is never guessed from the shapes (they agree when d == 2n).

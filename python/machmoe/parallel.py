@@ -489,8 +489,8 @@ class ExpertPairs:
 class GroupedExperts(nn.Module):
     """E experts in machmoe's layout (w1 (E, 2n | n, d), w2 (E, d, n), b1, b2 — as machmoe.MoE), called like
     torchtitan's GroupedExperts: forward(x, num_tokens_per_expert) with rows of x grouped by expert. Rows beyond
-    sum(num_tokens_per_expert) are padding and return zeros; the sum must not exceed the rows (not checked: that
-    would need a host synchronisation). No host synchronisation."""
+    sum(num_tokens_per_expert) are padding and return zeros; the sum must not exceed the rows (checked on the CPU,
+    ValueError; not on the GPU, where it would need a host synchronisation). No host synchronisation."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, activation: str = "swiglu",
                  bias: bool = False, weight_layout: str = "interleaved", activation_memory: str = "preact",

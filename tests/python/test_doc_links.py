@@ -30,7 +30,8 @@ def test_broken_files_and_anchors_are_reported(tmp_path):
     # Markdown names built here, so that no literal file name in this test reads as a link to a missing file.
     main, other, gone, code = (f"{stem}.{'md'}" for stem in ("main", "other", "gone", "code"))
     (tmp_path / main).write_text("# Top\n## dX\u0303's term\n[ok](#top) [ok2](#dx\u0303s-term) [bad](#dxs-term)\n"
-                                 f"[file]({other}#part) [gone]({gone}) [web](https://example.com/#x) `[code]({code})`\n",
+                                 f"[file]({other}#part) [gone]({gone}) [web](https://example.com/#x) "
+                                 f"`[code]({code})`\n",
                                  encoding="utf-8")
     (tmp_path / other).write_text("# Other\n", encoding="utf-8")
     problems = cdl.broken_links([tmp_path / main])

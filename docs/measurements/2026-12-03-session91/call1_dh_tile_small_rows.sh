@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Prepared in session 90 (no GPU time left there), for a later session's first device call: the dH kernel's wide
-# 128 x 256 cooperative tile against its default 128 x 128 ping-pong tile on the six 1.4B and 7B rows, on an H200.
+# Session 91, call 1 (prepared in session 90; run on a fresh H200 unchanged but for this header and its output names):
+# the dH kernel's wide 128 x 256 cooperative tile against its default 128 x 128 ping-pong tile on the six 1.4B and 7B
+# rows, on an H200.
 #
 # Why: heuristics.hpp gives the dH kernel the wide tile only from d = 4096 (kDhWideMinK), from H100 measurements of
 # sessions 40-41 (7B (256,128,8): 0.48 ms wide against 0.44 ping-pong). Since then sessions 64 and 65 made the dH
@@ -23,7 +24,7 @@ export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 S=$(date +%s); st() { echo "[$(( $(date +%s) - S ))s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
 [ -x build/bin/machmoe-bench ] || { st build; bash scripts/ab.sh build 2>&1 | grep -E "exit"; }
-log="$OUT/dh_tile_small_rows.txt"; : > "$log"
+log="$OUT/call1_dh_tile_small_rows.txt"; : > "$log"
 for round in 1 2; do
   for cfg in 1.4B-256 1.4B-512 1.4B-1024 7B-256 7B-512 7B-1024; do
     for side in pingpong wide; do
@@ -37,5 +38,5 @@ for round in 1 2; do
 done
 # One line per run: the backward's time and efficiency, and the dH kernel's stage.
 awk '/^=== /{key=$3" "$4" "$5} /^  backward /{b=$2" ("$5")"}
-     /backward\/dh_kernel/{printf "%-22s backward %s  dh_kernel %s\n", key, b, $2}' "$log" | tee "$OUT/dh_tile_summary.txt"
+     /backward\/dh_kernel/{printf "%-22s backward %s  dh_kernel %s\n", key, b, $2}' "$log" | tee "$OUT/call1_dh_tile_summary.txt"
 st done

@@ -80,9 +80,9 @@ constexpr std::int64_t padded_columns(std::int64_t N, std::int64_t tile) { retur
 /// (16384,4096,1024,256,4), where an expert's 256 rows make two M-tiles and the wide tile half as many tiles as the
 /// square one for 132 SMs; slower at d <= 2880 (7B (256,128,8): 0.48 against 0.44; gpt-oss's d = n = 2880: 2.51-2.56
 /// against 2.40), and on an H200 after sessions 64 and 65 sped up the epilogue (session 91, the six 1.4B and 7B rows,
-/// two rounds: the dH stage 7-12 % slower on each, 0.46-0.47 against 0.41-0.42 ms at d = 768, 0.40-0.42 against
-/// 0.37-0.39 at 1536). At n = 256 and 512 with d = 4096 (30B (256,256,16), (512,128,8), 120B (512,256,16)) it measured
-/// equal on the H100 (session 41) but faster on the H200 (session 63, the dH kernel alone forced, three rounds): dH
+/// two rounds: the dH stage 7-12 % slower on each row's means, 0.46-0.47 against 0.41-0.42 ms at d = 768, 0.40-0.42
+/// against 0.37-0.39 at 1536). At n = 256 and 512 with d = 4096 (30B (256,256,16), (512,128,8), 120B (512,256,16))
+/// it measured equal on the H100 (session 41) but faster on the H200 (session 63, the dH kernel alone forced, three rounds): dH
 /// 2.18-2.24 against 2.28-2.29 ms on the 30B rows, 4.43 against 4.52-4.54 on 120B, the layer's backward 0.5-1.2 %
 /// faster in each of the nine pairs (ncu, one launch at the unlocked clock: 1.88 against 1.97, 1.79 against 1.91, 3.58
 /// against 3.85 ms), so kDhWideMinN is 256 since.

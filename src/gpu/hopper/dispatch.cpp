@@ -322,13 +322,14 @@ void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t
 
   // Output tensor maps for the epilogue's TMA stores: (columns, rows), box 64 x 64, 128-byte swizzle. The extent is
   // the valid columns, so a TMA store of an edge tile clips there (and the predicated stores test o.cols).
-  auto output = [&](void* ptr, std::int64_t cols, std::int64_t ld) {
+  // box_rows: 16 for the dH epilogue, whose warps each load and store their own 16 rows.
+  auto output = [&](void* ptr, std::int64_t cols, std::int64_t ld, cuuint32_t box_rows = 64) {
     hopper::EpilogueOutput o;
     o.ptr = ptr, o.ld = ld, o.cols = cols;
     if (ptr != nullptr) {
       const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(a.P_max)};
       const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
-      const cuuint32_t box[2] = {64, 64};
+      const cuuint32_t box[2] = {64, box_rows};
       o.tma = make_tensor_map(ptr, 2, dims, strides, box);
     }
     return o;
@@ -354,9 +355,10 @@ void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t
     hopper::DhKernelParams p;
     p.mainloop = main, p.scheduler = sched;
     const std::int64_t dh_cols = is_glu(a.activation) ? 2 * a.N : a.N;
-    p.epilogue.dh = output(a.out, dh_cols, a.ld_out);
-    p.epilogue.a_prime = output(a.act_out, a.N, a.ld_act);
-    p.epilogue.tma_h = output(const_cast<void*>(a.h_in), dh_cols, a.ld_h).tma;  // the staging buffer's layout
+    constexpr cuuint32_t kWarpRows = 16;  // EpilogueActivationGrad::kWarpRows
+    p.epilogue.dh = output(a.out, dh_cols, a.ld_out, kWarpRows);
+    p.epilogue.a_prime = output(a.act_out, a.N, a.ld_act, kWarpRows);
+    p.epilogue.tma_h = output(const_cast<void*>(a.h_in), dh_cols, a.ld_h, kWarpRows).tma;  // the staging buffer's layout
     p.epilogue.scores = a.scores, p.epilogue.scatter = a.scatter;
     p.epilogue.ds_partial = a.ds_partial;
     // The reference's layout: one per 64 columns of A, ceil(n / 64) per pair (launch_ds_reduce reads that many).

@@ -153,7 +153,9 @@ struct PersistentKernel {
         bulk_wait_group_read0();
         mbar_arrive(&s.barriers.empty[held]);
       }
-    if (wg_thread == 0) bulk_wait_group0();  // this warpgroup's last TMA stores have landed
+    // This warpgroup's last TMA stores have landed (issued by thread 0, or by each warp's lane 0 in the dH epilogue;
+    // a thread without bulk groups passes at once).
+    if (wg_thread % 32 == 0) bulk_wait_group0();
   }
 
   __device__ __forceinline__ static void run(const Params& p, unsigned char* smem_raw) {

@@ -85,7 +85,8 @@ struct EpilogueActivationGradParams {
   EpilogueOutput dh;       // (rows, w1_rows), gate/up-interleaved like H
   EpilogueOutput a_prime;  // (rows, n)
   // H (bf16, interleaved, grouped row order) by TMA into the staging buffers: 2D (dH columns, rows) map, box
-  // (64, 64), 128-byte swizzle, the layout of the staging buffer, so dH is computed in place and leaves by TMA store.
+  // (64, 16) (a warp's rows), 128-byte swizzle, the layout of the staging buffer, so dH is computed in place and
+  // leaves by TMA store. dh and a_prime's maps have the same 16-row box: each warp stores its own rows.
   CUtensorMap tma_h;
   const float* scores = nullptr;          // pair order
   const std::int32_t* scatter = nullptr;  // grouped row -> pair

@@ -320,9 +320,9 @@ void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t
   main.b_concatenated = b.permute == 1;
   main.glu_n = static_cast<int>(b.glu_n);
 
-  // Output tensor maps for the epilogue's TMA stores: (columns, rows), box 64 x 64, 128-byte swizzle. The extent is
-  // the valid columns, so a TMA store of an edge tile clips there (and the predicated stores test o.cols).
-  // box_rows: 16 for the dH epilogue, whose warps each load and store their own 16 rows.
+  // Output tensor maps for the epilogue's TMA stores: (columns, rows), box 64 x 64 (64 x box_rows: the dH epilogue's
+  // warps each load and store their own kEpilogueWarpRows rows), 128-byte swizzle. The extent is the valid columns,
+  // so a TMA store of an edge tile clips there (and the predicated stores test o.cols).
   auto output = [&](void* ptr, std::int64_t cols, std::int64_t ld, cuuint32_t box_rows = 64) {
     hopper::EpilogueOutput o;
     o.ptr = ptr, o.ld = ld, o.cols = cols;
@@ -355,7 +355,7 @@ void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t
     hopper::DhKernelParams p;
     p.mainloop = main, p.scheduler = sched;
     const std::int64_t dh_cols = is_glu(a.activation) ? 2 * a.N : a.N;
-    constexpr cuuint32_t kWarpRows = 16;  // EpilogueActivationGrad::kWarpRows
+    constexpr cuuint32_t kWarpRows = hopper::kEpilogueWarpRows;  // EpilogueActivationGrad's rows a warp
     p.epilogue.dh = output(a.out, dh_cols, a.ld_out, kWarpRows);
     p.epilogue.a_prime = output(a.act_out, a.N, a.ld_act, kWarpRows);
     p.epilogue.tma_h = output(const_cast<void*>(a.h_in), dh_cols, a.ld_h, kWarpRows).tma;  // the staging buffer's layout

@@ -40,9 +40,9 @@
 // Edge tiles (n not a multiple of kTileN): the accumulator's columns j >= n are exact zeros (W2's rows past n arrive
 // zero-filled by TMA, so dA' = sum_k dO[k] * 0), H is not loaded past the row's valid columns
 // (the padded columns read H = 0, so A = act(0) * 0 or act(0), finite), and dH and A' are clipped by the stores
-// (epilogue_staging.cuh). A padded column thus adds dA' * A = 0 * finite = +0 exactly to its dS block; a 64-column
-// block wholly past n (j0 / 64 + b >= ds_tiles = ceil(n / 64)) is not written at all, since the partials of a pair
-// are ds_tiles wide and the next pair's follow (launch_ds_reduce reads exactly ds_tiles per pair).
+// (warp_release below, as Staging::release). A padded column thus adds dA' * A = 0 * finite = +0 exactly to its dS
+// block; a 64-column block wholly past n (j0 / 64 + b >= ds_tiles = ceil(n / 64)) is not written at all, since the
+// partials of a pair are ds_tiles wide and the next pair's follow (launch_ds_reduce reads exactly ds_tiles per pair).
 #pragma once
 
 #include "gpu/hopper/epilogue_staging.cuh"
@@ -79,8 +79,9 @@ struct EpilogueActivationGrad {
   // Each warp owns rows [16 warp, 16 warp + 16) of a row atom, in both buffers: its H arrives by its own TMA loads (a
   // box of 16 rows, dispatch.cpp), its dH and A' leave by its own TMA stores, and no pass needs another warp, so the
   // epilogue has no named barrier: a warp waits only for its own loads and for its own stores to have read a buffer.
-  static constexpr int kWarps = 4;
-  static constexpr int kWarpRows = Staging::kRows / kWarps;
+  static constexpr int kWarpRows = kEpilogueWarpRows;  // the box height of dispatch.cpp's maps for this epilogue
+  static constexpr int kWarps = Staging::kRows / kWarpRows;
+  static_assert(kWarps == 4, "the warpgroup's four warps cover a 64-row atom, 16 rows each");
   static constexpr int kWarpElems = kWarpRows * 64;  // a warp's rows of one 64 x 64 swizzled block (1024-B aligned)
   static constexpr std::uint32_t kHWarpBytes = kWarpRows * Staging::kStageCols * 2;
   __host__ __device__ static constexpr bool slot_is_h(int s) { return s % kSlotsPerAtom < kPasses; }
@@ -154,8 +155,8 @@ struct EpilogueActivationGrad {
     __syncwarp();
   }
 
-  /// Sends the warp's `rows` (<= 16) staged rows of `cols` columns to (row g0, column c0) of `out`: TMA when all 16
-  /// rows are valid, predicated 16-byte stores otherwise. Columns at or past out.cols are not written (as
+  /// Sends the warp's `rows` (<= 16) staged rows of a pass (kStageCols columns) to (row g0, column c0) of `out`: TMA
+  /// when all 16 rows are valid, predicated 16-byte stores otherwise. Columns at or past out.cols are not written (as
   /// Staging::release).
   __device__ __forceinline__ static void warp_release(const typename Staging::Storage& buf, const EpilogueOutput& out,
                                                       int rows, std::int64_t g0, std::int64_t c0, int warp,

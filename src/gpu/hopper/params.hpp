@@ -44,7 +44,8 @@ struct MainloopVarlenMParams {
 
 /// Output written by an epilogue through the swizzled staging buffer: TMA store of whole 64-row blocks
 /// (2D (columns, rows) map, box (64, 64), 128-byte swizzle), predicated 16-byte stores for the block cut by the
-/// end of an expert's segment.
+/// end of an expert's segment. The dH epilogue's outputs (dh, a_prime) go warp by warp instead: box (64, 16), a
+/// warp's 16 rows by TMA, a warp's rows cut by the segment's end by predicated stores.
 struct EpilogueOutput {
   void* ptr = nullptr;  // bf16, row stride ld; null: not stored
   std::int64_t ld = 0;

@@ -48,6 +48,10 @@ struct Tile128x128PingPongCluster2 : Tile128x128PingPong {
   static constexpr int kClusterM = 2;
 };
 
+/// Rows of an epilogue staging buffer that one warp stages and stores (its accumulator fragment's rows; the box height
+/// of the dH epilogue's H, dH and A' tensor maps).
+inline constexpr int kEpilogueWarpRows = 16;
+
 /// What follows from a tile configuration.
 template <class Tile>
 struct TileTraits {

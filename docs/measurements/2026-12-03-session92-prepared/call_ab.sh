@@ -21,8 +21,14 @@ nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
 st build main; bash scripts/ab.sh build 2>&1 | grep -E "exit"; KEEP=main bash scripts/ab.sh keep | tail -n 1
 st apply; AB_PATCH=$P/warp_private_epilogues.diff bash scripts/ab.sh apply 2>&1 | grep -E "exit|apply"
 KEEP=new bash scripts/ab.sh keep | tail -n 1
-for k in "EpilogueActivation<:1.4B-1024,7B-256,120B-2048" "EpilogueStore<:1.4B-256,7B-256" "EpilogueActivationGrad:1.4B-256"; do
-  [ $(( $(date +%s) - S )) -lt 500 ] || { echo "skipped ${k%%:*} (time)"; continue; }
+# Every kernel family whose epilogue stages (the new dH test EveryCountOfAWarpsRows among them) before any timing.
+st tests
+timeout 170 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
+  --gtest_filter='*HopperDh*:*HopperEdgeTiles*:*HopperUpProjection*:*HopperDownProjection*:*HopperDxExpanded*' \
+  > "$OUT/ab_tests.log" 2>&1
+echo "tests exit $?"; grep -v "reference GEMM" "$OUT/ab_tests.log" | grep -E "FAILED|PASSED|tests ran" | head -20
+for k in "EpilogueActivation<:1.4B-1024,7B-256" "EpilogueStore<:1.4B-256,7B-256" "EpilogueActivation<:120B-2048" "EpilogueActivationGrad:1.4B-256"; do
+  [ $(( $(date +%s) - S )) -lt 520 ] || { echo "skipped ${k%%:*} (time)"; continue; }
   name=$(echo "${k%%:*}" | tr -dc 'A-Za-z')
   st "ncu ${k%%:*}"
   python3 scripts/ncu_ab.py run --kernel "${k%%:*}" --launches 1 --configs "${k#*:}" \

@@ -7,7 +7,7 @@
 # kernels) but has not run on a GPU.
 #
 # One call (a fresh H200): main built and kept, the diff applied and built, then ncu cycles of the up-projection, the
-# store epilogue's kernels and the dH kernel (one launch each, sides A B B A) on the rows where the epilogue weighs most
+# store epilogue's first launch of a run (the forward's down-projection) and the dH kernel (one launch each, sides A B B A) on the rows where the epilogue weighs most
 # (the cooperative up-projection at d = 768 and 1536 runs its epilogue with the tensor cores idle: 0.82-0.93 of its
 # cuBLAS GEMM in session 91) and on one 120B row. If the up-projection or the store kernels gain beyond ncu's 0.1-0.5 %
 # repeatability: land the diff after the whole GPU suite (scripts/ab.sh build gboth, then pyg) and the sanitizers on

@@ -831,6 +831,33 @@ TEST(HopperDhKernelProperties, ManyExpertsSingleRowsAndOneToken) {
   });
 }
 
+// The dH epilogue stages, stores and reuses its buffers warp by warp (16 rows each): segments whose row atoms leave
+// the warps of a warpgroup with every count of valid rows, 1 to 15 (one partial warp), 17 to 63 (full, partial and
+// empty warps in one atom), and the same past one and two atoms, in both tiles, against float64 and the reference GEMM.
+TEST(HopperDhKernelProperties, EveryCountOfAWarpsRows) {
+  REQUIRE_GPU();
+  gpu::set_hopper_backward_enabled(true);
+  const std::vector<int> lengths = {1, 2, 5, 7, 9, 11, 13, 14, 15, 16, 17, 31, 33, 47, 49, 62, 63, 0, 65, 81, 97, 113,
+                                    130, 3};
+  for (Activation act : {Activation::kSwiGLU, Activation::kReLU}) {
+    SCOPED_TRACE(activation_name(act));
+    const DhResult ref = run_dh(act, 400, 128, 256, lengths, 61, true, /*with_expectation=*/false);
+    for_each_tile([&] {
+      const DhResult fast = run_dh(act, 400, 128, 256, lengths, 61);
+      for (double v : fast.dh) ASSERT_FALSE(std::isnan(v)) << "a dH element was not written";
+      for (double v : fast.ap) ASSERT_FALSE(std::isnan(v)) << "an A' element was not written";
+      EXPECT_TRUE(fast.canaries);
+      EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones were written";
+      EXPECT_LT(rel_error(fast.dh, fast.dh_ref), 1e-2);
+      EXPECT_LT(rel_error(fast.ap, fast.ap_ref), 1e-2);
+      EXPECT_LT(rel_error(fast.ds, fast.ds_ref), 1e-2);
+      EXPECT_LT(rel_error(fast.dh, ref.dh), 1e-2);
+      EXPECT_LT(rel_error(fast.ap, ref.ap), 1e-2);
+      EXPECT_LT(rel_error(fast.ds, ref.ds), 1e-2);
+    });
+  }
+}
+
 TEST(HopperDhKernelProperties, FallsBackWhereTheKernelDoesNotApply) {
   REQUIRE_GPU();
   VarlenMArgs a;

@@ -740,6 +740,23 @@ DhResult run_dh(Activation act, std::int64_t T, std::int64_t d, std::int64_t n, 
   return r;
 }
 
+// The dH kernel's outputs all written (no NaN left from the buffers' fill), its canaries and the rows past the routed
+// ones untouched, dH, A' and the dS partials within 1e-2 of float64 (the run's own expectation) and of the reference
+// GEMM's run `ref` (the same inputs).
+void expect_dh_matches(const DhResult& fast, const DhResult& ref) {
+  for (double v : fast.dh) ASSERT_FALSE(std::isnan(v)) << "a dH element was not written";
+  for (double v : fast.ap) ASSERT_FALSE(std::isnan(v)) << "an A' element was not written";
+  for (double v : fast.ds) ASSERT_FALSE(std::isnan(v)) << "a dS partial was not written";
+  EXPECT_TRUE(fast.canaries);
+  EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones were written";
+  EXPECT_LT(rel_error(fast.dh, fast.dh_ref), 1e-2);
+  EXPECT_LT(rel_error(fast.ap, fast.ap_ref), 1e-2);
+  EXPECT_LT(rel_error(fast.ds, fast.ds_ref), 1e-2);
+  EXPECT_LT(rel_error(fast.dh, ref.dh), 1e-2);
+  EXPECT_LT(rel_error(fast.ap, ref.ap), 1e-2);
+  EXPECT_LT(rel_error(fast.ds, ref.ds), 1e-2);
+}
+
 class HopperDhKernel : public testing::TestWithParam<Activation> {
  protected:
   void SetUp() override {
@@ -755,17 +772,7 @@ TEST_P(HopperDhKernel, MatchesFloat64AndTheReferenceGemm) {
     const DhResult ref = run_dh(act, 300, d, n, kEdgeLengths, 51, true, /*with_expectation=*/false);
     for_each_tile([&, d = d, n = n] {
       const DhResult fast = run_dh(act, 300, d, n, kEdgeLengths, 51);
-      for (double v : fast.dh) ASSERT_FALSE(std::isnan(v)) << "a dH element was not written";
-      for (double v : fast.ap) ASSERT_FALSE(std::isnan(v)) << "an A' element was not written";
-      for (double v : fast.ds) ASSERT_FALSE(std::isnan(v)) << "a dS partial was not written";
-      EXPECT_TRUE(fast.canaries);
-      EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones were written";
-      EXPECT_LT(rel_error(fast.dh, fast.dh_ref), 1e-2);
-      EXPECT_LT(rel_error(fast.ap, fast.ap_ref), 1e-2);
-      EXPECT_LT(rel_error(fast.ds, fast.ds_ref), 1e-2);
-      EXPECT_LT(rel_error(fast.dh, ref.dh), 1e-2);
-      EXPECT_LT(rel_error(fast.ap, ref.ap), 1e-2);
-      EXPECT_LT(rel_error(fast.ds, ref.ds), 1e-2);
+      ASSERT_NO_FATAL_FAILURE(expect_dh_matches(fast, ref));
       const DhResult again = run_dh(act, 300, d, n, kEdgeLengths, 51, false, /*with_expectation=*/false);
       EXPECT_EQ(again.raw_dh, fast.raw_dh) << "not deterministic";
       EXPECT_EQ(again.raw_ap, fast.raw_ap) << "not deterministic";
@@ -844,16 +851,7 @@ TEST(HopperDhKernelProperties, EveryCountOfAWarpsRows) {
     const DhResult ref = run_dh(act, 400, 128, 256, lengths, 61, true, /*with_expectation=*/false);
     for_each_tile([&] {
       const DhResult fast = run_dh(act, 400, 128, 256, lengths, 61);
-      for (double v : fast.dh) ASSERT_FALSE(std::isnan(v)) << "a dH element was not written";
-      for (double v : fast.ap) ASSERT_FALSE(std::isnan(v)) << "an A' element was not written";
-      EXPECT_TRUE(fast.canaries);
-      EXPECT_TRUE(fast.tails_untouched) << "rows past the routed ones were written";
-      EXPECT_LT(rel_error(fast.dh, fast.dh_ref), 1e-2);
-      EXPECT_LT(rel_error(fast.ap, fast.ap_ref), 1e-2);
-      EXPECT_LT(rel_error(fast.ds, fast.ds_ref), 1e-2);
-      EXPECT_LT(rel_error(fast.dh, ref.dh), 1e-2);
-      EXPECT_LT(rel_error(fast.ap, ref.ap), 1e-2);
-      EXPECT_LT(rel_error(fast.ds, ref.ds), 1e-2);
+      expect_dh_matches(fast, ref);
     });
   }
 }

@@ -838,10 +838,11 @@ TEST(HopperDhKernelProperties, ManyExpertsSingleRowsAndOneToken) {
   });
 }
 
-// The dH epilogue stages, stores and reuses its buffers warp by warp (16 rows each): segments whose row atoms leave
-// the warps of a warpgroup with every count of valid rows, 1 to 15 (one partial warp), 17 to 63 (full, partial and
-// empty warps in one atom), and the same past one and two atoms, in both tiles, against float64 and the reference GEMM.
-TEST(HopperDhKernelProperties, EveryCountOfAWarpsRows) {
+// The dH epilogue stages, stores and reuses its buffers warp by warp (16 rows each). Segments (one an expert) whose
+// last row atom leaves one warp with 1, 2, 3, 5, 7, 9, 11, 13, 14 or 15 valid rows (the rest of the kEdgeLengths tests'
+// 1, 3 and 15): alone in the atom (up to 15 rows), after full warps with empty ones behind (17-63 rows), and past one
+// and two atoms (65-130), in both tiles, against float64 and the reference GEMM.
+TEST(HopperDhKernelProperties, WarpsWithManyCountsOfValidRows) {
   REQUIRE_GPU();
   gpu::set_hopper_backward_enabled(true);
   const std::vector<int> lengths = {1, 2, 5, 7, 9, 11, 13, 14, 15, 16, 17, 31, 33, 47, 49, 62, 63, 0, 65, 81, 97, 113,

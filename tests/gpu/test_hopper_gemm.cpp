@@ -839,14 +839,14 @@ TEST(HopperDhKernelProperties, ManyExpertsSingleRowsAndOneToken) {
 }
 
 // The dH epilogue stages, stores and reuses its buffers warp by warp (16 rows each). Segments (one an expert) whose
-// last row atom leaves one warp with 1, 2, 3, 5, 7, 9, 11, 13, 14 or 15 valid rows (the rest of the kEdgeLengths tests'
-// 1, 3 and 15): alone in the atom (up to 15 rows), after full warps with empty ones behind (17-63 rows), and past one
-// and two atoms (65-130), in both tiles, against float64 and the reference GEMM.
-TEST(HopperDhKernelProperties, WarpsWithManyCountsOfValidRows) {
+// last row atom leaves one warp with every count of valid rows, 1 to 15: alone in the atom (up to 15 rows), after full
+// warps with empty ones behind (17-63 rows), and past one and two atoms (65-140), in both tiles, against float64 and
+// the reference GEMM.
+TEST(HopperDhKernelProperties, EveryCountOfAWarpsRows) {
   REQUIRE_GPU();
   gpu::set_hopper_backward_enabled(true);
-  const std::vector<int> lengths = {1, 2, 5, 7, 9, 11, 13, 14, 15, 16, 17, 31, 33, 47, 49, 62, 63, 0, 65, 81, 97, 113,
-                                    130, 3};
+  const std::vector<int> lengths = {1,  2,  4,  5,  6,  7,  8,  9,  10, 11,  12,  13,  14,  15, 16, 17, 20,
+                                    31, 33, 38, 47, 49, 56, 62, 63, 0,  65,  72,  81,  90,  97, 113, 130, 140, 3};
   for (Activation act : {Activation::kSwiGLU, Activation::kReLU}) {
     SCOPED_TRACE(activation_name(act));
     const DhResult ref = run_dh(act, 400, 128, 256, lengths, 61, true, /*with_expectation=*/false);

@@ -12,7 +12,7 @@
 #   e.g. bash scripts/gpu_pybench.sh 540 main,sweeps .pybench/results.json
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
+cd "$root" || exit 1
 if [ $# -lt 2 ]; then
   echo "usage: bash scripts/gpu_pybench.sh SECONDS CONFIGS [JSON] [extra benchmark options...]" >&2
   exit 2
@@ -29,6 +29,10 @@ esac
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo "gpu_pybench: no nvidia-smi"
 if [ ! -f build/lib/libmachmoe_torch.so ]; then
+  # CUTLASS's headers carried as one small archive (scripts/peer_wheels.sh fetch) on a machine without them.
+  if [ ! -d third_party/cutlass/cutlass_library/source/include ] && [ -f .peer_wheels/cutlass_headers.tar.xz ]; then
+    tar -xJf .peer_wheels/cutlass_headers.tar.xz && echo "gpu_pybench: CUTLASS's headers unpacked"
+  fi
   mkdir -p build
   log=build/gpu_pybench_build.log
   if ! MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$log" 2>&1; then

@@ -12,7 +12,8 @@
 # `install` joins them. In session 69 the whole .tar.xz and the 12 MB working tree were refused together. The first
 # part is 18 MB so that it fits beside the build's needs in the first call (session 90): CUTLASS's two include folders
 # (third_party/cutlass/cutlass_library/source/include and .../source/tools/util/include, 27 MB), the small wheels
-# (4.5 MB) and the 15 MB working tree; the second part (36 MB) goes alone with the next call. Installed with
+# (4.5 MB) and the 15 MB working tree; the second part (36 MB) goes alone with the next call. Since session 96 the
+# include folders travel as .peer_wheels/cutlass_headers.tar.xz (1 MB), which scripts/gpu_pybench.sh unpacks. Installed with
 # --target, the package's .pth file is not read, so `env` adds nvidia_cutlass_dsl/python_packages to PYTHONPATH
 # itself.
 set -euo pipefail
@@ -38,9 +39,18 @@ case "${1:-}" in
       head -c 18000000 nvidia_cutlass_dsl_libs_base.tar.xz > nvidia_cutlass_dsl_libs_base.tar.xz.part-aa &&
       tail -c +18000001 nvidia_cutlass_dsl_libs_base.tar.xz > nvidia_cutlass_dsl_libs_base.tar.xz.part-ab &&
       rm nvidia_cutlass_dsl_libs_base.tar.xz)
+    # CUTLASS's two include folders (28 MB, from scripts/setup.sh) as a 1-MB .tar.xz, which scripts/gpu_pybench.sh
+    # unpacks on a GPU machine that lacks them: the build's headers then take a megabyte of the first call's carry.
+    cutlass_src="third_party/cutlass/cutlass_library/source"
+    if [ -d "$root/$cutlass_src/include" ]; then
+      tar -C "$root" -cf - "$cutlass_src/include" "$cutlass_src/tools/util/include" | xz -T0 -9 \
+        > "$wheels/cutlass_headers.tar.xz"
+    else
+      echo "peer_wheels: no $cutlass_src/include here (run scripts/setup.sh first), so no cutlass_headers.tar.xz" >&2
+    fi
     ls -l "$wheels"
-    echo "peer_wheels: carry part-aa with the small wheels and CUTLASS's two include folders in one call, part-ab" \
-         "alone in the next (ignored paths, one carry entry each)"
+    echo "peer_wheels: carry part-aa with the small wheels and cutlass_headers.tar.xz in one call, part-ab alone in" \
+         "the next (ignored paths, one carry entry each)"
     ;;
   install)
     mkdir -p "$site"

@@ -4,6 +4,7 @@ float64 check, the configuration table; and (marked gpu) the --quick run on CUDA
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import types
@@ -374,6 +375,33 @@ def test_merge_rounds_keeps_a_failure():
              {"status": "out_of_memory", "error": "OutOfMemoryError: weights", "results": {}}]
     m = merge_rounds(whole)
     assert m["results"]["a"]["status"] == "out_of_memory" and "weights" in m["results"]["a"]["error"]
+
+
+def test_speedups_per_round_and_their_range_in_the_report():
+    """With rounds, each round's ratio of the two times (the two ran in turn in it) is kept beside the median's, and
+    the report's speed-up column gives their range: a median speed-up whose rounds straddle a target says so."""
+    from machmoe.benchmark.report import add_speedups, markdown
+
+    def row(fwdbwd_rounds):  # as runner.merge_rounds leaves a row: the median, and each round's time
+        return {"status": "ok", "forward_ms": 1.0, "backward_ms": 2.0, "fwdbwd_ms": statistics.median(fwdbwd_rounds),
+                "rounds": {"forward_ms": [1.0] * len(fwdbwd_rounds), "backward_ms": [2.0] * len(fwdbwd_rounds),
+                           "fwdbwd_ms": list(fwdbwd_rounds)}}
+    entry = {"config": {"name": "x", "T": 8, "d": 16, "n": 16, "E": 4, "K": 2}, "status": "ok",
+             "results": {"machmoe": row([3.325, 3.323]), "sonicmoe": row([4.331, 5.391]),
+                         "one-round": {"status": "ok", "forward_ms": 2.0, "backward_ms": 4.0, "fwdbwd_ms": 6.0}}}
+    add_speedups(entry)
+    m = entry["results"]["machmoe"]
+    assert m["speedup_over"]["sonicmoe"]["fwdbwd"] == pytest.approx(4.861 / 3.324)
+    assert m["speedup_rounds"]["sonicmoe"]["fwdbwd"] == pytest.approx([4.331 / 3.325, 5.391 / 3.323])
+    assert m["speedup_rounds"]["sonicmoe"]["forward"] == pytest.approx([1.0, 1.0])
+    assert "one-round" not in m["speedup_rounds"]  # no rounds of its own: only the median's ratio
+    assert m["speedup_over"]["one-round"]["fwdbwd"] == pytest.approx(6.0 / 3.324)
+    doc = {"device": {"name": "GPU", "type": "cuda"}, "versions": {}, "command": "c", "date": "d",
+           "settings": {"dtype": "bf16", "iters": 10, "warmup": 3, "rounds": 2}, "configs": [entry]}
+    text = markdown(doc)
+    assert "| 1.46× (rounds 1.30–1.62) |" in text
+    assert "| 1.81× |" in text  # the row without rounds: the median's ratio alone
+    assert "median of 2 rounds" in text
 
 
 @pytest.mark.parametrize("args, message", [

@@ -198,6 +198,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                "peak_bytes": "max_memory_allocated over forward+backward minus what was allocated before (inputs, "
                              "parameters); gradients allocated by the backward included",
                "speedup_over": "other row's time / machmoe row's time (>1: machmoe faster)",
+               "speedup_rounds": "with --rounds R > 1: that ratio in each round, the two timed in turn in the round",
                "cublas_bound": "benchmarks/gpu_bench.cu's bound: batched cuBLAS GEMMs at T_e = TK/E rows, plus "
                                "(2TKd + 2Td) bytes at the measured copy bandwidth"},
            "configs": []}

@@ -8,24 +8,43 @@ from .impls import MACHMOE
 MIB = 1024.0 * 1024.0
 
 
+TIMES = ("forward", "backward", "fwdbwd")
+
+
+def _round_ratios(rb: dict, rm: dict, k: str) -> Optional[List[float]]:
+    """b's time / m's time in each round, where both ran the same rounds (--rounds R > 1): the two ran in turn in a
+    round, under the same phase of the GPU's clock, so a round's ratio is a fair comparison and their spread says how
+    far one run's median speed-up can be trusted."""
+    tb = rb.get("rounds", {}).get(f"{k}_ms")
+    tm = rm.get("rounds", {}).get(f"{k}_ms")
+    if not tb or not tm or len(tb) != len(tm) or len(tm) < 2 or not all(tb) or not all(tm):
+        return None
+    return [x / y for x, y in zip(tb, tm)]
+
+
 def add_speedups(entry: dict) -> None:
     """results[m]['speedup_over'][b] = b's time / m's time (forward, backward, forward+backward) for every machmoe
-    variant m and every other row b that was measured (> 1: machmoe is faster)."""
+    variant m and every other row b that was measured (> 1: machmoe is faster); with rounds, also
+    results[m]['speedup_rounds'][b][k] = that ratio in each round."""
     res = entry["results"]
     for m in MACHMOE:
         rm = res.get(m)
         if not rm or rm.get("status") != "ok":
             continue
-        over = {}
+        over, per_round = {}, {}
         for b, rb in res.items():
             if b == m or rb.get("status") != "ok":
                 continue
-            over[b] = {k: rb[f"{k}_ms"] / rm[f"{k}_ms"] for k in ("forward", "backward", "fwdbwd")
-                       if rb.get(f"{k}_ms") and rm.get(f"{k}_ms")}
+            over[b] = {k: rb[f"{k}_ms"] / rm[f"{k}_ms"] for k in TIMES if rb.get(f"{k}_ms") and rm.get(f"{k}_ms")}
+            ratios = {k: r for k in TIMES for r in [_round_ratios(rb, rm, k)] if r is not None}
+            if ratios:
+                per_round[b] = ratios
         rm["speedup_over"] = over
+        if per_round:
+            rm["speedup_rounds"] = per_round
         bound = res.get("cublas-bound")
         if bound and bound.get("status") == "ok":
-            rm["efficiency"] = {k: bound[f"{k}_ms"] / rm[f"{k}_ms"] for k in ("forward", "backward", "fwdbwd")}
+            rm["efficiency"] = {k: bound[f"{k}_ms"] / rm[f"{k}_ms"] for k in TIMES}
 
 
 def verdict(configs: List[dict]) -> dict:
@@ -65,6 +84,16 @@ def _f(v: Optional[float], fmt: str) -> str:
 
 def _shape(c: dict) -> str:
     return f"{c['name']} ({c['T']},{c['d']},{c['n']},{c['E']},{c['K']})"
+
+
+def _speedup_text(sp: Optional[float], per_round: Optional[List[float]]) -> str:
+    """'1.46×', and with rounds the range of the per-round ratios: '1.46× (rounds 1.30–1.62)'."""
+    if not sp:
+        return "–"
+    text = f"{sp:.2f}×"
+    if per_round:
+        text += f" (rounds {min(per_round):.2f}–{max(per_round):.2f})"
+    return text
 
 
 def _rounds_text(settings: dict) -> str:
@@ -113,10 +142,11 @@ def markdown(doc: dict) -> str:
             peak = r.get("peak_bytes")
             err = r.get("agreement", {}).get("max")
             sp = base.get("speedup_over", {}).get(k, {}).get("fwdbwd") if k != "machmoe" else None
+            spread = base.get("speedup_rounds", {}).get(k, {}).get("fwdbwd") if k != "machmoe" else None
             lines.append("| " + " | ".join([
                 k, _f(r.get("forward_ms"), ".3f"), _f(r.get("backward_ms"), ".3f"), _f(r.get("fwdbwd_ms"), ".3f"),
                 _f(r.get("forward_tflops"), ".4g"), _f(r.get("backward_tflops"), ".4g"),
                 _f(act / MIB if act is not None else None, ".0f"), _f(peak / MIB if peak is not None else None, ".0f"),
-                _f(r.get("first_call_s"), ".2f"), _f(err, ".1e"), _f(sp, ".2f") + ("×" if sp else "")]) + " |")
+                _f(r.get("first_call_s"), ".2f"), _f(err, ".1e"), _speedup_text(sp, spread)]) + " |")
         lines.append("")
     return "\n".join(lines)

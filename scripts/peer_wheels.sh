@@ -13,9 +13,9 @@
 # part is 18 MB so that it fits beside the build's needs in the first call (session 90): CUTLASS's two include folders
 # (third_party/cutlass/cutlass_library/source/include and .../source/tools/util/include, 27 MB), the small wheels
 # (4.5 MB) and the 15 MB working tree; the second part (36 MB) goes alone with the next call. Since session 96 the
-# include folders travel as .peer_wheels/cutlass_headers.tar.xz (1 MB), which scripts/gpu_pybench.sh unpacks. Installed with
-# --target, the package's .pth file is not read, so `env` adds nvidia_cutlass_dsl/python_packages to PYTHONPATH
-# itself.
+# include folders travel as .peer_wheels/cutlass_headers.tar.xz (1 MB), which scripts/gpu_pybench.sh unpacks.
+# Installed with --target, the package's .pth file is not read, so `env` adds nvidia_cutlass_dsl/python_packages to
+# PYTHONPATH itself.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 wheels="$root/.peer_wheels"

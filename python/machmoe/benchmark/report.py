@@ -6,9 +6,7 @@ from typing import List, Optional
 from .impls import MACHMOE
 
 MIB = 1024.0 * 1024.0
-
-
-TIMES = ("forward", "backward", "fwdbwd")
+TIMES = ("forward", "backward", "fwdbwd")  # the three timings of every row, as "<k>_ms"
 
 
 def _round_ratios(rb: dict, rm: dict, k: str) -> Optional[List[float]]:

@@ -18,6 +18,7 @@ from . import impls as I
 from . import reference
 from .baselines import copy_bandwidth, cublas_bound, time_ms
 from .configs import Config
+from .report import TIMES
 
 
 @dataclass
@@ -248,9 +249,6 @@ def run_config(cfg: Config, s: Settings, progress=None, copy_bw: Optional[float]
             progress.step(f"{cfg.name}: {peer} (subprocess)")
         entry["results"][peer] = run_peer(peer, cfg, s)
     return entry
-
-
-TIMES = ("forward", "backward", "fwdbwd")
 
 
 def merge_rounds(entries: List[dict]) -> dict:

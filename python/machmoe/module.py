@@ -21,6 +21,13 @@ class MoEOutput:
     z_loss: Optional[Tensor] = None     # router z-loss, when z_loss_coef > 0 (scaled; 0 for no tokens)
 
 
+# A pytree node, so that what walks a module's outputs finds the tensors inside. FSDP2 gathers a sharded module's
+# parameters again for its backward from hooks on the tensors of that module's output (with reshard_after_forward);
+# as a plain dataclass the output would hide them, and a MoE sharded on its own would run its backward on freed
+# parameters. (ExpertParallelOutput, its subclass in parallel.py, is registered the same way.)
+torch.utils._pytree.register_dataclass(MoEOutput)
+
+
 _LAYOUT_RECORD_FORMAT = 1  # first entry of the state-dict record of the weight layout (get_extra_state)
 
 

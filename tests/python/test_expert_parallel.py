@@ -662,6 +662,51 @@ def scenario_torchtitan_experts_fsdp2(rank, world):
             assert_close(f"step {step} {name}", ours, getattr(whole, name).grad, 1e-12)
 
 
+def scenario_fsdp2_moe_sharded_inside_a_model(rank, world):
+    """A plain machmoe.MoE sharded by FSDP2 on its own inside a model (not the root), with reshard_after_forward:
+    FSDP2 frees its gathered parameters after the forward and gathers them again for its backward from hooks on the
+    tensors of its output, which it finds by walking that output (an MoEOutput) as a pytree. Each rank's gradients
+    equal the single process's mean over the ranks' inputs; two steps, so the second step's gathers are checked
+    too."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class Block(torch.nn.Module):
+        def __init__(self, moe):
+            super().__init__()
+            self.proj = torch.nn.Linear(D, D, dtype=torch.float64)
+            self.moe = moe
+
+        def forward(self, x):
+            return self.moe(self.proj(x)).output
+
+    torch.manual_seed(71)
+    whole = Block(make_layer(71))
+    sharded = Block(make_layer(71))
+    sharded.load_state_dict(whole.state_dict())
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(sharded.moe, mesh=mesh, reshard_after_forward=True)
+    fully_shard(sharded, mesh=mesh)
+    sizes = per_rank([9, 6, 11, 7], world)
+    xs = make_inputs(72, sizes)
+    gos = [torch.randn(T, D, dtype=torch.float64, generator=gen(73, r)) for r, T in enumerate(sizes)]
+    gathered = []  # the parameters the MoE's forward read: FSDP2's gathered ones (its pre-forward hook ran first)
+    sharded.moe.register_forward_pre_hook(lambda m, args: gathered.append(list(m.parameters(recurse=False))))
+    for step in range(2):
+        sharded.zero_grad(set_to_none=True)
+        whole.zero_grad(set_to_none=True)
+        gathered.clear()
+        y = sharded(xs[rank])
+        # Freed once the MoE's forward was done: its backward needs FSDP2's gather again.
+        assert len(gathered) == 1 and all(p.untyped_storage().nbytes() == 0 for p in gathered[0]), gathered
+        (y * gos[rank]).sum().backward()
+        for r in range(world):
+            (whole(xs[r]) * gos[r]).sum().div(world).backward()
+        for name, p in whole.named_parameters():
+            ours = dict(sharded.named_parameters())[name].grad.full_tensor()
+            assert_close(f"step {step} {name}", ours, p.grad, 1e-12)
+
+
 def scenario_one_row_per_token_and_rank(rank, world):
     """The default mode sends a token's row once to each rank that owns at least one of its experts, not once per
     pair, and gets one row back from each: the two row exchanges of the forward carry exactly the distinct
@@ -885,7 +930,7 @@ SCENARIOS_2 = [
     "argument_errors", "functional_equals_module", "bitwise_reruns", "capacity_without_overflow",
     "capacity_overflow", "host_synchronisations", "input_requires_grad_on_one_rank_only", "torch_compile",
     "staged_micro_batches_interleaved", "fsdp2_experts_outside_fsdp", "one_row_per_token_and_rank",
-    "torchtitan_experts_fsdp2", "default_mode_keeps_no_returned_rows",
+    "torchtitan_experts_fsdp2", "default_mode_keeps_no_returned_rows", "fsdp2_moe_sharded_inside_a_model",
 ]
 SCENARIOS_4 = ["topk_float64", "token_rounding_float64", "rank_without_tokens", "capacity_overflow",
                "fsdp2_two_dimensional_mesh", "one_row_per_token_and_rank", "fsdp2_mixed_precision_keeps_scores"]

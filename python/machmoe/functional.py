@@ -111,6 +111,12 @@ _NO_INTO = (None,) * len(_INTO_NAMES)
 _INTO_ARG = "accumulate_grads_into"
 
 
+def _into_dtypes_text(name: str, weight_dtype: torch.dtype) -> str:
+    """What a gradient-accumulation buffer of weight `name` may be, for messages: its dtype or fp32."""
+    return ("dtype torch.float32" if weight_dtype == torch.float32
+            else f"dtype {weight_dtype} (the dtype of {name}) or torch.float32")
+
+
 def _check_into(into, weights: Dict[str, Optional[Tensor]],
                 arg_format: str = _INTO_ARG + "['{}']") -> Tuple[Optional[Tensor], ...]:
     """The gradient-accumulation buffers (accumulate_grads_into: weight name -> buffer), checked against the weights
@@ -131,9 +137,7 @@ def _check_into(into, weights: Dict[str, Optional[Tensor]],
         if buf.device != w.device:
             _fail(arg, f"a tensor on {w.device} (the device of {name})", f"a tensor on {buf.device}")
         if buf.dtype not in (w.dtype, torch.float32):
-            wanted = ("dtype torch.float32" if w.dtype == torch.float32
-                      else f"dtype {w.dtype} (the dtype of {name}) or torch.float32")
-            _fail(arg, wanted, buf.dtype)
+            _fail(arg, _into_dtypes_text(name, w.dtype), buf.dtype)
         if tuple(buf.shape) != tuple(w.shape):
             _fail(arg, f"shape {tuple(w.shape)} (the shape of {name})", f"shape {tuple(buf.shape)}")
         if not buf.is_contiguous():

@@ -81,7 +81,8 @@ class MoE(_LossCoefficients, nn.Module):
     producing ``.grad``: inside the weight-gradient kernels (the sum in fp32, rounded once to the buffer's dtype), with
     no extra kernel, copy or gradient-sized temporary. ``.grad`` is left as it was (None), so Megatron's DDP hooks,
     which add a non-None ``.grad`` into ``main_grad``, count nothing twice. A parameter without ``main_grad`` gets one
-    on first use: zeros of ``main_grad_dtype`` (torch.float32 by default, or the parameters' dtype), or call
+    on first use (a forward with gradients enabled): zeros of ``main_grad_dtype`` (torch.float32 by default, or the
+    parameters' dtype), or call
     ``main_grads()`` to create them ahead of time (needed before torch.compile traces the module, which cannot add
     attributes to parameters). A ``main_grad`` set by the caller (e.g. Megatron's DDP, a view into its contiguous
     gradient buffer) is used as it is: the parameter's shape, its dtype or fp32, contiguous, same device. Zeroing the
@@ -140,24 +141,26 @@ class MoE(_LossCoefficients, nn.Module):
     def main_grads(self, create: bool = True) -> Dict[str, Tensor]:
         """The ``main_grad`` buffer of every parameter that requires grad, by name ('router_weight', 'w1', 'w2', 'b1',
         'b2'). With ``create``, a parameter without one gets zeros of ``main_grad_dtype`` (on its device, its
-        shape) as its ``main_grad``; otherwise it is left out."""
-        grads = {}
-        for name, p in self.named_parameters(recurse=False):
-            if not p.requires_grad:
-                continue
-            buf = getattr(p, "main_grad", None)
-            if buf is None and create:
-                if torch.compiler.is_compiling():
-                    raise RuntimeError(
-                        f"machmoe: MoE with accumulate_into_main_grad=True: parameter '{name}' has no main_grad, and "
-                        f"one cannot be created while torch.compile traces the module. Create them before compiling "
-                        f"(moe.main_grads()) or let the first step run eagerly.")
-                with torch.no_grad():
-                    buf = torch.zeros(p.shape, dtype=self.main_grad_dtype, device=p.device)
-                p.main_grad = buf
-            if buf is not None:
-                grads[name] = buf
-        return grads
+        shape) as its ``main_grad``; otherwise it is left out. A ``main_grad_dtype`` that is neither fp32 nor the
+        parameter's dtype raises before any buffer is created."""
+        trained = [(name, p) for name, p in self.named_parameters(recurse=False) if p.requires_grad]
+        missing = [(name, p) for name, p in trained if create and getattr(p, "main_grad", None) is None]
+        for name, p in missing:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"machmoe: MoE with accumulate_into_main_grad=True: parameter '{name}' has no main_grad, and "
+                    f"one cannot be created while torch.compile traces the module. Create them before compiling "
+                    f"(moe.main_grads()) or let the first step run eagerly.")
+            if self.main_grad_dtype not in (p.dtype, torch.float32):
+                # Checked for every parameter before any buffer is attached: a refused buffer left on a parameter
+                # would be "the caller's own" from then on, and setting main_grad_dtype right would not replace it.
+                fail(f"{name}.main_grad", F._into_dtypes_text(name, p.dtype),
+                     f"{self.main_grad_dtype} (main_grad_dtype; no buffer was created)")
+        for name, p in missing:
+            # Outside inference mode even when called in it: an inference tensor could not be added into later.
+            with torch.inference_mode(False), torch.no_grad():
+                p.main_grad = torch.zeros(p.shape, dtype=self.main_grad_dtype, device=p.device)
+        return {name: p.main_grad for name, p in trained if getattr(p, "main_grad", None) is not None}
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -198,7 +201,9 @@ class MoE(_LossCoefficients, nn.Module):
             flat = flat.contiguous()
         attrs = self.__dict__  # (getattr with a default: modules pickled before these options existed)
         into = None
-        if attrs.get("accumulate_into_main_grad", False):
+        # Only a call that can take gradients gets the buffers: an evaluation under no_grad or inference_mode creates
+        # none (they would be gradient-sized allocations that no backward uses).
+        if attrs.get("accumulate_into_main_grad", False) and torch.is_grad_enabled():
             into = self._main_grad_buffers(params)
             if into is None:
                 into = F._check_into(self.main_grads(), dict(self.named_parameters(recurse=False)),

@@ -174,6 +174,36 @@ def test_module_main_grad_dtype_option_and_frozen_parameters():
         fp16_grads(torch.randn(7, 16))
 
 
+def test_module_creates_no_main_grad_without_gradients_nor_one_of_a_refused_dtype():
+    """An evaluation under no_grad or inference_mode creates no main_grad, and the training step after it accumulates
+    as usual into buffers that are ordinary tensors (main_grads() inside inference_mode makes ordinary ones too). A
+    main_grad_dtype that is refused attaches nothing, so that setting it right afterwards is enough."""
+    plain, acc = _module_pair()
+    x = torch.randn(9, 16, dtype=torch.float64)
+    with torch.inference_mode():
+        acc(x)
+    with torch.no_grad():
+        acc(x)
+    assert not any(hasattr(p, "main_grad") for p in acc.parameters())
+    acc(x).output.square().sum().backward()
+    plain(x).output.square().sum().backward()
+    ref = dict(plain.named_parameters())
+    for name, p in acc.named_parameters():
+        assert not p.main_grad.is_inference() and rel(p.main_grad.double(), ref[name].grad) < 1e-6, name
+    _, fresh = _module_pair()
+    with torch.inference_mode():
+        made = fresh.main_grads()
+    assert len(made) == 5 and not any(b.is_inference() for b in made.values())
+    fp16_grads = machmoe.MoE(16, 8, 4, 2, accumulate_into_main_grad=True, main_grad_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"'router_weight.main_grad': expected dtype torch.float32, got torch.float16 "
+                                         r"\(main_grad_dtype; no buffer was created\)"):
+        fp16_grads(torch.randn(7, 16))
+    assert not any(hasattr(p, "main_grad") for p in fp16_grads.parameters())
+    fp16_grads.main_grad_dtype = torch.float32
+    fp16_grads(torch.randn(7, 16)).output.sum().backward()
+    assert all(p.main_grad.dtype == torch.float32 and p.main_grad.abs().sum() > 0 for p in fp16_grads.parameters())
+
+
 def test_module_with_defer_weight_grads():
     plain, acc = _module_pair()
     x = torch.randn(20, 16, dtype=torch.float64)

@@ -255,7 +255,13 @@ class MoE(_LossCoefficients, nn.Module):
                             dtype=torch.int64)
 
     def _layout_mismatch(self, record) -> Optional[str]:
-        """Why weights saved with `record` cannot be loaded into this module, or None when they can."""
+        """Why weights saved with `record` cannot be loaded into this module, or None when they can. A record in
+        another real dtype with whole values is the same record: a state dict converted as a whole (e.g.
+        {k: v.to(torch.bfloat16)}) carries its small codes exactly."""
+        converted = isinstance(record, Tensor) and tuple(record.shape) == (3,) and \
+            record.dtype not in (torch.int64, torch.bool) and not record.dtype.is_complex
+        if converted and (not record.dtype.is_floating_point or bool((record == record.float().round()).all())):
+            record = record.to(torch.int64)
         if not isinstance(record, Tensor) or record.dtype != torch.int64 or tuple(record.shape) != (3,) or \
                 int(record[0]) != _LAYOUT_RECORD_FORMAT:
             return (f"expected the weight-layout record of a machmoe.MoE (an int64 tensor [{_LAYOUT_RECORD_FORMAT}, "

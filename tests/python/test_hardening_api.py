@@ -450,6 +450,25 @@ def test_layout_record_is_a_tensor():
     assert isinstance(record, torch.Tensor) and record.dtype == torch.int64
 
 
+def test_layout_record_survives_a_dtype_conversion_of_the_state_dict():
+    """A state dict converted as a whole to another dtype (a usual checkpoint step) carries the record's small codes
+    exactly: it loads, and a converted record of another layout is still refused. A record that is not whole
+    numbers is refused as before."""
+    saved = module(weight_layout="concatenated")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        state = {k: v.to(dtype) for k, v in saved.state_dict().items()}
+        target = module(seed=1, weight_layout="concatenated")
+        target.load_state_dict(state)
+        assert torch.equal(target.w1, state["w1"].to(target.w1.dtype)), dtype
+        with pytest.raises(RuntimeError, match="saved by a MoE with weight_layout='concatenated', activation='swiglu'"):
+            module(seed=1, weight_layout="interleaved").load_state_dict(state)
+    state = dict(saved.state_dict(), _extra_state=saved.state_dict()["_extra_state"].to(torch.int32))
+    module(seed=1, weight_layout="concatenated").load_state_dict(state)
+    state["_extra_state"] = torch.tensor([1.0, 1.5, 0.0])
+    with pytest.raises(RuntimeError, match="expected the weight-layout record of a machmoe.MoE"):
+        module(seed=1, weight_layout="concatenated").load_state_dict(state)
+
+
 # ---- 5. messages that name the argument and the bad value ---------------------------------------------------------
 
 def test_grouped_experts_counts_messages():

@@ -129,6 +129,10 @@ class MoE(_LossCoefficients, nn.Module):
                             f"(torch.float32, or the parameters' dtype: checked at the first forward against the "
                             f"parameters' dtype then), got {main_grad_dtype!r}")
         self.accumulate_into_main_grad, self.main_grad_dtype = accumulate_into_main_grad, main_grad_dtype
+        if dtype is not None and dtype not in F._META_DTYPES:
+            # (one the layer takes on some device: a module is often made in one dtype and device and moved after)
+            raise TypeError(f"machmoe: argument 'dtype': expected None or one of {F._META_DTYPES} (bf16, fp16 or fp32 "
+                            f"on CUDA; fp32 or fp64 on the CPU), got {dtype!r}")
         rows = 2 * intermediate_size if activation in GLU_ACTIVATIONS else intermediate_size
         kw = dict(device=device, dtype=dtype)
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))

@@ -450,6 +450,12 @@ def test_layout_record_is_a_tensor():
     assert isinstance(record, torch.Tensor) and record.dtype == torch.int64
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64, "float32"])
+def test_module_dtype_that_no_device_takes_is_refused_by_name(dtype):
+    with pytest.raises(TypeError, match=r"argument 'dtype': expected None or one of .* on the CPU\), got "):
+        machmoe.MoE(16, 8, 4, 2, dtype=dtype)
+
+
 def test_layout_record_survives_a_dtype_conversion_of_the_state_dict():
     """A state dict converted as a whole to another dtype (a usual checkpoint step) carries the record's small codes
     exactly: it loads, and a converted record of another layout is still refused. A record that is not whole

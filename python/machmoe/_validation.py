@@ -48,13 +48,18 @@ def require_tensor(name: str, value, *, optional: bool = False) -> None:
 
 
 def as_int(name: str, value, *, low: int = None, high: int = None, what: str = "") -> int:
-    """An integer argument: Python ints, numpy integers and 0-d integer tensors (anything operator.index accepts)
+    """An integer argument: Python ints, numpy integers and 0-d CPU integer tensors (what operator.index accepts)
     are converted to int; bools, floats and other objects are rejected, as are values outside [low, high]."""
     # operator.index accepts True and bool tensors (numpy refuses its bools): a flag is not a count.
     is_bool = isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool)
     if isinstance(value, Tensor) and value.dim() != 0:
         raise TypeError(f"machmoe: argument '{name}': expected an integer (a 0-d tensor at most), "
                         f"got a tensor of shape {tuple(value.shape)}")
+    if isinstance(value, Tensor) and value.device.type != "cpu":
+        # Its value would be read back to the host: a synchronisation with the device inside the call.
+        raise TypeError(f"machmoe: argument '{name}': expected an integer (a Python int, or a 0-d CPU tensor: a "
+                        f"tensor on {value.device} would have to be read back to the host), got a tensor on "
+                        f"{value.device}")
     try:
         if is_bool:
             raise TypeError

@@ -196,7 +196,7 @@ def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[T
     """The whole MoE layer: router, routing, experts, aggregation. Returns (out (T, d), router_logits (T, E),
     expert_counts (E,) int32 on the device). Differentiable w.r.t. x, router_weight, w1, w2, b1, b2 (first-order
     reverse mode only: double backward and forward-mode AD raise). Integer options accept Python and numpy integers
-    and 0-d integer tensors.
+    and 0-d integer tensors on the CPU.
 
     accumulate_grads_into: gradient accumulation (Megatron-style main_grad), a dict mapping weight names
     ('router_weight', 'w1', 'b1', 'w2', 'b2') to buffers of the weight's shape, of its dtype or torch.float32,

@@ -553,6 +553,18 @@ def test_integer_like_top_k_accepted(top_k):
         machmoe.moe(xs, rw, w1, w2, top_k=type(top_k)(7) if not isinstance(top_k, torch.Tensor) else torch.tensor(7))
 
 
+def test_integer_argument_on_a_device_is_refused():
+    """A 0-d tensor off the CPU (a CUDA one would be read with a synchronisation inside the call; meta stands in
+    for it here) is refused by name, in the module and in the functional call."""
+    on_meta = torch.tensor(2, device="meta")
+    with pytest.raises(TypeError, match="argument 'top_k': expected an integer .* a 0-d CPU tensor: a tensor on meta "
+                                        "would have to be read back to the host\), got a tensor on meta"):
+        machmoe.MoE(16, 8, 4, on_meta)
+    xs, rw, w1, w2, b1, b2 = make()
+    with pytest.raises(TypeError, match="argument 'top_k': expected an integer .* got a tensor on meta"):
+        machmoe.moe(xs, rw, w1, w2, b1, b2, top_k=on_meta)
+
+
 def test_module_input_messages():
     m = module()
     with pytest.raises(ValueError, match="argument 'x': expected a tensor of shape \\(..., 16\\), got shape \\(\\)"):

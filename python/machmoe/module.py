@@ -193,7 +193,11 @@ class MoE(_LossCoefficients, nn.Module):
         if x.device != w1.device:
             fail("x", f"a tensor on {w1.device} (the device of this MoE's parameters)", f"a tensor on {x.device}")
         if x.dtype != w1.dtype:
-            fail("x", f"dtype {w1.dtype} (the dtype of this MoE's parameters)", x.dtype)
+            hint = ""
+            if torch.is_autocast_enabled(x.device.type):  # the usual way to get here: x from an autocast Linear
+                hint = ("; torch.autocast does not cast this layer's parameters: keep them in the dtype it computes "
+                        "in (e.g. moe.to(torch.bfloat16)) or cast x")
+            fail("x", f"dtype {w1.dtype} (the dtype of this MoE's parameters{hint})", x.dtype)
         # A (tokens, hidden) input is passed as it is: reshape costs a view and an autograd node each way, a
         # measurable share of the host time of a call (tests/python/test_overhead.py).
         flat = x if len(shape) == 2 else x.reshape(-1, self.hidden_size)

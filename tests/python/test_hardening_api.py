@@ -553,6 +553,18 @@ def test_integer_like_top_k_accepted(top_k):
         machmoe.moe(xs, rw, w1, w2, top_k=type(top_k)(7) if not isinstance(top_k, torch.Tensor) else torch.tensor(7))
 
 
+def test_dtype_mismatch_under_autocast_says_autocast_does_not_cast_the_parameters():
+    m = module()  # float64 parameters
+    x = torch.randn(5, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"argument 'x': expected dtype torch.float64 \(the dtype of this MoE's "
+                                         r"parameters\), got torch.float32$"):
+        m(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match=r"parameters; torch.autocast does not cast this layer's parameters: keep "
+                                             r"them in the dtype it computes in .* or cast x\), got torch.bfloat16"):
+            m(torch.nn.functional.linear(x, torch.eye(16)))  # an autocast op's bf16 output
+
+
 def test_integer_argument_on_a_device_is_refused():
     """A 0-d tensor off the CPU (a CUDA one would be read with a synchronisation inside the call; meta stands in
     for it here) is refused by name, in the module and in the functional call."""

@@ -180,15 +180,25 @@ void store_saved(const MoEProblem& p, const SavedLayout& l, void* base, const re
   (void)p;
 }
 
+/// How an entry point names its saved buffer in messages: backward() and backward_input() take it in their
+/// BackwardBuffers, backward_weight() and finish_backward_w1() as plain arguments.
+struct SavedArgNames {
+  const char* data;
+  const char* bytes;
+};
+constexpr SavedArgNames kSavedInBuffers{"buffers.saved", "buffers.saved_bytes"};
+constexpr SavedArgNames kSavedArgument{"saved", "saved_bytes"};
+
 template <class R>
-ref::ForwardSaved<R> load_saved(const ArgChecker& c, const MoEProblem& p, const SavedLayout& l, const void* base) {
+ref::ForwardSaved<R> load_saved(const ArgChecker& c, const MoEProblem& p, const SavedLayout& l, const void* base,
+                                const SavedArgNames& names) {
   std::vector<std::int64_t> off = get_int32(base, l.expert_offsets, static_cast<std::size_t>(p.E + 1));
   bool ok = off[0] == 0;
   for (std::int64_t e = 0; e < p.E && ok; ++e) ok = off[e + 1] >= off[e];
   const std::int64_t P = off[p.E];
   ok = ok && P <= p.max_pairs() && (p.routing == RoutingMode::kTokenRounding || P == p.max_pairs());
   if (!ok)
-    c.fail("buffers.saved", "the buffer forward() filled for this problem (consistent expert offsets)",
+    c.fail(names.data, "the buffer forward() filled for this problem (consistent expert offsets)",
            "offsets that end at " + std::to_string(P) + " pairs (expected " +
                (p.routing == RoutingMode::kTokenRounding ? "at most " : "") + std::to_string(p.max_pairs()) + ")");
   const std::size_t np = static_cast<std::size_t>(P);
@@ -202,7 +212,7 @@ ref::ForwardSaved<R> load_saved(const ArgChecker& c, const MoEProblem& p, const 
                                std::int64_t limit) {
     for (std::size_t i = 0; i < v.size(); ++i)
       if (v[i] < 0 || v[i] >= limit)
-        c.fail("buffers.saved",
+        c.fail(names.data,
                std::string("the buffer forward() filled for this problem, whose saved ") + array + "[" +
                    std::to_string(i) + "] is " + what + " in [0, " + std::to_string(limit) + ")",
                std::to_string(v[i]) + ": the saved buffer does not belong to this problem (a forward of another "
@@ -218,7 +228,7 @@ ref::ForwardSaved<R> load_saved(const ArgChecker& c, const MoEProblem& p, const 
   // reference rebuilds them from the pairs, so this finds a buffer overwritten since, not another problem's); the
   // full backward with caller-supplied routing compares the pairs with the caller's (reference_backward).
   const auto not_ours = [&](const std::string& expected, const std::string& got) {
-    c.fail("buffers.saved", "the buffer forward() filled for this problem, whose " + expected,
+    c.fail(names.data, "the buffer forward() filled for this problem, whose " + expected,
            got + ": the saved buffer does not belong to this problem (a forward of another problem with the same "
                  "layout, or memory overwritten since)");
   };
@@ -278,7 +288,7 @@ ref::BackwardResult<R> reference_backward(const ArgChecker& c, const MoEProblem&
                                           const LayerWeights& w, const RoutingTriples* routing,
                                           const BackwardInputs& bin, const void* saved_buffer,
                                           std::vector<std::int64_t>& expert_counts) {
-  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), saved_buffer);
+  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), saved_buffer, kSavedInBuffers);
   expert_counts = saved.meta.expert_counts;  // (the weight gradients' accumulation leaves experts without pairs)
   std::vector<std::vector<R>> store;
   std::vector<std::vector<std::int64_t>> index_store;
@@ -347,7 +357,8 @@ void backward_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x,
 template <class R>
 void finish_backward_w1_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const BackwardOutputs& out,
                             const void* saved_buf) {
-  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), saved_buf);  // .h holds dH
+  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), saved_buf,
+                                                    kSavedArgument);  // .h holds dH
   const std::vector<R> xs = detail::read_real<R>(x);
   // The reference computes W2's gradients in the same pass; zero A' and dO make them zero, and they are dropped.
   const std::vector<R> a_prime(static_cast<std::size_t>(saved.meta.num_pairs() * p.n), R(0));
@@ -378,7 +389,7 @@ void backward_input_cpu(const ArgChecker& c, const MoEProblem& p, const TensorVi
 template <class R>
 void backward_weight_cpu(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const TensorView& grad_out,
                          const BackwardOutputs& out, const void* saved_buf, const DeferredBuffer& deferred) {
-  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), saved_buf);
+  const ref::ForwardSaved<R> saved = load_saved<R>(c, p, saved_layout(p, x.dtype), saved_buf, kSavedArgument);
   const std::size_t P = static_cast<std::size_t>(saved.meta.num_pairs());
   const DeferredLayout dl = deferred_layout(p, x.dtype);
   const std::vector<R> dh = get_real<R>(deferred.data, dl.dh, P * static_cast<std::size_t>(p.w1_rows()));
@@ -409,13 +420,13 @@ void check_deferred(const ArgChecker& c, const MoEProblem& p, DType dt, const De
   check_buffer_start(c, "deferred.data", deferred.data);
 }
 
-void check_saved(const ArgChecker& c, const MoEProblem& p, DType dt, const void* saved, std::size_t bytes) {
+void check_saved(const ArgChecker& c, const MoEProblem& p, DType dt, const void* saved, std::size_t bytes,
+                 const SavedArgNames& names) {
   const std::size_t need = saved_layout(p, dt).total_bytes;
   if (bytes < need)
-    c.fail("buffers.saved_bytes", "at least saved_layout(problem, dtype).total_bytes = " + bytes_str(need),
-           bytes_str(bytes));
-  if (saved == nullptr) c.fail("buffers.saved", "the buffer forward() filled", "nullptr");
-  check_buffer_start(c, "buffers.saved", saved);
+    c.fail(names.bytes, "at least saved_layout(problem, dtype).total_bytes = " + bytes_str(need), bytes_str(bytes));
+  if (saved == nullptr) c.fail(names.data, "the buffer forward() filled", "nullptr");
+  check_buffer_start(c, names.data, saved);
 }
 
 /// W1's gradients (w1, and b1 with a bias), or their absence where they come from another call (`why_absent`).
@@ -521,7 +532,7 @@ void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, c
     check_w1_grads(c, p, dt, dev, out.grad_weights);
   }
   check_w2_grads(c, p, dt, dev, out.grad_weights);
-  check_saved(c, p, dt, buffers.saved, buffers.saved_bytes);
+  check_saved(c, p, dt, buffers.saved, buffers.saved_bytes, kSavedInBuffers);
   check_workspace(c, buffers.workspace, buffers.workspace_bytes,
                   backward_workspace_bytes(p, dt, dev, buffers.consume_saved),
                   std::string("backward_workspace_bytes(..., consume_saved = ") +
@@ -555,7 +566,7 @@ void backward_input(const MoEProblem& p, const TensorView& x, const LayerWeights
   if (buffers.consume_saved)
     c.fail("buffers.consume_saved", "false (backward_weight() reads the saved buffer after backward_input())",
            "true");
-  check_saved(c, p, dt, buffers.saved, buffers.saved_bytes);
+  check_saved(c, p, dt, buffers.saved, buffers.saved_bytes, kSavedInBuffers);
   check_workspace(c, buffers.workspace, buffers.workspace_bytes, backward_input_workspace_bytes(p, dt, dev),
                   "backward_input_workspace_bytes(...)");
   check_deferred(c, p, dt, deferred);
@@ -584,7 +595,7 @@ void backward_weight(const MoEProblem& p, const TensorView& x, const LayerWeight
   c.absent(out.grad_weights.router_weight, "outputs.grad_weights.router_weight",
            "the router's gradient comes from backward_input()");
   if (out.w1_grads_later) c.fail("outputs.w1_grads_later", "false (backward() only)", "true");
-  check_saved(c, p, dt, saved, saved_bytes);
+  check_saved(c, p, dt, saved, saved_bytes, kSavedArgument);
   check_deferred(c, p, dt, deferred);
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
@@ -613,7 +624,7 @@ void finish_backward_w1(const MoEProblem& p, const TensorView& x, const LayerWei
   c.absent(out.grad_weights.router_weight, "outputs.grad_weights.router_weight", from_backward);
   c.absent(out.grad_weights.w2, "outputs.grad_weights.w2", from_backward);
   c.absent(out.grad_weights.b2, "outputs.grad_weights.b2", from_backward);
-  check_saved(c, p, dt, saved, saved_bytes);
+  check_saved(c, p, dt, saved, saved_bytes, kSavedArgument);
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
     gpu::raise_recorded_index_violation(dev.index, "finish_backward_w1", stream);

@@ -415,6 +415,27 @@ TEST_P(SplitBackward, EqualsTheFullBackwardBitwise) {
   EXPECT_THROW(backward_weight(q, xv, w, caller ? &rt : nullptr, bi.grad_out, outputs(split, false, true),
                                saved.data(), saved.size(), {deferred.data(), deferred.size() - 1}),
                Error);
+  // backward_weight() takes the saved buffer as plain arguments (saved, saved_bytes), and names them so: its
+  // size, and its content read back (here expert offsets that do not start at 0).
+  auto saved_error = [&](const std::vector<unsigned char>& buffer, std::size_t bytes) -> std::string {
+    try {
+      backward_weight(q, xv, w, caller ? &rt : nullptr, bi.grad_out, outputs(split, false, true), buffer.data(),
+                      bytes, {deferred.data(), deferred.size()});
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  const std::string short_saved = saved_error(saved, saved.size() - 1);
+  EXPECT_NE(short_saved.find("machmoe::backward_weight: argument 'saved_bytes'"), std::string::npos) << short_saved;
+  std::vector<unsigned char> scrambled = saved;
+  const std::int32_t not_zero = 5;
+  std::memcpy(scrambled.data() + saved_layout(q, dt).expert_offsets.offset, &not_zero, sizeof not_zero);
+  const std::string bad_offsets = saved_error(scrambled, scrambled.size());
+  EXPECT_NE(bad_offsets.find("machmoe::backward_weight: argument 'saved': expected the buffer forward() filled"),
+            std::string::npos)
+      << bad_offsets;
+  EXPECT_EQ(bad_offsets.find("buffers."), std::string::npos) << bad_offsets;
 
   // W1's gradients later (BackwardOutputs::w1_grads_later): backward() leaves dH over the consumed saved H and
   // finish_backward_w1() computes them from it, bitwise as one backward. Only a consumed buffer of the default

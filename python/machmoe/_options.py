@@ -42,10 +42,14 @@ def name_of(table: dict, value: int) -> str:
     return next((name for name, c in table.items() if c == value), f"<unknown code {value}>")
 
 
+_FLOAT32_MAX, _FLOAT32_MIN = 3.4028234663852886e38, 1.1754943508222875e-38  # largest finite, smallest normal
+
+
 def activation_parameters(activation: str, swiglu_alpha, swiglu_limit):
     """(alpha, limit) as floats for the operators. They are parameters of 'gptoss_swiglu' only: None there means
     gpt-oss's default; with another activation they must be None (a limit given with activation='swiglu' would
-    otherwise be silently ignored). alpha: a finite real; limit: a real > 0 (float('inf') turns the clamps off)."""
+    otherwise be silently ignored). alpha: a finite real; limit: a real > 0 (float('inf') turns the clamps off);
+    both in fp32's range."""
     if activation != "gptoss_swiglu":
         for name, value in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
             if value is not None:
@@ -64,9 +68,12 @@ def activation_parameters(activation: str, swiglu_alpha, swiglu_limit):
                             f"({type(value).__name__})")
         values.append(float(value))
     alpha, limit = values
-    if not math.isfinite(alpha):
-        raise ValueError(f"machmoe: argument 'swiglu_alpha': expected a finite real number, got {swiglu_alpha!r}")
-    if not limit > 0:  # NaN fails too
-        raise ValueError(f"machmoe: argument 'swiglu_limit': expected a real number > 0 (float('inf'): no "
-                         f"clamping), got {swiglu_limit!r}")
+    # The kernels compute with them as fp32 values: beyond its range alpha would become inf (NaN outputs) and a
+    # limit below its smallest normal 0 or a denormal (the operator refuses them too).
+    if not abs(alpha) <= _FLOAT32_MAX:  # NaN and inf fail too
+        raise ValueError(f"machmoe: argument 'swiglu_alpha': expected a finite real number of at most "
+                         f"{_FLOAT32_MAX:.8g} in magnitude (an fp32 value), got {swiglu_alpha!r}")
+    if not (limit == math.inf or _FLOAT32_MIN <= limit <= _FLOAT32_MAX):  # NaN fails too
+        raise ValueError(f"machmoe: argument 'swiglu_limit': expected a real number > 0 that fp32 holds, in "
+                         f"[{_FLOAT32_MIN:.8g}, {_FLOAT32_MAX:.8g}] (float('inf'): no clamping), got {swiglu_limit!r}")
     return alpha, limit

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 #include "machmoe/error.hpp"
@@ -196,10 +197,18 @@ static std::string number(double v) {
 /// a limit and forgets the activation would otherwise train an unclamped model without being told.
 static void validate_activation_parameters(const MoEProblem& p, const char* where) {
   if (p.activation == Activation::kGptOssSwiGLU) {
-    if (!std::isfinite(p.swiglu_alpha))
-      throw_argument_error(where, "problem.swiglu_alpha", "a finite real number", number(p.swiglu_alpha));
-    if (!(p.swiglu_limit > 0))  // also refuses NaN; +inf is allowed (no clamping)
-      throw_argument_error(where, "problem.swiglu_limit", "a real number > 0 (+inf: no clamping)",
+    // The kernels (and the reference in fp32) compute with them as floats: a finite double beyond float's range
+    // would become inf (alpha: NaN outputs), a limit below its smallest normal 0 or a denormal.
+    constexpr double kFloatMax = std::numeric_limits<float>::max(), kFloatMin = std::numeric_limits<float>::min();
+    if (!(std::fabs(p.swiglu_alpha) <= kFloatMax))  // also refuses NaN and inf
+      throw_argument_error(where, "problem.swiglu_alpha",
+                           "a finite real number of at most " + number(kFloatMax) + " in magnitude (a float)",
+                           number(p.swiglu_alpha));
+    if (!(p.swiglu_limit == std::numeric_limits<double>::infinity() ||
+          (p.swiglu_limit >= kFloatMin && p.swiglu_limit <= kFloatMax)))  // also refuses NaN
+      throw_argument_error(where, "problem.swiglu_limit",
+                           "a real number > 0 that a float holds, in [" + number(kFloatMin) + ", " +
+                               number(kFloatMax) + "] (+inf: no clamping)",
                            number(p.swiglu_limit));
     return;
   }

@@ -181,12 +181,17 @@ TEST(GptOssValidation, ParametersAreCheckedAndBelongToGptOssOnly) {
   EXPECT_EQ(message(p), "");
   p.swiglu_limit = std::numeric_limits<double>::infinity();  // no clamping
   EXPECT_EQ(message(p), "");
-  for (double bad : {0.0, -1.0, std::numeric_limits<double>::quiet_NaN()}) {
+  // (1e-50 and 1e39: finite doubles that the float the kernels compute with cannot hold)
+  for (double bad : {0.0, -1.0, std::numeric_limits<double>::quiet_NaN(), 1e-50, 1e39}) {
     p.swiglu_limit = bad;
     EXPECT_NE(message(p).find("problem.swiglu_limit"), std::string::npos) << bad;
   }
+  p.swiglu_limit = static_cast<double>(std::numeric_limits<float>::min());  // the smallest normal float: taken
+  EXPECT_EQ(message(p), "");
   p.swiglu_limit = 7.0;
-  for (double bad : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+  p.swiglu_alpha = -static_cast<double>(std::numeric_limits<float>::max());
+  EXPECT_EQ(message(p), "");
+  for (double bad : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN(), 1e39, -1e39}) {
     p.swiglu_alpha = bad;
     EXPECT_NE(message(p).find("problem.swiglu_alpha"), std::string::npos) << bad;
   }

@@ -278,6 +278,10 @@ def test_parameters_are_validated_and_belong_to_gptoss_swiglu():
                            (dict(swiglu_limit=-1), ValueError, "swiglu_limit"),
                            (dict(swiglu_limit=math.nan), ValueError, "swiglu_limit"),
                            (dict(swiglu_alpha=math.inf), ValueError, "swiglu_alpha.*finite"),
+                           # finite doubles that fp32, which the kernels compute in, cannot hold
+                           (dict(swiglu_alpha=1e39), ValueError, "swiglu_alpha.*fp32.*got 1e\\+39"),
+                           (dict(swiglu_limit=1e-50), ValueError, "swiglu_limit.*fp32.*got 1e-50"),
+                           (dict(swiglu_limit=1e39), ValueError, "swiglu_limit.*fp32.*got 1e\\+39"),
                            (dict(swiglu_alpha=True), TypeError, "swiglu_alpha"),
                            (dict(swiglu_limit="7"), TypeError, "swiglu_limit")]:
         with pytest.raises(err, match=match):
@@ -295,6 +299,9 @@ def test_parameters_are_validated_and_belong_to_gptoss_swiglu():
     with pytest.raises(ValueError, match="swiglu_limit"):
         torch.ops.machmoe.layer_forward(x, rw, w1, None, w2, None, None, None, None, 2, 7, 0, 0, 0, 0, 128, 0, 1.702,
                                         -1.0)
+    with pytest.raises(ValueError, match="swiglu_alpha.*a float"):
+        torch.ops.machmoe.layer_forward(x, rw, w1, None, w2, None, None, None, None, 2, 7, 0, 0, 0, 0, 128, 0, 1e39,
+                                        7.0)
     with pytest.raises(ValueError, match="swiglu_limit.*gptoss_swiglu"):
         torch.ops.machmoe.layer_forward(x, rw, w1, None, w2, None, None, None, None, 2, 0, 0, 0, 0, 0, 128, 0, 1.702,
                                         5.0)

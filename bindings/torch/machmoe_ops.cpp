@@ -229,7 +229,7 @@ struct LayerArgs {
 };
 
 /// A caller buffer (into_*) that a backward adds a weight's gradient into: present only for a weight the layer has,
-/// on x's device, in x's dtype or fp32, of the weight's shape. Returns whether the buffer is given. The forward
+/// on x's device, in x's dtype or fp32, of the weight's shape, contiguous. Returns whether the buffer is given. The forward
 /// checks its buffers with this too (it only hands them to its backward), so that a wrong buffer fails at the call
 /// that passed it, not later in backward().
 bool check_into(const char* op, const char* arg, const OptTensor& into, bool present_weight, const char* absent_why,
@@ -246,6 +246,13 @@ bool check_into(const char* op, const char* arg, const OptTensor& into, bool pre
   if (t.sizes() != sizes)
     fail(op, arg, "shape " + shape_of(at::empty(sizes, at::TensorOptions().device(at::kMeta))) +
                       " (the weight's shape)", "shape " + shape_of(t));
+  // Contiguous, as the Python layer asks of its buffers: the library would refuse another layout only inside the
+  // backward, naming its own argument (outputs.grad_weights...) rather than this one.
+  if (!t.is_contiguous()) {
+    std::string strides;
+    for (const auto s : t.strides()) strides += (strides.empty() ? "(" : ", ") + std::to_string(s);
+    fail(op, arg, "a contiguous tensor", "strides " + strides + ")");
+  }
   // The backward bumps the buffer's version once it has written it (bump_versions), and torch refuses that bump
   // for a tensor without a version counter (an inference tensor, e.g. a main_grad created under
   // torch.inference_mode()) only then: the buffer would be changed and the backward fail. Refused before any work,

@@ -133,6 +133,8 @@ def test_check_device_errors_without_a_gpu_gives_the_library_message():
                                           r"got shape \(3,\)"),
     (torch.zeros(4, 8, 8, dtype=torch.float64, device="meta"),
      r"argument 'into_w1': expected a tensor on cpu \(the device of x\), got a tensor on meta"),
+    (torch.zeros(4, 8, 8, dtype=torch.float64).transpose(1, 2),
+     r"argument 'into_w1': expected a contiguous tensor, got strides \(64, 1, 8\)"),
 ])
 def test_forward_refuses_a_malformed_buffer(bad, match):
     x, rw, w1, w2, _, _ = make(T=10, bias=False)  # requires grad: the buffer would only be read by backward()

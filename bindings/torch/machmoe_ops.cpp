@@ -229,9 +229,9 @@ struct LayerArgs {
 };
 
 /// A caller buffer (into_*) that a backward adds a weight's gradient into: present only for a weight the layer has,
-/// on x's device, in x's dtype or fp32, of the weight's shape, contiguous. Returns whether the buffer is given. The forward
-/// checks its buffers with this too (it only hands them to its backward), so that a wrong buffer fails at the call
-/// that passed it, not later in backward().
+/// on x's device, in x's dtype or fp32, of the weight's shape, contiguous. Returns whether the buffer is given. The
+/// forward checks its buffers with this too (it only hands them to its backward), so that a wrong buffer fails at the
+/// call that passed it, not later in backward().
 bool check_into(const char* op, const char* arg, const OptTensor& into, bool present_weight, const char* absent_why,
                 at::IntArrayRef sizes, const Tensor& x) {
   if (!present(into)) return false;

@@ -35,6 +35,74 @@ void check_buffer_start(const ArgChecker& c, const char* name, const void* ptr) 
                " bytes past a multiple)");
 }
 
+/// The bytes a caller's tensor or buffer spans, from its lowest to its highest element, named for messages. Empty for
+/// an absent view, one without elements, or a buffer of no bytes: such a one touches no memory.
+struct CallerBytes {
+  const char* name;
+  std::uintptr_t begin = 0, end = 0;
+};
+
+CallerBytes bytes_of(const TensorView& t, const char* name) {
+  if (t.data == nullptr || t.numel() == 0) return {name};
+  std::int64_t low = 0, high = 0;  // element offsets of the lowest and highest element (strides may be 0 or any sign)
+  for (int i = 0; i < t.rank; ++i) (t.stride[i] < 0 ? low : high) += (t.shape[i] - 1) * t.stride[i];
+  const auto base = reinterpret_cast<std::uintptr_t>(t.data);
+  const auto size = static_cast<std::int64_t>(dtype_size(t.dtype));
+  return {name, base + static_cast<std::uintptr_t>(low * size), base + static_cast<std::uintptr_t>((high + 1) * size)};
+}
+
+CallerBytes bytes_of(const void* data, std::size_t bytes, const char* name) {
+  if (data == nullptr || bytes == 0) return {name};
+  const auto base = reinterpret_cast<std::uintptr_t>(data);
+  return {name, base, base + bytes};
+}
+
+/// What a call writes must not share memory with anything else it is given: the GPU reads inputs after it has
+/// written outputs (x after grad_x, for the weight gradients), so an alias would silently give other results there
+/// than on the CPU. Compared by the span from lowest to highest byte, so that views interleaved in one allocation
+/// would be refused too; views laid one after another (a flat gradient buffer's) pass.
+void check_no_aliasing(const ArgChecker& c, const std::vector<CallerBytes>& written,
+                       const std::vector<CallerBytes>& read) {
+  const auto clash = [&](const CallerBytes& w, const CallerBytes& o) {
+    if (w.begin == w.end || o.begin == o.end || w.end <= o.begin || o.end <= w.begin) return;
+    c.fail(w.name, "memory of its own (it is written, so it may share no byte with another argument of the call)",
+           "bytes [" + std::to_string(w.begin) + ", " + std::to_string(w.end) + "), overlapping " + o.name + " at [" +
+               std::to_string(o.begin) + ", " + std::to_string(o.end) + ")");
+  };
+  for (auto w = written.begin(); w != written.end(); ++w) {
+    for (auto o = w + 1; o != written.end(); ++o) clash(*w, *o);
+    for (const CallerBytes& o : read) clash(*w, o);
+  }
+}
+
+/// What every entry point reads: x, the weights and the caller's routing.
+std::vector<CallerBytes> layer_inputs(const TensorView& x, const LayerWeights& w, const RoutingTriples* routing) {
+  std::vector<CallerBytes> r{bytes_of(x, "x"),   bytes_of(w.router_weight, "weights.router_weight"),
+                             bytes_of(w.w1, "weights.w1"), bytes_of(w.b1, "weights.b1"),
+                             bytes_of(w.w2, "weights.w2"), bytes_of(w.b2, "weights.b2")};
+  if (routing != nullptr) {
+    r.push_back(bytes_of(routing->token_index, "routing.token_index"));
+    r.push_back(bytes_of(routing->expert_index, "routing.expert_index"));
+    r.push_back(bytes_of(routing->score, "routing.score"));
+  }
+  return r;
+}
+
+/// What a backward call writes of its outputs (absent ones touch nothing).
+std::vector<CallerBytes> backward_outputs(const BackwardOutputs& out) {
+  const LayerWeightGrads& g = out.grad_weights;
+  return {bytes_of(out.grad_x, "outputs.grad_x"), bytes_of(out.grad_scores, "outputs.grad_scores"),
+          bytes_of(g.router_weight, "outputs.grad_weights.router_weight"), bytes_of(g.w1, "outputs.grad_weights.w1"),
+          bytes_of(g.b1, "outputs.grad_weights.b1"), bytes_of(g.w2, "outputs.grad_weights.w2"),
+          bytes_of(g.b2, "outputs.grad_weights.b2")};
+}
+
+template <class V>
+V joined(V a, const V& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 /// Checks shared by forward and backward; returns the layer's data dtype.
 DType validate_inputs(const ArgChecker& c, const MoEProblem& p, const TensorView& x, const LayerWeights& w,
                       const RoutingTriples* routing, void* stream) {
@@ -497,6 +565,12 @@ void forward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, co
   check_buffer_start(c, "buffers.saved", buffers.saved);
   check_workspace(c, buffers.workspace, buffers.workspace_bytes, forward_workspace_bytes(p, dt, x.device),
                   "forward_workspace_bytes(...)");
+  check_no_aliasing(c,
+                    {bytes_of(out.out, "outputs.out"), bytes_of(out.router_logits, "outputs.router_logits"),
+                     bytes_of(out.expert_counts, "outputs.expert_counts"),
+                     bytes_of(buffers.saved, buffers.saved_bytes, "buffers.saved"),
+                     bytes_of(buffers.workspace, buffers.workspace_bytes, "buffers.workspace")},
+                    layer_inputs(x, w, routing));
 #ifdef MACHMOE_WITH_CUDA
   if (x.device.type == DeviceType::kCUDA) {
     // Index values stay on the device (checking them here would synchronise); out-of-range pairs are skipped, and
@@ -537,6 +611,15 @@ void backward(const MoEProblem& p, const TensorView& x, const LayerWeights& w, c
                   backward_workspace_bytes(p, dt, dev, buffers.consume_saved),
                   std::string("backward_workspace_bytes(..., consume_saved = ") +
                       (buffers.consume_saved ? "true" : "false") + ")");
+  {
+    const CallerBytes saved = bytes_of(buffers.saved, buffers.saved_bytes, "buffers.saved");  // written if consumed
+    std::vector<CallerBytes> written = backward_outputs(out), read = layer_inputs(x, w, routing);
+    written.push_back(bytes_of(buffers.workspace, buffers.workspace_bytes, "buffers.workspace"));
+    (buffers.consume_saved ? written : read).push_back(saved);
+    read.push_back(bytes_of(bin.grad_out, "inputs.grad_out"));
+    read.push_back(bytes_of(bin.grad_router_logits, "inputs.grad_router_logits"));
+    check_no_aliasing(c, written, read);
+  }
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
     gpu::raise_recorded_index_violation(dev.index, "backward", stream);
@@ -570,6 +653,14 @@ void backward_input(const MoEProblem& p, const TensorView& x, const LayerWeights
   check_workspace(c, buffers.workspace, buffers.workspace_bytes, backward_input_workspace_bytes(p, dt, dev),
                   "backward_input_workspace_bytes(...)");
   check_deferred(c, p, dt, deferred);
+  check_no_aliasing(c,
+                    joined(backward_outputs(out),
+                           {bytes_of(buffers.workspace, buffers.workspace_bytes, "buffers.workspace"),
+                            bytes_of(deferred.data, deferred.bytes, "deferred.data")}),
+                    joined(layer_inputs(x, w, routing),
+                           {bytes_of(buffers.saved, buffers.saved_bytes, "buffers.saved"),
+                            bytes_of(bin.grad_out, "inputs.grad_out"),
+                            bytes_of(bin.grad_router_logits, "inputs.grad_router_logits")}));
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
     gpu::raise_recorded_index_violation(dev.index, "backward_input", stream);
@@ -597,6 +688,10 @@ void backward_weight(const MoEProblem& p, const TensorView& x, const LayerWeight
   if (out.w1_grads_later) c.fail("outputs.w1_grads_later", "false (backward() only)", "true");
   check_saved(c, p, dt, saved, saved_bytes, kSavedArgument);
   check_deferred(c, p, dt, deferred);
+  check_no_aliasing(c, backward_outputs(out),
+                    joined(layer_inputs(x, w, routing),
+                           {bytes_of(saved, saved_bytes, "saved"), bytes_of(grad_out, "grad_out"),
+                            bytes_of(deferred.data, deferred.bytes, "deferred.data")}));
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
     gpu::raise_recorded_index_violation(dev.index, "backward_weight", stream);
@@ -625,6 +720,8 @@ void finish_backward_w1(const MoEProblem& p, const TensorView& x, const LayerWei
   c.absent(out.grad_weights.w2, "outputs.grad_weights.w2", from_backward);
   c.absent(out.grad_weights.b2, "outputs.grad_weights.b2", from_backward);
   check_saved(c, p, dt, saved, saved_bytes, kSavedArgument);
+  check_no_aliasing(c, backward_outputs(out),
+                    joined(layer_inputs(x, w, routing), {bytes_of(saved, saved_bytes, "saved")}));
 #ifdef MACHMOE_WITH_CUDA
   if (dev.type == DeviceType::kCUDA) {
     gpu::raise_recorded_index_violation(dev.index, "finish_backward_w1", stream);

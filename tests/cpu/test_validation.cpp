@@ -421,6 +421,64 @@ TEST(Validation, BackwardArguments) {
 
 // docs/VALIDATION.md, "Caller memory is untouched on error": no output, buffer or gradient of a rejected call is
 // written, including rejections that come only after every tensor checked out (routing values, buffer sizes).
+// An output that shares memory with another argument of the call is refused before anything is written: the GPU
+// reads x after writing grad_x (for the weight gradients), so an alias would give other results there than here.
+// Views laid one after another in one allocation (a flat gradient buffer's) pass.
+TEST(Validation, OutputsThatShareMemoryWithAnotherArgumentAreRefused) {
+  const DType dt = DType::kFP64;
+  {
+    Call c;
+    c.forward_call();
+    const std::vector<unsigned char> saved_now = c.saved;
+    c.bo.grad_x = c.xv;  // grad_x written over x
+    const std::vector<double> x_before = c.x;
+    c.poison();
+    c.saved = saved_now;
+    expect_error([&] { c.backward_call(); }, {"machmoe::backward: argument 'outputs.grad_x'", "memory of its own", "overlapping x at"});
+    c.expect_untouched(saved_now);
+    EXPECT_EQ(c.x, x_before) << "x written";
+  }
+  {
+    Call c;
+    c.fo.out = TensorView::contiguous(c.saved.data(), dt, {6, 8});  // the output inside the saved buffer
+    expect_error([&] { c.forward_call(); }, {"machmoe::forward: argument 'outputs.out'", "overlapping buffers.saved at"});
+  }
+  {
+    Call c;
+    c.forward_call();
+    c.bo.grad_weights.w2 = TensorView::contiguous(c.dw1.data() + 8, dt, {4, 8, 3});  // two gradients overlapping
+    expect_error([&] { c.backward_call(); },
+                 {"argument 'outputs.grad_weights.w1'", "overlapping outputs.grad_weights.w2 at"});
+  }
+  {
+    Call c;
+    c.forward_call();
+    c.bi.grad_out = c.xv;  // read twice: allowed (a loss of <out, x> gives x as grad_out)
+    EXPECT_NO_THROW(c.backward_call());
+    std::vector<double> flat(c.dw1.size() + c.dw2.size() + c.db1.size(), 0.0);  // one after another: allowed
+    c.bo.grad_weights.w1 = TensorView::contiguous(flat.data(), dt, {4, 6, 8});
+    c.bo.grad_weights.w2 = TensorView::contiguous(flat.data() + c.dw1.size(), dt, {4, 8, 3});
+    c.bo.grad_weights.b1 = TensorView::contiguous(flat.data() + c.dw1.size() + c.dw2.size(), dt, {4, 6});
+    EXPECT_NO_THROW(c.backward_call());
+  }
+  {
+    Call c;  // the split halves: backward_weight's gradient over the deferred buffer it reads
+    c.forward_call();
+    std::vector<unsigned char> deferred(deferred_layout(c.p, dt).total_bytes);
+    BackwardOutputs input_half, weight_half = c.bo;
+    input_half.grad_x = c.bo.grad_x, input_half.grad_weights.router_weight = c.bo.grad_weights.router_weight;
+    weight_half.grad_x = weight_half.grad_weights.router_weight = TensorView();
+    backward_input(c.p, c.xv, c.w, nullptr, c.bi, input_half, c.bb, {deferred.data(), deferred.size()});
+    weight_half.grad_weights.b1 = TensorView::contiguous(reinterpret_cast<double*>(deferred.data()), dt, {4, 6});
+    expect_error(
+        [&] {
+          backward_weight(c.p, c.xv, c.w, nullptr, c.bi.grad_out, weight_half, c.saved.data(), c.saved.size(),
+                          {deferred.data(), deferred.size()});
+        },
+        {"machmoe::backward_weight: argument 'outputs.grad_weights.b1'", "overlapping deferred.data at"});
+  }
+}
+
 TEST(Validation, RejectedCallsWriteNothing) {
   {
     Call c(RoutingMode::kCallerSupplied);

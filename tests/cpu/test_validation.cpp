@@ -434,14 +434,16 @@ TEST(Validation, OutputsThatShareMemoryWithAnotherArgumentAreRefused) {
     const std::vector<double> x_before = c.x;
     c.poison();
     c.saved = saved_now;
-    expect_error([&] { c.backward_call(); }, {"machmoe::backward: argument 'outputs.grad_x'", "memory of its own", "overlapping x at"});
+    expect_error([&] { c.backward_call(); },
+                 {"machmoe::backward: argument 'outputs.grad_x'", "memory of its own", "overlapping x at"});
     c.expect_untouched(saved_now);
     EXPECT_EQ(c.x, x_before) << "x written";
   }
   {
     Call c;
     c.fo.out = TensorView::contiguous(c.saved.data(), dt, {6, 8});  // the output inside the saved buffer
-    expect_error([&] { c.forward_call(); }, {"machmoe::forward: argument 'outputs.out'", "overlapping buffers.saved at"});
+    expect_error([&] { c.forward_call(); },
+                 {"machmoe::forward: argument 'outputs.out'", "overlapping buffers.saved at"});
   }
   {
     Call c;

@@ -80,7 +80,10 @@ class MoE(_LossCoefficients, nn.Module):
     that requires grad (router_weight, w1, w2, b1, b2) into that parameter's ``main_grad`` attribute instead of
     producing ``.grad``: inside the weight-gradient kernels (the sum in fp32, rounded once to the buffer's dtype), with
     no extra kernel, copy or gradient-sized temporary. ``.grad`` is left as it was (None), so Megatron's DDP hooks,
-    which add a non-None ``.grad`` into ``main_grad``, count nothing twice. A parameter without ``main_grad`` gets one
+    which add a non-None ``.grad`` into ``main_grad``, count nothing twice. For the same reason
+    ``torch.autograd.grad`` asked for those parameters has no gradient to return and reports them as unused, after
+    its backward has already added into ``main_grad``: pass ``allow_unused=True`` (None for them; the gradients are
+    in ``main_grad``). A parameter without ``main_grad`` gets one
     on first use (a forward with gradients enabled): zeros of ``main_grad_dtype`` (torch.float32 by default, or the
     parameters' dtype), or call
     ``main_grads()`` to create them ahead of time (needed before torch.compile traces the module, which cannot add

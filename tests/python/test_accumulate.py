@@ -157,6 +157,23 @@ def test_module_accumulates_into_main_grad_created_on_first_use():
         acc(xs[0])
 
 
+def test_autograd_grad_gives_the_input_gradient_and_none_for_accumulated_parameters():
+    # As the docstring says: the parameters' gradients go into main_grad, so torch.autograd.grad has nothing to
+    # return for them (unused without allow_unused=True, None with it); the input's gradient is the plain one's.
+    plain, acc = _module_pair()
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    gx_plain, gw1_plain = torch.autograd.grad(plain(x).output.square().sum(), [x, plain.w1])
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(acc(x).output.square().sum(), [x, acc.w1])
+    # autograd raises that after its backward ran: main_grad holds one gradient already.
+    assert rel(acc.w1.main_grad.double(), gw1_plain) < 1e-6
+    acc.w1.main_grad.zero_()
+    gx, gw1 = torch.autograd.grad(acc(x).output.square().sum(), [x, acc.w1], allow_unused=True)
+    assert gw1 is None and acc.w1.grad is None
+    assert rel(gx, gx_plain) < 1e-12
+    assert rel(acc.w1.main_grad.double(), gw1_plain) < 1e-6
+
+
 def test_module_main_grad_dtype_option_and_frozen_parameters():
     _, acc = _module_pair(main_grad_dtype=torch.float64)
     acc.router_weight.requires_grad_(False)

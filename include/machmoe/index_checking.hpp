@@ -5,8 +5,9 @@
 // index checking on, the kernels that read caller indices also record the first violation they meet (which argument,
 // position, value) into a small per-device status, still without a host synchronisation and still without reading
 // out of bounds. The host raises machmoe::Error for it at the next point the library controls: the next entry into
-// forward/backward/backward_input/backward_weight on that device (which looks at the status of launches that have
-// already completed, without waiting), or check_device_errors(), which waits for the stream first.
+// forward, backward, backward_input, backward_weight or finish_backward_w1, or the next grouped_expert_index, on that
+// device (which looks at the status of launches that have already completed, without waiting), or
+// check_device_errors(), which waits for the stream first.
 #pragma once
 
 #include <cstdint>

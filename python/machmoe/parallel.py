@@ -26,6 +26,7 @@ has an explicit inverse for its backward, and rows that meet (a token's K result
 summed per token in a fixed order.
 """
 import contextlib
+import copy
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -101,9 +102,15 @@ def _route_dense(logits: Tensor, top_k: int, score: str, routing: str, rounding:
         probs = torch.softmax(z, dim=-1)
     chosen = torch.zeros(T, E, dtype=torch.bool, device=logits.device).scatter_(1, order, True)
     tc_dense = torch.zeros(T, E, dtype=s.dtype, device=logits.device).scatter(1, order, s)
-    preference = torch.where(chosen, tc_dense, probs - 1).detach()
     r = _rounded_counts(chosen.sum(0), T, tile, rounding)
-    by_preference = torch.sort(preference, dim=0, descending=True, stable=True).indices  # ties: lower token first
+    # Per expert, the order of the library's ranking keys (docs/ROUTING.md): every chosen pair before every other,
+    # chosen pairs by TC score and the others by p itself (not by S' = p - 1, whose rounding in the float32 score
+    # dtype ties every p within 6e-8 of another), NaN first within its class, ties to the lower token. Two stable
+    # sorts: by value, then by class.
+    value = torch.nan_to_num(torch.where(chosen, tc_dense, probs).detach(), nan=float("inf"))  # p, TC <= 1
+    by_value = torch.sort(value, dim=0, descending=True, stable=True).indices
+    by_class = torch.sort(chosen.gather(0, by_value).to(torch.uint8), dim=0, descending=True, stable=True).indices
+    by_preference = by_value.gather(0, by_class)
     rank = torch.empty_like(by_preference).scatter_(
         0, by_preference, torch.arange(T, device=logits.device).unsqueeze(1).expand(T, E).contiguous())
     keep = rank < r.unsqueeze(0)
@@ -474,6 +481,34 @@ def _local(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.to_local() if t is not None and hasattr(t, "to_local") else t
 
 
+def _local_experts(w: Tensor):
+    """(the tensor holding this rank's rows of w, the index along dim 0 of its first row): w itself and 0 for a plain
+    tensor; for a DTensor (experts sharded by FSDP2 or torchtitan's plan) its local shard and where that starts.
+    Indexing a sharded DTensor (w[i]) would give a replicated copy, and writes into it would be lost."""
+    if not hasattr(w, "to_local"):
+        return w, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+    local = w.to_local()
+    if tuple(local.shape) != tuple(shape) or tuple(shape[1:]) != tuple(w.shape[1:]) or any(offset[1:]):
+        raise NotImplementedError(f"machmoe: GroupedExperts.reset_parameters(seed=...) on a DTensor sharded other "
+                                  f"than along the expert dimension (placements {w.placements})")
+    return local, offset[0]
+
+
+class _DivideGrad(torch.autograd.Function):
+    """The identity, whose backward divides the gradient by `factor` (shard_experts_fsdp2's 1 / ep_size)."""
+
+    @staticmethod
+    def forward(ctx, t, factor):
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.factor, None
+
+
 class ExpertPairs:
     """The pairs form of GroupedExperts.forward: (token_index, expert_index, scores) of P pairs, token_index
     ascending into the rows of x, at most max_pairs_per_row pairs per row. A plain class on purpose, not a tuple,
@@ -490,12 +525,13 @@ class GroupedExperts(nn.Module):
     """E experts in machmoe's layout (w1 (E, 2n | n, d), w2 (E, d, n), b1, b2 — as machmoe.MoE), called like
     torchtitan's GroupedExperts: forward(x, num_tokens_per_expert) with rows of x grouped by expert. Rows beyond
     sum(num_tokens_per_expert) are padding and return zeros; the sum must not exceed the rows (checked on the CPU,
-    ValueError; not on the GPU, where it would need a host synchronisation). No host synchronisation."""
+    ValueError; not on the GPU, where it would need a host synchronisation). No host synchronisation.
+    grad_divide_factor (1.0): what the weights' gradients are divided by (shard_experts_fsdp2 sets it)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, activation: str = "swiglu",
                  bias: bool = False, weight_layout: str = "interleaved", activation_memory: str = "preact",
                  device=None, dtype=None, *, swiglu_alpha: Optional[float] = None,
-                 swiglu_limit: Optional[float] = None):
+                 swiglu_limit: Optional[float] = None, _defer_init: bool = False):
         super().__init__()
         # As machmoe.MoE: sizes as ints (numpy integers and 0-d tensors too), the options by name.
         hidden_size = as_int("hidden_size", hidden_size, low=1)
@@ -513,7 +549,12 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
         self.b1 = nn.Parameter(torch.empty(num_experts, rows, **kw)) if bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size, **kw)) if bias else None
-        self.reset_parameters()
+        # What the weights' gradients are divided by (shard_experts_fsdp2 sets ep_size where FSDP2 does not divide
+        # them). Applied in forward rather than by hooks on the parameters, which to_empty (FSDP2's meta-device
+        # initialisation) would replace along with the parameters.
+        self.grad_divide_factor = 1.0
+        if not _defer_init:
+            self.reset_parameters()
 
     def reset_parameters(self, seed: Optional[int] = None, first_expert: int = 0) -> None:
         """machmoe.MoE's initialisation. With `seed`, expert i is drawn from its own generator seeded with
@@ -528,10 +569,26 @@ class GroupedExperts(nn.Module):
                 self.w1.normal_(0.0, 1.0 / math.sqrt(self.hidden_size))
                 self.w2.normal_(0.0, 1.0 / math.sqrt(self.intermediate_size))
                 return
-            for i in range(self.num_experts):
-                g = torch.Generator(device=self.w1.device).manual_seed(seed + first_expert + i)
-                self.w1[i].normal_(0.0, 1.0 / math.sqrt(self.hidden_size), generator=g)
-                self.w2[i].normal_(0.0, 1.0 / math.sqrt(self.intermediate_size), generator=g)
+            # Sharded experts (FSDP2 after to_empty): each rank draws the experts it holds, into its shard.
+            (w1, first1), (w2, first2) = _local_experts(self.w1), _local_experts(self.w2)
+            if first1 != first2 or w1.shape[0] != w2.shape[0]:
+                raise NotImplementedError("machmoe: GroupedExperts.reset_parameters(seed=...) with w1 and w2 "
+                                          "sharded differently along the expert dimension")
+            for j in range(w1.shape[0]):
+                g = torch.Generator(device=w1.device).manual_seed(seed + first_expert + first1 + j)
+                w1[j].normal_(0.0, 1.0 / math.sqrt(self.hidden_size), generator=g)
+                w2[j].normal_(0.0, 1.0 / math.sqrt(self.intermediate_size), generator=g)
+
+    def _weights(self):
+        """w1, w2, b1, b2 as the call uses them: plain tensors, their gradients divided by grad_divide_factor."""
+        factor = self.grad_divide_factor
+        out = []
+        for w in (self.w1, self.w2, self.b1, self.b2):
+            w = _local(w)
+            if factor != 1.0 and w is not None and w.requires_grad and torch.is_grad_enabled():
+                w = _DivideGrad.apply(w, factor)
+            out.append(w)
+        return out
 
     def forward(self, x: Tensor, num_tokens_per_expert: Optional[Tensor] = None, *, zero_padding: bool = True,
                 expert_index: Optional[Tensor] = None, pairs: Optional[ExpertPairs] = None) -> Tensor:
@@ -553,8 +610,8 @@ class GroupedExperts(nn.Module):
             max_pairs_per_row = pairs.max_pairs_per_row
             max_pairs_per_row = _check_pairs_call(x, token_index, expert_index, scores, max_pairs_per_row,
                                                   self.num_experts, self.hidden_size)
-            return _run_pairs(x, token_index, expert_index, scores, max_pairs_per_row, _local(self.w1),
-                              _local(self.w2), _local(self.b1), _local(self.b2), activation=self.activation,
+            return _run_pairs(x, token_index, expert_index, scores, max_pairs_per_row, *self._weights(),
+                              activation=self.activation,
                               weight_layout=self.weight_layout, activation_memory=self.activation_memory,
                               swiglu_alpha=getattr(self, "swiglu_alpha", None),
                               swiglu_limit=getattr(self, "swiglu_limit", None))
@@ -562,14 +619,12 @@ class GroupedExperts(nn.Module):
             if num_tokens_per_expert is not None:
                 _fail("num_tokens_per_expert", "None when expert_index is given", "a tensor")
             _check_indexed_call(x, expert_index, self.hidden_size)
-            return _run_indexed(x, expert_index, _local(self.w1), _local(self.w2), _local(self.b1), _local(self.b2),
-                                activation=self.activation, weight_layout=self.weight_layout,
+            return _run_indexed(x, expert_index, *self._weights(), activation=self.activation, weight_layout=self.weight_layout,
                                 activation_memory=self.activation_memory,
                                 swiglu_alpha=getattr(self, "swiglu_alpha", None),
                                 swiglu_limit=getattr(self, "swiglu_limit", None))
         _check_grouped_call(x, num_tokens_per_expert, self.num_experts, self.hidden_size)
-        return _run_grouped(x, num_tokens_per_expert, _local(self.w1), _local(self.w2), _local(self.b1),
-                            _local(self.b2), activation=self.activation, weight_layout=self.weight_layout,
+        return _run_grouped(x, num_tokens_per_expert, *self._weights(), activation=self.activation, weight_layout=self.weight_layout,
                             activation_memory=self.activation_memory, zero_padding=zero_padding,
                             swiglu_alpha=getattr(self, "swiglu_alpha", None),
                             swiglu_limit=getattr(self, "swiglu_limit", None))
@@ -768,7 +823,10 @@ def _group_size_rank(group):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("machmoe: expert parallelism needs an initialised torch.distributed process group "
                            "(call torch.distributed.init_process_group first)")
-    return dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
+    if rank < 0:  # get_world_size answers -1 there, which would pass the divisibility check and fail later, obscurely
+        _fail("group", "a process group this rank belongs to", f"a group without global rank {dist.get_rank()}")
+    return dist.get_world_size(group), rank
 
 
 def _check_divisible(num_experts: int, ep_size: int) -> None:
@@ -909,9 +967,12 @@ def _route_tokens(x: Tensor, router_weight: Tensor, top_k: int, score: str, rout
                   tile: int):
     """(x with unit stride along d, the router logits, the dense routing) for this rank's tokens; the options as
     _check_routing_options returns them."""
-    if x.stride(-1) != 1:
+    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):  # overlapping rows: as machmoe.MoE
         x = x.contiguous()
-    logits = x @ router_weight.t()
+    # The router in the data's own dtype, as machmoe.MoE's (inside the library's operator): under torch.autocast
+    # the matmul would otherwise run in bf16 and route differently.
+    with torch.autocast(x.device.type, enabled=False):
+        logits = x @ router_weight.t()
     return x, logits, _route_dense(logits, top_k, score, routing, rounding, tile)
 
 
@@ -1144,9 +1205,11 @@ def shard_experts_fsdp2(layer: "ExpertParallelMoE", expert_mesh=None, **fully_sh
       * expert_mesh (a 1-D DeviceMesh of the ranks holding the same experts, one per EP group) of size F > 1: the
         experts are sharded over it with fully_shard (extra keyword arguments go to that call) and divide by
         F * ep_size. Returns an empty set.
-      * expert_mesh None or of size 1 (EP spans the data-parallel group): the experts stay whole; a gradient hook
-        divides by ep_size (FSDP2 applies no divide factor on a 1-rank mesh). Returns the experts' parameters:
-        pass them as ignored_params to the enclosing fully_shard, which must not shard them over the EP ranks."""
+      * expert_mesh None or of size 1 (EP spans the data-parallel group): the experts stay whole, and their
+        forward divides their gradients by ep_size (layer.experts.grad_divide_factor; FSDP2 applies no divide factor
+        on a 1-rank mesh; set in forward, not by hooks on the parameters, so that it outlives to_empty). Returns
+        the experts' parameters: pass them as ignored_params to the enclosing fully_shard, which must not shard them
+        over the EP ranks."""
     from torch.distributed.fsdp import fully_shard
     if not isinstance(layer, ExpertParallelMoE):
         raise TypeError(f"machmoe: argument 'layer': expected an ExpertParallelMoE, got {type(layer).__name__}")
@@ -1162,10 +1225,8 @@ def shard_experts_fsdp2(layer: "ExpertParallelMoE", expert_mesh=None, **fully_sh
         # The cost is one division of the reduced shard.
         layer.experts.set_force_sum_reduction_for_comms(True)
         return set()
-    params = set(layer.experts.parameters())
-    for p in params:
-        p.register_hook(lambda g, ep_size=layer.ep_size: g / ep_size)
-    return params
+    layer.experts.grad_divide_factor = float(layer.ep_size)  # applied in the experts' forward (GroupedExperts)
+    return set(layer.experts.parameters())
 
 
 # ---- capacity overflow ------------------------------------------------------------------------------------------
@@ -1248,10 +1309,21 @@ class ExpertParallelMoE(_LossCoefficients, nn.Module):
         self.weight_layout, self.activation_memory = weight_layout, activation_memory
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        # The experts' own initialisation is skipped: reset_parameters draws them from per-expert generators, after
+        # the router, so that the router is machmoe.MoE's for the same seed and nothing depends on ep_size.
         self.experts = GroupedExperts(hidden_size, intermediate_size, self.num_local_experts, activation, bias,
                                       weight_layout, activation_memory, device=device, dtype=dtype,
-                                      swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+                                      swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, _defer_init=True)
         self.reset_parameters()
+
+    def __deepcopy__(self, memo):
+        """A copy (e.g. torch.optim.swa_utils.AveragedModel's) shares the process group, which cannot be copied."""
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def reset_parameters(self) -> None:
         if self.router_weight.device.type == "meta":

@@ -707,6 +707,106 @@ def scenario_fsdp2_moe_sharded_inside_a_model(rank, world):
             assert_close(f"step {step} {name}", ours, p.grad, 1e-12)
 
 
+def scenario_fsdp2_meta_device_initialisation(rank, world):
+    """FSDP2's deferred initialisation (build on meta, shard, to_empty, reset_parameters). With the experts sharded
+    over the ranks (an EP group of one, so a 1 x world mesh; 3 experts over 2 ranks: uneven shards), every expert
+    gets its documented draw, from a generator seeded with the layer's seed plus its index, and nothing is left as
+    to_empty found it. With EP over the whole group, the experts' gradients are divided by ep_size as in the eager
+    flow (to_empty replaces the parameters, and hooks on them would be lost)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("expert_fsdp", "ep"))
+    with torch.device("meta"):
+        ep = ExpertParallelMoE(D, N, 3, 2, group=mesh["ep"].get_group(), dtype=torch.float64)
+    shard_experts_fsdp2(ep, mesh["expert_fsdp"])
+    fully_shard(ep, mesh=init_device_mesh("cpu", (world,)))
+    ep.to_empty(device="cpu")
+    with torch.no_grad():
+        ep.experts.w1.zero_()
+        ep.experts.w2.zero_()
+    seed = 1234
+    ep.experts.reset_parameters(seed=seed)  # as ep.reset_parameters() does, with the seed it draws
+    w1, w2 = ep.experts.w1.full_tensor(), ep.experts.w2.full_tensor()
+    for i in range(3):
+        g = torch.Generator().manual_seed(seed + i)
+        assert torch.equal(w1[i], torch.empty_like(w1[i]).normal_(0.0, 1.0 / math.sqrt(D), generator=g)), i
+        assert torch.equal(w2[i], torch.empty_like(w2[i]).normal_(0.0, 1.0 / math.sqrt(N), generator=g)), i
+
+    dp = init_device_mesh("cpu", (world,))
+    grads = {}
+    for flow in ("eager", "meta"):
+        with torch.device("meta" if flow == "meta" else "cpu"):
+            layer = ExpertParallelMoE(D, N, 2 * world, 2, dtype=torch.float64)
+        fully_shard(layer, mesh=dp, ignored_params=shard_experts_fsdp2(layer))
+        if flow == "meta":
+            layer.to_empty(device="cpu")
+        torch.manual_seed(6)
+        ref = ExpertParallelMoE(D, N, 2 * world, 2, dtype=torch.float64)
+        with torch.no_grad():
+            for name in ("w1", "w2"):
+                getattr(layer.experts, name).copy_(getattr(ref.experts, name))
+            layer.router_weight.copy_(torch.distributed.tensor.distribute_tensor(
+                ref.router_weight, dp, layer.router_weight.placements))
+        x = torch.randn(6, D, dtype=torch.float64, generator=gen(7, rank))
+        layer(x).output.square().sum().backward()
+        grads[flow] = layer.experts.w1.grad.clone()
+    assert_close("expert gradient, meta flow against eager", grads["meta"], grads["eager"], 1e-15)
+
+
+def scenario_initialisation_independent_of_ep_size(rank, world):
+    """For one seed, the router is machmoe.MoE's and every expert the same whatever the EP group's size."""
+    solo = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+    torch.manual_seed(0)
+    whole = ExpertParallelMoE(D, N, 2 * world, 2, group=solo, dtype=torch.float64)
+    torch.manual_seed(0)
+    split = ExpertParallelMoE(D, N, 2 * world, 2, dtype=torch.float64)
+    torch.manual_seed(0)
+    m = machmoe.MoE(D, N, 2 * world, 2, dtype=torch.float64)
+    assert torch.equal(whole.router_weight, m.router_weight) and torch.equal(split.router_weight, m.router_weight)
+    local = slice(split.expert_offset, split.expert_offset + split.num_local_experts)
+    assert torch.equal(whole.experts.w1[local], split.experts.w1)
+    assert torch.equal(whole.experts.w2[local], split.experts.w2)
+
+
+def scenario_deepcopy_shares_the_process_group(rank, world):
+    """copy.deepcopy (torch.optim.swa_utils.AveragedModel's) of a layer on an explicit group: the group is shared,
+    the parameters copied, and the copy computes what the layer does."""
+    import copy
+    group = dist.new_group(list(range(world)))
+    ep = ExpertParallelMoE.from_moe(make_layer(8), group=group)
+    twin = copy.deepcopy(ep)
+    assert twin.group is group and twin.experts.w1 is not ep.experts.w1
+    assert torch.equal(twin.experts.w1, ep.experts.w1)
+    x = make_inputs(8, per_rank([5, 3], world))[rank]
+    assert torch.equal(twin(x).output, ep(x).output)
+
+
+def scenario_rank_outside_the_group(rank, world):
+    """A layer built on a group this rank is not in is refused by name (the group's size reads as -1 there)."""
+    others = dist.new_group([r for r in range(world) if r != 0])
+    if rank == 0:
+        with pytest.raises(ValueError, match="argument 'group': expected a process group this rank belongs to"):
+            ExpertParallelMoE(D, N, 4, 2, group=others)
+
+
+def scenario_autocast_and_expanded_inputs_route_as_machmoe(rank, world):
+    """Under torch.autocast the router still runs in the data's dtype (as machmoe.MoE's, inside the library's
+    operator), so both route alike; an input with overlapping rows (expand) is taken, as machmoe.MoE takes it."""
+    torch.manual_seed(9)
+    m = machmoe.MoE(64, 16, 4 * world, 2, dtype=torch.float32)
+    ep = ExpertParallelMoE.from_moe(m)
+    x = torch.randn(256, 64, generator=gen(9, rank))
+    plain = ep(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = ep(x)
+        ref = m(x)
+    assert mixed.router_logits.dtype == torch.float32
+    assert torch.equal(mixed.expert_counts, plain.expert_counts) and torch.equal(mixed.output, plain.output)
+    assert torch.equal(mixed.expert_counts, ref.expert_counts)
+    row = torch.randn(1, 64, generator=gen(10, rank)).expand(5, 64)
+    assert_close("expanded input", ep(row).output, m(row.contiguous()).output, 1e-6)
+
+
 def scenario_one_row_per_token_and_rank(rank, world):
     """The default mode sends a token's row once to each rank that owns at least one of its experts, not once per
     pair, and gets one row back from each: the two row exchanges of the forward carry exactly the distinct
@@ -931,6 +1031,8 @@ SCENARIOS_2 = [
     "capacity_overflow", "host_synchronisations", "input_requires_grad_on_one_rank_only", "torch_compile",
     "staged_micro_batches_interleaved", "fsdp2_experts_outside_fsdp", "one_row_per_token_and_rank",
     "torchtitan_experts_fsdp2", "default_mode_keeps_no_returned_rows", "fsdp2_moe_sharded_inside_a_model",
+    "fsdp2_meta_device_initialisation", "initialisation_independent_of_ep_size", "deepcopy_shares_the_process_group",
+    "rank_outside_the_group", "autocast_and_expanded_inputs_route_as_machmoe",
 ]
 SCENARIOS_4 = ["topk_float64", "token_rounding_float64", "rank_without_tokens", "capacity_overflow",
                "fsdp2_two_dimensional_mesh", "one_row_per_token_and_rank", "fsdp2_mixed_precision_keeps_scores"]
@@ -1068,6 +1170,29 @@ def test_route_breaks_ties_to_the_lower_expert_and_ranks_nan_last():
     logits = torch.tensor([[1.0, 3.0, 3.0, float("nan")], [2.0, 2.0, 2.0, 2.0]], dtype=torch.float64)
     tok, exp, _, counts = route(logits, top_k=2)
     assert exp.tolist() == [1, 2, 0, 1] and tok.tolist() == [0, 0, 1, 1] and counts.tolist() == [1, 2, 1, 0]
+
+
+def test_token_rounding_ranks_candidates_by_p_itself_in_float32():
+    """Padded candidates rank by p = softmax(z)[e] itself, as the library's keys do (docs/ROUTING.md), not by p - 1,
+    whose float32 rounding ties every p within 6e-8: here p grows with the token, ~1e-11 apart, and rounding up must
+    pad with the largest, in float32 as in float64."""
+    T = 16
+    logits = torch.zeros(T, 2, dtype=torch.float64)
+    logits[:, 1] = -25.0 + 0.1 * torch.arange(T)
+    logits[T - 1, 1] = 5.0  # token 15 alone chooses expert 1: one pair, rounded up to the tile of 8
+    for dtype in (torch.float64, torch.float32):
+        tok, exp, _, _ = route(logits.to(dtype), top_k=1, routing="token_rounding", rounding="up", tile=8)
+        assert tok[exp == 1].tolist() == list(range(8, 16)), dtype
+
+
+def test_token_rounding_ranks_nan_first_within_its_class():
+    """A row of NaN logits (every p NaN; top-K gives it expert 0) ranks first among expert 1's padded candidates,
+    before the finite ones, which follow by p."""
+    logits = torch.stack([torch.zeros(9), -30.0 + torch.arange(9.0)], 1)  # p of expert 1 grows with the token
+    logits[2] = float("nan")
+    logits[4, 1] = 5.0  # token 4 alone chooses expert 1: rounded up to 8, all but one of the others padded
+    tok, exp, _, _ = route(logits, top_k=1, routing="token_rounding", rounding="up", tile=8)
+    assert tok[exp == 1].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]  # token 0, of the smallest p, left out; not the NaN
 
 
 def grouped_reference(x, counts, w1, w2, b1, b2, activation, layout):

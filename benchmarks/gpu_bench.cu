@@ -191,7 +191,8 @@ struct Bound {
 Bound cublas_bound(cublasHandle_t h, const MoEProblem& p, DType dt, double copy_bw, cudaStream_t s, int warmup_ms,
                    int timed_ms) {
   const std::int64_t Te = std::max<std::int64_t>(1, p.T * p.K / p.E), r = p.w1_rows(), E = p.E;
-  const double agg_ms = (2.0 * p.T * p.K * p.d + 2.0 * p.T * p.d) / copy_bw * 1e3;
+  // The aggregations read TK rows of d and write T (bytes of the data dtype: 2 for bf16, 4 for fp32).
+  const double agg_ms = static_cast<double>(dtype_size(dt)) * (p.T * p.K * p.d + p.T * p.d) / copy_bw * 1e3;
   const double up = batched_gemm_ms(h, dt, E, Te, r, p.d, s, warmup_ms, timed_ms);
   const double down = batched_gemm_ms(h, dt, E, Te, p.d, p.n, s, warmup_ms, timed_ms);
   const double da = batched_gemm_ms(h, dt, E, Te, p.n, p.d, s, warmup_ms, timed_ms);

@@ -211,8 +211,11 @@ def test_cublas_bound_follows_the_cpp_definition(monkeypatch):
                                copy_bw=1e9)
     Te, r = 64 * 2 // 4, 16
     assert calls == [(4, Te, r, 16), (4, Te, 16, 8), (4, Te, 8, 16), (4, 16, 8, Te), (4, Te, 16, r), (4, r, 16, Te)]
-    agg = (2 * 64 * 2 * 16 + 2 * 64 * 16) / 1e9 * 1e3
+    agg = 4 * (64 * 2 * 16 + 64 * 16) / 1e9 * 1e3  # the aggregations' elements at 4 bytes each (fp32)
     assert b["forward_ms"] == pytest.approx(2 + agg) and b["backward_ms"] == pytest.approx(4 + agg)
+    b16 = baselines.cublas_bound(T=64, d=16, n=8, E=4, K=2, dtype=torch.bfloat16, device=torch.device("cpu"),
+                                 copy_bw=1e9)
+    assert b16["aggregation_ms"] == pytest.approx(agg / 2)  # bf16: the C++ benchmark's 2 TK d + 2 T d bytes
 
 
 def test_timed_window_on_the_gpu_path(monkeypatch):
@@ -304,6 +307,33 @@ def test_append_continues_a_split_run(tmp_path):
     assert first in md and second in md
     p = run_module(["--configs", second, "--append", "--dtype", "fp64", *common])
     assert p.returncode == 2 and "other settings" in p.stderr and "dtype" in p.stderr
+    # Rows measured with other software would be relabelled with this run's versions: refused too.
+    doc["versions"]["torch"] = "0.0.1"
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    p = run_module(["--configs", second, "--append", *common])
+    assert p.returncode == 2 and "other versions (torch '0.0.1'" in p.stderr
+
+
+def test_append_reads_back_an_infinite_error(tmp_path):
+    """write_json stores an infinite error as "inf" and a NaN as null; --append reads them back, and the verdict and
+    the tables still report them (a machmoe row beyond T10: exit status 3, not a traceback)."""
+    common = ["--device", "cpu", "--iters", "1", "--warmup", "0", "--out-dir", str(tmp_path), "--no-progress",
+              "--impls", "machmoe,torch-loop", "--no-plots"]
+    first, second = configs.QUICK_CPU[0], configs.QUICK_CPU[1]
+    assert run_module(["--configs", first, *common]).returncode == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    for name in ("machmoe", "torch-loop"):
+        agreement = doc["configs"][0]["results"][name]["agreement"]
+        key = next(iter(agreement["errors"]))
+        agreement.update(ok=False, max="inf")
+        agreement["errors"][key] = "inf"
+        agreement["errors"]["extra"] = None
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    p = run_module(["--configs", f"{first},{second}", "--append", *common])
+    assert p.returncode == cli.EXIT_T10, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"{first}/machmoe: " in p.stderr and " inf" in p.stderr and "extra nan" in p.stderr
+    md = (tmp_path / "results.md").read_text()
+    assert "| inf |" in md and second in md
 
 
 def test_progress_lines_for_batch_logs():
@@ -402,6 +432,9 @@ def test_speedups_per_round_and_their_range_in_the_report():
     assert "| 1.46× (rounds 1.30–1.62) |" in text
     assert "| 1.81× |" in text  # the row without rounds: the median's ratio alone
     assert "median of 2 rounds" in text
+    assert "median of at least 10 timed repetitions after at least 3 untimed" in text
+    doc["settings"].update(warmup_ms=300.0, time_ms=1000.0)
+    assert "the untimed ones lasting at least 300 ms and the timed ones 1000 ms" in markdown(doc)
 
 
 @pytest.mark.parametrize("args, message", [

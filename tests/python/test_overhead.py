@@ -167,6 +167,15 @@ def test_verdict_and_markdown_flag_isolated_ratios_over_the_target():
     assert overhead.verdict(ok, 1.03)["met"] and "T14 (isolated ratios <= 1.03): met" in overhead.markdown(_doc(ok))
 
 
+def test_a_run_without_the_isolated_mode_is_not_judged():
+    """T14 is the isolated ratios: a run of the queued mode alone (--modes queued) meets nothing, and says so."""
+    entry = _entry("7B-256", 1.0, 1.5, 3.0, 4.5)
+    del entry["results"]["isolated"]
+    v = overhead.verdict([entry], 1.03)
+    assert not v["judged"] and not v["met"] and not v["over_target"]
+    assert "T14 (isolated ratios <= 1.03): not judged (no isolated mode measured)" in overhead.markdown(_doc([entry]))
+
+
 def test_a_failed_machmoe_bench_cross_check_fails_the_verdict():
     """--machmoe-bench's cross-check is part of the run: a binary that failed makes the exit status 1 (failed), not 0
     or the over-target status, and the report says which configuration's check failed."""

@@ -205,9 +205,11 @@ def cublas_bound(T: int, d: int, n: int, E: int, K: int, dtype: torch.dtype, dev
                  copy_bw: float, warmup: int = 2, iters: int = 10, warmup_ms: float = 0.0,
                  min_ms: float = 0.0) -> Dict[str, float]:
     """Idealised layer times (ms): every expert GEMM at cuBLAS speed with perfectly balanced routing
-    (T_e = TK / E rows per expert), plus (2 TK d + 2 T d) bytes at the copy bandwidth, nothing else (SwiGLU)."""
+    (T_e = TK / E rows per expert), plus the aggregations' (TK d + T d) elements of the dtype (2 bytes each for bf16)
+    at the copy bandwidth, nothing else (SwiGLU)."""
     Te, r = max(1, T * K // E), 2 * n
-    agg = (2.0 * T * K * d + 2.0 * T * d) / copy_bw * 1e3
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    agg = itemsize * (T * K * d + T * d) / copy_bw * 1e3
     g = lambda M, N, Kd: batched_gemm_ms(E, M, N, Kd, dtype, device, warmup, iters, warmup_ms, min_ms)  # noqa: E731
     up, down = g(Te, r, d), g(Te, d, n)
     da, dw2, dxe, dw1 = g(Te, n, d), g(d, n, Te), g(Te, d, r), g(r, d, Te)

@@ -16,7 +16,7 @@ from . import impls as I
 from .peers import PEERS, available
 from .plots import make_plots
 from .progress import Progress
-from .report import add_speedups, markdown, verdict, write_json
+from .report import add_speedups, markdown, read_json, verdict, write_json
 from .runner import Settings, _versions, device_info, merge_rounds, run_config
 from .baselines import copy_bandwidth
 
@@ -200,11 +200,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                "speedup_over": "other row's time / machmoe row's time (>1: machmoe faster)",
                "speedup_rounds": "with --rounds R > 1: that ratio in each round, the two timed in turn in the round",
                "cublas_bound": "benchmarks/gpu_bench.cu's bound: batched cuBLAS GEMMs at T_e = TK/E rows, plus "
-                               "(2TKd + 2Td) bytes at the measured copy bandwidth"},
+                               "(TKd + Td) elements of the dtype (bf16: 2 bytes each) at the measured copy "
+                               "bandwidth"},
            "configs": []}
     if a.append and os.path.exists(json_path):
-        with open(json_path) as f:
-            previous = json.load(f)
+        previous = read_json(json_path)
         prev_s = previous.get("settings", {})
         # (files from before warmup_ms / time_ms existed were timed without them: 0)
         clash = [k for k in ("device", "dtype", "impls", "peers", "seed", "warmup", "iters", "warmup_ms", "time_ms",
@@ -214,6 +214,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         if previous.get("device", {}).get("name") != doc["device"].get("name"):
             print(f"machmoe.benchmark: --append: {json_path} was measured on {previous.get('device', {}).get('name')!r}, "
                   f"this is {doc['device'].get('name')!r}", file=sys.stderr)
+            return EXIT_USAGE
+        # Rows measured with other software would be labelled with this run's versions.
+        clash_v = [k for k in sorted(set(previous.get("versions", {})) | set(doc["versions"]))
+                   if previous.get("versions", {}).get(k) != doc["versions"].get(k)]
+        if clash_v:
+            was = ", ".join(f"{k} {previous.get('versions', {}).get(k)!r}" for k in clash_v)
+            now = ", ".join(f"{k} {doc['versions'].get(k)!r}" for k in clash_v)
+            print(f"machmoe.benchmark: --append: {json_path} was measured with other versions ({was}; now {now})",
+                  file=sys.stderr)
             return EXIT_USAGE
         if clash:
             now_s = doc["settings"]

@@ -57,13 +57,15 @@ def verdict(configs: List[dict]) -> dict:
             if r.get("status") not in ("ok", "skipped"):
                 (machmoe_failed if impl in MACHMOE else others_failed).append(f"{name}/{impl}: {r.get('error')}")
             elif impl in MACHMOE and r.get("status") == "ok" and not r["agreement"]["ok"]:
-                errs = ", ".join(f"{k} {v:.2e}" for k, v in r["agreement"]["errors"].items())
+                errs = ", ".join(f"{k} {_f(v, '.2e', 'nan')}" for k, v in r["agreement"]["errors"].items())
                 bad_agreement.append(f"{name}/{impl}: {errs} (tolerance {r['agreement']['tolerance']:.0e})")
     return {"machmoe_agreement_failures": bad_agreement, "machmoe_failures": machmoe_failed,
             "other_failures": others_failed}
 
 
 def write_json(doc: dict, path: str) -> None:
+    """Strict JSON: a NaN is written as null, an infinity as the string "inf" or "-inf" (read_json reads them back as
+    floats)."""
     def clean(o):
         if isinstance(o, float) and not math.isfinite(o):
             return None if math.isnan(o) else ("inf" if o > 0 else "-inf")
@@ -76,8 +78,22 @@ def write_json(doc: dict, path: str) -> None:
         json.dump(clean(doc), f, indent=1)
 
 
-def _f(v: Optional[float], fmt: str) -> str:
-    return "–" if v is None else format(v, fmt)
+def read_json(path: str) -> dict:
+    """A document write_json wrote, its infinities floats again (its NaNs stay None: the tables print them as –)."""
+    def restore(o):
+        if isinstance(o, str) and o in ("inf", "-inf"):
+            return float(o)
+        if isinstance(o, dict):
+            return {k: restore(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [restore(v) for v in o]
+        return o
+    with open(path) as f:
+        return restore(json.load(f))
+
+
+def _f(v: Optional[float], fmt: str, none: str = "–") -> str:
+    return none if v is None else format(v, fmt)
 
 
 def _shape(c: dict) -> str:
@@ -99,12 +115,21 @@ def _rounds_text(settings: dict) -> str:
     return f", median of {r} rounds (every implementation once per round)" if r > 1 else ""
 
 
+def _timing_text(settings: dict) -> str:
+    """How each time was taken: the repetition counts, and on a GPU the windows that extend them."""
+    text = f"median of at least {settings['iters']} timed repetitions after at least {settings['warmup']} untimed"
+    w, t = settings.get("warmup_ms") or 0, settings.get("time_ms") or 0
+    if w or t:
+        text += f", the untimed ones lasting at least {w:g} ms and the timed ones {t:g} ms"
+    return text
+
+
 def markdown(doc: dict) -> str:
     """One table per configuration plus a summary of machmoe's forward+backward speed-ups."""
     dev, v = doc["device"], doc["versions"]
     lines = [f"Device: {dev.get('name')} ({dev['type']}); torch {v.get('torch')}, CUDA {v.get('cuda')}, machmoe "
-             f"{v.get('machmoe')}; dtype {doc['settings']['dtype']}; median of {doc['settings']['iters']} after "
-             f"{doc['settings']['warmup']} warm-up" + _rounds_text(doc['settings']) + f"; {doc['date']}.",
+             f"{v.get('machmoe')}; dtype {doc['settings']['dtype']}; {_timing_text(doc['settings'])}"
+             + _rounds_text(doc['settings']) + f"; {doc['date']}.",
              f"Command: `{doc['command']}`", ""]
     impls = []
     for e in doc["configs"]:

@@ -216,9 +216,10 @@ def run_config(cfg: Config, s: Settings, progress=None, copy_bw: Optional[float]
             progress.step(f"{cfg.name}: {name}")
         if name == I.BOUND:
             try:
-                b = cublas_bound(cfg.T, cfg.d, cfg.n, cfg.E, cfg.K, dtype, dev,
-                                 copy_bw or copy_bandwidth(dev, None, s.warmup_ms, s.time_ms), 2, 10, s.warmup_ms,
+                bw = copy_bw or copy_bandwidth(dev, None, s.warmup_ms, s.time_ms)
+                b = cublas_bound(cfg.T, cfg.d, cfg.n, cfg.E, cfg.K, dtype, dev, bw, s.warmup, s.iters, s.warmup_ms,
                                  s.time_ms)
+                b["copy_bandwidth_GBps"] = bw * 1e-9  # per row: an --append run measures its own
                 flops = model_flops(cfg.T * cfg.K, cfg)
                 b.update({f"{k}_tflops": flops[k] / (b[f"{k}_ms"] * 1e9) for k in ("forward", "backward", "fwdbwd")})
                 entry["results"][name] = {"status": "ok", "kind": "bound", **b}

@@ -1,5 +1,6 @@
 """machmoe.MoE: a drop-in Mixture-of-Experts layer."""
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
@@ -292,14 +293,23 @@ class MoE(_LossCoefficients, nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        # The module's own load pre-hooks first, as nn.Module runs them (at the start of this method): one may convert
+        # the entries (e.g. the w1/b1 rows between layouts, as the mismatch message suggests) before the check.
+        hooks = self._load_state_dict_pre_hooks
+        for hook in hooks.values():
+            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         key = prefix + "_extra_state"
         if key in state_dict:
             problem = self._layout_mismatch(state_dict[key])
             if problem is not None:  # reported before anything is copied: the module keeps its weights
                 error_msgs.append(f"machmoe: state dict entry '{key}': {problem}")
                 return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        self._load_state_dict_pre_hooks = OrderedDict()  # they ran above: not twice
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            self._load_state_dict_pre_hooks = hooks
         if key not in state_dict and key in missing_keys:
             missing_keys.remove(key)  # saved before the record existed: load it as before
 
@@ -311,7 +321,9 @@ class MoE(_LossCoefficients, nn.Module):
                         router: Optional[Tensor] = None, *, gate_up_layout: str = "concatenated",
                         transposed: bool = False) -> "MoE":
         """Loads expert weights from the usual checkpoint layouts into this module's layout (interleaved or
-        concatenated), without keeping copies. Every tensor's shape is checked before anything is written.
+        concatenated), without keeping copies. Every tensor is checked before anything is written: its shape, a dtype
+        of float16, bfloat16, float32 or float64 (fp8 weights need their scales applied first), data to read (not a
+        meta tensor; a DTensor as its full_tensor()); and the module must not be on the meta device (to_empty first).
 
         Experts: either gate_proj and up_proj, E tensors (n, d) each (a list, or one stacked (E, n, d) tensor), or
         gate_up_proj, one fused (E, 2n, d) tensor whose rows are [gate; up] (gate_up_layout="concatenated": rows
@@ -372,9 +384,13 @@ class MoE(_LossCoefficients, nn.Module):
         return self
 
     def _check_writable(self, names) -> None:
-        """Raises, before anything is written, for a parametrized weight among `names` that cannot be assigned (a
-        parametrization without right_inverse): a load must not stop half way."""
+        """Raises, before anything is written, for a weight among `names` that a load cannot fill: one on the meta
+        device (copy_ into it does nothing), or a parametrized one that cannot be assigned (a parametrization without
+        right_inverse). A load must not stop half way, nor do nothing silently."""
         for name in names:
+            if getattr(self, name).is_meta:
+                raise ValueError(f"machmoe: cannot load '{name}': the module is on the meta device, where a copy "
+                                 f"stores nothing (call to_empty(device=...) first, then load)")
             if nn.utils.parametrize.is_parametrized(self, name):
                 missing = [type(p).__name__ for p in self.parametrizations[name] if not hasattr(p, "right_inverse")]
                 if missing:
@@ -490,13 +506,25 @@ class MoE(_LossCoefficients, nn.Module):
         return self
 
 
+_LOADABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _check_weight(name: str, t, shape) -> None:
-    """An exact shape (copy_ would broadcast a smaller tensor into every row) and a floating-point dtype."""
+    """An exact shape (copy_ would broadcast a smaller tensor into every row), a dtype whose values are the weights'
+    (not fp8, whose checkpoints carry a separate scale), and data a copy can read: checked for every source before
+    the first write, so that a refused load leaves the module as it was."""
     require_tensor(name, t)
     if tuple(t.shape) != tuple(shape):
         fail(name, f"shape {tuple(shape)}", f"shape {tuple(t.shape)}")
-    if not t.is_floating_point():
-        fail(name, "a floating-point tensor", t.dtype)
+    if t.dtype not in _LOADABLE_DTYPES:
+        fail(name, "a float16, bfloat16, float32 or float64 tensor" + (
+            " (dequantize fp8 weights first: their checkpoints keep a separate scale, e.g. weight_scale_inv)"
+            if t.is_floating_point() else ""), t.dtype)
+    if t.is_meta:
+        fail(name, "a tensor with data (not on the meta device: load or materialise the checkpoint first)",
+             "a meta tensor")
+    if hasattr(t, "full_tensor"):  # a DTensor (a sharded or tensor-parallel model)
+        fail(name, "a plain torch.Tensor (for a DTensor, pass t.full_tensor(), on every rank)", "a DTensor")
 
 
 def _stack_experts(name: str, weights, E: int, shape, transposed: bool) -> Tensor:

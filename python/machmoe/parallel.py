@@ -701,9 +701,14 @@ class TorchTitanGroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
 
     def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
-        nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
+        # Sampled in float32 and then rounded, as torchtitan's own trunc_normal_ does: in bf16 the inverse-erf step
+        # of trunc_normal_ meets uniform samples rounded to +-1, and about 0.4 % of the weights came out at +-2.
+        with torch.no_grad():
+            for w, std in ((self.w1, 0.02), (self.w2, init_std), (self.w3, init_std)):
+                if w.dtype in (torch.float32, torch.float64):
+                    nn.init.trunc_normal_(w, mean=0.0, std=std)
+                else:
+                    w.copy_(nn.init.trunc_normal_(w.float(), mean=0.0, std=std))
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         return torchtitan_experts_forward(self, x, num_tokens_per_expert)

@@ -1554,6 +1554,25 @@ def test_torchtitan_adapter_matches_torchtitan():
         assert_close("grad", a, b, 1e-12)
 
 
+def test_torchtitan_init_weights_in_bf16_is_the_truncated_normal():
+    """In bf16, init_weights samples in fp32 and rounds (as torchtitan's own trunc_normal_ does): sampling in bf16
+    put about 0.4 % of the weights at +-2, the truncation bounds (the inverse erf of uniform samples rounded to +-1),
+    a std of 0.13 for 0.02. In fp32 it is nn.init.trunc_normal_ itself."""
+    torch.manual_seed(19)
+    tt = TorchTitanGroupedExperts(256, 128, 8, dtype=torch.bfloat16)
+    tt.init_weights(0.02)
+    for w in (tt.w1, tt.w2, tt.w3):  # std 0.02 each (w1's always)
+        assert w.abs().max().item() < 0.2 and abs(w.float().std().item() - 0.02) < 0.001
+    torch.manual_seed(20)
+    fp32 = TorchTitanGroupedExperts(D, N, 4, dtype=torch.float32)
+    fp32.init_weights(0.3)
+    torch.manual_seed(20)
+    TorchTitanGroupedExperts(D, N, 4, dtype=torch.float32)  # the constructor's draws, if any
+    expect = torch.empty_like(fp32.w1)
+    torch.nn.init.trunc_normal_(expect, mean=0.0, std=0.02)
+    assert torch.equal(fp32.w1, expect)
+
+
 def test_expert_parallel_needs_a_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="initialised torch.distributed process group"):

@@ -402,6 +402,58 @@ def test_load_hf_experts_checks_every_shape_before_writing(case):
     assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items()), "a failed load changed the module"
 
 
+def test_load_hf_experts_refuses_sources_a_copy_cannot_read_before_writing():
+    """fp8 weights (their checkpoints keep a separate scale), meta tensors (offloaded weights) and DTensors were
+    accepted by the checks and failed, or loaded raw fp8 values, while writing, after earlier weights had changed."""
+    d, n, E = 16, 8, 4
+    gate, up, down, router = _hf_experts(E, n, d)
+    cases = [
+        ([w.to(torch.float8_e4m3fn) for w in down], "argument 'down_proj\\[0\\]': expected a float16, bfloat16, "
+         "float32 or float64 tensor \\(dequantize fp8 weights first"),
+        ([w.to("meta") for w in down], "argument 'down_proj\\[0\\]': expected a tensor with data"),
+        ([torch.ones(d, n, dtype=torch.int32)] * E, "expected a float16, bfloat16, float32 or float64 tensor, got "
+         "torch.int32"),
+    ]
+    for bad_down, message in cases:
+        m = machmoe.MoE(d, n, E, 2, dtype=torch.float64)
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        with pytest.raises(ValueError, match=message):
+            m.load_hf_experts(gate, up, bad_down, router=router)
+        assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items()), "a failed load changed the module"
+
+
+def test_loading_into_a_meta_module_is_refused():
+    """copy_ into a meta parameter stores nothing: loading there used to pass silently, and a module made real
+    afterwards (to_empty) held uninitialised memory."""
+    d, n, E = 16, 8, 4
+    gate, up, down, router = _hf_experts(E, n, d)
+    with torch.device("meta"):
+        m = machmoe.MoE(d, n, E, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="cannot load 'w1': the module is on the meta device"):
+        m.load_hf_experts(gate, up, down, router=router)
+    m.to_empty(device="cpu")
+    m.load_hf_experts(gate, up, down, router=router)
+    assert torch.equal(m.w2, torch.stack(down))
+
+
+def test_a_load_pre_hook_on_the_module_runs_before_the_layout_check():
+    """The layout mismatch says to convert the w1/b1 rows between layouts before loading; a load pre-hook registered
+    on the MoE itself can do that (it used to be refused before the hook ran)."""
+    saved = module(weight_layout="concatenated")
+    x = torch.randn(6, 16, dtype=torch.float64)
+    target = module(seed=1, weight_layout="interleaved")
+
+    def to_interleaved(state_dict, prefix, *_):
+        for name in ("w1", "b1"):
+            t = state_dict[prefix + name]
+            n = t.shape[1] // 2
+            state_dict[prefix + name] = torch.stack([t[:, :n], t[:, n:]], 2).reshape(t.shape)
+        state_dict[prefix + "_extra_state"] = target.get_extra_state()
+    target._register_load_state_dict_pre_hook(to_interleaved)
+    target.load_state_dict(saved.state_dict())
+    assert torch.allclose(target(x).output, saved(x).output, rtol=1e-12, atol=1e-12)
+
+
 def test_load_hf_experts_non_tensor_and_non_glu():
     d, n, E = 16, 8, 4
     gate, up, down, _ = _hf_experts(E, n, d)

@@ -581,7 +581,7 @@ class GroupedExperts(nn.Module):
 
     def _weights(self):
         """w1, w2, b1, b2 as the call uses them: plain tensors, their gradients divided by grad_divide_factor."""
-        factor = self.grad_divide_factor
+        factor = getattr(self, "grad_divide_factor", 1.0)  # (a module pickled before the attribute existed)
         out = []
         for w in (self.w1, self.w2, self.b1, self.b2):
             w = _local(w)
@@ -611,21 +611,22 @@ class GroupedExperts(nn.Module):
             max_pairs_per_row = _check_pairs_call(x, token_index, expert_index, scores, max_pairs_per_row,
                                                   self.num_experts, self.hidden_size)
             return _run_pairs(x, token_index, expert_index, scores, max_pairs_per_row, *self._weights(),
-                              activation=self.activation,
-                              weight_layout=self.weight_layout, activation_memory=self.activation_memory,
+                              activation=self.activation, weight_layout=self.weight_layout,
+                              activation_memory=self.activation_memory,
                               swiglu_alpha=getattr(self, "swiglu_alpha", None),
                               swiglu_limit=getattr(self, "swiglu_limit", None))
         if expert_index is not None:
             if num_tokens_per_expert is not None:
                 _fail("num_tokens_per_expert", "None when expert_index is given", "a tensor")
             _check_indexed_call(x, expert_index, self.hidden_size)
-            return _run_indexed(x, expert_index, *self._weights(), activation=self.activation, weight_layout=self.weight_layout,
-                                activation_memory=self.activation_memory,
+            return _run_indexed(x, expert_index, *self._weights(), activation=self.activation,
+                                weight_layout=self.weight_layout, activation_memory=self.activation_memory,
                                 swiglu_alpha=getattr(self, "swiglu_alpha", None),
                                 swiglu_limit=getattr(self, "swiglu_limit", None))
         _check_grouped_call(x, num_tokens_per_expert, self.num_experts, self.hidden_size)
-        return _run_grouped(x, num_tokens_per_expert, *self._weights(), activation=self.activation, weight_layout=self.weight_layout,
-                            activation_memory=self.activation_memory, zero_padding=zero_padding,
+        return _run_grouped(x, num_tokens_per_expert, *self._weights(), activation=self.activation,
+                            weight_layout=self.weight_layout, activation_memory=self.activation_memory,
+                            zero_padding=zero_padding,
                             swiglu_alpha=getattr(self, "swiglu_alpha", None),
                             swiglu_limit=getattr(self, "swiglu_limit", None))
 

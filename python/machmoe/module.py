@@ -329,7 +329,8 @@ class MoE(_LossCoefficients, nn.Module):
         gate_up_proj, one fused (E, 2n, d) tensor whose rows are [gate; up] (gate_up_layout="concatenated": rows
         [0, n) gate, [n, 2n) up, as HF's fused Mixtral/Qwen-MoE experts) or alternate gate, up
         (gate_up_layout="interleaved"). down_proj: E tensors (d, n) (or (E, d, n)). router: (E, d). down_proj and
-        router are optional: None keeps the module's w2 or router weight.
+        router are optional: None keeps the module's w2 or router weight. The biases of a bias=True module (b1, b2)
+        are not touched: load_gpt_oss_experts loads gpt-oss's, other checkpoints' are copied into them directly.
         transposed=True: the expert tensors are stored (in, out) for x @ W (gate/up (d, n), fused (E, d, 2n) with the
         gate/up order along the last dimension, down (n, d)), as gpt-oss ("interleaved") and Llama 4
         ("concatenated") store them. The layout is never guessed from the shapes (they agree when d == 2n).

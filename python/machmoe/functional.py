@@ -34,6 +34,27 @@ def _dtypes_for(device: torch.device) -> tuple:
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The dtype the layer computes in on `device` under torch.autocast, or None where autocast is off there.
+
+    The layer follows autocast as torch's matmuls do: its floating inputs other than float64 (x, the router, the
+    expert weights and biases) are cast to autocast's dtype, so fp32 parameters under torch.autocast("cuda",
+    torch.bfloat16) run the bf16 Hopper kernels, and the casts' backward returns fp32 gradients to them. Where the
+    layer has no kernels in that dtype (the CPU's reference takes float32 and float64, and CPU autocast asks for
+    bfloat16), it computes in float32 instead, as autocast's float32 ops do."""
+    kind = device.type
+    if kind not in ("cuda", "cpu") or not torch.is_autocast_enabled(kind):
+        return None
+    dtype = torch.get_autocast_dtype(kind)
+    return dtype if dtype in _dtypes_for(device) else torch.float32
+
+
+def _autocast_cast(dtype: torch.dtype, *tensors):
+    """The tensors with those autocast casts (float64 and non-floating tensors, and None, as they are)."""
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype and
+                 t.dtype != torch.float64 else t for t in tensors)
+
+
 def _check_tensor(name: str, t: Tensor, shape, ref: Tensor, *, ref_name: str = "x",
                   inner_stride_only: bool = False) -> None:
     require_tensor(name, t)
@@ -205,7 +226,14 @@ def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[T
     so their .grad is left as it was. Experts that receive no token leave their part of the buffers unchanged.
 
     swiglu_alpha, swiglu_limit: the parameters of activation="gptoss_swiglu" (None: gpt-oss's 1.702 and 7.0); None
-    for every other activation."""
+    for every other activation.
+
+    Under torch.autocast the layer computes in autocast's dtype (_autocast_dtype): x, router_weight and the expert
+    weights are cast to it, and the gradients of the casts return to the originals in their own dtype."""
+    if isinstance(x, Tensor):
+        cast = _autocast_dtype(x.device)
+        if cast is not None:
+            x, router_weight, w1, w2, b1, b2 = _autocast_cast(cast, x, router_weight, w1, w2, b1, b2)
     return _moe(x, router_weight, w1, w2, b1, b2, top_k, activation, score, routing, rounding, tile, weight_layout,
                 activation_memory, accumulate_grads_into, None, swiglu_alpha, swiglu_limit)
 
@@ -350,7 +378,13 @@ def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, exp
         CPU's rules (range, sentinels included, order, more than K per token) on the device, without a host
         synchronisation, and the next machmoe call on that device, or machmoe.check_device_errors(), raises
         ValueError naming the argument, the position and the value. The call that launched the bad triples has
-        already returned (bad pairs skipped): discard its outputs."""
+        already returned (bad pairs skipped): discard its outputs.
+
+    Under torch.autocast: as moe() (x and the expert weights cast to autocast's dtype; scores stay float32)."""
+    if isinstance(x, Tensor):
+        cast = _autocast_dtype(x.device)
+        if cast is not None:
+            x, w1, w2, b1, b2 = _autocast_cast(cast, x, w1, w2, b1, b2)
     act, layout, top_k, act_params = _check_common(x, w1, w2, b1, b2, activation, weight_layout,
                                                    max_experts_per_token, top_k_name="max_experts_per_token",
                                                    swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
@@ -407,7 +441,11 @@ def grouped_experts(x_grouped: Tensor, expert_counts: Tensor, w1: Tensor, w2: Te
     or do not sum to P raise; on the GPU they cannot be checked without a synchronisation: rows past the counts'
     total get zero output, and with machmoe.set_index_checking(True) the counts are validated on the device and
     the error is raised at the next layer call or machmoe.check_device_errors(). accumulate_grads_into,
-    swiglu_alpha, swiglu_limit: as for moe() (keys 'w1', 'b1', 'w2', 'b2')."""
+    swiglu_alpha, swiglu_limit: as for moe() (keys 'w1', 'b1', 'w2', 'b2'); under torch.autocast, as moe()."""
+    if isinstance(x_grouped, Tensor):
+        cast = _autocast_dtype(x_grouped.device)
+        if cast is not None:
+            x_grouped, w1, w2, b1, b2 = _autocast_cast(cast, x_grouped, w1, w2, b1, b2)
     _check_expert_counts(x_grouped, expert_counts, w1)
     act, layout, _, act_params = _check_common(x_grouped, w1, w2, b1, b2, activation, weight_layout, 1,
                                                x_name="x_grouped", swiglu_alpha=swiglu_alpha,

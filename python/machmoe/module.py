@@ -196,11 +196,15 @@ class MoE(_LossCoefficients, nn.Module):
         # Named after x, which the caller passed, rather than after the parameters the functional API compares it to.
         if x.device != w1.device:
             fail("x", f"a tensor on {w1.device} (the device of this MoE's parameters)", f"a tensor on {x.device}")
+        # Under torch.autocast, x and the parameters in autocast's dtype (F._autocast_dtype); `params` keeps the
+        # parameters themselves, whose main_grad buffers the accumulate-into path uses.
+        cast = F._autocast_dtype(x.device)
+        if cast is not None:
+            x, router_weight, w1, w2, b1, b2 = F._autocast_cast(cast, x, router_weight, w1, w2, b1, b2)
         if x.dtype != w1.dtype:
             hint = ""
-            if torch.is_autocast_enabled(x.device.type):  # the usual way to get here: x from an autocast Linear
-                hint = ("; torch.autocast does not cast this layer's parameters: keep them in the dtype it computes "
-                        "in (e.g. moe.to(torch.bfloat16)) or cast x")
+            if cast is not None:  # float64 on one side: autocast leaves it as it is
+                hint = f"; under torch.autocast the layer computes in {cast}, and float64 tensors are not cast"
             fail("x", f"dtype {w1.dtype} (the dtype of this MoE's parameters{hint})", x.dtype)
         # A (tokens, hidden) input is passed as it is: reshape costs a view and an autograd node each way, a
         # measurable share of the host time of a call (tests/python/test_overhead.py).

@@ -40,8 +40,8 @@ from torch import Tensor, nn
 from ._options import (ACTIVATION_MEMORY, ACTIVATIONS, GLU_ACTIVATIONS, ROUNDINGS, SCORES, WEIGHT_LAYOUTS,
                        activation_parameters, code, tile_option)
 from ._validation import as_int, require_tensor, type_name
-from .functional import (_check_common, _check_tensor, _fail, grouped_experts, index_checking_enabled,
-                         load_balancing_loss, moe_from_routing, router_z_loss)
+from .functional import (_autocast_cast, _autocast_dtype, _check_common, _check_tensor, _fail, grouped_experts,
+                         index_checking_enabled, load_balancing_loss, moe_from_routing, router_z_loss)
 from .module import MoE, MoEOutput, _LossCoefficients
 
 __all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "ExpertParallelDispatch", "ExpertPairs", "GroupedExperts",
@@ -600,6 +600,12 @@ class GroupedExperts(nn.Module):
         scores[p] * expert_{expert_index[p]}(x[i]), differentiable w.r.t. the scores too (ExpertParallelMoE's
         default mode: one row per token and rank, its pairs on this rank's experts). The scores are used in the
         library's score dtype for x (float32; float64 for float64 x)."""
+        weights = self._weights()
+        # Under torch.autocast, x and the weights in autocast's dtype, as machmoe.MoE (the calls below would cast
+        # them too, but the checks of an empty call compare x's dtype with the weights').
+        cast = _autocast_dtype(x.device) if isinstance(x, Tensor) else None
+        if cast is not None:
+            x, *weights = _autocast_cast(cast, x, *weights)
         if pairs is not None:
             if num_tokens_per_expert is not None or expert_index is not None:
                 _fail("pairs", "no num_tokens_per_expert or expert_index beside it", "both")
@@ -610,7 +616,7 @@ class GroupedExperts(nn.Module):
             max_pairs_per_row = pairs.max_pairs_per_row
             max_pairs_per_row = _check_pairs_call(x, token_index, expert_index, scores, max_pairs_per_row,
                                                   self.num_experts, self.hidden_size)
-            return _run_pairs(x, token_index, expert_index, scores, max_pairs_per_row, *self._weights(),
+            return _run_pairs(x, token_index, expert_index, scores, max_pairs_per_row, *weights,
                               activation=self.activation, weight_layout=self.weight_layout,
                               activation_memory=self.activation_memory,
                               swiglu_alpha=getattr(self, "swiglu_alpha", None),
@@ -619,12 +625,12 @@ class GroupedExperts(nn.Module):
             if num_tokens_per_expert is not None:
                 _fail("num_tokens_per_expert", "None when expert_index is given", "a tensor")
             _check_indexed_call(x, expert_index, self.hidden_size)
-            return _run_indexed(x, expert_index, *self._weights(), activation=self.activation,
+            return _run_indexed(x, expert_index, *weights, activation=self.activation,
                                 weight_layout=self.weight_layout, activation_memory=self.activation_memory,
                                 swiglu_alpha=getattr(self, "swiglu_alpha", None),
                                 swiglu_limit=getattr(self, "swiglu_limit", None))
         _check_grouped_call(x, num_tokens_per_expert, self.num_experts, self.hidden_size)
-        return _run_grouped(x, num_tokens_per_expert, *self._weights(), activation=self.activation,
+        return _run_grouped(x, num_tokens_per_expert, *weights, activation=self.activation,
                             weight_layout=self.weight_layout, activation_memory=self.activation_memory,
                             zero_padding=zero_padding,
                             swiglu_alpha=getattr(self, "swiglu_alpha", None),
@@ -975,8 +981,9 @@ def _route_tokens(x: Tensor, router_weight: Tensor, top_k: int, score: str, rout
     _check_routing_options returns them."""
     if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):  # overlapping rows: as machmoe.MoE
         x = x.contiguous()
-    # The router in the data's own dtype, as machmoe.MoE's (inside the library's operator): under torch.autocast
-    # the matmul would otherwise run in bf16 and route differently.
+    # The router in the dtype of x (already autocast's, under torch.autocast), as machmoe.MoE's inside the library's
+    # operator: autocast would otherwise pick the matmul's dtype itself (e.g. bf16 for float32 data on the CPU, where
+    # machmoe.MoE computes in float32) and route differently.
     with torch.autocast(x.device.type, enabled=False):
         logits = x @ router_weight.t()
     return x, logits, _route_dense(logits, top_k, score, routing, rounding, tile)
@@ -1344,6 +1351,10 @@ class ExpertParallelMoE(_LossCoefficients, nn.Module):
         """This rank's share of a machmoe.MoE: the same options, the router copied, the local experts sliced."""
         if not isinstance(moe, MoE):
             raise TypeError(f"machmoe: argument 'moe': expected a machmoe.MoE, got {type(moe).__name__}")
+        if getattr(moe, "accumulate_into_main_grad", False):
+            # Its gradients would go to .grad instead of main_grad, which a main_grad optimiser would never read.
+            _fail("moe", "a MoE with accumulate_into_main_grad=False (ExpertParallelMoE's gradients go to .grad, "
+                  "where FSDP2 and DDP reduce them; it has no main_grad mode)", "accumulate_into_main_grad=True")
         ep = cls(moe.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, group=group, capacity=capacity,
                  activation=moe.activation, bias=moe.b1 is not None, score=moe.score, routing=moe.routing,
                  rounding=moe.rounding, tile=moe.tile, weight_layout=moe.weight_layout,
@@ -1370,13 +1381,18 @@ class ExpertParallelMoE(_LossCoefficients, nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.hidden_size:
             _fail("x", f"a tensor of shape (..., {self.hidden_size})", f"shape {tuple(x.shape)}")
         flat = x.reshape(-1, self.hidden_size)
-        _check_x(flat)
         router_weight = _local(self.router_weight)
+        # Under torch.autocast the rows travel and the router runs in autocast's dtype, as in machmoe.MoE; the
+        # experts' call casts their weights likewise.
+        cast = _autocast_dtype(flat.device)
+        if cast is not None:
+            flat, router_weight = _autocast_cast(cast, flat, router_weight)
+        _check_x(flat)
         _check_router(flat, router_weight, self.ep_size)
-        self._check_experts_for(flat)
+        self._check_experts_for(flat, autocast=cast is not None)
         return flat, router_weight
 
-    def _check_experts_for(self, x: Tensor) -> None:
+    def _check_experts_for(self, x: Tensor, autocast: bool = False) -> None:
         """The local experts' weights against x's device and dtype, before any communication: the experts call that
         checks them is skipped on a rank that received no rows, which would then wait in the return all-to-all for
         the ranks that raised. Left to that call (which checks them on every rank, _check_expert_call) where a
@@ -1393,7 +1409,7 @@ class ExpertParallelMoE(_LossCoefficients, nn.Module):
                 return
             if w.device != x.device:
                 _fail(f"experts.{name}", f"a tensor on {x.device} (the device of x)", f"a tensor on {w.device}")
-            if w.dtype != x.dtype:
+            if w.dtype != x.dtype and not autocast:  # (under autocast, the experts' call casts their weights)
                 _fail(f"experts.{name}", f"dtype {x.dtype} (the dtype of x)", w.dtype)
 
     def _dispatch(self, x: Tensor, group_rows: bool) -> ExpertParallelDispatch:

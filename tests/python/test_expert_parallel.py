@@ -790,19 +790,27 @@ def scenario_rank_outside_the_group(rank, world):
 
 
 def scenario_autocast_and_expanded_inputs_route_as_machmoe(rank, world):
-    """Under torch.autocast the router still runs in the data's dtype (as machmoe.MoE's, inside the library's
-    operator), so both route alike; an input with overlapping rows (expand) is taken, as machmoe.MoE takes it."""
+    """Under torch.autocast the layer computes in machmoe.MoE's dtype (float32 on the CPU, where CPU autocast asks for
+    bf16), its router too, so both route alike, for float32 and for bf16 inputs (an autocast Linear's output); an
+    input with overlapping rows (expand) is taken, as machmoe.MoE takes it."""
     torch.manual_seed(9)
     m = machmoe.MoE(64, 16, 4 * world, 2, dtype=torch.float32)
     ep = ExpertParallelMoE.from_moe(m)
     x = torch.randn(256, 64, generator=gen(9, rank))
     plain = ep(x)
+    xb = x.bfloat16()
+    plain_b = ep(xb.float())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mixed = ep(x)
         ref = m(x)
+        mixed_b = ep(xb)
+        ref_b = m(xb)
     assert mixed.router_logits.dtype == torch.float32
     assert torch.equal(mixed.expert_counts, plain.expert_counts) and torch.equal(mixed.output, plain.output)
     assert torch.equal(mixed.expert_counts, ref.expert_counts)
+    assert mixed_b.output.dtype == torch.float32 and torch.equal(mixed_b.output, plain_b.output)
+    assert torch.equal(mixed_b.expert_counts, ref_b.expert_counts)
+    assert_close("bf16 input under autocast", mixed_b.output, ref_b.output, 1e-6)
     row = torch.randn(1, 64, generator=gen(10, rank)).expand(5, 64)
     assert_close("expanded input", ep(row).output, m(row.contiguous()).output, 1e-6)
 
@@ -1577,6 +1585,15 @@ def test_expert_parallel_needs_a_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="initialised torch.distributed process group"):
         ExpertParallelMoE(D, N, 4, 2)
+
+
+def test_from_moe_refuses_a_main_grad_layer():
+    """ExpertParallelMoE has no main_grad mode: a MoE that accumulates into main_grad is refused by name rather than
+    converted into one whose gradients go to .grad, where a main_grad optimiser would never read them."""
+    m = machmoe.MoE(16, 8, 4, 2, accumulate_into_main_grad=True)
+    with pytest.raises(ValueError, match=r"argument 'moe': expected a MoE with accumulate_into_main_grad=False .*"
+                                         r"got accumulate_into_main_grad=True$"):
+        ExpertParallelMoE.from_moe(m)
 
 
 def test_check_capacity_reports():

@@ -605,16 +605,16 @@ def test_integer_like_top_k_accepted(top_k):
         machmoe.moe(xs, rw, w1, w2, top_k=type(top_k)(7) if not isinstance(top_k, torch.Tensor) else torch.tensor(7))
 
 
-def test_dtype_mismatch_under_autocast_says_autocast_does_not_cast_the_parameters():
-    m = module()  # float64 parameters
+def test_dtype_mismatch_under_autocast_says_float64_is_not_cast():
+    m = module()  # float64 parameters: autocast leaves them as they are (test_autocast.py has the casts themselves)
     x = torch.randn(5, 16, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"argument 'x': expected dtype torch.float64 \(the dtype of this MoE's "
                                          r"parameters\), got torch.float32$"):
         m(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(ValueError, match=r"parameters; torch.autocast does not cast this layer's parameters: keep "
-                                             r"them in the dtype it computes in .* or cast x\), got torch.bfloat16"):
-            m(torch.nn.functional.linear(x, torch.eye(16)))  # an autocast op's bf16 output
+        with pytest.raises(ValueError, match=r"parameters; under torch.autocast the layer computes in torch.float32, "
+                                             r"and float64 tensors are not cast\), got torch.float32"):
+            m(torch.nn.functional.linear(x, torch.eye(16)))  # an autocast op's bf16 output, cast to float32
 
 
 def test_integer_argument_on_a_device_is_refused():
@@ -622,7 +622,7 @@ def test_integer_argument_on_a_device_is_refused():
     for it here) is refused by name, in the module and in the functional call."""
     on_meta = torch.tensor(2, device="meta")
     with pytest.raises(TypeError, match="argument 'top_k': expected an integer .* a 0-d CPU tensor: a tensor on meta "
-                                        "would have to be read back to the host\), got a tensor on meta"):
+                                        r"would have to be read back to the host\), got a tensor on meta"):
         machmoe.MoE(16, 8, 4, on_meta)
     xs, rw, w1, w2, b1, b2 = make()
     with pytest.raises(TypeError, match="argument 'top_k': expected an integer .* got a tensor on meta"):

@@ -55,6 +55,13 @@ def _autocast_cast(dtype: torch.dtype, *tensors):
                  t.dtype != torch.float64 else t for t in tensors)
 
 
+def _under_autocast(x, *tensors):
+    """(x, *tensors) as the layer computes with them: cast to _autocast_dtype(x.device) where autocast is on there,
+    as they are otherwise (and where x is not a tensor: the checks that follow name it)."""
+    cast = _autocast_dtype(x.device) if isinstance(x, Tensor) else None
+    return (x, *tensors) if cast is None else _autocast_cast(cast, x, *tensors)
+
+
 def _check_tensor(name: str, t: Tensor, shape, ref: Tensor, *, ref_name: str = "x",
                   inner_stride_only: bool = False) -> None:
     require_tensor(name, t)
@@ -230,10 +237,7 @@ def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[T
 
     Under torch.autocast the layer computes in autocast's dtype (_autocast_dtype): x, router_weight and the expert
     weights are cast to it, and the gradients of the casts return to the originals in their own dtype."""
-    if isinstance(x, Tensor):
-        cast = _autocast_dtype(x.device)
-        if cast is not None:
-            x, router_weight, w1, w2, b1, b2 = _autocast_cast(cast, x, router_weight, w1, w2, b1, b2)
+    x, router_weight, w1, w2, b1, b2 = _under_autocast(x, router_weight, w1, w2, b1, b2)
     return _moe(x, router_weight, w1, w2, b1, b2, top_k, activation, score, routing, rounding, tile, weight_layout,
                 activation_memory, accumulate_grads_into, None, swiglu_alpha, swiglu_limit)
 
@@ -381,10 +385,7 @@ def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, exp
         already returned (bad pairs skipped): discard its outputs.
 
     Under torch.autocast: as moe() (x and the expert weights cast to autocast's dtype; scores stay float32)."""
-    if isinstance(x, Tensor):
-        cast = _autocast_dtype(x.device)
-        if cast is not None:
-            x, w1, w2, b1, b2 = _autocast_cast(cast, x, w1, w2, b1, b2)
+    x, w1, w2, b1, b2 = _under_autocast(x, w1, w2, b1, b2)
     act, layout, top_k, act_params = _check_common(x, w1, w2, b1, b2, activation, weight_layout,
                                                    max_experts_per_token, top_k_name="max_experts_per_token",
                                                    swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
@@ -442,10 +443,7 @@ def grouped_experts(x_grouped: Tensor, expert_counts: Tensor, w1: Tensor, w2: Te
     total get zero output, and with machmoe.set_index_checking(True) the counts are validated on the device and
     the error is raised at the next layer call or machmoe.check_device_errors(). accumulate_grads_into,
     swiglu_alpha, swiglu_limit: as for moe() (keys 'w1', 'b1', 'w2', 'b2'); under torch.autocast, as moe()."""
-    if isinstance(x_grouped, Tensor):
-        cast = _autocast_dtype(x_grouped.device)
-        if cast is not None:
-            x_grouped, w1, w2, b1, b2 = _autocast_cast(cast, x_grouped, w1, w2, b1, b2)
+    x_grouped, w1, w2, b1, b2 = _under_autocast(x_grouped, w1, w2, b1, b2)
     _check_expert_counts(x_grouped, expert_counts, w1)
     act, layout, _, act_params = _check_common(x_grouped, w1, w2, b1, b2, activation, weight_layout, 1,
                                                x_name="x_grouped", swiglu_alpha=swiglu_alpha,

@@ -40,8 +40,9 @@ from torch import Tensor, nn
 from ._options import (ACTIVATION_MEMORY, ACTIVATIONS, GLU_ACTIVATIONS, ROUNDINGS, SCORES, WEIGHT_LAYOUTS,
                        activation_parameters, code, tile_option)
 from ._validation import as_int, require_tensor, type_name
-from .functional import (_autocast_cast, _autocast_dtype, _check_common, _check_tensor, _fail, grouped_experts,
-                         index_checking_enabled, load_balancing_loss, moe_from_routing, router_z_loss)
+from .functional import (_autocast_cast, _autocast_dtype, _check_common, _check_tensor, _fail, _under_autocast,
+                         grouped_experts, index_checking_enabled, load_balancing_loss, moe_from_routing,
+                         router_z_loss)
 from .module import MoE, MoEOutput, _LossCoefficients
 
 __all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "ExpertParallelDispatch", "ExpertPairs", "GroupedExperts",
@@ -603,9 +604,7 @@ class GroupedExperts(nn.Module):
         weights = self._weights()
         # Under torch.autocast, x and the weights in autocast's dtype, as machmoe.MoE (the calls below would cast
         # them too, but the checks of an empty call compare x's dtype with the weights').
-        cast = _autocast_dtype(x.device) if isinstance(x, Tensor) else None
-        if cast is not None:
-            x, *weights = _autocast_cast(cast, x, *weights)
+        x, *weights = _under_autocast(x, *weights)
         if pairs is not None:
             if num_tokens_per_expert is not None or expert_index is not None:
                 _fail("pairs", "no num_tokens_per_expert or expert_index beside it", "both")

@@ -1260,7 +1260,8 @@ def check_capacity(dropped_rows: Union[Tensor, "ExpertParallelOutput", None], *,
         dist.all_reduce(total, group=group)
     n = int(total)
     if n and action != "ignore":
-        where = "in the expert-parallel group" if all_ranks else "on this rank"
+        # all_ranks sums over `group` as given (None: the default group), which need not be the layer's.
+        where = "over the ranks of the group summed" if all_ranks else "on this rank"
         msg = (f"machmoe: expert-parallel capacity overflow: {n} routed rows were not sent {where} (their experts' "
                "contributions are missing from the output); raise `capacity` or use capacity=None")
         if action == "raise":

@@ -9,8 +9,12 @@ namespace machmoe {
 bool built_with_cuda();
 /// Number of usable CUDA devices; 0 when the build has no CUDA or no driver/GPU is present. Never throws.
 int cuda_device_count();
-/// "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)"; empty when the ordinal is not a usable device.
+/// "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79 GiB, 3352 GB/s)"; empty when the ordinal is not a usable device.
 std::string cuda_device_description(int ordinal);
+/// A usable device's peak memory bandwidth in GB/s, from the driver's memory clock and bus width (two transfers a
+/// clock: 3352 on an H100 SXM, about 4900 on an H200); 0 when the ordinal is not a usable device or the driver does not
+/// report it. Never throws. Some tile choices differ between an H100 and an H200 by it.
+long long cuda_memory_bandwidth_gbps(int ordinal);
 /// Compute capability of a usable device as 10 major + minor (90 for an H100 or H200); 0 when the ordinal is not a
 /// usable device or the build has no CUDA. Never throws. The CUDA build carries kernels for sm_90a only, so the layer
 /// on a CUDA device takes compute capability 90 and refuses others with an error that says so.

@@ -28,7 +28,20 @@ std::string cuda_device_description(int ordinal) {
   }
   return std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ", " +
          std::to_string(prop.multiProcessorCount) + " SMs, " +
-         std::to_string(prop.totalGlobalMem / (1024ull * 1024ull * 1024ull)) + " GiB)";
+         std::to_string(prop.totalGlobalMem / (1024ull * 1024ull * 1024ull)) + " GiB, " +
+         std::to_string(cuda_memory_bandwidth_gbps(ordinal)) + " GB/s)";
+}
+
+long long cuda_memory_bandwidth_gbps(int ordinal) {
+  int clock_khz = 0, bus_bits = 0;
+  if (ordinal < 0 || ordinal >= cuda_device_count() ||
+      cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, ordinal) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, ordinal) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  // Two transfers a clock of bus_bits / 8 bytes: 2 x clock_khz x 1e3 x bus_bits / 8 bytes a second, / 1e9 for GB/s.
+  return 2LL * clock_khz * bus_bits / 8 / 1000000;
 }
 
 int cuda_compute_capability(int ordinal) {

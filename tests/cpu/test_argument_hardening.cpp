@@ -265,7 +265,11 @@ TEST(ArgumentHardening, DeviceOrdinalsAndTypesAreChecked) {
   for (int ordinal = 0; ordinal < count; ++ordinal) c.device(Device::cuda(ordinal), "x");
   // Compute capability: 0 for an ordinal no device has (and without CUDA); a device that passed above is a Hopper,
   // the only GPU the CUDA build's kernels run on.
-  for (int ordinal : {-1, count, count + 6}) EXPECT_EQ(cuda_compute_capability(ordinal), 0) << ordinal;
+  for (int ordinal : {-1, count, count + 6}) {
+    EXPECT_EQ(cuda_compute_capability(ordinal), 0) << ordinal;
+    EXPECT_EQ(cuda_memory_bandwidth_gbps(ordinal), 0) << ordinal;
+    EXPECT_EQ(cuda_device_description(ordinal), "") << ordinal;
+  }
   for (int ordinal = 0; ordinal < count; ++ordinal)
     EXPECT_EQ(cuda_compute_capability(ordinal), kCudaComputeCapability) << ordinal;
 

@@ -69,8 +69,11 @@ TEST(HopperHeuristics, ContiguousFamiliesTakeThePingPongTileWhereDIsWideAndKShor
   const auto down = [](std::int64_t N, std::int64_t K, const TileOverrides& o = {}) {
     return choose_tiles(shape(KernelFamily::kDownProjection, N, K), o).tile_n;
   };
+  // dX~ on an H200-class device (its K = 1024 rule depends on the memory bandwidth; the next test).
   const auto dx = [](std::int64_t N, std::int64_t K, const TileOverrides& o = {}) {
-    return choose_tiles(shape(KernelFamily::kDxExpanded, N, K), o).tile_n;
+    GemmShape s = shape(KernelFamily::kDxExpanded, N, K);
+    s.memory_gbps = 4800;
+    return choose_tiles(s, o).tile_n;
   };
   for (std::int64_t n : {256, 512}) {  // 30B (256,256,16), 30B (512,128,8), 120B (512,256,16): d = 4096
     EXPECT_EQ(down(4096, n), 128) << n;
@@ -120,6 +123,31 @@ TEST(HopperHeuristics, OverridesAreHonouredForEveryN) {
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 2880, 2880), o).tile_n, 256);
   o.tile_n = 64;  // not a tile: the heuristic's
   EXPECT_EQ(choose_tiles(shape(KernelFamily::kDownProjection, 2880, 2880), o).tile_n, 128);
+}
+
+// dX~ at K = 2n = 1024 with d = 4096 (n = 512): the ping-pong tile on an H200 (4.8 TB/s), the wide one on an H100
+// (3.35 TB/s) and where the bandwidth is unknown; at K = 512 the ping-pong tile on both.
+TEST(HopperHeuristics, DxAtK1024TakesThePingPongTileOnlyWithFastMemory) {
+  using gpu::hopper::kDxPingPongFastMemoryGbps;
+  const auto dx = [](std::int64_t K, std::int64_t gbps) {
+    GemmShape s = shape(KernelFamily::kDxExpanded, 4096, K);
+    s.memory_gbps = gbps;
+    return choose_tiles(s, {}).tile_n;
+  };
+  EXPECT_EQ(dx(1024, 4800), 128);  // H200
+  EXPECT_EQ(dx(1024, 3352), 256);  // H100 SXM
+  EXPECT_EQ(dx(1024, 0), 256);     // unknown
+  EXPECT_EQ(dx(1024, kDxPingPongFastMemoryGbps), 128);
+  EXPECT_EQ(dx(1024, kDxPingPongFastMemoryGbps - 1), 256);
+  for (std::int64_t gbps : {0, 3352, 4800}) {
+    EXPECT_EQ(dx(512, gbps), 128) << gbps;   // 30B (256,256,16): the ping-pong tile everywhere
+    EXPECT_EQ(dx(2048, gbps), 256) << gbps;  // n = 1024: the wide tile everywhere
+  }
+  // The down-projection does not depend on it.
+  GemmShape down = shape(KernelFamily::kDownProjection, 4096, 512);
+  EXPECT_EQ(choose_tiles(down, {}).tile_n, 128);
+  down.memory_gbps = 4800;
+  EXPECT_EQ(choose_tiles(down, {}).tile_n, 128);
 }
 
 // N that is not a multiple of 128 (edge tiles): the tile that pads the fewest columns, the wide one on a tie; the

@@ -266,10 +266,18 @@ TEST(GpuLayerProperties, HopperKernelsAgreeWithTheReferenceGemmPath) {
 
 // The device check of every CUDA argument (ArgChecker::device) takes a Hopper and only that: the GPU machine's device
 // reports compute capability 9.0, the one the build's sm_90a kernels run on, and a layer call on it passes the check.
+// Its memory bandwidth (a tile choice depends on it) is a Hopper's: 2 TB/s (H100 PCIe) to 4.9 TB/s (H200), and the
+// description names it.
 TEST(GpuDevice, ComputeCapabilityIsTheOneTheBuildTargets) {
   REQUIRE_GPU();
-  for (int ordinal = 0; ordinal < cuda_device_count(); ++ordinal)
+  for (int ordinal = 0; ordinal < cuda_device_count(); ++ordinal) {
     EXPECT_EQ(cuda_compute_capability(ordinal), kCudaComputeCapability) << cuda_device_description(ordinal);
+    const long long gbps = cuda_memory_bandwidth_gbps(ordinal);
+    EXPECT_GE(gbps, 1900) << cuda_device_description(ordinal);
+    EXPECT_LE(gbps, 6000) << cuda_device_description(ordinal);
+    EXPECT_NE(cuda_device_description(ordinal).find(std::to_string(gbps) + " GB/s"), std::string::npos)
+        << cuda_device_description(ordinal);
+  }
   EXPECT_EQ(cuda_compute_capability(cuda_device_count()), 0);
 }
 

@@ -16,6 +16,7 @@
 #include "gpu/cuda_check.hpp"
 #include "gpu/hopper/heuristics.hpp"
 #include "gpu/hopper/kernel_families.hpp"
+#include "machmoe/device.hpp"
 
 namespace machmoe::gpu {
 namespace {
@@ -63,9 +64,10 @@ CUtensorMap make_tensor_map(const void* base, int rank, const cuuint64_t* dims, 
 
 struct DeviceTraits {
   int major = 0, minor = 0, sm_count = 0;
+  std::int64_t memory_gbps = 0;  // peak (cuda_memory_bandwidth_gbps; 0: not reported)
 };
 
-/// The current device's compute capability and SM count, queried once per device (every forward launch asks).
+/// The current device's compute capability, SM count and memory bandwidth, queried once per device (every forward launch asks).
 DeviceTraits current_device() {
   int dev = 0;
   MACHMOE_CUDA_CHECK(cudaGetDevice(&dev));
@@ -78,6 +80,7 @@ DeviceTraits current_device() {
   MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.major, cudaDevAttrComputeCapabilityMajor, dev));
   MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.minor, cudaDevAttrComputeCapabilityMinor, dev));
   MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&t.sm_count, cudaDevAttrMultiProcessorCount, dev));
+  t.memory_gbps = cuda_memory_bandwidth_gbps(dev);
   known.emplace(dev, t);
   return t;
 }
@@ -287,6 +290,7 @@ void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t
                              : hopper::KernelFamily::kDownProjection;
   shape.N = a.N, shape.K = a.K;
   shape.rows_per_expert = a.E > 0 ? a.P_max / a.E : 0;
+  shape.memory_gbps = dev.memory_gbps;
   const hopper::TileChoice tiles = hopper::choose_tiles(shape, tile_overrides());
 
   hopper::VarlenMSchedulerParams sched;

@@ -55,8 +55,10 @@ TileChoice choose_tiles(const GemmShape& shape, const TileOverrides& overrides) 
   }
   // The down-projection and dX~ where d is wide and the reduction short: the ping-pong tile (heuristics.hpp,
   // kContiguousPingPong*).
+  const std::int64_t dx_max_k =
+      shape.memory_gbps >= kDxPingPongFastMemoryGbps ? kDxPingPongMaxK : kDxPingPongSlowMemoryMaxK;
   const bool short_k = (shape.family == KernelFamily::kDownProjection && shape.K <= kDownPingPongMaxK) ||
-                       (shape.family == KernelFamily::kDxExpanded && shape.K <= kDxPingPongMaxK);
+                       (shape.family == KernelFamily::kDxExpanded && shape.K <= dx_max_k);
   if (short_k && shape.N >= kContiguousPingPongMinN) {
     c.tile_n = 128;
     return c;

@@ -19,6 +19,9 @@ struct GemmShape {
   // Routed rows per expert on average (the rows reserved over E; 0: unknown). The counts themselves stay on the
   // device: the host chooses from the shape.
   std::int64_t rows_per_expert = 0;
+  // The device's peak memory bandwidth in GB/s (memory clock x bus width; 0: unknown), for the rules that differ
+  // between an H100 (3.35 TB/s) and an H200 (4.8 TB/s).
+  std::int64_t memory_gbps = 0;
 };
 
 /// Forced choices (0: the heuristic decides).
@@ -112,9 +115,17 @@ inline constexpr std::int64_t kDhWideMinRowsPerExpert = 1024;
 /// n >= 1024 the layer was no faster (120B (2048,64,4): backward 2.5 % slower in both rounds), and at d = 768 and 1536
 /// level or up to 1.8 % slower, although there too the two stages were faster against the stages the change does not
 /// touch (the down-projection 1.5-10 % on every row), so the wide tile stays there.
+/// dX~ at K = 2n = 1024 (n = 512: 30B (512,128,8), 120B (512,256,16)) takes the ping-pong tile only on a device of
+/// at least kDxPingPongFastMemoryGbps: on an H100 (3.35 TB/s; docs/BENCHMARKS.md, session 99, the tiles forced, order
+/// A B B A) its dX~ stage took 10.16-10.31 ms on 120B (512,256,16) against 7.22-7.41 on the wide tile (the backward
+/// 31.7-32.1 against 29.2 ms) and 5.11-5.16 against 4.29 on 30B (512,128,8), where the H200 had it 5-11 % faster than
+/// the wide tile (session 60). Unknown bandwidth: the wide tile (what the H100 needs; the H200 gave up ~1.5 % of
+/// those backwards).
 inline constexpr std::int64_t kContiguousPingPongMinN = 4096;
 inline constexpr std::int64_t kDownPingPongMaxK = 512;
 inline constexpr std::int64_t kDxPingPongMaxK = 1024;
+inline constexpr std::int64_t kDxPingPongSlowMemoryMaxK = 512;
+inline constexpr std::int64_t kDxPingPongFastMemoryGbps = 4000;
 
 /// The up-projection's and the weight gradients' limit on the wide tile's padded width, in % of the square tile's.
 inline constexpr std::int64_t kUpProjectionWidePercent = 110;

@@ -205,11 +205,38 @@ Tensor byte_buffer(const Tensor& x, std::size_t bytes) {
   return at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
 }
 
-/// The operands every layer operator shares, checked and viewed before anything is allocated.
+/// Whether `w` is a master weight of x: float32 with a bfloat16 or float16 x. The layer computes in x's dtype and
+/// gives that weight's gradient in float32 (mixed precision, e.g. float32 parameters under torch.autocast).
+bool master_weight(const Tensor& w, const Tensor& x) {
+  return w.defined() && w.scalar_type() == at::kFloat &&
+         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
+}
+
+/// A weight as the library computes with it: a master weight cast to x's dtype for this call (the copy lives as long
+/// as the operator runs; nothing keeps it between the forward and the backward, which casts again), anything else
+/// as it is, for the library to check against x.
+OptTensor compute_weight(const char* op, const char* arg, const OptTensor& w, const Tensor& x) {
+  if (!present(w) || w->scalar_type() == x.scalar_type()) return w;
+  if (master_weight(*w, x)) return w->to(x.scalar_type());
+  const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+  fail(op, arg,
+       std::string("dtype ") + c10::toString(x.scalar_type()) + " (the dtype of x)" +
+           (half ? " or Float (float32 master weights: the layer computes in x's dtype)" : ""),
+       c10::toString(w->scalar_type()));
+}
+
+/// The dtype of a weight's gradient: float32 for a master weight, x's dtype otherwise (and for an absent weight).
+at::ScalarType grad_dtype(const OptTensor& w, const Tensor& x) {
+  return present(w) && master_weight(*w, x) ? at::kFloat : x.scalar_type();
+}
+
+/// The operands every layer operator shares, checked and viewed before anything is allocated. Master weights
+/// (master_weight) are cast to x's dtype here: the library takes weights in x's dtype only.
 struct LayerArgs {
   machmoe::MoEProblem p;
   machmoe::DType dtype;
   machmoe::TensorView x;
+  OptTensor router_weight_c, w1_c, b1_c, w2_c, b2_c;  // the weights as computed with (compute_weight)
   machmoe::LayerWeights weights;
   machmoe::RoutingTriples triples;
   bool caller;
@@ -222,7 +249,12 @@ struct LayerArgs {
                      score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit)),
         dtype(to_dtype(op, "x", x_)),
         x(view(op, "x", x_)),
-        weights(weights_of(op, router_weight, w1, b1, w2, b2)),
+        router_weight_c(compute_weight(op, "router_weight", router_weight, x_)),
+        w1_c(compute_weight(op, "w1", w1, x_)),
+        b1_c(compute_weight(op, "b1", b1, x_)),
+        w2_c(compute_weight(op, "w2", w2, x_)),
+        b2_c(compute_weight(op, "b2", b2, x_)),
+        weights(weights_of(op, router_weight_c, *w1_c, b1_c, *w2_c, b2_c)),
         triples(triples_of(op, p, token_index, expert_index, scores)),
         caller(p.routing == machmoe::RoutingMode::kCallerSupplied) {}
   const machmoe::RoutingTriples* routing() const { return caller ? &triples : nullptr; }
@@ -331,14 +363,16 @@ struct GradTarget {
   Tensor returned;  // what the operator returns for this gradient
 
   GradTarget() = default;
+  /// `dtype`: of the returned gradient (grad_dtype).
   GradTarget(const char* op, const char* arg, const OptTensor& into, bool present_weight, const char* absent_why,
-             bool accumulate, at::IntArrayRef sizes, const Tensor& x) {
+             bool accumulate, at::IntArrayRef sizes, const Tensor& x, at::ScalarType dtype) {
     const bool given = check_into(op, arg, into, present_weight, absent_why, sizes, x);  // (never for no weight)
     if (given) buffer = *into;
     if (given || !present_weight) {
       returned = at::empty({0}, x.options());
     } else {
-      buffer = accumulate ? at::zeros(sizes, x.options()) : at::empty(sizes, x.options());
+      const at::TensorOptions o = x.options().dtype(dtype);
+      buffer = accumulate ? at::zeros(sizes, o) : at::empty(sizes, o);
       returned = buffer;
     }
   }
@@ -358,7 +392,8 @@ struct InputGrads {
   machmoe::BackwardInputs inputs;
 
   InputGrads(const char* op, const machmoe::MoEProblem& p, const Tensor& x, const Tensor& grad_out,
-             const OptTensor& grad_logits, const OptTensor& into_router_weight, bool accumulate) {
+             const OptTensor& grad_logits, const OptTensor& router_weight, const OptTensor& into_router_weight,
+             bool accumulate) {
     const bool caller = p.routing == machmoe::RoutingMode::kCallerSupplied;
     check_defined(op, "grad_out", grad_out);
     // Routing 'caller' has no router logits: the forward returned an empty tensor for them, whose gradient
@@ -370,7 +405,7 @@ struct InputGrads {
     if (present(grad_logits) && !caller) gl = grad_logits->contiguous();
     dx = at::empty({p.T, p.d}, x.options());
     dwr = GradTarget(op, "into_router_weight", into_router_weight, !caller, "routing 'caller' has no router",
-                     accumulate, {p.E, p.d}, x);
+                     accumulate, {p.E, p.d}, x, grad_dtype(router_weight, x));
     dscores = caller ? at::empty({p.num_pairs}, x.options().dtype(score_type(x))) : at::empty({0}, x.options());
     inputs.grad_out = view(op, "grad_out", go);
     inputs.grad_router_logits = view(op, "grad_logits", gl);
@@ -397,8 +432,9 @@ struct ProjectionGrads {
   ProjectionGrads() = default;
   ProjectionGrads(const char* op, const Names& n, bool has_bias_, const Tensor& x, const Tensor& w,
                   const OptTensor& b, const OptTensor& into_w, const OptTensor& into_b, bool accumulate)
-      : weight(op, n.into_weight, into_w, true, "", accumulate, w.sizes(), x),
-        bias(op, n.into_bias, into_b, has_bias_, n.no_bias, accumulate, has_bias_ ? b->sizes() : at::IntArrayRef{}, x),
+      : weight(op, n.into_weight, into_w, true, "", accumulate, w.sizes(), x, grad_dtype(w, x)),
+        bias(op, n.into_bias, into_b, has_bias_, n.no_bias, accumulate, has_bias_ ? b->sizes() : at::IntArrayRef{}, x,
+             grad_dtype(b, x)),
         names(&n),
         has_bias(has_bias_) {}
   void attach(const char* op, machmoe::TensorView& weight_view, machmoe::TensorView& bias_view) const {
@@ -436,7 +472,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
   check_byte_buffer(op, "saved", saved, x, "layer_forward");
   const machmoe::MoEProblem& p = a.p;
   const bool accumulate = any_present({&into_router_weight, &into_w1, &into_b1, &into_w2, &into_b2});
-  const InputGrads ig(op, p, x, grad_out, grad_logits, into_router_weight, accumulate);
+  const InputGrads ig(op, p, x, grad_out, grad_logits, router_weight, into_router_weight, accumulate);
   // The autograd backward hands `saved` over (consume_saved) when nothing can read it again: a backward that does
   // not retain its graph frees its saved tensors afterwards. dH then overwrites the saved H instead of taking a
   // workspace region of its size (layer.hpp, BackwardBuffers::consume_saved). Outside a backward (no graph task),
@@ -495,7 +531,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_input(
   check_byte_buffer(op, "saved", saved, x, "layer_forward");
   const machmoe::MoEProblem& p = a.p;
   const bool accumulate = present(into_router_weight);
-  const InputGrads ig(op, p, x, grad_out, grad_logits, into_router_weight, accumulate);
+  const InputGrads ig(op, p, x, grad_out, grad_logits, router_weight, into_router_weight, accumulate);
   Tensor workspace = byte_buffer(x, machmoe::backward_input_workspace_bytes(p, a.dtype, library_device(x)));
   Tensor deferred = byte_buffer(x, machmoe::deferred_layout(p, a.dtype).total_bytes);
   machmoe::BackwardOutputs bo;

@@ -94,10 +94,18 @@ def _score_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _grad_dtype(x, weight):
+    """The dtype of a weight's gradient as the operators return it: float32 for a float32 master weight of a
+    bfloat16/float16 x, x's dtype otherwise (bindings/torch/machmoe_ops.cpp, grad_dtype)."""
+    return torch.float32 if weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+
+
 def _weight_grad_fake(x, weight, into):
     """A weight gradient as the backward operators return it: empty when the weight is absent or its gradient is
-    added into a caller buffer, else a contiguous tensor of the weight's shape in x's dtype."""
-    return x.new_empty((0,)) if weight is None or into is not None else x.new_empty(weight.shape)
+    added into a caller buffer, else a contiguous tensor of the weight's shape in _grad_dtype."""
+    if weight is None or into is not None:
+        return x.new_empty((0,))
+    return x.new_empty(weight.shape, dtype=_grad_dtype(x, weight))
 
 
 @torch.library.register_fake("machmoe::layer_backward")
@@ -131,9 +139,8 @@ def _layer_backward_input_fake(grad_out, grad_logits, x, router_weight, w1, b1, 
                  saved=saved, into_router_weight=into_router_weight)
     caller = routing == _CALLER
     T, d = x.shape
-    E = w1.shape[0]
     # The router's gradient added into a caller buffer is returned as an empty tensor, as by layer_backward.
-    dwr = x.new_empty((0,)) if caller or into_router_weight is not None else x.new_empty((E, d))
+    dwr = _weight_grad_fake(x, None if caller else router_weight, into_router_weight)
     dscores = x.new_empty((token_index.shape[0],), dtype=_score_dtype(x)) if caller else x.new_empty((0,))
     # The deferred buffer's size (deferred_layout in the library) has no operator of its own to compute it here; it
     # only travels to layer_backward_weight, whose real kernel reads its actual size.

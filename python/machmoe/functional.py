@@ -25,6 +25,8 @@ from ._validation import as_int, caller_stacklevel, fail as _fail, require_tenso
 _CPU_DTYPES = (torch.float32, torch.float64)
 _CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _META_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # shapes only: a model built on meta
+# The dtypes of x whose weights may be float32 master weights (_is_master).
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _dtypes_for(device: torch.device) -> tuple:
@@ -39,7 +41,7 @@ def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
 
     The layer follows autocast as torch's matmuls do: its floating inputs other than float64 (x, the router, the
     expert weights and biases) are cast to autocast's dtype, so fp32 parameters under torch.autocast("cuda",
-    torch.bfloat16) run the bf16 Hopper kernels, and the casts' backward returns fp32 gradients to them. Where the
+    torch.bfloat16) run the bf16 Hopper kernels (as master weights: _autocast_layer). Where the
     layer has no kernels in that dtype (the CPU's reference takes float32 and float64, and CPU autocast asks for
     bfloat16), it computes in float32 instead, as autocast's float32 ops do."""
     kind = device.type
@@ -55,20 +57,45 @@ def _autocast_cast(dtype: torch.dtype, *tensors):
                  t.dtype != torch.float64 else t for t in tensors)
 
 
-def _under_autocast(x, *tensors):
-    """(x, *tensors) as the layer computes with them: cast to _autocast_dtype(x.device) where autocast is on there,
-    as they are otherwise (and where x is not a tensor: the checks that follow name it)."""
+def _is_master(w, x_dtype: torch.dtype) -> bool:
+    """Whether w is a master weight for an x of x_dtype: float32 with bfloat16 or float16 x. The operators take such
+    weights as they are, compute in x's dtype (casting the weights for the call, in the forward and again in the
+    backward) and give their gradients in float32 (bindings/torch/machmoe_ops.cpp, master_weight)."""
+    return isinstance(w, Tensor) and w.dtype == torch.float32 and x_dtype in _HALF_DTYPES
+
+
+def _autocast_layer(dtype: torch.dtype, x, *weights):
+    """(x, *weights) as a layer operator takes them under autocast to `dtype`: x cast, the weights cast as well
+    unless they are master weights (_is_master), which the operator casts itself. So float32 parameters reach the
+    operator as they are: nothing holds a bf16 copy of them between the forward and the backward, their gradients
+    come out of the weight-gradient kernels in float32 (never rounded to bf16, no cast kernel), and they stay leaf
+    tensors (defer_weight_grads can defer them)."""
+    if dtype not in _HALF_DTYPES:
+        return _autocast_cast(dtype, x, *weights)
+    (x,) = _autocast_cast(dtype, x)
+    return (x, *(w if _is_master(w, dtype) else _autocast_cast(dtype, w)[0] for w in weights))
+
+
+def _under_autocast(x, *tensors, master: bool = False):
+    """(x, *tensors) as the layer computes with them: cast to _autocast_dtype(x.device) where autocast is on there
+    (with master=True, through _autocast_layer: float32 weights left to the operator), as they are otherwise (and
+    where x is not a tensor: the checks that follow name it)."""
     cast = _autocast_dtype(x.device) if isinstance(x, Tensor) else None
-    return (x, *tensors) if cast is None else _autocast_cast(cast, x, *tensors)
+    if cast is None:
+        return (x, *tensors)
+    return _autocast_layer(cast, x, *tensors) if master else _autocast_cast(cast, x, *tensors)
 
 
 def _check_tensor(name: str, t: Tensor, shape, ref: Tensor, *, ref_name: str = "x",
-                  inner_stride_only: bool = False) -> None:
+                  inner_stride_only: bool = False, master: bool = False) -> None:
+    """master: t may be a float32 master weight of ref (_is_master)."""
     require_tensor(name, t)
     if t.device != ref.device:
         _fail(name, f"a tensor on {ref.device} (the device of {ref_name})", f"a tensor on {t.device}")
-    if t.dtype != ref.dtype:
-        _fail(name, f"dtype {ref.dtype} (the dtype of {ref_name})", t.dtype)
+    if t.dtype != ref.dtype and not (master and _is_master(t, ref.dtype)):
+        also = (" or torch.float32 (float32 master weights: the layer computes in the dtype of "
+                f"{ref_name})") if master and ref.dtype in _HALF_DTYPES else ""
+        _fail(name, f"dtype {ref.dtype} (the dtype of {ref_name}){also}", t.dtype)
     if tuple(t.shape) != tuple(shape):
         _fail(name, f"shape {tuple(shape)}", tuple(t.shape))
     # (A last dimension of size 1 has no stride to speak of: torch calls such a tensor contiguous whatever it is, so
@@ -124,12 +151,12 @@ def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, we
                     f"dimension of w2 of shape {tuple(w2.shape)}, for the activation {activation!r})",
               f"shape {tuple(w1.shape)}")
     _check_tensor(x_name, x, (T, d), x, ref_name=x_name, inner_stride_only=True)
-    _check_tensor("w1", w1, (E, rows, d), x, ref_name=x_name)
-    _check_tensor("w2", w2, (E, d, n), x, ref_name=x_name)
+    _check_tensor("w1", w1, (E, rows, d), x, ref_name=x_name, master=True)
+    _check_tensor("w2", w2, (E, d, n), x, ref_name=x_name, master=True)
     if b1 is not None:
-        _check_tensor("b1", b1, (E, rows), x, ref_name=x_name)
+        _check_tensor("b1", b1, (E, rows), x, ref_name=x_name, master=True)
     if b2 is not None:
-        _check_tensor("b2", b2, (E, d), x, ref_name=x_name)
+        _check_tensor("b2", b2, (E, d), x, ref_name=x_name, master=True)
     top_k = as_int(top_k_name, top_k, low=1, high=E, what="(the number of experts)")
     return act, layout, top_k, act_params
 
@@ -224,7 +251,9 @@ def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[T
     """The whole MoE layer: router, routing, experts, aggregation. Returns (out (T, d), router_logits (T, E),
     expert_counts (E,) int32 on the device). Differentiable w.r.t. x, router_weight, w1, w2, b1, b2 (first-order
     reverse mode only: double backward and forward-mode AD raise). Integer options accept Python and numpy integers
-    and 0-d integer tensors on the CPU.
+    and 0-d integer tensors on the CPU. The weights (router_weight, w1, w2, b1, b2) are in x's dtype, or float32 with
+    a bfloat16/float16 x (master weights: the layer computes in x's dtype, casting them for the call, and returns
+    their gradients in float32).
 
     accumulate_grads_into: gradient accumulation (Megatron-style main_grad), a dict mapping weight names
     ('router_weight', 'w1', 'b1', 'w2', 'b2') to buffers of the weight's shape, of its dtype or torch.float32,
@@ -235,9 +264,10 @@ def moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, b1: Optional[T
     swiglu_alpha, swiglu_limit: the parameters of activation="gptoss_swiglu" (None: gpt-oss's 1.702 and 7.0); None
     for every other activation.
 
-    Under torch.autocast the layer computes in autocast's dtype (_autocast_dtype): x, router_weight and the expert
-    weights are cast to it, and the gradients of the casts return to the originals in their own dtype."""
-    x, router_weight, w1, w2, b1, b2 = _under_autocast(x, router_weight, w1, w2, b1, b2)
+    Under torch.autocast the layer computes in autocast's dtype (_autocast_dtype): x is cast to it, and so are
+    router_weight and the expert weights, but for float32 ones under a bfloat16/float16 autocast, which are passed
+    as master weights (_autocast_layer)."""
+    x, router_weight, w1, w2, b1, b2 = _under_autocast(x, router_weight, w1, w2, b1, b2, master=True)
     return _moe(x, router_weight, w1, w2, b1, b2, top_k, activation, score, routing, rounding, tile, weight_layout,
                 activation_memory, accumulate_grads_into, None, swiglu_alpha, swiglu_limit)
 
@@ -284,7 +314,8 @@ def _tensors_pass(x, router_weight, w1, w2, b1, b2, glu: bool) -> bool:
         return False
     rows = 2 * n if glu else n
     for t, shape in ((w1, (E, rows, d)), (w2, ws), (router_weight, (E, d)), (b1, (E, rows)), (b2, (E, d))):
-        if t is not None and (t.device != device or t.dtype != dtype or t.shape != shape or not t.is_contiguous()):
+        if t is not None and (t.device != device or (t.dtype != dtype and not _is_master(t, dtype)) or
+                              t.shape != shape or not t.is_contiguous()):
             return False
     return True
 
@@ -309,7 +340,7 @@ def _moe(x, router_weight, w1, w2, b1, b2, top_k, activation, score, routing, ro
         if routing not in ("topk", "token_rounding"):
             _fail("routing", "'topk' or 'token_rounding' (use moe_from_routing for caller-supplied routing)",
                   repr(routing))
-        _check_tensor("router_weight", router_weight, (w1.shape[0], x.shape[1]), x)
+        _check_tensor("router_weight", router_weight, (w1.shape[0], x.shape[1]), x, master=True)
         tile = tile_option(tile)
         codes = [code(SCORES, score, "score"), code(ROUTINGS, routing, "routing"),
                  code(ROUNDINGS, rounding, "rounding"), tile, code(ACTIVATION_MEMORY, activation_memory,
@@ -384,8 +415,8 @@ def moe_from_routing(x: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, exp
         ValueError naming the argument, the position and the value. The call that launched the bad triples has
         already returned (bad pairs skipped): discard its outputs.
 
-    Under torch.autocast: as moe() (x and the expert weights cast to autocast's dtype; scores stay float32)."""
-    x, w1, w2, b1, b2 = _under_autocast(x, w1, w2, b1, b2)
+    Under torch.autocast, and for the weights' dtypes: as moe() (scores stay float32)."""
+    x, w1, w2, b1, b2 = _under_autocast(x, w1, w2, b1, b2, master=True)
     act, layout, top_k, act_params = _check_common(x, w1, w2, b1, b2, activation, weight_layout,
                                                    max_experts_per_token, top_k_name="max_experts_per_token",
                                                    swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
@@ -443,7 +474,7 @@ def grouped_experts(x_grouped: Tensor, expert_counts: Tensor, w1: Tensor, w2: Te
     total get zero output, and with machmoe.set_index_checking(True) the counts are validated on the device and
     the error is raised at the next layer call or machmoe.check_device_errors(). accumulate_grads_into,
     swiglu_alpha, swiglu_limit: as for moe() (keys 'w1', 'b1', 'w2', 'b2'); under torch.autocast, as moe()."""
-    x_grouped, w1, w2, b1, b2 = _under_autocast(x_grouped, w1, w2, b1, b2)
+    x_grouped, w1, w2, b1, b2 = _under_autocast(x_grouped, w1, w2, b1, b2, master=True)
     _check_expert_counts(x_grouped, expert_counts, w1)
     act, layout, _, act_params = _check_common(x_grouped, w1, w2, b1, b2, activation, weight_layout, 1,
                                                x_name="x_grouped", swiglu_alpha=swiglu_alpha,

@@ -196,12 +196,14 @@ class MoE(_LossCoefficients, nn.Module):
         # Named after x, which the caller passed, rather than after the parameters the functional API compares it to.
         if x.device != w1.device:
             fail("x", f"a tensor on {w1.device} (the device of this MoE's parameters)", f"a tensor on {x.device}")
-        # Under torch.autocast, x and the parameters in autocast's dtype (F._autocast_dtype); `params` keeps the
-        # parameters themselves, whose main_grad buffers the accumulate-into path uses.
+        # Under torch.autocast, x in autocast's dtype (F._autocast_dtype), and the parameters too, but for float32
+        # ones under a bf16/fp16 autocast: those go to the operator as they are, as master weights that it casts for
+        # the call and whose gradients it gives in float32 (F._autocast_layer). `params` keeps the parameters
+        # themselves, whose main_grad buffers the accumulate-into path uses.
         cast = F._autocast_dtype(x.device)
         if cast is not None:
-            x, router_weight, w1, w2, b1, b2 = F._autocast_cast(cast, x, router_weight, w1, w2, b1, b2)
-        if x.dtype != w1.dtype:
+            x, router_weight, w1, w2, b1, b2 = F._autocast_layer(cast, x, router_weight, w1, w2, b1, b2)
+        if x.dtype != w1.dtype and not (cast is not None and F._is_master(w1, x.dtype)):
             hint = ""
             if cast is not None:  # float64 on one side: autocast leaves it as it is
                 hint = f"; under torch.autocast the layer computes in {cast}, and float64 tensors are not cast"

@@ -602,8 +602,9 @@ class GroupedExperts(nn.Module):
         default mode: one row per token and rank, its pairs on this rank's experts). The scores are used in the
         library's score dtype for x (float32; float64 for float64 x)."""
         weights = self._weights()
-        # Under torch.autocast, x and the weights in autocast's dtype, as machmoe.MoE (the calls below would cast
-        # them too, but the checks of an empty call compare x's dtype with the weights').
+        # Under torch.autocast, x and the weights in autocast's dtype: bf16 copies of float32 weights, as an
+        # autocast nn.Linear makes (machmoe.MoE passes them to its operator as master weights instead). Cast here,
+        # before the checks of an empty call compare x's dtype with the weights'.
         x, *weights = _under_autocast(x, *weights)
         if pairs is not None:
             if num_tokens_per_expert is not None or expert_index is not None:

@@ -258,6 +258,19 @@ struct LayerArgs {
         triples(triples_of(op, p, token_index, expert_index, scores)),
         caller(p.routing == machmoe::RoutingMode::kCallerSupplied) {}
   const machmoe::RoutingTriples* routing() const { return caller ? &triples : nullptr; }
+
+  /// Frees the casts of master weights once every kernel that reads them is queued (the caching allocator hands
+  /// their blocks out again only to work queued after those kernels on this stream), for a call that reads no
+  /// weight afterwards: finish_backward_w1 only checks the weights' shapes and that its outputs overlap none of
+  /// them. The views then describe the master weights' own memory, in x's dtype, rather than a freed cast, whose
+  /// block W1's gradient may take next.
+  void release_weight_casts(const char* op, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1,
+                            const Tensor& w2, const OptTensor& b2) {
+    weights = weights_of(op, router_weight, w1, b1, w2, b2);
+    for (machmoe::TensorView* v : {&weights.router_weight, &weights.w1, &weights.b1, &weights.w2, &weights.b2})
+      if (!v->empty()) v->dtype = dtype;
+    router_weight_c = w1_c = b1_c = w2_c = b2_c = std::nullopt;
+  }
 };
 
 /// A caller buffer (into_*) that a backward adds a weight's gradient into: present only for a weight the layer has,
@@ -467,7 +480,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
     const OptTensor& into_router_weight, const OptTensor& into_w1, const OptTensor& into_b1,
     const OptTensor& into_w2, const OptTensor& into_b2, bool consume_saved) {
   const char* op = "layer_backward";
-  const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
+  LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
                     weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
   check_byte_buffer(op, "saved", saved, x, "layer_forward");
   const machmoe::MoEProblem& p = a.p;
@@ -504,8 +517,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_backwar
   bump_versions({&into_router_weight, &into_w1, &into_b1, &into_w2, &into_b2});
   if (w1_later) {
     // Stream-ordered: the caching allocator hands the workspace's block out again only to work queued after the
-    // backward's kernels on this stream.
+    // backward's kernels on this stream. So for the casts of master weights, which dH and dX~ have read.
     workspace = Tensor();
+    a.release_weight_casts(op, router_weight, w1, b1, w2, b2);
     w1g = ProjectionGrads(op, ProjectionGrads::kW1, p.has_b1, x, w1, b1, into_w1, into_b1, accumulate);
     machmoe::BackwardOutputs w1_out;
     w1g.attach(op, w1_out.grad_weights.w1, w1_out.grad_weights.b1);

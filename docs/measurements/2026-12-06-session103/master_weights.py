@@ -21,16 +21,19 @@ BF16 = torch.bfloat16
 def make(T, d, n, E, K):
     torch.manual_seed(0)
     m = machmoe.MoE(d, n, E, K, device="cuda", dtype=torch.float32)
-    params = [m.router_weight, m.w1, m.w2]
-    return m, params
+    return m, [m.router_weight, m.w1, m.w2]
 
 
 def forward(way, params, x, K):
-    rw, w1, w2 = params
-    if way == "before: casts in the graph":
-        rw, w1, w2 = rw.to(BF16), w1.to(BF16), w2.to(BF16)
-    with torch.autocast("cuda", dtype=BF16, enabled=way != "bf16 parameters"):
-        return machmoe.moe(x, rw, w1, w2, top_k=K)[0]
+    """params: one layer's (router_weight, w1, w2), or several layers' in a row (a stack: each layer's output is
+    the next one's input)."""
+    for i in range(0, len(params), 3):
+        rw, w1, w2 = params[i:i + 3]
+        if way == "before: casts in the graph":
+            rw, w1, w2 = rw.to(BF16), w1.to(BF16), w2.to(BF16)
+        with torch.autocast("cuda", dtype=BF16, enabled=way != "bf16 parameters"):
+            x = machmoe.moe(x, rw, w1, w2, top_k=K)[0]
+    return x
 
 
 def measure(way, params, x, dy, K, warmup_ms, time_ms):
@@ -65,7 +68,10 @@ def measure(way, params, x, dy, K, warmup_ms, time_ms):
     del out
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    grads = [p.grad.clone() for p in params]
+    # (kept for the comparison below where they are small: 30B's would not fit beside the rest)
+    grads = [p.grad.clone() for p in params] if sum(p.numel() for p in params) < 2**29 else None
+    for p in params:
+        p.grad = None
     return statistics.median(run_for(time_ms, True)), held, peak, grads
 
 
@@ -75,12 +81,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup-ms", type=float, default=300)
     ap.add_argument("--time-ms", type=float, default=300)
+    ap.add_argument("--layers", default="1,4", help="layers in a row, one row of results each (4 on 7B-256 only)")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
     ways = ("bf16 parameters", "before: casts in the graph", "now: master weights")
-    for name in a.configs.split(","):
+    runs = [(name, layers) for name in a.configs.split(",") for layers in map(int, a.layers.split(","))
+            if layers == 1 or name == "7B-256"]
+    for name, layers in runs:
         T, d, n, E, K = CONFIGS[name]
-        m, fp32 = make(T, d, n, E, K)
+        fp32 = [p for _ in range(layers) for p in make(T, d, n, E, K)[1]]
         bf16 = [p.detach().to(BF16).requires_grad_() for p in fp32]
         x = torch.randn(T, d, device="cuda", dtype=BF16)
         dy = torch.randn(T, d, device="cuda", dtype=BF16)
@@ -93,17 +102,19 @@ def main():
                 grads[w] = g
         for w in ways:
             v = res[w]
-            print(f"{name} (T={T} d={d} n={n} E={E} K={K}) {w}: step ms per round "
+            print(f"{name} (T={T} d={d} n={n} E={E} K={K}) x {layers} layer(s), {w}: step ms per round "
                   f"{', '.join(f'{t:.3f}' for t, _, _ in v)}; "
                   f"held forward->backward {max(h for _, h, _ in v):.0f} MiB; "
                   f"peak over baseline {max(p for _, _, p in v):.0f} MiB")
         # How far the bf16-rounded gradients of the old way are from the float32 ones of the new (relative
         # Frobenius): the rounding the new way no longer applies.
         for i, pname in enumerate(("router_weight", "w1", "w2")):
+            if grads[ways[2]] is None or layers > 1:
+                break
             new, old = grads[ways[2]][i].double(), grads[ways[1]][i].double()
             print(f"{name} grad {pname}: dtype now {grads[ways[2]][i].dtype}, before {grads[ways[1]][i].dtype}; "
                   f"|before - now| / |now| = {((old - new).norm() / new.norm()).item():.2e}")
-        del m, fp32, bf16, x, dy, grads
+        del fp32, bf16, x, dy, grads
         torch.cuda.empty_cache()
 
 

@@ -213,11 +213,12 @@ bool master_weight(const Tensor& w, const Tensor& x) {
 }
 
 /// A weight as the library computes with it: a master weight cast to x's dtype for this call (the copy lives as long
-/// as the operator runs; nothing keeps it between the forward and the backward, which casts again), anything else
-/// as it is, for the library to check against x.
-OptTensor compute_weight(const char* op, const char* arg, const OptTensor& w, const Tensor& x) {
+/// as the operator runs; nothing keeps it between the forward and the backward, which casts again), or left as it
+/// is where the call reads no weight (`cast` false: LayerArgs then describes it in x's dtype); anything else as it
+/// is, for the library to check against x.
+OptTensor compute_weight(const char* op, const char* arg, const OptTensor& w, const Tensor& x, bool cast) {
   if (!present(w) || w->scalar_type() == x.scalar_type()) return w;
-  if (master_weight(*w, x)) return w->to(x.scalar_type());
+  if (master_weight(*w, x)) return cast ? OptTensor(w->to(x.scalar_type())) : w;
   const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
   fail(op, arg,
        std::string("dtype ") + c10::toString(x.scalar_type()) + " (the dtype of x)" +
@@ -230,8 +231,13 @@ at::ScalarType grad_dtype(const OptTensor& w, const Tensor& x) {
   return present(w) && master_weight(*w, x) ? at::kFloat : x.scalar_type();
 }
 
+/// Whether an operator's library call reads the weights' values, or only their shapes (layer_backward_weight: the
+/// weight gradients come from dO, X, dH and A').
+enum class WeightUse { kValues, kShapes };
+
 /// The operands every layer operator shares, checked and viewed before anything is allocated. Master weights
-/// (master_weight) are cast to x's dtype here: the library takes weights in x's dtype only.
+/// (master_weight) are cast to x's dtype here, where the call reads them: the library takes weights in x's dtype
+/// only.
 struct LayerArgs {
   machmoe::MoEProblem p;
   machmoe::DType dtype;
@@ -244,20 +250,31 @@ struct LayerArgs {
   LayerArgs(const char* op, const Tensor& x_, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1,
             const Tensor& w2, const OptTensor& b2, const OptTensor& token_index, const OptTensor& expert_index,
             const OptTensor& scores, int64_t top_k, int64_t activation, int64_t weight_layout, int64_t score,
-            int64_t routing, int64_t rounding, int64_t tile, int64_t cache, double swiglu_alpha, double swiglu_limit)
+            int64_t routing, int64_t rounding, int64_t tile, int64_t cache, double swiglu_alpha, double swiglu_limit,
+            WeightUse use = WeightUse::kValues)
       : p(problem_of(op, x_, w1, w2, b1, b2, token_index, expert_index, scores, top_k, activation, weight_layout,
                      score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit)),
         dtype(to_dtype(op, "x", x_)),
         x(view(op, "x", x_)),
-        router_weight_c(compute_weight(op, "router_weight", router_weight, x_)),
-        w1_c(compute_weight(op, "w1", w1, x_)),
-        b1_c(compute_weight(op, "b1", b1, x_)),
-        w2_c(compute_weight(op, "w2", w2, x_)),
-        b2_c(compute_weight(op, "b2", b2, x_)),
+        router_weight_c(compute_weight(op, "router_weight", router_weight, x_, use == WeightUse::kValues)),
+        w1_c(compute_weight(op, "w1", w1, x_, use == WeightUse::kValues)),
+        b1_c(compute_weight(op, "b1", b1, x_, use == WeightUse::kValues)),
+        w2_c(compute_weight(op, "w2", w2, x_, use == WeightUse::kValues)),
+        b2_c(compute_weight(op, "b2", b2, x_, use == WeightUse::kValues)),
         weights(weights_of(op, router_weight_c, *w1_c, b1_c, *w2_c, b2_c)),
         triples(triples_of(op, p, token_index, expert_index, scores)),
-        caller(p.routing == machmoe::RoutingMode::kCallerSupplied) {}
+        caller(p.routing == machmoe::RoutingMode::kCallerSupplied) {
+    if (use == WeightUse::kShapes) describe_weights_in_x_dtype();
+  }
   const machmoe::RoutingTriples* routing() const { return caller ? &triples : nullptr; }
+
+  /// Gives every weight view x's dtype: master weights then appear as the library takes them, for a call that reads
+  /// no weight value (it checks their shapes and that its outputs overlap none of them). Views of x's dtype are
+  /// unchanged.
+  void describe_weights_in_x_dtype() {
+    for (machmoe::TensorView* v : {&weights.router_weight, &weights.w1, &weights.b1, &weights.w2, &weights.b2})
+      if (!v->empty()) v->dtype = dtype;
+  }
 
   /// Frees the casts of master weights once every kernel that reads them is queued (the caching allocator hands
   /// their blocks out again only to work queued after those kernels on this stream), for a call that reads no
@@ -267,8 +284,7 @@ struct LayerArgs {
   void release_weight_casts(const char* op, const OptTensor& router_weight, const Tensor& w1, const OptTensor& b1,
                             const Tensor& w2, const OptTensor& b2) {
     weights = weights_of(op, router_weight, w1, b1, w2, b2);
-    for (machmoe::TensorView* v : {&weights.router_weight, &weights.w1, &weights.b1, &weights.w2, &weights.b2})
-      if (!v->empty()) v->dtype = dtype;
+    describe_weights_in_x_dtype();
     router_weight_c = w1_c = b1_c = w2_c = b2_c = std::nullopt;
   }
 };
@@ -569,7 +585,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_backward_weight(
     const OptTensor& into_w1, const OptTensor& into_b1, const OptTensor& into_w2, const OptTensor& into_b2) {
   const char* op = "layer_backward_weight";
   const LayerArgs a(op, x, router_weight, w1, b1, w2, b2, token_index, expert_index, scores, top_k, activation,
-                    weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
+                    weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit,
+                    WeightUse::kShapes);
   check_byte_buffer(op, "saved", saved, x, "layer_forward");
   check_byte_buffer(op, "deferred", deferred, x, "layer_backward_input");
   check_defined(op, "grad_out", grad_out);

@@ -293,16 +293,20 @@ struct LayerArgs {
 /// on x's device, in x's dtype or fp32, of the weight's shape, contiguous. Returns whether the buffer is given. The
 /// forward checks its buffers with this too (it only hands them to its backward), so that a wrong buffer fails at the
 /// call that passed it, not later in backward().
+/// `grad`: the dtype of the weight's gradient (grad_dtype): a buffer holds it or float32, as the Python layer's
+/// accumulate_grads_into check says (the weight's dtype or float32; a master weight's buffer is float32).
 bool check_into(const char* op, const char* arg, const OptTensor& into, bool present_weight, const char* absent_why,
-                at::IntArrayRef sizes, const Tensor& x) {
+                at::IntArrayRef sizes, const Tensor& x, at::ScalarType grad) {
   if (!present(into)) return false;
   const Tensor& t = *into;
   if (!present_weight) fail(op, arg, std::string("None (") + absent_why + ")", "a tensor of shape " + shape_of(t));
   if (t.device() != x.device())
     fail(op, arg, "a tensor on " + x.device().str() + " (the device of x)", "a tensor on " + t.device().str());
-  if (t.scalar_type() != x.scalar_type() && t.scalar_type() != at::kFloat)
+  if (t.scalar_type() != grad && t.scalar_type() != at::kFloat)
     fail(op, arg,
-         std::string("dtype ") + c10::toString(x.scalar_type()) + " (the dtype of x) or Float (fp32 gradients)",
+         grad == x.scalar_type()
+             ? std::string("dtype ") + c10::toString(x.scalar_type()) + " (the dtype of x) or Float (fp32 gradients)"
+             : std::string("dtype Float (the gradient of a float32 master weight)"),
          c10::toString(t.scalar_type()));
   if (t.sizes() != sizes)
     fail(op, arg, "shape " + shape_of(at::empty(sizes, at::TensorOptions().device(at::kMeta))) +
@@ -363,11 +367,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
                     weight_layout, score, routing, rounding, tile, cache, swiglu_alpha, swiglu_limit);
   const machmoe::MoEProblem& p = a.p;
   const char* no_router = "routing 'caller' has no router";
-  check_into(op, "into_router_weight", into_router_weight, !a.caller, no_router, {p.E, p.d}, x);
-  check_into(op, "into_w1", into_w1, true, "", w1.sizes(), x);
-  check_into(op, "into_b1", into_b1, p.has_b1, "the layer has no b1", p.has_b1 ? b1->sizes() : at::IntArrayRef{}, x);
-  check_into(op, "into_w2", into_w2, true, "", w2.sizes(), x);
-  check_into(op, "into_b2", into_b2, p.has_b2, "the layer has no b2", p.has_b2 ? b2->sizes() : at::IntArrayRef{}, x);
+  check_into(op, "into_router_weight", into_router_weight, !a.caller, no_router, {p.E, p.d}, x,
+             grad_dtype(router_weight, x));
+  check_into(op, "into_w1", into_w1, true, "", w1.sizes(), x, grad_dtype(w1, x));
+  check_into(op, "into_b1", into_b1, p.has_b1, "the layer has no b1", p.has_b1 ? b1->sizes() : at::IntArrayRef{}, x,
+             grad_dtype(b1, x));
+  check_into(op, "into_w2", into_w2, true, "", w2.sizes(), x, grad_dtype(w2, x));
+  check_into(op, "into_b2", into_b2, p.has_b2, "the layer has no b2", p.has_b2 ? b2->sizes() : at::IntArrayRef{}, x,
+             grad_dtype(b2, x));
   Tensor out = at::empty({p.T, p.d}, x.options());
   Tensor logits = a.caller ? at::empty({0}, x.options()) : at::empty({p.T, p.E}, x.options());
   Tensor counts = at::empty({p.E}, x.options().dtype(at::kInt));
@@ -395,7 +402,7 @@ struct GradTarget {
   /// `dtype`: of the returned gradient (grad_dtype).
   GradTarget(const char* op, const char* arg, const OptTensor& into, bool present_weight, const char* absent_why,
              bool accumulate, at::IntArrayRef sizes, const Tensor& x, at::ScalarType dtype) {
-    const bool given = check_into(op, arg, into, present_weight, absent_why, sizes, x);  // (never for no weight)
+    const bool given = check_into(op, arg, into, present_weight, absent_why, sizes, x, dtype);  // (none: no weight)
     if (given) buffer = *into;
     if (given || !present_weight) {
       returned = at::empty({0}, x.options());

@@ -40,7 +40,8 @@ from torch import Tensor, nn
 from ._options import (ACTIVATION_MEMORY, ACTIVATIONS, GLU_ACTIVATIONS, ROUNDINGS, SCORES, WEIGHT_LAYOUTS,
                        activation_parameters, code, tile_option)
 from ._validation import as_int, require_tensor, type_name
-from .functional import (_autocast_cast, _autocast_dtype, _check_common, _check_tensor, _fail, _under_autocast,
+from .functional import (_HALF_DTYPES, _autocast_cast, _autocast_dtype, _check_common, _check_tensor, _fail,
+                         _is_master, _under_autocast,
                          grouped_experts, index_checking_enabled, load_balancing_loss, moe_from_routing,
                          router_z_loss)
 from .module import MoE, MoEOutput, _LossCoefficients
@@ -602,10 +603,11 @@ class GroupedExperts(nn.Module):
         default mode: one row per token and rank, its pairs on this rank's experts). The scores are used in the
         library's score dtype for x (float32; float64 for float64 x)."""
         weights = self._weights()
-        # Under torch.autocast, x and the weights in autocast's dtype: bf16 copies of float32 weights, as an
-        # autocast nn.Linear makes (machmoe.MoE passes them to its operator as master weights instead). Cast here,
-        # before the checks of an empty call compare x's dtype with the weights'.
-        x, *weights = _under_autocast(x, *weights)
+        # Under torch.autocast, x in autocast's dtype and float32 weights passed as they are, as master weights
+        # (functional._autocast_layer, as machmoe.MoE passes its parameters): the operator casts them for the call,
+        # nothing holds a bf16 copy of them from the forward to the backward, and their gradients come out of the
+        # kernels in float32. Cast here, before the checks of an empty call compare x's dtype with the weights'.
+        x, *weights = _under_autocast(x, *weights, master=True)
         if pairs is not None:
             if num_tokens_per_expert is not None or expert_index is not None:
                 _fail("pairs", "no num_tokens_per_expert or expert_index beside it", "both")
@@ -1149,12 +1151,12 @@ def expert_parallel_moe(x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor
     if not isinstance(w1, Tensor) or w1.dim() != 3 or w1.shape[0] != El:
         _fail("w1", f"the {El} local experts of rank {ep_rank} (E / ep_size = {E} / {ep_size}) as an "
               f"({El}, {rows}, {d}) tensor", getattr(w1, "shape", type(w1).__name__))
-    _check_tensor("w1", w1, (El, rows, d), x)
-    _check_tensor("w2", w2, (El, d, w2.shape[2]), x)
+    _check_tensor("w1", w1, (El, rows, d), x, master=True)
+    _check_tensor("w2", w2, (El, d, w2.shape[2]), x, master=True)
     if b1 is not None:
-        _check_tensor("b1", b1, (El, rows), x)
+        _check_tensor("b1", b1, (El, rows), x, master=True)
     if b2 is not None:
-        _check_tensor("b2", b2, (El, d), x)
+        _check_tensor("b2", b2, (El, d), x, master=True)
 
     if capacity is None:
         def experts(rows, pairs):
@@ -1410,8 +1412,12 @@ class ExpertParallelMoE(_LossCoefficients, nn.Module):
                 return
             if w.device != x.device:
                 _fail(f"experts.{name}", f"a tensor on {x.device} (the device of x)", f"a tensor on {w.device}")
-            if w.dtype != x.dtype and not autocast:  # (under autocast, the experts' call casts their weights)
-                _fail(f"experts.{name}", f"dtype {x.dtype} (the dtype of x)", w.dtype)
+            # Under autocast the experts' call casts weights of other dtypes; float32 ones of a bf16/fp16 x are
+            # master weights, which its operator takes as they are.
+            if w.dtype != x.dtype and not autocast and not _is_master(w, x.dtype):
+                also = (" or torch.float32 (float32 master weights: the layer computes in the dtype of x)"
+                        if x.dtype in _HALF_DTYPES else "")
+                _fail(f"experts.{name}", f"dtype {x.dtype} (the dtype of x){also}", w.dtype)
 
     def _dispatch(self, x: Tensor, group_rows: bool) -> ExpertParallelDispatch:
         flat, router_weight = self._checked_input(x)

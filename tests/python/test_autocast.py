@@ -175,6 +175,50 @@ def test_the_operators_refuse_weights_of_another_dtype_naming_the_argument():
         ops.layer_forward(x, rw.bfloat16(), w1, None, w2, None, None, None, None, *options)
 
 
+def test_grouped_experts_take_float32_master_weights_of_a_half_x():
+    """machmoe.parallel.GroupedExperts (the expert-parallel layer's experts) passes float32 weights with a bf16 x to
+    the operators as master weights, as machmoe.MoE does under autocast: float32 gradients, the output in x's dtype.
+    On meta (the operators' fake kernels), in the modes that do not read counts on the host: rows by expert index, and
+    pairs (the expert-parallel layer's default)."""
+    experts = parallel.GroupedExperts(D, N, E, bias=True, device="meta", dtype=torch.float32)
+    x = torch.empty(24, D, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    y = experts(x, expert_index=torch.zeros(24, dtype=torch.int64, device="meta"))
+    token = torch.arange(24, device="meta").repeat_interleave(2)
+    pairs = parallel.ExpertPairs(token, token % E, torch.empty(48, device="meta"), 2)
+    z = experts(x, pairs=pairs)
+    assert y.dtype == z.dtype == torch.bfloat16
+    (y.sum() + z.sum()).backward()
+    assert x.grad.dtype == torch.bfloat16
+    for name, p in experts.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32 and p.grad.shape == p.shape, name
+    experts.half()
+    with pytest.raises(ValueError, match=r"argument 'w1': expected dtype torch.bfloat16 \(the dtype of x\) or "
+                                         r"torch.float32 \(float32 master weights"):
+        experts(x, pairs=pairs)
+
+
+def test_the_operators_take_a_master_weights_buffer_in_float32_only():
+    """accumulate_grads_into for a float32 master weight: a float32 buffer (as the Python layer asks), refused in x's
+    dtype by the operator too, before any work, naming the buffer."""
+    ops = torch.ops.machmoe
+    options = (K, 0, 0, 0, 0, 0, 128, 0, 1.702, 7.0)
+    x = torch.randn(12, D).bfloat16()
+    rw, w1, w2 = torch.randn(E, D), torch.randn(E, 2 * N, D), torch.randn(E, D, N)
+    with pytest.raises(ValueError, match=r"machmoe::layer_forward: argument 'into_w1': expected dtype Float \(the "
+                                         r"gradient of a float32 master weight\), got BFloat16$"):
+        ops.layer_forward(x, rw, w1, None, w2, None, None, None, None, *options, None,
+                          torch.zeros(E, 2 * N, D, dtype=torch.bfloat16), None, None, None)
+    with pytest.raises(ValueError, match=r"argument 'accumulate_grads_into\['w1'\]': expected dtype torch.float32, "
+                                         r"got torch.bfloat16$"):
+        meta = lambda t: t.to("meta")  # (the functional API refuses a bf16 x on the CPU first)
+        machmoe.moe(meta(x), meta(rw), meta(w1), meta(w2), top_k=K,
+                    accumulate_grads_into={"w1": torch.zeros(E, 2 * N, D, dtype=torch.bfloat16, device="meta")})
+    # a bf16 weight's buffer: bf16 or float32 (only the library's CPU reference refuses bf16 x, after the checks)
+    with pytest.raises(ValueError, match=r"machmoe::forward: argument 'x': expected dtype fp32 or fp64 on cpu"):
+        ops.layer_forward(x, rw, w1.bfloat16(), None, w2, None, None, None, None, *options, None,
+                          torch.zeros(E, 2 * N, D, dtype=torch.bfloat16), None, None, None)
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 

@@ -17,6 +17,7 @@ fails (never skips) on a machine with fewer GPUs than it needs, so select by the
 Run: cd tests/python && MACHMOE_IN_TREE=1 python3 -m pytest -q -p no:cacheprovider -m "multigpu and not gpus8" \
   test_expert_parallel_gpu.py     (MACHMOE_EP_OVERLAP_JSON=path also writes rank 0's overlap timings there.)
 """
+import copy
 import json
 import math
 import os
@@ -233,6 +234,44 @@ def scenario_bitwise_reruns(rank, world):
             o.output.float().square().sum().backward()
             runs.append([o.output, x.grad] + [p.grad.clone() for p in ep.parameters()])
         assert all(torch.equal(a, b) for a, b in zip(*runs)), (routing, capacity)
+
+
+def scenario_autocast_master_weights(rank, world):
+    """float32 parameters under torch.autocast: the experts' weights go to the operator as master weights (no bf16
+    copy held from the forward to the backward, float32 gradients out of the kernels), so the layer's output and
+    input gradient are the bf16 layer's bitwise (the float32 weights hold bf16 values here), its expert gradients
+    float32 and within bf16 rounding of the bf16 layer's. Both modes."""
+    for capacity in (None, 2048):
+        low = gpu_layer(13, rank, world)
+        high = copy.deepcopy(low).float()
+        ep_low = ExpertParallelMoE.from_moe(low, capacity=capacity)
+        ep_high = ExpertParallelMoE.from_moe(high, capacity=capacity)
+        x = gpu_inputs(13, sizes_for(world), rank)[rank]
+        go = upstream(13, rank, x.shape[0], low.num_experts)[0].to(x.device, torch.bfloat16)
+        xl, xh = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ol = ep_low(xl)
+        saved = []
+
+        def pack(t):
+            saved.append((tuple(t.shape), t.dtype))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                oh = ep_high(xh)
+        assert oh.output.dtype == torch.bfloat16, capacity
+        assert torch.equal(oh.output, ol.output) and torch.equal(oh.router_logits, ol.router_logits), capacity
+        weight_shapes = {tuple(ep_high.experts.w1.shape), tuple(ep_high.experts.w2.shape)}
+        copies = [s for s in saved if s[0] in weight_shapes and s[1] == torch.bfloat16]
+        assert not copies, (capacity, copies)
+        ol.output.backward(go)
+        oh.output.backward(go)
+        assert torch.equal(xh.grad, xl.grad), capacity
+        for name in ("w1", "w2", "b1", "b2"):
+            g, ref = getattr(ep_high.experts, name).grad, getattr(ep_low.experts, name).grad
+            assert g.dtype == torch.float32, (capacity, name, g.dtype)
+            assert rel(g, ref) < 4e-3, (capacity, name, rel(g, ref))
+        assert ep_high.router_weight.grad.dtype == torch.float32
 
 
 def scenario_host_synchronisations(rank, world):
@@ -473,10 +512,10 @@ def scenario_training_ep4_expert_fsdp2_50_steps(rank, world):
 # GPU run (H200, 2026-11-23) this one failed (it counted two synchronising calls in the default mode's forward; the
 # second was torch's one-time "prototype feature" notice of set_sync_debug_mode, now not counted).
 ONE_GPU = ["topk", "token_rounding", "capacity_mode", "bitwise_reruns", "capacity_mode_cuda_graph",
-           "overflow_reported", "torch_compile", "host_synchronisations"]
+           "overflow_reported", "torch_compile", "autocast_master_weights", "host_synchronisations"]
 TWO_GPUS = ["topk", "token_rounding", "capacity_mode", "skewed", "rank_without_tokens", "rank_receives_nothing",
             "bitwise_reruns", "host_synchronisations", "capacity_mode_cuda_graph", "overflow_reported",
-            "torch_compile", "staged_overlap_measured"]
+            "torch_compile", "staged_overlap_measured", "autocast_master_weights"]
 FOUR_GPUS = EIGHT_GPUS = TWO_GPUS
 # Their own processes, so that a failure in the scenarios above does not leave them "not run" (and the reverse).
 TWO_GPUS_TRAINING = ["training_ep2_fsdp2_50_steps"]

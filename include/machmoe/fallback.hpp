@@ -18,8 +18,9 @@ enum class FallbackPolicy : int {
 /// functions or of a GPU layer entry point: MACHMOE_FALLBACK=error gives kError; unset, empty or "warn" gives kWarn
 /// (another value is reported on stderr once and read as kWarn). The reference path chosen on purpose
 /// (MACHMOE_DISABLE_HOPPER_KERNELS=1, MACHMOE_HOPPER_BACKWARD=0 or their test switches) is logged, never an error.
-/// With kError the error is raised when the stage is reached: the stages before it have already been enqueued on the
-/// stream, so the call's outputs are unspecified (nothing outside them is written).
+/// With kError the error is raised before the call launches anything (every expert GEMM of a forward or backward is
+/// checked first), so its outputs and the caller's gradient buffers are left as they were; finish_backward_w1 checks
+/// its own GEMM when it is called, after the backward before it.
 void set_fallback_policy(FallbackPolicy policy);
 FallbackPolicy fallback_policy();
 

@@ -13,6 +13,7 @@
 #include "gpu/hopper/dispatch.hpp"
 #include "gpu/kernels.hpp"
 #include "gpu/stage_timing.hpp"
+#include "machmoe/fallback.hpp"
 #include "machmoe/index_checking.hpp"
 #include "machmoe/memory.hpp"
 
@@ -219,6 +220,22 @@ VarlenMArgs up_projection_args(const MoEProblem& p, DType dt, const TensorView& 
   return a;
 }
 
+/// The down-projection: Y = A W2^T + b2, A's rows contiguous in expert order.
+VarlenMArgs down_projection_args(const MoEProblem& p, DType dt, const LayerWeights& w, const std::int32_t* offsets,
+                                 const std::int32_t* tiles, const void* a, void* y) {
+  VarlenMArgs down;
+  down.dt = dt;
+  down.E = p.E, down.N = p.d, down.K = p.n, down.P_max = p.max_pairs();
+  down.expert_offsets = offsets, down.expert_tiles = tiles;
+  down.a = a, down.lda = p.n;
+  down.b.ptr = w.w2.data, down.b.expert_stride = w.w2.stride[0], down.b.stride_col = w.w2.stride[1];
+  down.b.stride_k = 1;
+  down.epilogue = Epilogue::kStore;
+  down.out = y, down.ld_out = p.d;
+  if (p.has_b2) down.bias = w.b2.data, down.ld_bias = w.b2.stride[0];
+  return down;
+}
+
 /// The routing of a layer call as the token-chunk machinery reads it (the saved metadata).
 struct ChunkRouting {
   const std::int32_t *expert_offsets, *gather, *scatter, *inverse, *token_offsets;
@@ -230,6 +247,23 @@ struct ChunkWorkspace {
   std::int32_t* pair_rows;
 };
 
+/// `gemm` (over every pair: P_max = the pair count) as it runs on chunk c of tokens: the chunk's rows of A where
+/// they lie (a per-expert row shift), its output rows packed (at most chunk_rows).
+VarlenMArgs chunk_args(VarlenMArgs gemm, const DxChunkPlan& plan, std::int64_t c, std::int64_t chunk_rows) {
+  gemm.a_rows = gemm.P_max;  // A keeps every pair's row
+  gemm.P_max = chunk_rows;   // the chunk's rows: the extent of the output
+  gemm.expert_offsets = plan.chunk_offsets(c), gemm.expert_tiles = plan.chunk_tiles(c);
+  gemm.a_row_shift = plan.chunk_shifts(c);
+  return gemm;
+}
+
+/// refuse_expert_gemm_fallback for the GEMM of gemm_then_gather_sum (same arguments), as its launches take it.
+void refuse_chunked_gemm_fallback(const MoEProblem& p, const VarlenMArgs& gemm, const char* gemm_stage,
+                                  std::int64_t chunks, std::int64_t chunk_rows, std::int32_t* plan) {
+  refuse_expert_gemm_fallback(chunks == 1 ? gemm : chunk_args(gemm, DxChunkPlan::in(plan, chunks, p.E), 0, chunk_rows),
+                              gemm_stage);
+}
+
 /// A grouped GEMM whose output rows are then summed per token into `out` (weights: per pair, or nullptr for a plain
 /// sum): the forward's down-projection and weighted gather-sum, the backward's dX~ and its gather-sum. chunks == 1:
 /// the GEMM over every pair, then the sum. Otherwise one chunk of tokens at a time (memory.hpp: forward_y_chunks,
@@ -239,7 +273,7 @@ struct ChunkWorkspace {
 /// stages (and name the GEMM in a fallback notice). plan_built: the routing metadata already wrote the plan and the
 /// pair rows into ws (the forward's chunks, metadata_built_plan). router: a second per-pair term the sum adds (the
 /// backward's router term of dX), or none.
-void gemm_then_gather_sum(const MoEProblem& p, VarlenMArgs gemm, const char* gemm_stage, const char* sum_stage,
+void gemm_then_gather_sum(const MoEProblem& p, const VarlenMArgs& gemm, const char* gemm_stage, const char* sum_stage,
                           const char* plan_stage, std::int64_t chunks, std::int64_t chunk_rows,
                           const ChunkRouting& r, const ChunkWorkspace& ws, const float* weights,
                           const GatherRouterTerm& router, const TensorView& out, cudaStream_t stream,
@@ -260,17 +294,13 @@ void gemm_then_gather_sum(const MoEProblem& p, VarlenMArgs gemm, const char* gem
     launch_dx_chunk_plan(r.expert_offsets, r.gather, r.scatter, r.inverse, r.token_offsets, p.K, p.T, p.E, P, chunks,
                          pairs_per_chunk, plan, ws.pair_rows, p.routing == RoutingMode::kTopK, stream);
   }
-  gemm.P_max = chunk_rows;  // the chunk's rows: the extent of the output
-  gemm.a_rows = P;          // A keeps every pair's row
   // Blocks of the chunk's gather-sum: its tokens for top-K (a chunk holds at most ceil(Q / K) + 1), a share of T
   // when a token's pair count varies (they stride over the range, whatever its length).
   const std::int64_t range_blocks = p.variable_k() ? (p.T + chunks - 1) / chunks + 1
                                                    : (pairs_per_chunk + p.K - 1) / p.K + 1;
   for (std::int64_t c = 0; c < chunks; ++c) {
-    gemm.expert_offsets = plan.chunk_offsets(c), gemm.expert_tiles = plan.chunk_tiles(c);
-    gemm.a_row_shift = plan.chunk_shifts(c);
     mark_stage(gemm_stage, stream);
-    launch_expert_gemm(gemm, gemm_stage, stream);
+    launch_expert_gemm(chunk_args(gemm, plan, c, chunk_rows), gemm_stage, stream);
     mark_stage(sum_stage, stream);
     launch_gather_sum(gemm.dt, gemm.out, p.d, weights, router, ws.pair_rows, r.token_offsets, p.K, p.T, out.data,
                       out.stride[0], stream, plan.bounds + c, range_blocks);
@@ -298,6 +328,22 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
       MACHMOE_CUDA_CHECK(cudaMemsetAsync(at(buf.saved, sl.token_offsets), 0, sl.token_offsets.bytes, stream));
     return;
   }
+  // The expert GEMMs, and under the fallback policy "error" each checked before anything is launched: a GEMM the
+  // Hopper kernels refuse then raises with nothing written (docs/VALIDATION.md), not after the stages before it.
+  void* a_buf = at(buf.workspace, wl.a);
+  void* y_buf = at(buf.workspace, wl.y);
+  const std::int32_t* gemm_offsets = at<std::int32_t>(buf.saved, sl.expert_offsets);
+  const std::int32_t* gemm_tiles = at<std::int32_t>(buf.workspace, wl.expert_tiles);
+  // Input-only cache mode keeps no H (its saved region is absent): the kernel then stores only A.
+  const VarlenMArgs up = up_projection_args(p, dt, x, w, gemm_offsets, gemm_tiles,
+                                            at<std::int32_t>(buf.saved, sl.gather), at(buf.saved, sl.h), a_buf);
+  const VarlenMArgs down = down_projection_args(p, dt, w, gemm_offsets, gemm_tiles, a_buf, y_buf);
+  std::int32_t* y_plan = at<std::int32_t>(buf.workspace, wl.y_chunk_plan);
+  std::int32_t* y_pair_rows = at<std::int32_t>(buf.workspace, wl.y_pair_rows);
+  refuse_expert_gemm_fallback(up, "forward/up_projection");
+  refuse_chunked_gemm_fallback(p, down, "forward/down_projection", forward_y_chunks(p), forward_y_chunk_rows(p),
+                               y_plan);
+
   float* scores = at<float>(buf.saved, sl.scores);
   std::int32_t* pair_expert = at<std::int32_t>(buf.workspace, wl.pair_expert);
   std::int32_t* pair_token = at<std::int32_t>(buf.workspace, wl.pair_token);
@@ -372,8 +418,6 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   m.token_offsets = at<std::int32_t>(buf.saved, sl.token_offsets);
   // The forward's chunks of tokens (memory.hpp, forward_y_chunks): their plan is built with the metadata.
   const std::int64_t y_chunks = forward_y_chunks(p);
-  std::int32_t* y_plan = at<std::int32_t>(buf.workspace, wl.y_chunk_plan);
-  std::int32_t* y_pair_rows = at<std::int32_t>(buf.workspace, wl.y_pair_rows);
   if (y_chunks > 1 && p.routing != RoutingMode::kTokenRounding) {
     m.chunks = y_chunks, m.pairs_per_chunk = (P + y_chunks - 1) / y_chunks;
     m.plan = DxChunkPlan::in(y_plan, y_chunks, p.E);
@@ -391,23 +435,8 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   }
 
   // Experts: up-projection with the activation epilogue, down-projection, weighted gather-sum.
-  void* a_buf = at(buf.workspace, wl.a);
-  void* y_buf = at(buf.workspace, wl.y);
   mark_stage("forward/up_projection", stream);
-  // Input-only cache mode keeps no H (its saved region is absent): the kernel then stores only A.
-  launch_expert_gemm(up_projection_args(p, dt, x, w, m.expert_offsets, m.expert_tiles, m.gather,
-                                         at(buf.saved, sl.h), a_buf),
-                      "forward/up_projection", stream);
-  VarlenMArgs down;
-  down.dt = dt;
-  down.E = p.E, down.N = p.d, down.K = p.n, down.P_max = P;
-  down.expert_offsets = m.expert_offsets, down.expert_tiles = m.expert_tiles;
-  down.a = a_buf, down.lda = p.n;
-  down.b.ptr = w.w2.data, down.b.expert_stride = w.w2.stride[0], down.b.stride_col = w.w2.stride[1];
-  down.b.stride_k = 1;
-  down.epilogue = Epilogue::kStore;
-  down.out = y_buf, down.ld_out = p.d;
-  if (p.has_b2) down.bias = w.b2.data, down.ld_bias = w.b2.stride[0];
+  launch_expert_gemm(up, "forward/up_projection", stream);
   // Y at once, or one chunk of tokens at a time where Y would set the layer's peak (memory.hpp, forward_y_chunks),
   // over the backward's dX~ chunk plan.
   gemm_then_gather_sum(p, down, "forward/down_projection", "forward/aggregation", "forward/y_chunk_plan",
@@ -440,6 +469,107 @@ SavedState saved_state(const MoEProblem& p, DType dt, const void* saved) {
           at<TokenSelectionStats>(saved, sl.token_selection)};
 }
 
+/// The dH kernel: dA' = gather(dO) W2_e (W2 read in place, MN-major), its epilogue writing dH, A' = s A and the
+/// dS partials from H.
+VarlenMArgs dh_kernel_args(const MoEProblem& p, DType dt, const LayerWeights& w, const TensorView& grad_out,
+                           const SavedState& sv, const std::int32_t* tiles, const void* h, void* dh, void* a_prime,
+                           float* ds_partial) {
+  const std::int64_t rows = p.w1_rows();
+  VarlenMArgs dha;
+  dha.dt = dt;
+  dha.E = p.E, dha.N = p.n, dha.K = p.d, dha.P_max = p.max_pairs();
+  dha.expert_offsets = sv.offsets, dha.expert_tiles = tiles;
+  dha.a = grad_out.data, dha.lda = grad_out.stride[0], dha.a_gather = sv.gather;
+  dha.b.ptr = w.w2.data, dha.b.expert_stride = w.w2.stride[0], dha.b.stride_col = 1;
+  dha.b.stride_k = w.w2.stride[1];
+  dha.epilogue = Epilogue::kActivationGrad;
+  dha.activation = p.activation;
+  dha.act_alpha = static_cast<float>(p.swiglu_alpha), dha.act_limit = static_cast<float>(p.swiglu_limit);
+  dha.out = dh, dha.ld_out = rows;
+  dha.act_out = a_prime, dha.ld_act = p.n;
+  dha.h_in = h, dha.ld_h = rows;
+  dha.scores = sv.scores, dha.scatter = sv.scatter, dha.ds_partial = ds_partial;
+  return dha;
+}
+
+/// dX~ = dH W1_e over contiguous dH (W1 read in place, MN-major; the concatenated layout's rows mapped).
+VarlenMArgs dx_expanded_args(const MoEProblem& p, DType dt, const LayerWeights& w, const SavedState& sv,
+                             const std::int32_t* tiles, const void* dh, void* dxe) {
+  const std::int64_t rows = p.w1_rows();
+  VarlenMArgs dxa;
+  dxa.dt = dt;
+  dxa.E = p.E, dxa.N = p.d, dxa.K = rows, dxa.P_max = p.max_pairs();
+  dxa.expert_offsets = sv.offsets, dxa.expert_tiles = tiles;
+  dxa.a = dh, dxa.lda = rows;
+  dxa.b.ptr = w.w1.data, dxa.b.expert_stride = w.w1.stride[0], dxa.b.stride_col = 1;
+  dxa.b.stride_k = w.w1.stride[1], dxa.b.permute = p.weight_layout == WeightLayout::kConcatenated ? 2 : 0;
+  dxa.b.glu_n = p.n;
+  dxa.epilogue = Epilogue::kStore;
+  dxa.out = dxe, dxa.ld_out = p.d;
+  return dxa;
+}
+
+/// dW2_e = sum over the expert's pairs of gather(dO)^T A' (dO gathered along the reduction).
+VarlenKArgs dw2_args(const MoEProblem& p, DType dt, const TensorView& grad_out, const LayerWeightGrads& gw,
+                     const SavedState& sv, const void* a_prime) {
+  VarlenKArgs dw2;
+  dw2.dt = dt;
+  dw2.E = p.E, dw2.M = p.d, dw2.N = p.n;
+  dw2.expert_offsets = sv.offsets;
+  dw2.a = grad_out.data, dw2.lda = grad_out.stride[0], dw2.a_gather = sv.gather;
+  dw2.b = a_prime, dw2.ldb = p.n, dw2.contiguous_rows = p.max_pairs();  // A' holds max_pairs rows
+  dw2.out = gw.w2.data, dw2.out_expert_stride = gw.w2.stride[0];
+  dw2.ld_out = gw.w2.stride[1];
+  dw2.out_dt = gw.w2.dtype, dw2.accumulate = gw.accumulate;
+  return dw2;
+}
+
+/// dW1_e = sum over the expert's pairs of dH^T gather(X) (X gathered along the reduction).
+VarlenKArgs dw1_args(const MoEProblem& p, DType dt, const TensorView& x, const LayerWeightGrads& gw,
+                     const SavedState& sv, const void* dh) {
+  const std::int64_t rows = p.w1_rows();
+  VarlenKArgs dw1;
+  dw1.dt = dt;
+  dw1.E = p.E, dw1.M = rows, dw1.N = p.d;
+  dw1.expert_offsets = sv.offsets;
+  dw1.a = dh, dw1.lda = rows, dw1.contiguous_rows = p.max_pairs();  // dH holds max_pairs rows
+  dw1.b = x.data, dw1.ldb = x.stride[0], dw1.b_gather = sv.gather;
+  dw1.out = gw.w1.data, dw1.out_expert_stride = gw.w1.stride[0];
+  dw1.ld_out = gw.w1.stride[1], dw1.glu_concat_n = p.weight_layout == WeightLayout::kConcatenated ? p.n : 0;
+  dw1.out_dt = gw.w1.dtype, dw1.accumulate = gw.accumulate;
+  return dw1;
+}
+
+/// Under the fallback policy "error", raises for the first expert GEMM of the backward's phases that the Hopper
+/// kernels refuse, before the backward launches anything (docs/VALIDATION.md): the input phases' (H recomputed, dH,
+/// dX~) where `input` is set, dW2's and dW1's (their gradient views in `out`) where `w2` / `w1` are. The arguments
+/// are the ones the phases launch with, built by the same functions.
+void refuse_backward_fallbacks(const MoEProblem& p, const TensorView& x, const LayerWeights& w,
+                               const TensorView& grad_out, const BackwardOutputs& out, const SavedState& sv,
+                               void* workspace, const BackwardWorkspaceLayout* wl, const void* dh, void* a_prime,
+                               bool input, bool w2, bool w1) {
+  if (fallback_policy() != FallbackPolicy::kError || p.max_pairs() == 0) return;
+  const DType dt = x.dtype;
+  if (input) {
+    const std::int32_t* tiles = at<std::int32_t>(workspace, wl->expert_tiles);
+    const void* h = sv.h;
+    if (p.cache == CacheMode::kInputOnly) {
+      void* hr = at(workspace, wl->h_recompute);
+      refuse_expert_gemm_fallback(up_projection_args(p, dt, x, w, sv.offsets, tiles, sv.gather, hr, nullptr),
+                                  "backward/h_recompute");
+      h = hr;
+    }
+    refuse_expert_gemm_fallback(dh_kernel_args(p, dt, w, grad_out, sv, tiles, h, const_cast<void*>(dh), a_prime,
+                                               at<float>(workspace, wl->ds_partial)),
+                                "backward/dh_kernel");
+    refuse_chunked_gemm_fallback(p, dx_expanded_args(p, dt, w, sv, tiles, dh, at(workspace, wl->dx_expanded)),
+                                 "backward/dx_expanded", backward_dx_chunks(p), backward_dx_chunk_rows(p),
+                                 at<std::int32_t>(workspace, wl->dx_chunk_plan));
+  }
+  if (w2) refuse_weight_gemm_fallback(dw2_args(p, dt, grad_out, out.grad_weights, sv, a_prime), "backward/dw2");
+  if (w1) refuse_weight_gemm_fallback(dw1_args(p, dt, x, out.grad_weights, sv, dh), "backward/dw1");
+}
+
 /// dH: expert tiles, H (recomputed in input-only mode, where dH then overwrites it in place), the dH kernel (dH and
 /// A' into dh/a_prime, dS partials) and dS. Returns false when there is no routed pair: grad_x and the router's
 /// gradient are then written here, and the dX phase has nothing to do.
@@ -447,7 +577,7 @@ bool backward_dh_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
                        const BackwardOutputs& out, const SavedState& sv, void* workspace,
                        const BackwardWorkspaceLayout& wl, void* dh, void* a_prime, cudaStream_t stream) {
   const DType dt = x.dtype;
-  const std::int64_t P = p.max_pairs(), rows = p.w1_rows();
+  const std::int64_t P = p.max_pairs();
   const bool accumulate = out.grad_weights.accumulate;
   if (P == 0) {
     // No routed pairs (T = 0, or caller routing with no triples): nothing reaches x through the experts, and with
@@ -457,8 +587,7 @@ bool backward_dh_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
     if (!accumulate) zero_view(out.grad_weights.router_weight, stream);
     return false;
   }
-  const float* scores = sv.scores;
-  const std::int32_t *offsets = sv.offsets, *scatter = sv.scatter, *inverse = sv.inverse, *gather = sv.gather;
+  const std::int32_t *offsets = sv.offsets, *inverse = sv.inverse, *gather = sv.gather;
   std::int32_t* tiles = at<std::int32_t>(workspace, wl.expert_tiles);
   mark_stage("backward/expert_tiles", stream);
   launch_expert_tiles(offsets, p.E, tiles, stream);
@@ -476,22 +605,9 @@ bool backward_dh_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
 
   // dH kernel: dA' = gather(dO) W2_e, epilogue -> dH, A' = s A, dS partials.
   float* ds_partial = at<float>(workspace, wl.ds_partial);
-  VarlenMArgs dha;
-  dha.dt = dt;
-  dha.E = p.E, dha.N = p.n, dha.K = p.d, dha.P_max = P;
-  dha.expert_offsets = offsets, dha.expert_tiles = tiles;
-  dha.a = in.grad_out.data, dha.lda = in.grad_out.stride[0], dha.a_gather = gather;
-  dha.b.ptr = w.w2.data, dha.b.expert_stride = w.w2.stride[0], dha.b.stride_col = 1;
-  dha.b.stride_k = w.w2.stride[1];
-  dha.epilogue = Epilogue::kActivationGrad;
-  dha.activation = p.activation;
-  dha.act_alpha = static_cast<float>(p.swiglu_alpha), dha.act_limit = static_cast<float>(p.swiglu_limit);
-  dha.out = dh, dha.ld_out = rows;
-  dha.act_out = a_prime, dha.ld_act = p.n;
-  dha.h_in = h, dha.ld_h = rows;
-  dha.scores = scores, dha.scatter = scatter, dha.ds_partial = ds_partial;
   mark_stage("backward/dh_kernel", stream);
-  launch_expert_gemm(dha, "backward/dh_kernel", stream);
+  launch_expert_gemm(dh_kernel_args(p, dt, w, in.grad_out, sv, tiles, h, dh, a_prime, ds_partial),
+                     "backward/dh_kernel", stream);
 
   // dS (pair order), with the b2 term.
   const bool caller = p.routing == RoutingMode::kCallerSupplied;
@@ -515,7 +631,6 @@ void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
                        const BackwardOutputs& out, const SavedState& sv, void* workspace,
                        const BackwardWorkspaceLayout& wl, const void* dh, cudaStream_t stream) {
   const DType dt = x.dtype;
-  const std::int64_t P = p.max_pairs(), rows = p.w1_rows();
   const bool accumulate = out.grad_weights.accumulate;
   const float* scores = sv.scores;
   const std::int32_t *offsets = sv.offsets, *inverse = sv.inverse, *token_offsets = sv.token_offsets;
@@ -552,17 +667,7 @@ void backward_dx_phase(const MoEProblem& p, const TensorView& x, const LayerWeig
 
   // dX~ = dH W1_e (grouped), then dX = gather-sum of dX~, at once, or one chunk of tokens at a time (memory.hpp,
   // backward_dx_chunks), each chunk's rows packed in the dX~ region and its tokens' sums finished before the next.
-  void* dxe = at(workspace, wl.dx_expanded);
-  VarlenMArgs dxa;
-  dxa.dt = dt;
-  dxa.E = p.E, dxa.N = p.d, dxa.K = rows, dxa.P_max = P;
-  dxa.expert_offsets = offsets, dxa.expert_tiles = tiles;
-  dxa.a = dh, dxa.lda = rows;
-  dxa.b.ptr = w.w1.data, dxa.b.expert_stride = w.w1.stride[0], dxa.b.stride_col = 1;
-  dxa.b.stride_k = w.w1.stride[1], dxa.b.permute = p.weight_layout == WeightLayout::kConcatenated ? 2 : 0;
-  dxa.b.glu_n = p.n;
-  dxa.epilogue = Epilogue::kStore;
-  dxa.out = dxe, dxa.ld_out = p.d;
+  const VarlenMArgs dxa = dx_expanded_args(p, dt, w, sv, tiles, dh, at(workspace, wl.dx_expanded));
   gemm_then_gather_sum(p, dxa, "backward/dx_expanded", "backward/dx_aggregation", "backward/dx_chunk_plan",
                        backward_dx_chunks(p), backward_dx_chunk_rows(p),
                        {offsets, sv.gather, sv.scatter, inverse, token_offsets},
@@ -609,17 +714,8 @@ void backward_w2_phase(const MoEProblem& p, const TensorView& x, const TensorVie
   if (p.has_b2)
     launch_segment_column_sum(dt, grad_out.data, grad_out.stride[0], gather, scores, scatter, offsets, p.E, p.d, 0,
                               gw.b2.data, gw.b2.stride[0], gw.b2.dtype, accumulate, stream);
-  VarlenKArgs dw2;
-  dw2.dt = dt;
-  dw2.E = p.E, dw2.M = p.d, dw2.N = p.n;
-  dw2.expert_offsets = offsets;
-  dw2.a = grad_out.data, dw2.lda = grad_out.stride[0], dw2.a_gather = gather;
-  dw2.b = a_prime, dw2.ldb = p.n, dw2.contiguous_rows = p.max_pairs();  // A' holds max_pairs rows
-  dw2.out = gw.w2.data, dw2.out_expert_stride = gw.w2.stride[0];
-  dw2.ld_out = gw.w2.stride[1];
-  dw2.out_dt = gw.w2.dtype, dw2.accumulate = accumulate;
   mark_stage("backward/dw2", stream);
-  launch_weight_gemm(dw2, "backward/dw2", stream);
+  launch_weight_gemm(dw2_args(p, dt, grad_out, gw, sv, a_prime), "backward/dw2", stream);
   mark_stage(nullptr, stream);
 }
 
@@ -635,19 +731,10 @@ void backward_w1_phase(const MoEProblem& p, const TensorView& x, const BackwardO
       for (const TensorView* g : {&gw.w1, &gw.b1}) zero_view(*g, stream);
     return;
   }
-  const std::int32_t *offsets = sv.offsets, *gather = sv.gather;
+  const std::int32_t* offsets = sv.offsets;
   const bool concat = p.weight_layout == WeightLayout::kConcatenated;
-  VarlenKArgs dw1;
-  dw1.dt = dt;
-  dw1.E = p.E, dw1.M = rows, dw1.N = p.d;
-  dw1.expert_offsets = offsets;
-  dw1.a = dh, dw1.lda = rows, dw1.contiguous_rows = p.max_pairs();  // dH holds max_pairs rows
-  dw1.b = x.data, dw1.ldb = x.stride[0], dw1.b_gather = gather;
-  dw1.out = gw.w1.data, dw1.out_expert_stride = gw.w1.stride[0];
-  dw1.ld_out = gw.w1.stride[1], dw1.glu_concat_n = concat ? p.n : 0;
-  dw1.out_dt = gw.w1.dtype, dw1.accumulate = accumulate;
   mark_stage("backward/dw1", stream);
-  launch_weight_gemm(dw1, "backward/dw1", stream);
+  launch_weight_gemm(dw1_args(p, dt, x, gw, sv, dh), "backward/dw1", stream);
   mark_stage("backward/db1", stream);
   if (p.has_b1)
     launch_segment_column_sum(dt, dh, rows, nullptr, nullptr, nullptr, offsets, p.E, rows, concat ? p.n : 0,
@@ -669,6 +756,8 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   // recomputed H of input-only mode): the caller handed that memory over (layer.hpp, BackwardBuffers).
   void* dh = wl.dh.present() ? at(buf.workspace, wl.dh) : const_cast<void*>(sv.h);
   void* a_prime = at(buf.workspace, wl.a_prime);  // the region dX~ takes after dW2 (memory.hpp)
+  refuse_backward_fallbacks(p, x, w, in.grad_out, out, sv, buf.workspace, &wl, dh, a_prime, true, true,
+                            !out.w1_grads_later);
   const bool routed = backward_dh_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, a_prime, stream);
   backward_w2_phase(p, x, in.grad_out, out, sv, a_prime, stream);
   if (routed) backward_dx_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, stream);
@@ -681,6 +770,9 @@ void finish_backward_w1_cuda(const MoEProblem& p, const TensorView& x, const Bac
                              void* stream_ptr) {
   const DeviceGuard guard(x.device.index);
   const SavedState sv = saved_state(p, x.dtype, saved);
+  // (One GEMM, launched after db1's zero-fill is not: checked first all the same, as every phase is.)
+  refuse_backward_fallbacks(p, x, LayerWeights{}, TensorView{}, out, sv, nullptr, nullptr, sv.h, nullptr, false, false,
+                            true);
   backward_w1_phase(p, x, out, sv, sv.h, static_cast<cudaStream_t>(stream_ptr));
 }
 
@@ -693,6 +785,8 @@ void backward_input_cuda(const MoEProblem& p, const TensorView& x, const LayerWe
   const BackwardWorkspaceLayout wl = backward_workspace_layout(p, x.dtype, true);
   void* dh = at(deferred.data, dl.dh);
   const SavedState sv = saved_state(p, x.dtype, buf.saved);
+  refuse_backward_fallbacks(p, x, w, in.grad_out, out, sv, buf.workspace, &wl, dh, at(deferred.data, dl.a_prime), true,
+                            false, false);
   if (backward_dh_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, at(deferred.data, dl.a_prime), stream))
     backward_dx_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, stream);
 }
@@ -704,6 +798,8 @@ void backward_weight_cuda(const MoEProblem& p, const TensorView& x, const Tensor
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeferredLayout dl = deferred_layout(p, x.dtype);
   const SavedState sv = saved_state(p, x.dtype, saved);
+  refuse_backward_fallbacks(p, x, LayerWeights{}, grad_out, out, sv, nullptr, nullptr, at(deferred.data, dl.dh),
+                            at(deferred.data, dl.a_prime), false, true, true);
   backward_w2_phase(p, x, grad_out, out, sv, at(deferred.data, dl.a_prime), stream);
   backward_w1_phase(p, x, out, sv, at(deferred.data, dl.dh), stream);
 }

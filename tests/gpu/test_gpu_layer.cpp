@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -352,6 +353,110 @@ TEST(GpuLayerOddShapes, EveryGemmOnTheHopperKernelsMatchesFloat64) {
           compare_all(g, reference_for(quantized_case(c, DType::kBF16), g.logits), DType::kBF16);
         }
       }
+}
+
+// Under the fallback policy "error", a GEMM the Hopper kernels refuse raises before the call launches anything, so
+// that nothing the call writes has been written (docs/VALIDATION.md): a forward whose W2 view has rows of n + 1
+// elements (130 bytes, not 16-byte aligned: refused by the down-projection, which runs after the router GEMM, top-K,
+// the metadata and the up-projection), and a full backward and a split backward_weight whose W1 gradient view has
+// rows of d + 1 elements (refused by dW1, their last GEMM). Every output keeps its poison (0xFF bytes) and the saved
+// buffer its contents; the same calls with aligned views then run.
+TEST(GpuFallbackPolicy, ARefusedGemmRaisesBeforeTheCallWritesAnything) {
+  REQUIRE_GPU();
+  gpu::set_hopper_kernels_enabled(true);
+  gpu::set_hopper_backward_enabled(true);
+  const ScopedFallbackPolicy policy(FallbackPolicy::kError);
+  MoEProblem p;
+  p.T = 96, p.d = 64, p.n = 64, p.E = 4, p.K = 2;
+  const LayerCase<double> c(p, 4051);
+  const DType dt = DType::kBF16;
+  const Device dev = Device::cuda(0);
+  const std::size_t el = dtype_size(dt);
+  const std::int64_t rows = p.w1_rows();
+  std::vector<double> w2_padded(static_cast<std::size_t>(p.E * p.d * (p.n + 1)), 0.0);
+  for (std::int64_t r = 0; r < p.E * p.d; ++r)
+    for (std::int64_t k = 0; k < p.n; ++k) w2_padded[r * (p.n + 1) + k] = c.w2[r * p.n + k];
+  DeviceBuffer x(encode(c.x, dt)), wr(encode(c.router_weight, dt)), w1(encode(c.w1, dt)), w2(encode(c.w2, dt));
+  DeviceBuffer w2p(encode(w2_padded, dt)), gout(encode(c.grad_out, dt));
+  LayerWeights w;
+  w.router_weight = TensorView::contiguous(wr.get(), dt, {p.E, p.d}, dev);
+  w.w1 = TensorView::contiguous(w1.get(), dt, {p.E, rows, p.d}, dev);
+  w.w2 = TensorView::contiguous(w2.get(), dt, {p.E, p.d, p.n}, dev);
+  LayerWeights misaligned = w;
+  misaligned.w2 = TensorView::strided(w2p.get(), dt, {p.E, p.d, p.n}, {p.d * (p.n + 1), p.n + 1, 1}, dev);
+  const TensorView xv = TensorView::contiguous(x.get(), dt, {p.T, p.d}, dev);
+  DeviceBuffer out(p.T * p.d * el), logits(p.T * p.E * el), counts(p.E * 4);
+  DeviceBuffer saved(saved_layout(p, dt).total_bytes), fws(forward_workspace_bytes(p, dt, dev));
+  ForwardOutputs fo;
+  fo.out = TensorView::contiguous(out.get(), dt, {p.T, p.d}, dev);
+  fo.router_logits = TensorView::contiguous(logits.get(), dt, {p.T, p.E}, dev);
+  fo.expert_counts = TensorView::contiguous(counts.get(), DType::kInt32, {p.E}, dev);
+  struct Stream {
+    cudaStream_t s = nullptr;
+    Stream() { cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking); }
+    ~Stream() { cudaStreamDestroy(s); }
+  } stream;
+  const auto poisoned = [](const DeviceBuffer& b) {
+    const std::vector<unsigned char> h = b.download();
+    return std::all_of(h.begin(), h.end(), [](unsigned char v) { return v == 0xFF; });
+  };
+  // Runs `call`, which must raise machmoe::Error naming `stage` and `reason`.
+  const auto expect_refused = [&](const std::function<void()>& call, const char* stage, const char* reason) {
+    try {
+      call();
+      ADD_FAILURE() << stage << ": no error raised";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(stage), std::string::npos) << what;
+      EXPECT_NE(what.find(reason), std::string::npos) << what;
+    }
+    GPU_CHECK(cudaStreamSynchronize(stream.s));
+  };
+
+  expect_refused([&] { forward(p, xv, misaligned, nullptr, fo, {saved.get(), saved.bytes(), fws.get(), fws.bytes()},
+                               stream.s); },
+                 "forward/down_projection", "weight rows not 16-byte aligned");
+  for (const DeviceBuffer* b : {&out, &logits, &counts, &saved}) EXPECT_TRUE(poisoned(*b));
+  forward(p, xv, w, nullptr, fo, {saved.get(), saved.bytes(), fws.get(), fws.bytes()}, stream.s);
+  GPU_CHECK(cudaStreamSynchronize(stream.s));
+  EXPECT_FALSE(poisoned(out));
+  const std::vector<unsigned char> saved_after_forward = saved.download();
+
+  DeviceBuffer dx(p.T * p.d * el), dwr(p.E * p.d * el), dw2(p.E * p.d * p.n * el), dw1(p.E * rows * p.d * el);
+  DeviceBuffer dw1p(p.E * rows * (p.d + 1) * el);
+  DeviceBuffer bws(backward_workspace_bytes(p, dt, dev, false)), ibws(backward_input_workspace_bytes(p, dt, dev));
+  DeviceBuffer deferred(deferred_layout(p, dt).total_bytes);
+  BackwardInputs bi;
+  bi.grad_out = TensorView::contiguous(gout.get(), dt, {p.T, p.d}, dev);
+  BackwardOutputs bo;
+  bo.grad_x = TensorView::contiguous(dx.get(), dt, {p.T, p.d}, dev);
+  bo.grad_weights.router_weight = TensorView::contiguous(dwr.get(), dt, {p.E, p.d}, dev);
+  bo.grad_weights.w2 = TensorView::contiguous(dw2.get(), dt, {p.E, p.d, p.n}, dev);
+  bo.grad_weights.w1 = TensorView::strided(dw1p.get(), dt, {p.E, rows, p.d}, {rows * (p.d + 1), p.d + 1, 1}, dev);
+  expect_refused([&] { backward(p, xv, w, nullptr, bi, bo, {saved.get(), saved.bytes(), bws.get(), bws.bytes()},
+                                stream.s); },
+                 "backward/dw1", "output rows not 16-byte aligned");
+  for (const DeviceBuffer* b : {&dx, &dwr, &dw2, &dw1p}) EXPECT_TRUE(poisoned(*b));
+  EXPECT_EQ(saved.download(), saved_after_forward);
+
+  // The split backward: its input half, then the weight half refused before dW2 (its first GEMM) is written.
+  BackwardOutputs input_half = bo, weight_half;
+  input_half.grad_weights.w1 = input_half.grad_weights.w2 = TensorView();
+  weight_half.grad_weights.w1 = bo.grad_weights.w1, weight_half.grad_weights.w2 = bo.grad_weights.w2;
+  backward_input(p, xv, w, nullptr, bi, input_half, {saved.get(), saved.bytes(), ibws.get(), ibws.bytes()},
+                 {deferred.get(), deferred.bytes()}, stream.s);
+  GPU_CHECK(cudaStreamSynchronize(stream.s));
+  EXPECT_FALSE(poisoned(dx));
+  expect_refused([&] { backward_weight(p, xv, w, nullptr, bi.grad_out, weight_half, saved.get(), saved.bytes(),
+                                       {deferred.get(), deferred.bytes()}, stream.s); },
+                 "backward/dw1", "output rows not 16-byte aligned");
+  for (const DeviceBuffer* b : {&dw2, &dw1p}) EXPECT_TRUE(poisoned(*b));
+
+  // With W1's gradient aligned, the same backward runs, every GEMM on the Hopper kernels.
+  bo.grad_weights.w1 = TensorView::contiguous(dw1.get(), dt, {p.E, rows, p.d}, dev);
+  backward(p, xv, w, nullptr, bi, bo, {saved.get(), saved.bytes(), bws.get(), bws.bytes()}, stream.s);
+  GPU_CHECK(cudaStreamSynchronize(stream.s));
+  for (const DeviceBuffer* b : {&dw2, &dw1}) EXPECT_FALSE(poisoned(*b));
 }
 
 // The dH kernel's wide tile (the cooperative 128 x 256 one with H staged by TMA, which the heuristic takes only where

@@ -17,6 +17,7 @@
 #include "gpu/hopper/heuristics.hpp"
 #include "gpu/hopper/kernel_families.hpp"
 #include "machmoe/device.hpp"
+#include "machmoe/fallback.hpp"
 
 namespace machmoe::gpu {
 namespace {
@@ -267,15 +268,27 @@ std::string hopper_unsupported_reason(const VarlenMArgs& args) {
   return unsupported_reason(with_one_expert_stride(args), current_device());
 }
 
+namespace {
+/// The shape a fallback notice of a varlen-M GEMM names.
+std::string expert_gemm_shape(const VarlenMArgs& a) {
+  return "M = " + std::to_string(a.P_max) + " routed rows at most, N = " + std::to_string(a.N) +
+         ", K = " + std::to_string(a.K) + ", " + std::to_string(a.E) + " experts";
+}
+}  // namespace
+
+void refuse_expert_gemm_fallback(const VarlenMArgs& args, const char* stage) {
+  if (fallback_policy() != FallbackPolicy::kError) return;
+  const VarlenMArgs a = with_one_expert_stride(args);
+  const std::string reason = unsupported_reason(a, current_device());
+  if (!reason.empty()) report_fallback(stage, expert_gemm_shape(a), reason);  // throws (deliberate reasons: a note)
+}
+
 void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t stream) {
   const VarlenMArgs a = with_one_expert_stride(args);
   const DeviceTraits dev = current_device();
   const std::string reason = unsupported_reason(a, dev);
   if (!reason.empty()) {
-    report_fallback(stage,
-                    "M = " + std::to_string(a.P_max) + " routed rows at most, N = " + std::to_string(a.N) +
-                        ", K = " + std::to_string(a.K) + ", " + std::to_string(a.E) + " experts",
-                    reason);
+    report_fallback(stage, expert_gemm_shape(a), reason);
     launch_varlen_m_gemm(a, stream);
     return;
   }
@@ -442,15 +455,26 @@ std::string hopper_wgrad_unsupported_reason(const VarlenKArgs& a) {
   return wgrad_unsupported_reason(a, current_device());
 }
 
+namespace {
+/// The shape a fallback notice of a weight-gradient GEMM names.
+std::string weight_gemm_shape(const VarlenKArgs& a) {
+  return "M = " + std::to_string(a.M) + ", N = " + std::to_string(a.N) + " per expert, " + std::to_string(a.E) +
+         " experts";
+}
+}  // namespace
+
+void refuse_weight_gemm_fallback(const VarlenKArgs& a, const char* stage) {
+  if (fallback_policy() != FallbackPolicy::kError || a.E == 0 || a.M == 0 || a.N == 0) return;
+  const std::string reason = wgrad_unsupported_reason(a, current_device());
+  if (!reason.empty()) report_fallback(stage, weight_gemm_shape(a), reason);
+}
+
 void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t stream) {
   if (a.E == 0 || a.M == 0 || a.N == 0) return;  // nothing to write
   const DeviceTraits dev = current_device();
   const std::string reason = wgrad_unsupported_reason(a, dev);
   if (!reason.empty()) {
-    report_fallback(stage,
-                    "M = " + std::to_string(a.M) + ", N = " + std::to_string(a.N) + " per expert, " +
-                        std::to_string(a.E) + " experts",
-                    reason);
+    report_fallback(stage, weight_gemm_shape(a), reason);
     launch_varlen_k_gemm(a, stream);
     return;
   }

@@ -21,6 +21,10 @@ std::string hopper_unsupported_reason(const VarlenMArgs& a);
 /// why, or throwing machmoe::Error under FallbackPolicy::kError (machmoe/fallback.hpp). Same results either way up
 /// to rounding (fp32 accumulation in a different order).
 void launch_expert_gemm(const VarlenMArgs& a, const char* stage, cudaStream_t stream);
+/// Under FallbackPolicy::kError, throws what launch_expert_gemm(a, stage) would throw, without launching anything;
+/// otherwise does nothing. The layer calls it for every GEMM of a call before its first launch, so that a refused
+/// GEMM raises with nothing written (docs/VALIDATION.md).
+void refuse_expert_gemm_fallback(const VarlenMArgs& a, const char* stage);
 
 /// Why the Hopper weight-gradient kernels cannot run `a` ("" when they can). Limits: bf16 inputs, output bf16 or
 /// fp32; an sm_90 device; the backward's Hopper kernels switched on; M and N positive multiples of 8; operand rows and
@@ -32,6 +36,8 @@ std::string hopper_wgrad_unsupported_reason(const VarlenKArgs& a);
 /// the GPU reference GEMM, reported as launch_expert_gemm does. Same results either way up to rounding
 /// (fp32 accumulation in a different order); experts without rows get exact zeros (accumulating: untouched).
 void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t stream);
+/// refuse_expert_gemm_fallback for a weight-gradient GEMM (launch_weight_gemm).
+void refuse_weight_gemm_fallback(const VarlenKArgs& a, const char* stage);
 
 /// Process-wide switch (default on; off when the environment sets MACHMOE_DISABLE_HOPPER_KERNELS=1). Tests use
 /// it to run the same layer through both paths.

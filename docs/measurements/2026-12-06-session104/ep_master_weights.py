@@ -74,6 +74,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup-ms", type=float, default=300)
     ap.add_argument("--time-ms", type=float, default=300)
+    ap.add_argument("--alternate", action="store_true",
+                    help="the ways in reverse order every other round (call 1 ran them in one order)")
     a = ap.parse_args()
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
@@ -87,8 +89,8 @@ def main():
         dy = torch.randn(T, d, device="cuda", dtype=BF16)
         res = {w: [] for w in WAYS}
         grads = {}
-        for _ in range(a.rounds):
-            for w in WAYS:
+        for r in range(a.rounds):
+            for w in (WAYS[::-1] if a.alternate and r % 2 else WAYS):
                 t, held, peak, g = measure(w, bf16 if w == WAYS[0] else fp32, x, dy, a.warmup_ms, a.time_ms)
                 res[w].append((t, held, peak))
                 if g is not None:

@@ -567,8 +567,8 @@ def set_fallback_policy(policy: str) -> None:
     GEMM (hidden_size or intermediate_size not a multiple of 8, unaligned tensors, fp16/fp32 data):
     "warn" (the default) runs it and prints one warning per stage and reason to stderr; "error" raises ValueError
     with the same message instead, before the call launches anything (the environment's MACHMOE_FALLBACK=error sets
-    it at start-up). The reference path
-    chosen on purpose (MACHMOE_DISABLE_HOPPER_KERNELS=1, MACHMOE_HOPPER_BACKWARD=0) is never an error."""
+    it at start-up). The reference path chosen on purpose (MACHMOE_DISABLE_HOPPER_KERNELS=1,
+    MACHMOE_HOPPER_BACKWARD=0) is never an error."""
     if policy not in ("warn", "error"):
         raise ValueError(f"machmoe: argument 'policy': expected 'warn' or 'error', got {policy!r}")
     torch.ops.machmoe.set_fallback_policy(policy)

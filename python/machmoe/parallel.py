@@ -40,8 +40,7 @@ from torch import Tensor, nn
 from ._options import (ACTIVATION_MEMORY, ACTIVATIONS, GLU_ACTIVATIONS, ROUNDINGS, SCORES, WEIGHT_LAYOUTS,
                        activation_parameters, code, tile_option)
 from ._validation import as_int, require_tensor, type_name
-from .functional import (_HALF_DTYPES, _autocast_cast, _autocast_dtype, _check_common, _check_tensor, _fail,
-                         _is_master, _under_autocast,
+from .functional import (_autocast_cast, _autocast_dtype, _check_common, _check_tensor, _fail, _under_autocast,
                          grouped_experts, index_checking_enabled, load_balancing_loss, moe_from_routing,
                          router_z_loss)
 from .module import MoE, MoEOutput, _LossCoefficients
@@ -1410,14 +1409,11 @@ class ExpertParallelMoE(_LossCoefficients, nn.Module):
                 continue
             if not isinstance(w, Tensor) or hasattr(w, "to_local"):  # DTensors: sharded, used through to_local()
                 return
-            if w.device != x.device:
-                _fail(f"experts.{name}", f"a tensor on {x.device} (the device of x)", f"a tensor on {w.device}")
-            # Under autocast the experts' call casts weights of other dtypes; float32 ones of a bf16/fp16 x are
-            # master weights, which its operator takes as they are.
-            if w.dtype != x.dtype and not autocast and not _is_master(w, x.dtype):
-                also = (" or torch.float32 (float32 master weights: the layer computes in the dtype of x)"
-                        if x.dtype in _HALF_DTYPES else "")
-                _fail(f"experts.{name}", f"dtype {x.dtype} (the dtype of x){also}", w.dtype)
+            if autocast:  # (the experts' call casts weights of other dtypes; float32 ones are master weights)
+                if w.device != x.device:
+                    _fail(f"experts.{name}", f"a tensor on {x.device} (the device of x)", f"a tensor on {w.device}")
+            else:  # device and dtype, as the experts' call checks them (float32 master weights of a bf16/fp16 x)
+                _check_tensor(f"experts.{name}", w, tuple(w.shape), x, master=True)
 
     def _dispatch(self, x: Tensor, group_rows: bool) -> ExpertParallelDispatch:
         flat, router_weight = self._checked_input(x)

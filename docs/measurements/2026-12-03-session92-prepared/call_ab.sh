@@ -34,7 +34,9 @@ for k in "EpilogueActivation<:1.4B-1024,7B-256" "EpilogueStore<:1.4B-256,7B-256"
   python3 scripts/ncu_ab.py run --kernel "${k%%:*}" --launches 1 --configs "${k#*:}" \
     --side main@/tmp/bench_main --side new@/tmp/bench_new --timeout 60 --out "$OUT/ab_ncu_$name.csv" \
     > "$OUT/ab_ncu_$name.log" 2>&1
-  echo "ncu exit $?"; python3 scripts/ncu_ab.py table "$OUT/ab_ncu_$name.csv" | tee "$OUT/ab_ncu_${name}_table.md"
+  # (The table was also written to a file of $OUT when this ran; session 93 keeps those tables, renamed with its
+  # call's prefix. Edited in session 104 to print it only: it is `ncu_ab.py table` of the csv.)
+  echo "ncu exit $?"; python3 scripts/ncu_ab.py table "$OUT/ab_ncu_$name.csv"
 done
 rm -f "$OUT"/build*.log
 st done

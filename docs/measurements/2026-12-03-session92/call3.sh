@@ -23,7 +23,8 @@ if [ $(( $(date +%s) - S )) -lt 450 ]; then
   python3 scripts/ncu_ab.py run --kernel EpilogueActivationGrad --launches 1 --configs 30B-256,1.4B-256 \
     --side main@/tmp/bench_main --side new@/tmp/bench_new --timeout 60 --out "$OUT/call3_ncu_dh.csv" \
     > "$OUT/call3_ncu_dh.log" 2>&1
-  echo "ncu exit $?"; python3 scripts/ncu_ab.py table "$OUT/call3_ncu_dh.csv" | tee "$OUT/call3_ncu_dh_table.md"
+  # (This step never ran. Edited in session 104 to print the table only, as `ncu_ab.py table` of the csv.)
+  echo "ncu exit $?"; python3 scripts/ncu_ab.py table "$OUT/call3_ncu_dh.csv"
 fi
 rm -f "$OUT"/build*.log
 st done

@@ -7,4 +7,4 @@ nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=cs
 timeout 230 ./build/bin/machmoe-bench --routing topk --warmup-ms 300 --time-ms 300 --all-configs --cache preact \
   --json $OUT/all_preact.json > $OUT/all_preact.txt 2>&1; echo "bench rc $?"
 { python3 scripts/bench_tables.py passes $OUT/all_preact.json; echo; python3 scripts/bench_tables.py stages $OUT/all_preact.json; } \
-  > $OUT/tables.md 2>&1; cat $OUT/tables.md
+  > $OUT/call4_tables.md 2>&1; cat $OUT/call4_tables.md  # (the name this folder keeps it under; session 104)

@@ -40,9 +40,9 @@ from torch import Tensor, nn
 from ._options import (ACTIVATION_MEMORY, ACTIVATIONS, GLU_ACTIVATIONS, ROUNDINGS, SCORES, WEIGHT_LAYOUTS,
                        activation_parameters, code, tile_option)
 from ._validation import as_int, require_tensor, type_name
-from .functional import (_autocast_cast, _autocast_dtype, _check_common, _check_tensor, _fail, _under_autocast,
-                         grouped_experts, index_checking_enabled, load_balancing_loss, moe_from_routing,
-                         router_z_loss)
+from .functional import (_autocast_cast, _autocast_dtype, _check_common, _check_tensor, _dtypes_for, _fail,
+                         _is_master, _under_autocast, grouped_experts, index_checking_enabled, load_balancing_loss,
+                         moe_from_routing, router_z_loss)
 from .module import MoE, MoEOutput, _LossCoefficients
 
 __all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "ExpertParallelDispatch", "ExpertPairs", "GroupedExperts",
@@ -744,7 +744,8 @@ def torchtitan_experts_forward(experts: nn.Module, x: Tensor, num_tokens_per_exp
 
     Like torchtitan's grouped_mm path, which computes in bf16 and returns the result in x's dtype, an x whose dtype
     differs from the weights' is cast to theirs and the result back to x's; an x without unit stride along dim is
-    copied first."""
+    copied first. Float32 weights with a bf16 or fp16 x (autocast's case, and torchtitan's casting x to bf16) are
+    master weights instead where the layer computes in x's dtype (on the GPU): float32 gradients, no cast of x."""
     for names in _TORCHTITAN_WEIGHT_NAMES:
         if all(isinstance(getattr(experts, n, None), Tensor) for n in names):
             w1, w2, w3 = (_local(getattr(experts, n)) for n in names)
@@ -760,7 +761,8 @@ def torchtitan_experts_forward(experts: nn.Module, x: Tensor, num_tokens_per_exp
     if not (w1.dtype == w2.dtype == w3.dtype):
         _fail("experts", "gate, up and down weights of one dtype", f"{w1.dtype}, {w3.dtype} and {w2.dtype}")
     _check_grouped_call(x, num_tokens_per_expert, w1.shape[0], w1.shape[2])
-    if x.is_floating_point() and x.dtype != w1.dtype:
+    master = _is_master(w1, x.dtype) and x.dtype in _dtypes_for(x.device)  # (the CPU's reference: float32 x)
+    if x.is_floating_point() and x.dtype != w1.dtype and not master:
         rows = x.to(w1.dtype)
     else:
         rows = x  # (an integer x is refused below, in grouped_experts' terms)

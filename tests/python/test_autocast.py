@@ -197,6 +197,34 @@ def test_grouped_experts_take_float32_master_weights_of_a_half_x():
         experts(x, pairs=pairs)
 
 
+def test_torchtitan_experts_pass_float32_weights_with_a_half_x_as_master_weights(monkeypatch):
+    """torchtitan's experts (TorchTitanGroupedExperts, torchtitan_experts_forward) with float32 weights and a bf16 x,
+    as autocast hands them over: x reaches the layer as it is (no float32 copy that the layer would cast back), the
+    concatenated gate/up weight and the down weight as float32 master weights. The layer is recorded, not run (the
+    counts mode reads the counts on the host, which meta cannot); test_torchtitan_experts_with_float32_weights_under_
+    cuda_autocast_run_the_bf16_kernels runs it on the GPU."""
+    seen = []
+
+    def recording(x, counts, w1, w2, *args, **kwargs):
+        seen.append((x, w1.dtype, w2.dtype))
+        return torch.zeros_like(x)
+
+    monkeypatch.setattr(parallel, "grouped_experts", recording)
+    tt = parallel.TorchTitanGroupedExperts(D, N, E, device="meta", dtype=torch.float32)
+    x = torch.empty(24, D, device="meta", dtype=torch.bfloat16)
+    assert tt(x, torch.full((E,), 3, dtype=torch.int64, device="meta")).dtype == torch.bfloat16
+    assert len(seen) == 1 and seen[0][0] is x and seen[0][1:] == (torch.float32, torch.float32)
+    x16 = x.half()  # fp16 too; a float32 x with bf16 weights is still cast to the weights' dtype
+    tt(x16, torch.full((E,), 3, dtype=torch.int64, device="meta"))
+    assert seen[1][0] is x16
+    low = parallel.TorchTitanGroupedExperts(D, N, E, device="meta", dtype=torch.bfloat16)
+    assert low(x.float(), torch.full((E,), 3, dtype=torch.int64, device="meta")).dtype == torch.float32
+    assert seen[2][0].dtype == torch.bfloat16
+    cpu = parallel.TorchTitanGroupedExperts(D, N, E, dtype=torch.float32)  # the CPU's reference takes float32 x
+    assert cpu(torch.empty(24, D, dtype=torch.bfloat16), torch.full((E,), 3)).dtype == torch.bfloat16
+    assert seen[3][0].dtype == torch.float32
+
+
 def test_the_operators_take_a_master_weights_buffer_in_float32_only():
     """accumulate_grads_into for a float32 master weight: a float32 buffer (as the Python layer asks), refused in x's
     dtype by the operator too, before any work, naming the buffer."""
@@ -275,6 +303,41 @@ def test_float32_parameters_under_cuda_autocast_run_the_bf16_kernels():
     for name in ("w1", "w2"):
         err = rel(got[name].cpu(), w[name].grad)
         assert err < 1e-2, (name, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_torchtitan_experts_with_float32_weights_under_cuda_autocast_run_the_bf16_kernels(x_dtype):
+    """torchtitan's experts with float32 weights under autocast, x in bf16 (autocast's matmul output) or float32 (the
+    residual stream): the bf16 kernels with the float32 weights as master weights. The output is the bf16 experts',
+    bitwise, in x's dtype; the input gradient too; the weight gradients float32, near the bf16 experts'."""
+    assert torch.cuda.is_available(), "GPU test run on a machine without a usable CUDA device"
+    d, n, experts, rows = 256, 128, 8, 1000
+    torch.manual_seed(12)
+    tt = parallel.TorchTitanGroupedExperts(d, n, experts, device="cuda", dtype=torch.float32)
+    tt.init_weights(0.02)
+    low = copy.deepcopy(tt).to(torch.bfloat16)
+    counts = torch.tensor([300, 0, 17, 250, 1, 128, 200, 64], device="cuda")  # 40 alignment-padding rows
+    x = torch.randn(rows, d, device="cuda").to(x_dtype)
+    dy = torch.randn(rows, d, device="cuda")
+    before = machmoe.fallback_policy()
+    try:
+        machmoe.set_fallback_policy("error")  # a float32 reference GEMM would raise
+        xa = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = tt(xa, counts)
+        out.backward(dy.to(x_dtype))
+        xb = x.bfloat16().requires_grad_()
+        ref = low(xb, counts)
+        ref.backward(dy.bfloat16())
+        torch.cuda.synchronize()
+    finally:
+        machmoe.set_fallback_policy(before)
+    assert out.dtype == x_dtype and torch.equal(out, ref.to(x_dtype))
+    assert xa.grad.dtype == x_dtype and torch.equal(xa.grad, xb.grad.to(x_dtype))
+    for (name, p), q in zip(tt.named_parameters(), low.parameters()):
+        assert p.grad.dtype == torch.float32, name
+        assert rel(p.grad, q.grad) < 4e-3, (name, rel(p.grad, q.grad))
 
 
 @pytest.mark.gpu

@@ -744,8 +744,8 @@ def torchtitan_experts_forward(experts: nn.Module, x: Tensor, num_tokens_per_exp
 
     Like torchtitan's grouped_mm path, which computes in bf16 and returns the result in x's dtype, an x whose dtype
     differs from the weights' is cast to theirs and the result back to x's; an x without unit stride along dim is
-    copied first. Float32 weights with a bf16 or fp16 x (autocast's case, and torchtitan's casting x to bf16) are
-    master weights instead where the layer computes in x's dtype (on the GPU): float32 gradients, no cast of x."""
+    copied first. On a GPU, float32 weights with a bf16 or fp16 x (what torch.autocast hands over) are master
+    weights instead: the layer computes in x's dtype without a cast of x and gives float32 gradients."""
     for names in _TORCHTITAN_WEIGHT_NAMES:
         if all(isinstance(getattr(experts, n, None), Tensor) for n in names):
             w1, w2, w3 = (_local(getattr(experts, n)) for n in names)

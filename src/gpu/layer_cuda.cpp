@@ -540,34 +540,37 @@ VarlenKArgs dw1_args(const MoEProblem& p, DType dt, const TensorView& x, const L
   return dw1;
 }
 
-/// Under the fallback policy "error", raises for the first expert GEMM of the backward's phases that the Hopper
-/// kernels refuse, before the backward launches anything (docs/VALIDATION.md): the input phases' (H recomputed, dH,
-/// dX~) where `input` is set, dW2's and dW1's (their gradient views in `out`) where `w2` / `w1` are. The arguments
-/// are the ones the phases launch with, built by the same functions.
-void refuse_backward_fallbacks(const MoEProblem& p, const TensorView& x, const LayerWeights& w,
-                               const TensorView& grad_out, const BackwardOutputs& out, const SavedState& sv,
-                               void* workspace, const BackwardWorkspaceLayout* wl, const void* dh, void* a_prime,
-                               bool input, bool w2, bool w1) {
-  if (fallback_policy() != FallbackPolicy::kError || p.max_pairs() == 0) return;
+/// Under the fallback policy "error", raises for the first GEMM of the input phases (H recomputed, dH, dX~) that the
+/// Hopper kernels refuse, before the backward launches anything (docs/VALIDATION.md); with the arguments those phases
+/// launch with, built by the same functions.
+void refuse_input_phase_fallbacks(const MoEProblem& p, const TensorView& x, const LayerWeights& w,
+                                  const TensorView& grad_out, const SavedState& sv, void* workspace,
+                                  const BackwardWorkspaceLayout& wl, void* dh, void* a_prime) {
+  if (fallback_policy() != FallbackPolicy::kError || p.max_pairs() == 0) return;  // (no pairs: no GEMM runs)
   const DType dt = x.dtype;
-  if (input) {
-    const std::int32_t* tiles = at<std::int32_t>(workspace, wl->expert_tiles);
-    const void* h = sv.h;
-    if (p.cache == CacheMode::kInputOnly) {
-      void* hr = at(workspace, wl->h_recompute);
-      refuse_expert_gemm_fallback(up_projection_args(p, dt, x, w, sv.offsets, tiles, sv.gather, hr, nullptr),
-                                  "backward/h_recompute");
-      h = hr;
-    }
-    refuse_expert_gemm_fallback(dh_kernel_args(p, dt, w, grad_out, sv, tiles, h, const_cast<void*>(dh), a_prime,
-                                               at<float>(workspace, wl->ds_partial)),
-                                "backward/dh_kernel");
-    refuse_chunked_gemm_fallback(p, dx_expanded_args(p, dt, w, sv, tiles, dh, at(workspace, wl->dx_expanded)),
-                                 "backward/dx_expanded", backward_dx_chunks(p), backward_dx_chunk_rows(p),
-                                 at<std::int32_t>(workspace, wl->dx_chunk_plan));
+  const std::int32_t* tiles = at<std::int32_t>(workspace, wl.expert_tiles);
+  const void* h = sv.h;
+  if (p.cache == CacheMode::kInputOnly) {
+    void* hr = at(workspace, wl.h_recompute);
+    refuse_expert_gemm_fallback(up_projection_args(p, dt, x, w, sv.offsets, tiles, sv.gather, hr, nullptr),
+                                "backward/h_recompute");
+    h = hr;
   }
-  if (w2) refuse_weight_gemm_fallback(dw2_args(p, dt, grad_out, out.grad_weights, sv, a_prime), "backward/dw2");
-  if (w1) refuse_weight_gemm_fallback(dw1_args(p, dt, x, out.grad_weights, sv, dh), "backward/dw1");
+  refuse_expert_gemm_fallback(
+      dh_kernel_args(p, dt, w, grad_out, sv, tiles, h, dh, a_prime, at<float>(workspace, wl.ds_partial)),
+      "backward/dh_kernel");
+  refuse_chunked_gemm_fallback(p, dx_expanded_args(p, dt, w, sv, tiles, dh, at(workspace, wl.dx_expanded)),
+                               "backward/dx_expanded", backward_dx_chunks(p), backward_dx_chunk_rows(p),
+                               at<std::int32_t>(workspace, wl.dx_chunk_plan));
+}
+
+/// The same for the weight phases' GEMMs: dW2 (where `w2`) and dW1 (where `w1`), into the gradient views of `gw`.
+void refuse_weight_phase_fallbacks(const MoEProblem& p, const TensorView& x, const TensorView& grad_out,
+                                   const LayerWeightGrads& gw, const SavedState& sv, const void* a_prime,
+                                   const void* dh, bool w2, bool w1) {
+  if (fallback_policy() != FallbackPolicy::kError || p.max_pairs() == 0) return;
+  if (w2) refuse_weight_gemm_fallback(dw2_args(p, x.dtype, grad_out, gw, sv, a_prime), "backward/dw2");
+  if (w1) refuse_weight_gemm_fallback(dw1_args(p, x.dtype, x, gw, sv, dh), "backward/dw1");
 }
 
 /// dH: expert tiles, H (recomputed in input-only mode, where dH then overwrites it in place), the dH kernel (dH and
@@ -756,8 +759,8 @@ void backward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights&
   // recomputed H of input-only mode): the caller handed that memory over (layer.hpp, BackwardBuffers).
   void* dh = wl.dh.present() ? at(buf.workspace, wl.dh) : const_cast<void*>(sv.h);
   void* a_prime = at(buf.workspace, wl.a_prime);  // the region dX~ takes after dW2 (memory.hpp)
-  refuse_backward_fallbacks(p, x, w, in.grad_out, out, sv, buf.workspace, &wl, dh, a_prime, true, true,
-                            !out.w1_grads_later);
+  refuse_input_phase_fallbacks(p, x, w, in.grad_out, sv, buf.workspace, wl, dh, a_prime);
+  refuse_weight_phase_fallbacks(p, x, in.grad_out, out.grad_weights, sv, a_prime, dh, true, !out.w1_grads_later);
   const bool routed = backward_dh_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, a_prime, stream);
   backward_w2_phase(p, x, in.grad_out, out, sv, a_prime, stream);
   if (routed) backward_dx_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, stream);
@@ -770,9 +773,7 @@ void finish_backward_w1_cuda(const MoEProblem& p, const TensorView& x, const Bac
                              void* stream_ptr) {
   const DeviceGuard guard(x.device.index);
   const SavedState sv = saved_state(p, x.dtype, saved);
-  // (One GEMM, launched after db1's zero-fill is not: checked first all the same, as every phase is.)
-  refuse_backward_fallbacks(p, x, LayerWeights{}, TensorView{}, out, sv, nullptr, nullptr, sv.h, nullptr, false, false,
-                            true);
+  refuse_weight_phase_fallbacks(p, x, TensorView{}, out.grad_weights, sv, nullptr, sv.h, false, true);
   backward_w1_phase(p, x, out, sv, sv.h, static_cast<cudaStream_t>(stream_ptr));
 }
 
@@ -785,8 +786,7 @@ void backward_input_cuda(const MoEProblem& p, const TensorView& x, const LayerWe
   const BackwardWorkspaceLayout wl = backward_workspace_layout(p, x.dtype, true);
   void* dh = at(deferred.data, dl.dh);
   const SavedState sv = saved_state(p, x.dtype, buf.saved);
-  refuse_backward_fallbacks(p, x, w, in.grad_out, out, sv, buf.workspace, &wl, dh, at(deferred.data, dl.a_prime), true,
-                            false, false);
+  refuse_input_phase_fallbacks(p, x, w, in.grad_out, sv, buf.workspace, wl, dh, at(deferred.data, dl.a_prime));
   if (backward_dh_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, at(deferred.data, dl.a_prime), stream))
     backward_dx_phase(p, x, w, in, out, sv, buf.workspace, wl, dh, stream);
 }
@@ -798,8 +798,8 @@ void backward_weight_cuda(const MoEProblem& p, const TensorView& x, const Tensor
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeferredLayout dl = deferred_layout(p, x.dtype);
   const SavedState sv = saved_state(p, x.dtype, saved);
-  refuse_backward_fallbacks(p, x, LayerWeights{}, grad_out, out, sv, nullptr, nullptr, at(deferred.data, dl.dh),
-                            at(deferred.data, dl.a_prime), false, true, true);
+  refuse_weight_phase_fallbacks(p, x, grad_out, out.grad_weights, sv, at(deferred.data, dl.a_prime),
+                                at(deferred.data, dl.dh), true, true);
   backward_w2_phase(p, x, grad_out, out, sv, at(deferred.data, dl.a_prime), stream);
   backward_w1_phase(p, x, out, sv, at(deferred.data, dl.dh), stream);
 }

@@ -105,6 +105,7 @@ const std::vector<IntegerOption>& integer_options() {
       {"--stage-runs", 1, kMaxStageRuns,
        "least instrumented runs of the stage timings (which also last --time-ms), median per stage"},
       {"--seed", 0, std::numeric_limits<std::int64_t>::max(), "random seed"},
+      {"--sm-margin", 0, kMaxSmMargin, "SMs the expert GEMMs leave to other streams (GPU)"},
   };
   return options;
 }
@@ -171,6 +172,8 @@ std::string usage() {
       "                       more until --time-ms has passed (the clock swings under the power cap), median\n"
       "                       per stage (default 5; one run's stage figures spread by up to 15 %), each queued\n"
       "                       behind an uninstrumented forward+backward so that every stage is GPU time\n"
+      "  --sm-margin N        GPU: the layer's expert GEMMs leave N SMs to other streams (set_sm_margin;\n"
+      "                       default: MACHMOE_SM_MARGIN, else 0); the cuBLAS bound still uses every SM\n"
       "  --all-configs        run the 12 main configurations (GPU) and print a summary table\n"
       "  --json PATH          also write the results as a JSON array to PATH\n"
       "  --profile            GPU: one more forward and backward inside cudaProfilerStart/Stop, for\n"
@@ -275,6 +278,7 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
     else if (name == "--time-ms") o.timed_ms = static_cast<int>(v);
     else if (name == "--stage-runs") o.stage_runs = static_cast<int>(v);
     else if (name == "--seed") o.seed = static_cast<std::uint64_t>(v);
+    else if (name == "--sm-margin") o.sm_margin = static_cast<int>(v);  // <= kMaxSmMargin: fits an int
   }
   if (has("--activation")) p.activation = parse_enum("--activation", given.at("--activation"), parse_activation);
   for (const char* param : {"--swiglu-alpha", "--swiglu-limit"}) {

@@ -38,6 +38,7 @@ struct Options {
   int stage_runs = 5;        // GPU: the least instrumented runs of the stage table, which also last at least timed_ms
                              // (up to kMaxStageRuns runs); the median per stage
   std::uint64_t seed = 0;
+  int sm_margin = -1;        // GPU: --sm-margin (set_sm_margin before the runs); -1: not given (the library's setting)
   bool all_configs = false;  // run the 12 main configurations
   std::string json_path;     // write results as JSON here when set
   bool profile = false;      // GPU: bracket one extra forward with cudaProfilerStart/Stop (ncu/nsys capture range)
@@ -68,6 +69,8 @@ inline constexpr std::int64_t kGpuTimedMs = 1000;
 inline constexpr std::int64_t kMaxWarmupMs = 60000;
 /// The most instrumented runs --stage-runs takes (each is a whole forward + backward with an event per stage).
 inline constexpr std::int64_t kMaxStageRuns = 1000;
+/// --sm-margin's bound: more SMs than any GPU has (the layer refuses a margin that leaves its device fewer than two).
+inline constexpr std::int64_t kMaxSmMargin = 4096;
 
 /// Parses `text` as a decimal integer in [lo, hi]: optional '-' then digits only, overflow detected (never
 /// wrapped). Throws machmoe::Error naming `option`, the range and the text given.

@@ -460,6 +460,7 @@ std::string json_of(const Result& r, const Options& o, const std::string& gpu, d
   j << "{\"config\":\"" << r.config << "\",\"backend\":\"gpu\",\"gpu\":\"" << gpu << "\",\"dtype\":\""
     << dtype_name(o.dtype) << "\",\"T\":" << p.T << ",\"d\":" << p.d << ",\"n\":" << p.n << ",\"E\":" << p.E
     << ",\"K\":" << p.K << "," << problem_json_members(o) << ",\"copy_bandwidth_GBps\":" << copy_bw * 1e-9
+    << ",\"sm_margin\":" << sm_margin()
     << ",\"forward_ms\":" << r.fwd_ms
     << ",\"backward_ms\":" << r.bwd_ms << ",\"forward_tflops\":" << r.fwd_tflops
     << ",\"backward_tflops\":" << r.bwd_tflops << ",\"cublas_bound_forward_ms\":" << r.bound_fwd
@@ -502,6 +503,11 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
   check(cublasCreate(&h), "cublasCreate");
   const std::string gpu = cuda_device_description(0);
   std::printf("gpu:      %s\n", gpu.c_str());
+  if (!runs.empty() && runs.front().sm_margin >= 0) set_sm_margin(runs.front().sm_margin);
+  if (sm_margin() > 0)
+    std::printf("sm margin: %d SMs left to other streams: the expert GEMMs run on %d of the %d SMs (the cuBLAS bound "
+                "on all of them)\n",
+                sm_margin(), cuda_sm_count(0) - sm_margin(), cuda_sm_count(0));
   std::fflush(stdout);
   const double bw = copy_bandwidth(s, runs.empty() ? 0 : runs.front().warmup_ms,
                                    runs.empty() ? 0 : runs.front().timed_ms);

@@ -662,6 +662,16 @@ void set_fallback_policy(const std::string& policy) {
 
 std::string fallback_policy() { return machmoe::fallback_policy_name(machmoe::fallback_policy()); }
 
+// ---- SM margin (machmoe/sm_margin.hpp) ----------------------------------------------------------------------------
+
+void set_sm_margin(int64_t sms) {
+  // Checked before it is narrowed (a value past int's range would wrap into a valid margin).
+  machmoe::set_sm_margin(static_cast<int>(
+      in_range("set_sm_margin", "sms", sms, 0, std::numeric_limits<int>::max(), " (SMs left to other streams)")));
+}
+
+int64_t sm_margin() { return machmoe::sm_margin(); }
+
 /// Waits for the current stream of CUDA device `device` and raises a recorded index violation (ValueError).
 void check_device_errors(int64_t device) {
   const char* op = "check_device_errors";
@@ -853,6 +863,10 @@ TORCH_LIBRARY(machmoe, m) {
   m.impl("set_fallback_policy", &set_fallback_policy);
   m.def("fallback_policy() -> str");
   m.impl("fallback_policy", &fallback_policy);
+  m.def("set_sm_margin(int sms) -> ()");
+  m.impl("set_sm_margin", &set_sm_margin);
+  m.def("sm_margin() -> int");
+  m.impl("sm_margin", &sm_margin);
   m.def("check_device_errors(int device) -> ()");
   m.impl("check_device_errors", &check_device_errors);
   // SymInt: under torch.compile the row count is the (possibly dynamic) size of the grouped input; an int argument

@@ -19,6 +19,10 @@ long long cuda_memory_bandwidth_gbps(int ordinal);
 /// usable device or the build has no CUDA. Never throws. The CUDA build carries kernels for sm_90a only, so the layer
 /// on a CUDA device takes compute capability 90 and refuses others with an error that says so.
 int cuda_compute_capability(int ordinal);
+/// A usable device's streaming multiprocessors (132 on an H100 SXM or H200); 0 when the ordinal is not a usable device
+/// or the build has no CUDA. Never throws. The expert GEMMs' persistent grids take this many SMs, less the SM margin
+/// (sm_margin.hpp).
+int cuda_sm_count(int ordinal);
 /// The one compute capability the CUDA build's kernels run on (sm_90a: H100, H200).
 inline constexpr int kCudaComputeCapability = 90;
 

@@ -11,5 +11,6 @@
 #include "machmoe/memory.hpp"
 #include "machmoe/problem.hpp"
 #include "machmoe/profiling.hpp"
+#include "machmoe/sm_margin.hpp"
 #include "machmoe/tensor.hpp"
 #include "machmoe/version.hpp"

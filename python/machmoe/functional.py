@@ -10,6 +10,7 @@ gpt-oss's expert MLP: g = min(gate, limit), u = clamp(up, -limit, limit), a = g 
 swiglu_alpha (default 1.702) and swiglu_limit (default 7.0; float('inf') turns the clamps off). Its gradient follows
 torch.clamp's (passed where min <= x <= max, 0 outside). swiglu_alpha/swiglu_limit must be None for the others.
 """
+import contextlib
 import warnings
 from collections.abc import Mapping
 from typing import Dict, Optional, Tuple
@@ -577,6 +578,40 @@ def set_fallback_policy(policy: str) -> None:
 def fallback_policy() -> str:
     """The current fallback policy, "warn" or "error" (set_fallback_policy)."""
     return torch.ops.machmoe.fallback_policy()
+
+
+# ---- SM margin (docs/ARCHITECTURE.md, "The SM margin") --------------------------------------------------------------
+
+def set_sm_margin(sms: int) -> None:
+    """Leaves `sms` SMs of the GPU free for kernels on other streams while the layer's expert GEMMs run (0, the
+    default: they take every SM). The expert GEMMs run persistent grids, one CTA or cluster on every SM, so a kernel
+    launched meanwhile on another stream (an expert-parallel all-to-all overlapped with the experts) waits until the
+    GEMM ends; with a margin it runs beside it. Process-wide, read by every GPU forward and backward when it launches
+    (autograd's backward thread included); the environment's MACHMOE_SM_MARGIN sets it at start-up. Results are
+    bitwise the same with any margin; the GEMMs run on fewer SMs. A GPU call whose device has fewer than sms + 2 SMs
+    raises ValueError before it launches anything."""
+    if isinstance(sms, bool) or not isinstance(sms, int):
+        raise TypeError(f"machmoe: argument 'sms': expected an int, got {type(sms).__name__}")
+    if sms < 0:
+        raise ValueError(f"machmoe: argument 'sms': expected a number of SMs >= 0, got {sms}")
+    torch.ops.machmoe.set_sm_margin(sms)
+
+
+def sm_margin() -> int:
+    """The SMs the layer's expert GEMMs leave to other streams (set_sm_margin)."""
+    return torch.ops.machmoe.sm_margin()
+
+
+@contextlib.contextmanager
+def sm_margin_scope(sms: int):
+    """set_sm_margin(sms) for the block, then the margin before it again (even when the block raises). The setting is
+    process-wide, not per thread: a backward that autograd runs after the block ends uses the margin of that time."""
+    previous = sm_margin()
+    set_sm_margin(sms)
+    try:
+        yield
+    finally:
+        torch.ops.machmoe.set_sm_margin(previous)
 
 
 def check_device_errors(device=None) -> None:

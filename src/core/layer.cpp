@@ -12,7 +12,9 @@
 #include "core/checks.hpp"
 #include "core/host_io.hpp"
 #include "reference/layer.hpp"
+#include "machmoe/device.hpp"
 #include "machmoe/error.hpp"
+#include "machmoe/sm_margin.hpp"
 
 #ifdef MACHMOE_WITH_CUDA
 #include "gpu/layer_cuda.hpp"
@@ -145,6 +147,13 @@ DType validate_inputs(const ArgChecker& c, const MoEProblem& p, const TensorView
       c.fail("problem.K", "K <= 64 for token rounding on cuda", std::to_string(p.K));
     // Last: what the arguments say comes before what this machine has (a build with CUDA may run on one without).
     c.device(dev, "x");
+    // The expert GEMMs keep one cluster of two SMs at least (include/machmoe/sm_margin.hpp).
+    const int margin = sm_margin(), sms = cuda_sm_count(dev.index);
+    if (margin > 0 && margin > sms - 2)
+      c.fail("sm_margin",
+             "the SM margin (set_sm_margin, MACHMOE_SM_MARGIN) at most " + std::to_string(sms - 2) + " on " +
+                 device_name(dev) + " (" + std::to_string(sms) + " SMs; the expert GEMMs need a cluster of two)",
+             std::to_string(margin));
   } else {
     c.device(dev, "x");
     if (dt != DType::kFP32 && dt != DType::kFP64)

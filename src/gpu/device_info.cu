@@ -64,4 +64,23 @@ int cuda_compute_capability(int ordinal) {
   return v;
 }
 
+int cuda_sm_count(int ordinal) {
+  // Cached per ordinal: every GPU layer call with an SM margin asks (core/layer.cpp).
+  constexpr int kCached = 64;
+  static std::atomic<int> cached[kCached];
+  if (ordinal < 0) return 0;
+  if (ordinal < kCached) {
+    const int v = cached[ordinal].load(std::memory_order_relaxed);
+    if (v != 0) return v;
+  }
+  int count = 0;
+  if (ordinal >= cuda_device_count() ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (ordinal < kCached) cached[ordinal].store(count, std::memory_order_relaxed);
+  return count;
+}
+
 }  // namespace machmoe

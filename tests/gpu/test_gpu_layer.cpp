@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "gpu/hopper/dispatch.hpp"
+#include "gpu/hopper/heuristics.hpp"
 #include "gpu_support.hpp"
 #include "reference/router.hpp"
 
@@ -1298,6 +1299,88 @@ TEST(GpuLayerLarge, TokenAndHiddenOffsetsPast2To31ElementsOnEveryRow) {
   expect_close("large db1", dec(db1), combined(rb.g.db1, rm.g.db1), 1e-2);
   expect_close("large db2", dec(db2), combined(rb.g.db2, rm.g.db2), 1e-2);
   expect_close("large dW_router", dec(dwr), combined(rb.g.drouter_weight, rm.g.drouter_weight), 1e-2);
+}
+
+/// set_sm_margin for a scope, the margin before it restored after.
+struct ScopedSmMargin {
+  explicit ScopedSmMargin(int sms) : previous(sm_margin()) { set_sm_margin(sms); }
+  ~ScopedSmMargin() { set_sm_margin(previous); }
+  ScopedSmMargin(const ScopedSmMargin&) = delete;
+  ScopedSmMargin& operator=(const ScopedSmMargin&) = delete;
+  int previous;
+};
+
+// The expert GEMMs' persistent grids on fewer SMs (set_sm_margin) give bitwise the whole device's results: the
+// forward, the full and the split backward, in both cache modes, dX~ in clusters of two and alone. The margins reach
+// down to one cluster (sms - 2), and at sms - 32 the weight-gradient heuristic, which counts its wide tiles against
+// the usable SMs, takes the wide tile for dW1 and dW2 where the whole device takes the square one (checked here on
+// the heuristic itself), so two tile shapes of those GEMMs are compared too.
+TEST(GpuSmMargin, FewerSmsGiveBitwiseTheWholeDevicesResults) {
+  REQUIRE_GPU();
+  struct ClusterGuard {
+    ~ClusterGuard() { gpu::set_hopper_cluster_m(0); }
+  } guard;
+  const int sms = cuda_sm_count(0);
+  ASSERT_GE(sms, 34) << "a Hopper GPU has 114 SMs or more";
+  MoEProblem p;
+  p.T = 2048, p.d = 512, p.n = 256, p.E = 8, p.K = 2, p.tile_m = 64, p.has_b1 = p.has_b2 = true;
+  for (const bool narrow : {false, true}) {  // dW1 (M = 2n, N = d), dW2 (M = d, N = n): 64 and 32 wide tiles
+    gpu::hopper::WgradShape shape;
+    shape.E = p.E, shape.M = narrow ? p.d : 2 * p.n, shape.N = narrow ? p.n : p.d;
+    shape.sm_count = sms;
+    EXPECT_EQ(gpu::hopper::choose_wgrad_tiles(shape, {}).tile_n, 128) << (narrow ? "dW2" : "dW1");
+    shape.sm_count = 32;
+    EXPECT_EQ(gpu::hopper::choose_wgrad_tiles(shape, {}).tile_n, 256) << (narrow ? "dW2" : "dW1");
+  }
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding})
+    for (CacheMode cm : {CacheMode::kPreActivation, CacheMode::kInputOnly})
+      for (int cluster_m : {1, 2}) {
+        gpu::set_hopper_cluster_m(cluster_m);
+        p.routing = r, p.cache = cm;
+        LayerCase<double> c(p, 37);
+        if (cm == CacheMode::kInputOnly) c.grad_logits.clear();
+        GpuRun whole;
+        {
+          const ScopedSmMargin none(0);
+          whole = run_on_gpu(c, DType::kBF16);
+        }
+        for (int margin : {1, 16, sms - 32, sms - 2}) {
+          const ScopedSmMargin fewer(margin);
+          const std::string what = std::string(routing_mode_name(r)) + " " + cache_mode_name(cm) + " dX~ cluster " +
+                                   std::to_string(cluster_m) + ", margin " + std::to_string(margin);
+          const bool split = margin == 16;
+          const GpuRun run = run_on_gpu(c, DType::kBF16, 0, /*graph=*/margin == 1, split);
+          EXPECT_TRUE(run.canaries_intact) << what;
+          EXPECT_EQ(run.raw_out, whole.raw_out) << what;
+          EXPECT_EQ(run.counts, whole.counts) << what;
+          EXPECT_EQ(run.saved, whole.saved) << what;
+          expect_same_backward(run, whole, what);
+        }
+      }
+}
+
+// A margin that leaves the expert GEMMs less than one cluster of two SMs is refused before the call launches
+// anything, naming the margin and the device's SMs; the next call with a valid margin runs.
+TEST(GpuSmMargin, AMarginThatLeavesNoClusterIsRefused) {
+  REQUIRE_GPU();
+  const int sms = cuda_sm_count(0);
+  MoEProblem p;
+  p.T = 96, p.d = 64, p.n = 64, p.E = 4, p.K = 2;
+  const LayerCase<double> c(p, 4052);
+  for (int margin : {sms - 1, sms, 10 * sms}) {
+    const ScopedSmMargin too_many(margin);
+    try {
+      run_on_gpu(c, DType::kBF16);
+      ADD_FAILURE() << "margin " << margin << ": no error";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("SM margin"), std::string::npos) << what;
+      EXPECT_NE(what.find("at most " + std::to_string(sms - 2)), std::string::npos) << what;
+      EXPECT_NE(what.find(std::to_string(margin)), std::string::npos) << what;
+    }
+  }
+  const ScopedSmMargin most(sms - 2);
+  EXPECT_NO_THROW(run_on_gpu(c, DType::kBF16));
 }
 
 }  // namespace

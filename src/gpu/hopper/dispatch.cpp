@@ -18,6 +18,7 @@
 #include "gpu/hopper/kernel_families.hpp"
 #include "machmoe/device.hpp"
 #include "machmoe/fallback.hpp"
+#include "machmoe/sm_margin.hpp"
 
 namespace machmoe::gpu {
 namespace {
@@ -85,6 +86,10 @@ DeviceTraits current_device() {
   known.emplace(dev, t);
   return t;
 }
+
+/// The SMs the persistent grids may take: the device's less the SM margin (include/machmoe/sm_margin.hpp; the layer's
+/// entry points refuse a margin that leaves fewer than two). The wgrad tile heuristic counts its tiles against it too.
+int usable_sms(const DeviceTraits& dev) { return std::max(dev.sm_count - sm_margin(), 1); }
 
 // The reasons that are a choice, not a limit: reported as notes, never an error (FallbackPolicy::kError).
 constexpr const char* kDisabledReason = "Hopper kernels disabled (MACHMOE_DISABLE_HOPPER_KERNELS or the test switch)";
@@ -353,7 +358,7 @@ void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t
   };
   hopper::EpilogueBias bias;
   bias.ptr = a.bias, bias.ld = a.ld_bias;
-  const int sm_count = dev.sm_count;
+  const int sms = usable_sms(dev);
   if (up) {
     hopper::UpProjectionParams p;
     p.mainloop = main, p.scheduler = sched;
@@ -365,9 +370,9 @@ void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t
     p.epilogue.N = static_cast<int>(a.N);
     p.epilogue.act_alpha = a.act_alpha, p.epilogue.act_limit = a.act_limit;
     if (tiles.tile_n == 256)
-      launch_up<hopper::Tile128x256CooperativeCluster2>(a.activation, p, sm_count, stream);
+      launch_up<hopper::Tile128x256CooperativeCluster2>(a.activation, p, sms, stream);
     else
-      launch_up<hopper::Tile128x128PingPong>(a.activation, p, sm_count, stream);
+      launch_up<hopper::Tile128x128PingPong>(a.activation, p, sms, stream);
   } else if (dh_kernel) {
     hopper::DhKernelParams p;
     p.mainloop = main, p.scheduler = sched;
@@ -383,9 +388,9 @@ void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t
     p.epilogue.N = static_cast<int>(a.N);
     p.epilogue.act_alpha = a.act_alpha, p.epilogue.act_limit = a.act_limit;
     if (tiles.tile_n == 256)
-      launch_dh<hopper::Tile128x256CooperativeStagedH>(a.activation, p, sm_count, stream);
+      launch_dh<hopper::Tile128x256CooperativeStagedH>(a.activation, p, sms, stream);
     else
-      launch_dh<hopper::Tile128x128PingPong>(a.activation, p, sm_count, stream);
+      launch_dh<hopper::Tile128x128PingPong>(a.activation, p, sms, stream);
   } else {
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(a.a_rows > 0 ? a.a_rows : a.P_max)};
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(a.lda) * 2};
@@ -398,17 +403,17 @@ void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t
     p.epilogue.N = static_cast<int>(a.N);
     const bool pairs = tiles.cluster_m == 2;  // dX~ only (heuristics.hpp)
     if (mn_major && tiles.tile_n == 256 && pairs)
-      hopper::launch_dx_expanded<hopper::Tile128x256CooperativeCluster2>(p, sm_count, stream);
+      hopper::launch_dx_expanded<hopper::Tile128x256CooperativeCluster2>(p, sms, stream);
     else if (mn_major && tiles.tile_n == 256)
-      hopper::launch_dx_expanded<hopper::Tile128x256Cooperative>(p, sm_count, stream);
+      hopper::launch_dx_expanded<hopper::Tile128x256Cooperative>(p, sms, stream);
     else if (mn_major && pairs)
-      hopper::launch_dx_expanded<hopper::Tile128x128PingPongCluster2>(p, sm_count, stream);
+      hopper::launch_dx_expanded<hopper::Tile128x128PingPongCluster2>(p, sms, stream);
     else if (mn_major)
-      hopper::launch_dx_expanded<hopper::Tile128x128PingPong>(p, sm_count, stream);
+      hopper::launch_dx_expanded<hopper::Tile128x128PingPong>(p, sms, stream);
     else if (tiles.tile_n == 256)
-      hopper::launch_down_projection<hopper::Tile128x256Cooperative>(p, sm_count, stream);
+      hopper::launch_down_projection<hopper::Tile128x256Cooperative>(p, sms, stream);
     else
-      hopper::launch_down_projection<hopper::Tile128x128PingPong>(p, sm_count, stream);
+      hopper::launch_down_projection<hopper::Tile128x128PingPong>(p, sms, stream);
   }
 }
 
@@ -479,7 +484,7 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
     return;
   }
   hopper::WgradShape shape;
-  shape.E = a.E, shape.M = a.M, shape.N = a.N, shape.sm_count = dev.sm_count;
+  shape.E = a.E, shape.M = a.M, shape.N = a.N, shape.sm_count = usable_sms(dev);
   shape.rows_per_expert = a.contiguous_rows / a.E;  // the rows reserved (0: unknown)
   const hopper::TileChoice tiles = hopper::choose_wgrad_tiles(shape, tile_overrides());
 
@@ -559,7 +564,7 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
     p.mainloop.keep_b_allowed = false;
   }
   const bool dw2 = a.a_gather != nullptr;  // else dW1 (wgrad_unsupported_reason: exactly one operand gathered)
-  const int sms = dev.sm_count;
+  const int sms = usable_sms(dev);
   if (dw2 && tiles.tile_n == 256)
     hopper::launch_weight_grad_dw2<hopper::Tile128x256Cooperative>(p, sms, stream);
   else if (dw2)

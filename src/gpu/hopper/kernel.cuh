@@ -208,9 +208,10 @@ inline constexpr int kMaxDevices = 64;
 
 /// Enqueues the kernel on a persistent grid: one CTA per SM, or as many clusters as can be resident at once (SMs
 /// pair within a GPC; 66 on an H200), so the static schedule has no tail wave. Tiles beyond the work are never
-/// visited.
+/// visited. `usable_sms`: the SMs the grid may take (the device's less the SM margin, include/machmoe/sm_margin.hpp);
+/// the grid is cut to that many CTAs, whole clusters, one cluster at least.
 template <class Kernel>
-void launch_kernel(const typename Kernel::Params& p, int sm_count, cudaStream_t stream) {
+void launch_kernel(const typename Kernel::Params& p, int usable_sms, cudaStream_t stream) {
   auto* kernel = &persistent_kernel<Kernel>;
   cudaLaunchConfig_t cfg = {};
   cfg.blockDim = dim3(Kernel::kThreads);
@@ -227,6 +228,8 @@ void launch_kernel(const typename Kernel::Params& p, int sm_count, cudaStream_t 
   int clusters = dev < kMaxDevices ? resident[dev].load(std::memory_order_relaxed) : 0;
   if (clusters == 0) {
     MACHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes));
+    int sm_count = 0;  // the whole device's: what is resident does not depend on the margin of the first call
+    MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev));
     clusters = sm_count;
     if constexpr (Kernel::kClusterM > 1) {
       cfg.gridDim = dim3((sm_count / Kernel::kClusterM) * Kernel::kClusterM);
@@ -235,6 +238,8 @@ void launch_kernel(const typename Kernel::Params& p, int sm_count, cudaStream_t 
     clusters = clusters > 0 ? clusters : 1;
     if (dev < kMaxDevices) resident[dev].store(clusters, std::memory_order_relaxed);
   }
+  const int usable_clusters = usable_sms / Kernel::kClusterM;
+  if (usable_clusters < clusters) clusters = usable_clusters > 0 ? usable_clusters : 1;
   cfg.gridDim = dim3(static_cast<unsigned>(clusters) * Kernel::kClusterM);
   MACHMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
   MACHMOE_CUDA_CHECK(cudaGetLastError());

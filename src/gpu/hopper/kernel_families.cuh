@@ -38,33 +38,33 @@ using DhKernel = PersistentKernel<Tile, MainloopVarlenM<Tile, OperandA::kGathere
                                   EpilogueActivationGrad<Tile, kAct>, ClusterTiles<Tile>>;
 
 template <class Tile, Activation kAct>
-void launch_up_projection(const UpProjectionParams& p, int sm_count, cudaStream_t stream) {
-  launch_kernel<UpProjectionKernel<Tile, kAct>>(p, sm_count, stream);
+void launch_up_projection(const UpProjectionParams& p, int usable_sms, cudaStream_t stream) {
+  launch_kernel<UpProjectionKernel<Tile, kAct>>(p, usable_sms, stream);
 }
 
 template <class Tile>
-void launch_down_projection(const DownProjectionParams& p, int sm_count, cudaStream_t stream) {
-  launch_kernel<DownProjectionKernel<Tile>>(p, sm_count, stream);
+void launch_down_projection(const DownProjectionParams& p, int usable_sms, cudaStream_t stream) {
+  launch_kernel<DownProjectionKernel<Tile>>(p, usable_sms, stream);
 }
 
 template <class Tile>
-void launch_dx_expanded(const DownProjectionParams& p, int sm_count, cudaStream_t stream) {
-  launch_kernel<DxExpandedKernel<Tile>>(p, sm_count, stream);
+void launch_dx_expanded(const DownProjectionParams& p, int usable_sms, cudaStream_t stream) {
+  launch_kernel<DxExpandedKernel<Tile>>(p, usable_sms, stream);
 }
 
 template <class Tile, Activation kAct>
-void launch_dh_kernel(const DhKernelParams& p, int sm_count, cudaStream_t stream) {
-  launch_kernel<DhKernel<Tile, kAct>>(p, sm_count, stream);
+void launch_dh_kernel(const DhKernelParams& p, int usable_sms, cudaStream_t stream) {
+  launch_kernel<DhKernel<Tile, kAct>>(p, usable_sms, stream);
 }
 
 template <class Tile>
-void launch_weight_grad_dw2(const WeightGradParams& p, int sm_count, cudaStream_t stream) {
-  launch_kernel<WeightGradKernel<Tile, OperandK::kGathered, OperandK::kContiguous>>(p, sm_count, stream);
+void launch_weight_grad_dw2(const WeightGradParams& p, int usable_sms, cudaStream_t stream) {
+  launch_kernel<WeightGradKernel<Tile, OperandK::kGathered, OperandK::kContiguous>>(p, usable_sms, stream);
 }
 
 template <class Tile>
-void launch_weight_grad_dw1(const WeightGradParams& p, int sm_count, cudaStream_t stream) {
-  launch_kernel<WeightGradKernel<Tile, OperandK::kContiguous, OperandK::kGathered>>(p, sm_count, stream);
+void launch_weight_grad_dw1(const WeightGradParams& p, int usable_sms, cudaStream_t stream) {
+  launch_kernel<WeightGradKernel<Tile, OperandK::kContiguous, OperandK::kGathered>>(p, usable_sms, stream);
 }
 
 }  // namespace machmoe::gpu::hopper

@@ -343,6 +343,8 @@ Options parse_options(const std::vector<std::string>& args, bool have_gpu_backen
   if (o.all_configs && !o.gpu)
     bad("--all-configs", "a GPU backend (the CPU reference would take hours on the main configurations)", "the CPU");
   if (o.profile && !o.gpu) bad("--profile", "a GPU backend (it marks a CUDA profiler capture range)", "the CPU");
+  if (has("--sm-margin") && !o.gpu)
+    bad("--sm-margin", "a GPU backend (it cuts the expert GEMMs' grids; the CPU reference has none)", "the CPU");
 
   p.has_b1 = bias == "b1" || bias == "both";
   p.has_b2 = bias == "b2" || bias == "both";

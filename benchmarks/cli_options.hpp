@@ -38,7 +38,8 @@ struct Options {
   int stage_runs = 5;        // GPU: the least instrumented runs of the stage table, which also last at least timed_ms
                              // (up to kMaxStageRuns runs); the median per stage
   std::uint64_t seed = 0;
-  int sm_margin = -1;        // GPU: --sm-margin (set_sm_margin before the runs); -1: not given (the library's setting)
+  int sm_margin = -1;        // GPU: --sm-margin (set_sm_margin before the runs, all of which share it: run_gpu reads
+                             // the first run's); -1: not given (the library's setting)
   bool all_configs = false;  // run the 12 main configurations
   std::string json_path;     // write results as JSON here when set
   bool profile = false;      // GPU: bracket one extra forward with cudaProfilerStart/Stop (ncu/nsys capture range)

@@ -1,4 +1,4 @@
-// SMs that the layer's GPU kernels leave free for kernels on other streams (docs/ARCHITECTURE.md, "The SM margin").
+// SMs that the layer's expert GEMMs leave free for kernels on other streams (docs/ARCHITECTURE.md, "The SM margin").
 //
 // The expert GEMMs (forward and backward) run persistent grids: one CTA on every SM, or one cluster on every pair of
 // SMs, each holding its SM's shared memory and registers until the GEMM ends. A kernel launched meanwhile on
@@ -16,12 +16,14 @@
 
 namespace machmoe {
 
-/// Sets the process-wide margin, read by every GPU layer call when it launches (forward and backward alike, on any
-/// thread: autograd runs the backward on its own). `sms` must be >= 0; 0 (the default) gives the kernels every SM.
-/// The initial value comes from the environment, read once at the first call of these functions or of a GPU layer
-/// entry point: MACHMOE_SM_MARGIN=m (another value than a non-negative integer is reported on stderr once and read
-/// as 0). A GPU layer call whose device has fewer than sms + 2 SMs is refused before it launches anything (the
-/// expert GEMMs need one cluster of two SMs at least). CPU calls ignore it.
+/// Sets the process-wide margin. Each expert GEMM reads it when it is launched (forward and backward alike, on any
+/// thread: autograd runs the backward on its own), so a change made while a call runs on another thread reaches that
+/// call's later GEMMs, which changes their time, never their results. A CUDA graph keeps the grids of its capture:
+/// its replays take the margin that was set when it was captured. `sms` must be >= 0; 0 (the default) gives the
+/// GEMMs every SM. The initial value comes from the environment, read once at the first call of these functions or of
+/// a GPU layer entry point: MACHMOE_SM_MARGIN=m (another value than a non-negative integer is reported on stderr once
+/// and read as 0). Every GPU layer entry point refuses a margin that leaves its device fewer than two SMs (the expert
+/// GEMMs need one cluster of two), as an argument error, before it launches anything. CPU calls ignore it.
 void set_sm_margin(int sms);
 int sm_margin();
 

@@ -586,10 +586,11 @@ def set_sm_margin(sms: int) -> None:
     """Leaves `sms` SMs of the GPU free for kernels on other streams while the layer's expert GEMMs run (0, the
     default: they take every SM). The expert GEMMs run persistent grids, one CTA or cluster on every SM, so a kernel
     launched meanwhile on another stream (an expert-parallel all-to-all overlapped with the experts) waits until the
-    GEMM ends; with a margin it runs beside it. Process-wide, read by every GPU forward and backward when it launches
-    (autograd's backward thread included); the environment's MACHMOE_SM_MARGIN sets it at start-up. Results are
-    bitwise the same with any margin; the GEMMs run on fewer SMs. A GPU call whose device has fewer than sms + 2 SMs
-    raises ValueError before it launches anything."""
+    GEMM ends; with a margin it runs beside it. Process-wide, read by each expert GEMM of a forward or backward when
+    it is launched (autograd's backward thread included); a CUDA graph (torch.compile's "reduce-overhead" mode
+    included) replays the grids of its capture, so capture under the margin its replays should have. The
+    environment's MACHMOE_SM_MARGIN sets it at start-up. Results are bitwise the same with any margin; the GEMMs run
+    on fewer SMs. A GPU call whose device has fewer than sms + 2 SMs raises ValueError before it launches anything."""
     if isinstance(sms, bool) or not isinstance(sms, int):
         raise TypeError(f"machmoe: argument 'sms': expected an int, got {type(sms).__name__}")
     if sms < 0:

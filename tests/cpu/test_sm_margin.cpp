@@ -53,6 +53,12 @@ TEST(SmMargin, BenchmarkOption) {
   EXPECT_EQ(parse_options({}, false).sm_margin, -1);  // not given: the library's setting stands
   EXPECT_EQ(parse_options({"--sm-margin", "0"}, true).sm_margin, 0);
   EXPECT_EQ(parse_options({"--sm-margin", "24"}, true).sm_margin, 24);
+  try {  // the CPU reference has no grid to cut: refused like the other GPU-only options
+    parse_options({"--backend", "cpu", "--sm-margin", "8"}, true);
+    ADD_FAILURE() << "--sm-margin on the CPU: accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'--sm-margin': expected a GPU backend"), std::string::npos) << e.what();
+  }
   for (const char* bad : {"-1", "4097", "8x", ""}) {
     try {
       parse_options({"--sm-margin", bad}, true);

@@ -65,7 +65,7 @@ int cuda_compute_capability(int ordinal) {
 }
 
 int cuda_sm_count(int ordinal) {
-  // Cached per ordinal: every GPU layer call with an SM margin asks (core/layer.cpp).
+  // Cached per ordinal: every GPU layer call asks (core/layer.cpp, the SM margin's check).
   constexpr int kCached = 64;
   static std::atomic<int> cached[kCached];
   if (ordinal < 0) return 0;

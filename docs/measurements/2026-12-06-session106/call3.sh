@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 106, call 3 (after the review's mends: the weight-gradient launch reads the margin once, the layer's check
-# queries the SMs only under a margin, more tests): build; the new gtest and pytest's new GPU tests; the whole gtest
-# GPU suite in two shards.
+# queries the SMs only under a margin, more tests): build; the new gtest and pytest's new GPU tests; then the whole
+# gtest GPU suite's two shards and pytest's GPU tests in full, all three side by side (the session's device time,
+# short after three starts that found no machine, holds one call more, not two).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,7 +16,12 @@ stamp "new gtest exit $?"; grep -E "^\[ +(OK|FAILED|PASSED) |Failure|expected|Wh
 MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$PWD/build/lib/libmachmoe_torch.so timeout 200 python3 -m pytest -v \
   -p no:cacheprovider -m gpu tests/python/test_sm_margin.py > "$OUT/pytest_new_call3.log" 2>&1
 stamp "new pytest exit $?"; grep -E "PASS|FAIL|ERROR|Error|assert" "$OUT/pytest_new_call3.log" | tail -n 20
+OUT=$OUT bash scripts/ab.sh pyg > "$OUT/pyg_call3.txt" 2>&1 &
+pyg=$!
 OUT=$OUT bash scripts/ab.sh gboth 2>&1 | tail -6
+stamp "gtest shards done"
+wait $pyg; tail -n 2 "$OUT/pyg_call3.txt"
 mv "$OUT/gtest_g0.log" "$OUT/gtest_g0_call3.log"; mv "$OUT/gtest_g1.log" "$OUT/gtest_g1_call3.log"
+mv "$OUT/pytest_gpu.log" "$OUT/pytest_gpu_call3.log"; grep -E "^FAILED|Error" "$OUT/pytest_gpu_call3.log" | head -20
 stamp "total"
-rm -f "$OUT"/build*.log
+rm -f "$OUT"/build*.log "$OUT/pyg_call3.txt"

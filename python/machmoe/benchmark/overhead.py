@@ -61,7 +61,7 @@ def _shape(text: str) -> C.Config:
     return C.custom(f"custom-{T}-{d}-{n}-{E}-{K}", T, d, n, E, K)
 
 
-def _int_at_least(low: int):
+def int_at_least(low: int):
     """An argparse type: an integer >= low, with a message naming the bound."""
     def parse(text: str) -> int:
         try:
@@ -84,8 +84,8 @@ def _host_shape(text: str):
     return T, d, n, E, K
 
 
-_positive = _int_at_least(1)
-_nonnegative = _int_at_least(0)
+_positive = int_at_least(1)
+_nonnegative = int_at_least(0)
 
 
 def parser() -> argparse.ArgumentParser:

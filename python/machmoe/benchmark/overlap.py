@@ -24,26 +24,14 @@ from typing import List, Tuple
 import torch
 
 from . import configs as C
+from .overhead import int_at_least
 
 
-def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
+def _margins(text: str) -> List[int]:
+    values = [int_at_least(0)(v) for v in text.split(",") if v.strip()]
+    if not values:
         raise argparse.ArgumentTypeError(f"expected one or more integers >= 0, got {text!r}")
     return values
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,12 +39,13 @@ def parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--configs", default="7B-256,30B-256",
                    help="configurations (names or groups of machmoe.benchmark.configs; default 7B-256,30B-256)")
-    p.add_argument("--margins", type=_int_list, default=[0, 8, 16, 32], help="SM margins to run (default 0,8,16,32)")
-    p.add_argument("--side-mb", type=_positive, default=512, help="MB the side stream copies per step (default 512)")
-    p.add_argument("--side-chunks", type=_positive, default=8,
+    p.add_argument("--margins", type=_margins, default=[0, 8, 16, 32], help="SM margins to run (default 0,8,16,32)")
+    p.add_argument("--side-mb", type=int_at_least(1), default=512,
+                   help="MB the side stream copies per step (default 512)")
+    p.add_argument("--side-chunks", type=int_at_least(1), default=8,
                    help="copy kernels the side stream's MB are split into (default 8)")
-    p.add_argument("--time-ms", type=_positive, default=500, help="least ms of timed repetitions per figure")
-    p.add_argument("--warmup-ms", type=_positive, default=300, help="least ms of untimed repetitions first")
+    p.add_argument("--time-ms", type=int_at_least(1), default=500, help="least ms of timed repetitions per figure")
+    p.add_argument("--warmup-ms", type=int_at_least(1), default=300, help="least ms of untimed repetitions first")
     p.add_argument("--json", help="also write the rows as JSON to this path")
     return p
 

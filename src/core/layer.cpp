@@ -148,7 +148,8 @@ DType validate_inputs(const ArgChecker& c, const MoEProblem& p, const TensorView
     // Last: what the arguments say comes before what this machine has (a build with CUDA may run on one without).
     c.device(dev, "x");
     // The expert GEMMs keep one cluster of two SMs at least (include/machmoe/sm_margin.hpp).
-    const int margin = sm_margin(), sms = cuda_sm_count(dev.index);
+    const int margin = sm_margin();
+    const int sms = margin > 0 ? cuda_sm_count(dev.index) : 0;
     if (margin > 0 && margin > sms - 2)
       c.fail("sm_margin",
              "the SM margin (set_sm_margin, MACHMOE_SM_MARGIN) at most " + std::to_string(sms - 2) + " on " +

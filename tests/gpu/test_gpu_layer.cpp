@@ -1311,10 +1311,12 @@ struct ScopedSmMargin {
 };
 
 // The expert GEMMs' persistent grids on fewer SMs (set_sm_margin) give bitwise the whole device's results: the
-// forward, the full and the split backward, in both cache modes, dX~ in clusters of two and alone. The margins reach
-// down to one cluster (sms - 2), and at sms - 32 the weight-gradient heuristic, which counts its wide tiles against
-// the usable SMs, takes the wide tile for dW1 and dW2 where the whole device takes the square one (checked here on
-// the heuristic itself), so two tile shapes of those GEMMs are compared too.
+// forward, the full and the split backward, in both cache modes, dX~ in clusters of two and alone, bf16 and fp32
+// weight gradients (overwritten and accumulated into). The margins reach down to one cluster (sms - 2), and at
+// sms - 32 the weight-gradient heuristic, which counts its wide tiles against the usable SMs, takes the wide tile for
+// dW1 and dW2 where the whole device takes the square one (checked here on the heuristic itself), so two tile shapes
+// of those GEMMs are compared too. That the grids are cut is tests/python/test_sm_margin.py's to check (it reads
+// each launch's grid from torch.profiler); here an ignored margin would pass.
 TEST(GpuSmMargin, FewerSmsGiveBitwiseTheWholeDevicesResults) {
   REQUIRE_GPU();
   struct ClusterGuard {
@@ -1357,6 +1359,30 @@ TEST(GpuSmMargin, FewerSmsGiveBitwiseTheWholeDevicesResults) {
           expect_same_backward(run, whole, what);
         }
       }
+  // fp32 weight gradients, overwritten and accumulated into (fp32 buffers holding earlier micro-batches' sums): the
+  // weight-gradient kernels' fp32 epilogues, on the wide tile at sms - 32 and the square one on the whole device.
+  gpu::set_hopper_cluster_m(0);
+  p.routing = RoutingMode::kTopK, p.cache = CacheMode::kPreActivation;
+  const LayerCase<double> c(p, 38);
+  for (const bool accumulate : {false, true}) {
+    WeightGradMode grads;
+    grads.dtype = DType::kFP32, grads.accumulate = accumulate;
+    if (accumulate) {
+      std::mt19937_64 rng(8);
+      const auto start = [&](std::size_t count) { return normal<double>(rng, count, 0.05); };
+      grads.wr = start(c.router_weight.size()), grads.w1 = start(c.w1.size()), grads.b1 = start(c.b1.size());
+      grads.w2 = start(c.w2.size()), grads.b2 = start(c.b2.size());
+    }
+    GpuRun whole;
+    {
+      const ScopedSmMargin none(0);
+      whole = run_on_gpu(c, DType::kBF16, 0, false, false, &grads);
+    }
+    const ScopedSmMargin fewer(sms - 32);
+    const GpuRun run = run_on_gpu(c, DType::kBF16, 0, false, false, &grads);
+    EXPECT_TRUE(run.canaries_intact);
+    expect_same_backward(run, whole, accumulate ? "fp32 gradients accumulated into" : "fp32 gradients");
+  }
 }
 
 // A margin that leaves the expert GEMMs less than one cluster of two SMs is refused before the call launches

@@ -103,7 +103,8 @@ def test_the_environment_sets_the_margin_at_start_up():
 # ---- GPU ---------------------------------------------------------------------------------------------------------
 
 def _persistent_grids(run):
-    """The grid sizes (CTAs) of the Hopper family's persistent kernels that `run` launched, from torch.profiler."""
+    """(kernel name, CTAs) of each launch of the Hopper family's persistent kernels that `run` made, in launch order,
+    from torch.profiler."""
     import tempfile
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -114,9 +115,9 @@ def _persistent_grids(run):
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    grids = [e["args"]["grid"] for e in events
-             if e.get("cat") == "kernel" and "persistent_kernel" in e.get("name", "")]
-    return [g[0] * g[1] * g[2] for g in grids]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "persistent_kernel" in e.get("name", "")),
+                     key=lambda e: e["ts"])
+    return [(e["name"], e["args"]["grid"][0] * e["args"]["grid"][1] * e["args"]["grid"][2]) for e in kernels]
 
 
 def _step(moe, x, grad):
@@ -128,29 +129,77 @@ def _step(moe, x, grad):
     return [out.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in moe.parameters()]
 
 
+def _layer(seed=1):
+    torch.manual_seed(seed)
+    # 7B-like widths at a small T: every expert GEMM family (up, down, dH, dX~, dW1, dW2) on the Hopper kernels.
+    moe = machmoe.MoE(1536, 256, 32, 4, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4096, 1536, device="cuda", dtype=torch.bfloat16)
+    return moe, x, torch.randn_like(x)
+
+
 @pytest.mark.gpu
 def test_the_persistent_grids_leave_the_margin_free_and_the_results_stay_bitwise(restore_margin):
     assert torch.cuda.is_available(), "GPU test run on a machine without a usable CUDA device"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    torch.manual_seed(1)
-    # 7B-like widths at a small T: every expert GEMM family (up, down, dH, dX~, dW1, dW2) on the Hopper kernels.
-    moe = machmoe.MoE(1536, 256, 32, 4, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(4096, 1536, device="cuda", dtype=torch.bfloat16)
-    grad = torch.randn_like(x)
+    moe, x, grad = _layer()
     machmoe.set_sm_margin(0)
     whole = _step(moe, x, grad)
-    grids = _persistent_grids(lambda: _step(moe, x, grad))
-    assert len(grids) >= 6, grids  # up, down, dH, dX~, dW2, dW1
-    assert max(grids) == sms, grids
+    full = _persistent_grids(lambda: _step(moe, x, grad))
+    assert len(full) >= 6, full  # up, down, dH, dX~, dW2, dW1
+    assert max(g for _, g in full) == sms, full
     for margin in (1, 20, sms - 40):
         machmoe.set_sm_margin(margin)
         fewer = _step(moe, x, grad)
         for a, b in zip(fewer, whole):
             assert torch.equal(a, b), f"margin {margin}: results differ from the whole device's"
-        grids = _persistent_grids(lambda: _step(moe, x, grad))
-        assert len(grids) >= 6, grids
-        assert max(grids) <= sms - margin, (margin, grids)
-        assert max(grids) >= sms - margin - 1, (margin, grids)  # whole clusters of two
+        cut = _persistent_grids(lambda: _step(moe, x, grad))
+        assert [name for name, _ in cut] == [name for name, _ in full], margin
+        # Each launch: its whole-device grid cut to the usable SMs, whole clusters of two at most one SM short.
+        for (name, g), (_, g0) in zip(cut, full):
+            assert min(g0, sms - margin - 1) <= g <= min(g0, sms - margin), (margin, name, g, g0)
+
+
+@pytest.mark.gpu
+def test_a_first_launch_under_a_margin_leaves_the_whole_grid_to_later_calls_without_one():
+    # The resident clusters are cached per device at a kernel's first launch; they must count the whole device even
+    # when that launch ran under a margin (a fresh process, so that every kernel's first launch does).
+    assert torch.cuda.is_available(), "GPU test run on a machine without a usable CUDA device"
+    code = """
+import machmoe, torch, sys
+sys.path.insert(0, {tests!r})
+from test_sm_margin import _layer, _persistent_grids, _step
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+moe, x, grad = _layer()
+first = _persistent_grids(lambda: _step(moe, x, grad))
+assert machmoe.sm_margin() == 20 and max(g for _, g in first) == sms - 20, first
+machmoe.set_sm_margin(0)
+later = _persistent_grids(lambda: _step(moe, x, grad))
+assert max(g for _, g in later) == sms, later
+print("ok")
+""".format(tests=str(Path(__file__).resolve().parent))
+    env = dict(os.environ, MACHMOE_SM_MARGIN="20")
+    if env.get("MACHMOE_IN_TREE") == "1":
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+@pytest.mark.gpu
+def test_a_backward_under_a_margin_that_leaves_no_cluster_is_refused_and_writes_nothing(restore_margin):
+    assert torch.cuda.is_available(), "GPU test run on a machine without a usable CUDA device"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    moe, x, grad = _layer()
+    machmoe.set_sm_margin(0)
+    x = x.detach().requires_grad_()
+    out = moe(x).output
+    machmoe.set_sm_margin(sms - 1)
+    with pytest.raises(ValueError, match=rf"backward.*SM margin.*at most {sms - 2}"):
+        out.backward(grad)
+    assert x.grad is None and all(p.grad is None for p in moe.parameters())
+    machmoe.set_sm_margin(sms - 2)
+    moe(x).output.backward(grad)
+    torch.cuda.synchronize()
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
 
 
 @pytest.mark.gpu

@@ -483,8 +483,9 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
     launch_varlen_k_gemm(a, stream);
     return;
   }
+  const int sms = usable_sms(dev);  // read once: the tile choice and the grid count the same SMs
   hopper::WgradShape shape;
-  shape.E = a.E, shape.M = a.M, shape.N = a.N, shape.sm_count = usable_sms(dev);
+  shape.E = a.E, shape.M = a.M, shape.N = a.N, shape.sm_count = sms;
   shape.rows_per_expert = a.contiguous_rows / a.E;  // the rows reserved (0: unknown)
   const hopper::TileChoice tiles = hopper::choose_wgrad_tiles(shape, tile_overrides());
 
@@ -564,7 +565,6 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
     p.mainloop.keep_b_allowed = false;
   }
   const bool dw2 = a.a_gather != nullptr;  // else dW1 (wgrad_unsupported_reason: exactly one operand gathered)
-  const int sms = usable_sms(dev);
   if (dw2 && tiles.tile_n == 256)
     hopper::launch_weight_grad_dw2<hopper::Tile128x256Cooperative>(p, sms, stream);
   else if (dw2)

@@ -29,6 +29,8 @@
 #include <optional>
 #include <tuple>
 
+#include "machmoe/error.hpp"
+
 namespace {
 
 using at::Tensor;
@@ -191,11 +193,20 @@ struct LayerFunction : torch::autograd::Function<LayerFunction> {
         caller || !grad_logits.defined() || grad_logits.numel() == 0 ? std::nullopt : OptTensor(grad_logits);
     // consume_saved: nothing reads the saved buffer after this backward unless the graph is retained, which the
     // operator checks; it then writes dH over the saved H (docs/MEMORY.md).
-    auto [dx, dwr, dw1, db1, dw2, db2, dscores] = backward_op().call(
-        go, gl, x, opt(router_weight), w1, opt(b1), w2, opt(b2), opt(token_index), opt(expert_index), opt(scores),
-        saved, opts.ints[0], opts.ints[1], opts.ints[2], opts.ints[3], opts.ints[4], opts.ints[5], opts.ints[6],
-        opts.ints[7], opts.swiglu_alpha, opts.swiglu_limit, into[0], into[1], into[2], into[3], into[4],
-        /*consume_saved=*/true);
+    // A refused argument (machmoe::Error, a std::invalid_argument) leaves here through autograd's engine, which
+    // raises what is not a c10::Error as RuntimeError; rethrown as c10::ValueError it reaches Python as the
+    // ValueError the same refusal gives outside autograd (docs/VALIDATION.md).
+    auto [dx, dwr, dw1, db1, dw2, db2, dscores] = [&] {
+      try {
+        return backward_op().call(go, gl, x, opt(router_weight), w1, opt(b1), w2, opt(b2), opt(token_index),
+                                  opt(expert_index), opt(scores), saved, opts.ints[0], opts.ints[1], opts.ints[2],
+                                  opts.ints[3], opts.ints[4], opts.ints[5], opts.ints[6], opts.ints[7],
+                                  opts.swiglu_alpha, opts.swiglu_limit, into[0], into[1], into[2], into[3], into[4],
+                                  /*consume_saved=*/true);
+      } catch (const machmoe::Error& e) {
+        C10_THROW_ERROR(ValueError, e.what());
+      }
+    }();
     // Gradients added into caller buffers are not returned: those weights' .grad stays as it was.
     result[kX] = dx;
     if (!caller && router_weight.defined() && !into[0]) result[kRouterWeight] = dwr;

@@ -929,3 +929,19 @@ def test_functional_errors_name_the_callers_arguments():
         machmoe.moe_from_routing(x, w1, w2, ti, ei, sc, max_experts_per_token=1)
     out, _ = machmoe.moe_from_routing(x, w1, w2, ti, ei, sc, max_experts_per_token=2)  # the same pairs, K = 2
     assert out.shape == (5, 16)
+
+
+@pytest.mark.parametrize("through", ["backward", "autograd.grad"])
+def test_an_argument_the_backward_refuses_is_a_value_error_through_autograd(through):
+    # Outside autograd the operators' refusals (machmoe::Error) are ValueError; a refusal inside loss.backward()
+    # passes autograd's engine, which made it a RuntimeError until the backward rethrew it as a c10::ValueError.
+    x, rw, w1, w2, b1, b2 = make(T=12)
+    buf = torch.zeros_like(w1)
+    out, _, _ = machmoe.moe(x, rw, w1, w2, b1, b2, top_k=2, accumulate_grads_into={"w1": buf})
+    buf.resize_(3)  # the buffer the backward adds w1's gradient into, no longer of w1's shape
+    with pytest.raises(ValueError, match=r"layer_backward: argument 'into_w1': expected shape \(4, 8, 8\)"):
+        if through == "backward":
+            out.sum().backward()
+        else:
+            torch.autograd.grad(out.sum(), [x, w1])  # (a buffer whose gradient is not asked for is not read)
+    assert x.grad is None and buf.numel() == 3

@@ -75,6 +75,28 @@ def test_compile_fullgraph_matches_eager(cuda):
     assert ae.abs().sum() > 0 and rel(ac, ae) < 1e-2
 
 
+def test_compile_with_a_dynamic_token_count_compiles_once_and_matches_eager_bitwise(cuda):
+    # The CPU tests (test_compile_dynamic.py) check the symbolic T of the fakes; here inductor compiles for the GPU,
+    # over token counts that are and are not tile multiples, and the layer's kernels must give eager's bits.
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    m = machmoe.MoE(256, 128, 16, 4, bias=True, device=cuda, dtype=torch.bfloat16)
+    step = lambda inp: m(inp).output
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    wrt = [m.router_weight, m.w1, m.w2, m.b1, m.b2]
+    for T in (130, 2, 512, 777):  # (sizes 0 and 1 are always specialised by dynamo)
+        x = torch.randn(T, 256, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 0)
+        go = torch.randn(T, 256, device=cuda, dtype=torch.bfloat16)
+        outs = [f(x) for f in (step, compiled)]
+        assert torch.equal(outs[1], outs[0]), T
+        grads = [torch.autograd.grad(o, [x] + wrt, go) for o in outs]
+        for name, c, e in zip(["x", "router_weight", "w1", "w2", "b1", "b2"], grads[1], grads[0]):
+            assert e.abs().sum() > 0 and torch.equal(c, e), (T, name)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
 def test_cuda_graph_replay_matches_eager(cuda):
     m = machmoe.MoE(256, 128, 16, 4, device=cuda, dtype=torch.bfloat16)
     x = torch.randn(1024, 256, device=cuda, dtype=torch.bfloat16, requires_grad=True)

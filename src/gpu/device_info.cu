@@ -44,43 +44,53 @@ long long cuda_memory_bandwidth_gbps(int ordinal) {
   return 2LL * clock_khz * bus_bits / 8 / 1000000;
 }
 
-int cuda_compute_capability(int ordinal) {
-  // Cached per ordinal: every argument check of a CUDA view asks (ArgChecker::device), a dozen times a layer call.
-  constexpr int kCached = 64;
-  static std::atomic<int> cached[kCached];
+namespace {
+
+/// query(ordinal), remembered per ordinal once it is nonzero (a device's properties do not change while a process
+/// runs); 0 for a negative ordinal or a failed query. Each caller passes its own Cache (one per property).
+constexpr int kCachedOrdinals = 64;
+using Cache = std::atomic<int>[kCachedOrdinals];
+
+template <class Query>
+int cached_per_ordinal(Cache& cache, int ordinal, Query&& query) {
   if (ordinal < 0) return 0;
-  if (ordinal < kCached) {
-    const int v = cached[ordinal].load(std::memory_order_relaxed);
+  if (ordinal < kCachedOrdinals) {
+    const int v = cache[ordinal].load(std::memory_order_relaxed);
     if (v != 0) return v;
   }
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  const int v = 10 * major + minor;
-  if (ordinal < kCached) cached[ordinal].store(v, std::memory_order_relaxed);
+  const int v = query();
+  if (v != 0 && ordinal < kCachedOrdinals) cache[ordinal].store(v, std::memory_order_relaxed);
   return v;
 }
 
+}  // namespace
+
+int cuda_compute_capability(int ordinal) {
+  // Cached: every argument check of a CUDA view asks (ArgChecker::device), a dozen times a layer call.
+  static Cache cache;
+  return cached_per_ordinal(cache, ordinal, [ordinal] {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return 10 * major + minor;
+  });
+}
+
 int cuda_sm_count(int ordinal) {
-  // Cached per ordinal: every GPU layer call asks (core/layer.cpp, the SM margin's check).
-  constexpr int kCached = 64;
-  static std::atomic<int> cached[kCached];
-  if (ordinal < 0) return 0;
-  if (ordinal < kCached) {
-    const int v = cached[ordinal].load(std::memory_order_relaxed);
-    if (v != 0) return v;
-  }
-  int count = 0;
-  if (ordinal >= cuda_device_count() ||
-      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  if (ordinal < kCached) cached[ordinal].store(count, std::memory_order_relaxed);
-  return count;
+  // Cached: every GPU layer call under an SM margin asks (core/layer.cpp, the margin's check).
+  static Cache cache;
+  return cached_per_ordinal(cache, ordinal, [ordinal] {
+    int count = 0;
+    if (ordinal >= cuda_device_count() ||
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return count;
+  });
 }
 
 }  // namespace machmoe

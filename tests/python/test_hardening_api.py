@@ -931,10 +931,11 @@ def test_functional_errors_name_the_callers_arguments():
     assert out.shape == (5, 16)
 
 
-@pytest.mark.parametrize("through", ["backward", "autograd.grad"])
+@pytest.mark.parametrize("through", ["backward", "autograd.grad", "create_graph"])
 def test_an_argument_the_backward_refuses_is_a_value_error_through_autograd(through):
     # Outside autograd the operators' refusals (machmoe::Error) are ValueError; a refusal inside loss.backward()
     # passes autograd's engine, which made it a RuntimeError until the backward rethrew it as a c10::ValueError.
+    # (create_graph=True takes the backward's Python form, whose operator calls raise ValueError themselves.)
     x, rw, w1, w2, b1, b2 = make(T=12)
     buf = torch.zeros_like(w1)
     out, _, _ = machmoe.moe(x, rw, w1, w2, b1, b2, top_k=2, accumulate_grads_into={"w1": buf})
@@ -942,6 +943,6 @@ def test_an_argument_the_backward_refuses_is_a_value_error_through_autograd(thro
     with pytest.raises(ValueError, match=r"layer_backward: argument 'into_w1': expected shape \(4, 8, 8\)"):
         if through == "backward":
             out.sum().backward()
-        else:
-            torch.autograd.grad(out.sum(), [x, w1])  # (a buffer whose gradient is not asked for is not read)
+        else:  # (a buffer whose gradient is not asked for is not read: w1's is)
+            torch.autograd.grad(out.sum(), [x, w1], create_graph=through == "create_graph")
     assert x.grad is None and buf.numel() == 3

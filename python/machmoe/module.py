@@ -60,6 +60,28 @@ class _LossCoefficients:
         self._z_loss_coef = as_nonnegative_real("z_loss_coef", value)
 
 
+def _options_repr(always, optional=()) -> str:
+    """A module's extra_repr: the (name, value) pairs of `always`, then those (name, value, default) of `optional`
+    whose value is not the default, as nn.Linear and nn.Conv2d show theirs (strings quoted)."""
+    shown = list(always) + [(name, value) for name, value, default in optional if value != default]
+    return ", ".join(f"{name}={value!r}" for name, value in shown)
+
+
+def _expert_options(m: nn.Module) -> list:
+    """The expert options of MoE, GroupedExperts and ExpertParallelMoE, with their defaults, for _options_repr.
+    getattr with the default: a module pickled before an option existed does not have it."""
+    return [(name, getattr(m, name, default), default)
+            for name, default in (("weight_layout", "interleaved"), ("activation_memory", "preact"),
+                                  ("swiglu_alpha", None), ("swiglu_limit", None))]
+
+
+def _routing_options(m: nn.Module) -> list:
+    """The routing options and loss coefficients of MoE and ExpertParallelMoE, with their defaults."""
+    return [(name, getattr(m, name, default), default)
+            for name, default in (("score", "softmax_topk"), ("routing", "topk"), ("rounding", "nearest"),
+                                  ("tile", 128), ("aux_loss_coef", 0.0), ("z_loss_coef", 0.0))]
+
+
 class MoE(_LossCoefficients, nn.Module):
     """Token-choice MoE layer with gated (or plain) expert MLPs.
 
@@ -145,6 +167,14 @@ class MoE(_LossCoefficients, nn.Module):
         self.b1 = nn.Parameter(torch.empty(num_experts, rows, **kw)) if bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size, **kw)) if bias else None
         self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return _options_repr(
+            [("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size),
+             ("num_experts", self.num_experts), ("top_k", self.top_k), ("activation", self.activation),
+             ("bias", self.b1 is not None)],
+            _routing_options(self) + _expert_options(self) +
+            [("accumulate_into_main_grad", getattr(self, "accumulate_into_main_grad", False), False)])
 
     def main_grads(self, create: bool = True) -> Dict[str, Tensor]:
         """The ``main_grad`` buffer of every parameter that requires grad, by name ('router_weight', 'w1', 'w2', 'b1',

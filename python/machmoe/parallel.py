@@ -43,7 +43,7 @@ from ._validation import as_int, require_tensor, type_name
 from .functional import (_autocast_cast, _autocast_dtype, _check_common, _check_tensor, _dtypes_for, _fail,
                          _is_master, _under_autocast, grouped_experts, index_checking_enabled, load_balancing_loss,
                          moe_from_routing, router_z_loss)
-from .module import MoE, MoEOutput, _LossCoefficients
+from .module import MoE, MoEOutput, _LossCoefficients, _expert_options, _options_repr, _routing_options
 
 __all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "ExpertParallelDispatch", "ExpertPairs", "GroupedExperts",
            "TorchTitanGroupedExperts", "torchtitan_experts_forward", "expert_parallel_moe", "expert_parallel_dispatch",
@@ -557,6 +557,12 @@ class GroupedExperts(nn.Module):
         if not _defer_init:
             self.reset_parameters()
 
+    def extra_repr(self) -> str:
+        return _options_repr(
+            [("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size),
+             ("num_experts", self.num_experts), ("activation", self.activation), ("bias", self.b1 is not None)],
+            _expert_options(self) + [("grad_divide_factor", self.grad_divide_factor, 1.0)])
+
     def reset_parameters(self, seed: Optional[int] = None, first_expert: int = 0) -> None:
         """machmoe.MoE's initialisation. With `seed`, expert i is drawn from its own generator seeded with
         seed + first_expert + i, so an expert's initial weights do not depend on how experts are split over ranks."""
@@ -707,6 +713,9 @@ class TorchTitanGroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
+
+    def extra_repr(self) -> str:
+        return _options_repr([("dim", self.dim), ("hidden_dim", self.hidden_dim), ("num_experts", self.num_experts)])
 
     def init_weights(self, init_std: float) -> None:
         # Sampled in float32 and then rounded, as torchtitan's own trunc_normal_ does: in bf16 the inverse-erf step
@@ -1332,6 +1341,13 @@ class ExpertParallelMoE(_LossCoefficients, nn.Module):
                                       weight_layout, activation_memory, device=device, dtype=dtype,
                                       swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, _defer_init=True)
         self.reset_parameters()
+
+    def extra_repr(self) -> str:  # (the experts' own options: the `experts` submodule's line)
+        return _options_repr(
+            [("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size),
+             ("num_experts", self.num_experts), ("top_k", self.top_k), ("ep_size", self.ep_size),
+             ("ep_rank", self.ep_rank)],
+            [("capacity", self.capacity, None)] + _routing_options(self))
 
     def __deepcopy__(self, memo):
         """A copy (e.g. torch.optim.swa_utils.AveragedModel's) shares the process group, which cannot be copied."""

@@ -1017,6 +1017,15 @@ def scenario_integer_like_options(rank, world):
         expert_parallel_moe(x, m.router_weight, m.w1[:2], m.w2[:2], top_k=2, tile=8192)
 
 
+def scenario_repr_names_the_rank(rank, world):
+    m = ExpertParallelMoE(D, N, 2 * world, 2, capacity=16, routing="token_rounding", tile=8, bias=True)
+    want = (f"ExpertParallelMoE(\n  hidden_size={D}, intermediate_size={N}, num_experts={2 * world}, top_k=2, "
+            f"ep_size={world}, ep_rank={rank}, capacity=16, routing='token_rounding', tile=8\n"
+            f"  (experts): GroupedExperts(hidden_size={D}, intermediate_size={N}, num_experts=2, activation='swiglu', "
+            f"bias=True)\n)")
+    assert repr(m) == want, repr(m)
+
+
 def scenario_input_messages(rank, world):
     ep = ExpertParallelMoE.from_moe(make_layer(33, E=2 * world))
     with pytest.raises(TypeError, match="argument 'x': expected a torch.Tensor, got NoneType"):
@@ -1029,7 +1038,7 @@ def scenario_input_messages(rank, world):
 
 
 SCENARIOS_2_CHECKS = ["options_checked_on_every_rank", "module_experts_checked_on_every_rank",
-                      "loss_coefficients_checked", "integer_like_options", "input_messages"]
+                      "loss_coefficients_checked", "integer_like_options", "input_messages", "repr_names_the_rank"]
 
 
 SCENARIOS_2 = [

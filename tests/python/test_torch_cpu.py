@@ -212,3 +212,24 @@ def test_split_backward_defers_weight_grads_and_matches(routing):
     deferred.run()
     for name, p in m.named_parameters():
         assert torch.equal(p.grad, full[name]), name
+
+
+def test_module_reprs_show_their_sizes_and_every_option_that_is_not_the_default():
+    from machmoe import parallel
+    assert repr(machmoe.MoE(16, 8, 4, 2, dtype=torch.float64)) == \
+        "MoE(hidden_size=16, intermediate_size=8, num_experts=4, top_k=2, activation='swiglu', bias=False)"
+    m = machmoe.MoE(16, 8, 4, 2, activation="gptoss_swiglu", bias=True, score="topk_softmax",
+                    routing="token_rounding", rounding="up", tile=64, weight_layout="concatenated",
+                    activation_memory="input_only", aux_loss_coef=0.01, z_loss_coef=0.001,
+                    accumulate_into_main_grad=True, swiglu_limit=5.0)
+    assert repr(m) == (
+        "MoE(hidden_size=16, intermediate_size=8, num_experts=4, top_k=2, activation='gptoss_swiglu', bias=True, "
+        "score='topk_softmax', routing='token_rounding', rounding='up', tile=64, aux_loss_coef=0.01, "
+        "z_loss_coef=0.001, weight_layout='concatenated', activation_memory='input_only', swiglu_alpha=1.702, "
+        "swiglu_limit=5.0, accumulate_into_main_grad=True)")
+    m.aux_loss_coef = 0.0  # the repr reads the module as it is now
+    assert "aux_loss_coef" not in repr(m)
+    assert repr(parallel.GroupedExperts(16, 8, 4, "relu", weight_layout="interleaved")) == \
+        "GroupedExperts(hidden_size=16, intermediate_size=8, num_experts=4, activation='relu', bias=False)"
+    assert repr(parallel.TorchTitanGroupedExperts(16, 8, 4)) == \
+        "TorchTitanGroupedExperts(dim=16, hidden_dim=8, num_experts=4)"

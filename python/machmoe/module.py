@@ -8,8 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F
-from ._options import (GLU_ACTIVATIONS, ACTIVATIONS, ACTIVATION_MEMORY, ROUNDINGS, SCORES, WEIGHT_LAYOUTS,
-                       activation_parameters, code, name_of, tile_option)
+from ._options import (GLU_ACTIVATIONS, ACTIVATIONS, ACTIVATION_MEMORY, ROUNDINGS, SCORES, SWIGLU_ALPHA_DEFAULT,
+                       SWIGLU_LIMIT_DEFAULT, WEIGHT_LAYOUTS, activation_parameters, code, name_of, tile_option)
 from ._validation import as_int, as_nonnegative_real, fail, require_tensor, type_name
 
 
@@ -68,11 +68,14 @@ def _options_repr(always, optional=()) -> str:
 
 
 def _expert_options(m: nn.Module) -> list:
-    """The expert options of MoE, GroupedExperts and ExpertParallelMoE, with their defaults, for _options_repr.
-    getattr with the default: a module pickled before an option existed does not have it."""
+    """The expert options of MoE and GroupedExperts, with their defaults, for _options_repr (gptoss_swiglu's alpha and
+    limit against gpt-oss's values, which None gives). getattr with the default: a module pickled before an option
+    existed does not have it."""
+    gptoss = getattr(m, "activation", None) == "gptoss_swiglu"
     return [(name, getattr(m, name, default), default)
             for name, default in (("weight_layout", "interleaved"), ("activation_memory", "preact"),
-                                  ("swiglu_alpha", None), ("swiglu_limit", None))]
+                                  ("swiglu_alpha", SWIGLU_ALPHA_DEFAULT if gptoss else None),
+                                  ("swiglu_limit", SWIGLU_LIMIT_DEFAULT if gptoss else None))]
 
 
 def _routing_options(m: nn.Module) -> list:
@@ -174,7 +177,8 @@ class MoE(_LossCoefficients, nn.Module):
              ("num_experts", self.num_experts), ("top_k", self.top_k), ("activation", self.activation),
              ("bias", self.b1 is not None)],
             _routing_options(self) + _expert_options(self) +
-            [("accumulate_into_main_grad", getattr(self, "accumulate_into_main_grad", False), False)])
+            [("accumulate_into_main_grad", getattr(self, "accumulate_into_main_grad", False), False),
+             ("main_grad_dtype", getattr(self, "main_grad_dtype", torch.float32), torch.float32)])
 
     def main_grads(self, create: bool = True) -> Dict[str, Tensor]:
         """The ``main_grad`` buffer of every parameter that requires grad, by name ('router_weight', 'w1', 'w2', 'b1',

@@ -561,7 +561,7 @@ class GroupedExperts(nn.Module):
         return _options_repr(
             [("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size),
              ("num_experts", self.num_experts), ("activation", self.activation), ("bias", self.b1 is not None)],
-            _expert_options(self) + [("grad_divide_factor", self.grad_divide_factor, 1.0)])
+            _expert_options(self) + [("grad_divide_factor", getattr(self, "grad_divide_factor", 1.0), 1.0)])
 
     def reset_parameters(self, seed: Optional[int] = None, first_expert: int = 0) -> None:
         """machmoe.MoE's initialisation. With `seed`, expert i is drawn from its own generator seeded with

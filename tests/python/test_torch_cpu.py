@@ -221,15 +221,19 @@ def test_module_reprs_show_their_sizes_and_every_option_that_is_not_the_default(
     m = machmoe.MoE(16, 8, 4, 2, activation="gptoss_swiglu", bias=True, score="topk_softmax",
                     routing="token_rounding", rounding="up", tile=64, weight_layout="concatenated",
                     activation_memory="input_only", aux_loss_coef=0.01, z_loss_coef=0.001,
-                    accumulate_into_main_grad=True, swiglu_limit=5.0)
-    assert repr(m) == (
+                    accumulate_into_main_grad=True, main_grad_dtype=torch.float64, swiglu_limit=5.0)
+    assert repr(m) == (  # (swiglu_alpha is gpt-oss's default, 1.702: not shown)
         "MoE(hidden_size=16, intermediate_size=8, num_experts=4, top_k=2, activation='gptoss_swiglu', bias=True, "
         "score='topk_softmax', routing='token_rounding', rounding='up', tile=64, aux_loss_coef=0.01, "
-        "z_loss_coef=0.001, weight_layout='concatenated', activation_memory='input_only', swiglu_alpha=1.702, "
-        "swiglu_limit=5.0, accumulate_into_main_grad=True)")
+        "z_loss_coef=0.001, weight_layout='concatenated', activation_memory='input_only', swiglu_limit=5.0, "
+        "accumulate_into_main_grad=True, main_grad_dtype=torch.float64)")
     m.aux_loss_coef = 0.0  # the repr reads the module as it is now
     assert "aux_loss_coef" not in repr(m)
     assert repr(parallel.GroupedExperts(16, 8, 4, "relu", weight_layout="interleaved")) == \
         "GroupedExperts(hidden_size=16, intermediate_size=8, num_experts=4, activation='relu', bias=False)"
+    g = parallel.GroupedExperts(16, 8, 4, "gptoss_swiglu", swiglu_alpha=1.5)
+    del g.grad_divide_factor  # as in a module pickled before the attribute existed
+    assert repr(g) == ("GroupedExperts(hidden_size=16, intermediate_size=8, num_experts=4, activation='gptoss_swiglu', "
+                       "bias=False, swiglu_alpha=1.5)")
     assert repr(parallel.TorchTitanGroupedExperts(16, 8, 4)) == \
         "TorchTitanGroupedExperts(dim=16, hidden_dim=8, num_experts=4)"

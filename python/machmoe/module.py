@@ -1,4 +1,6 @@
 """machmoe.MoE: a drop-in Mixture-of-Experts layer."""
+import functools
+import inspect
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -60,29 +62,31 @@ class _LossCoefficients:
         self._z_loss_coef = as_nonnegative_real("z_loss_coef", value)
 
 
-def _options_repr(always, optional=()) -> str:
-    """A module's extra_repr: the (name, value) pairs of `always`, then those (name, value, default) of `optional`
-    whose value is not the default, as nn.Linear and nn.Conv2d show theirs (strings quoted)."""
-    shown = list(always) + [(name, value) for name, value, default in optional if value != default]
+@functools.lru_cache(maxsize=None)
+def _constructor_defaults(cls) -> Dict[str, object]:
+    """The default of each argument of cls.__init__ that has one: the one definition of the defaults, which the
+    modules' reprs compare with."""
+    return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def _options_repr(m: nn.Module, cls, always, optional=(), extra=()) -> str:
+    """A module's extra_repr, as nn.Linear and nn.Conv2d show theirs (strings quoted): the (name, value) pairs of
+    `always`, then each constructor argument of cls named in `optional` whose value on the module is not its default
+    in cls's signature, then the (name, value, default) triples of `extra` whose value is not the default. gpt-oss's
+    alpha and limit count as defaults for activation 'gptoss_swiglu' (what None gives there). getattr with the
+    default: a module pickled before an option existed does not have it."""
+    defaults = dict(_constructor_defaults(cls))
+    if getattr(m, "activation", None) == "gptoss_swiglu":
+        defaults.update(swiglu_alpha=SWIGLU_ALPHA_DEFAULT, swiglu_limit=SWIGLU_LIMIT_DEFAULT)
+    candidates = [(name, getattr(m, name, defaults[name]), defaults[name]) for name in optional] + list(extra)
+    shown = list(always) + [(name, value) for name, value, default in candidates if value != default]
     return ", ".join(f"{name}={value!r}" for name, value in shown)
 
 
-def _expert_options(m: nn.Module) -> list:
-    """The expert options of MoE and GroupedExperts, with their defaults, for _options_repr (gptoss_swiglu's alpha and
-    limit against gpt-oss's values, which None gives). getattr with the default: a module pickled before an option
-    existed does not have it."""
-    gptoss = getattr(m, "activation", None) == "gptoss_swiglu"
-    return [(name, getattr(m, name, default), default)
-            for name, default in (("weight_layout", "interleaved"), ("activation_memory", "preact"),
-                                  ("swiglu_alpha", SWIGLU_ALPHA_DEFAULT if gptoss else None),
-                                  ("swiglu_limit", SWIGLU_LIMIT_DEFAULT if gptoss else None))]
-
-
-def _routing_options(m: nn.Module) -> list:
-    """The routing options and loss coefficients of MoE and ExpertParallelMoE, with their defaults."""
-    return [(name, getattr(m, name, default), default)
-            for name, default in (("score", "softmax_topk"), ("routing", "topk"), ("rounding", "nearest"),
-                                  ("tile", 128), ("aux_loss_coef", 0.0), ("z_loss_coef", 0.0))]
+# The options of the layer and of its experts that the reprs show where they are not the default.
+_ROUTING_OPTIONS = ("score", "routing", "rounding", "tile", "aux_loss_coef", "z_loss_coef")
+_EXPERT_OPTIONS = ("weight_layout", "activation_memory", "swiglu_alpha", "swiglu_limit")
 
 
 class MoE(_LossCoefficients, nn.Module):
@@ -173,12 +177,11 @@ class MoE(_LossCoefficients, nn.Module):
 
     def extra_repr(self) -> str:
         return _options_repr(
+            self, MoE,
             [("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size),
              ("num_experts", self.num_experts), ("top_k", self.top_k), ("activation", self.activation),
              ("bias", self.b1 is not None)],
-            _routing_options(self) + _expert_options(self) +
-            [("accumulate_into_main_grad", getattr(self, "accumulate_into_main_grad", False), False),
-             ("main_grad_dtype", getattr(self, "main_grad_dtype", torch.float32), torch.float32)])
+            _ROUTING_OPTIONS + _EXPERT_OPTIONS + ("accumulate_into_main_grad", "main_grad_dtype"))
 
     def main_grads(self, create: bool = True) -> Dict[str, Tensor]:
         """The ``main_grad`` buffer of every parameter that requires grad, by name ('router_weight', 'w1', 'w2', 'b1',

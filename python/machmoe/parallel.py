@@ -43,7 +43,7 @@ from ._validation import as_int, require_tensor, type_name
 from .functional import (_autocast_cast, _autocast_dtype, _check_common, _check_tensor, _dtypes_for, _fail,
                          _is_master, _under_autocast, grouped_experts, index_checking_enabled, load_balancing_loss,
                          moe_from_routing, router_z_loss)
-from .module import MoE, MoEOutput, _LossCoefficients, _expert_options, _options_repr, _routing_options
+from .module import _EXPERT_OPTIONS, _ROUTING_OPTIONS, MoE, MoEOutput, _LossCoefficients, _options_repr
 
 __all__ = ["ExpertParallelMoE", "ExpertParallelOutput", "ExpertParallelDispatch", "ExpertPairs", "GroupedExperts",
            "TorchTitanGroupedExperts", "torchtitan_experts_forward", "expert_parallel_moe", "expert_parallel_dispatch",
@@ -559,9 +559,10 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return _options_repr(
+            self, GroupedExperts,
             [("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size),
              ("num_experts", self.num_experts), ("activation", self.activation), ("bias", self.b1 is not None)],
-            _expert_options(self) + [("grad_divide_factor", getattr(self, "grad_divide_factor", 1.0), 1.0)])
+            _EXPERT_OPTIONS, [("grad_divide_factor", getattr(self, "grad_divide_factor", 1.0), 1.0)])
 
     def reset_parameters(self, seed: Optional[int] = None, first_expert: int = 0) -> None:
         """machmoe.MoE's initialisation. With `seed`, expert i is drawn from its own generator seeded with
@@ -715,7 +716,8 @@ class TorchTitanGroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
 
     def extra_repr(self) -> str:
-        return _options_repr([("dim", self.dim), ("hidden_dim", self.hidden_dim), ("num_experts", self.num_experts)])
+        return _options_repr(self, TorchTitanGroupedExperts,
+                             [("dim", self.dim), ("hidden_dim", self.hidden_dim), ("num_experts", self.num_experts)])
 
     def init_weights(self, init_std: float) -> None:
         # Sampled in float32 and then rounded, as torchtitan's own trunc_normal_ does: in bf16 the inverse-erf step
@@ -1344,10 +1346,11 @@ class ExpertParallelMoE(_LossCoefficients, nn.Module):
 
     def extra_repr(self) -> str:  # (the experts' own options: the `experts` submodule's line)
         return _options_repr(
+            self, ExpertParallelMoE,
             [("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size),
              ("num_experts", self.num_experts), ("top_k", self.top_k), ("ep_size", self.ep_size),
              ("ep_rank", self.ep_rank)],
-            [("capacity", self.capacity, None)] + _routing_options(self))
+            ("capacity",) + _ROUTING_OPTIONS)
 
     def __deepcopy__(self, memo):
         """A copy (e.g. torch.optim.swa_utils.AveragedModel's) shares the process group, which cannot be copied."""

@@ -1,14 +1,14 @@
 """What TorchTitanGroupedExperts' copies cost: its forward + backward (w1, w2, w3 apart: [w1; w3] concatenated in the
 forward, again in the backward, and the (E, 2h, dim) gradient split back into w1's and w3's) against GroupedExperts
 with the same weights already concatenated (weight_layout="concatenated": no copy), same rows, counts and upstream
-gradient. CUDA events, median over 300 ms after 300 ms of warm-up; peak = max_memory_allocated over one step above
-what was allocated before it. Run on a GPU with the in-tree build:
+gradient. CUDA events (machmoe.benchmark's time_ms), median over at least 300 ms after 300 ms of warm-up; peak =
+max_memory_allocated over one step above what was allocated before it. Run on a GPU with the in-tree build:
   MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=build/lib/libmachmoe_torch.so PYTHONPATH=python python3 THIS_FILE"""
 import statistics
-import time
 
 import torch
 
+from machmoe.benchmark.baselines import time_ms
 from machmoe.parallel import GroupedExperts, TorchTitanGroupedExperts
 
 # (name, E, hidden, dim, routed rows): torchtitan-style experts, rows = tokens x top-k on one GPU.
@@ -18,23 +18,6 @@ SHAPES = [
     ("qwen3-30b-a3b-like E=128 h=768 d=2048, 16384 tok x 8", 128, 768, 2048, 16384 * 8),
     ("mixtral-like E=8 h=14336 d=4096, 8192 tok x 2", 8, 14336, 4096, 8192 * 2),
 ]
-
-
-def timed(step, warm_s=0.3, time_s=0.3):
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warm_s:
-        step()
-    torch.cuda.synchronize()
-    times = []
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < time_s or len(times) < 10:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def peak(step):
@@ -79,7 +62,8 @@ def main():
         same = all(torch.equal(a, b) for a, b in zip(ref, (x.grad, ge.w1.grad, ge.w2.grad)))
         r = []
         for rnd in range(2):  # the two in turn, twice
-            r.append((timed(step_of(tt)), timed(step_of(ge))))
+            r.append(tuple(time_ms(step_of(m), x.device, warmup=1, iters=10, warmup_ms=300, min_ms=300)
+                           for m in (tt, ge)))
         t_tt = statistics.mean(a for a, _ in r)
         t_ge = statistics.mean(b for _, b in r)
         p_tt, p_ge = peak(step_of(tt)), peak(step_of(ge))

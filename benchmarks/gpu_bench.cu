@@ -452,6 +452,18 @@ Result run_one(const Options& o, cublasHandle_t h, double copy_bw, cudaStream_t 
   return r;
 }
 
+/// The bytes a memory-bound stage must move at the least, read + written, for its yardstick against the copy
+/// bandwidth; 0 where the stage has none. The gather-sums read P rows of d and write T (plus 8 bytes of index and
+/// score per pair). The dH kernel reads dO once per pair (gathered: a token's row for each of its K experts) and H,
+/// and writes dH and A' (es: bytes of the data dtype; P = T K pairs, r = w1_rows). On the small configurations its
+/// bytes, not its FLOPs, set its time, which this yardstick shows beside the cuBLAS GEMM's.
+double stage_min_bytes(const std::string& stage, const MoEProblem& p, double es) {
+  const double pairs = static_cast<double>(p.T) * static_cast<double>(p.K);
+  if (stage.find("aggregation") != std::string::npos) return es * (pairs * p.d + double(p.T) * p.d) + 8.0 * pairs;
+  if (stage == "backward/dh_kernel") return es * pairs * (double(p.d) + 2.0 * p.w1_rows() + p.n) + 8.0 * pairs;
+  return 0.0;
+}
+
 std::string json_of(const Result& r, const Options& o, const std::string& gpu, double copy_bw) {
   std::ostringstream j;
   const MoEProblem& p = o.problem;
@@ -478,7 +490,8 @@ std::string json_of(const Result& r, const Options& o, const std::string& gpu, d
   j << "},\"cublas_stage_ms\":{";
   for (std::size_t i = 0; i < r.bound.stage_ms.size(); ++i)
     j << (i ? "," : "") << "\"" << r.bound.stage_ms[i].first << "\":" << r.bound.stage_ms[i].second;
-  j << "}}";
+  j << "},\"dh_kernel_bytes_at_copy_ms\":"
+    << stage_min_bytes("backward/dh_kernel", p, static_cast<double>(dtype_size(o.dtype))) / copy_bw * 1e3 << "}";
   return j.str();
 }
 
@@ -536,18 +549,20 @@ int run_gpu(const std::vector<Options>& runs, std::vector<std::string>& json_obj
     std::printf("  stages (median of %d instrumented runs over %.0f ms; they add up to %.3f ms forward, %.3f ms "
                 "backward):\n",
                 r.stage_runs, r.stage_ms, r.stage_sum_fwd, r.stage_sum_bwd);
-    // Bytes the gather-sum kernels must move: read P rows of d, write T rows of d (plus 8 bytes of index and
-    // score per pair), against the copy bandwidth measured above.
     const MoEProblem& p = o.problem;
-    const double agg_bytes = (2.0 * p.T * p.K * p.d + 2.0 * p.T * p.d) * (dtype_size(o.dtype) / 2.0) + 8.0 * p.T * p.K;
     for (const StageTime& st : r.stages) {
       std::printf("    %-32s %9.3f ms", st.stage.c_str(), st.ms);
-      if (st.stage.find("aggregation") != std::string::npos && st.ms > 0)
-        std::printf("   %6.0f GB/s = %.2f of copy bandwidth", agg_bytes / (st.ms * 1e6), agg_bytes / (st.ms * 1e-3) / bw);
+      // The gather-sums: their rate against the copy bandwidth measured above. The dH kernel: the time its bytes
+      // take at that bandwidth, its floor where the GEMM is short.
+      const double bytes = stage_min_bytes(st.stage, p, static_cast<double>(dtype_size(o.dtype)));
+      if (bytes > 0 && st.ms > 0 && st.stage.find("aggregation") != std::string::npos)
+        std::printf("   %6.0f GB/s = %.2f of copy bandwidth", bytes / (st.ms * 1e6), bytes / (st.ms * 1e-3) / bw);
       const double gemm_flops = stage_gemm_flops(st.stage, p);
       if (gemm_flops > 0 && st.ms > 0) std::printf("   %6.1f TFLOP/s", gemm_flops / (st.ms * 1e9));
       const double cublas = r.bound.stage(st.stage);
       if (cublas > 0 && st.ms > 0) std::printf("   cuBLAS %.3f ms = %.2f of it", cublas, cublas / st.ms);
+      if (bytes > 0 && st.ms > 0 && st.stage == "backward/dh_kernel")
+        std::printf("; its bytes at copy bandwidth %.3f ms", bytes / bw * 1e3);
       std::printf("\n");
     }
     std::printf("  activation memory: accounted %.1f MiB, measured %.1f MiB; peak %.1f MiB (%.1f MiB above "

@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "core/checks.hpp"
 #include "core/host_io.hpp"
@@ -53,6 +55,24 @@ CallerBytes bytes_of(const TensorView& t, const char* name) {
   return {name, base + static_cast<std::uintptr_t>(low * size), base + static_cast<std::uintptr_t>((high + 1) * size)};
 }
 
+/// W1's view (or its gradient's) split into the views of its halves where it has them: a 4D (E, 2, n, d) view of the
+/// concatenated layout, whose gate and up halves may lie apart (check_w1_view); else the view itself.
+TensorView w1_half(const TensorView& t, int half) {
+  TensorView v = t;
+  v.rank = 3;
+  v.shape[0] = t.shape[0], v.shape[1] = t.shape[2], v.shape[2] = t.shape[3], v.shape[3] = 0;
+  v.stride[0] = t.stride[0], v.stride[1] = t.stride[2], v.stride[2] = t.stride[3], v.stride[3] = 0;
+  v.data = static_cast<char*>(t.data) + half * t.stride[1] * static_cast<std::int64_t>(dtype_size(t.dtype));
+  return v;
+}
+
+/// The bytes of W1 or its gradient: a 4D view's two halves apart, so that memory between them (another tensor of
+/// the call, where the halves are two allocations) is not taken for theirs.
+std::vector<CallerBytes> w1_bytes(const TensorView& t, const char* name) {
+  if (t.rank != 4 || t.data == nullptr || t.numel() == 0) return {bytes_of(t, name)};
+  return {bytes_of(w1_half(t, 0), name), bytes_of(w1_half(t, 1), name)};
+}
+
 CallerBytes bytes_of(const void* data, std::size_t bytes, const char* name) {
   if (data == nullptr || bytes == 0) return {name};
   const auto base = reinterpret_cast<std::uintptr_t>(data);
@@ -79,9 +99,10 @@ void check_no_aliasing(const ArgChecker& c, const std::vector<CallerBytes>& writ
 
 /// What every entry point reads: x, the weights and the caller's routing.
 std::vector<CallerBytes> layer_inputs(const TensorView& x, const LayerWeights& w, const RoutingTriples* routing) {
-  std::vector<CallerBytes> r{bytes_of(x, "x"),   bytes_of(w.router_weight, "weights.router_weight"),
-                             bytes_of(w.w1, "weights.w1"), bytes_of(w.b1, "weights.b1"),
-                             bytes_of(w.w2, "weights.w2"), bytes_of(w.b2, "weights.b2")};
+  std::vector<CallerBytes> r{bytes_of(x, "x"), bytes_of(w.router_weight, "weights.router_weight")};
+  for (const CallerBytes& half : w1_bytes(w.w1, "weights.w1")) r.push_back(half);
+  for (const CallerBytes& b : {bytes_of(w.b1, "weights.b1"), bytes_of(w.w2, "weights.w2"), bytes_of(w.b2, "weights.b2")})
+    r.push_back(b);
   if (routing != nullptr) {
     r.push_back(bytes_of(routing->token_index, "routing.token_index"));
     r.push_back(bytes_of(routing->expert_index, "routing.expert_index"));
@@ -93,16 +114,59 @@ std::vector<CallerBytes> layer_inputs(const TensorView& x, const LayerWeights& w
 /// What a backward call writes of its outputs (absent ones touch nothing).
 std::vector<CallerBytes> backward_outputs(const BackwardOutputs& out) {
   const LayerWeightGrads& g = out.grad_weights;
-  return {bytes_of(out.grad_x, "outputs.grad_x"), bytes_of(out.grad_scores, "outputs.grad_scores"),
-          bytes_of(g.router_weight, "outputs.grad_weights.router_weight"), bytes_of(g.w1, "outputs.grad_weights.w1"),
-          bytes_of(g.b1, "outputs.grad_weights.b1"), bytes_of(g.w2, "outputs.grad_weights.w2"),
-          bytes_of(g.b2, "outputs.grad_weights.b2")};
+  std::vector<CallerBytes> r{bytes_of(out.grad_x, "outputs.grad_x"), bytes_of(out.grad_scores, "outputs.grad_scores"),
+                             bytes_of(g.router_weight, "outputs.grad_weights.router_weight")};
+  for (const CallerBytes& half : w1_bytes(g.w1, "outputs.grad_weights.w1")) r.push_back(half);
+  for (const CallerBytes& b : {bytes_of(g.b1, "outputs.grad_weights.b1"), bytes_of(g.w2, "outputs.grad_weights.w2"),
+                               bytes_of(g.b2, "outputs.grad_weights.b2")})
+    r.push_back(b);
+  return r;
 }
 
 template <class V>
 V joined(V a, const V& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
+}
+
+/// W1 or its gradient (`grad`: the data dtype or fp32): (E, w1_rows, d), or, in the concatenated layout of a GLU
+/// activation, (E, 2, n, d), whose dimension 1 steps from gate row j to up row j. Such a view's halves may lie apart
+/// (torchtitan's w1 and w3, two allocations), the up half after the gate half: each half must be a well-formed
+/// (E, n, d) view, and where the up half starts inside the gate half's span, the whole view must be row-major
+/// (as a contiguous (E, 2n, d) tensor viewed so is), so that no two elements share memory.
+void check_w1_view(const ArgChecker& c, const MoEProblem& p, const TensorView& t, const char* name, DType dt,
+                   const Device& dev, bool grad) {
+  const auto check = [&](const TensorView& v, const std::string& what, std::initializer_list<std::int64_t> shape) {
+    if (grad) c.grad_tensor(v, what, shape, dt, dev);
+    else c.tensor(v, what, shape, dt, dev);
+  };
+  if (t.rank != 4) {
+    check(t, name, {p.E, p.w1_rows(), p.d});
+    return;
+  }
+  const bool concat = is_glu(p.activation) && p.weight_layout == WeightLayout::kConcatenated;
+  if (!concat)
+    c.fail(name,
+           "shape " + detail::shape_string({p.E, p.w1_rows(), p.d}) +
+               " (a 4D (E, 2, n, d) view is taken only for the concatenated layout of a GLU activation)",
+           t.shape_string());
+  c.well_formed(t, name);
+  if (t.shape[0] != p.E || t.shape[1] != 2 || t.shape[2] != p.n || t.shape[3] != p.d)
+    c.fail(name,
+           "shape " + detail::shape_string({p.E, p.w1_rows(), p.d}) + " or " +
+               detail::shape_string({p.E, 2, p.n, p.d}) + " (gate and up halves)",
+           t.shape_string());
+  check(w1_half(t, 0), std::string(name) + " (its gate half, [:, 0])", {p.E, p.n, p.d});
+  if (t.numel() == 0) return;
+  // The gate half's span in elements, from its first element to its last, inclusive (its layout check bounds it).
+  std::int64_t span = 1;
+  for (int i : {0, 2, 3}) span += (t.shape[i] - 1) * t.stride[i];
+  if (t.stride[1] <= 0 || t.stride[1] > std::numeric_limits<std::int64_t>::max() - span)
+    c.fail(std::string(name) + ".stride",
+           "a positive stride along dimension 1 (the up half after the gate half), addressing fewer than 2^63 "
+           "elements",
+           t.stride_string());
+  if (t.stride[1] < span) check(t, name, {p.E, 2, p.n, p.d});  // the halves interleave: row-major as a whole
 }
 
 /// Checks shared by forward and backward; returns the layer's data dtype.
@@ -119,7 +183,7 @@ DType validate_inputs(const ArgChecker& c, const MoEProblem& p, const TensorView
   } else {
     c.tensor(w.router_weight, "weights.router_weight", {p.E, p.d}, dt, dev);
   }
-  c.tensor(w.w1, "weights.w1", {p.E, p.w1_rows(), p.d}, dt, dev);
+  check_w1_view(c, p, w.w1, "weights.w1", dt, dev, false);
   c.tensor(w.w2, "weights.w2", {p.E, p.d, p.n}, dt, dev);
   if (p.has_b1) c.tensor(w.b1, "weights.b1", {p.E, p.w1_rows()}, dt, dev);
   else c.absent(w.b1, "weights.b1", "problem.has_b1 is false");
@@ -515,7 +579,7 @@ void check_w1_grads(const ArgChecker& c, const MoEProblem& p, DType dt, const De
     c.absent(gw.b1, "outputs.grad_weights.b1", why_absent);
     return;
   }
-  c.grad_tensor(gw.w1, "outputs.grad_weights.w1", {p.E, p.w1_rows(), p.d}, dt, dev);
+  check_w1_view(c, p, gw.w1, "outputs.grad_weights.w1", dt, dev, true);
   if (p.has_b1) c.grad_tensor(gw.b1, "outputs.grad_weights.b1", {p.E, p.w1_rows()}, dt, dev);
   else c.absent(gw.b1, "outputs.grad_weights.b1", "problem.has_b1 is false");
 }

@@ -40,6 +40,13 @@ __device__ __forceinline__ std::int64_t glu_concat_row(std::int64_t c, std::int6
   return (c & 1) * n + (c >> 1);
 }
 
+/// The same in elements, where the up half may lie apart from the gate half: interleaved column c is row c / 2 of
+/// half c % 2, at (c % 2) * half_stride + (c / 2) * row_stride (half_stride = n * row_stride for joined halves).
+__device__ __forceinline__ std::int64_t glu_concat_offset(std::int64_t c, std::int64_t half_stride,
+                                                          std::int64_t row_stride) {
+  return (c & 1) * half_stride + (c >> 1) * row_stride;
+}
+
 /// Total order of top-K candidates (value, index): larger value first, NaN last, lower index first on ties.
 __device__ __forceinline__ bool ranks_before(float av, int ai, float bv, int bi) {
   const bool an = isnan(av), bn = isnan(bv);

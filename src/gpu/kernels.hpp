@@ -176,13 +176,22 @@ void launch_segment_column_sum(DType dt, const void* m, std::int64_t ld_m, const
 
 // ---- reference grouped GEMMs -----------------------------------------------------------------------------------
 
-/// Per-expert B operand: element (col, k) at ptr + e * expert_stride + map(col) * stride_col + map(k) * stride_k,
-/// where map is the concatenated-GLU row map on the index named by permute (0: none, 1: col, 2: k).
+/// Per-expert B operand: element (col, k) at ptr + e * expert_stride + col * stride_col + k * stride_k, except on
+/// the index named by permute (0: none, 1: col, 2: k), which is an interleaved GLU column of the concatenated layout:
+/// index i is row i / 2 of the gate half (i even) or of the up half (i odd), the up half half_stride() elements
+/// after the gate half: glu_half_stride where set (any positive distance: halves that lie apart, e.g. torchtitan's
+/// w1 and w3), else glu_n rows (the halves joined). The bias of such an operand stays joined: (E, 2n), up column j
+/// at n + j.
 struct ExpertOperand {
   const void* ptr = nullptr;
   std::int64_t expert_stride = 0, stride_col = 0, stride_k = 0;
   int permute = 0;
   std::int64_t glu_n = 0;
+  std::int64_t glu_half_stride = 0;  // 0: glu_n rows
+  std::int64_t half_stride() const {
+    if (glu_half_stride != 0) return glu_half_stride;
+    return glu_n * (permute == 2 ? stride_k : stride_col);
+  }
 };
 
 enum class Epilogue : int {
@@ -240,9 +249,12 @@ struct VarlenKArgs {
   // Rows of the contiguous operand's buffer (the one without a gather): an upper bound on expert_offsets[E], the
   // row extent of the Hopper kernel's TMA descriptor for it. 0: unknown (that operand is then copied by cp.async).
   std::int64_t contiguous_rows = 0;
-  // out[e * out_expert_stride + map(m) * ld_out + n]; map = concatenated-GLU row map when glu_concat_n > 0.
+  // out[e * out_expert_stride + map(m) * ld_out + n]; map = concatenated-GLU row map when glu_concat_n > 0, whose
+  // up half lies half_stride() elements after its gate half: glu_half_stride where set (halves apart), else
+  // glu_concat_n rows (joined).
   void* out = nullptr;
-  std::int64_t out_expert_stride = 0, ld_out = 0, glu_concat_n = 0;
+  std::int64_t out_expert_stride = 0, ld_out = 0, glu_concat_n = 0, glu_half_stride = 0;
+  std::int64_t half_stride() const { return glu_half_stride != 0 ? glu_half_stride : glu_concat_n * ld_out; }
   DType out_dt = DType::kBF16;
   bool accumulate = false;
 };

@@ -199,6 +199,18 @@ IndexCheck index_check_for(int ordinal, cudaStream_t stream) {
                        "violation code " + std::to_string(r.violation) + found);
 }
 
+/// W1's (or its gradient's) strides in elements: from one expert to the next, from one row to the next, and in the
+/// concatenated layout from gate row j to up row j (0 otherwise). A 4D (E, 2, n, d) view gives the last one itself:
+/// its halves may lie apart (layer.hpp, LayerWeights::w1).
+struct W1Strides {
+  std::int64_t expert = 0, row = 0, half = 0;
+};
+W1Strides w1_strides(const MoEProblem& p, const TensorView& w1) {
+  if (w1.rank == 4) return {w1.stride[0], w1.stride[2], w1.stride[1]};
+  const bool concat = p.weight_layout == WeightLayout::kConcatenated;
+  return {w1.stride[0], w1.stride[1], concat ? p.n * w1.stride[1] : 0};
+}
+
 /// The up-projection: H = gather(X) W1^T + b1 (stored when h_out), A = act(H) (stored when a_out).
 VarlenMArgs up_projection_args(const MoEProblem& p, DType dt, const TensorView& x, const LayerWeights& w,
                                const std::int32_t* offsets, const std::int32_t* tiles, const std::int32_t* gather,
@@ -208,9 +220,10 @@ VarlenMArgs up_projection_args(const MoEProblem& p, DType dt, const TensorView& 
   a.E = p.E, a.N = p.w1_rows(), a.K = p.d, a.P_max = p.max_pairs();
   a.expert_offsets = offsets, a.expert_tiles = tiles;
   a.a = x.data, a.lda = x.stride[0], a.a_gather = gather;
-  a.b.ptr = w.w1.data, a.b.expert_stride = w.w1.stride[0], a.b.stride_col = w.w1.stride[1], a.b.stride_k = 1;
+  const W1Strides s = w1_strides(p, w.w1);
+  a.b.ptr = w.w1.data, a.b.expert_stride = s.expert, a.b.stride_col = s.row, a.b.stride_k = 1;
   a.b.permute = p.weight_layout == WeightLayout::kConcatenated ? 1 : 0;
-  a.b.glu_n = p.n;
+  a.b.glu_n = p.n, a.b.glu_half_stride = s.half;
   a.epilogue = Epilogue::kUpActivation;
   a.out = h_out, a.ld_out = p.w1_rows();
   if (p.has_b1) a.bias = w.b1.data, a.ld_bias = w.b1.stride[0];
@@ -501,9 +514,10 @@ VarlenMArgs dx_expanded_args(const MoEProblem& p, DType dt, const LayerWeights& 
   dxa.E = p.E, dxa.N = p.d, dxa.K = rows, dxa.P_max = p.max_pairs();
   dxa.expert_offsets = sv.offsets, dxa.expert_tiles = tiles;
   dxa.a = dh, dxa.lda = rows;
-  dxa.b.ptr = w.w1.data, dxa.b.expert_stride = w.w1.stride[0], dxa.b.stride_col = 1;
-  dxa.b.stride_k = w.w1.stride[1], dxa.b.permute = p.weight_layout == WeightLayout::kConcatenated ? 2 : 0;
-  dxa.b.glu_n = p.n;
+  const W1Strides s = w1_strides(p, w.w1);
+  dxa.b.ptr = w.w1.data, dxa.b.expert_stride = s.expert, dxa.b.stride_col = 1;
+  dxa.b.stride_k = s.row, dxa.b.permute = p.weight_layout == WeightLayout::kConcatenated ? 2 : 0;
+  dxa.b.glu_n = p.n, dxa.b.glu_half_stride = s.half;
   dxa.epilogue = Epilogue::kStore;
   dxa.out = dxe, dxa.ld_out = p.d;
   return dxa;
@@ -534,8 +548,10 @@ VarlenKArgs dw1_args(const MoEProblem& p, DType dt, const TensorView& x, const L
   dw1.expert_offsets = sv.offsets;
   dw1.a = dh, dw1.lda = rows, dw1.contiguous_rows = p.max_pairs();  // dH holds max_pairs rows
   dw1.b = x.data, dw1.ldb = x.stride[0], dw1.b_gather = sv.gather;
-  dw1.out = gw.w1.data, dw1.out_expert_stride = gw.w1.stride[0];
-  dw1.ld_out = gw.w1.stride[1], dw1.glu_concat_n = p.weight_layout == WeightLayout::kConcatenated ? p.n : 0;
+  const W1Strides s = w1_strides(p, gw.w1);
+  dw1.out = gw.w1.data, dw1.out_expert_stride = s.expert;
+  dw1.ld_out = s.row, dw1.glu_concat_n = p.weight_layout == WeightLayout::kConcatenated ? p.n : 0;
+  dw1.glu_half_stride = s.half;
   dw1.out_dt = gw.w1.dtype, dw1.accumulate = gw.accumulate;
   return dw1;
 }

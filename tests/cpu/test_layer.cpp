@@ -167,7 +167,10 @@ struct ApiRun {
   std::vector<std::int32_t> counts;
   std::size_t saved_bytes = 0;
 
-  ApiRun(const LayerCase<double>& c, std::int64_t row_pad = 0) {
+  /// w1_gap >= 0 (the concatenated layout of a GLU activation): W1 and its gradient as 4D (E, 2, n, d) views whose
+  /// up half lies w1_gap elements past the end of the gate half, in one buffer (as torchtitan's w1 and w3, two
+  /// allocations); dw1 is read back in the (E, 2n, d) order. The gap holds poison, which must stay as it is.
+  ApiRun(const LayerCase<double>& c, std::int64_t row_pad = 0, std::int64_t w1_gap = -1) {
     const MoEProblem& p = c.problem;
     const DType dt = std::is_same<R, double>::value ? DType::kFP64 : DType::kFP32;
     auto cast = [](const std::vector<double>& v) { return std::vector<R>(v.begin(), v.end()); };
@@ -181,6 +184,20 @@ struct ApiRun {
     LayerWeights w;
     if (p.routing != RoutingMode::kCallerSupplied) w.router_weight = TensorView::contiguous(wr.data(), dt, {p.E, p.d});
     w.w1 = TensorView::contiguous(w1.data(), dt, {p.E, p.w1_rows(), p.d});
+    // Halves apart: the gate rows of every expert, the gap, then the up rows (copied from the concatenated w1).
+    const std::int64_t half = p.E * p.n * p.d;
+    std::vector<R> w1_apart, dw1_apart;
+    auto apart_view = [&](std::vector<R>& buffer) {
+      return TensorView::strided(buffer.data(), dt, {p.E, 2, p.n, p.d}, {p.n * p.d, half + w1_gap, p.d, 1});
+    };
+    if (w1_gap >= 0) {
+      w1_apart.assign(static_cast<std::size_t>(2 * half + w1_gap), R(-555));
+      for (std::int64_t e = 0; e < p.E; ++e)
+        for (std::int64_t r = 0; r < 2 * p.n; ++r)
+          for (std::int64_t k = 0; k < p.d; ++k)
+            w1_apart[(r / p.n) * (half + w1_gap) + (e * p.n + r % p.n) * p.d + k] = w1[(e * 2 * p.n + r) * p.d + k];
+      w.w1 = apart_view(w1_apart);
+    }
     w.w2 = TensorView::contiguous(w2.data(), dt, {p.E, p.d, p.n});
     if (p.has_b1) w.b1 = TensorView::contiguous(b1.data(), dt, {p.E, p.w1_rows()});
     if (p.has_b2) w.b2 = TensorView::contiguous(b2.data(), dt, {p.E, p.d});
@@ -217,6 +234,10 @@ struct ApiRun {
     if (p.routing != RoutingMode::kCallerSupplied)
       bo.grad_weights.router_weight = TensorView::contiguous(dwr.data(), dt, {p.E, p.d});
     bo.grad_weights.w1 = TensorView::contiguous(dw1.data(), dt, {p.E, p.w1_rows(), p.d});
+    if (w1_gap >= 0) {
+      dw1_apart.assign(w1_apart.size(), R(-555));
+      bo.grad_weights.w1 = apart_view(dw1_apart);
+    }
     bo.grad_weights.w2 = TensorView::contiguous(dw2.data(), dt, {p.E, p.d, p.n});
     if (p.has_b1) bo.grad_weights.b1 = TensorView::contiguous(db1.data(), dt, {p.E, p.w1_rows()});
     if (p.has_b2) bo.grad_weights.b2 = TensorView::contiguous(db2.data(), dt, {p.E, p.d});
@@ -225,10 +246,43 @@ struct ApiRun {
       bo.grad_scores = TensorView::contiguous(dscores.data(), dt, {p.num_pairs});
     }
     backward(p, xv, w, rt, bi, bo, BackwardBuffers{saved.data(), saved.size(), nullptr, 0});
+    if (w1_gap >= 0) {
+      for (std::int64_t e = 0; e < p.E; ++e)
+        for (std::int64_t r = 0; r < 2 * p.n; ++r)
+          for (std::int64_t k = 0; k < p.d; ++k)
+            dw1[(e * 2 * p.n + r) * p.d + k] = dw1_apart[(r / p.n) * (half + w1_gap) + (e * p.n + r % p.n) * p.d + k];
+      for (std::int64_t i = 0; i < w1_gap; ++i) gap_untouched = gap_untouched && dw1_apart[half + i] == R(-555);
+    }
   }
+  bool gap_untouched = true;  // the gradient's gap between its halves (w1_gap > 0)
 };
 
 std::vector<double> up(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+// W1 and its gradient as 4D (E, 2, n, d) views whose gate and up halves lie apart (layer.hpp, LayerWeights::w1):
+// bitwise the results of the contiguous (E, 2n, d) weights, every routing mode and both cache modes, with biases;
+// the memory between the halves is neither read into the results nor written.
+TEST(W1Views, HalvesApartGiveTheContiguousResultsBitwise) {
+  for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied})
+    for (CacheMode cache : {CacheMode::kPreActivation, CacheMode::kInputOnly}) {
+      MoEProblem p = small_problem(Activation::kSwiGLU, r);
+      p.cache = cache, p.weight_layout = WeightLayout::kConcatenated;
+      p.has_b1 = p.has_b2 = true;
+      const LayerCase<double> c(p, 91);
+      const ApiRun<double> joined(c), apart(c, 0, 13), adjacent(c, 0, 0);
+      const std::string what = std::string(routing_mode_name(r)) + " " + cache_mode_name(cache);
+      for (const ApiRun<double>* a : {&apart, &adjacent}) {
+        EXPECT_EQ(a->out, joined.out) << what;
+        EXPECT_EQ(a->dx, joined.dx) << what;
+        EXPECT_EQ(a->dw1, joined.dw1) << what;
+        EXPECT_EQ(a->db1, joined.db1) << what;
+        EXPECT_EQ(a->dw2, joined.dw2) << what;
+        EXPECT_EQ(a->dwr, joined.dwr) << what;
+        EXPECT_EQ(a->dscores, joined.dscores) << what;
+      }
+      EXPECT_TRUE(apart.gap_untouched) << what;
+    }
+}
 
 class PublicApi : public testing::TestWithParam<std::tuple<RoutingMode, CacheMode>> {};
 

@@ -481,6 +481,66 @@ TEST(Validation, OutputsThatShareMemoryWithAnotherArgumentAreRefused) {
   }
 }
 
+// W1 (and its gradient) as a 4D (E, 2, n, d) view of the concatenated layout whose halves may lie apart
+// (layer.hpp, LayerWeights::w1).
+TEST(Validation, W1ViewsWithHalvesApart) {
+  const DType dt = DType::kFP64;
+  const std::int64_t half = 4 * 3 * 8, gap = 50;
+  // Gate rows, a gap, up rows; the same for the gradient. grad_x lies in the weights' gap: written there, it
+  // shares no byte with either half, so it is not an alias.
+  auto apart = [&](std::vector<double>& buffer, const std::vector<double>& joined) {
+    buffer.assign(static_cast<std::size_t>(2 * half + gap), 0.0);
+    for (std::int64_t e = 0; e < 4; ++e)
+      for (std::int64_t r = 0; r < 6; ++r)
+        for (std::int64_t k = 0; k < 8; ++k) buffer[(r / 3) * (half + gap) + (e * 3 + r % 3) * 8 + k] = joined[(e * 6 + r) * 8 + k];
+    return TensorView::strided(buffer.data(), dt, {4, 2, 3, 8}, {24, half + gap, 8, 1});
+  };
+  {
+    Call c;
+    c.p.weight_layout = WeightLayout::kConcatenated;
+    std::vector<double> w1_apart, dw1_apart;
+    c.w.w1 = apart(w1_apart, c.w1);
+    c.bo.grad_weights.w1 = apart(dw1_apart, c.dw1);
+    c.bo.grad_x = TensorView::contiguous(w1_apart.data() + half + 1, dt, {6, 8});
+    EXPECT_NO_THROW(c.forward_call());
+    EXPECT_NO_THROW(c.backward_call());
+    // The gradient's halves against another gradient: its up half over grad_weights.w2.
+    c.bo.grad_weights.w2 = TensorView::contiguous(dw1_apart.data() + half + gap + 10, dt, {4, 8, 3});
+    expect_error([&] { c.backward_call(); }, {"'outputs.grad_weights.w1'", "overlapping outputs.grad_weights.w2 at"});
+  }
+  {
+    Call c;  // the interleaved layout has no halves
+    std::vector<double> w1_apart;
+    c.w.w1 = apart(w1_apart, c.w1);
+    expect_error([&] { c.forward_call(); },
+                 {"'weights.w1'", "shape (4, 6, 8)", "only for the concatenated layout", "got (4, 2, 3, 8)"});
+  }
+  {
+    Call c;
+    c.p.weight_layout = WeightLayout::kConcatenated;
+    std::vector<double> w1_apart;
+    TensorView v = apart(w1_apart, c.w1);
+    v.shape[2] = 2;
+    c.w.w1 = v;
+    expect_error([&] { c.forward_call(); }, {"'weights.w1'", "shape (4, 6, 8) or (4, 2, 3, 8)", "got (4, 2, 2, 8)"});
+    v = apart(w1_apart, c.w1);
+    v.data = w1_apart.data() + half + gap, v.stride[1] = -(half + gap);  // the up half before the gate half
+    c.w.w1 = v;
+    expect_error([&] { c.forward_call(); }, {"'weights.w1.stride'", "positive stride along dimension 1"});
+    v = apart(w1_apart, c.w1);
+    v.stride[1] = 8;  // up row j is gate row j + 1: the halves share memory
+    c.w.w1 = v;
+    expect_error([&] { c.forward_call(); }, {"'weights.w1.stride'", "row-major", "dimension 1 needs stride >= 24"});
+    v = apart(w1_apart, c.w1);
+    v.stride[3] = 2;  // a half that is not row-major
+    c.w.w1 = v;
+    expect_error([&] { c.forward_call(); }, {"'weights.w1 (its gate half, [:, 0]).stride'", "unit inner stride"});
+    // The joined weights viewed so: (E, 2, n, d) of a contiguous (E, 2n, d) tensor.
+    c.w.w1 = TensorView::strided(c.w1.data(), dt, {4, 2, 3, 8}, {48, 24, 8, 1});
+    EXPECT_NO_THROW(c.forward_call());
+  }
+}
+
 TEST(Validation, RejectedCallsWriteNothing) {
   {
     Call c(RoutingMode::kCallerSupplied);

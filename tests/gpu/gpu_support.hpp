@@ -165,6 +165,7 @@ struct GpuRun {
   std::vector<unsigned char> saved;   // the raw saved buffer after the forward
   std::vector<unsigned char> raw_out, raw_dx, raw_dw1, raw_dw2;  // bitwise comparisons
   bool canaries_intact = true;
+  bool w1_gap_intact = true;  // GpuRunOptions::w1_gap: the poison between W1's gradient's halves is untouched
   MoEProblem problem;
 };
 
@@ -214,7 +215,38 @@ struct GpuRunOptions {
   // >= 0, with one expert: the expert stride of every weight, bias and weight-gradient view. That dimension never
   // moves, so any value is legal (a broadcast weight's 0, a slice's odd one); the buffers stay contiguous.
   std::int64_t one_expert_stride = -1;
+  // >= 0 (concatenated GLU layout): W1 and its gradient as 4D (E, 2, n, d) views whose halves lie apart, each in a
+  // buffer holding every expert's gate rows, w1_gap elements of poison, then the up rows (as torchtitan's w1 and
+  // w3, two allocations). GpuRun's dw1 and raw_dw1 are still in the joined (E, 2n, d) order.
+  std::int64_t w1_gap = -1;
 };
+
+/// Between W1's joined (E, 2n, d) order and GpuRunOptions::w1_gap's halves apart (el bytes an element): calls
+/// f(joined byte offset, apart byte offset) for each row of d elements.
+template <class F>
+void for_each_w1_row(const MoEProblem& p, std::int64_t gap, std::size_t el, F&& f) {
+  const std::int64_t half = p.E * p.n * p.d;
+  for (std::int64_t e = 0; e < p.E; ++e)
+    for (std::int64_t r = 0; r < 2 * p.n; ++r)
+      f(static_cast<std::size_t>((e * 2 * p.n + r) * p.d) * el,
+        static_cast<std::size_t>((r / p.n) * (half + gap) + (e * p.n + r % p.n) * p.d) * el);
+}
+
+/// The apart form of joined W1 bytes, its gap 0xFF bytes.
+inline std::vector<unsigned char> w1_to_apart(const std::vector<unsigned char>& joined, const MoEProblem& p,
+                                              std::int64_t gap, std::size_t el) {
+  std::vector<unsigned char> apart(static_cast<std::size_t>(2 * p.E * p.n * p.d + gap) * el, 0xFF);
+  for_each_w1_row(p, gap, el, [&](std::size_t j, std::size_t a) { std::memcpy(&apart[a], &joined[j], p.d * el); });
+  return apart;
+}
+
+/// The joined form of apart W1 bytes.
+inline std::vector<unsigned char> w1_to_joined(const std::vector<unsigned char>& apart, const MoEProblem& p,
+                                               std::int64_t gap, std::size_t el) {
+  std::vector<unsigned char> joined(static_cast<std::size_t>(2 * p.E * p.n * p.d) * el);
+  for_each_w1_row(p, gap, el, [&](std::size_t j, std::size_t a) { std::memcpy(&joined[j], &apart[a], p.d * el); });
+  return joined;
+}
 
 /// Runs the case on the GPU in `dt` (GpuRunOptions says how).
 inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, const GpuRunOptions& o) {
@@ -266,6 +298,18 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, const GpuRunOptio
   LayerWeights w;
   if (!caller) w.router_weight = TensorView::contiguous(wr.get(), dt, {p.E, p.d}, dev);
   w.w1 = expert_view(w1.get(), dt, p.w1_rows(), p.d);
+  const bool apart = o.w1_gap >= 0;
+  if (apart && (p.weight_layout != WeightLayout::kConcatenated || !is_glu(p.activation)))
+    throw std::runtime_error("GpuRunOptions::w1_gap needs the concatenated layout of a GLU activation");
+  const std::int64_t w1_half = p.E * p.n * p.d;
+  const auto apart_view = [&](void* data, DType t) {
+    return TensorView::strided(data, t, {p.E, 2, p.n, p.d}, {p.n * p.d, w1_half + o.w1_gap, p.d, 1}, dev);
+  };
+  std::unique_ptr<DeviceBuffer> w1_apart;
+  if (apart) {
+    w1_apart = std::make_unique<DeviceBuffer>(w1_to_apart(encode(c.w1, dt), p, o.w1_gap, el));
+    w.w1 = apart_view(w1_apart->get(), dt);
+  }
   w.w2 = expert_view(w2.get(), dt, p.d, p.n);
   if (p.has_b1) w.b1 = expert_view(b1.get(), dt, 0, p.w1_rows());
   if (p.has_b2) w.b2 = expert_view(b2.get(), dt, 0, p.d);
@@ -287,7 +331,10 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, const GpuRunOptio
   DeviceBuffer dx(p.T * p.d * el), dsc(std::max<std::int64_t>(p.num_pairs, 0) * 4);
   const std::size_t wr_count = caller ? 0 : static_cast<std::size_t>(p.E * p.d);
   const auto dwr_p = grad_buffer(grads ? &grads->wr : nullptr, wr_count);
-  const auto dw1_p = grad_buffer(grads ? &grads->w1 : nullptr, c.w1.size());
+  const auto dw1_p = !apart ? grad_buffer(grads ? &grads->w1 : nullptr, c.w1.size())
+                     : grads && grads->accumulate
+                         ? std::make_unique<DeviceBuffer>(w1_to_apart(encode(grads->w1, gt), p, o.w1_gap, gel))
+                         : std::make_unique<DeviceBuffer>(static_cast<std::size_t>(2 * w1_half + o.w1_gap) * gel);
   const auto dw2_p = grad_buffer(grads ? &grads->w2 : nullptr, c.w2.size());
   const auto db1_p = grad_buffer(grads ? &grads->b1 : nullptr, c.b1.size());
   const auto db2_p = grad_buffer(grads ? &grads->b2 : nullptr, c.b2.size());
@@ -327,7 +374,7 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, const GpuRunOptio
   BackwardOutputs bo;
   bo.grad_x = TensorView::contiguous(dx.get(), dt, {p.T, p.d}, dev);
   if (!caller) bo.grad_weights.router_weight = TensorView::contiguous(dwr.get(), gt, {p.E, p.d}, dev);
-  bo.grad_weights.w1 = expert_view(dw1.get(), gt, p.w1_rows(), p.d);
+  bo.grad_weights.w1 = apart ? apart_view(dw1.get(), gt) : expert_view(dw1.get(), gt, p.w1_rows(), p.d);
   bo.grad_weights.w2 = expert_view(dw2.get(), gt, p.d, p.n);
   if (p.has_b1) bo.grad_weights.b1 = expert_view(db1.get(), gt, 0, p.w1_rows());
   if (p.has_b2) bo.grad_weights.b2 = expert_view(db2.get(), gt, 0, p.d);
@@ -374,6 +421,14 @@ inline GpuRun run_on_gpu(const LayerCase<double>& c, DType dt, const GpuRunOptio
     return decode(h.data(), n, t);
   };
   r.raw_out = out.download(), r.raw_dx = dx.download(), r.raw_dw1 = dw1.download(), r.raw_dw2 = dw2.download();
+  if (apart) {
+    const std::size_t gap_begin = static_cast<std::size_t>(w1_half) * gel;
+    r.w1_gap_intact = std::all_of(r.raw_dw1.begin() + gap_begin,
+                                  r.raw_dw1.begin() + gap_begin + static_cast<std::size_t>(o.w1_gap) * gel,
+                                  [](unsigned char b) { return b == 0xFF; });
+    r.raw_dw1 = w1_to_joined(r.raw_dw1, p, o.w1_gap, gel);
+    r.canaries_intact = r.canaries_intact && w1_apart->canary_intact();
+  }
   r.out = decode(r.raw_out.data(), p.T * p.d, dt);
   if (!caller) r.logits = dec(logits, p.T * p.E, dt), r.dwr = dec(dwr, p.E * p.d, gt);
   r.dx = decode(r.raw_dx.data(), p.T * p.d, dt);

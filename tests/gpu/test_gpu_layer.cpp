@@ -651,6 +651,68 @@ TEST(GpuLayerProperties, OneExpertWithAnyExpertStrideGivesTheSameResults) {
     }
 }
 
+// W1 and its gradient as 4D (E, 2, n, d) views whose gate and up halves lie apart (torchtitan's w1 and w3, two
+// allocations; layer.hpp, LayerWeights::w1) give the bytes of the joined (E, 2n, d) weights: a gap of 40 elements
+// (16-byte aligned) on the Hopper kernels (fallback policy "error": the up-projection's and dX~'s 4D weight maps,
+// dW1's 4D store map, and its register stores with fp32 gradients accumulated), a gap of 3 elements on the reference
+// GEMMs (the up half's rows not 16-byte aligned: a fallback); edge tiles (n = 40) and the wide, clustered tiles
+// (n = 128); top-K, token rounding and caller routing, both cache modes. The gap's poison is never written.
+TEST(GpuLayerProperties, W1HalvesApartGiveTheJoinedResultsBitwise) {
+  REQUIRE_GPU();
+  struct Shape {
+    std::int64_t T, d, n, E, K;
+  };
+  for (const Shape& sh : {Shape{200, 96, 40, 8, 2}, Shape{1024, 256, 128, 4, 2}})
+    for (RoutingMode r : {RoutingMode::kTopK, RoutingMode::kTokenRounding, RoutingMode::kCallerSupplied})
+      for (CacheMode cm : {CacheMode::kPreActivation, CacheMode::kInputOnly}) {
+        MoEProblem p;
+        p.T = sh.T, p.d = sh.d, p.n = sh.n, p.E = sh.E, p.K = sh.K, p.routing = r, p.cache = cm, p.tile_m = 16;
+        p.weight_layout = WeightLayout::kConcatenated, p.has_b1 = p.has_b2 = sh.n == 40;
+        const LayerCase<double> c(p, 23);
+        const std::string shape = "n = " + std::to_string(sh.n) + " " + routing_mode_name(r) + " " + cache_mode_name(cm);
+        GpuRunOptions o;
+        GpuRun joined;
+        {
+          const ScopedFallbackPolicy strict(FallbackPolicy::kError);
+          joined = run_on_gpu(c, DType::kBF16, o);
+        }
+        if (cm == CacheMode::kPreActivation)
+          compare_all(joined, reference_for(quantized_case(c, DType::kBF16), joined.logits), DType::kBF16);
+        for (std::int64_t gap : {40, 3}) {
+          const std::string what = shape + ", gap " + std::to_string(gap);
+          o.w1_gap = gap;
+          GpuRun apart;
+          if (gap % 8 == 0) {
+            const ScopedFallbackPolicy strict(FallbackPolicy::kError);
+            ASSERT_NO_THROW(apart = run_on_gpu(c, DType::kBF16, o)) << what;
+          } else {
+            apart = run_on_gpu(c, DType::kBF16, o);
+          }
+          EXPECT_TRUE(apart.canaries_intact) << what;
+          EXPECT_TRUE(apart.w1_gap_intact) << what;
+          EXPECT_EQ(apart.raw_out, joined.raw_out) << what;
+          expect_same_backward(apart, joined, what);
+        }
+        // fp32 gradients accumulated into (the register stores of dW1's epilogue) over halves apart.
+        WeightGradMode acc;
+        acc.accumulate = true, acc.dtype = DType::kFP32;
+        std::mt19937_64 rng(5);
+        acc.w1 = normal<double>(rng, c.w1.size(), 1.0), acc.w2 = normal<double>(rng, c.w2.size(), 1.0);
+        acc.b1 = normal<double>(rng, c.b1.size(), 1.0), acc.b2 = normal<double>(rng, c.b2.size(), 1.0);
+        if (r != RoutingMode::kCallerSupplied) acc.wr = normal<double>(rng, static_cast<std::size_t>(p.E * p.d), 1.0);
+        o.grads = &acc, o.w1_gap = -1;
+        GpuRun acc_joined, acc_apart;
+        {
+          const ScopedFallbackPolicy strict(FallbackPolicy::kError);
+          acc_joined = run_on_gpu(c, DType::kBF16, o);
+          o.w1_gap = 40;
+          ASSERT_NO_THROW(acc_apart = run_on_gpu(c, DType::kBF16, o)) << shape << ", accumulated";
+        }
+        EXPECT_TRUE(acc_apart.w1_gap_intact) << shape << ", accumulated";
+        expect_same_backward(acc_apart, acc_joined, shape + ", accumulated");
+      }
+}
+
 // No allocation and no host synchronisation inside forward/backward: both run under CUDA-graph capture in global
 // mode (which rejects cudaMalloc and synchronising calls), and the replayed graph gives bitwise the same results.
 // A first call on the thread creates its cuBLAS handle (cuBLAS's one-time allocation), so it runs uncaptured.

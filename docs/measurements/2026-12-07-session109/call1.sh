@@ -3,7 +3,8 @@
 # Tree A is the checkout as it is (built into build/, which stays on a warm machine); tree B is a copy with the
 # diff applied (/tmp/b). Both build at once; then the routing gtests on B, and the small rows' forward with top-K
 # routing, A and B interleaved over two rounds (300 ms windows); token rounding on 1.4B-256 with B for T8's routing
-# ratio; TorchTitanGroupedExperts' copies on A.
+# ratio; TorchTitanGroupedExperts' copies on A. Tree A also has W1 as a 4D view with its halves apart (uncommitted
+# when this ran): its new test and the GEMM tests around it run on A.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 here=docs/measurements/2026-12-07-session108
@@ -19,6 +20,12 @@ grep -hE " error|FAILED" "$OUT/build_a.log" "$OUT/build_b.log" | head
 timeout 120 /tmp/b/build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter='GpuRoutingMetadata*:*TopK*:*Router*' 2>&1 |
   grep -E "PASSED|FAILED|tests ran" | head -12
 st "routing gtests on B"
+# W1 as a 4D view with its halves apart (tree A and B alike): the new test, then the layer's concatenated cases and
+# the Hopper GEMM tests whose arguments leave the half stride to its default.
+timeout 200 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
+  --gtest_filter='*W1Halves*:GpuLayerProperties.OneExpert*:GpuLayerProperties.HopperKernelsAgree*:*concatenated*:Hopper*:ReferenceWeightGrad*:*OddShapes*:-HopperDhKernel*' 2>&1 |
+  grep -E "PASSED|FAILED|tests ran|Failure|error" | head -30
+st "W1 halves gtests on A"
 bench() { timeout 40 "$1"/build/bin/machmoe-bench --config "$2" --routing "$3" --warmup-ms 300 --time-ms 300 2>&1 |
   grep -E "^config|^  (forward|backward) |router_gemm|topk|routing_metadata|token_rounding  |dx_chunk_plan|dh_kernel"; }
 for round in 1 2; do

@@ -194,6 +194,16 @@ bool hopper_kernels_enabled() { return enabled_flag().load() != 0; }
 
 namespace {
 
+/// The concatenated GLU layout's distance from gate row j to up row j (elements of 2 bytes), a stride of the
+/// weights' tensor maps: TMA takes positive multiples of 16 bytes below 2^40. Joined halves give n times the row
+/// stride; halves that lie apart (torchtitan's w1 and w3, two allocations) give whatever lies between them.
+bool glu_half_stride_fits_tma(std::int64_t half_stride) {
+  return half_stride > 0 && half_stride % 8 == 0 && half_stride < (std::int64_t{1} << 39);
+}
+constexpr const char* kGluHalfStrideReason =
+    "the concatenated layout's up half not a positive multiple of 16 bytes after its gate half (or 2^40 bytes or "
+    "more after it)";
+
 std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
   if (!hopper_kernels_enabled()) return kDisabledReason;
   if (a.dt != DType::kBF16) return std::string("dtype ") + dtype_name(a.dt) + " (the Hopper kernels are bf16)";
@@ -228,6 +238,7 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
     if (b.permute == 2 && (dh_kernel || a.K != 2 * b.glu_n)) return "concatenated layout with K != 2n";
     if (!aligned16(b.ptr) || b.stride_k % 8 != 0 || b.expert_stride % 8 != 0)
       return "weight rows not 16-byte aligned";
+    if (b.permute == 2 && !glu_half_stride_fits_tma(b.half_stride())) return kGluHalfStrideReason;
   } else {
     if (dh_kernel) return "dH GEMM with weights that are not MN-major (stride 1 along n)";
     if (b.permute == 2) return "weights permuted along K";
@@ -235,6 +246,7 @@ std::string unsupported_reason(const VarlenMArgs& a, const DeviceTraits& dev) {
       return "concatenated layout outside a GLU up-projection";
     if (!aligned16(b.ptr) || b.stride_col % 8 != 0 || b.expert_stride % 8 != 0)
       return "weight rows not 16-byte aligned";
+    if (b.permute == 1 && !glu_half_stride_fits_tma(b.half_stride())) return kGluHalfStrideReason;
   }
   if (!aligned16(a.a) || a.lda % 8 != 0) return "A rows not 16-byte aligned";
   if (a.out && (!aligned16(a.out) || a.ld_out % 8 != 0)) return "output rows not 16-byte aligned";
@@ -323,14 +335,25 @@ void launch_expert_gemm(const VarlenMArgs& args, const char* stage, cudaStream_t
   const ExpertOperand& b = a.b;
   if (mn_major) {
     // (N, half, j, E) with k = 2 j + half: interleaved rows k = 2j, 2j + 1 or, concatenated (permute along K),
-    // gate row j and up row n + j. Box (64, 2, 32, 1): one 64-column block of all 64 k of a stage.
-    const std::int64_t half_stride = b.permute == 2 ? b.glu_n * b.stride_k : b.stride_k;
+    // gate row j and up row j of the up half (n rows on where the halves are joined, anywhere after the gate half
+    // where they lie apart). Box (64, 2, 32, 1): one 64-column block of all 64 k of a stage.
+    const std::int64_t half_stride = b.permute == 2 ? b.half_stride() : b.stride_k;
     const std::int64_t j_stride = b.permute == 2 ? b.stride_k : 2 * b.stride_k;
     const cuuint64_t dims[4] = {static_cast<cuuint64_t>(a.N), 2, static_cast<cuuint64_t>(a.K / 2),
                                 static_cast<cuuint64_t>(a.E)};
     const cuuint64_t strides[3] = {static_cast<cuuint64_t>(half_stride) * 2, static_cast<cuuint64_t>(j_stride) * 2,
                                    static_cast<cuuint64_t>(b.expert_stride) * 2};
     const cuuint32_t box[4] = {64, 2, 32, 1};
+    main.tma_b = make_tensor_map(b.ptr, 4, dims, strides, box);
+  } else if (b.permute == 1) {
+    // The concatenated layout: (K, j, half, E), gate row j at half 0 and up row j at half 1, wherever the up half
+    // lies after the gate half. A tile's gate rows and up rows are two boxes (64, kTileN / 2, 1, 1).
+    const cuuint64_t dims[4] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(b.glu_n), 2,
+                                static_cast<cuuint64_t>(a.E)};
+    const cuuint64_t strides[3] = {static_cast<cuuint64_t>(b.stride_col) * 2,
+                                   static_cast<cuuint64_t>(b.half_stride()) * 2,
+                                   static_cast<cuuint64_t>(b.expert_stride) * 2};
+    const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(tiles.tile_n / 2), 1, 1};
     main.tma_b = make_tensor_map(b.ptr, 4, dims, strides, box);
   } else {
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(a.K), static_cast<cuuint64_t>(a.N),
@@ -451,6 +474,8 @@ std::string wgrad_unsupported_reason(const VarlenKArgs& a, const DeviceTraits& d
     return "output rows not 16-byte aligned";
   if (a.glu_concat_n < 0 || (a.glu_concat_n > 0 && a.M != 2 * a.glu_concat_n))
     return "concatenated row map with M != 2n";
+  if (a.glu_concat_n > 0 && (a.half_stride() <= 0 || a.half_stride() % 8 != 0))
+    return "the concatenated layout's up half not a positive multiple of 16 bytes after its gate half";
   return "";
 }
 
@@ -522,7 +547,7 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
   }
   p.epilogue.out = a.out;
   p.epilogue.out_expert_stride = a.out_expert_stride, p.epilogue.ld_out = a.ld_out;
-  p.epilogue.glu_concat_n = a.glu_concat_n;
+  p.epilogue.glu_concat_n = a.glu_concat_n, p.epilogue.glu_half_stride = a.half_stride();
   p.epilogue.M = static_cast<int>(a.M), p.epilogue.N = static_cast<int>(a.N);
   p.epilogue.out_fp32 = a.out_dt == DType::kFP32;
   p.epilogue.accumulate = a.accumulate;
@@ -533,14 +558,20 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
     const char* v = std::getenv("MACHMOE_WGRAD_TMA_STORE");
     return !(v != nullptr && v[0] == '0');
   }();
-  // (Rows that do not overlap, and strides within TMA's 2^40 bytes; one expert's stride is never used.)
+  // (Rows that do not overlap, and strides within TMA's 2^40 bytes; one expert's stride is never used. The
+  // concatenated layout's halves: each half's experts apart, as the whole's where the halves are joined; the public
+  // entry points refuse halves that share memory, layer.cpp.)
+  const bool concat = a.glu_concat_n > 0;
+  const std::int64_t rows_per_half = concat ? a.glu_concat_n : a.M;
   const std::int64_t expert_stride = a.E == 1 ? a.M * a.ld_out : a.out_expert_stride;
+  const bool halves_fit = !concat || (a.half_stride() >= rows_per_half * a.ld_out &&
+                                      a.half_stride() < (std::int64_t{1} << 38));
   if (tma_store_allowed && a.out_dt == DType::kBF16 && !a.accumulate && a.ld_out >= a.N &&
-      expert_stride >= a.M * a.ld_out && expert_stride < (std::int64_t{1} << 38)) {
+      expert_stride >= rows_per_half * a.ld_out && expert_stride < (std::int64_t{1} << 38) && halves_fit) {
     const auto u64 = [](std::int64_t v) { return static_cast<cuuint64_t>(v); };
-    if (a.glu_concat_n > 0) {  // M = 2n (wgrad_unsupported_reason)
+    if (concat) {  // M = 2n (wgrad_unsupported_reason)
       const cuuint64_t dims[4] = {u64(a.N), u64(a.glu_concat_n), 2, u64(a.E)};
-      const cuuint64_t strides[3] = {u64(a.ld_out) * 2, u64(a.glu_concat_n * a.ld_out) * 2, u64(expert_stride) * 2};
+      const cuuint64_t strides[3] = {u64(a.ld_out) * 2, u64(a.half_stride()) * 2, u64(expert_stride) * 2};
       const cuuint32_t box[4] = {64, 32, 1, 1};
       p.epilogue.tma_out = make_tensor_map(a.out, 4, dims, strides, box);
     } else {

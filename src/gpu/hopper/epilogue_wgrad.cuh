@@ -1,7 +1,7 @@
 // The weight-gradient epilogue (dW1, dW2), run by the consumer warpgroup(s) that computed the tile: the fp32 tile
 // leaves as bf16 or fp32, overwriting the gradient or added into it (out = out + C, read-modify-write; each output
 // element belongs to exactly one tile and one thread, so the result is deterministic), with the concatenated GLU
-// row map for dW1 (glu_concat_n > 0: tile row m is gradient row (m % 2) n + m / 2).
+// row map for dW1 (glu_concat_n > 0: tile row m is row m / 2 of the gradient's half m % 2, glu_half_stride apart).
 //
 // Path: the accumulator fragments go to a per-warpgroup staging buffer of 16 KiB (16-byte chunks XOR-swizzled by
 // row so that both the fragment writes and the row reads are free of bank conflicts), then every thread moves whole
@@ -305,11 +305,11 @@ struct EpilogueWgrad {
       for (int j = 0; j < kChunksPerThread; ++j) {
         const std::int64_t tile_row =
             static_cast<std::int64_t>(c.m_tile) * kTileM + row_base + m * kRows + row0 + 8 * j;
-        const std::int64_t grad_row =
-            p.glu_concat_n > 0 ? (tile_row & 1) * p.glu_concat_n + (tile_row >> 1) : tile_row;
+        const std::int64_t row_offset = p.glu_concat_n > 0
+                                            ? (tile_row & 1) * p.glu_half_stride + (tile_row >> 1) * p.ld_out
+                                            : tile_row * p.ld_out;
         dst_row[j] = tile_row < p.M
-                         ? out + grad_row * p.ld_out + static_cast<std::int64_t>(c.n_tile) * kTileN +
-                               chunk * Stage::kChunkValues
+                         ? out + row_offset + static_cast<std::int64_t>(c.n_tile) * kTileN + chunk * Stage::kChunkValues
                          : nullptr;
       }
       CUTE_UNROLL

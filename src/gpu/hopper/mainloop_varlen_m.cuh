@@ -122,14 +122,10 @@ struct MainloopVarlenM {
     for (int i = 0; c.valid(); ++i) {
       const TileCoord next = sched.get(i + 1);
       const int half_rows = kTileN / 2;
-      int b_row_first, b_row_second;
-      if (p.b_concatenated) {
-        b_row_first = c.n_tile * half_rows;
-        b_row_second = p.glu_n + b_row_first;  // the up rows of the same j
-      } else {
-        b_row_first = c.n_tile * kTileN;
-        b_row_second = b_row_first + half_rows;
-      }
+      // Interleaved: the tile's two halves of rows, one after the other, in the 3D map (K, N, E). Concatenated:
+      // gate rows j and up rows j of the same j, halves 0 and 1 of the 4D map (K, n, 2, E).
+      const int b_row_first = p.b_concatenated ? c.n_tile * half_rows : c.n_tile * kTileN;
+      const int b_row_second = p.b_concatenated ? b_row_first : b_row_first + half_rows;
       int a_row0 = 0;  // contiguous A: the tile's first row in A's buffer
       if constexpr (!kGatherA) {
         if (ptid == 0)
@@ -161,8 +157,16 @@ struct MainloopVarlenM {
                           kb * (kTileK / 2), c.expert);
           } else if constexpr (Tile::kClusterM == 2) {  // this CTA's half of the weight tile, to both CTAs
             const int half = static_cast<int>(sched.rank());
-            tma_load_3d_multicast(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][half * half_rows * kTileK],
-                                  kb * kTileK, half == 0 ? b_row_first : b_row_second, c.expert, 0x3);
+            void* dst = &s.t.b[stage][half * half_rows * kTileK];
+            if (p.b_concatenated)
+              tma_load_4d_multicast(&p.tma_b, &s.bar.full[stage], dst, kb * kTileK, b_row_first, half, c.expert, 0x3);
+            else
+              tma_load_3d_multicast(&p.tma_b, &s.bar.full[stage], dst, kb * kTileK,
+                                    half == 0 ? b_row_first : b_row_second, c.expert, 0x3);
+          } else if (p.b_concatenated) {
+            tma_load_4d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][0], kb * kTileK, b_row_first, 0, c.expert);
+            tma_load_4d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][half_rows * kTileK], kb * kTileK, b_row_second,
+                        1, c.expert);
           } else {
             tma_load_3d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][0], kb * kTileK, b_row_first, c.expert);
             tma_load_3d(&p.tma_b, &s.bar.full[stage], &s.t.b[stage][half_rows * kTileK], kb * kTileK,

@@ -34,12 +34,14 @@ struct MainloopVarlenMParams {
   // Contiguous A only: grouped row g of expert e is A row g + a_row_shift[e] (null: g). The backward's dX~ in chunks
   // of tokens reads each expert's chunk rows of dH where they lie and writes them packed.
   const std::int32_t* a_row_shift = nullptr;
-  // B operand (weights), K-major: 3D (K, rows per expert, E), box (64, kTileN / 2, 1). A tile's kTileN rows are
-  // loaded as two halves, so the concatenated GLU layout lands interleaved in shared memory without a copy. The
-  // map's extents are the true K and N: rows past N and k past K arrive as zeros (an edge tile's padded columns).
+  // B operand (weights), K-major: 3D (K, rows per expert, E), box (64, kTileN / 2, 1); in the concatenated GLU
+  // layout 4D (K, n, 2, E), box (64, kTileN / 2, 1, 1): gate half 0, up half 1, which may lie apart (two
+  // allocations). A tile's kTileN rows are loaded as two halves, so the concatenated layout lands interleaved in
+  // shared memory without a copy. The map's extents are the true K and N (n): rows past them and k past K arrive
+  // as zeros (an edge tile's padded columns). MN-major (the backward's dX~): 4D (N, half, j, E), box (64, 2, 32, 1).
   CUtensorMap tma_b;
   bool b_concatenated = false;
-  int glu_n = 0;  // n: in the concatenated layout, the first up row of the weights
+  int glu_n = 0;  // n: in the concatenated layout, the first up column of the bias
 };
 
 /// Output written by an epilogue through the swizzled staging buffer: TMA store of whole 64-row blocks
@@ -135,12 +137,13 @@ struct MainloopVarlenKParams {
   bool keep_b_allowed = true;
 };
 
-/// The weight-gradient epilogue (epilogue_wgrad.cuh): out[e * out_expert_stride + map(m) * ld_out + n] = C (or
-/// += C), map(m) = (m % 2) * glu_concat_n + m / 2 when glu_concat_n > 0 (the concatenated GLU W1), else m.
+/// The weight-gradient epilogue (epilogue_wgrad.cuh): out[e * out_expert_stride + m * ld_out + n] = C (or += C);
+/// where glu_concat_n > 0 (the concatenated GLU W1) row m is row m / 2 of half m % 2 instead, at
+/// (m % 2) * glu_half_stride + (m / 2) * ld_out (the halves joined: glu_half_stride = glu_concat_n * ld_out).
 struct EpilogueWgradParams {
   void* out = nullptr;  // bf16 or fp32 (out_fp32)
   std::int64_t out_expert_stride = 0, ld_out = 0;  // elements
-  std::int64_t glu_concat_n = 0;
+  std::int64_t glu_concat_n = 0, glu_half_stride = 0;
   int M = 0, N = 0;
   bool out_fp32 = false;
   bool accumulate = false;  // read-modify-write out = out + C; an expert with no rows leaves its tiles untouched

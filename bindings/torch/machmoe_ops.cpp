@@ -137,11 +137,17 @@ machmoe::MoEProblem problem_of(const char* op, const Tensor& x, const Tensor& w1
                                 int64_t rounding, int64_t tile, int64_t cache, double swiglu_alpha,
                                 double swiglu_limit) {
   check_rank(op, "x", x, 2, "a (T, d) tensor");
-  check_rank(op, "w1", w1, 3, "an (E, 2n or n, d) tensor");
+  check_defined(op, "w1", w1);
   check_rank(op, "w2", w2, 3, "an (E, d, n) tensor");
   machmoe::MoEProblem p;
   p.activation = machmoe::activation_from_code(activation, op, "activation");
   p.weight_layout = machmoe::weight_layout_from_code(weight_layout, op, "weight_layout");
+  // (E, 2, n, d): the concatenated layout's gate and up halves, which may lie apart (_w1_halves_view).
+  const bool halves = machmoe::is_glu(p.activation) && p.weight_layout == machmoe::WeightLayout::kConcatenated;
+  if (w1.dim() != 3 && !(halves && w1.dim() == 4))
+    fail(op, "w1",
+         halves ? "an (E, 2n, d) tensor or an (E, 2, n, d) view of its gate and up halves" : "an (E, 2n or n, d) tensor",
+         "shape " + shape_of(w1));
   p.score = machmoe::score_variant_from_code(score, op, "score");
   p.routing = machmoe::routing_mode_from_code(routing, op, "routing");
   p.rounding = machmoe::rounding_rule_from_code(rounding, op, "rounding");
@@ -391,6 +397,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_forward(
   return {out, logits, counts, saved};
 }
 
+/// A new weight gradient of `sizes`: contiguous, except W1's as an (E, 2, n, d) view of its halves
+/// (_w1_halves_view), whose gradient is laid out (2, E, n, d), so that each half's gradient, [:, 0] and [:, 1], is a
+/// contiguous tensor of its own (torchtitan's w1 and w3 take them without a copy).
+Tensor new_weight_grad(at::IntArrayRef sizes, const at::TensorOptions& o, bool zeros) {
+  if (sizes.size() != 4) return zeros ? at::zeros(sizes, o) : at::empty(sizes, o);
+  const std::vector<int64_t> halves_first{sizes[1], sizes[0], sizes[2], sizes[3]};
+  return (zeros ? at::zeros(halves_first, o) : at::empty(halves_first, o)).permute({1, 0, 2, 3});
+}
+
 /// Where one weight's gradient goes. Given `into` (accumulation mode), the library adds the gradient into it and the
 /// operator returns an empty tensor in its place. Otherwise the operator returns a new tensor; in a call that
 /// accumulates (the library adds into every weight gradient of the call), that tensor starts at zero.
@@ -407,8 +422,7 @@ struct GradTarget {
     if (given || !present_weight) {
       returned = at::empty({0}, x.options());
     } else {
-      const at::TensorOptions o = x.options().dtype(dtype);
-      buffer = accumulate ? at::zeros(sizes, o) : at::empty(sizes, o);
+      buffer = new_weight_grad(sizes, x.options().dtype(dtype), accumulate);
       returned = buffer;
     }
   }
@@ -820,6 +834,35 @@ Tensor time_layer(Tensor& x, const Tensor& router_weight, const Tensor& w1, cons
   return times;
 }
 
+/// W1 of the concatenated layout as an (E, 2, n, d) view of two tensors, the gate weights `gate` and the up weights
+/// `up` (torchtitan's w1 and w3, each (E, n, d)), without a copy: dimension 1 steps from gate row j to up row j,
+/// across the two allocations. The library reads such a view in place (layer.hpp, LayerWeights::w1). The view keeps
+/// both tensors' storages alive; it is valid while they stay where they are (a tensor whose storage is freed and
+/// allocated again, as FSDP2 does between forward and backward, must be viewed again). Both must have the same
+/// shape, dtype, device and strides, unit stride along d, and `up` must start after `gate` by a whole number of
+/// elements (a view has one stride per dimension, and the GPU kernels' tensor maps take positive strides only).
+Tensor w1_halves_view(const Tensor& gate, const Tensor& up) {
+  const char* op = "_w1_halves_view";
+  check_rank(op, "gate", gate, 3, "an (E, n, d) tensor");
+  check_rank(op, "up", up, 3, "an (E, n, d) tensor");
+  if (up.sizes() != gate.sizes() || up.strides() != gate.strides() || up.scalar_type() != gate.scalar_type() ||
+      up.device() != gate.device())
+    fail(op, "up", "the shape, strides, dtype and device of gate (" + shape_of(gate) + ")",
+         "shape " + shape_of(up) + ", " + c10::toString(up.scalar_type()) + " on " + up.device().str());
+  if (gate.stride(2) != 1 && gate.size(2) > 1) fail(op, "gate", "unit stride along d", std::to_string(gate.stride(2)));
+  const auto el = static_cast<std::intptr_t>(gate.element_size());
+  const std::intptr_t apart = reinterpret_cast<std::intptr_t>(up.data_ptr()) -
+                              reinterpret_cast<std::intptr_t>(gate.data_ptr());
+  if (apart <= 0 || apart % el != 0)
+    fail(op, "up", "data starting a whole number of elements after gate's",
+         std::to_string(apart) + " bytes after it");
+  c10::Storage gate_storage = gate.storage(), up_storage = up.storage();
+  return at::from_blob(
+      gate.data_ptr(), {gate.size(0), 2, gate.size(1), gate.size(2)},
+      {gate.stride(0), static_cast<int64_t>(apart / el), gate.stride(1), gate.stride(2)},
+      [gate_storage, up_storage](void*) {}, gate.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(machmoe, m) {
@@ -876,6 +919,7 @@ TORCH_LIBRARY(machmoe, m) {
         "int num_tokens) -> Tensor");
   m.def("combine_rows_backward(Tensor grad_out, Tensor rows, Tensor scores, Tensor row_of_pair, "
         "Tensor? token_offsets, int top_k, bool want_rows, bool want_scores, bool zero_rows) -> (Tensor, Tensor)");
+  m.def("_w1_halves_view(Tensor gate, Tensor up) -> Tensor");
 }
 
 namespace {
@@ -889,6 +933,7 @@ void register_tensor_kernels(torch::Library& m) {
   m.impl("layer_backward", &layer_backward);
   m.impl("layer_backward_input", &layer_backward_input);
   m.impl("layer_backward_weight", &layer_backward_weight);
+  m.impl("_w1_halves_view", &w1_halves_view);
 }
 }  // namespace
 

@@ -17,9 +17,16 @@ namespace machmoe {
 
 /// Parameters, all of the layer's data dtype. W1 is (E, w1_rows, d) and W2 is (E, d, n): nn.Linear (out, in)
 /// per expert. Biases are empty views unless problem.has_b1 / has_b2.
+///
+/// W1 of the concatenated layout of a GLU activation may also be an (E, 2, n, d) view, dimension 1 stepping from
+/// gate row j to up row j: gate and up weights held apart (torchtitan's w1 and w3, two allocations) are then read in
+/// place, without a concatenation. Each half must be a well-formed (E, n, d) view and the up half must lie after the
+/// gate half (a positive stride along dimension 1); halves that interleave must form a row-major view, so that no
+/// element is shared. The GPU kernels take it where that stride is a multiple of 16 bytes below 2^40 bytes (else the
+/// reference GEMMs run, with the fallback notice). W1's gradient may be such a view too; b1 stays (E, 2n).
 struct LayerWeights {
   TensorView router_weight;  // (E, d); unused (may be empty) for caller-supplied routing
-  TensorView w1;             // (E, 2n, d) for GLU activations, (E, n, d) otherwise
+  TensorView w1;             // (E, 2n, d) for GLU activations (or (E, 2, n, d): above), (E, n, d) otherwise
   TensorView b1;             // (E, 2n) / (E, n) or empty
   TensorView w2;             // (E, d, n)
   TensorView b2;             // (E, d) or empty

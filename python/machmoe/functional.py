@@ -124,8 +124,11 @@ def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, we
     allowed = _dtypes_for(x.device)
     if x.dtype not in allowed:
         _fail(x_name, f"one of {allowed} on {x.device.type}", x.dtype)
-    if w1.dim() != 3:
-        _fail("w1", "a 3-D (experts, 2n | n, hidden) tensor", f"shape {tuple(w1.shape)}")
+    halves = w1.dim() == 4 and weight_layout == "concatenated" and activation in GLU_ACTIVATIONS
+    if w1.dim() != 3 and not halves:
+        _fail("w1", "a 3-D (experts, 2n | n, hidden) tensor" + (
+              ", or a 4-D (experts, 2, n, hidden) view of its gate and up halves"
+              if weight_layout == "concatenated" else ""), f"shape {tuple(w1.shape)}")
     if w2.dim() != 3:
         _fail("w2", "a 3-D (experts, hidden, n) tensor", f"shape {tuple(w2.shape)}")
     T, d = x.shape
@@ -147,12 +150,21 @@ def _check_common(x: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str, we
     if w2.shape[0] != w1.shape[0]:
         _fail("w2", f"{w1.shape[0]} experts in its first dimension (as w1 of shape {tuple(w1.shape)})",
               f"shape {tuple(w2.shape)}")
-    if w1.shape[1] != rows:
+    if halves:
+        # Gate and up halves that may lie apart (torchtitan's w1 and w3: parallel._join_gate_up): each half a
+        # contiguous (E, n, d) tensor, the up half after the gate half (the library checks that they do not overlap).
+        _check_tensor("w1[:, 0]", w1[:, 0], (E, n, d), x, ref_name=x_name, master=True)
+        _check_tensor("w1[:, 1]", w1[:, 1], (E, n, d), x, ref_name=x_name, master=True)
+        if w1.stride(1) <= 0:
+            _fail("w1", "its up half w1[:, 1] after its gate half w1[:, 0] in memory (a positive stride in dimension "
+                        "1)", f"strides {w1.stride()}")
+    elif w1.shape[1] != rows:
         _fail("w1", f"{rows} rows in its second dimension ({'2n' if rows != n else 'n'} with n = {n}, the last "
                     f"dimension of w2 of shape {tuple(w2.shape)}, for the activation {activation!r})",
               f"shape {tuple(w1.shape)}")
     _check_tensor(x_name, x, (T, d), x, ref_name=x_name, inner_stride_only=True)
-    _check_tensor("w1", w1, (E, rows, d), x, ref_name=x_name, master=True)
+    if not halves:
+        _check_tensor("w1", w1, (E, rows, d), x, ref_name=x_name, master=True)
     _check_tensor("w2", w2, (E, d, n), x, ref_name=x_name, master=True)
     if b1 is not None:
         _check_tensor("b1", b1, (E, rows), x, ref_name=x_name, master=True)
@@ -440,7 +452,7 @@ def _check_expert_counts(x_grouped: Tensor, expert_counts, w1) -> None:
     require_tensor("w1", w1)
     if x_grouped.dim() != 2:
         _fail("x_grouped", "a (rows, hidden) tensor", f"shape {tuple(x_grouped.shape)}")
-    if w1.dim() != 3:
+    if w1.dim() not in (3, 4):
         _fail("w1", "a 3-D (experts, 2n | n, hidden) tensor", f"shape {tuple(w1.shape)}")
     E, P = w1.shape[0], x_grouped.shape[0]
     if tuple(expert_counts.shape) != (E,):

@@ -702,8 +702,9 @@ class TorchTitanGroupedExperts(nn.Module):
     forward(x, num_tokens_per_expert) (rows grouped by expert, padding rows beyond the counts return zeros, counts
     may be float as torchtitan's histc gives them) and init_weights(init_std). SwiGLU experts on machmoe's kernels.
 
-    machmoe's up-projection takes one (E, 2n, d) weight, so each forward concatenates [w1; w3] (a copy of the
-    gate/up weights, 2*E*hidden_dim*dim elements, whose gradient is split back by autograd)."""
+    machmoe's kernels read w1 and w3 in place as the two halves of one weight where w3 lies after w1 in memory
+    (torchtitan_experts_forward); elsewhere each forward concatenates [w1; w3] (a copy of 2*E*hidden_dim*dim
+    elements, whose gradient autograd splits back), and says so once."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True, device=None,
                  dtype=None):
@@ -749,9 +750,12 @@ def torchtitan_experts_forward(experts: nn.Module, x: Tensor, num_tokens_per_exp
         from torchtitan.models.common.moe import GroupedExperts
         GroupedExperts.forward = machmoe.parallel.torchtitan_experts_forward
 
-    machmoe's up-projection takes one (E, 2n, d) weight, so each call concatenates [w1; w3] (a copy of the gate/up
-    weights, whose gradient autograd splits back). The copy does not live until the backward: the backward
-    concatenates w1 and w3 again (_saved_as_parts).
+    Where w3 lies after w1 in memory by a multiple of 16 bytes, with the same contiguous layout, the layer reads the
+    two in place as the halves of one (E, 2, hidden, dim) view (_join_gate_up), and their gradients come back as two
+    contiguous halves of one buffer: nothing is copied. Otherwise each call concatenates [w1; w3] (a copy of the
+    gate/up weights, whose gradient autograd splits back), and says so once per process. Either way the backward
+    joins w1 and w3 again from the parameters as they are then (_saved_as_parts): no copy lives until the backward,
+    and FSDP2 may free and gather them in between.
 
     Like torchtitan's grouped_mm path, which computes in bf16 and returns the result in x's dtype, an x whose dtype
     differs from the weights' is cast to theirs and the result back to x's; an x without unit stride along dim is
@@ -779,20 +783,95 @@ def torchtitan_experts_forward(experts: nn.Module, x: Tensor, num_tokens_per_exp
         rows = x  # (an integer x is refused below, in grouped_experts' terms)
     if rows.stride(-1) != 1 or (rows.stride(0) < rows.shape[1] and rows.shape[0] > 1):
         rows = rows.contiguous()
-    gate_up = torch.cat([w1, w3], dim=1)  # rows [0, h) gate, [h, 2h) up: machmoe's "concatenated" layout
+    gate_up = _join_gate_up(w1, w3)  # machmoe's "concatenated" layout: w1 and w3 read in place where they allow
     with _saved_as_parts(gate_up, w1, w3):
         out = _run_grouped(rows, num_tokens_per_expert, gate_up, w2, None, None, activation="swiglu",
                            weight_layout="concatenated", activation_memory="preact", zero_padding=True)
     return out if out.dtype == x.dtype or not x.is_floating_point() else out.to(x.dtype)
 
 
-class _Parts:
-    """What _saved_as_parts keeps for the concatenation: its parts (detached) and their versions."""
-    __slots__ = ("parts", "versions")
+def _halves_viewable(gate: Tensor, up: Tensor) -> bool:
+    """Whether the library can read gate and up weights (E, n, d) in place as the halves of one (E, 2, n, d) view
+    (torch.ops.machmoe._w1_halves_view): the same shape, strides, dtype and device, each contiguous, up's data after
+    gate's by a positive multiple of 16 bytes (the GPU kernels' tensor maps take positive strides of whole 16-byte
+    units; two allocations of the caching allocator, or FSDP2's all-gather of w1, w2, w3 in that order, give one).
+    Not under torch.compile, which traces the concatenation instead (the view's operator has no fake kernel)."""
+    if torch.compiler.is_compiling() or gate.device.type not in ("cpu", "cuda"):
+        return False
+    if gate.shape != up.shape or gate.stride() != up.stride() or gate.dtype != up.dtype or gate.device != up.device:
+        return False
+    if not (gate.is_contiguous() and up.is_contiguous()) or gate.numel() == 0:
+        return False
+    apart = up.data_ptr() - gate.data_ptr()
+    return apart > 0 and apart % 16 == 0
 
-    def __init__(self, parts):
+
+_CONCATENATION_NOTED = set()
+
+
+def _note_concatenation(gate: Tensor, up: Tensor) -> None:
+    """The slow path, said once per process and device type: each call copies [w1; w3]."""
+    if torch.compiler.is_compiling() or gate.device.type in _CONCATENATION_NOTED or gate.device.type == "meta":
+        return
+    _CONCATENATION_NOTED.add(gate.device.type)
+    apart = up.data_ptr() - gate.data_ptr()
+    warnings.warn(
+        f"machmoe: the torchtitan experts' gate and up weights (w1 {tuple(gate.shape)} strides {gate.stride()}, w3 "
+        f"strides {up.stride()}, w3 {apart} bytes after w1) cannot be read in place as one view (they need the same "
+        "contiguous layout, w3 after w1 by a multiple of 16 bytes), so each forward and backward concatenates them "
+        "(a copy of 2 * E * hidden * dim elements, and a split copy of their gradient). Said once per process.",
+        stacklevel=3)
+
+
+class _JoinGateUp(torch.autograd.Function):
+    """[w1; w3] as machmoe's concatenated layout without a copy: the (E, 2, n, d) view of both
+    (_w1_halves_view). The layer's W1 gradient arrives laid out (2, E, n, d), so each half's gradient is contiguous
+    and autograd hands it to w1 and w3 as it is; a gradient of the joined (E, 2n, d) form (a backward whose saved
+    weights were concatenated, _saved_as_parts) is split."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.n = gate.shape[1]
+        return torch.ops.machmoe._w1_halves_view(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.dim() == 3:
+            return grad[:, :ctx.n], grad[:, ctx.n:]
+        return grad[:, 0], grad[:, 1]
+
+
+def _join_gate_up(gate: Tensor, up: Tensor) -> Tensor:
+    """The gate and up weights (E, n, d) as the layer's W1 in the concatenated layout: a view of both where they
+    allow it (_halves_viewable), else their concatenation (E, 2n, d), a copy, which is said once."""
+    if _halves_viewable(gate, up):
+        return _JoinGateUp.apply(gate, up)
+    _note_concatenation(gate, up)
+    return torch.cat([gate, up], dim=1)  # rows [0, h) gate, [h, 2h) up
+
+
+def _rejoin(parts, halves: bool) -> Tensor:
+    """The saved W1 again, from its parts as they are now (their storage may have moved since the forward: FSDP2
+    frees and gathers it again), in the forward's form, whose shape autograd holds W1's gradient to: with `halves`
+    (E, 2, n, d), the view where the parts allow it now, else a stacked copy; otherwise the concatenation
+    (E, 2n, d). No autograd history."""
+    gate, up = parts
+    if not halves:
+        return torch.cat(parts, dim=1)
+    if _halves_viewable(gate, up):
+        return torch.ops.machmoe._w1_halves_view(gate, up)
+    return torch.stack(parts, dim=1)
+
+
+class _Parts:
+    """What _saved_as_parts keeps for the concatenation: its parts (detached), their versions, and whether it was
+    the (E, 2, n, d) view of them (_join_gate_up) rather than a concatenation."""
+    __slots__ = ("parts", "versions", "halves")
+
+    def __init__(self, parts, halves: bool):
         self.parts = parts
         self.versions = tuple(p._version for p in parts)
+        self.halves = halves
 
 
 def _check_version(t: Tensor, version: int) -> None:
@@ -820,6 +899,7 @@ def _saved_as_parts(cat: Tensor, *parts: Tensor):
         yield
         return
     key = (cat.data_ptr(), cat.shape, cat.stride(), cat.dtype, cat.device)
+    halves = cat.dim() == 4  # (not `cat` itself inside the hooks: their closures would keep the copy alive)
     parts = tuple(p.detach() for p in parts)  # no autograd history is kept through the hooks
 
     def pack(t: Tensor):
@@ -827,14 +907,14 @@ def _saved_as_parts(cat: Tensor, *parts: Tensor):
         # storage and version counter): an op's output saved with its grad_fn would close a reference cycle through
         # the graph, which Python's collector cannot see.
         if (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) == key:
-            return _Parts(parts)
+            return _Parts(parts, halves)
         return t.detach(), t._version
 
     def unpack(packed):
         if isinstance(packed, _Parts):
             for p, v in zip(packed.parts, packed.versions):
                 _check_version(p, v)
-            return torch.cat(packed.parts, dim=1)
+            return _rejoin(packed.parts, packed.halves)
         t, version = packed
         _check_version(t, version)
         return t

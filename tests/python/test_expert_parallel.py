@@ -1510,6 +1510,37 @@ def test_torchtitan_reads_gate_and_up_weights_in_place(monkeypatch):
         assert torch.equal(a, b), name
 
 
+def test_w1_halves_view_and_the_layer_check_it():
+    """_w1_halves_view: the (E, 2, n, d) view of gate and up weights (no copy: it aliases both), refused for halves
+    the library cannot view so (up before gate, other strides, shapes or dtypes); grouped_experts takes such a view
+    in the concatenated layout only, and names a half that is not contiguous."""
+    buf = torch.randn(2, 4, N, D, dtype=torch.float64)
+    v = torch.ops.machmoe._w1_halves_view(buf[0], buf[1])
+    assert v.shape == (4, 2, N, D) and v.data_ptr() == buf.data_ptr()
+    assert torch.equal(v, buf.transpose(0, 1))
+    with pytest.raises(ValueError, match="'up'.*after gate's"):
+        torch.ops.machmoe._w1_halves_view(buf[1], buf[0])
+    with pytest.raises(ValueError, match="'up'.*strides"):
+        torch.ops.machmoe._w1_halves_view(buf[0], buf[1].transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(ValueError, match="'up'"):
+        torch.ops.machmoe._w1_halves_view(buf[0], buf[1].float())
+    with pytest.raises(ValueError, match="'gate'"):
+        torch.ops.machmoe._w1_halves_view(buf[0, 0], buf[1, 0])
+    x = torch.randn(6, D, dtype=torch.float64)
+    counts = torch.tensor([2, 0, 3, 1])
+    w2 = torch.randn(4, D, N, dtype=torch.float64)
+    joined = torch.cat([buf[0], buf[1]], dim=1)
+    y = machmoe.functional.grouped_experts(x, counts, v, w2, activation="swiglu", weight_layout="concatenated")
+    assert torch.equal(y, machmoe.functional.grouped_experts(x, counts, joined, w2, activation="swiglu",
+                                                             weight_layout="concatenated"))
+    with pytest.raises(ValueError, match="'w1'.*3-D"):
+        machmoe.functional.grouped_experts(x, counts, v, w2, activation="swiglu", weight_layout="interleaved")
+    padded = torch.randn(2, 4, N, D + 8, dtype=torch.float64)[..., :D]  # rows of D + 8: halves not contiguous
+    with pytest.raises(ValueError, match=r"'w1\[:, 0\]'.*contiguous"):
+        machmoe.functional.grouped_experts(x, counts, torch.ops.machmoe._w1_halves_view(padded[0], padded[1]), w2,
+                                           activation="swiglu", weight_layout="concatenated")
+
+
 def test_torchtitan_forward_keeps_no_copy_of_the_gate_up_weights(monkeypatch):
     """With w3 before w1 (the concatenating form): the forward's [w1; w3] copy is dead once the forward returns (the
     backward concatenates the two again), and the gradients are bitwise those of the form that keeps the copy

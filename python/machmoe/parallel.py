@@ -793,8 +793,8 @@ def torchtitan_experts_forward(experts: nn.Module, x: Tensor, num_tokens_per_exp
 def _halves_viewable(gate: Tensor, up: Tensor) -> bool:
     """Whether the library can read gate and up weights (E, n, d) in place as the halves of one (E, 2, n, d) view
     (torch.ops.machmoe._w1_halves_view): the same shape, strides, dtype and device, each contiguous, up's data after
-    gate's by a positive multiple of 16 bytes (the GPU kernels' tensor maps take positive strides of whole 16-byte
-    units; two allocations of the caching allocator, or FSDP2's all-gather of w1, w2, w3 in that order, give one).
+    gate's by a positive multiple of 16 bytes below 2^40 (the GPU kernels' tensor maps take such strides only; two
+    allocations of the caching allocator in a row, or w1 and w3 gathered by FSDP2 in that order, give one).
     Not under torch.compile, which traces the concatenation instead (the view's operator has no fake kernel)."""
     if torch.compiler.is_compiling() or gate.device.type not in ("cpu", "cuda"):
         return False
@@ -803,7 +803,7 @@ def _halves_viewable(gate: Tensor, up: Tensor) -> bool:
     if not (gate.is_contiguous() and up.is_contiguous()) or gate.numel() == 0:
         return False
     apart = up.data_ptr() - gate.data_ptr()
-    return apart > 0 and apart % 16 == 0
+    return 0 < apart < 2**40 and apart % 16 == 0  # (a tensor map's strides stay below 2^40 bytes)
 
 
 _CONCATENATION_NOTED = set()

@@ -654,8 +654,9 @@ TEST(GpuLayerProperties, OneExpertWithAnyExpertStrideGivesTheSameResults) {
 // W1 and its gradient as 4D (E, 2, n, d) views whose gate and up halves lie apart (torchtitan's w1 and w3, two
 // allocations; layer.hpp, LayerWeights::w1) give the bytes of the joined (E, 2n, d) weights: a gap of 40 elements
 // (16-byte aligned) on the Hopper kernels (fallback policy "error": the up-projection's and dX~'s 4D weight maps,
-// dW1's 4D store map, and its register stores with fp32 gradients accumulated), a gap of 3 elements on the reference
-// GEMMs (the up half's rows not 16-byte aligned: a fallback); edge tiles (n = 40) and the wide, clustered tiles
+// dW1's 4D store map, and its register stores with fp32 gradients accumulated); a gap of 3 elements (the up half
+// not 16-byte aligned, which the Hopper kernels refuse) on the reference GEMMs, against the joined weights there
+// too (the two paths round differently); edge tiles (n = 40) and the wide, clustered tiles
 // (n = 128); top-K and caller routing (W1's addressing does not depend on the routing), both cache modes (the
 // input-only mode's backward runs the up-projection again). The gap's poison is never written.
 TEST(GpuLayerProperties, W1HalvesApartGiveTheJoinedResultsBitwise) {
@@ -681,18 +682,23 @@ TEST(GpuLayerProperties, W1HalvesApartGiveTheJoinedResultsBitwise) {
           compare_all(joined, reference_for(quantized_case(c, DType::kBF16), joined.logits), DType::kBF16);
         for (std::int64_t gap : {40, 3}) {
           const std::string what = shape + ", gap " + std::to_string(gap);
-          o.w1_gap = gap;
-          GpuRun apart;
+          GpuRun apart, baseline = joined;
           if (gap % 8 == 0) {
             const ScopedFallbackPolicy strict(FallbackPolicy::kError);
+            o.w1_gap = gap;
             ASSERT_NO_THROW(apart = run_on_gpu(c, DType::kBF16, o)) << what;
           } else {
+            gpu::set_hopper_kernels_enabled(false);
+            o.w1_gap = -1;
+            baseline = run_on_gpu(c, DType::kBF16, o);
+            o.w1_gap = gap;
             apart = run_on_gpu(c, DType::kBF16, o);
+            gpu::set_hopper_kernels_enabled(true);
           }
           EXPECT_TRUE(apart.canaries_intact) << what;
           EXPECT_TRUE(apart.w1_gap_intact) << what;
-          EXPECT_EQ(apart.raw_out, joined.raw_out) << what;
-          expect_same_backward(apart, joined, what);
+          EXPECT_EQ(apart.raw_out, baseline.raw_out) << what;
+          expect_same_backward(apart, baseline, what);
         }
         // fp32 gradients accumulated into (the register stores of dW1's epilogue) over halves apart.
         WeightGradMode acc;
@@ -710,6 +716,7 @@ TEST(GpuLayerProperties, W1HalvesApartGiveTheJoinedResultsBitwise) {
           ASSERT_NO_THROW(acc_apart = run_on_gpu(c, DType::kBF16, o)) << shape << ", accumulated";
         }
         EXPECT_TRUE(acc_apart.w1_gap_intact) << shape << ", accumulated";
+        EXPECT_TRUE(acc_apart.canaries_intact) << shape << ", accumulated";
         expect_same_backward(acc_apart, acc_joined, shape + ", accumulated");
       }
 }

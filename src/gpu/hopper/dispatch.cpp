@@ -564,8 +564,8 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
   const bool concat = a.glu_concat_n > 0;
   const std::int64_t rows_per_half = concat ? a.glu_concat_n : a.M;
   const std::int64_t expert_stride = a.E == 1 ? a.M * a.ld_out : a.out_expert_stride;
-  const bool halves_fit = !concat || (a.half_stride() >= rows_per_half * a.ld_out &&
-                                      a.half_stride() < (std::int64_t{1} << 38));
+  const bool halves_fit =
+      !concat || (a.half_stride() >= rows_per_half * a.ld_out && glu_half_stride_fits_tma(a.half_stride()));
   if (tma_store_allowed && a.out_dt == DType::kBF16 && !a.accumulate && a.ld_out >= a.N &&
       expert_stride >= rows_per_half * a.ld_out && expert_stride < (std::int64_t{1} << 38) && halves_fit) {
     const auto u64 = [](std::int64_t v) { return static_cast<cuuint64_t>(v); };

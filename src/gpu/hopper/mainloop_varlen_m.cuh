@@ -12,8 +12,8 @@
 // TMA tile), the majorness of B and the element type. Edge predication along N and K slots in where the TMA boxes
 // and the cp.async sizes are formed (produce), never deeper: the tensor maps carry the true N and K (TMA zero-fills
 // what lies past them), and the gather zero-fills the 16-byte chunks at k >= K (K is a multiple of 8, so a chunk is
-// wholly inside or wholly past the row). An edge tile's padded columns thus hold exact zeros of B (or, for the
-// concatenated layout's gate half, rows of the up half: finite values that no stored column depends on).
+// wholly inside or wholly past the row). An edge tile's padded columns thus hold exact zeros of B (the concatenated
+// layout's map has n rows a half, so its gate and up boxes are zero-filled past n alike).
 #pragma once
 
 #include <type_traits>

@@ -76,7 +76,7 @@ struct EpilogueActivationParams {
   EpilogueOutput a;  // A
   EpilogueBias bias;
   // Concatenated GLU weights: a tile holds kTileN / 2 gate columns then the matching up columns (the mainloop
-  // loads them so); H is still stored interleaved. glu_n: the first up row of the weights and of the bias.
+  // loads them so); H is still stored interleaved. glu_n: n, the first up column of the (E, 2n) bias.
   bool concatenated = false;
   int glu_n = 0;
   int N = 0;  // accumulator columns (2n or n): an edge tile reads the bias only below it

@@ -102,9 +102,13 @@ def _grad_dtype(x, weight):
 
 def _weight_grad_fake(x, weight, into):
     """A weight gradient as the backward operators return it: empty when the weight is absent or its gradient is
-    added into a caller buffer, else a contiguous tensor of the weight's shape in _grad_dtype."""
+    added into a caller buffer, else a contiguous tensor of the weight's shape in _grad_dtype; for W1 as an
+    (E, 2, n, d) view of its halves, laid out (2, E, n, d) (machmoe_ops.cpp, new_weight_grad)."""
     if weight is None or into is not None:
         return x.new_empty((0,))
+    if weight.dim() == 4:
+        E, two, n, d = weight.shape
+        return x.new_empty((two, E, n, d), dtype=_grad_dtype(x, weight)).permute(1, 0, 2, 3)
     return x.new_empty(weight.shape, dtype=_grad_dtype(x, weight))
 
 

@@ -460,10 +460,13 @@ def test_a_dispatch_mode_gets_the_read_only_backward(cuda):
         assert torch.equal(a, b)
 
 
-def test_torchtitan_adapter_keeps_no_gate_up_copy_until_the_backward(cuda):
-    """torchtitan's GroupedExperts on the GPU (bf16): after the forward, the memory the layer keeps is less than with
-    the [w1; w3] copy kept (taken here under an outer saved-tensor hook, where the adapter stands aside) by at least
-    that copy's size, and the gradients are bitwise those of the kept copy."""
+@pytest.mark.parametrize("up_after_gate", [True, False], ids=["in_place", "concatenated"])
+def test_torchtitan_adapter_keeps_no_gate_up_copy_until_the_backward(cuda, up_after_gate):
+    """torchtitan's GroupedExperts on the GPU (bf16), w1 and w3 placed in one buffer. w3 right after w1: the layer
+    reads both in place as one view, so the memory it keeps after the forward is the same with an outer saved-tensor
+    hook (where the adapter stands aside) as without (no copy either way). w3 before w1: the layer concatenates
+    them, and without the outer hook it keeps less by at least the copy's size. Either way the gradients are bitwise
+    those of the hooked run and of the other placement."""
     from machmoe.parallel import TorchTitanGroupedExperts
     torch.manual_seed(31)
     E, dim, hidden = 8, 512, 1024
@@ -474,6 +477,14 @@ def test_torchtitan_adapter_keeps_no_gate_up_copy_until_the_backward(cuda):
     x = torch.randn(768, dim, device=cuda, dtype=torch.bfloat16, requires_grad=True)
     go = torch.randn(768, dim, device=cuda, dtype=torch.bfloat16)
     params = [x, tt.w1, tt.w2, tt.w3]
+
+    def place(up_after):
+        buf = torch.empty((2, E, hidden, dim), device=cuda, dtype=torch.bfloat16)
+        gate, up = (buf[0], buf[1]) if up_after else (buf[1], buf[0])
+        with torch.no_grad():
+            gate.copy_(tt.w1)
+            up.copy_(tt.w3)
+        tt.w1.data, tt.w3.data = gate, up
 
     def forward(kept):
         torch.cuda.synchronize()
@@ -486,6 +497,9 @@ def test_torchtitan_adapter_keeps_no_gate_up_copy_until_the_backward(cuda):
         torch.cuda.synchronize()
         return y, torch.cuda.memory_allocated(cuda) - before
 
+    place(not up_after_gate)
+    other = torch.autograd.grad((tt(x, counts) * go).float().sum(), params)  # also the warm-up
+    place(up_after_gate)
     torch.autograd.grad((tt(x, counts) * go).float().sum(), params)  # warm-up: lazily allocated state off the books
     y, held = forward(False)
     grads = torch.autograd.grad((y * go).float().sum(), params)
@@ -493,6 +507,10 @@ def test_torchtitan_adapter_keeps_no_gate_up_copy_until_the_backward(cuda):
     y_kept, held_kept = forward(True)
     grads_kept = torch.autograd.grad((y_kept * go).float().sum(), params)
     copy_bytes = E * 2 * hidden * dim * 2
-    assert held_kept - held >= copy_bytes - (1 << 20), (held, held_kept, copy_bytes)  # (allocator rounding)
-    for name, a, b in zip(["x", "w1", "w2", "w3"], grads, grads_kept):
+    if up_after_gate:
+        assert abs(held_kept - held) < (1 << 20), (held, held_kept)  # (allocator rounding)
+    else:
+        assert held_kept - held >= copy_bytes - (1 << 20), (held, held_kept, copy_bytes)
+    for name, a, b, c in zip(["x", "w1", "w2", "w3"], grads, grads_kept, other):
         assert torch.equal(a, b), name
+        assert torch.equal(a, c), name

@@ -3,8 +3,8 @@
 # Tree A is the checkout as it is (built into build/, which stays on a warm machine); tree B is a copy with the
 # diff applied (/tmp/b). Both build at once; then the routing gtests on B, and the small rows' forward with top-K
 # routing, A and B interleaved over two rounds (300 ms windows); token rounding on 1.4B-256 with B for T8's routing
-# ratio; TorchTitanGroupedExperts' copies on A. Tree A also has W1 as a 4D view with its halves apart (uncommitted
-# when this ran): its new test and the GEMM tests around it run on A.
+# ratio; torchtitan_in_place.py on A; the W1 halves test and the GEMM tests around it on A. Never ran (no machine
+# came); call2.sh, the landing call, ran instead.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 here=docs/measurements/2026-12-07-session108

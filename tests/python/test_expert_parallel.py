@@ -29,6 +29,7 @@ import machmoe
 from machmoe.parallel import (ExpertParallelMoE, GroupedExperts, TorchTitanGroupedExperts, check_capacity,
                               expert_parallel_moe, route, shard_experts_fsdp2, torchtitan_experts_forward)
 from reference import GLU, experts as reference_experts, route as reference_route
+from layer_inputs import place_gate_up
 
 D, N = 8, 4
 
@@ -1452,17 +1453,6 @@ def _titan_grads(tt, x, y, go, **kwargs):
     return torch.autograd.grad((y * go).sum(), [x, tt.w1, tt.w2, tt.w3], **kwargs)
 
 
-def _place_gate_up(tt, up_after_gate: bool):
-    """tt's w1 and w3 (values kept) moved into one buffer: w3 right after w1, where the layer reads the two in place
-    as one (E, 2, n, d) view, or w3 before w1, where it must concatenate them."""
-    buf = torch.empty((2,) + tuple(tt.w1.shape), dtype=tt.w1.dtype)
-    gate, up = (buf[0], buf[1]) if up_after_gate else (buf[1], buf[0])
-    with torch.no_grad():
-        gate.copy_(tt.w1)
-        up.copy_(tt.w3)
-    tt.w1.data, tt.w3.data = gate, up
-
-
 def test_torchtitan_reads_gate_and_up_weights_in_place(monkeypatch):
     """w3 after w1 in memory (as two allocations in a row, or FSDP2's gathered parameters, give it): the layer reads
     both in place as the halves of one view, with no [w1; w3] copy in the forward or the backward, w1's and w3's
@@ -1470,12 +1460,12 @@ def test_torchtitan_reads_gate_and_up_weights_in_place(monkeypatch):
     bitwise (w3 placed before w1) and torchtitan's math to 1e-12."""
     import machmoe.parallel as P
     tt, counts, x, go = _titan_case(21)
-    _place_gate_up(tt, up_after_gate=False)
+    place_gate_up(tt, up_after_gate=False)
     P._CONCATENATION_NOTED.discard("cpu")
     with pytest.warns(UserWarning, match="cannot be read in place"):
         y_cat = tt(x, counts)
     cat_grads = _titan_grads(tt, x, y_cat, go)
-    _place_gate_up(tt, up_after_gate=True)
+    place_gate_up(tt, up_after_gate=True)
     assert P._halves_viewable(tt.w1, tt.w3)
     copies = []
     cat, stack = torch.cat, torch.stack
@@ -1505,7 +1495,7 @@ def test_torchtitan_reads_gate_and_up_weights_in_place(monkeypatch):
     # meanwhile (here: w3 now before w1), W1 is stacked into the forward's (E, 2, n, d) form, whose shape autograd
     # holds its gradient to.
     y = tt(x, counts)
-    _place_gate_up(tt, up_after_gate=False)
+    place_gate_up(tt, up_after_gate=False)
     for name, a, b in zip(["x", "w1", "w2", "w3"], _titan_grads(tt, x, y, go), cat_grads):
         assert torch.equal(a, b), name
 
@@ -1546,7 +1536,7 @@ def test_torchtitan_forward_keeps_no_copy_of_the_gate_up_weights(monkeypatch):
     backward concatenates the two again), and the gradients are bitwise those of the form that keeps the copy
     (taken here under an outer saved-tensor hook, where the adapter leaves the saving to that hook)."""
     tt, counts, x, go = _titan_case(21)
-    _place_gate_up(tt, up_after_gate=False)
+    place_gate_up(tt, up_after_gate=False)
     copies = []
     cat = torch.cat
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import machmoe
-from layer_inputs import plain_and_checkpointed_grads
+from layer_inputs import place_gate_up, plain_and_checkpointed_grads
 from reference import experts, reference_moe, route
 
 pytestmark = pytest.mark.gpu
@@ -478,14 +478,6 @@ def test_torchtitan_adapter_keeps_no_gate_up_copy_until_the_backward(cuda, up_af
     go = torch.randn(768, dim, device=cuda, dtype=torch.bfloat16)
     params = [x, tt.w1, tt.w2, tt.w3]
 
-    def place(up_after):
-        buf = torch.empty((2, E, hidden, dim), device=cuda, dtype=torch.bfloat16)
-        gate, up = (buf[0], buf[1]) if up_after else (buf[1], buf[0])
-        with torch.no_grad():
-            gate.copy_(tt.w1)
-            up.copy_(tt.w3)
-        tt.w1.data, tt.w3.data = gate, up
-
     def forward(kept):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated(cuda)
@@ -497,9 +489,9 @@ def test_torchtitan_adapter_keeps_no_gate_up_copy_until_the_backward(cuda, up_af
         torch.cuda.synchronize()
         return y, torch.cuda.memory_allocated(cuda) - before
 
-    place(not up_after_gate)
+    place_gate_up(tt, not up_after_gate)
     other = torch.autograd.grad((tt(x, counts) * go).float().sum(), params)  # also the warm-up
-    place(up_after_gate)
+    place_gate_up(tt, up_after_gate)
     torch.autograd.grad((tt(x, counts) * go).float().sum(), params)  # warm-up: lazily allocated state off the books
     y, held = forward(False)
     grads = torch.autograd.grad((y * go).float().sum(), params)

@@ -4,7 +4,8 @@
 # after call 1, ten tries got no machine and the eleventh was refused for too little device time.
 #   bash prepared_call.sh measure   build; the routing gtests, the new one included; four small rows, top-K, 300 ms
 #                                   windows (their routing stages against call 1's and session 107's on an H100);
-#                                   TorchTitanGroupedExperts' copies (torchtitan_copies.py)
+#                                   TorchTitanGroupedExperts' copies (session 109's torchtitan_in_place.py, which
+#                                   replaced this session's torchtitan_copies.py and measures that form too)
 #   bash prepared_call.sh land      build; the whole gtest GPU suite's two shards beside pytest's GPU tests;
 #                                   compute-sanitizer on the routing tests; every main row (tables on stdout)
 # Both apply the diff first unless the tree has it already (the device copy has no .git: patch, not git apply).
@@ -31,7 +32,7 @@ case "$stage" in
     done
     st "small rows"
     MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$PWD/build/lib/libmachmoe_torch.so PYTHONPATH=python timeout 70 \
-      python3 $here/torchtitan_copies.py
+      python3 docs/measurements/2026-12-07-session109/torchtitan_in_place.py
     st "torchtitan exit $?";;
   land)
     OUT=$OUT bash scripts/ab.sh pyg > /dev/null 2>&1 &

@@ -2,7 +2,7 @@
 (E, 2, h, dim) view of both, no copy) and with them concatenated (w3 placed before w1: [w1; w3] copied in the
 forward, again in the backward, and the (E, 2h, dim) gradient split back), against GroupedExperts with the weights
 already concatenated (weight_layout="concatenated"), same rows, counts and upstream gradient (session 109's change;
-session 108's torchtitan_copies.py measured only the copying form). CUDA events (machmoe.benchmark's time_ms), median over at least 300 ms after 300 ms of warm-up; peak =
+session 108's torchtitan_copies.py, which this replaces, had only the copying form). CUDA events (machmoe.benchmark's time_ms), median over at least 300 ms after 300 ms of warm-up; peak =
 max_memory_allocated over one step above what was allocated before it. Run on a GPU with the in-tree build:
   MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=build/lib/libmachmoe_torch.so PYTHONPATH=python python3 THIS_FILE"""
 import statistics

@@ -24,11 +24,24 @@ inline constexpr int kMetadataTile = static_cast<int>(kMetadataTilePairs);
 
 // ---- router ----------------------------------------------------------------------------------------------------
 
+/// The routing metadata's tile histograms (MetadataArgs::tile_hist: (E, n_tiles) counts of each expert among the
+/// pairs of each tile of kMetadataTile pairs, then the tile scan's counter), for the top-K kernel to write as it
+/// selects (launch_topk_scores).
+struct TopKTileHistograms {
+  std::int32_t* hist = nullptr;  // null: not asked for
+  std::int64_t n_tiles = 0;      // ceil(T K / kMetadataTile)
+};
+
 /// Per token: the top-K experts by logit (ties to the lower index, NaN last), in descending order, and their
 /// scores for `variant`. scores/experts are (T, K) in pair order.
-void launch_topk_scores(DType dt, const void* logits, std::int64_t ld_logits, std::int64_t T, std::int64_t E,
+/// With `histograms`, the kernel that selects also counts the pairs of each metadata tile and writes every count of
+/// the tile histograms (zeros included) and zeroes the scan's counter, so that launch_routing_metadata runs neither
+/// its zero-fill nor its histogram kernel (MetadataArgs::histograms_written): where a block's tokens make whole tiles
+/// (bf16 rows of at most 128 experts, a multiple of 8, a score over the selection, K in {1, 2, 4, 8}). Returns whether
+/// it wrote them; the selections and scores are the same bits either way.
+bool launch_topk_scores(DType dt, const void* logits, std::int64_t ld_logits, std::int64_t T, std::int64_t E,
                         std::int64_t K, ScoreVariant variant, float* scores, std::int32_t* experts,
-                        cudaStream_t stream);
+                        cudaStream_t stream, TopKTileHistograms histograms = {});
 
 /// One pair's share of the router's term of dX when d scores / d logits is nonzero only at the token's selections
 /// (every score variant but kTopKOfSoftmax): dX[t] += dz * W_r[expert] for each pair of t. 8 bytes, read as one.
@@ -86,6 +99,7 @@ struct MetadataArgs {
   const std::int32_t* pair_token = nullptr;   // (P) or null for top-K (token = p / K)
   std::int64_t K = 1;
   std::int32_t* tile_hist = nullptr;       // (E, ceil(P / kMetadataTile)) scratch, then the scan's counter (1)
+  bool histograms_written = false;         // tile_hist already holds the histograms and a zero counter (top-K's)
   std::int32_t* expert_counts = nullptr;   // (E) output, may be null
   std::int32_t* expert_offsets = nullptr;  // (E + 1)
   std::int32_t* expert_tiles = nullptr;    // (E + 1): exclusive scan of ceil(count / kGemmTileM)

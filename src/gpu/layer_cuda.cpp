@@ -362,6 +362,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   std::int32_t* pair_token = at<std::int32_t>(buf.workspace, wl.pair_token);
 
   bool tr_built_plan = false;  // token rounding built the plan of the forward's chunks of tokens
+  bool histograms_written = false;  // the top-K kernel wrote the metadata's tile histograms
 
   // Router and routing.
   if (p.routing != RoutingMode::kCallerSupplied) {
@@ -373,8 +374,11 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   }
   if (p.routing == RoutingMode::kTopK) {
     mark_stage("forward/topk_scores", stream);
-    launch_topk_scores(dt, out.router_logits.data, out.router_logits.stride[0], p.T, p.E, p.K, p.score, scores,
-                       pair_expert, stream);
+    TopKTileHistograms histograms;
+    if (wl.tile_hist.present())
+      histograms = {at<std::int32_t>(buf.workspace, wl.tile_hist), (P + kMetadataTile - 1) / kMetadataTile};
+    histograms_written = launch_topk_scores(dt, out.router_logits.data, out.router_logits.stride[0], p.T, p.E, p.K,
+                                            p.score, scores, pair_expert, stream, histograms);
   } else if (p.routing == RoutingMode::kTokenRounding) {
     // Selection and the whole routing metadata (no routing-metadata stage follows): this stage is all of token
     // rounding's routing, to be compared with forward/topk_scores + forward/routing_metadata of top-K.
@@ -422,6 +426,7 @@ void forward_cuda(const MoEProblem& p, const TensorView& x, const LayerWeights& 
   m.T = p.T, m.E = p.E, m.P = P, m.K = p.K;
   m.pair_expert = pair_expert, m.pair_token = pair_token;
   m.tile_hist = at<std::int32_t>(buf.workspace, wl.tile_hist);
+  m.histograms_written = histograms_written;
   m.expert_counts = static_cast<std::int32_t*>(out.expert_counts.data);
   m.expert_offsets = at<std::int32_t>(buf.saved, sl.expert_offsets);
   m.expert_tiles = at<std::int32_t>(buf.workspace, wl.expert_tiles);

@@ -1,5 +1,6 @@
 // Routing metadata without a global sort and without host synchronisation (docs/SPEC.md §2.2):
-//   1. per-tile expert histograms (tiles of kMetadataTile pairs, one thread per pair),
+//   1. per-tile expert histograms (tiles of kMetadataTile pairs, one thread per pair; or written by the top-K
+//      kernel as it selects, MetadataArgs::histograms_written),
 //   2. per-expert exclusive scans over tiles, then (the scan's last block) an exclusive scan over experts -> offsets,
 //   3. per tile, each pair's stable rank among same-expert pairs before it in the tile.
 // Grouped row of pair p = offsets[e] + (pairs of e in earlier tiles) + rank: ascending pair order inside each
@@ -11,6 +12,7 @@
 
 #include "gpu/chunk_plan.cuh"
 #include "gpu/cuda_check.hpp"
+#include "gpu/dependent_launch.cuh"
 #include "gpu/device_math.cuh"
 #include "gpu/expert_scan.cuh"
 #include "gpu/kernels.hpp"
@@ -63,6 +65,7 @@ __global__ void scan_tiles_kernel(std::int32_t* __restrict__ hist, std::int64_t 
   __shared__ typename BlockScan::TempStorage temp;
   __shared__ std::int32_t carry;
   __shared__ bool last;
+  wait_for_prior_grid();  // the histograms (a programmatic dependent launch: launch_routing_metadata)
   std::int32_t* row = hist + static_cast<std::int64_t>(blockIdx.x) * n_tiles;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
@@ -86,6 +89,7 @@ __global__ void scan_tiles_kernel(std::int32_t* __restrict__ hist, std::int64_t 
     last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
   }
   __syncthreads();
+  allow_dependent_launch();
   if (!last) return;
   __threadfence();
   expert_offsets_from_counts(offsets, E, counts, tiles, true, [](const std::int32_t* q) { return __ldcg(q); });
@@ -111,6 +115,7 @@ __global__ void place_kernel(const std::int32_t* __restrict__ pair_expert, const
                              std::int32_t* __restrict__ scatter, std::int32_t* __restrict__ inverse,
                              std::int32_t* __restrict__ gather, ChunkRows chunk_rows) {
   __shared__ alignas(16) std::int32_t tile_expert[kMetadataTile];
+  wait_for_prior_grid();  // the scan's offsets (and the plan's shifts)
   const std::int64_t tile = blockIdx.x, base = tile * kMetadataTile;
   const int i = threadIdx.x, lane = i & 31, warp_begin = i & ~31;
   const std::int64_t p = base + i;
@@ -126,6 +131,7 @@ __global__ void place_kernel(const std::int32_t* __restrict__ pair_expert, const
     const int4 q = earlier[j];
     rank += (q.x == e) + (q.y == e) + (q.z == e) + (q.w == e);
   }
+  allow_dependent_launch();
   if (p >= P) return;
   if (e < 0 || e >= E) {
     inverse[p] = -1;
@@ -167,6 +173,7 @@ __global__ void chunk_plan_from_histograms_kernel(const std::int32_t* __restrict
   extern __shared__ std::int32_t boundary_hist[];  // 2 E: the pairs of each expert before b0, then before b1,
   std::int32_t* before_b0 = boundary_hist;          // inside their boundary tiles
   std::int32_t* before_b1 = boundary_hist + E;
+  wait_for_prior_grid();  // the scanned histograms and the offsets
   const std::int64_t c = blockIdx.x;
   const std::int64_t t0 = first_token_at(c * pairs_per_chunk, token_offsets, K, T);
   const std::int64_t t1 = c == chunks - 1 ? T : first_token_at((c + 1) * pairs_per_chunk, token_offsets, K, T);
@@ -193,6 +200,7 @@ __global__ void chunk_plan_from_histograms_kernel(const std::int32_t* __restrict
     first = offsets[e] + before0;
     return before1 - before0;  // b1 >= b0
   });
+  allow_dependent_launch();
 }
 
 /// token_offsets[t] = first pair whose token is >= t (pair tokens ascending).
@@ -220,16 +228,20 @@ void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream) {
     MACHMOE_CUDA_CHECK_LAUNCH("token_offsets");
   }
   // The tile scan writes every expert's count into offsets[e + 1], and its last block the offsets.
+  // The scan, the plan and the place kernel are programmatic dependent launches (dependent_launch.cuh): each is
+  // scheduled while the kernel before it finishes and waits for its writes, so the chain has no launch gaps.
   if (n_tiles > 0) {
-    // The histograms and, after them, the scan's counter of finished blocks.
+    // The histograms and, after them, the scan's counter of finished blocks (the top-K kernel's, or here).
     auto* blocks_done = reinterpret_cast<unsigned*>(a.tile_hist + a.E * n_tiles);
-    MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.tile_hist, 0, sizeof(std::int32_t) * (a.E * n_tiles + 1), stream));
-    tile_histogram_kernel<<<static_cast<unsigned>(n_tiles), kMetadataTile, 0, stream>>>(a.pair_expert, a.P, E,
-                                                                                       n_tiles, a.tile_hist);
-    MACHMOE_CUDA_CHECK_LAUNCH("tile_histogram");
+    if (!a.histograms_written) {
+      MACHMOE_CUDA_CHECK(cudaMemsetAsync(a.tile_hist, 0, sizeof(std::int32_t) * (a.E * n_tiles + 1), stream));
+      tile_histogram_kernel<<<static_cast<unsigned>(n_tiles), kMetadataTile, 0, stream>>>(a.pair_expert, a.P, E,
+                                                                                         n_tiles, a.tile_hist);
+      MACHMOE_CUDA_CHECK_LAUNCH("tile_histogram");
+    }
     auto scan = [&](auto kernel) {
-      kernel<<<E, kScanThreads, 0, stream>>>(a.tile_hist, n_tiles, a.expert_offsets, E, a.expert_counts,
-                                             a.expert_tiles, blocks_done);
+      launch_dependent(kernel, dim3(static_cast<unsigned>(E)), dim3(kScanThreads), 0, stream, a.tile_hist, n_tiles,
+                       a.expert_offsets, E, a.expert_counts, a.expert_tiles, blocks_done);
     };
     if (n_tiles <= kScanThreads) scan(scan_tiles_kernel<1>);
     else if (n_tiles <= 2 * kScanThreads) scan(scan_tiles_kernel<2>);
@@ -244,18 +256,17 @@ void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream) {
   }
   ChunkRows chunk_rows;
   if (plan) {
-    chunk_plan_from_histograms_kernel<<<static_cast<unsigned>(a.chunks), kScanThreads,
-                                        2 * sizeof(std::int32_t) * static_cast<std::size_t>(a.E), stream>>>(
-        a.pair_expert, a.P, E, n_tiles, a.tile_hist, a.expert_offsets, a.token_offsets, a.K, a.T, a.chunks,
-        a.pairs_per_chunk, a.plan);
+    launch_dependent(chunk_plan_from_histograms_kernel, dim3(static_cast<unsigned>(a.chunks)), dim3(kScanThreads),
+                     2 * sizeof(std::int32_t) * static_cast<std::size_t>(a.E), stream, a.pair_expert, a.P, E, n_tiles,
+                     a.tile_hist, a.expert_offsets, a.token_offsets, a.K, a.T, a.chunks, a.pairs_per_chunk, a.plan);
     MACHMOE_CUDA_CHECK_LAUNCH("chunk_plan_from_histograms");
     chunk_rows.bounds = a.plan.bounds, chunk_rows.shifts = a.plan.shifts;
     chunk_rows.chunks = static_cast<int>(a.chunks), chunk_rows.pair_rows = a.pair_rows;
   }
   if (n_tiles > 0) {
-    place_kernel<<<static_cast<unsigned>(n_tiles), kMetadataTile, 0, stream>>>(
-        a.pair_expert, a.pair_token, a.P, a.K, E, n_tiles, a.tile_hist, a.expert_offsets, a.scatter, a.inverse,
-        a.gather, chunk_rows);
+    launch_dependent(place_kernel, dim3(static_cast<unsigned>(n_tiles)), dim3(kMetadataTile), 0, stream,
+                     a.pair_expert, a.pair_token, a.P, a.K, E, n_tiles, a.tile_hist, a.expert_offsets, a.scatter,
+                     a.inverse, a.gather, chunk_rows);
     MACHMOE_CUDA_CHECK_LAUNCH("place");
   }
 }

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "gpu/cuda_check.hpp"
+#include "gpu/dependent_launch.cuh"
 #include "gpu/device_math.cuh"
 #include "gpu/kernels.hpp"
 
@@ -119,13 +120,31 @@ constexpr int kLaneThreads = 128;
 constexpr int kLanesPerToken = 2;
 constexpr int kLaneGroups = kLaneMaxExperts / 8 / kLanesPerToken;  // 16-byte groups a lane loads, at most
 
-template <int KMax>
-__global__ void __launch_bounds__(kLaneThreads)
+// With the metadata's tile histograms (TopKTileHistograms, launch_topk_scores): a block's tokens make whole
+// histogram tiles, at most two (kLaneThreads / 2 tokens of K = 8 pairs: 512 pairs), and more tokens a block where K is
+// 1 or 2 (kMetadataTile / K).
+constexpr int kLaneMaxTilesPerBlock = 2;
+constexpr int lane_threads_with_histograms(std::int64_t K) {
+  return static_cast<int>(kLanesPerToken * (kLaneThreads / kLanesPerToken >= kMetadataTile / K
+                                                ? kLaneThreads / kLanesPerToken
+                                                : kMetadataTile / K));
+}
+
+template <int KMax, int Threads, bool kHistograms>
+__global__ void __launch_bounds__(Threads)
     topk_scores_lane_kernel(const __nv_bfloat16* __restrict__ logits, std::int64_t ld, std::int64_t T_, int E, int K,
-                            float* __restrict__ scores, std::int32_t* __restrict__ experts) {
+                            float* __restrict__ scores, std::int32_t* __restrict__ experts,
+                            TopKTileHistograms histograms) {
   using Key = RankKey<__nv_bfloat16>;
-  const std::int64_t pair = (static_cast<std::int64_t>(blockIdx.x) * kLaneThreads + threadIdx.x) / kLanesPerToken;
+  constexpr int kTokens = Threads / kLanesPerToken;
+  const std::int64_t pair = (static_cast<std::int64_t>(blockIdx.x) * Threads + threadIdx.x) / kLanesPerToken;
   const int half = static_cast<int>(threadIdx.x % kLanesPerToken);
+  // This block's tiles of the metadata's histograms, counted in shared memory (integer atomics: exact).
+  __shared__ std::int32_t tile_counts[kHistograms ? kLaneMaxTilesPerBlock * kLaneMaxExperts : 1];
+  if constexpr (kHistograms) {
+    for (int i = threadIdx.x; i < kLaneMaxTilesPerBlock * E; i += Threads) tile_counts[i] = 0;
+    __syncthreads();
+  }
   // Lanes past the last token run on the last one's row and store nothing: both lanes of a token stay for the
   // shuffles, and so does every lane of the warp.
   const bool live = pair < T_;
@@ -152,22 +171,44 @@ __global__ void __launch_bounds__(kLaneThreads)
 #pragma unroll
   for (int i = 0; i < KMax; ++i) other[i] = __shfl_xor_sync(0xffffffffu, best[KMax - 1 - i], 1);
   merge_ascending_into_best<KMax>(best, other);
-  if (!live || half != 0) return;
-  // As the kernel above after its rounds: selection r's logit v_r, first = v_0 (the maximum), the selection's sum of
-  // exp(v_r - first) from r = 0 up, then each score exp(v_r - first) / sum.
-  const float first = Key::value(best[0]);
-  float total = 0.0f;
+  if (live && half == 0) {
+    // As the kernel above after its rounds: selection r's logit v_r, first = v_0 (the maximum), the selection's sum
+    // of exp(v_r - first) from r = 0 up, then each score exp(v_r - first) / sum.
+    const float first = Key::value(best[0]);
+    float total = 0.0f;
 #pragma unroll
-  for (int r = 0; r < KMax; ++r)
-    if (r < K) total += expf(Key::value(best[r]) - first);
-  float* s = scores + t * K;
-  std::int32_t* x = experts + t * K;
+    for (int r = 0; r < KMax; ++r)
+      if (r < K) total += expf(Key::value(best[r]) - first);
+    float* s = scores + t * K;
+    std::int32_t* x = experts + t * K;
+    // The block's first pair starts a histogram tile (kTokens * K is a multiple of kMetadataTile).
+    const std::int64_t first_pair = static_cast<std::int64_t>(blockIdx.x) * kTokens * K;
 #pragma unroll
-  for (int r = 0; r < KMax; ++r)
-    if (r < K) {
-      x[r] = static_cast<std::int32_t>(Key::index(best[r]));
-      s[r] = expf(Key::value(best[r]) - first) / total;
+    for (int r = 0; r < KMax; ++r)
+      if (r < K) {
+        const auto e = static_cast<std::int32_t>(Key::index(best[r]));
+        x[r] = e;
+        s[r] = expf(Key::value(best[r]) - first) / total;
+        if constexpr (kHistograms)
+          atomicAdd(&tile_counts[static_cast<int>((t * K + r - first_pair) / kMetadataTile) * E + e], 1);
+      }
+  }
+  if constexpr (kHistograms) {
+    // Every count of the block's tiles, zeros included (nothing zero-fills the histograms first), in the layout of
+    // the metadata's tile kernel: hist[e * n_tiles + tile]. Tiles past the last pair are not written.
+    __syncthreads();
+    const std::int64_t tile0 = static_cast<std::int64_t>(blockIdx.x) * kTokens * K / kMetadataTile;
+    const int tiles = static_cast<int>(static_cast<std::int64_t>(kTokens) * K / kMetadataTile);
+    for (int i = threadIdx.x; i < tiles * E; i += Threads) {
+      const std::int64_t tile = tile0 + i / E;
+      if (tile < histograms.n_tiles) histograms.hist[static_cast<std::int64_t>(i % E) * histograms.n_tiles + tile] =
+          tile_counts[i];
     }
+    // The tile scan's counter of finished blocks, after the histograms (launch_routing_metadata zeroes it otherwise).
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      reinterpret_cast<unsigned*>(histograms.hist)[static_cast<std::int64_t>(E) * histograms.n_tiles] = 0u;
+  }
+  allow_dependent_launch();  // the metadata's tile scan may be scheduled (it waits for this grid's writes)
 }
 
 // The same selection for any E, reading the row from L1/L2 in each of the K rounds.
@@ -275,20 +316,41 @@ __global__ void router_backward_kernel(ScoreVariant variant, const float* __rest
 
 }  // namespace
 
-void launch_topk_scores(DType dt, const void* logits, std::int64_t ld, std::int64_t T, std::int64_t E,
+bool launch_topk_scores(DType dt, const void* logits, std::int64_t ld, std::int64_t T, std::int64_t E,
                         std::int64_t K, ScoreVariant variant, float* scores, std::int32_t* experts,
-                        cudaStream_t stream) {
-  if (T == 0) return;
+                        cudaStream_t stream, TopKTileHistograms histograms) {
+  if (T == 0) return false;
   if (dt == DType::kBF16 && E <= kLaneMaxExperts && E % 8 == 0 && ld % 8 == 0 &&
       (reinterpret_cast<std::uintptr_t>(logits) & 15u) == 0 && K <= 8 && variant != ScoreVariant::kTopKOfSoftmax) {
     const auto* z = static_cast<const __nv_bfloat16*>(logits);
-    const unsigned grid = ceil_div(T * kLanesPerToken, kLaneThreads);
     const int e = static_cast<int>(E), k = static_cast<int>(K);
-    if (K <= 2) topk_scores_lane_kernel<2><<<grid, kLaneThreads, 0, stream>>>(z, ld, T, e, k, scores, experts);
-    else if (K <= 4) topk_scores_lane_kernel<4><<<grid, kLaneThreads, 0, stream>>>(z, ld, T, e, k, scores, experts);
-    else topk_scores_lane_kernel<8><<<grid, kLaneThreads, 0, stream>>>(z, ld, T, e, k, scores, experts);
+    // The histograms too where a block's tokens make whole tiles: K divides kMetadataTile (K = 1, 2, 4, 8).
+    if (histograms.hist != nullptr && kMetadataTile % K == 0) {
+      const int threads = lane_threads_with_histograms(K);
+      const unsigned grid = ceil_div(T * kLanesPerToken, threads);
+      auto run = [&](auto kernel) {
+        kernel<<<grid, static_cast<unsigned>(threads), 0, stream>>>(z, ld, T, e, k, scores, experts, histograms);
+      };
+      static_assert(lane_threads_with_histograms(1) == 512 && lane_threads_with_histograms(2) == 256 &&
+                        lane_threads_with_histograms(4) == kLaneThreads &&
+                        lane_threads_with_histograms(8) == kLaneThreads,
+                    "the block sizes instantiated below");
+      if (K == 1) run(topk_scores_lane_kernel<2, 512, true>);
+      else if (K == 2) run(topk_scores_lane_kernel<2, 256, true>);
+      else if (K == 4) run(topk_scores_lane_kernel<4, kLaneThreads, true>);
+      else run(topk_scores_lane_kernel<8, kLaneThreads, true>);
+      MACHMOE_CUDA_CHECK_LAUNCH("topk_scores_lane (with the tile histograms)");
+      return true;
+    }
+    const unsigned grid = ceil_div(T * kLanesPerToken, kLaneThreads);
+    auto run = [&](auto kernel) {
+      kernel<<<grid, kLaneThreads, 0, stream>>>(z, ld, T, e, k, scores, experts, TopKTileHistograms{});
+    };
+    if (K <= 2) run(topk_scores_lane_kernel<2, kLaneThreads, false>);
+    else if (K <= 4) run(topk_scores_lane_kernel<4, kLaneThreads, false>);
+    else run(topk_scores_lane_kernel<8, kLaneThreads, false>);
     MACHMOE_CUDA_CHECK_LAUNCH("topk_scores_lane");
-    return;
+    return false;
   }
   dispatch_data_type(dt, [&](auto tag) {
     using Tp = decltype(tag);
@@ -306,6 +368,7 @@ void launch_topk_scores(DType dt, const void* logits, std::int64_t ld, std::int6
     else run(topk_scores_kernel<Tp>);
   });
   MACHMOE_CUDA_CHECK_LAUNCH("topk_scores");
+  return false;
 }
 
 void launch_router_backward(DType dt, ScoreVariant variant, const float* scores, const float* ds,

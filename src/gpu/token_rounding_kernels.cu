@@ -58,7 +58,6 @@
 // score is bitwise the forward's), places the token's pair gradients by expert (in registers for rows of up to 128
 // experts, else in shared memory), and writes dz in one pass with fixed-order warp sums.
 #include <algorithm>
-#include <map>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -71,6 +70,7 @@
 #include "gpu/dependent_launch.cuh"
 #include "gpu/device_math.cuh"
 #include "gpu/kernels.hpp"
+#include "machmoe/device.hpp"
 
 namespace machmoe::gpu {
 namespace {
@@ -1685,18 +1685,12 @@ void by_row_width(std::int64_t E, F&& run) {
   else run(std::integral_constant<int, 0>{});
 }
 
-/// The device's SMs, queried once per device (the bounded select's block size depends on them).
+/// The device's SMs (the bounded select's block size depends on them), cached per device by cuda_sm_count.
 int sm_count() {
   int dev = 0;
   MACHMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  static std::mutex mu;
-  static std::map<int, int> known;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto it = known.find(dev);
-  if (it != known.end()) return it->second;
-  int n = 0;
-  MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  known.emplace(dev, n);
+  const int n = cuda_sm_count(dev);
+  if (n <= 0) throw RuntimeError("machmoe: could not read the SM count of CUDA device " + std::to_string(dev));
   return n;
 }
 

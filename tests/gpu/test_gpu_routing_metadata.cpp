@@ -26,6 +26,7 @@ using gpu::kFusedPlanMaxExperts;
 using gpu::kMetadataTile;
 using gpu::MetadataArgs;
 using gpu::metadata_built_plan;
+using gpu::TopKTileHistograms;
 
 struct MetadataCase {
   std::int64_t T, E, K, chunks;
@@ -285,6 +286,87 @@ INSTANTIATE_TEST_SUITE_P(
                     MetadataCase{9000, 600, 6, 1, true, "caller_more_experts_than_a_block"},
                     MetadataCase{200000, 16, 6, 1, true, "caller_scan_two_steps"}),
     [](const testing::TestParamInfo<MetadataCase>& i) { return std::string(i.param.name); });
+
+// The top-K kernel that also writes the metadata's tile histograms (launch_topk_scores with TopKTileHistograms) and
+// the metadata built from them (histograms_written: no zero-fill, no histogram kernel), against the top-K kernel
+// alone and launch_routing_metadata's own histograms: every output bitwise, with and without the forward's chunk
+// plan; and the histograms as the top-K kernel left them against a count on the host. The histogram buffer starts as
+// 0xFF bytes, so a count or the scan's counter left unwritten shows. K = 1, 2, 4, 8 (256, 128, 64 and 32 tokens a
+// tile; blocks of 512, 256, 128 and 128 threads), token counts that leave the last
+// block and the last tile partial, one token, 8 to 128 experts; and the shapes it declines (K = 3, E > 128, a score
+// over all experts, fp16), where it must say so and write nothing.
+TEST(GpuRoutingMetadataTopK, TopKKernelWritesTheTileHistograms) {
+  REQUIRE_GPU();
+  struct Shape {
+    std::int64_t T, E, K;
+    ScoreVariant sv;
+    DType dt;
+    bool fused;  // whether the kernel takes the histograms
+  };
+  const ScoreVariant over_k = ScoreVariant::kSoftmaxOverTopK;
+  for (const Shape& sh : {Shape{1, 8, 1, over_k, DType::kBF16, true}, Shape{1, 8, 8, over_k, DType::kBF16, true},
+                          Shape{300, 16, 1, over_k, DType::kBF16, true},
+                          Shape{4097, 32, 2, ScoreVariant::kTopKOfSoftmaxRenorm, DType::kBF16, true},
+                          Shape{777, 64, 4, over_k, DType::kBF16, true}, Shape{1000, 128, 8, over_k, DType::kBF16, true},
+                          Shape{40960, 128, 8, over_k, DType::kBF16, true},
+                          Shape{24576, 64, 4, over_k, DType::kBF16, true},
+                          Shape{500, 128, 3, over_k, DType::kBF16, false}, Shape{500, 256, 8, over_k, DType::kBF16, false},
+                          Shape{500, 128, 8, ScoreVariant::kTopKOfSoftmax, DType::kBF16, false},
+                          Shape{500, 128, 8, over_k, DType::kFP16, false}}) {
+    const std::int64_t T = sh.T, E = sh.E, K = sh.K, P = T * K;
+    const std::int64_t n_tiles = (P + kMetadataTile - 1) / kMetadataTile;
+    const std::string what = "T=" + std::to_string(T) + " E=" + std::to_string(E) + " K=" + std::to_string(K) + " " +
+                             score_variant_name(sh.sv) + " " + dtype_name(sh.dt);
+    std::mt19937 rng(static_cast<std::uint32_t>(T * 31 + E * 7 + K));
+    std::normal_distribution<double> normal;
+    std::vector<double> logits(static_cast<std::size_t>(T * E));
+    for (double& v : logits) v = normal(rng);
+    const DeviceBuffer d_logits(encode(logits, sh.dt));
+    for (std::int64_t chunks : {std::int64_t{1}, std::int64_t{3}}) {
+      const MetadataCase c{T, E, K, chunks, false, "topk"};
+      std::vector<std::int32_t> outputs[2][10];
+      for (int fused = 0; fused < 2; ++fused) {
+        DeviceBuffer scores(static_cast<std::size_t>(P) * 4), experts(static_cast<std::size_t>(P) * 4);
+        Metadata m(c, P);  // the histograms start as 0xFF bytes
+        const TopKTileHistograms histograms{static_cast<std::int32_t*>(m.hist.get()), n_tiles};
+        const bool written = gpu::launch_topk_scores(sh.dt, d_logits.get(), E, T, E, K, sh.sv,
+                                                     static_cast<float*>(scores.get()),
+                                                     static_cast<std::int32_t*>(experts.get()), nullptr,
+                                                     fused ? histograms : TopKTileHistograms{});
+        ASSERT_EQ(written, fused && sh.fused) << what;
+        if (fused) {
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+          const std::vector<std::int32_t> hist = ints_of(m.hist);
+          if (!sh.fused) {  // declined: nothing written into the histograms
+            EXPECT_TRUE(std::all_of(hist.begin(), hist.end(), [](std::int32_t v) { return v == -1; })) << what;
+          } else {  // the histograms themselves, against the selections counted on the host, and a zero counter
+            const std::vector<std::int32_t> chosen = ints_of(experts);
+            std::vector<std::int32_t> expect(static_cast<std::size_t>(E * n_tiles + 1), 0);
+            for (std::int64_t q = 0; q < P; ++q) ++expect[static_cast<std::size_t>(chosen[q] * n_tiles + q / kMetadataTile)];
+            EXPECT_EQ(std::vector<std::int32_t>(hist.begin(), hist.begin() + E * n_tiles + 1), expect) << what;
+          }
+        }
+        MetadataArgs a = m.args(c, P, experts, experts);
+        a.histograms_written = written;
+        if (chunks > 1) {
+          a.chunks = chunks, a.pairs_per_chunk = (P + chunks - 1) / chunks;
+          a.plan = DxChunkPlan::in(static_cast<std::int32_t*>(m.plan.get()), chunks, E);
+          a.pair_rows = static_cast<std::int32_t*>(m.pair_rows.get());
+        }
+        gpu::launch_routing_metadata(a, nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+        const DeviceBuffer* bufs[10] = {&scores, &experts, &m.counts, &m.offsets, &m.tiles,
+                                        &m.scatter, &m.inverse, &m.gather, &m.plan, &m.pair_rows};
+        for (int i = 0; i < 10; ++i) outputs[fused][i] = ints_of(*bufs[i]);
+        EXPECT_TRUE(m.hist.canary_intact()) << what;
+      }
+      const char* names[10] = {"scores", "experts", "counts", "offsets", "tiles",
+                               "scatter", "inverse", "gather", "plan", "pair_rows"};
+      for (int i = 0; i < 10; ++i)
+        EXPECT_EQ(outputs[1][i], outputs[0][i]) << what << ", " << chunks << " chunks: " << names[i];
+    }
+  }
+}
 
 // A host function of the GPU runtime (kernels.hpp includes the CUDA runtime, so it cannot go into the CPU suite);
 // labelled gpu with the rest of this binary, it fails without a GPU as every test here does.

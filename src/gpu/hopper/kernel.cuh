@@ -17,12 +17,15 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <string>
 #include <type_traits>
 
 #include "gpu/cuda_check.hpp"
 #include "gpu/hopper/async_primitives.cuh"
 #include "gpu/hopper/params.hpp"
 #include "gpu/hopper/tile_config.hpp"
+#include "machmoe/device.hpp"
+#include "machmoe/error.hpp"
 
 namespace machmoe::gpu::hopper {
 
@@ -228,8 +231,9 @@ void launch_kernel(const typename Kernel::Params& p, int usable_sms, cudaStream_
   int clusters = dev < kMaxDevices ? resident[dev].load(std::memory_order_relaxed) : 0;
   if (clusters == 0) {
     MACHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes));
-    int sm_count = 0;  // the whole device's: what is resident does not depend on the margin of the first call
-    MACHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev));
+    // The whole device's SMs (cached per device): what is resident does not depend on the margin of the first call.
+    const int sm_count = cuda_sm_count(dev);
+    if (sm_count <= 0) throw RuntimeError("machmoe: could not read the SM count of CUDA device " + std::to_string(dev));
     clusters = sm_count;
     if constexpr (Kernel::kClusterM > 1) {
       cfg.gridDim = dim3((sm_count / Kernel::kClusterM) * Kernel::kClusterM);

@@ -202,7 +202,8 @@ struct ExpertOperand {
   int permute = 0;
   std::int64_t glu_n = 0;
   std::int64_t glu_half_stride = 0;  // 0: glu_n rows
-  std::int64_t half_stride() const {
+  // Host and device (the reference GEMMs read it in their kernels; cuda_runtime.h defines the qualifiers for g++).
+  __host__ __device__ std::int64_t half_stride() const {
     if (glu_half_stride != 0) return glu_half_stride;
     return glu_n * (permute == 2 ? stride_k : stride_col);
   }
@@ -268,7 +269,9 @@ struct VarlenKArgs {
   // glu_concat_n rows (joined).
   void* out = nullptr;
   std::int64_t out_expert_stride = 0, ld_out = 0, glu_concat_n = 0, glu_half_stride = 0;
-  std::int64_t half_stride() const { return glu_half_stride != 0 ? glu_half_stride : glu_concat_n * ld_out; }
+  __host__ __device__ std::int64_t half_stride() const {
+    return glu_half_stride != 0 ? glu_half_stride : glu_concat_n * ld_out;
+  }
   DType out_dt = DType::kBF16;
   bool accumulate = false;
 };

@@ -35,12 +35,6 @@ __device__ __forceinline__ void tile_product(const float (&As)[BK][BM + 4], cons
   }
 }
 
-/// ExpertOperand::half_stride() on the device: the concatenated layout's distance from gate row j to up row j.
-__device__ __forceinline__ std::int64_t operand_half_stride(const ExpertOperand& b) {
-  if (b.glu_half_stride != 0) return b.glu_half_stride;
-  return b.glu_n * (b.permute == 2 ? b.stride_k : b.stride_col);
-}
-
 template <class T, Epilogue EPI>
 __global__ void __launch_bounds__(THREADS) varlen_m_gemm_kernel(const VarlenMArgs a) {
   __shared__ float As[BK][BM + 4];
@@ -78,8 +72,8 @@ __global__ void __launch_bounds__(THREADS) varlen_m_gemm_kernel(const VarlenMArg
       const std::int64_t c = n0 + col, k = k0 + kk;
       float v = 0.0f;
       if (c < a.N && k < a.K) {
-        const std::int64_t oc = b.permute == 1 ? glu_concat_offset(c, operand_half_stride(b), b.stride_col) : c * b.stride_col;
-        const std::int64_t ok = b.permute == 2 ? glu_concat_offset(k, operand_half_stride(b), b.stride_k) : k * b.stride_k;
+        const std::int64_t oc = b.permute == 1 ? glu_concat_offset(c, b.half_stride(), b.stride_col) : c * b.stride_col;
+        const std::int64_t ok = b.permute == 2 ? glu_concat_offset(k, b.half_stride(), b.stride_k) : k * b.stride_k;
         v = to_float(ld<T>(b.ptr, b_base + oc + ok));
       }
       Bs[kk][col] = v;
@@ -209,7 +203,7 @@ __global__ void __launch_bounds__(THREADS) varlen_k_gemm_kernel(const VarlenKArg
     const std::int64_t m = m0 + ty * 4 + i;
     if (m >= a.M) continue;
     const std::int64_t row_offset =
-        a.glu_concat_n > 0 ? glu_concat_offset(m, a.glu_half_stride != 0 ? a.glu_half_stride : a.glu_concat_n * a.ld_out, a.ld_out) : m * a.ld_out;
+        a.glu_concat_n > 0 ? glu_concat_offset(m, a.half_stride(), a.ld_out) : m * a.ld_out;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const std::int64_t n = n0 + tx * 4 + j;

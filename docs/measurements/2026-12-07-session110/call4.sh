@@ -3,7 +3,8 @@
 # Call 1 had B (with it) after A (without) in each round and read B's backward 2.037 / 2.042 ms against A's
 # 2.006 / 2.019, while no backward kernel changed. Here the order alternates: B A A B B A, top-K, 300 ms windows.
 # Tree B is the checkout (landed code, build/); tree A a copy with topk_histograms.diff reversed (/tmp/a). Then, with
-# what is left of the call (CALL_S, default 280 s), T8's sweep row once more on B.
+# what is left of the call (CALL_S, default 280 s), T8's sweep row once more on B. Never ran: the device tool refused
+# to start a machine for the 325 s of device time that were left.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 S=$(date +%s); st() { echo "[$(( $(date +%s) - S ))s] $*"; }

@@ -29,6 +29,8 @@
 #             scripts/t8_table.py reads its tab.txt (one side's runs: SIDES=new)
 #   g0 g1     the whole gtest GPU suite in two shards      gboth  both shards side by side (about 280 s on an H200)
 #   pyg       pytest's GPU tests (one GPU)
+#   suites    the whole GPU suite: gboth with pyg beside it (270-400 s on an H100), then each suite's summary and the
+#             names of any failed test (a landing call's check)
 #   san       compute-sanitizer memcheck and racecheck on the tests matching $SF
 #   pack      everything under $OUT into one archive (a device call returns at most 8 files)
 # Configurations: a name of machmoe-bench's (1.4B-256) or name=--T:16384:--d:4096:... for explicit sizes.
@@ -112,6 +114,12 @@ for step in "$@"; do
   pyg) MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so timeout 400 python3 -m pytest -q \
         -p no:cacheprovider -m "gpu and not multigpu" tests/python > "$OUT/pytest_gpu.log" 2>&1; echo "exit $?"
       tail -n 1 "$OUT/pytest_gpu.log";;
+  suites)
+    OUT=$OUT bash "$0" pyg > /dev/null 2>&1 & pyg=$!
+    OUT=$OUT bash "$0" gboth | grep -E "exit|PASSED|FAILED|tests ran" | tail -n 6
+    wait "$pyg"; tail -n 1 "$OUT/pytest_gpu.log"
+    grep -E "^FAILED|^ERROR" "$OUT/pytest_gpu.log" | head -20
+    grep -hE "^\[  FAILED|Failure" "$OUT"/gtest_g*.log | head -20;;
   san) for tool in memcheck racecheck; do  # (the test binary's 120 s hang watchdog off: the tools slow tests past it)
       MACHMOE_GPU_TEST_TIMEOUT_S=0 timeout 280 compute-sanitizer --tool $tool --error-exitcode 9 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
         --gtest_filter="${SF:-*TokenRounding*}" > "$OUT/sanitize_$tool.log" 2>&1

@@ -49,14 +49,7 @@ case "$stage" in
     if patch -p1 -N -s --dry-run < "$here/router_topk_fused.diff" > /dev/null 2>&1; then
       patch -p1 -N -s < "$here/router_topk_fused.diff" && st "applied router_topk_fused.diff"
     fi
-    MACHMOE_JOBS=16 bash scripts/build.sh > "$OUT/build.log" 2>&1; st "build exit $?"
-    grep -E " error|FAILED" "$OUT/build.log" | head
-    OUT=$OUT bash scripts/ab.sh pyg > /dev/null 2>&1 &
-    pyg=$!
-    OUT=$OUT bash scripts/ab.sh gboth 2>&1 | tail -6
-    wait $pyg; st "suites done"
-    tail -n 2 "$OUT/pytest_gpu.log"; grep -E "^FAILED|^ERROR" "$OUT/pytest_gpu.log" | head -20
-    grep -hE "^\[  FAILED|Failure" "$OUT"/gtest_g*.log | head -20
+    OUT=$OUT bash scripts/ab.sh build suites; st "suites done"
     if [ "$(left)" -gt 130 ]; then
       timeout $(( $(left) - 20 )) ./build/bin/machmoe-bench --routing topk --warmup-ms 300 --time-ms 300 --all-configs \
         --cache preact --json "$OUT/all_topk.json" > "$OUT/all_topk.log" 2>&1

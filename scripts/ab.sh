@@ -27,10 +27,13 @@
 #   tab       machmoe-bench --routing {token_rounding,topk} on $TCFGS, both sides, $ROUNDS rounds (T8's comparison);
 #             $SIDES and $ROUTES narrow it, $TAB_ARGS adds options (e.g. --warmup-ms 300 --time-ms 300);
 #             scripts/t8_table.py reads its tab.txt (one side's runs: SIDES=new)
-#   g0 g1     the whole gtest GPU suite in two shards      gboth  both shards side by side (about 280 s on an H200)
-#   pyg       pytest's GPU tests (one GPU)
-#   suites    the whole GPU suite: gboth with pyg beside it (270-400 s on an H100), then each suite's summary and the
-#             names of any failed test (a landing call's check)
+#   g0 g1     the whole gtest GPU suite in two shards, one of them
+#   gboth     the whole gtest GPU suite in $GSHARDS shards side by side (default 6: under 220 s on an H100 with
+#             pytest's GPU tests beside them, session 111; two shards took about 280 s on an H200)
+#   pyg       pytest's GPU tests (one GPU) in $PSHARDS processes side by side (default 3; MACHMOE_PYTEST_SHARD, dealt
+#             round-robin by tests/python/sharding.py): their logs pytest_gpu_s<i>.log, their summary lines
+#   suites    the whole GPU suite: gboth with pyg beside it, then each suite's summary and the names of any failed test
+#             (a landing call's check)
 #   san       compute-sanitizer memcheck and racecheck on the tests matching $SF
 #   pack      everything under $OUT into one archive (a device call returns at most 8 files)
 # Configurations: a name of machmoe-bench's (1.4B-256) or name=--T:16384:--d:4096:... for explicit sizes.
@@ -43,8 +46,8 @@ start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 bench_args() { case "$1" in *=*) echo "${1#*=}" | tr ':' ' ';; *) echo "--config $1";; esac; }
 cfg_name() { echo "${1%%=*}"; }
-gtest_shard() {  # shard $1 of 2 of the whole gtest GPU suite, into $OUT/gtest_g$1.log
-  GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$1 timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
+gtest_shard() {  # shard $1 of ${2:-2} of the whole gtest GPU suite, into $OUT/gtest_g$1.log
+  GTEST_TOTAL_SHARDS=${2:-2} GTEST_SHARD_INDEX=$1 timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
     > "$OUT/gtest_g$1.log" 2>&1
 }
 shard_summary() { grep -v "reference GEMM" "$OUT/gtest_g$1.log" | tail -n 2; }
@@ -108,17 +111,23 @@ for step in "$@"; do
           grep -E "^config |^  (forward|backward) |forward/(token_rounding|topk|routing|y_chunk_plan)|backward/router"
       done; done; done; done 2>&1 | tee -a "$OUT/tab.txt";;
   g0|g1) gtest_shard "${step#g}"; echo "exit $?"; shard_summary "${step#g}";;
-  gboth) pids=()
-    for i in 0 1; do gtest_shard "$i" & pids+=($!); done
-    for i in 0 1; do wait "${pids[$i]}"; echo "g$i exit $?"; shard_summary "$i"; done;;
-  pyg) MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so timeout 400 python3 -m pytest -q \
-        -p no:cacheprovider -m "gpu and not multigpu" tests/python > "$OUT/pytest_gpu.log" 2>&1; echo "exit $?"
-      tail -n 1 "$OUT/pytest_gpu.log";;
+  gboth) pids=(); n=${GSHARDS:-6}
+    for i in $(seq 0 $((n - 1))); do gtest_shard "$i" "$n" & pids+=($!); done
+    for i in $(seq 0 $((n - 1))); do wait "${pids[$i]}"; echo "g$i exit $?"; shard_summary "$i"; done;;
+  pyg) pids=(); n=${PSHARDS:-3}
+    for i in $(seq 0 $((n - 1))); do
+      MACHMOE_PYTEST_SHARD=$i/$n MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so \
+        timeout 400 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/python \
+        > "$OUT/pytest_gpu_s$i.log" 2>&1 & pids+=($!)
+    done
+    for i in $(seq 0 $((n - 1))); do
+      wait "${pids[$i]}"; echo "pytest shard $i/$n exit $?: $(tail -n 1 "$OUT/pytest_gpu_s$i.log")"
+    done;;
   suites)
-    OUT=$OUT bash "$0" pyg > /dev/null 2>&1 & pyg=$!
-    OUT=$OUT bash "$0" gboth | grep -E "exit|PASSED|FAILED|tests ran" | tail -n 6
-    wait "$pyg"; tail -n 1 "$OUT/pytest_gpu.log"
-    grep -E "^FAILED|^ERROR" "$OUT/pytest_gpu.log" | head -20
+    OUT=$OUT bash "$0" pyg > "$OUT/pyg_summary.txt" 2>&1 & pyg=$!
+    OUT=$OUT bash "$0" gboth | grep -E "exit|PASSED|FAILED|tests ran"
+    wait "$pyg"; grep "pytest shard" "$OUT/pyg_summary.txt"
+    grep -hE "^FAILED|^ERROR" "$OUT"/pytest_gpu_s*.log | head -20
     grep -hE "^\[  FAILED|Failure" "$OUT"/gtest_g*.log | head -20;;
   san) for tool in memcheck racecheck; do  # (the test binary's 120 s hang watchdog off: the tools slow tests past it)
       MACHMOE_GPU_TEST_TIMEOUT_S=0 timeout 280 compute-sanitizer --tool $tool --error-exitcode 9 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \

@@ -21,6 +21,25 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpus8: needs 8 CUDA GPUs (also marked multigpu)")
 
 
+@pytest.hookimpl(trylast=True)  # after -m has deselected, so that the shards share the selected tests
+def pytest_collection_modifyitems(config, items):
+    """MACHMOE_PYTEST_SHARD="i/n": run only shard i of n (sharding.py), e.g. the GPU tests in three processes side by
+    side on one GPU (scripts/ab.sh pyg)."""
+    spec = os.environ.get("MACHMOE_PYTEST_SHARD")
+    if not spec:
+        return
+    from sharding import parse_shard, split
+
+    try:
+        index, total = parse_shard(spec)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    kept, dropped = split(items, index, total)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture
 def cuda():
     """The CUDA device; a GPU test asked to run without one fails."""

@@ -6,18 +6,15 @@ every shard. The n shards together run each selected test exactly once."""
 
 def parse_shard(spec: str) -> tuple:
     """ "i/n" -> (i, n), 0 <= i < n; anything else is refused with what was given."""
-    parts = spec.split("/")
     try:
-        index, total = (int(p) for p in parts) if len(parts) == 2 else (None, None)
+        index, total = map(int, spec.split("/"))  # (a ValueError too where there are not exactly two parts)
     except ValueError:
-        index, total = None, None
-    if index is None or total < 1 or not 0 <= index < total:
+        index, total = -1, 0
+    if not 0 <= index < total:
         raise ValueError(f"MACHMOE_PYTEST_SHARD: expected 'i/n' with 0 <= i < n (e.g. 0/3), got {spec!r}")
     return index, total
 
 
 def split(items: list, index: int, total: int) -> tuple:
     """(kept, dropped) of items for shard index of total, each in the order collected."""
-    kept = [item for pos, item in enumerate(items) if pos % total == index]
-    dropped = [item for pos, item in enumerate(items) if pos % total != index]
-    return kept, dropped
+    return items[index::total], [item for pos, item in enumerate(items) if pos % total != index]

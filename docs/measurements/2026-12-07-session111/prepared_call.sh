@@ -34,12 +34,8 @@ for run in 1.4B-256:topk 7B-512:topk 1.4B-256:token_rounding 7B-256:topk 1.4B-10
   done
 done
 st "A/B rows"
-( for tool in memcheck racecheck; do
-    MACHMOE_GPU_TEST_TIMEOUT_S=0 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 \
-      ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
-      --gtest_filter='GpuRoutingMetadataTopK.RouterGemmAndTopKInOneKernel' > "$OUT/san_$tool.log" 2>&1
-    echo "$tool exit $? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/san_$tool.log" | sort -u | tr '\n' ' ')"
-  done > "$OUT/san_summary.txt" ) & san=$!
+SF='GpuRoutingMetadataTopK.RouterGemmAndTopKInOneKernel' OUT=$OUT bash scripts/ab.sh san > "$OUT/san_summary.txt" 2>&1 &
+san=$!
 OUT=$OUT bash scripts/ab.sh suites; st "suites done"
 wait $san; cat "$OUT/san_summary.txt"
 if [ "$(left)" -gt 60 ]; then

@@ -46,9 +46,9 @@ start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 bench_args() { case "$1" in *=*) echo "${1#*=}" | tr ':' ' ';; *) echo "--config $1";; esac; }
 cfg_name() { echo "${1%%=*}"; }
-gtest_shard() {  # shard $1 of ${2:-2} of the whole gtest GPU suite, into $OUT/gtest_g$1.log
+gtest_shard() {  # shard $1 of ${2:-2} of the gtest GPU suite ($SUITE_FILTER of it, default all), into $OUT/gtest_g$1.log
   GTEST_TOTAL_SHARDS=${2:-2} GTEST_SHARD_INDEX=$1 timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
-    > "$OUT/gtest_g$1.log" 2>&1
+    --gtest_filter="${SUITE_FILTER:-*}" > "$OUT/gtest_g$1.log" 2>&1
 }
 shard_summary() { grep -v "reference GEMM" "$OUT/gtest_g$1.log" | tail -n 2; }
 bench_of() {

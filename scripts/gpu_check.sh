@@ -10,9 +10,7 @@
 #   suffix of their files' names (so that two routings of a configuration keep both).
 # detail: ncu --set full of the kernels matching $KERNEL_REGEX and the instructions where they stall, in one archive
 # (built with -lineinfo, so that the stalls are also ranked by source line).
-# The whole GPU suite took 289 s on an H100 in two gtest shards (2026-11-25, its float64 references on all cores;
-# over 490 s in one process before); where one command may run 10 minutes at most with the build and pytest, split it
-# with gtest's own sharding over calls: GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=0 (then 1) bash ... tests.
+# tests runs the GPU suites in shards side by side (scripts/ab.sh suites; GSHARDS and PSHARDS set their counts).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 what="${1:-all}"
@@ -55,14 +53,20 @@ for src in src/gpu/hopper/instantiations/*.cu; do
 done 2>&1 | tee "$logs/hopper_kernels.txt"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   (cd build && ctest -L cpu --parallel "$(nproc)" 2>&1 | tail -n 3; exit "${PIPESTATUS[0]}") || status=1
-  # A hung kernel fails the run instead of eating the lease.
-  timeout 480 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="$filter" 2>&1 | tee "$logs/gpu_tests.log" | tail -n 40
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if [ -f build/lib/libmachmoe_torch.so ]; then
     MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY="$root/build/lib/libmachmoe_torch.so" python3 -m pytest -q -p no:cacheprovider \
-      tests/python -m "not multigpu" 2>&1 | tee "$logs/pytest.log" | tail -n 15
+      tests/python -m "not gpu and not multigpu" 2>&1 | tee "$logs/pytest_cpu.log" | tail -n 3
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
+  # The GPU suites side by side (scripts/ab.sh suites): gtest in $GSHARDS shards (default 6) with pytest's GPU tests
+  # in $PSHARDS processes (default 3) beside them (session 111, H100: the six gtest shards done within 218 s, the
+  # whole gtest suite over 490 s in one process on 2026-11-25); each shard has a timeout, so a hung kernel fails the
+  # run instead of eating the lease. A gtest filter narrows the gtest shards, and pytest's GPU tests then stay out.
+  suites_args=suites; [ "$filter" = "*" ] || suites_args=gboth
+  SUITE_FILTER="$filter" OUT="$logs" bash scripts/ab.sh $suites_args 2>&1 | tee "$logs/gpu_suites.txt"
+  # A shard's or a process's nonzero exit, a failed test, or a shard without its summary line fails the run.
+  grep -qE "exit [1-9]|FAILED|Failure" "$logs/gpu_suites.txt" && status=1
+  [ "$(grep -c "PASSED" "$logs/gpu_suites.txt")" -eq "${GSHARDS:-6}" ] || status=1
 fi
 if [ "$what" = all ] || [ "$what" = sanitize ]; then
   # Small shapes only (the sanitizers slow kernels down ~100x); every kernel is on these paths.

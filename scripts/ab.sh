@@ -33,7 +33,7 @@
 #   pyg       pytest's GPU tests (one GPU) in $PSHARDS processes side by side (default 3; MACHMOE_PYTEST_SHARD, dealt
 #             round-robin by tests/python/sharding.py): their logs pytest_gpu_s<i>.log, their summary lines
 #   suites    the whole GPU suite: gboth with pyg beside it, then each suite's summary and the names of any failed test
-#             (a landing call's check)
+#             (a landing call's check). gboth, pyg and suites make the script exit 1 if a shard or process failed.
 #   san       compute-sanitizer memcheck and racecheck on the tests matching $SF
 #   pack      everything under $OUT into one archive (a device call returns at most 8 files)
 # Configurations: a name of machmoe-bench's (1.4B-256) or name=--T:16384:--d:4096:... for explicit sizes.
@@ -43,6 +43,7 @@ root=$PWD; OUT=${OUT:-$root/build/gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 base=/tmp/base
 start=$(date +%s)
+failed=0  # the GPU-suite steps (gboth, pyg, suites): 1 once a shard or process exits nonzero; the script's exit status
 stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 bench_args() { case "$1" in *=*) echo "${1#*=}" | tr ':' ' ';; *) echo "--config $1";; esac; }
 cfg_name() { echo "${1%%=*}"; }
@@ -113,7 +114,9 @@ for step in "$@"; do
   g0|g1) gtest_shard "${step#g}"; echo "exit $?"; shard_summary "${step#g}";;
   gboth) pids=(); n=${GSHARDS:-6}
     for i in $(seq 0 $((n - 1))); do gtest_shard "$i" "$n" & pids+=($!); done
-    for i in $(seq 0 $((n - 1))); do wait "${pids[$i]}"; echo "g$i exit $?"; shard_summary "$i"; done;;
+    for i in $(seq 0 $((n - 1))); do
+      wait "${pids[$i]}"; rc=$?; echo "g$i exit $rc"; shard_summary "$i"; [ "$rc" -eq 0 ] || failed=1
+    done;;
   pyg) pids=(); n=${PSHARDS:-3}
     for i in $(seq 0 $((n - 1))); do
       MACHMOE_PYTEST_SHARD=$i/$n MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so \
@@ -121,12 +124,14 @@ for step in "$@"; do
         > "$OUT/pytest_gpu_s$i.log" 2>&1 & pids+=($!)
     done
     for i in $(seq 0 $((n - 1))); do
-      wait "${pids[$i]}"; echo "pytest shard $i/$n exit $?: $(tail -n 1 "$OUT/pytest_gpu_s$i.log")"
+      wait "${pids[$i]}"; rc=$?; echo "pytest shard $i/$n exit $rc: $(tail -n 1 "$OUT/pytest_gpu_s$i.log")"
+      [ "$rc" -eq 0 ] || failed=1
     done;;
   suites)
     OUT=$OUT bash "$0" pyg > "$OUT/pyg_summary.txt" 2>&1 & pyg=$!
     OUT=$OUT bash "$0" gboth | grep -E "exit|PASSED|FAILED|tests ran"
-    wait "$pyg"; grep "pytest shard" "$OUT/pyg_summary.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    wait "$pyg" || failed=1; grep "pytest shard" "$OUT/pyg_summary.txt"
     grep -hE "^FAILED|^ERROR" "$OUT"/pytest_gpu_s*.log | head -20
     grep -hE "^\[  FAILED|Failure" "$OUT"/gtest_g*.log | head -20;;
   san) for tool in memcheck racecheck; do  # (the test binary's 120 s hang watchdog off: the tools slow tests past it)
@@ -139,3 +144,4 @@ for step in "$@"; do
   esac
 done
 stamp done
+exit "$failed"

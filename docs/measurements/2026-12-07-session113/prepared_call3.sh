@@ -15,16 +15,9 @@
 # docs/BENCHMARKS.md and remove MACHMOE_PLACE_BY_TILE (keep place_by_tile for the tests).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
-export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-S=$(date +%s); st() { echo "[$(( $(date +%s) - S ))s] $*"; }
-left() { echo $(( ${CALL_S:-560} - ($(date +%s) - S) )); }
-nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv,noheader
-if ! ./build/bin/machmoe-bench --help > /dev/null 2>&1; then
-  lib=$(python3 -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu13', 'lib'))")
-  export LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"
-  ./build/bin/machmoe-bench --help > /dev/null 2>&1 || { ./build/bin/machmoe-bench --help 2>&1 | head -5; exit 3; }
-  echo "binaries start with $lib on the library path"
-fi
+source scripts/device_call.sh
+call_start
+carried_binaries
 timeout 120 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter='*GpuRoutingMetadata*:GpuStageTiming.*' 2>&1 |
   grep -E "PASSED|FAILED|tests ran|Failure" | head -20
 st "routing gtests"
@@ -49,7 +42,7 @@ for cfg in ${AB_CFGS:-1.4B-256 7B-256 30B-256}; do
   for side in T N N T; do
     [ "$(left)" -gt ${AB_UNTIL:-380} ] || break 2
     echo "== $cfg topk $side"
-    (export $(side_env $side); bench $cfg)
+    with_env "$(side_env $side)" bench $cfg
   done
 done 2>&1 | tee "$OUT/ab.txt"
 st "A/B rows"

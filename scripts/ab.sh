@@ -33,7 +33,9 @@
 #   pyg       pytest's GPU tests (one GPU) in $PSHARDS processes side by side (default 3; MACHMOE_PYTEST_SHARD, dealt
 #             round-robin by tests/python/sharding.py): their logs pytest_gpu_s<i>.log, their summary lines
 #   suites    the whole GPU suite: gboth with pyg beside it, then each suite's summary and the names of any failed test
-#             (a landing call's check). gboth, pyg and suites make the script exit 1 if a shard or process failed.
+#             (a landing call's check).
+# The script exits 1 when a step that checks something failed: a build (build, apply, revert, variants), a test
+# (gf, gboth, pyg, suites, san) or a shard or process of them; the measuring steps only print.
 #   san       compute-sanitizer memcheck and racecheck on the tests matching $SF
 #   pack      everything under $OUT into one archive (a device call returns at most 8 files)
 # Configurations: a name of machmoe-bench's (1.4B-256) or name=--T:16384:--d:4096:... for explicit sizes.
@@ -43,7 +45,7 @@ root=$PWD; OUT=${OUT:-$root/build/gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 base=/tmp/base
 start=$(date +%s)
-failed=0  # the GPU-suite steps (gboth, pyg, suites): 1 once a shard or process exits nonzero; the script's exit status
+failed=0  # 1 once a build or test step (or a shard or process of one) exits nonzero; the script's exit status
 stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 bench_args() { case "$1" in *=*) echo "${1#*=}" | tr ':' ' ';; *) echo "--config $1";; esac; }
 cfg_name() { echo "${1%%=*}"; }
@@ -71,7 +73,8 @@ for step in "$@"; do
         echo $? > /tmp/base.done ) &
     fi;;
   basewait) while [ ! -f /tmp/base.done ]; do sleep 2; done; echo "base build exit $(cat /tmp/base.done)";;
-  build) MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$OUT/build.log" 2>&1; echo "build exit $?"; tail -n 1 "$OUT/build.log";;
+  build) MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$OUT/build.log" 2>&1; rc=$?; echo "build exit $rc"
+    [ "$rc" -eq 0 ] || failed=1; tail -n 1 "$OUT/build.log";;
   variants)
     vf=${VARIANT_FILE:-src/gpu/token_rounding_kernels.cu}
     cp "$vf" /tmp/variant_own
@@ -79,10 +82,11 @@ for step in "$@"; do
       name=${v%%=*}
       cp "${v#*=}" "$vf" && touch "$vf"
       cmake --build build --target machmoe-bench > "$OUT/build_variant_$name.log" 2>&1
-      echo "variant $name: build exit $?"; cp build/bin/machmoe-bench "/tmp/bench_$name"
+      rc=$?; echo "variant $name: build exit $rc"; [ "$rc" -eq 0 ] || failed=1; cp build/bin/machmoe-bench "/tmp/bench_$name"
     done
     cp /tmp/variant_own "$vf" && touch "$vf"
-    cmake --build build > "$OUT/build_variant_own.log" 2>&1; echo "own version: build exit $?";;
+    cmake --build build > "$OUT/build_variant_own.log" 2>&1; rc=$?; echo "own version: build exit $rc"
+    [ "$rc" -eq 0 ] || failed=1;;
   keep) cp ./build/bin/machmoe-bench "/tmp/bench_${KEEP:-main}" && echo "kept /tmp/bench_${KEEP:-main}";;
   apply|revert)
     patch=${AB_PATCH:?a git diff to apply}
@@ -90,9 +94,10 @@ for step in "$@"; do
     git apply "${rev[@]}" "$patch" || { echo "$step: $patch does not apply"; exit 3; }
     for f in $(git apply --numstat "$patch" | cut -f3); do [ -e "$f" ] && touch "$f"; done
     MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$OUT/build_$step.log" 2>&1
-    echo "$step $patch: build exit $?"; tail -n 1 "$OUT/build_$step.log";;
+    rc=$?; echo "$step $patch: build exit $rc"; [ "$rc" -eq 0 ] || failed=1; tail -n 1 "$OUT/build_$step.log";;
   gf) timeout 300 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="${GF:-*TokenRounding*}" 2>&1 |
-        grep -v "reference GEMM" | tail -n 3;;
+        grep -v "reference GEMM" | tail -n 3
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1;;
   equiv) BASE_SEL=1 BASE_SRC=$base timeout 300 bash docs/measurements/2026-11-27-h100-session48/tr_equivalence_build.sh \
         > "$OUT/equivalence.txt" 2>&1; echo "equivalence exit $?"; tail -n 2 "$OUT/equivalence.txt";;
   ncu)
@@ -137,7 +142,8 @@ for step in "$@"; do
   san) for tool in memcheck racecheck; do  # (the test binary's 120 s hang watchdog off: the tools slow tests past it)
       MACHMOE_GPU_TEST_TIMEOUT_S=0 timeout 280 compute-sanitizer --tool $tool --error-exitcode 9 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
         --gtest_filter="${SF:-*TokenRounding*}" > "$OUT/sanitize_$tool.log" 2>&1
-      echo "$tool exit $? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/sanitize_$tool.log" | sort -u | tr '\n' ' ')"
+      rc=$?; [ "$rc" -eq 0 ] || failed=1
+      echo "$tool exit $rc $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/sanitize_$tool.log" | sort -u | tr '\n' ' ')"
     done;;
   pack) (cd "$OUT" && ls | grep -v '^pack.tar.xz$' > /tmp/ab_pack && tar -cJf pack.tar.xz -T /tmp/ab_pack && xargs rm -f < /tmp/ab_pack);;
   *) echo "unknown step $step"; exit 2;;

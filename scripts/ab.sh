@@ -28,8 +28,11 @@
 #             $SIDES and $ROUTES narrow it, $TAB_ARGS adds options (e.g. --warmup-ms 300 --time-ms 300);
 #             scripts/t8_table.py reads its tab.txt (one side's runs: SIDES=new)
 #   g0 g1     the whole gtest GPU suite in two shards, one of them
-#   gboth     the whole gtest GPU suite in $GSHARDS shards side by side (default 6: under 220 s on an H100 with
-#             pytest's GPU tests beside them, session 111; two shards took about 280 s on an H200)
+#   gboth     the whole gtest GPU suite as $GPIECES pieces (default 4 x $GSHARDS) that $GSHARDS processes take in
+#             turn (default 6). Six fixed shards took 46-195 s each on an H100 in session 111 (the long tests land
+#             where gtest's round-robin puts them); smaller pieces taken as processes free up even that out. Its
+#             summary: the tests that ran and passed over all pieces, each failed piece's log, the slowest tests
+#             (every test's time is in the logs gtest_g<i>.log, for a later split by time)
 #   pyg       pytest's GPU tests (one GPU) in $PSHARDS processes side by side (default 3; MACHMOE_PYTEST_SHARD, dealt
 #             round-robin by tests/python/sharding.py): their logs pytest_gpu_s<i>.log, their summary lines
 #   suites    the whole GPU suite: gboth with pyg beside it, then each suite's summary and the names of any failed test
@@ -50,8 +53,11 @@ stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 bench_args() { case "$1" in *=*) echo "${1#*=}" | tr ':' ' ';; *) echo "--config $1";; esac; }
 cfg_name() { echo "${1%%=*}"; }
 gtest_shard() {  # shard $1 of ${2:-2} of the gtest GPU suite ($SUITE_FILTER of it, default all), into $OUT/gtest_g$1.log
-  GTEST_TOTAL_SHARDS=${2:-2} GTEST_SHARD_INDEX=$1 timeout 420 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
+  GTEST_TOTAL_SHARDS=${2:-2} GTEST_SHARD_INDEX=$1 timeout 420 ./build/tests/machmoe_gpu_tests \
     --gtest_filter="${SUITE_FILTER:-*}" > "$OUT/gtest_g$1.log" 2>&1
+}
+gtest_piece() {  # gtest_shard, its exit status into $OUT/gtest_g$1.rc (for gboth's pool of processes)
+  gtest_shard "$1" "$2"; echo $? > "$OUT/gtest_g$1.rc"
 }
 shard_summary() { grep -v "reference GEMM" "$OUT/gtest_g$1.log" | tail -n 2; }
 bench_of() {
@@ -117,11 +123,25 @@ for step in "$@"; do
           grep -E "^config |^  (forward|backward) |forward/(token_rounding|topk|routing|y_chunk_plan)|backward/router"
       done; done; done; done 2>&1 | tee -a "$OUT/tab.txt";;
   g0|g1) gtest_shard "${step#g}"; echo "exit $?"; shard_summary "${step#g}";;
-  gboth) pids=(); n=${GSHARDS:-6}
-    for i in $(seq 0 $((n - 1))); do gtest_shard "$i" "$n" & pids+=($!); done
-    for i in $(seq 0 $((n - 1))); do
-      wait "${pids[$i]}"; rc=$?; echo "g$i exit $rc"; shard_summary "$i"; [ "$rc" -eq 0 ] || failed=1
-    done;;
+  gboth) n=${GSHARDS:-6}; pieces=${GPIECES:-$((4 * n))}
+    rm -f "$OUT"/gtest_g*.log "$OUT"/gtest_g*.rc
+    export -f gtest_shard gtest_piece; export OUT SUITE_FILTER="${SUITE_FILTER:-*}"
+    seq 0 $((pieces - 1)) | xargs -P "$n" -I{} bash -c "gtest_piece {} $pieces"
+    ran=0; passed=0; bad=()
+    for i in $(seq 0 $((pieces - 1))); do
+      rc=$(cat "$OUT/gtest_g$i.rc" 2>/dev/null || echo none)
+      r=$(sed -nE 's/^\[==========\] ([0-9]+) tests? from .* ran\..*/\1/p' "$OUT/gtest_g$i.log" | tail -n 1)
+      p=$(sed -nE 's/^\[  PASSED  \] ([0-9]+) tests?\..*/\1/p' "$OUT/gtest_g$i.log" | tail -n 1)
+      ran=$((ran + ${r:-0})); passed=$((passed + ${p:-0}))
+      [ "$rc" = 0 ] || { bad+=("$i"); failed=1; }
+    done
+    echo "gtest: $pieces pieces in $n processes, $ran tests ran, $passed passed, failed pieces: ${bad[*]:-none}"
+    for i in "${bad[@]}"; do  # its failed tests, or (a crash, a timeout) where its log stops
+      echo "g$i exit $(cat "$OUT/gtest_g$i.rc" 2>/dev/null || echo none):"
+      grep -E "^\[  FAILED  \] [A-Za-z]" "$OUT/gtest_g$i.log" | sed -E 's/ \([0-9]+ ms\)$//' | sort -u | head -n 5 | grep . || shard_summary "$i"
+    done
+    echo "slowest tests (ms):"
+    cat "$OUT"/gtest_g*.log | sed -nE 's/^\[       OK \] (.*) \(([0-9]+) ms\)$/\2 \1/p' | sort -rn | head -n 8;;
   pyg) pids=(); n=${PSHARDS:-3}
     for i in $(seq 0 $((n - 1))); do
       MACHMOE_PYTEST_SHARD=$i/$n MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so \
@@ -134,7 +154,7 @@ for step in "$@"; do
     done;;
   suites)
     OUT=$OUT bash "$0" pyg > "$OUT/pyg_summary.txt" 2>&1 & pyg=$!
-    OUT=$OUT bash "$0" gboth | grep -E "exit|PASSED|FAILED|tests ran"
+    OUT=$OUT bash "$0" gboth | grep -vE "^\[[0-9]+s\]"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     wait "$pyg" || failed=1; grep "pytest shard" "$OUT/pyg_summary.txt"
     grep -hE "^FAILED|^ERROR" "$OUT"/pytest_gpu_s*.log | head -20

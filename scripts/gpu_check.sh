@@ -10,7 +10,7 @@
 #   suffix of their files' names (so that two routings of a configuration keep both).
 # detail: ncu --set full of the kernels matching $KERNEL_REGEX and the instructions where they stall, in one archive
 # (built with -lineinfo, so that the stalls are also ranked by source line).
-# tests runs the GPU suites in shards side by side (scripts/ab.sh suites; GSHARDS and PSHARDS set their counts).
+# tests runs the GPU suites in shards side by side (scripts/ab.sh suites; GSHARDS, GPIECES and PSHARDS set their counts).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 what="${1:-all}"
@@ -58,10 +58,11 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
       tests/python -m "not gpu and not multigpu" 2>&1 | tee "$logs/pytest_cpu.log" | tail -n 3
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
-  # The GPU suites side by side (scripts/ab.sh suites): gtest in $GSHARDS shards (default 6) with pytest's GPU tests
-  # in $PSHARDS processes (default 3) beside them (session 111, H100: the six gtest shards done within 218 s, the
-  # whole gtest suite over 490 s in one process on 2026-11-25); each shard has a timeout, so a hung kernel fails the
-  # run instead of eating the lease. A gtest filter narrows the gtest shards, and pytest's GPU tests then stay out.
+  # The GPU suites side by side (scripts/ab.sh suites): gtest in $GPIECES pieces that $GSHARDS processes take in turn
+  # (defaults 24 and 6) with pytest's GPU tests in $PSHARDS processes (default 3) beside them (session 111, H100: six
+  # fixed gtest shards took 46-195 s, the whole gtest suite over 490 s in one process on 2026-11-25); each piece has a
+  # timeout, so a hung kernel fails the run instead of eating the lease. A gtest filter narrows the gtest pieces, and
+  # pytest's GPU tests then stay out.
   suites_args=suites; [ "$filter" = "*" ] || suites_args=gboth
   # ab.sh exits 1 when a shard or a pytest process failed (a failed test, a crash or its timeout).
   SUITE_FILTER="$filter" OUT="$logs" bash scripts/ab.sh $suites_args 2>&1 | tee "$logs/gpu_suites.txt"

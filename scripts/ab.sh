@@ -34,7 +34,8 @@
 #             summary: the tests that ran and passed over all pieces, each failed piece's log, the slowest tests
 #             (every test's time is in the logs gtest_g<i>.log, for a later split by time)
 #   pyg       pytest's GPU tests (one GPU) in $PSHARDS processes side by side (default 3; MACHMOE_PYTEST_SHARD, dealt
-#             round-robin by tests/python/sharding.py): their logs pytest_gpu_s<i>.log, their summary lines
+#             round-robin by tests/python/sharding.py): their logs pytest_gpu_s<i>.log (each with its ten slowest
+#             tests), their summary lines
 #   suites    the whole GPU suite: gboth with pyg beside it, then each suite's summary and the names of any failed test
 #             (a landing call's check).
 # The script exits 1 when a step that checks something failed: a build (build, apply, revert, variants), a test
@@ -145,7 +146,7 @@ for step in "$@"; do
   pyg) pids=(); n=${PSHARDS:-3}
     for i in $(seq 0 $((n - 1))); do
       MACHMOE_PYTEST_SHARD=$i/$n MACHMOE_IN_TREE=1 MACHMOE_TORCH_LIBRARY=$root/build/lib/libmachmoe_torch.so \
-        timeout 400 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/python \
+        timeout 400 python3 -m pytest -q -p no:cacheprovider --durations=10 -m "gpu and not multigpu" tests/python \
         > "$OUT/pytest_gpu_s$i.log" 2>&1 & pids+=($!)
     done
     for i in $(seq 0 $((n - 1))); do

@@ -31,18 +31,18 @@
 #   gboth     the whole gtest GPU suite as $GPIECES pieces (default 4 x $GSHARDS) that $GSHARDS processes take in
 #             turn (default 6). Six fixed shards took 46-195 s each on an H100 in session 111 (the long tests land
 #             where gtest's round-robin puts them); smaller pieces taken as processes free up even that out. Its
-#             summary: the tests that ran and passed over all pieces, each failed piece's log, the slowest tests
-#             (every test's time is in the logs gtest_g<i>.log, for a later split by time)
+#             summary: the tests that ran and passed over all pieces, each failed piece's failed tests (or where its
+#             log stops), the slowest tests (every test's time is in the logs gtest_g<i>.log, for a later split)
 #   pyg       pytest's GPU tests (one GPU) in $PSHARDS processes side by side (default 3; MACHMOE_PYTEST_SHARD, dealt
 #             round-robin by tests/python/sharding.py): their logs pytest_gpu_s<i>.log (each with its ten slowest
 #             tests), their summary lines
-#   suites    the whole GPU suite: gboth with pyg beside it, then each suite's summary and the names of any failed test
-#             (a landing call's check).
-# The script exits 1 when a step that checks something failed: a build (build, apply, revert, variants), a test
-# (gf, gboth, pyg, suites, san) or a shard or process of them; the measuring steps only print.
+#   suites    the whole GPU suite: gboth with pyg beside it, their summaries, the failed pytest tests and the failed
+#             gtest assertions (a landing call's check)
 #   san       compute-sanitizer memcheck and racecheck on the tests matching $SF
 #   pack      everything under $OUT into one archive (a device call returns at most 8 files)
 # Configurations: a name of machmoe-bench's (1.4B-256) or name=--T:16384:--d:4096:... for explicit sizes.
+# The script exits 1 when a step that checks something failed: a build (build, apply, revert, variants), a test
+# (gf, gboth, pyg, suites, san) or a shard or process of them; the measuring steps only print.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD; OUT=${OUT:-$root/build/gpu-logs}; mkdir -p "$OUT"
@@ -51,6 +51,7 @@ base=/tmp/base
 start=$(date +%s)
 failed=0  # 1 once a build or test step (or a shard or process of one) exits nonzero; the script's exit status
 stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
+checked() { echo "$1 exit $2"; [ "$2" -eq 0 ] || failed=1; }  # a checking step's status: printed, kept for the exit
 bench_args() { case "$1" in *=*) echo "${1#*=}" | tr ':' ' ';; *) echo "--config $1";; esac; }
 cfg_name() { echo "${1%%=*}"; }
 gtest_shard() {  # shard $1 of ${2:-2} of the gtest GPU suite ($SUITE_FILTER of it, default all), into $OUT/gtest_g$1.log
@@ -80,8 +81,7 @@ for step in "$@"; do
         echo $? > /tmp/base.done ) &
     fi;;
   basewait) while [ ! -f /tmp/base.done ]; do sleep 2; done; echo "base build exit $(cat /tmp/base.done)";;
-  build) MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$OUT/build.log" 2>&1; rc=$?; echo "build exit $rc"
-    [ "$rc" -eq 0 ] || failed=1; tail -n 1 "$OUT/build.log";;
+  build) MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$OUT/build.log" 2>&1; checked build $?; tail -n 1 "$OUT/build.log";;
   variants)
     vf=${VARIANT_FILE:-src/gpu/token_rounding_kernels.cu}
     cp "$vf" /tmp/variant_own
@@ -89,11 +89,10 @@ for step in "$@"; do
       name=${v%%=*}
       cp "${v#*=}" "$vf" && touch "$vf"
       cmake --build build --target machmoe-bench > "$OUT/build_variant_$name.log" 2>&1
-      rc=$?; echo "variant $name: build exit $rc"; [ "$rc" -eq 0 ] || failed=1; cp build/bin/machmoe-bench "/tmp/bench_$name"
+      checked "variant $name: build" $?; cp build/bin/machmoe-bench "/tmp/bench_$name"
     done
     cp /tmp/variant_own "$vf" && touch "$vf"
-    cmake --build build > "$OUT/build_variant_own.log" 2>&1; rc=$?; echo "own version: build exit $rc"
-    [ "$rc" -eq 0 ] || failed=1;;
+    cmake --build build > "$OUT/build_variant_own.log" 2>&1; checked "own version: build" $?;;
   keep) cp ./build/bin/machmoe-bench "/tmp/bench_${KEEP:-main}" && echo "kept /tmp/bench_${KEEP:-main}";;
   apply|revert)
     patch=${AB_PATCH:?a git diff to apply}
@@ -101,10 +100,10 @@ for step in "$@"; do
     git apply "${rev[@]}" "$patch" || { echo "$step: $patch does not apply"; exit 3; }
     for f in $(git apply --numstat "$patch" | cut -f3); do [ -e "$f" ] && touch "$f"; done
     MACHMOE_JOBS="$(nproc)" bash scripts/build.sh > "$OUT/build_$step.log" 2>&1
-    rc=$?; echo "$step $patch: build exit $rc"; [ "$rc" -eq 0 ] || failed=1; tail -n 1 "$OUT/build_$step.log";;
+    checked "$step $patch: build" $?; tail -n 1 "$OUT/build_$step.log";;
   gf) timeout 300 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="${GF:-*TokenRounding*}" 2>&1 |
         grep -v "reference GEMM" | tail -n 3
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1;;
+    checked gf "${PIPESTATUS[0]}";;
   equiv) BASE_SEL=1 BASE_SRC=$base timeout 300 bash docs/measurements/2026-11-27-h100-session48/tr_equivalence_build.sh \
         > "$OUT/equivalence.txt" 2>&1; echo "equivalence exit $?"; tail -n 2 "$OUT/equivalence.txt";;
   ncu)
@@ -128,17 +127,17 @@ for step in "$@"; do
     rm -f "$OUT"/gtest_g*.log "$OUT"/gtest_g*.rc
     export -f gtest_shard gtest_piece; export OUT SUITE_FILTER="${SUITE_FILTER:-*}"
     seq 0 $((pieces - 1)) | xargs -P "$n" -I{} bash -c "gtest_piece {} $pieces"
-    ran=0; passed=0; bad=()
+    ran=0; passed=0; bad=()  # bad: "piece:status" of each failed piece
     for i in $(seq 0 $((pieces - 1))); do
-      rc=$(cat "$OUT/gtest_g$i.rc" 2>/dev/null || echo none)
+      rc=$(cat "$OUT/gtest_g$i.rc" 2>/dev/null || echo none)  # none: the piece never ran
       r=$(sed -nE 's/^\[==========\] ([0-9]+) tests? from .* ran\..*/\1/p' "$OUT/gtest_g$i.log" | tail -n 1)
       p=$(sed -nE 's/^\[  PASSED  \] ([0-9]+) tests?\..*/\1/p' "$OUT/gtest_g$i.log" | tail -n 1)
       ran=$((ran + ${r:-0})); passed=$((passed + ${p:-0}))
-      [ "$rc" = 0 ] || { bad+=("$i"); failed=1; }
+      [ "$rc" = 0 ] || { bad+=("$i:$rc"); failed=1; }
     done
-    echo "gtest: $pieces pieces in $n processes, $ran tests ran, $passed passed, failed pieces: ${bad[*]:-none}"
-    for i in "${bad[@]}"; do  # its failed tests, or (a crash, a timeout) where its log stops
-      echo "g$i exit $(cat "$OUT/gtest_g$i.rc" 2>/dev/null || echo none):"
+    echo "gtest: $pieces pieces in $n processes, $ran tests ran, $passed passed, failed pieces: $([ ${#bad[@]} -gt 0 ] && echo "${bad[@]%%:*}" || echo none)"
+    for b in "${bad[@]}"; do  # its failed tests, or (a crash, a timeout) where its log stops
+      i=${b%%:*}; echo "g$i exit ${b#*:}:"
       grep -E "^\[  FAILED  \] [A-Za-z]" "$OUT/gtest_g$i.log" | sed -E 's/ \([0-9]+ ms\)$//' | sort -u | head -n 5 | grep . || shard_summary "$i"
     done
     echo "slowest tests (ms):"
@@ -159,12 +158,11 @@ for step in "$@"; do
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     wait "$pyg" || failed=1; grep "pytest shard" "$OUT/pyg_summary.txt"
     grep -hE "^FAILED|^ERROR" "$OUT"/pytest_gpu_s*.log | head -20
-    grep -hE "^\[  FAILED|Failure" "$OUT"/gtest_g*.log | head -20;;
+    grep -h -A3 "Failure$" "$OUT"/gtest_g*.log | head -40;;  # (gboth named the failed tests)
   san) for tool in memcheck racecheck; do  # (the test binary's 120 s hang watchdog off: the tools slow tests past it)
       MACHMOE_GPU_TEST_TIMEOUT_S=0 timeout 280 compute-sanitizer --tool $tool --error-exitcode 9 ./build/tests/machmoe_gpu_tests --gtest_brief=1 \
         --gtest_filter="${SF:-*TokenRounding*}" > "$OUT/sanitize_$tool.log" 2>&1
-      rc=$?; [ "$rc" -eq 0 ] || failed=1
-      echo "$tool exit $rc $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/sanitize_$tool.log" | sort -u | tr '\n' ' ')"
+      checked "$tool" $?; echo "  $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/sanitize_$tool.log" | sort -u | tr '\n' ' ')"
     done;;
   pack) (cd "$OUT" && ls | grep -v '^pack.tar.xz$' > /tmp/ab_pack && tar -cJf pack.tar.xz -T /tmp/ab_pack && xargs rm -f < /tmp/ab_pack);;
   *) echo "unknown step $step"; exit 2;;

@@ -42,7 +42,7 @@
 #   pack      everything under $OUT into one archive (a device call returns at most 8 files)
 # Configurations: a name of machmoe-bench's (1.4B-256) or name=--T:16384:--d:4096:... for explicit sizes.
 # The script exits 1 when a step that checks something failed: a build (build, apply, revert, variants), a test
-# (gf, gboth, pyg, suites, san) or a shard or process of them; the measuring steps only print.
+# (gf, equiv, gboth, pyg, suites, san) or a shard or process of them; the measuring steps only print.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD; OUT=${OUT:-$root/build/gpu-logs}; mkdir -p "$OUT"
@@ -105,7 +105,7 @@ for step in "$@"; do
         grep -v "reference GEMM" | tail -n 3
     checked gf "${PIPESTATUS[0]}";;
   equiv) BASE_SEL=1 BASE_SRC=$base timeout 300 bash docs/measurements/2026-11-27-h100-session48/tr_equivalence_build.sh \
-        > "$OUT/equivalence.txt" 2>&1; echo "equivalence exit $?"; tail -n 2 "$OUT/equivalence.txt";;
+        > "$OUT/equivalence.txt" 2>&1; checked equivalence $?; tail -n 2 "$OUT/equivalence.txt";;
   ncu)
     for cfg in ${KCFGS:-1.4B-256}; do for rep in $(seq 1 "${NREPS:-2}"); do for side in ${NSIDES:-base new}; do
       ncu --clock-control none -k "regex:${KRX:-tr_}" --launch-count "${KLC:-5}" \

@@ -113,17 +113,11 @@ struct MetadataArgs {
   std::int64_t chunks = 0, pairs_per_chunk = 0;
   DxChunkPlan plan;
   std::int32_t* pair_rows = nullptr;  // (P): -1 for pairs routed nowhere
-  // The place step's kernel: up to 256 experts it sorts blocks of 2048 pairs by grouped row in shared memory and
-  // writes scatter and gather in runs; above, or with place_by_tile (tests; MACHMOE_PLACE_BY_TILE=1 for
-  // measurements), one 256-pair tile a block. Both write the same bytes.
-  bool place_by_tile = false;
 };
 /// The most experts for which launch_routing_metadata builds the chunk plan itself (two E-int histograms of shared
 /// memory per block); above it the caller runs launch_dx_chunk_plan.
 inline constexpr std::int64_t kFusedPlanMaxExperts = 4096;
 inline bool metadata_built_plan(const MetadataArgs& a) { return a.chunks > 1 && a.E <= kFusedPlanMaxExperts; }
-/// Whether launch_routing_metadata places the pairs with the kernel sorting blocks of tiles (see place_by_tile).
-bool place_kernel_sorts(const MetadataArgs& a);
 /// Deterministic metadata without a global sort: per-tile histograms, per-expert scans, in-tile stable ranks; and,
 /// where metadata_built_plan(a), the chunk plan and pair rows of the forward's chunks of tokens.
 void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream);

@@ -42,7 +42,7 @@
 #   pack      everything under $OUT into one archive (a device call returns at most 8 files)
 # Configurations: a name of machmoe-bench's (1.4B-256) or name=--T:16384:--d:4096:... for explicit sizes.
 # The script exits 1 when a step that checks something failed: a build (build, apply, revert, variants), a test
-# (gf, equiv, gboth, pyg, suites, san) or a shard or process of them; the measuring steps only print.
+# (gf, equiv, g0, g1, gboth, pyg, suites, san) or a shard or process of them; the measuring steps only print.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD; OUT=${OUT:-$root/build/gpu-logs}; mkdir -p "$OUT"
@@ -122,7 +122,7 @@ for step in "$@"; do
         "$(bench_of $side)" $(bench_args "$cfg") --routing "$route" --iters 10 --warmup 3 --stage-runs 3 ${TAB_ARGS:-} 2>&1 |
           grep -E "^config |^  (forward|backward) |forward/(token_rounding|topk|routing|y_chunk_plan)|backward/router"
       done; done; done; done 2>&1 | tee -a "$OUT/tab.txt";;
-  g0|g1) gtest_shard "${step#g}"; echo "exit $?"; shard_summary "${step#g}";;
+  g0|g1) gtest_shard "${step#g}"; checked "g${step#g}" $?; shard_summary "${step#g}";;
   gboth) n=${GSHARDS:-6}; pieces=${GPIECES:-$((4 * n))}
     rm -f "$OUT"/gtest_g*.log "$OUT"/gtest_g*.rc
     export -f gtest_shard gtest_piece; export OUT SUITE_FILTER="${SUITE_FILTER:-*}"

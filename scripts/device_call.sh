@@ -8,6 +8,8 @@
 #                      if they still do not start)
 #   with_env "A=1 B=2" CMD...   CMD in a subshell with those variables exported (`env A=1 fn` cannot run a shell
 #                      function; an empty list runs CMD as it is)
+#   gtest_gate FILTER  the GPU gtests matching FILTER as a call's first check (120 s at most): their summary lines and
+#                      any failure
 export OUT=${OUT:-/tmp/out}
 call_start() {
   mkdir -p "$OUT"
@@ -27,4 +29,8 @@ carried_binaries() {
 with_env() {
   local vars=$1; shift
   (if [ -n "$vars" ]; then export $vars; fi; "$@")
+}
+gtest_gate() {
+  timeout 120 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="$1" 2>&1 |
+    grep -E "PASSED|FAILED|tests ran|Failure" | head -20
 }

@@ -17,8 +17,7 @@ cd "$(dirname "$0")/../../.."
 source scripts/device_call.sh
 call_start
 carried_binaries
-timeout 120 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter='*GpuRoutingMetadata*' 2>&1 |
-  grep -E "PASSED|FAILED|tests ran|Failure" | head -20
+gtest_gate '*GpuRoutingMetadata*'
 st "routing gtests"
 bench() {  # side, config
   local vars=""

@@ -93,6 +93,10 @@ struct DxChunkPlan {
   std::int32_t* chunk_shifts(std::int64_t c) const { return shifts + c * E; }
 };
 
+/// Which kernel places the routing metadata's pairs (MetadataArgs::place).
+enum class PlaceKernel { kAuto, kByTile, kSorted };
+/// The fewest pairs for which PlaceKernel::kAuto sorts: 96 blocks of the sorted kernel (8 tiles each).
+inline constexpr std::int64_t kPlaceSortedMinPairs = 96 * 8 * std::int64_t{kMetadataTile};
 struct MetadataArgs {
   std::int64_t T = 0, E = 0, P = 0;        // P: pairs in pair order
   const std::int32_t* pair_expert = nullptr;  // (P); values outside [0, E) are skipped (sentinels)
@@ -113,11 +117,22 @@ struct MetadataArgs {
   std::int64_t chunks = 0, pairs_per_chunk = 0;
   DxChunkPlan plan;
   std::int32_t* pair_rows = nullptr;  // (P): -1 for pairs routed nowhere
+  // The place step's kernel (both write the same bytes): one 256-pair tile a block, or, up to 256 experts, blocks of
+  // 2048 pairs sorted by grouped row in shared memory so that scatter and gather are written in runs. kAuto takes
+  // the sorted kernel where it was measured faster (place_kernel_sorts); the tests force each.
+  PlaceKernel place = PlaceKernel::kAuto;
 };
 /// The most experts for which launch_routing_metadata builds the chunk plan itself (two E-int histograms of shared
 /// memory per block); above it the caller runs launch_dx_chunk_plan.
 inline constexpr std::int64_t kFusedPlanMaxExperts = 4096;
 inline bool metadata_built_plan(const MetadataArgs& a) { return a.chunks > 1 && a.E <= kFusedPlanMaxExperts; }
+/// Whether launch_routing_metadata places the pairs with the kernel sorting blocks of tiles (MetadataArgs::place).
+/// kAuto: where E is 128 to 256 and there are at least kPlaceSortedMinPairs pairs (96 blocks), unless
+/// MACHMOE_PLACE_BY_TILE=1 (A/B timing). The sorted kernel's gain is its stores, which at E >= 128 the per-tile kernel
+/// scatters about two 4-byte entries a sector; its cost is 8x fewer blocks, each about 10 us of latency on an H100.
+/// Measured there (session 115): faster on E = 128 with 96 and 160 blocks and E = 256 with 256, slower on E = 64 with
+/// 48 blocks; other shapes keep the per-tile kernel until measured.
+bool place_kernel_sorts(const MetadataArgs& a);
 /// Deterministic metadata without a global sort: per-tile histograms, per-expert scans, in-tile stable ranks; and,
 /// where metadata_built_plan(a), the chunk plan and pair rows of the forward's chunks of tokens.
 void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream);

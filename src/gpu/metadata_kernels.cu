@@ -2,13 +2,16 @@
 //   1. per-tile expert histograms (tiles of kMetadataTile pairs, one thread per pair; or written by the top-K
 //      kernel as it selects, MetadataArgs::histograms_written),
 //   2. per-expert exclusive scans over tiles, then (the scan's last block) an exclusive scan over experts -> offsets,
-//   3. per tile, each pair's stable rank among same-expert pairs before it in the tile.
+//   3. per tile, each pair's stable rank among same-expert pairs before it in the tile; up to 256 experts a block of
+//      eight tiles then sorts its pairs by grouped row in shared memory and writes scatter and gather in runs.
 // Grouped row of pair p = offsets[e] + (pairs of e in earlier tiles) + rank: ascending pair order inside each
 // expert, the order of the CPU reference. Integer atomics only (exact, so the result is deterministic).
 // With the forward's chunks of tokens, a step between 2 and 3 builds their plan from the scanned histograms (the pairs
 // of expert e before a chunk's first pair: the tile's prefix plus a count inside the boundary tile), and step 3 also
 // writes each pair's row in its chunk.
 #include <cub/block/block_scan.cuh>
+
+#include <cstdlib>
 
 #include "gpu/chunk_plan.cuh"
 #include "gpu/cuda_check.hpp"
@@ -109,6 +112,14 @@ struct ChunkRows {
   std::int32_t* pair_rows = nullptr;
 };
 
+/// The row in its chunk of a pair of token t, expert e and grouped row g (the forward's chunks of tokens).
+__device__ __forceinline__ std::int32_t chunk_row_of(const ChunkRows& chunk_rows, std::int32_t t, int E, int e,
+                                                     std::int32_t g) {
+  int c = 0;  // the chunk holding token t: bounds ascend, bounds[0] = 0
+  while (c + 1 < chunk_rows.chunks && chunk_rows.bounds[c + 1] <= t) ++c;
+  return g - chunk_rows.shifts[static_cast<std::int64_t>(c) * E + e];
+}
+
 __global__ void place_kernel(const std::int32_t* __restrict__ pair_expert, const std::int32_t* __restrict__ pair_token,
                              std::int64_t P, std::int64_t K, int E, std::int64_t n_tiles,
                              const std::int32_t* __restrict__ hist, const std::int32_t* __restrict__ offsets,
@@ -143,10 +154,104 @@ __global__ void place_kernel(const std::int32_t* __restrict__ pair_expert, const
   inverse[p] = g;
   scatter[g] = static_cast<std::int32_t>(p);
   gather[g] = t;
-  if (chunk_rows.pair_rows) {
-    int c = 0;  // the chunk holding token t: bounds ascend, bounds[0] = 0
-    while (c + 1 < chunk_rows.chunks && chunk_rows.bounds[c + 1] <= t) ++c;
-    chunk_rows.pair_rows[p] = g - chunk_rows.shifts[static_cast<std::int64_t>(c) * E + e];
+  if (chunk_rows.pair_rows) chunk_rows.pair_rows[p] = chunk_row_of(chunk_rows, t, E, e, g);
+}
+
+/// The place kernel over kPlaceTiles metadata tiles a block, for up to kPlaceMaxExperts experts: the same rows as
+/// place_kernel, with scatter and gather written in grouped order. place_kernel's block holds one tile, about two pairs
+/// of each expert at E = 128, so nearly every 4-byte write of scatter and gather lands in a sector of its own. Here a
+/// block's pairs of one expert are kPlaceTiles times as many and take consecutive grouped rows, so the block sorts its
+/// pairs by grouped row in shared memory (a counting sort: the rows are known) and writes runs of them.
+/// Warp w takes tile tb + w, 32 pairs a step: a pair's rank among its tile's earlier pairs of its expert is the warp's
+/// running count (shared memory, one row of E per warp) plus its lane's rank in the match mask, so no pass over the
+/// tile's earlier pairs is made. Integer counts only: deterministic.
+constexpr int kPlaceTiles = kMetadataTile / 32;  // one warp a tile: 8 tiles, 2048 pairs a block
+constexpr int kPlaceMaxExperts = kMetadataTile;  // one expert a thread in the scans below
+constexpr int kPlacePairs = kPlaceTiles * kMetadataTile;
+constexpr int kPlaceSteps = kMetadataTile / 32;  // a warp's steps over its tile
+using PlaceScan = cub::BlockScan<std::int32_t, kMetadataTile>;
+
+__global__ void __launch_bounds__(kMetadataTile)
+    place_sorted_kernel(const std::int32_t* __restrict__ pair_expert, const std::int32_t* __restrict__ pair_token,
+                        std::int64_t P, std::int64_t K, int E, std::int64_t n_tiles,
+                        const std::int32_t* __restrict__ hist, const std::int32_t* __restrict__ offsets,
+                        std::int32_t* __restrict__ scatter, std::int32_t* __restrict__ inverse,
+                        std::int32_t* __restrict__ gather, ChunkRows chunk_rows) {
+  __shared__ std::int32_t warp_count[kPlaceTiles][kPlaceMaxExperts];  // counts, then each warp's exclusive prefix
+  __shared__ std::int32_t local_base[kPlaceMaxExperts];  // first slot of each expert in the block's sorted order
+  __shared__ std::int32_t row_base[kPlaceMaxExperts];    // grouped row of each expert's first pair in the block
+  __shared__ std::int32_t sorted_row[kPlacePairs], sorted_pair[kPlacePairs], sorted_token[kPlacePairs];
+  __shared__ typename PlaceScan::TempStorage temp;
+  const int i = threadIdx.x, lane = i & 31, w = i >> 5;
+  const std::int64_t tb = static_cast<std::int64_t>(blockIdx.x) * kPlaceTiles;
+  for (int e = i; e < E; e += kMetadataTile)
+    for (int v = 0; v < kPlaceTiles; ++v) warp_count[v][e] = 0;
+  const std::int64_t p0 = (tb + w) * kMetadataTile + lane;
+  // Every global load is issued before the first use of one. The pairs are read before the wait: their writer ran
+  // before the scan, and the scan (like the plan after it) lets its dependents start only after its own wait, so
+  // that writer has finished before this kernel starts. The scan's results follow the wait, and the ranking below
+  // hides their latency.
+  std::int32_t expert[kPlaceSteps], token[kPlaceSteps], rank[kPlaceSteps];
+#pragma unroll
+  for (int j = 0; j < kPlaceSteps; ++j) {
+    const std::int64_t p = p0 + 32 * j;
+    expert[j] = p < P ? pair_expert[p] : -1;
+    token[j] = p >= P ? 0 : pair_token ? pair_token[p] : static_cast<std::int32_t>(p / K);
+  }
+  wait_for_prior_grid();  // the scan's offsets and scanned histograms (and the plan's shifts)
+  const std::int32_t block_row_base = i < E ? offsets[i] + hist[static_cast<std::int64_t>(i) * n_tiles + tb] : 0;
+  __syncthreads();  // the zeroed counts
+#pragma unroll
+  for (int j = 0; j < kPlaceSteps; ++j) {
+    const std::int32_t e = expert[j];
+    const bool routed = e >= 0 && e < E;
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    rank[j] = (routed ? warp_count[w][e] : 0) + __popc(same & ((1u << lane) - 1u));
+    __syncwarp();
+    if (routed && (__ffs(same) - 1) == lane) warp_count[w][e] += __popc(same);
+    __syncwarp();
+  }
+  __syncthreads();
+  // Per expert: the warps' counts -> exclusive prefixes (a pair's rank among the block's earlier pairs of its expert
+  // is its warp's prefix plus its rank), then the block's counts -> first slots of the sorted order.
+  std::int32_t total = 0;
+  if (i < E) {
+    for (int v = 0; v < kPlaceTiles; ++v) {
+      const std::int32_t c = warp_count[v][i];
+      warp_count[v][i] = total;
+      total += c;
+    }
+    row_base[i] = block_row_base;
+  }
+  std::int32_t first_slot, routed_pairs;
+  PlaceScan(temp).ExclusiveSum(total, first_slot, routed_pairs);
+  if (i < E) local_base[i] = first_slot;
+  __syncthreads();
+  allow_dependent_launch();
+#pragma unroll
+  for (int j = 0; j < kPlaceSteps; ++j) {
+    const std::int64_t p = p0 + 32 * j;
+    if (p >= P) break;
+    const std::int32_t e = expert[j];
+    if (e < 0 || e >= E) {
+      inverse[p] = -1;
+      if (chunk_rows.pair_rows) chunk_rows.pair_rows[p] = -1;  // routed nowhere: the gather-sum skips it
+      continue;
+    }
+    const std::int32_t r = warp_count[w][e] + rank[j];
+    const std::int32_t g = row_base[e] + r, slot = local_base[e] + r;
+    const std::int32_t t = token[j];
+    inverse[p] = g;
+    sorted_row[slot] = g;
+    sorted_pair[slot] = static_cast<std::int32_t>(p);
+    sorted_token[slot] = t;
+    if (chunk_rows.pair_rows) chunk_rows.pair_rows[p] = chunk_row_of(chunk_rows, t, E, e, g);
+  }
+  __syncthreads();
+  for (int s = i; s < routed_pairs; s += kMetadataTile) {  // runs of consecutive grouped rows
+    const std::int32_t g = sorted_row[s];
+    scatter[g] = sorted_pair[s];
+    gather[g] = sorted_token[s];
   }
 }
 
@@ -219,6 +324,29 @@ __global__ void token_offsets_kernel(const std::int32_t* __restrict__ pair_token
 
 }  // namespace
 
+namespace {
+
+/// MACHMOE_PLACE_BY_TILE=1: place_kernel wherever PlaceKernel::kAuto would sort (a measurement switch, read once).
+bool place_by_tile_requested() {
+  static const bool requested = [] {
+    const char* v = std::getenv("MACHMOE_PLACE_BY_TILE");
+    return v != nullptr && v[0] == '1';
+  }();
+  return requested;
+}
+
+}  // namespace
+
+bool place_kernel_sorts(const MetadataArgs& a) {
+  if (a.E > kPlaceMaxExperts) return false;
+  switch (a.place) {
+    case PlaceKernel::kByTile: return false;
+    case PlaceKernel::kSorted: return true;
+    case PlaceKernel::kAuto: break;
+  }
+  return a.E >= 128 && a.P >= kPlaceSortedMinPairs && !place_by_tile_requested();
+}
+
 void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream) {
   const std::int64_t n_tiles = (a.P + kMetadataTile - 1) / kMetadataTile;
   const int E = static_cast<int>(a.E);
@@ -264,10 +392,17 @@ void launch_routing_metadata(const MetadataArgs& a, cudaStream_t stream) {
     chunk_rows.chunks = static_cast<int>(a.chunks), chunk_rows.pair_rows = a.pair_rows;
   }
   if (n_tiles > 0) {
-    launch_dependent(place_kernel, dim3(static_cast<unsigned>(n_tiles)), dim3(kMetadataTile), 0, stream,
-                     a.pair_expert, a.pair_token, a.P, a.K, E, n_tiles, a.tile_hist, a.expert_offsets, a.scatter,
-                     a.inverse, a.gather, chunk_rows);
-    MACHMOE_CUDA_CHECK_LAUNCH("place");
+    if (place_kernel_sorts(a)) {
+      launch_dependent(place_sorted_kernel, dim3(static_cast<unsigned>(ceil_div(n_tiles, kPlaceTiles))),
+                       dim3(kMetadataTile), 0, stream, a.pair_expert, a.pair_token, a.P, a.K, E, n_tiles, a.tile_hist,
+                       a.expert_offsets, a.scatter, a.inverse, a.gather, chunk_rows);
+      MACHMOE_CUDA_CHECK_LAUNCH("place_sorted");
+    } else {
+      launch_dependent(place_kernel, dim3(static_cast<unsigned>(n_tiles)), dim3(kMetadataTile), 0, stream,
+                       a.pair_expert, a.pair_token, a.P, a.K, E, n_tiles, a.tile_hist, a.expert_offsets, a.scatter,
+                       a.inverse, a.gather, chunk_rows);
+      MACHMOE_CUDA_CHECK_LAUNCH("place");
+    }
   }
 }
 

@@ -5,11 +5,14 @@
 // caller pairs (0..K per token, some routed nowhere); chunk boundaries inside a histogram tile and on its edge, more
 // chunks than tokens (empty chunks), one token, more experts than a block scans at once, and more than the one-kernel
 // plan holds in shared memory (the plan's meaning checked). And the metadata itself against a plain CPU layout, for
-// every width of the tile scan.
+// every width of the tile scan. Each test runs both place kernels (MetadataArgs::place forced: the one sorting blocks
+// of 2048 pairs takes E <= 256, so above it both runs are the per-tile kernel's), and the layer's choice between them
+// is checked on its own.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -114,19 +117,10 @@ TEST_P(GpuRoutingMetadata, ChunkPlanFromHistogramsIsTheSearchedPlan) {
   const std::int64_t pairs_per_chunk = (P + c.chunks - 1) / c.chunks;
   progress("routing metadata " + std::string(c.name) + ": P " + std::to_string(P));
 
-  // Fused: the plan built with the metadata.
-  Metadata fused(c, P);
-  MetadataArgs a = fused.args(c, P, d_expert, d_token);
-  a.chunks = c.chunks, a.pairs_per_chunk = pairs_per_chunk;
-  a.plan = DxChunkPlan::in(static_cast<std::int32_t*>(fused.plan.get()), c.chunks, c.E);
-  a.pair_rows = static_cast<std::int32_t*>(fused.pair_rows.get());
-  ASSERT_TRUE(metadata_built_plan(a));
-  gpu::launch_routing_metadata(a, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-
   // Searched: the metadata alone, then the backward's plan kernel over it.
   Metadata searched(c, P);
-  const MetadataArgs b = searched.args(c, P, d_expert, d_token);
+  MetadataArgs b = searched.args(c, P, d_expert, d_token);
+  b.place = gpu::PlaceKernel::kByTile;  // the reference: the per-tile place kernel
   ASSERT_FALSE(metadata_built_plan(b));
   gpu::launch_routing_metadata(b, nullptr);
   gpu::launch_dx_chunk_plan(b.expert_offsets, b.gather, b.scatter, b.inverse, b.token_offsets, c.K, c.T, c.E, P,
@@ -135,21 +129,36 @@ TEST_P(GpuRoutingMetadata, ChunkPlanFromHistogramsIsTheSearchedPlan) {
                             static_cast<std::int32_t*>(searched.pair_rows.get()), !c.caller, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
-  EXPECT_EQ(ints_of(fused.counts), ints_of(searched.counts));
-  EXPECT_EQ(ints_of(fused.offsets), ints_of(searched.offsets));
-  EXPECT_EQ(ints_of(fused.tiles), ints_of(searched.tiles));
-  EXPECT_EQ(ints_of(fused.scatter), ints_of(searched.scatter));
-  EXPECT_EQ(ints_of(fused.inverse), ints_of(searched.inverse));
-  EXPECT_EQ(ints_of(fused.gather), ints_of(searched.gather));
-  if (c.caller) {
-    EXPECT_EQ(ints_of(fused.token_offsets), ints_of(searched.token_offsets));
-  }
-  EXPECT_EQ(ints_of(fused.plan), ints_of(searched.plan)) << "bounds, offsets, tiles and shifts of every chunk";
-  EXPECT_EQ(ints_of(fused.pair_rows), ints_of(searched.pair_rows));
-  EXPECT_TRUE(fused.plan.canary_intact());
-  EXPECT_TRUE(fused.pair_rows.canary_intact());
+  // Fused: the plan built with the metadata, by each place kernel (the sorted one takes E <= 256).
+  for (const bool by_tile : {false, true}) {
+    SCOPED_TRACE(by_tile ? "place kernel by tile" : "place kernel sorting blocks of tiles");
+    Metadata fused(c, P);
+    MetadataArgs a = fused.args(c, P, d_expert, d_token);
+    a.chunks = c.chunks, a.pairs_per_chunk = pairs_per_chunk;
+    a.plan = DxChunkPlan::in(static_cast<std::int32_t*>(fused.plan.get()), c.chunks, c.E);
+    a.pair_rows = static_cast<std::int32_t*>(fused.pair_rows.get());
+    a.place = by_tile ? gpu::PlaceKernel::kByTile : gpu::PlaceKernel::kSorted;
+    ASSERT_EQ(gpu::place_kernel_sorts(a), !by_tile && c.E <= 256);
+    ASSERT_TRUE(metadata_built_plan(a));
+    gpu::launch_routing_metadata(a, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
-  expect_plan_places_every_pair(c, P, token, fused);
+    EXPECT_EQ(ints_of(fused.counts), ints_of(searched.counts));
+    EXPECT_EQ(ints_of(fused.offsets), ints_of(searched.offsets));
+    EXPECT_EQ(ints_of(fused.tiles), ints_of(searched.tiles));
+    EXPECT_EQ(ints_of(fused.scatter), ints_of(searched.scatter));
+    EXPECT_EQ(ints_of(fused.inverse), ints_of(searched.inverse));
+    EXPECT_EQ(ints_of(fused.gather), ints_of(searched.gather));
+    if (c.caller) {
+      EXPECT_EQ(ints_of(fused.token_offsets), ints_of(searched.token_offsets));
+    }
+    EXPECT_EQ(ints_of(fused.plan), ints_of(searched.plan)) << "bounds, offsets, tiles and shifts of every chunk";
+    EXPECT_EQ(ints_of(fused.pair_rows), ints_of(searched.pair_rows));
+    EXPECT_TRUE(fused.plan.canary_intact());
+    EXPECT_TRUE(fused.pair_rows.canary_intact());
+
+    expect_plan_places_every_pair(c, P, token, fused);
+  }
 }
 
 // More experts than the one-kernel plan holds in shared memory (kFusedPlanMaxExperts): launch_dx_chunk_plan's plan
@@ -206,7 +215,8 @@ INSTANTIATE_TEST_SUITE_P(
                     MetadataCase{1, 16, 16, 2, false, "topk_one_token_K_equals_E"},
                     MetadataCase{300, 600, 3, 3, false, "topk_more_experts_than_a_block"},
                     MetadataCase{500, 16, 4, 3, true, "caller_variable_pairs"},
-                    MetadataCase{2000, 256, 8, 2, true, "caller_many_experts"}),
+                    MetadataCase{2000, 256, 8, 2, true, "caller_many_experts"},
+                    MetadataCase{2600, 200, 8, 3, true, "caller_200_experts_three_chunks"}),
     [](const testing::TestParamInfo<MetadataCase>& i) { return std::string(i.param.name); });
 
 // The metadata itself against a plain CPU layout (each expert's pairs in ascending pair order, experts in
@@ -251,29 +261,55 @@ TEST_P(GpuRoutingMetadataLayout, MatchesAStableCpuLayout) {
     gather[static_cast<std::size_t>(g)] = token[static_cast<std::size_t>(p)];
   }
 
-  Metadata m(c, P);
-  const MetadataArgs a = m.args(c, P, d_expert, d_token);
-  std::vector<std::int32_t> first[6];
-  for (int run = 0; run < 2; ++run) {
-    gpu::launch_routing_metadata(a, nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<std::int32_t> got[6] = {ints_of(m.counts),  ints_of(m.offsets), ints_of(m.tiles),
-                                              ints_of(m.scatter), ints_of(m.gather),  ints_of(m.inverse)};
-    if (run == 0) {
-      EXPECT_EQ(got[0], counts);
-      EXPECT_EQ(got[1], offsets);
-      EXPECT_EQ(got[2], tiles);
-      EXPECT_EQ(std::vector<std::int32_t>(got[3].begin(), got[3].begin() + routed), scatter);
-      EXPECT_EQ(std::vector<std::int32_t>(got[4].begin(), got[4].begin() + routed), gather);
-      EXPECT_EQ(std::vector<std::int32_t>(got[5].begin(), got[5].begin() + P), inverse);
-      for (int i = 0; i < 6; ++i) first[i] = got[i];
-    } else {
-      for (int i = 0; i < 6; ++i) EXPECT_EQ(got[i], first[i]) << "a repeat changed output " << i;
+  for (const bool by_tile : {false, true}) {  // each place kernel (the sorted one takes E <= 256)
+    SCOPED_TRACE(by_tile ? "place kernel by tile" : "place kernel sorting blocks of tiles");
+    Metadata m(c, P);
+    MetadataArgs a = m.args(c, P, d_expert, d_token);
+    a.place = by_tile ? gpu::PlaceKernel::kByTile : gpu::PlaceKernel::kSorted;
+    ASSERT_EQ(gpu::place_kernel_sorts(a), !by_tile && c.E <= 256);
+    std::vector<std::int32_t> first[6];
+    for (int run = 0; run < 2; ++run) {
+      gpu::launch_routing_metadata(a, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<std::int32_t> got[6] = {ints_of(m.counts),  ints_of(m.offsets), ints_of(m.tiles),
+                                                ints_of(m.scatter), ints_of(m.gather),  ints_of(m.inverse)};
+      if (run == 0) {
+        EXPECT_EQ(got[0], counts);
+        EXPECT_EQ(got[1], offsets);
+        EXPECT_EQ(got[2], tiles);
+        EXPECT_EQ(std::vector<std::int32_t>(got[3].begin(), got[3].begin() + routed), scatter);
+        EXPECT_EQ(std::vector<std::int32_t>(got[4].begin(), got[4].begin() + routed), gather);
+        EXPECT_EQ(std::vector<std::int32_t>(got[5].begin(), got[5].begin() + P), inverse);
+        for (int i = 0; i < 6; ++i) first[i] = got[i];
+      } else {
+        for (int i = 0; i < 6; ++i) EXPECT_EQ(got[i], first[i]) << "a repeat changed output " << i;
+      }
     }
+    EXPECT_TRUE(m.scatter.canary_intact());
+    EXPECT_TRUE(m.gather.canary_intact());
+    EXPECT_TRUE(m.inverse.canary_intact());
   }
-  EXPECT_TRUE(m.scatter.canary_intact());
-  EXPECT_TRUE(m.gather.canary_intact());
-  EXPECT_TRUE(m.inverse.canary_intact());
+}
+
+// The layer's choice (PlaceKernel::kAuto): the sorted kernel only where it was measured faster, E = 128 to 256 with
+// at least 96 blocks of 2048 pairs; E = 64 at 48 blocks, which it lost, keeps the per-tile kernel.
+TEST(GpuRoutingMetadata, PlaceKernelChoice) {
+  ASSERT_EQ(std::getenv("MACHMOE_PLACE_BY_TILE"), nullptr) << "unset MACHMOE_PLACE_BY_TILE for this test";
+  const auto sorts = [](std::int64_t E, std::int64_t P, gpu::PlaceKernel place = gpu::PlaceKernel::kAuto) {
+    MetadataArgs a;
+    a.E = E, a.P = P, a.place = place;
+    return gpu::place_kernel_sorts(a);
+  };
+  EXPECT_TRUE(sorts(128, 40960 * 8));        // 1.4B (256,128,8): 160 blocks
+  EXPECT_TRUE(sorts(128, 24576 * 8));        // 7B (256,128,8): 96 blocks
+  EXPECT_TRUE(sorts(256, 32768 * 16));       // 30B (256,256,16): 256 blocks
+  EXPECT_FALSE(sorts(128, 24576 * 8 - 1));   // fewer than 96 blocks' pairs
+  EXPECT_FALSE(sorts(64, 24576 * 4));        // 7B (512,64,4): 48 blocks, measured slower
+  EXPECT_FALSE(sorts(64, 32768 * 16));       // E = 64, unmeasured at any size
+  EXPECT_FALSE(sorts(257, 32768 * 16));      // past one expert a thread
+  EXPECT_FALSE(sorts(128, 40960 * 8, gpu::PlaceKernel::kByTile));
+  EXPECT_TRUE(sorts(1, 1, gpu::PlaceKernel::kSorted));
+  EXPECT_FALSE(sorts(257, 1, gpu::PlaceKernel::kSorted));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -284,7 +320,12 @@ INSTANTIATE_TEST_SUITE_P(
                     MetadataCase{60000, 128, 8, 1, false, "scan_width_2048"},
                     MetadataCase{70000, 128, 8, 1, false, "scan_two_steps_of_2048"},
                     MetadataCase{9000, 600, 6, 1, true, "caller_more_experts_than_a_block"},
-                    MetadataCase{200000, 16, 6, 1, true, "caller_scan_two_steps"}),
+                    MetadataCase{200000, 16, 6, 1, true, "caller_scan_two_steps"},
+                    MetadataCase{5001, 256, 8, 1, true, "caller_256_experts_partial_last_block"},
+                    MetadataCase{3000, 1, 1, 1, true, "caller_one_expert"},
+                    MetadataCase{777, 100, 7, 1, true, "caller_100_experts"},
+                    MetadataCase{1500, 255, 5, 1, false, "topk_255_experts"},
+                    MetadataCase{257, 257, 2, 1, false, "topk_257_experts_by_tile_only"}),
     [](const testing::TestParamInfo<MetadataCase>& i) { return std::string(i.param.name); });
 
 // The top-K kernel that also writes the metadata's tile histograms (launch_topk_scores with TopKTileHistograms) and

@@ -10,6 +10,8 @@
 #                      function; an empty list runs CMD as it is)
 #   gtest_gate FILTER  the GPU gtests matching FILTER as a call's first check (120 s at most): their summary lines and
 #                      any failure
+#   bench_routing "A=1" CONFIG   machmoe-bench on CONFIG, top-K, 300 ms windows, with those variables set (an A/B
+#                      side): its forward and backward lines and the routing stages
 export OUT=${OUT:-/tmp/out}
 call_start() {
   mkdir -p "$OUT"
@@ -33,4 +35,8 @@ with_env() {
 gtest_gate() {
   timeout 120 ./build/tests/machmoe_gpu_tests --gtest_brief=1 --gtest_filter="$1" 2>&1 |
     grep -E "PASSED|FAILED|tests ran|Failure" | head -20
+}
+bench_routing() {
+  with_env "$1" timeout 40 ./build/bin/machmoe-bench --config "$2" --routing topk --warmup-ms 300 --time-ms 300 2>&1 |
+    grep -E "^  (forward|backward) |topk_scores|routing_metadata"
 }

@@ -15,8 +15,6 @@ python3 scripts/bench_tables.py passes "$OUT/all_preact_call2.json" > "$OUT/tabl
 echo >> "$OUT/tables_call2.md"; python3 scripts/bench_tables.py stages "$OUT/all_preact_call2.json" >> "$OUT/tables_call2.md" 2>&1
 head -16 "$OUT/tables_call2.md"
 for side in T N; do
-  vars=""; [ $side = T ] && vars=MACHMOE_PLACE_BY_TILE=1
-  echo "== 120B-512 topk $side"
-  with_env "$vars" timeout 60 $B --config 120B-512 2>&1 | grep -E "^  (forward|backward) |topk_scores|routing_metadata"
+  echo "== 120B-512 topk $side"; bench_routing "$([ $side = T ] && echo MACHMOE_PLACE_BY_TILE=1)" 120B-512
 done 2>&1 | tee "$OUT/ab_call2.txt"
 st total

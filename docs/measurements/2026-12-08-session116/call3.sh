@@ -8,9 +8,6 @@ source scripts/device_call.sh
 call_start
 carried_binaries
 for side in T N N T; do
-  vars=""; [ $side = T ] && vars=MACHMOE_PLACE_BY_TILE=1
-  echo "== 120B-512 topk $side"
-  with_env "$vars" timeout 40 ./build/bin/machmoe-bench --config 120B-512 --routing topk --warmup-ms 300 \
-    --time-ms 300 2>&1 | grep -E "^  (forward|backward) |topk_scores|routing_metadata"
+  echo "== 120B-512 topk $side"; bench_routing "$([ $side = T ] && echo MACHMOE_PLACE_BY_TILE=1)" 120B-512
 done 2>&1 | tee "$OUT/ab_call3.txt"
 st total

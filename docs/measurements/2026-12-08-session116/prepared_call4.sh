@@ -18,16 +18,12 @@ call_start
 carried_binaries
 gtest_gate '*GpuRoutingMetadata*'
 st "routing gtests"
-bench() {  # side, config
-  local vars=""
-  [ "$1" = F ] && vars=MACHMOE_PLACE_FOUR_TILES=1
-  with_env "$vars" timeout 40 ./build/bin/machmoe-bench --config "$2" --routing topk --warmup-ms 300 --time-ms 300 2>&1 |
-    grep -E "^  (forward|backward) |topk_scores|routing_metadata"
-}
 # Four-tile blocks: 7B (512,64,4) 96, 1.4B (512,64,4) 160, 30B (1024,64,4) and 120B (2048,64,4) 128,
 # 1.4B (1024,32,2) 80, 7B (256,128,8) 192 (against eight tiles' 96).
 for cfg in 7B-512 1.4B-512 30B-1024 120B-2048 1.4B-1024 7B-256; do
-  for side in D F F D; do echo "== $cfg topk $side"; bench $side $cfg; done
+  for side in D F F D; do
+    echo "== $cfg topk $side"; bench_routing "$([ $side = F ] && echo MACHMOE_PLACE_FOUR_TILES=1)" $cfg
+  done
 done 2>&1 | tee "$OUT/ab.txt"
 st "A/B rows"
 SF='*/GpuRoutingMetadata.*:GpuRoutingMetadata.PlaceKernelChoice:*GpuRoutingMetadataLayout.*one_tile*:*GpuRoutingMetadataLayout.*caller_256*:*GpuRoutingMetadataLayout.*topk_257*' \

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/checks.hpp"
+#include "core/env.hpp"
 #include "core/host_io.hpp"
 #include "machmoe/error.hpp"
 #include "machmoe/problem.hpp"  // Limits (a CPU-only build gets it from nowhere else)
@@ -18,11 +19,7 @@ namespace machmoe {
 
 namespace {
 std::atomic<bool>& checking_flag() {
-  // The same convention as MACHMOE_DISABLE_HOPPER_KERNELS: set, non-empty and not starting with '0' means on.
-  static std::atomic<bool> flag{[] {
-    const char* v = std::getenv("MACHMOE_CHECK_INDICES");
-    return v != nullptr && v[0] != '\0' && v[0] != '0';
-  }()};
+  static std::atomic<bool> flag{detail::env_switch("MACHMOE_CHECK_INDICES", false)};
   return flag;
 }
 }  // namespace

@@ -2,30 +2,16 @@
 #include "machmoe/sm_margin.hpp"
 
 #include <atomic>
-#include <cerrno>
-#include <cstdio>
-#include <cstdlib>
-#include <limits>
 #include <string>
 
+#include "core/env.hpp"
 #include "machmoe/error.hpp"
 
 namespace machmoe {
 
 namespace {
 std::atomic<int>& margin_value() {
-  static std::atomic<int> value{[] {
-    const char* v = std::getenv("MACHMOE_SM_MARGIN");
-    if (v == nullptr || v[0] == '\0') return 0;
-    char* end = nullptr;
-    errno = 0;
-    const long m = std::strtol(v, &end, 10);
-    if (errno != 0 || end == v || *end != '\0' || m < 0 || m > std::numeric_limits<int>::max()) {
-      std::fprintf(stderr, "machmoe: warning: MACHMOE_SM_MARGIN=%s is not a non-negative integer; using 0\n", v);
-      return 0;
-    }
-    return static_cast<int>(m);
-  }()};
+  static std::atomic<int> value{detail::env_nonnegative_int("MACHMOE_SM_MARGIN", 0)};
   return value;
 }
 }  // namespace

@@ -13,6 +13,7 @@
 
 #include <cstdlib>
 
+#include "core/env.hpp"
 #include "gpu/chunk_plan.cuh"
 #include "gpu/cuda_check.hpp"
 #include "gpu/dependent_launch.cuh"
@@ -328,10 +329,7 @@ namespace {
 
 /// MACHMOE_PLACE_BY_TILE=1: place_kernel wherever PlaceKernel::kAuto would sort (a measurement switch, read once).
 bool place_by_tile_requested() {
-  static const bool requested = [] {
-    const char* v = std::getenv("MACHMOE_PLACE_BY_TILE");
-    return v != nullptr && v[0] == '1';
-  }();
+  static const bool requested = detail::env_switch("MACHMOE_PLACE_BY_TILE", false);
   return requested;
 }
 

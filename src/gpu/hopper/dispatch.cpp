@@ -5,13 +5,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <map>
 #include <set>
 #include <utility>
 
+#include "core/env.hpp"
 #include "core/fallback.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/hopper/heuristics.hpp"
@@ -24,10 +24,7 @@ namespace machmoe::gpu {
 namespace {
 
 std::atomic<int>& enabled_flag() {
-  static std::atomic<int> flag{[] {
-    const char* v = std::getenv("MACHMOE_DISABLE_HOPPER_KERNELS");
-    return (v != nullptr && v[0] != '\0' && v[0] != '0') ? 0 : 1;
-  }()};
+  static std::atomic<int> flag{detail::env_switch("MACHMOE_DISABLE_HOPPER_KERNELS", false) ? 0 : 1};
   return flag;
 }
 
@@ -103,30 +100,24 @@ void report_fallback(const char* stage, const std::string& shape, const std::str
 
 using hopper::tiles_of;
 
-/// An integer from the environment, 0 when the variable is unset.
-int env_int(const char* name) {
-  const char* e = std::getenv(name);
-  return e ? std::atoi(e) : 0;
-}
-
 // The override layer of the tile heuristics (hopper/heuristics.hpp): MACHMOE_HOPPER_TILE_N=128|256,
 // MACHMOE_HOPPER_RASTER_M=g, MACHMOE_HOPPER_CLUSTER_M=1|2 (dX~) and MACHMOE_HOPPER_WGRAD_M_GROUP=g (weight gradients)
 // from the environment, or set_hopper_tile_n, set_hopper_raster_m, set_hopper_cluster_m and
 // set_hopper_wgrad_m_group (tests, tuning).
 std::atomic<int>& forced_tile_n() {
-  static std::atomic<int> v{env_int("MACHMOE_HOPPER_TILE_N")};
+  static std::atomic<int> v{detail::env_nonnegative_int("MACHMOE_HOPPER_TILE_N", 0)};
   return v;
 }
 std::atomic<int>& forced_raster_m() {
-  static std::atomic<int> v{env_int("MACHMOE_HOPPER_RASTER_M")};
+  static std::atomic<int> v{detail::env_nonnegative_int("MACHMOE_HOPPER_RASTER_M", 0)};
   return v;
 }
 std::atomic<int>& forced_cluster_m() {
-  static std::atomic<int> v{env_int("MACHMOE_HOPPER_CLUSTER_M")};
+  static std::atomic<int> v{detail::env_nonnegative_int("MACHMOE_HOPPER_CLUSTER_M", 0)};
   return v;
 }
 std::atomic<int>& forced_wgrad_m_group() {
-  static std::atomic<int> v{env_int("MACHMOE_HOPPER_WGRAD_M_GROUP")};
+  static std::atomic<int> v{detail::env_nonnegative_int("MACHMOE_HOPPER_WGRAD_M_GROUP", 0)};
   return v;
 }
 hopper::TileOverrides tile_overrides() {
@@ -181,10 +172,7 @@ namespace {
 /// The backward's Hopper kernels (on by default; MACHMOE_HOPPER_BACKWARD=0 or set_hopper_backward_enabled(false)
 /// sends the backward's GEMMs to the reference kernels, e.g. to compare the two paths).
 std::atomic<int>& backward_flag() {
-  static std::atomic<int> flag{[] {
-    const char* v = std::getenv("MACHMOE_HOPPER_BACKWARD");
-    return (v != nullptr && v[0] == '0') ? 0 : 1;
-  }()};
+  static std::atomic<int> flag{detail::env_switch("MACHMOE_HOPPER_BACKWARD", true) ? 1 : 0};
   return flag;
 }
 }  // namespace
@@ -532,10 +520,7 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
   // The contiguous operand (the one without a gather) by TMA where its buffer's row count is known and fits TMA's
   // 32-bit coordinates; otherwise its k-blocks are copied like the gathered operand's.
   // MACHMOE_WGRAD_TMA=0 keeps cp.async for it (bitwise the same results; for A/B timing of the two producers).
-  static const bool tma_allowed = [] {
-    const char* v = std::getenv("MACHMOE_WGRAD_TMA");
-    return !(v != nullptr && v[0] == '0');
-  }();
+  static const bool tma_allowed = detail::env_switch("MACHMOE_WGRAD_TMA", true);
   if (tma_allowed && a.contiguous_rows > 0 && a.contiguous_rows <= std::numeric_limits<std::int32_t>::max()) {
     const bool a_contiguous = a.a_gather == nullptr;
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a_contiguous ? a.M : a.N),
@@ -554,10 +539,7 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
   // The bf16 overwrite leaves by TMA store: map (N, M, E) with the output's own strides, so the stores clip at each
   // expert's M rows and at N columns; with the concatenated row map (N, n, 2, E), clipped at n rows per half.
   // MACHMOE_WGRAD_TMA_STORE=0 keeps the register-to-global stores (bitwise the same results; for A/B timing).
-  static const bool tma_store_allowed = [] {
-    const char* v = std::getenv("MACHMOE_WGRAD_TMA_STORE");
-    return !(v != nullptr && v[0] == '0');
-  }();
+  static const bool tma_store_allowed = detail::env_switch("MACHMOE_WGRAD_TMA_STORE", true);
   // (Rows that do not overlap, and strides within TMA's 2^40 bytes; one expert's stride is never used. The
   // concatenated layout's halves: each half's experts apart, as the whole's where the halves are joined; the public
   // entry points refuse halves that share memory, layer.cpp.)
@@ -587,10 +569,7 @@ void launch_weight_gemm(const VarlenKArgs& a, const char* stage, cudaStream_t st
   // tile can still share (expert, n-tile) and would keep B (grid smaller than the m-tiles), but the second consumer
   // stages into that B: keep_b_allowed = false turns keeping off wherever a stage is borrowed.
   // MACHMOE_WGRAD_BORROW=0 keeps the four rounds (bitwise the same results; for A/B timing).
-  static const bool borrow_wanted = [] {
-    const char* v = std::getenv("MACHMOE_WGRAD_BORROW");
-    return !(v != nullptr && v[0] == '0');
-  }();
+  static const bool borrow_wanted = detail::env_switch("MACHMOE_WGRAD_BORROW", true);
   if (borrow_wanted && p.epilogue.tma_store && tiles.tile_n == 256 && p.scheduler.m_group == 1) {
     p.epilogue.borrow_stage = true;
     p.mainloop.keep_b_allowed = false;

@@ -28,7 +28,7 @@ for cfg in 7B-512 1.4B-512 30B-1024 120B-2048 1.4B-1024 7B-256; do
   done
 done 2>&1 | tee "$OUT/ab.txt"
 st "A/B rows"
-SF='*/GpuRoutingMetadata.*:GpuRoutingMetadata.PlaceKernelChoice:*GpuRoutingMetadataLayout.*one_tile*:*GpuRoutingMetadataLayout.*caller_256*:*GpuRoutingMetadataLayout.*topk_257*' \
+SF='*/GpuRoutingMetadata.*:GpuRoutingMetadata.PlaceKernelChoice:*GpuRoutingMetadataLayout.*one_tile*:*GpuRoutingMetadataLayout.*caller_256*:*GpuRoutingMetadataLayout.*topk_257*:*GpuRoutingMetadataLayout.*caller_100_experts*' \
   OUT=$OUT bash scripts/ab.sh san 2>&1 | grep -E "exit|SUMMARY|PASSED|FAILED"
 st "san"
 OUT=$OUT timeout $(( $(left) - 15 )) bash scripts/ab.sh suites; st "suites exit $?"

@@ -2,7 +2,7 @@
 // the serial loop, so the results are bitwise those of one thread whatever the thread count (the reference is what
 // every GPU test and the CPU backend compare against, and the library promises bitwise-deterministic results).
 //
-// Threads: MACHMOE_CPU_THREADS when set (>= 1), else the hardware's; a loop below kMinWorkPerThread
+// Threads: MACHMOE_CPU_THREADS when set (>= 1; at most 1024), else the hardware's; a loop below kMinWorkPerThread
 // multiply-adds (about a quarter of a millisecond) per thread runs on fewer threads, a small one on the caller's
 // alone (starting a thread costs tens of microseconds).
 #pragma once
@@ -10,21 +10,21 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <system_error>
 #include <thread>
 #include <vector>
+
+#include "core/env.hpp"
 
 namespace machmoe::ref {
 
 inline std::atomic<int>& cpu_thread_setting() {
   static std::atomic<int> threads{[] {
-    if (const char* v = std::getenv("MACHMOE_CPU_THREADS")) {
-      const long n = std::strtol(v, nullptr, 10);
-      if (n >= 1) return static_cast<int>(std::min<long>(n, 1024));
-    }
     const unsigned hw = std::thread::hardware_concurrency();
-    return hw == 0 ? 1 : static_cast<int>(std::min<unsigned>(hw, 1024));
+    const int hardware = hw == 0 ? 1 : static_cast<int>(std::min<unsigned>(hw, 1024));
+    // Unset, 0, or not a number (which core/env.hpp reports): the hardware's count.
+    const int n = detail::env_nonnegative_int("MACHMOE_CPU_THREADS", hardware);
+    return n >= 1 ? std::min(n, 1024) : hardware;
   }()};
   return threads;
 }

@@ -20,9 +20,8 @@ int env_nonnegative_int(const char* name, int unset_value) {
   char* end = nullptr;
   errno = 0;
   const long parsed = std::strtol(v, &end, 10);
-  // strtol skips leading white space and takes a sign; neither belongs in a count.
-  const bool digits_only = v[0] >= '0' && v[0] <= '9';
-  if (!digits_only || errno != 0 || end == v || *end != '\0' || parsed < 0 || parsed > INT_MAX) {
+  // A leading digit: strtol would skip white space and take a sign, and neither belongs in a count.
+  if (v[0] < '0' || v[0] > '9' || errno != 0 || *end != '\0' || parsed > INT_MAX) {
     std::fprintf(stderr, "machmoe: warning: %s=%s is not a non-negative integer; using %d\n", name, v, unset_value);
     return unset_value;
   }

@@ -13,8 +13,8 @@ st "routing gtests"
 B="./build/bin/machmoe-bench --routing topk --warmup-ms 300 --time-ms 300"
 timeout 230 $B --all-configs --cache preact --json "$OUT/all_preact.json" > "$OUT/all_preact.txt" 2>&1
 st "all rows exit $?"
-python3 scripts/bench_tables.py passes "$OUT/all_preact.json" > "$OUT/tables.md" 2>&1
-echo >> "$OUT/tables.md"; python3 scripts/bench_tables.py stages "$OUT/all_preact.json" >> "$OUT/tables.md" 2>&1
-head -16 "$OUT/tables.md"
+python3 scripts/bench_tables.py passes "$OUT/all_preact.json" > "$OUT/main_rows_tables.txt" 2>&1
+echo >> "$OUT/main_rows_tables.txt"; python3 scripts/bench_tables.py stages "$OUT/all_preact.json" >> "$OUT/main_rows_tables.txt" 2>&1
+head -16 "$OUT/main_rows_tables.txt"
 OUT=$OUT timeout $(( $(left) - 15 )) bash scripts/ab.sh suites; st "suites exit $?"
 (cd "$OUT" && rm -f gtest_g*.rc && tar -cJf logs.tar.xz *.log 2>/dev/null && rm -f *.log)
